@@ -1,0 +1,1 @@
+"""fused-block: Triton kernels for the Transformer block, and their PyTorch layer."""

@@ -1,0 +1,153 @@
+"""Plain-PyTorch reference implementations: the oracle of the tests and the CPU fallback.
+
+Every function is differentiable with torch autograd and dtype-generic: given float64
+tensors it is the float64 oracle the tests compare the kernels with. ``compute_dtype``
+(default: the input dtype promoted to at least float32) is the precision of the arithmetic;
+results are returned in the input dtype, as the kernels do. Tests measure PyTorch's own
+error by calling these with ``compute_dtype`` equal to the low-precision input dtype.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(dtype, compute_dtype):
+    return compute_dtype if compute_dtype is not None else torch.promote_types(dtype, torch.float32)
+
+
+def _cast(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# residual add + dropout + LayerNorm / RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+def _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt):
+    """``residual_out = dropout(x) + residual`` in ``cdt``; also returns residual_out's dtype."""
+    if residual is not None:
+        residual_dtype = residual.dtype
+    else:
+        residual_dtype = torch.float32 if residual_in_fp32 and x.dtype != torch.float64 else x.dtype
+    h = x.to(cdt)
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            h = F.dropout(h, dropout_p, training=True)
+        else:
+            h = h * dropout_mask.to(cdt) / (1.0 - dropout_p)
+    if residual is not None:
+        h = h + residual.to(cdt)
+    return h, residual_dtype
+
+
+def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p=0.0,
+                   residual_in_fp32=False, *, dropout_mask=None, compute_dtype=None):
+    """``residual_out = dropout(x) + residual``; ``out = layer_norm(residual_out) * weight + bias``.
+
+    Returns ``(out, residual_out)``; ``out`` has x's dtype, ``residual_out`` has residual's
+    dtype (fp32 when ``residual_in_fp32`` and residual is None, else x's). ``out`` normalizes
+    the sum before it is rounded to residual_out's dtype. ``dropout_mask`` (bool, x's shape)
+    replaces the random mask.
+    """
+    cdt = _compute_dtype(x.dtype, compute_dtype)
+    h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)
+    out = F.layer_norm(h, h.shape[-1:], _cast(weight, cdt), _cast(bias, cdt), eps)
+    return out.to(x.dtype), h.to(residual_dtype)
+
+
+def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
+                 residual_in_fp32=False, *, dropout_mask=None, compute_dtype=None):
+    """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    cdt = _compute_dtype(x.dtype, compute_dtype)
+    h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)
+    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight.to(cdt)
+    return out.to(x.dtype), h.to(residual_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+def visible_keys(lq, lk, causal, key_padding_mask, device):
+    """Bool (B or 1, 1, Lq, Lk): which keys each query sees.
+
+    Causal alignment is bottom-right: query i sees keys j <= i + Lk - Lq. ``key_padding_mask``
+    is (B, Lk) bool with True marking padding.
+    """
+    vis = torch.ones(1, 1, lq, lk, dtype=torch.bool, device=device)
+    if causal:
+        i = torch.arange(lq, device=device)[:, None]
+        j = torch.arange(lk, device=device)[None, :]
+        vis = vis & (j <= i + (lk - lq))
+    if key_padding_mask is not None:
+        vis = vis & ~key_padding_mask[:, None, None, :]
+    return vis
+
+
+def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_p=0.0,
+              *, dropout_mask=None, return_lse=False, compute_dtype=None):
+    """Softmax attention, SDPA layout: q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), Hq % Hkv == 0.
+
+    A query row with no visible key outputs 0 (and its LSE is -inf). ``dropout_mask``
+    (bool, (B, Hq, Lq, Lk), True = kept) replaces the random mask on the probabilities.
+    Returns ``out`` (q's dtype), or ``(out, lse)`` with the fp32-or-wider LSE (B, Hq, Lq).
+    """
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    B, Hq, Lq, D = q.shape
+    groups = Hq // k.shape[1]
+    k = k.to(cdt).repeat_interleave(groups, dim=1)  # (B, Hq, Lk, D)
+    v = v.to(cdt).repeat_interleave(groups, dim=1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s = torch.matmul(q.to(cdt), k.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
+    vis = visible_keys(Lq, k.shape[2], causal, key_padding_mask, q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Lq); -inf on rows with no visible key
+    has_key = torch.isfinite(lse)[..., None]
+    p = torch.where(has_key, torch.exp(s - torch.where(has_key, lse[..., None], 0.0)), 0.0)
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            p = F.dropout(p, dropout_p, training=True)
+        else:
+            p = p * dropout_mask.to(cdt) / (1.0 - dropout_p)
+    out = torch.matmul(p, v).to(q.dtype)
+    return (out, lse.to(torch.promote_types(cdt, torch.float32))) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# linear layers with fused epilogues
+# ---------------------------------------------------------------------------------------------
+
+ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
+
+
+def activation(x, name):
+    if name is None:
+        return x
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+def linear(x, weight, bias=None, activation_name=None, residual=None, *, compute_dtype=None):
+    """``act(x @ weight.T + bias) + residual``; weight in ``torch.nn.Linear`` layout (out, in)."""
+    cdt = _compute_dtype(x.dtype, compute_dtype)
+    y = F.linear(x.to(cdt), weight.to(cdt), _cast(bias, cdt))
+    y = activation(y, activation_name)
+    if residual is not None:
+        y = y + residual.to(cdt)
+    return y.to(x.dtype)
+
+
+def mlp(x, w1, b1, w2, b2, activation_name="gelu", residual=None, *, compute_dtype=None):
+    """``linear2(act(linear1(x))) + residual``; the hidden activation is rounded to x's dtype."""
+    h = linear(x, w1, b1, activation_name, compute_dtype=compute_dtype)
+    return linear(h, w2, b2, None, residual, compute_dtype=compute_dtype)

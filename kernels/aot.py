@@ -1,0 +1,146 @@
+"""Ahead-of-time compilation of every shipped kernel config for sm_80 and sm_90, without a GPU.
+
+The Triton interpreter is permissive where the GPU compiler is not, so every kernel module
+lists the configurations it can launch on CUDA (``aot_specs()``), and this module compiles
+each of them with ``triton.compile(..., target=GPUTarget("cuda", cap, 32))``. ``ptxas`` and
+``cuobjdump`` ship in Triton's wheel; the resource usage (registers, shared memory, local
+memory and stack, i.e. spills) is read from the cubin.
+
+``python -m fused_block.kernels.aot`` prints the table of every kernel and config.
+"""
+import argparse
+import dataclasses
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Kernel modules that ship configs; each defines aot_specs() -> list[KernelSpec].
+MODULES = ("norm", "attention", "matmul")
+ARCHS = (80, 90)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel at one shipped configuration.
+
+    ``signature`` maps every argument to a Triton type string (``"*bf16"``, ``"i32"``,
+    ``"fp32"``, ``"constexpr"``); ``constexprs`` gives the constexpr values. Pointer arguments
+    and the integer arguments named in ``aligned`` are specialized as 16-divisible, as the
+    runtime does for aligned tensors and strides.
+    """
+
+    name: str
+    fn: object
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int = 1
+    aligned: tuple = ()
+    wgmma: bool = False  # on sm_90 the products must compile to wgmma
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    name: str
+    arch: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    shared: int
+    local: int
+    stack: int
+    wgmma_required: bool
+    wgmma_found: bool
+
+    @property
+    def spills(self) -> bool:
+        return self.local > 0 or self.stack > 0
+
+
+def _bin(tool: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+
+
+def _resource_usage(cubin: bytes, kernel_name: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    match = re.search(r"Function " + re.escape(kernel_name) + r":\s*\n\s*(.*)", out)
+    if match is None:
+        raise RuntimeError(f"no resource usage for {kernel_name} in:\n{out}")
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", match.group(1))}
+
+
+def compile_spec(spec: KernelSpec, arch: int) -> CompileReport:
+    args = list(spec.signature)
+    attrs = {}
+    for i, a in enumerate(args):
+        if spec.signature[a].startswith("*") or a in spec.aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
+    return CompileReport(
+        name=spec.name, arch=arch, num_warps=spec.num_warps, num_stages=spec.num_stages,
+        registers=usage.get("REG", 0), shared=compiled.metadata.shared,
+        local=usage.get("LOCAL", 0), stack=usage.get("STACK", 0),
+        wgmma_required=spec.wgmma and arch >= 90,
+        wgmma_found="wgmma" in compiled.asm["ptx"],
+    )
+
+
+def specs_of(module: str) -> list:
+    return importlib.import_module(f"fused_block.kernels.{module}").aot_specs()
+
+
+def _compile_one(job):
+    module, index, arch = job
+    return compile_spec(specs_of(module)[index], arch)
+
+
+def compile_all(modules=MODULES, archs=ARCHS, jobs=None) -> list:
+    """Compile every spec of ``modules`` for every arch, in parallel worker processes."""
+    work = [(m, i, a) for m in modules for i in range(len(specs_of(m))) for a in archs]
+    jobs = jobs or os.cpu_count() or 1
+    if jobs == 1:
+        return [_compile_one(w) for w in work]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_compile_one, work))
+
+
+def format_table(reports) -> str:
+    head = f"{'kernel / config':<64} {'sm':>3} {'warps':>5} {'stages':>6} {'regs':>5} {'smem':>7} {'spill':>6} {'wgmma':>6}"
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        spill = f"{r.local + r.stack}B" if r.spills else "0"
+        wg = ("yes" if r.wgmma_found else "NO") if r.wgmma_required else ("yes" if r.wgmma_found else "-")
+        lines.append(f"{r.name:<64} {r.arch:>3} {r.num_warps:>5} {r.num_stages:>6} {r.registers:>5} "
+                     f"{r.shared:>7} {spill:>6} {wg:>6}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--module", action="append", choices=MODULES, help="only these kernel modules")
+    parser.add_argument("--jobs", type=int, default=None)
+    args = parser.parse_args(argv)
+    reports = compile_all(tuple(args.module or MODULES), jobs=args.jobs)
+    print(format_table(reports))
+    bad = [r for r in reports if r.spills or (r.wgmma_required and not r.wgmma_found)]
+    print(f"\n{len(reports)} compiled, {len(bad)} with spills or missing wgmma")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
