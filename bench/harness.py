@@ -1,0 +1,423 @@
+"""The benchmark harness every op uses: specs, timing on CUDA, numerics on any device, reports.
+
+Writing a spec (``bench/specs/<op>.py``)
+=======================================
+A spec module defines two functions; ``python -m bench`` discovers every module in
+``bench/specs/`` and calls them. A spec must import cleanly even when the op it measures does
+not exist yet: import ``fused_block`` (and anything optional) inside the factories and inside
+``numerics()``, never at module level. Errors raised there are caught and reported.
+
+``cases(quick: bool) -> list[Case]``
+    GPU timing cases. ``quick=True`` is the small set used by ``--quick``, by
+    ``scripts/gpu_check.sh`` and by ``pytest bench --benchmark-only``: a few shapes, so that
+    every spec together stays within a couple of minutes (torch.compile's compile time counts).
+    Building the list must not touch CUDA: the work happens in the factories.
+
+``numerics() -> list[dict]``
+    Rows of the numerics report: each op against the float64 reference on small shapes, on
+    ``DEVICE`` (CUDA when present, else CPU through the Triton interpreter; ``python -m bench``
+    sets ``TRITON_INTERPRET=1`` before Triton is imported when there is no GPU). Build the rows
+    with :func:`compare` (the tests' rule: ``err(ours) <= 2 * err(torch same-dtype) + atol``)
+    or :func:`unavailable_row` (op missing, with the reason).
+
+``Case`` (fields)
+    ``op``        str, the op's name, e.g. ``"add_layer_norm"``; one table section and one plot
+                  per op.
+    ``shape``     dict of the sizes (and flags), e.g. ``{"rows": 16384, "hidden": 4096}``;
+                  its values, joined with "x", label the case in tables and plots.
+    ``dtype``     torch.dtype of the activations.
+    ``mode``      ``"fwd"``, ``"bwd"`` or ``"fwd+bwd"`` (``MODES``).
+    ``providers`` dict ``{name: factory}``, ours first by convention. A factory takes no
+                  argument, builds its CUDA inputs (and, for ``"bwd"``, runs the forward once
+                  so the graph exists) and returns a zero-argument callable: the thing timed.
+                  Backward callables use ``torch.autograd.grad(..., retain_graph=True)`` (see
+                  :func:`backward_fn`) so gradients don't accumulate between calls. A factory
+                  or callable that raises (an SDPA backend missing, a package not installed,
+                  an op not written yet) is recorded as unavailable with the reason.
+    ``bytes``     int or None: the minimum bytes a perfect implementation moves to and from
+                  global memory for this mode (document the count in the spec). Gives GB/s.
+    ``flops``     int or None: the FLOP count. Gives TFLOP/s. With neither, only time, peak
+                  memory and speedup are reported.
+    ``ours``      the provider whose speedup over each peer is reported (default
+                  ``"fused_block"``).
+
+Helpers for factories: :func:`rotating` (cycle among several input sets whose total exceeds
+the L2 cache), :func:`backward_fn`, :func:`compiled` (``torch.compile`` that doesn't hit the
+recompile limit), :func:`randn`.
+
+What a run measures (CUDA only)
+===============================
+- Ceilings in the same run: device-to-device copy bandwidth (a large tensor copy, bytes read
+  plus written) and cuBLAS bf16 matmul TFLOP/s at 8192^3.
+- Per provider: ``triton.testing.do_bench`` median time (warm-up, L2 flushed between calls
+  by do_bench, inputs rotated by the spec), GB/s from ``bytes``, TFLOP/s from ``flops``,
+  % of ceiling = max(GB/s / copy GB/s, TFLOP/s / matmul TFLOP/s) over those available,
+  peak memory = ``torch.cuda.max_memory_allocated()`` during one call minus what was
+  allocated before it (the inputs, and for "bwd" the saved forward graph), and ours' speedup
+  over it (its time / ours' time).
+- Output, under ``--out`` (default ``bench/results/``): ``<gpu-slug>-<date>[-quick].json``
+  (environment, ceilings, measurements, numerics), ``.md`` (tables) and one PNG per op.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+from typing import Callable
+
+import torch
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# The tests' numerics rule (tests/numerics.py): err(ours) <= FACTOR * err(torch) + ATOL[dtype].
+FACTOR = 2.0
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+
+
+@dataclasses.dataclass
+class Case:
+    op: str
+    shape: dict
+    dtype: torch.dtype
+    mode: str
+    providers: dict
+    bytes: int | None = None
+    flops: int | None = None
+    ours: str = "fused_block"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def label(self) -> str:
+        return "x".join(str(v) for v in self.shape.values())
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One provider on one case. ``ms`` is None when the provider was unavailable."""
+
+    op: str
+    shape: dict
+    dtype: str
+    mode: str
+    provider: str
+    ms: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    pct_of_ceiling: float | None = None
+    peak_mem_bytes: int | None = None
+    speedup_of_ours: float | None = None  # this provider's time / ours' time
+    unavailable: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "x".join(str(v) for v in self.shape.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers for specs
+# ---------------------------------------------------------------------------------------------
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def randn(*shape, dtype, device=None, scale=1.0, requires_grad=False):
+    t = torch.randn(*shape, dtype=torch.float32, device=device or DEVICE) * scale
+    return t.to(dtype).requires_grad_(requires_grad)
+
+
+def l2_bytes() -> int:
+    """The L2 cache size of the current GPU (64 MiB when unknown)."""
+    if torch.cuda.is_available():
+        size = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+        if size:
+            return int(size)
+    return 64 << 20
+
+
+def rotating(make_inputs: Callable[[], object], run: Callable[[object], object], set_bytes: int,
+             *, max_sets: int = 8) -> Callable[[], object]:
+    """A zero-argument callable that runs ``run(inputs)`` on the next of several input sets.
+
+    ``make_inputs()`` builds one set and ``set_bytes`` is its size; enough sets are built that
+    together they exceed twice the L2 cache (at most ``max_sets``), so no call finds its inputs
+    left in L2 by the previous one. Large problems get a single set.
+    """
+    n = max(1, min(max_sets, math.ceil(2 * l2_bytes() / max(1, set_bytes))))
+    sets = [make_inputs() for _ in range(n)]
+    state = {"i": 0}
+
+    def call():
+        i = state["i"]
+        state["i"] = (i + 1) % n
+        return run(sets[i])
+
+    return call
+
+
+def backward_fn(outputs, grads, inputs) -> Callable[[], object]:
+    """A callable running only the backward of an already-built graph, repeatably.
+
+    ``torch.autograd.grad`` with ``retain_graph=True`` returns fresh gradients each call, so
+    nothing accumulates into ``.grad`` between timed calls.
+    """
+    outputs, grads, inputs = tuple(outputs), tuple(grads), tuple(inputs)
+    return lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
+
+
+_DYNAMO_LIMITS_RAISED = False
+
+
+def compiled(fn, **kwargs):
+    """``torch.compile(fn, dynamic=False, **kwargs)`` with dynamo's recompile limits raised.
+
+    A benchmark compiles the same function for many shapes and dtypes; past dynamo's default
+    recompile limit it would silently fall back to eager and the "torch.compile" numbers
+    would be eager ones.
+    """
+    global _DYNAMO_LIMITS_RAISED
+    if not _DYNAMO_LIMITS_RAISED:
+        import torch._dynamo
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit",
+                     "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, 4096)
+        _DYNAMO_LIMITS_RAISED = True
+    kwargs.setdefault("dynamic", False)
+    return torch.compile(fn, **kwargs)
+
+
+def max_err(a, ref) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return (a.detach().double() - ref.detach().double()).abs().max().item()
+
+
+def compare(op: str, case: str, tensor: str, actual, ref64, baseline, *, atol=None) -> dict:
+    """A numerics row: ours (``actual``) and torch same-dtype (``baseline``) vs the float64 oracle."""
+    dtype = actual.dtype
+    atol = ATOL[dtype] if atol is None else atol
+    err, base = max_err(actual, ref64), max_err(baseline, ref64)
+    finite = bool(torch.isfinite(actual.detach()).all().item()) if actual.numel() else True
+    ok = finite and err <= FACTOR * base + atol
+    return {"op": op, "case": case, "dtype": dtype_name(dtype), "tensor": tensor,
+            "err": err, "torch_err": base, "atol": atol, "ok": ok}
+
+
+def unavailable_row(op: str, reason: str, case: str = "-") -> dict:
+    return {"op": op, "case": case, "dtype": "-", "tensor": "-", "unavailable": reason}
+
+
+def describe_error(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:200]
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring (CUDA)
+# ---------------------------------------------------------------------------------------------
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (GB/s, bytes read + written) and cuBLAS bf16 TFLOP/s at 8192^3."""
+    from triton.testing import do_bench
+
+    n = 1 << 30  # 1 GiB each way, far beyond L2
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    copy_gbps = 2 * n / ms * 1e-6
+    del src, dst
+
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: torch.matmul(a, b), warmup=25, rep=100, return_mode="median")
+    matmul_tflops = 2 * m**3 / ms * 1e-9
+    del a, b
+    _free()
+    return {"copy_gbps": copy_gbps, "matmul_bf16_tflops": matmul_tflops, "matmul_shape": [m, m, m]}
+
+
+def _free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def time_provider(case: Case, name: str, factory, ceilings: dict, *, warmup=25, rep=100) -> Measurement:
+    """Build and time one provider of one case; any error makes it unavailable, with the reason."""
+    from triton.testing import do_bench
+
+    m = Measurement(case.op, dict(case.shape), dtype_name(case.dtype), case.mode, name)
+    fn = None
+    try:
+        fn = factory()
+        fn()  # first call: compiles, autotunes, allocates workspaces
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        m.peak_mem_bytes = max(0, torch.cuda.max_memory_allocated() - base)
+        m.ms = float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    except Exception as exc:  # noqa: BLE001 - any failure makes the provider unavailable
+        m.unavailable = describe_error(exc)
+        m.ms = m.peak_mem_bytes = None
+    finally:
+        del fn
+        _free()
+    fill_rates(m, case, ceilings)
+    return m
+
+
+def fill_rates(m: Measurement, case: Case, ceilings: dict) -> None:
+    """GB/s, TFLOP/s and % of ceiling from ``m.ms`` and the case's counts."""
+    if m.ms is None or m.ms <= 0:
+        return
+    fractions = []
+    if case.bytes is not None:
+        m.gbps = case.bytes / m.ms * 1e-6
+        if ceilings.get("copy_gbps"):
+            fractions.append(m.gbps / ceilings["copy_gbps"])
+    if case.flops is not None:
+        m.tflops = case.flops / m.ms * 1e-9
+        if ceilings.get("matmul_bf16_tflops"):
+            fractions.append(m.tflops / ceilings["matmul_bf16_tflops"])
+    if fractions:
+        m.pct_of_ceiling = 100.0 * max(fractions)
+
+
+def fill_speedups(measurements: list, ours: str) -> None:
+    """For one case's measurements: each provider's time divided by ours' time."""
+    mine = next((m for m in measurements if m.provider == ours and m.ms), None)
+    for m in measurements:
+        if mine is not None and m.ms:
+            m.speedup_of_ours = m.ms / mine.ms
+
+
+def run_case(case: Case, ceilings: dict, **kw) -> list:
+    out = [time_provider(case, name, factory, ceilings, **kw) for name, factory in case.providers.items()]
+    fill_speedups(out, case.ours)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# environment and results files
+# ---------------------------------------------------------------------------------------------
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return out.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+def environment() -> dict:
+    import triton
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "gpu": None,
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(gpu=props.name, driver=_driver_version(), sm_count=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}", memory_bytes=props.total_memory,
+                   l2_bytes=l2_bytes())
+    return env
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", (text or "cpu").lower()).strip("-") or "cpu"
+
+
+def results_stem(env: dict, quick: bool) -> str:
+    """``<gpu-slug>-<YYYY-MM-DD>[-quick]``."""
+    return f"{slug(env.get('gpu'))}-{env['date'][:10]}" + ("-quick" if quick else "")
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def format_markdown(env: dict, ceilings: dict, measurements: list, numerics: list = ()) -> str:
+    lines = [f"# Benchmark: {env.get('gpu') or 'no GPU'}", ""]
+    lines.append(f"{env['date']}; driver {env.get('driver')}, CUDA {env.get('cuda')}, "
+                 f"torch {env['torch']}, triton {env['triton']}.")
+    if ceilings:
+        lines.append(f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s "
+                     f"(read + write), cuBLAS bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s.")
+    lines.append("")
+    lines.append("% of ceiling: of the copy bandwidth for GB/s, of the cuBLAS rate for TFLOP/s. "
+                 "Ours' speedup: the row's time / ours' time (above 1: ours is faster).")
+    for op in dict.fromkeys(m.op for m in measurements):
+        lines += ["", f"## {op}", "",
+                  "| shape | dtype | mode | provider | ms | GB/s | TFLOP/s | % of ceiling | peak MiB | ours' speedup |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        for m in (m for m in measurements if m.op == op):
+            if m.unavailable:
+                lines.append(f"| {m.label} | {m.dtype} | {m.mode} | {m.provider} | "
+                             f"unavailable: {m.unavailable.replace('|', '/')} | | | | | |")
+                continue
+            mib = None if m.peak_mem_bytes is None else m.peak_mem_bytes / 2**20
+            lines.append(f"| {m.label} | {m.dtype} | {m.mode} | {m.provider} | {_fmt(m.ms, '.4f')} | "
+                         f"{_fmt(m.gbps, '.0f')} | {_fmt(m.tflops, '.1f')} | {_fmt(m.pct_of_ceiling, '.1f')} | "
+                         f"{_fmt(mib, '.1f')} | {_fmt(m.speedup_of_ours, '.2f')} |")
+    if numerics:
+        lines += ["", "## numerics", "", "```", format_numerics(numerics), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def format_numerics(rows) -> str:
+    head = f"{'op':<16} {'case':<28} {'dtype':<9} {'tensor':<14} {'ours err':>10} {'torch err':>10} {'atol':>8}  result"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "unavailable" in r:
+            lines.append(f"{r['op']:<16} {r['case']:<28} {'-':<9} {'-':<14} {'':>10} {'':>10} {'':>8}  "
+                         f"unavailable: {r['unavailable']}")
+            continue
+        lines.append(f"{r['op']:<16} {r['case']:<28} {r['dtype']:<9} {r['tensor']:<14} {r['err']:>10.2e} "
+                     f"{r['torch_err']:>10.2e} {r['atol']:>8.1e}  {'pass' if r['ok'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def write_results(out_dir: str, env: dict, ceilings: dict, measurements: list, numerics: list = (),
+                  *, quick: bool = False, plots: bool = True) -> list:
+    """Write the JSON, the markdown table and the plots; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, results_stem(env, quick))
+    data = {"environment": env, "quick": quick, "ceilings": ceilings,
+            "measurements": [dataclasses.asdict(m) for m in measurements], "numerics": list(numerics)}
+    paths = [stem + ".json", stem + ".md"]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write(format_markdown(env, ceilings, measurements, numerics))
+    if plots:
+        from bench import plot
+        paths += plot.plot_results(data, stem)
+    return paths
+
+
+def load_measurements(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return [Measurement(**m) for m in data["measurements"]]
