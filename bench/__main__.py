@@ -1,0 +1,157 @@
+"""``python -m bench``: the main job.
+
+On a CUDA GPU: measures the ceilings, times every spec's cases, checks numerics, and writes
+``<gpu-slug>-<date>[-quick].json``, ``.md`` and PNG plots under ``--out``. Without one: says
+that timings need an NVIDIA GPU, prints the numerics report (the kernels run through the
+Triton interpreter) and the compiled-kernel resource table. Exits 1 if a numerics row fails.
+"""
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # The interpreter must be chosen before Triton is imported (fused_block imports it).
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from bench import harness, specs  # noqa: E402
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Spec name -> the kernel module whose compiled configs belong to it.
+KERNEL_MODULES = {"norm": "norm", "attention": "attention", "matmul": "matmul"}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a few shapes per op (the GPU check script)")
+    p.add_argument("--only", default=None, help="comma-separated specs, e.g. norm,attention "
+                   f"(available: {','.join(specs.names())})")
+    p.add_argument("--out", default=DEFAULT_OUT, help="results folder (default: bench/results)")
+    args = p.parse_args(argv)
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    if args.only:
+        unknown = [s for s in args.only if s not in specs.names()]
+        if unknown:
+            p.error(f"--only: no spec named {', '.join(unknown)} (available: {', '.join(specs.names())})")
+    return args
+
+
+def run_numerics(found: dict) -> list:
+    rows = []
+    for name, mod in found.items():
+        if isinstance(mod, str):
+            rows.append(harness.unavailable_row(name, f"spec import failed: {mod}"))
+            continue
+        try:
+            rows += mod.numerics()
+        except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+            rows.append(harness.unavailable_row(name, f"numerics() failed: {harness.describe_error(exc)}"))
+    return rows
+
+
+def compile_table(only) -> str:
+    """``python -m fused_block.kernels.aot`` in a subprocess without ``TRITON_INTERPRET``.
+
+    Under the interpreter ``@triton.jit`` yields interpreted functions that cannot be compiled,
+    and this process had to import Triton with the interpreter on.
+    """
+    from fused_block.kernels import aot
+
+    modules = [m for m in aot.MODULES if importlib.util.find_spec(f"fused_block.kernels.{m}") is not None]
+    if only:
+        modules = [m for m in modules if m in {KERNEL_MODULES.get(s) for s in only}]
+    if not modules:
+        return "(no kernel modules to compile yet)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "fused_block.kernels.aot"] + [a for m in modules for a in ("--module", m)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    text = proc.stdout.strip()
+    if proc.returncode not in (0, 1) or not text:  # aot exits 1 when a config spills
+        text += f"\n(exit {proc.returncode}) " + proc.stderr.strip()[-2000:]
+    return text
+
+
+def run_cpu(args, found) -> int:
+    print("Timings need an NVIDIA GPU: torch.cuda.is_available() is False, so nothing is timed and "
+          "no results file is written.\nBelow: the numerics report (kernels through the Triton "
+          "interpreter) and the compiled-kernel resource table.\n", flush=True)
+    for name, mod in found.items():
+        if isinstance(mod, str):
+            print(f"spec {name}: unavailable ({mod})")
+            continue
+        try:
+            full, quick = len(mod.cases(False)), len(mod.cases(True))
+            print(f"spec {name}: {full} timing cases on a GPU ({quick} with --quick)")
+        except Exception as exc:  # noqa: BLE001
+            print(f"spec {name}: cases() failed: {harness.describe_error(exc)}")
+    print("\n== numerics: max |error| vs the float64 reference; ours must be <= 2 x torch's + atol ==",
+          flush=True)
+    rows = run_numerics(found)
+    print(harness.format_numerics(rows), flush=True)
+    print("\n== compiled kernels (sm_80, sm_90) ==", flush=True)
+    try:
+        print(compile_table(args.only))
+    except Exception as exc:  # noqa: BLE001
+        print(f"compile table unavailable: {harness.describe_error(exc)}")
+    failed = [r for r in rows if r.get("ok") is False]
+    print(f"\nnumerics: {sum(r.get('ok') is True for r in rows)} pass, {len(failed)} fail, "
+          f"{sum('unavailable' in r for r in rows)} unavailable")
+    return 1 if failed else 0
+
+
+def run_cuda(args, found) -> int:
+    env = harness.environment()
+    print(f"{env['gpu']}: driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
+          f"triton {env['triton']}", flush=True)
+    rows = run_numerics(found)
+    print(harness.format_numerics(rows), flush=True)
+    ceilings = harness.measure_ceilings()
+    print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, cuBLAS bf16 "
+          f"{ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
+    measurements = []
+    for name, mod in found.items():
+        if isinstance(mod, str):
+            print(f"spec {name}: unavailable ({mod})", flush=True)
+            continue
+        try:
+            cases = mod.cases(args.quick)
+        except Exception as exc:  # noqa: BLE001
+            print(f"spec {name}: cases() failed: {harness.describe_error(exc)}", flush=True)
+            continue
+        for case in cases:
+            for m in harness.run_case(case, ceilings):
+                measurements.append(m)
+                if m.unavailable:
+                    print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: unavailable ({m.unavailable})",
+                          flush=True)
+                else:
+                    rate = f"{m.gbps:.0f} GB/s" if m.gbps is not None else (
+                        f"{m.tflops:.1f} TFLOP/s" if m.tflops is not None else "")
+                    print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: {m.ms:.4f} ms {rate}", flush=True)
+        # Rewritten after each spec so a run cut short still leaves what it measured.
+        harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
+    try:
+        paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick)
+    except Exception as exc:  # noqa: BLE001 - e.g. matplotlib missing: keep the tables
+        print(f"plots failed: {harness.describe_error(exc)}")
+        paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
+    print()
+    print(harness.format_markdown(env, ceilings, measurements))
+    print("wrote " + ", ".join(paths))
+    return 1 if any(r.get("ok") is False for r in rows) else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    found = specs.discover(args.only)
+    return run_cuda(args, found) if CUDA else run_cpu(args, found)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
