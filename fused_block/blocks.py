@@ -1,0 +1,603 @@
+"""Drop-in ``TransformerEncoderLayer`` / ``TransformerDecoderLayer`` on the fused kernels.
+
+The layers subclass torch's and keep their constructors, defaults, parameter names,
+initialization and state dicts (``self_attn.in_proj_weight``, ``self_attn.out_proj``,
+``linear1``, ``linear2``, ``norm1``..``norm3``, ``multihead_attn``), so either loads the
+other's weights. Added keywords: ``norm="layer" | "rms"`` and ``num_kv_heads`` (GQA).
+
+Data flow of one encoder layer (x: (B, L, E) with ``batch_first``, else (L, B, E))::
+
+    Pre-LN  (norm_first=True)                      Post-LN (norm_first=False)
+    n1     = LN1(x)                                a      = Attn(x)
+    a      = Attn(n1)                              h      = LN1(x + drop1(a))      add fused in the norm
+    n2, h  = LN2(x + drop1(a)), x + drop1(a)       f      = FFN(h)
+    y      = h + drop2(FFN(n2))                    y      = LN2(h + drop2(f))      add fused in the norm
+
+In Pre-LN, ``add_layer_norm`` returns the residual stream ``h`` beside ``LN2(h)``, and the
+FFN's residual add rides in the epilogue of its second matmul (``mlp(..., residual=h)``).
+Attention is one QKV matmul whose (..., (H + 2 Hkv) * D) output is viewed, without copies,
+as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel.
+
+Masks: ``is_causal`` and a causal ``src_mask`` (``nn.Transformer.generate_square_subsequent_mask``
+or its bool form) run the causal kernel, a bool or 0/-inf float key padding mask runs the
+padding mask. Anything the kernel cannot express (a general float/bool ``src_mask``, a
+per-head 3-D mask, head dims outside the kernel's range) runs attention through
+``torch.nn.functional.scaled_dot_product_attention`` with the merged mask, after a one-time
+warning: slower, never a wrong answer. A query whose keys are all padding gives 0 here
+(torch's layers give NaN).
+"""
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fused_block import reference
+from fused_block.attention import attention as _attention
+from fused_block.linear import linear as _linear
+from fused_block.linear import mlp as _mlp
+from fused_block.norm import add_layer_norm, add_rms_norm
+
+NORMS = ("layer", "rms")
+# Head dims the attention kernel takes: multiples of 8 in [16, 256].
+_KERNEL_HEAD_DIMS = range(16, 257, 8)
+
+
+class ShapeError(ValueError, AssertionError):
+    """Bad shapes: a ``ValueError`` (this library's convention) that is also the
+    ``AssertionError`` torch's layers raise in the same situation."""
+
+
+class MaskError(ValueError, RuntimeError):
+    """Bad mask shapes: a ``ValueError`` that is also the ``RuntimeError`` torch raises."""
+
+
+class MaskTypeError(TypeError, AssertionError):
+    """Unsupported mask dtype: a ``TypeError`` that is also torch's ``AssertionError``."""
+
+
+class _Ops:
+    """The five ops a layer calls, called positionally (the reference's names differ)."""
+
+    def __init__(self, add_layer_norm, add_rms_norm, attention, linear, mlp):
+        self.add_layer_norm, self.add_rms_norm = add_layer_norm, add_rms_norm
+        self.attention, self.linear, self.mlp = attention, linear, mlp
+
+
+_FUSED = _Ops(add_layer_norm, add_rms_norm, _attention, _linear, _mlp)
+# float64 (which torch's layers accept and the kernels do not) runs the plain-PyTorch reference.
+_REFERENCE = _Ops(reference.add_layer_norm, reference.add_rms_norm, reference.attention,
+                  reference.linear, reference.mlp)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _ops(x):
+    return _FUSED if x.dtype in _KERNEL_DTYPES else _REFERENCE
+
+
+_WARNED = set()
+
+
+def _warn_once(key, message):
+    if key not in _WARNED and not torch.compiler.is_compiling():
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def _is_compiling():
+    return torch.compiler.is_compiling()
+
+
+# ---------------------------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------------------------
+
+def _is_causal_mask(mask, L):
+    """True when ``mask`` (L, L) is exactly the causal mask: float 0 / -inf above the diagonal
+    (``generate_square_subsequent_mask``) or bool True above the diagonal. Reads the mask, so
+    it is only called outside ``torch.compile``."""
+    if mask.dim() != 2 or mask.shape != (L, L):
+        return False
+    upper = torch.ones(L, L, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, upper))
+    expected = torch.zeros(L, L, dtype=mask.dtype, device=mask.device).masked_fill(upper, float("-inf"))
+    return bool(torch.equal(mask, expected))
+
+
+def _check_mask(name, mask, B, H, L, S):
+    """Shape and dtype checks with torch's exception types and this library's argument names."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise MaskTypeError(f"only bool and floating types of {name} are supported, got {mask.dtype}")
+    if mask.dim() == 2:
+        if tuple(mask.shape) != (L, S):
+            raise MaskError(f"{name}: the shape of the 2D mask is {tuple(mask.shape)}, but should be ({L}, {S})")
+    elif mask.dim() == 3:
+        if tuple(mask.shape) != (B * H, L, S):
+            raise MaskError(f"{name}: the shape of the 3D mask is {tuple(mask.shape)}, "
+                            f"but should be ({B * H}, {L}, {S})")
+    else:
+        raise MaskError(f"{name} must be 2-D (L, S) or 3-D (batch * nhead, L, S), got shape {tuple(mask.shape)}")
+
+
+def _check_padding_mask(name, mask, B, S, batched):
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise MaskTypeError(f"only bool and floating types of {name} are supported, got {mask.dtype}")
+    expected = (B, S) if batched else (S,)
+    if tuple(mask.shape) != expected:
+        raise ShapeError(f"{name} must have shape {expected}, got {tuple(mask.shape)}")
+
+
+class _Masks:
+    """What the attention kernel gets: ``causal``, a bool ``key_padding`` (B, S), or else a
+    ``general`` additive float mask broadcastable to (B, H, L, S) for the SDPA fallback."""
+
+    __slots__ = ("causal", "key_padding", "general", "reason")
+
+    def __init__(self, causal=False, key_padding=None, general=None, reason=None):
+        self.causal, self.key_padding, self.general, self.reason = causal, key_padding, general, reason
+
+
+def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names):
+    """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason."""
+    mask_name, kpm_name = names
+    compiling = _is_compiling()
+    causal = bool(is_causal)
+    if attn_mask is not None and not causal:
+        # Data-dependent checks only in eager mode; under torch.compile an unhinted mask is general.
+        if not compiling and attn_mask.dim() == 2 and L == S and _is_causal_mask(attn_mask, L):
+            causal, attn_mask = True, None
+        elif not compiling and attn_mask.dim() == 2 and attn_mask.dtype != torch.bool and not attn_mask.any():
+            attn_mask = None  # an all-zero float mask masks nothing
+    elif causal:
+        attn_mask = None  # torch trusts the is_causal hint as well
+    kpm = key_padding_mask
+    if kpm is not None and kpm.dtype != torch.bool:
+        neg_inf = torch.isneginf(kpm)
+        if not compiling and bool(((kpm == 0) | neg_inf).all()):
+            kpm = neg_inf
+        else:
+            return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
+                          reason=f"a float {kpm_name} with values other than 0 and -inf")
+    if attn_mask is not None:
+        return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
+                      reason=f"a general (non-causal) {mask_name}")
+    if causal and L != S:
+        # torch's hinted causal mask is top-left aligned; the kernel's is bottom-right.
+        return _Masks(general=_merge_masks(None, kpm, True, B, H, L, S, dtype),
+                      reason=f"a causal mask with query length {L} != key length {S}")
+    return _Masks(causal=causal, key_padding=kpm)
+
+
+def _merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype):
+    """One additive float mask broadcastable to (B, H, L, S), as torch's MultiheadAttention builds."""
+    dev = (attn_mask if attn_mask is not None else kpm).device if (attn_mask is not None or kpm is not None) else None
+    m = torch.zeros(1, 1, L, S, dtype=dtype, device=dev)
+    if causal:
+        m = m.masked_fill(torch.ones(L, S, dtype=torch.bool, device=dev).triu(1), float("-inf"))
+    if attn_mask is not None:
+        am = attn_mask if attn_mask.dim() == 2 else attn_mask.view(B, H, L, S)
+        m = m.masked_fill(am, float("-inf")) if am.dtype == torch.bool else m + am.to(dtype)
+    if kpm is not None:
+        km = kpm.view(B, 1, 1, S)
+        m = m.masked_fill(km, float("-inf")) if km.dtype == torch.bool else m + km.to(dtype)
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+def _split_heads(t, n_heads, batch_first):
+    """(B, L, n*D) or (L, B, n*D) with unit last stride -> (B, n, L, D), a view (no copy)."""
+    t = t.unflatten(-1, (n_heads, -1))
+    return t.transpose(1, 2) if batch_first else t.permute(1, 2, 0, 3)
+
+
+def _merge_heads(o, batch_first):
+    """(B, H, L, D) -> (B, L, H*D) or (L, B, H*D)."""
+    o = o.transpose(1, 2) if batch_first else o.permute(2, 0, 1, 3)
+    return o.reshape(*o.shape[:2], -1)
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` with fused projections and attention kernel.
+
+    Same constructor, parameters and state dict; ``num_kv_heads`` (keyword, default
+    ``num_heads``) makes it grouped-query attention: ``in_proj_weight`` is then
+    ((num_heads + 2 * num_kv_heads) * head_dim, embed_dim), rows [q; k; v]. Only the
+    ``_qkv_same_embed_dim`` layout without ``add_bias_kv``/``add_zero_attn`` is supported.
+    ``forward`` with ``need_weights=True`` (torch's default) runs torch's implementation.
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None, *, num_kv_heads=None):
+        _check_heads(embed_dim, num_heads, num_kv_heads)
+        if add_bias_kv or add_zero_attn or (kdim not in (None, embed_dim)) or (vdim not in (None, embed_dim)):
+            raise ValueError("add_bias_kv, add_zero_attn, kdim and vdim are not supported")
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, batch_first=batch_first,
+                         device=device, dtype=dtype)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if self.num_kv_heads != num_heads:
+            rows = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+            factory = {"device": device, "dtype": dtype}
+            self.in_proj_weight = nn.Parameter(torch.empty(rows, embed_dim, **factory))
+            nn.init.xavier_uniform_(self.in_proj_weight)
+            if bias:
+                self.in_proj_bias = nn.Parameter(torch.zeros(rows, **factory))
+
+    def extra_repr(self):
+        return f"num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+
+    # -- the fused path ------------------------------------------------------------------------
+    def _attend(self, x, memory, attn_mask, key_padding_mask, is_causal, dropout_p, names):
+        """Projected attention output (before out_proj dropout) in x's layout.
+
+        x: (B, L, E) if batch_first else (L, B, E); memory: the same layout with S for L, or
+        None for self-attention. Masks as torch's (already shape-checked).
+        """
+        bf = self.batch_first
+        B, L = (x.shape[0], x.shape[1]) if bf else (x.shape[1], x.shape[0])
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        w, b = self.in_proj_weight, self.in_proj_bias
+        ops = _ops(x)
+        if memory is None:
+            S = L
+            qkv = ops.linear(x, w, b)  # (.., (H + 2 Hkv) * D): one matmul
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            S = memory.shape[0 if not bf else 1]
+            q = ops.linear(x, w[:H * D], None if b is None else b[:H * D])
+            kv = ops.linear(memory, w[H * D:], None if b is None else b[H * D:])  # one matmul for k, v
+            k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
+        q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
+        masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, q.dtype, names)
+        reason = masks.reason
+        if reason is None and D not in _KERNEL_HEAD_DIMS:
+            reason = f"head dim {D} (the kernel takes multiples of 8 in [16, 256])"
+            if masks.key_padding is not None or masks.causal:
+                masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, q.dtype)
+        if reason is None:
+            o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
+        else:
+            _warn_once(reason, f"fused_block: {reason}; attention runs through "
+                       "torch.nn.functional.scaled_dot_product_attention (slower, same result)")
+            if Hkv != H:
+                k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=masks.general, dropout_p=dropout_p)
+        return ops.linear(_merge_heads(o, bf), self.out_proj.weight, self.out_proj.bias)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        """As ``torch.nn.MultiheadAttention.forward``. Fused for self-attention (query, key and
+        value the same tensor) and cross-attention (key and value the same tensor) without
+        ``need_weights``; otherwise torch's implementation runs (not available with GQA)."""
+        if need_weights or key is not value or (isinstance(query, Tensor) and query.is_nested):
+            if self.num_kv_heads != self.num_heads:
+                raise ValueError("need_weights=True, key is not value, or nested query: "
+                                 "not supported with num_kv_heads != num_heads")
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                   average_attn_weights, is_causal)
+        _check_input("query", query, self.embed_dim)
+        _check_input("key", key, self.embed_dim)
+        if key.dim() != query.dim():
+            raise ShapeError(f"key must be {query.dim()}-D like query, got shape {tuple(key.shape)}")
+        q_in, batched = _batch(query, self.batch_first)
+        kv_in, _ = _batch(key, self.batch_first)
+        B, L = _dims(q_in, self.batch_first)
+        S = _dims(kv_in, self.batch_first)[1]
+        _check_mask("attn_mask", attn_mask, B, self.num_heads, L, S)
+        _check_padding_mask("key_padding_mask", key_padding_mask, B, S, batched)
+        if not batched and key_padding_mask is not None:
+            key_padding_mask = key_padding_mask[None]
+        out = self._attend(q_in, None if key is query else kv_in, attn_mask, key_padding_mask, is_causal,
+                           self.dropout if self.training else 0.0, ("attn_mask", "key_padding_mask"))
+        return _unbatch(out, batched, self.batch_first), None
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by the layers
+# ---------------------------------------------------------------------------------------------
+
+def _check_heads(d_model, nhead, num_kv_heads):
+    for name, v in (("d_model", d_model), ("nhead", nhead)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ShapeError(f"{name} must be a positive int, got {v!r}")
+    if d_model % nhead:
+        raise ShapeError(f"nhead ({nhead}) must divide d_model ({d_model}): embed_dim must be divisible by num_heads")
+    if num_kv_heads is not None:
+        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+            raise ShapeError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+        if nhead % num_kv_heads:
+            raise ShapeError(f"num_kv_heads ({num_kv_heads}) must divide nhead ({nhead})")
+
+
+def _check_input(name, t, d_model):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in (2, 3):
+        raise ShapeError(f"{name} must be 3-D (batched) or 2-D (unbatched), got shape {tuple(t.shape)}")
+    if t.shape[-1] != d_model:
+        raise ShapeError(f"{name}: was expecting embedding dimension of {d_model}, but got {t.shape[-1]}")
+
+
+def _activation_name(activation):
+    """The fused epilogue's name for torch's activation argument, or None for other callables."""
+    if isinstance(activation, str):
+        if activation not in ("relu", "gelu", "gelu_tanh"):
+            raise RuntimeError(f"activation should be relu/gelu/gelu_tanh, not {activation}")
+        return activation
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        return "relu"
+    if activation is F.gelu:
+        return "gelu"
+    if isinstance(activation, nn.GELU):
+        return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
+    return None
+
+
+def _torch_activation(name):
+    return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": nn.GELU(approximate="tanh")}[name]
+
+
+class _LayerMixin:
+    """Norm, FFN and input plumbing shared by the encoder and decoder layers."""
+
+    def _setup(self, d_model, activation, layer_norm_eps, bias, norm, norm_names, factory):
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        self.norm = norm
+        for name in norm_names:
+            if norm == "layer":
+                setattr(self, name, nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory))
+            else:
+                setattr(self, name, nn.RMSNorm(d_model, eps=layer_norm_eps, **factory))
+        if isinstance(activation, str):
+            _activation_name(activation)  # torch's error for unknown names
+            activation = _torch_activation(activation)
+        self.activation = activation
+        # torch's fast-path flags; a value of 0 keeps nn.TransformerEncoder from handing this
+        # layer nested tensors when its math is not torch's (RMSNorm, GQA).
+        name = _activation_name(activation)
+        torch_compatible = norm == "layer" and self.self_attn.num_kv_heads == self.self_attn.num_heads
+        self.activation_relu_or_gelu = {"relu": 1, "gelu": 2}.get(name, 0) if torch_compatible else 0
+
+    def _add_norm(self, module, x, residual=None, dropout_p=0.0):
+        """``(norm(dropout(x) + residual), dropout(x) + residual)`` in one kernel."""
+        ops = _ops(x)
+        if self.norm == "layer":
+            return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p)
+        return ops.add_rms_norm(x, residual, module.weight, module.eps, dropout_p)
+
+    def _ffn(self, x, residual=None):
+        """``residual + dropout2(linear2(dropout(act(linear1(x)))))``; the add rides in the
+        second matmul's epilogue when the outer dropout is off."""
+        p_in = self.dropout.p if self.training else 0.0
+        p_out = self._ffn_dropout().p if self.training else 0.0
+        name = _activation_name(self.activation)
+        l1, l2 = self.linear1, self.linear2
+        epilogue_residual = residual if p_out == 0.0 else None
+        ops = _ops(x)
+        if p_in == 0.0 and name is not None:
+            y = ops.mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, name, epilogue_residual)
+        else:
+            hid = ops.linear(x, l1.weight, l1.bias, name)
+            if name is None:
+                hid = self.activation(hid)
+            hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
+            y = ops.linear(hid, l2.weight, l2.bias, None, epilogue_residual)
+        if p_out > 0.0:
+            y = F.dropout(y, p_out, training=True)
+            if residual is not None:
+                y = y + residual
+        return y
+
+    def _attn_dropout(self, attn):
+        return attn.dropout if self.training else 0.0
+
+
+def _batch(src, batch_first):
+    """Batched view in the layer's layout: unbatched (L, E) gets a batch dim of 1."""
+    if src.dim() == 3:
+        return src, True
+    return (src.unsqueeze(0) if batch_first else src.unsqueeze(1)), False
+
+
+def _unbatch(y, batched, batch_first):
+    return y if batched else (y.squeeze(0) if batch_first else y.squeeze(1))
+
+
+def _dims(x, batch_first):
+    return (x.shape[0], x.shape[1]) if batch_first else (x.shape[1], x.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------------------------
+
+class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
+    """``torch.nn.TransformerEncoderLayer`` on the fused kernels.
+
+    Same constructor, defaults, parameters, initialization (same values for the same seed)
+    and state dict. Added keywords: ``norm="layer" | "rms"`` (``norm1``/``norm2`` become
+    ``nn.RMSNorm(d_model, eps=layer_norm_eps)``) and ``num_kv_heads`` (grouped-query
+    attention; changes ``self_attn.in_proj_weight``'s shape, see :class:`MultiheadAttention`).
+
+    ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)``: src is
+    (B, L, E) with ``batch_first``, else (L, B, E), or unbatched (L, E); fp32, fp16 or bf16.
+    Unlike torch, ``is_causal=True`` also works without a ``src_mask``.
+    """
+
+    def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation=F.relu,
+                 layer_norm_eps=1e-5, batch_first=False, norm_first=False, bias=True, device=None,
+                 dtype=None, *, norm="layer", num_kv_heads=None):
+        _check_heads(d_model, nhead, num_kv_heads)
+        factory = {"device": device, "dtype": dtype}
+        nn.Module.__init__(self)
+        # Construction order as torch's, so a seed gives the same initial values.
+        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
+                                            num_kv_heads=num_kv_heads, **factory)
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
+        self.norm_first = norm_first
+        self._setup(d_model, activation, layer_norm_eps, bias, norm, ("norm1", "norm2"), factory)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def _ffn_dropout(self):
+        return self.dropout2
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if isinstance(src, Tensor) and src.is_nested:
+            if not self.activation_relu_or_gelu:
+                raise ValueError("src: nested tensors need norm='layer', no num_kv_heads and relu/gelu")
+            return nn.TransformerEncoderLayer.forward(self, src, src_mask, src_key_padding_mask, is_causal)
+        attn = self.self_attn
+        _check_input("src", src, attn.embed_dim)
+        x, batched = _batch(src, attn.batch_first)
+        B, L = _dims(x, attn.batch_first)
+        _check_mask("src_mask", src_mask, B, attn.num_heads, L, L)
+        _check_padding_mask("src_key_padding_mask", src_key_padding_mask, B, L, batched)
+        kpm = src_key_padding_mask if batched or src_key_padding_mask is None else src_key_padding_mask[None]
+        names = ("src_mask", "src_key_padding_mask")
+        p1 = self.dropout1.p if self.training else 0.0
+
+        def sa(inp):
+            return attn._attend(inp, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
+
+        if self.norm_first:
+            n1, _ = self._add_norm(self.norm1, x)
+            n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
+            y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
+        else:
+            h, _ = self._add_norm(self.norm1, sa(x), x, p1)
+            y, _ = self._add_norm(self.norm2, self._ffn(h), h, self.dropout2.p if self.training else 0.0)
+        return _unbatch(y, batched, attn.batch_first)
+
+    @classmethod
+    def from_torch(cls, layer):
+        """A fused layer sharing ``layer``'s parameter tensors, modules and train/eval mode."""
+        return _from_torch(cls, layer, ("self_attn", "linear1", "dropout", "linear2", "norm1", "norm2",
+                                        "dropout1", "dropout2"))
+
+
+class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
+    """``torch.nn.TransformerDecoderLayer`` on the fused kernels: masked self-attention,
+    cross-attention over ``memory``, FFN; Pre-LN or Post-LN. Same relation to torch's layer
+    as :class:`TransformerEncoderLayer` (``norm`` and ``num_kv_heads`` keywords; ``norm3``).
+
+    ``forward(tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+    memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False)``.
+    """
+
+    def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation=F.relu,
+                 layer_norm_eps=1e-5, batch_first=False, norm_first=False, bias=True, device=None,
+                 dtype=None, *, norm="layer", num_kv_heads=None):
+        _check_heads(d_model, nhead, num_kv_heads)
+        factory = {"device": device, "dtype": dtype}
+        nn.Module.__init__(self)
+        mha = dict(dropout=dropout, batch_first=batch_first, bias=bias, num_kv_heads=num_kv_heads, **factory)
+        self.self_attn = MultiheadAttention(d_model, nhead, **mha)
+        self.multihead_attn = MultiheadAttention(d_model, nhead, **mha)
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
+        self.norm_first = norm_first
+        self._setup(d_model, activation, layer_norm_eps, bias, norm, ("norm1", "norm2", "norm3"), factory)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.dropout3 = nn.Dropout(dropout)
+
+    def _ffn_dropout(self):
+        return self.dropout3
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
+        sa_mod, ca_mod = self.self_attn, self.multihead_attn
+        bf = sa_mod.batch_first
+        _check_input("tgt", tgt, sa_mod.embed_dim)
+        _check_input("memory", memory, sa_mod.embed_dim)
+        if memory.dim() != tgt.dim():
+            raise ShapeError(f"memory must be {tgt.dim()}-D like tgt, got shape {tuple(memory.shape)}")
+        x, batched = _batch(tgt, bf)
+        mem, _ = _batch(memory, bf)
+        B, L = _dims(x, bf)
+        Bm, S = _dims(mem, bf)
+        if Bm != B:
+            raise ShapeError(f"memory: batch size {Bm} does not match tgt's {B}")
+        H = sa_mod.num_heads
+        _check_mask("tgt_mask", tgt_mask, B, H, L, L)
+        _check_mask("memory_mask", memory_mask, B, H, L, S)
+        _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, B, L, batched)
+        _check_padding_mask("memory_key_padding_mask", memory_key_padding_mask, B, S, batched)
+        if not batched:
+            tgt_key_padding_mask = None if tgt_key_padding_mask is None else tgt_key_padding_mask[None]
+            memory_key_padding_mask = None if memory_key_padding_mask is None else memory_key_padding_mask[None]
+        p = (lambda d: d.p if self.training else 0.0)  # noqa: E731
+
+        def sa(inp):
+            return sa_mod._attend(inp, None, tgt_mask, tgt_key_padding_mask, tgt_is_causal,
+                                  self._attn_dropout(sa_mod), ("tgt_mask", "tgt_key_padding_mask"))
+
+        def ca(inp):
+            return ca_mod._attend(inp, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
+                                  self._attn_dropout(ca_mod), ("memory_mask", "memory_key_padding_mask"))
+
+        if self.norm_first:
+            n1, _ = self._add_norm(self.norm1, x)
+            n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
+            n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
+            y = self._ffn(n3, residual=h)
+        else:
+            h, _ = self._add_norm(self.norm1, sa(x), x, p(self.dropout1))
+            h, _ = self._add_norm(self.norm2, ca(h), h, p(self.dropout2))
+            y, _ = self._add_norm(self.norm3, self._ffn(h), h, p(self.dropout3))
+        return _unbatch(y, batched, bf)
+
+    @classmethod
+    def from_torch(cls, layer):
+        """A fused layer sharing ``layer``'s parameter tensors, modules and train/eval mode."""
+        return _from_torch(cls, layer, ("self_attn", "multihead_attn", "linear1", "dropout", "linear2",
+                                        "norm1", "norm2", "norm3", "dropout1", "dropout2", "dropout3"))
+
+
+def _from_torch(cls, layer, children):
+    """Build ``cls`` around ``layer``'s own submodules: the same Parameter objects (so an
+    optimizer created before conversion keeps working), device, dtype and mode."""
+    attn = layer.self_attn
+    if not attn._qkv_same_embed_dim or attn.bias_k is not None or attn.add_zero_attn:
+        raise ValueError(f"{type(layer).__name__}: only the standard self_attn layout can be converted")
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for name in children:
+        child = getattr(layer, name)
+        if isinstance(child, nn.MultiheadAttention) and not isinstance(child, MultiheadAttention):
+            child = _convert_mha(child)
+        setattr(new, name, child)
+    new.norm_first = layer.norm_first
+    new.norm = "rms" if isinstance(layer.norm1, nn.RMSNorm) else "layer"
+    new.activation = getattr(layer, "activation", F.relu)
+    new.activation_relu_or_gelu = getattr(layer, "activation_relu_or_gelu", 0)
+    new.train(layer.training)
+    return new
+
+
+def _convert_mha(mha):
+    new = MultiheadAttention.__new__(MultiheadAttention)
+    new.__dict__.update(mha.__dict__)
+    for key in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
+        if key in mha.__dict__:
+            new.__dict__[key] = type(mha.__dict__[key])(mha.__dict__[key])
+    new.num_kv_heads = mha.num_heads
+    return new

@@ -1,0 +1,35 @@
+"""``convert(model)``: swap torch's Transformer layers for the fused ones, in place."""
+from torch import nn
+
+from fused_block.blocks import TransformerDecoderLayer, TransformerEncoderLayer
+
+_CONVERSIONS = {
+    nn.TransformerEncoderLayer: TransformerEncoderLayer,
+    nn.TransformerDecoderLayer: TransformerDecoderLayer,
+}
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` in ``model``.
+
+    Works inside ``nn.TransformerEncoder``, ``nn.TransformerDecoder``, ``nn.Transformer`` and
+    any user module. The fused layers reuse the original submodules, so parameters stay the
+    same tensors (weights, device, dtype, ``requires_grad``, and an optimizer built before the
+    conversion all keep working) and each layer keeps its train/eval mode. Only layers whose
+    type is exactly torch's are converted; user subclasses (custom ``forward``) are left alone.
+    Returns ``model`` (or, when ``model`` itself is such a layer, its fused replacement).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if type(model) in _CONVERSIONS:
+        return _CONVERSIONS[type(model)].from_torch(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            cls = _CONVERSIONS.get(type(child))
+            if cls is not None:
+                setattr(parent, name, cls.from_torch(child))
+        if isinstance(parent, nn.TransformerEncoder):
+            # The encoder's inference fast path hands nested tensors to its layers; the fused
+            # layers run padded tensors with a padding mask instead.
+            parent.use_nested_tensor = False
+    return model
