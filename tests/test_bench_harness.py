@@ -1,0 +1,174 @@
+"""The benchmark harness's logic on synthetic measurements: rates, speedups, tables, files.
+
+Nothing here is timed; GPU timing itself (do_bench, ceilings, peak memory) needs CUDA and is
+exercised by ``python -m bench`` on a GPU.
+"""
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the checkout, not installed
+    sys.path.insert(0, str(ROOT))
+
+from bench import harness, specs  # noqa: E402
+from bench.harness import Case, Measurement  # noqa: E402
+from bench.specs import norm  # noqa: E402
+
+ENV = {"date": "2026-11-30T12:00:00+00:00", "torch": "2.11.0", "triton": "3.6.0", "python": "3.12.3",
+       "cuda": "13.0", "gpu": "NVIDIA H200", "driver": "580.159.04"}
+CEILINGS = {"copy_gbps": 4000.0, "matmul_bf16_tflops": 800.0, "matmul_shape": [8192] * 3}
+
+
+def _case(**kw):
+    args = dict(op="op", shape={"rows": 4, "hidden": 8}, dtype=torch.bfloat16, mode="fwd",
+                providers={"fused_block": None, "eager": None})
+    args.update(kw)
+    return Case(**args)
+
+
+def test_case_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="mode"):
+        _case(mode="forward")
+
+
+def test_rates_and_ceiling_fraction():
+    case = _case(bytes=2_000_000_000, flops=None)
+    m = Measurement("op", case.shape, "bfloat16", "fwd", "fused_block", ms=1.0)
+    harness.fill_rates(m, case, CEILINGS)
+    assert m.gbps == pytest.approx(2000.0)
+    assert m.pct_of_ceiling == pytest.approx(50.0)
+    assert m.tflops is None
+
+    # With both counts, the binding ceiling (the larger fraction) is reported.
+    case = _case(bytes=1_000_000_000, flops=400 * 10**9)
+    m = Measurement("op", case.shape, "bfloat16", "fwd", "fused_block", ms=1.0)
+    harness.fill_rates(m, case, CEILINGS)
+    assert m.tflops == pytest.approx(400.0)
+    assert m.pct_of_ceiling == pytest.approx(50.0)
+
+
+def test_unavailable_measurement_gets_no_rates():
+    m = Measurement("op", {}, "bfloat16", "fwd", "sdpa-flash", unavailable="RuntimeError: no kernel")
+    harness.fill_rates(m, _case(bytes=10), CEILINGS)
+    assert m.gbps is None and m.pct_of_ceiling is None
+
+
+def test_speedups_are_relative_to_ours():
+    ms = [Measurement("op", {}, "bf16", "fwd", "fused_block", ms=2.0),
+          Measurement("op", {}, "bf16", "fwd", "eager", ms=3.0),
+          Measurement("op", {}, "bf16", "fwd", "liger", unavailable="ImportError: no liger")]
+    harness.fill_speedups(ms, "fused_block")
+    assert [m.speedup_of_ours for m in ms] == [1.0, 1.5, None]
+
+
+def _measurements():
+    rows = []
+    for hidden, ours_ms in ((1024, 0.1), (4096, 0.4)):
+        case = _case(shape={"rows": 16384, "hidden": hidden}, bytes=16384 * hidden * 8)
+        group = [Measurement(case.op, case.shape, "bfloat16", "fwd", "fused_block", ms=ours_ms, peak_mem_bytes=2**20),
+                 Measurement(case.op, case.shape, "bfloat16", "fwd", "eager", ms=ours_ms * 1.5),
+                 Measurement(case.op, case.shape, "bfloat16", "fwd", "liger", unavailable="ModuleNotFoundError: x|y")]
+        for m in group:
+            harness.fill_rates(m, case, CEILINGS)
+        harness.fill_speedups(group, "fused_block")
+        rows += group
+    return rows
+
+
+def test_markdown_table():
+    text = harness.format_markdown(ENV, CEILINGS, _measurements())
+    assert "## op" in text and "copy 4000 GB/s" in text
+    assert "| 16384x4096 | bfloat16 | fwd | eager | 0.6000 |" in text
+    assert "1.50 |" in text
+    assert "unavailable: ModuleNotFoundError: x/y" in text  # a '|' would break the table
+
+
+def test_results_files_round_trip(tmp_path):
+    pytest.importorskip("matplotlib")
+    numerics = [{"op": "op", "case": "4x8", "dtype": "bfloat16", "tensor": "out", "err": 1e-3,
+                 "torch_err": 1e-3, "atol": 1.6e-2, "ok": True}]
+    paths = harness.write_results(str(tmp_path), ENV, CEILINGS, _measurements(), numerics, quick=True)
+    names = sorted(pathlib.Path(p).name for p in paths)
+    assert names == ["nvidia-h200-2026-11-30-quick-op.png", "nvidia-h200-2026-11-30-quick.json",
+                     "nvidia-h200-2026-11-30-quick.md"]
+    data = json.loads((tmp_path / "nvidia-h200-2026-11-30-quick.json").read_text())
+    assert data["environment"]["gpu"] == "NVIDIA H200" and data["ceilings"] == CEILINGS
+    assert data["numerics"] == numerics
+    back = harness.load_measurements(str(tmp_path / "nvidia-h200-2026-11-30-quick.json"))
+    assert back == _measurements()
+
+
+def test_numerics_rule_and_table():
+    ref = torch.zeros(4, dtype=torch.float64)
+    good = harness.compare("op", "4", "out", torch.full((4,), 0.01, dtype=torch.bfloat16), ref,
+                           torch.full((4,), 0.01, dtype=torch.bfloat16))
+    bad = harness.compare("op", "4", "out", torch.full((4,), 0.5, dtype=torch.bfloat16), ref,
+                          torch.full((4,), 0.01, dtype=torch.bfloat16))
+    nan = harness.compare("op", "4", "out", torch.full((4,), float("nan"), dtype=torch.bfloat16), ref,
+                          torch.zeros(4, dtype=torch.bfloat16))
+    assert good["ok"] and not bad["ok"] and not nan["ok"]
+    text = harness.format_numerics([good, bad, harness.unavailable_row("attention", "ImportError: not yet")])
+    assert "pass" in text and "FAIL" in text and "unavailable: ImportError: not yet" in text
+
+
+def test_rotating_cycles_through_enough_sets():
+    made = []
+
+    def make():
+        made.append(len(made))
+        return made[-1]
+
+    call = harness.rotating(make, lambda s: s, set_bytes=harness.l2_bytes())
+    assert len(made) == 2  # together the sets reach twice the L2 size
+    assert [call() for _ in range(5)] == [0, 1, 0, 1, 0]
+    made.clear()
+    harness.rotating(make, lambda s: s, set_bytes=1)
+    assert len(made) == 8  # capped
+
+
+def test_backward_fn_does_not_accumulate():
+    x = torch.randn(5, requires_grad=True)
+    y = (x * x).sum()
+    bwd = harness.backward_fn([y], [torch.ones(())], [x])
+    (g1,), (g2,) = bwd(), bwd()
+    assert torch.equal(g1, 2 * x.detach()) and torch.equal(g1, g2) and x.grad is None
+
+
+def test_results_stem_slug():
+    assert harness.results_stem(ENV, quick=False) == "nvidia-h200-2026-11-30"
+    assert harness.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_broken_spec_is_reported_not_raised(tmp_path, monkeypatch):
+    (tmp_path / "zz_broken.py").write_text("import fused_block.no_such_module\n")
+    monkeypatch.setattr(specs, "__path__", list(specs.__path__) + [str(tmp_path)])
+    found = specs.discover()
+    sys.modules.pop("bench.specs.zz_broken", None)
+    assert "norm" in found and not isinstance(found["norm"], str)
+    assert isinstance(found["zz_broken"], str) and "ModuleNotFoundError" in found["zz_broken"]
+
+
+def test_norm_spec_cases_and_bytes():
+    quick, full = norm.cases(True), norm.cases(False)
+    assert len(full) == 2 * 2 * 3 * 6 and len(quick) == 2 * 1 * 3 * 2
+    assert all(set(c.providers) == {"fused_block", "eager", "torch.compile", "liger"} for c in full)
+    n, h = 16384, 4096
+    # fwd: x, residual in; out, residual_out out; weight and bias.
+    assert norm.min_bytes("add_layer_norm", "fwd", n, h, 2) == 4 * n * h * 2 + 2 * h * 2
+    # bwd: dout, dresidual_out, residual_out in; one gradient out; weight in, dweight out; rstd.
+    assert norm.min_bytes("add_rms_norm", "bwd", n, h, 2) == 4 * n * h * 2 + 2 * h * 2 + 4 * n
+    assert norm.min_bytes("add_rms_norm", "fwd+bwd", n, h, 2) == (
+        norm.min_bytes("add_rms_norm", "fwd", n, h, 2) + norm.min_bytes("add_rms_norm", "bwd", n, h, 2) + 4 * n)
+
+
+def test_norm_spec_numerics_rows(monkeypatch):
+    # The report python -m bench prints on a CPU: every row passes or names why it can't run.
+    # bf16 only, to keep the interpreter's time down; the norm tests cover every dtype.
+    monkeypatch.setattr(norm, "NUMERICS_DTYPES", (torch.bfloat16,))
+    rows = norm.numerics()
+    assert len(rows) == 6 + 5 or all("unavailable" in r for r in rows)
+    assert all(r.get("ok") is True or "unavailable" in r for r in rows), harness.format_numerics(rows)
