@@ -187,8 +187,9 @@ def compiled(fn, **kwargs):
     """
     global _DYNAMO_LIMITS_RAISED
     if not _DYNAMO_LIMITS_RAISED:
-        import torch._dynamo
-        cfg = torch._dynamo.config
+        import torch._dynamo as dynamo  # not "import torch._dynamo": that makes torch local here
+
+        cfg = dynamo.config
         for name in ("recompile_limit", "cache_size_limit",
                      "accumulated_recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(cfg, name):

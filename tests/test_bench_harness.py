@@ -138,6 +138,15 @@ def test_backward_fn_does_not_accumulate():
     assert torch.equal(g1, 2 * x.detach()) and torch.equal(g1, g2) and x.grad is None
 
 
+def test_compiled_can_be_called_repeatedly():
+    # torch.compile is lazy: nothing compiles until the result is called.
+    f1, f2 = harness.compiled(torch.sin), harness.compiled(torch.cos)
+    assert callable(f1) and callable(f2)
+    import torch._dynamo as dynamo
+    limit = getattr(dynamo.config, "recompile_limit", getattr(dynamo.config, "cache_size_limit", None))
+    assert limit >= 1024
+
+
 def test_results_stem_slug():
     assert harness.results_stem(ENV, quick=False) == "nvidia-h200-2026-11-30"
     assert harness.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
@@ -172,3 +181,62 @@ def test_norm_spec_numerics_rows(monkeypatch):
     rows = norm.numerics()
     assert len(rows) == 6 + 5 or all("unavailable" in r for r in rows)
     assert all(r.get("ok") is True or "unavailable" in r for r in rows), harness.format_numerics(rows)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The CUDA-only calls of the timing path, faked so its logic runs on a CPU: every timed
+    call takes 2 ms and allocates nothing."""
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 2.0)[1])
+    for name, value in (("synchronize", None), ("reset_peak_memory_stats", None),
+                        ("memory_allocated", 1000), ("max_memory_allocated", 1000 + 2**20)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(harness, "measure_ceilings", lambda: dict(CEILINGS))
+    monkeypatch.setattr(harness, "environment", lambda: dict(ENV))
+
+
+def _fake_spec():
+    def ours():
+        x = torch.ones(8)
+        return lambda: x * 2
+
+    def missing_backend():
+        raise RuntimeError("No available kernel.\nsecond line")
+
+    def fails_when_called():
+        return lambda: torch.ones(2) @ torch.ones(3)
+
+    case = Case(op="fake", shape={"n": 8}, dtype=torch.bfloat16, mode="fwd", bytes=8_000_000_000,
+                providers={"fused_block": ours, "sdpa-flash": missing_backend, "broken": fails_when_called})
+    return type("FakeSpec", (), {"cases": staticmethod(lambda quick: [case]),
+                                 "numerics": staticmethod(lambda: [harness.unavailable_row("fake", "later")])})
+
+
+def test_timing_path_records_unavailable_providers(fake_cuda):
+    (ours, flash, broken), = [harness.run_case(c, CEILINGS) for c in _fake_spec().cases(True)]
+    assert ours.ms == 2.0 and ours.gbps == pytest.approx(4000.0) and ours.pct_of_ceiling == pytest.approx(100.0)
+    assert ours.peak_mem_bytes == 2**20 and ours.speedup_of_ours == 1.0
+    assert flash.ms is None and flash.unavailable == "RuntimeError: No available kernel."
+    assert broken.ms is None and broken.unavailable.startswith("RuntimeError")
+
+
+def test_main_cuda_path_writes_results(fake_cuda, tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench.__main__ as main
+
+    args = main.parse_args(["--quick", "--out", str(tmp_path)])
+    assert main.run_cuda(args, {"fake": _fake_spec(), "broken_import": "ImportError: x"}) == 0
+    stem = tmp_path / "nvidia-h200-2026-11-30-quick"
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert [m["provider"] for m in data["measurements"]] == ["fused_block", "sdpa-flash", "broken"]
+    assert "later" in stem.with_suffix(".md").read_text()
+    assert (tmp_path / "nvidia-h200-2026-11-30-quick-fake.png").exists()
+
+
+def test_only_rejects_unknown_spec():
+    import bench.__main__ as main
+
+    with pytest.raises(SystemExit):
+        main.parse_args(["--only", "no_such_op"])
