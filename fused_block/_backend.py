@@ -5,6 +5,8 @@
   was set before Triton was imported (the test suite does this on machines without a GPU).
 - Other CPU tensors run the reference in ``fused_block.reference``, so modules work anywhere.
 """
+import contextlib
+
 import torch
 
 from fused_block.kernels.common import interpreting
@@ -24,3 +26,8 @@ def dropout_seed(p: float, device) -> torch.Tensor:
     if p == 0.0:
         return torch.empty(0, dtype=torch.int64, device=device)
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on the tensor's device (and that device's current stream), not the current one."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

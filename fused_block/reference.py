@@ -38,7 +38,8 @@ def _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt):
             h = h * dropout_mask.to(cdt) / (1.0 - dropout_p)
     if residual is not None:
         h = h + residual.to(cdt)
-    return h, residual_dtype
+    # The sum is rounded to residual_out's dtype, then normalized (as torch's add-then-norm).
+    return h.to(residual_dtype).to(cdt), residual_dtype
 
 
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p=0.0,
@@ -47,8 +48,8 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p
 
     Returns ``(out, residual_out)``; ``out`` has x's dtype, ``residual_out`` has residual's
     dtype (fp32 when ``residual_in_fp32`` and residual is None, else x's). ``out`` normalizes
-    the sum before it is rounded to residual_out's dtype. ``dropout_mask`` (bool, x's shape)
-    replaces the random mask.
+    residual_out (the sum rounded to its dtype). ``dropout_mask`` (bool, x's shape) replaces
+    the random mask.
     """
     cdt = _compute_dtype(x.dtype, compute_dtype)
     h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)

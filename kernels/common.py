@@ -66,3 +66,19 @@ def empty(shape, dtype, device):
     if POISON_OUTPUTS and t.is_floating_point():
         t.fill_(float("nan"))
     return t
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even, also in the interpreter.
+
+    The interpreter's fp32 -> bf16 conversion truncates (up to one ulp of error, twice what
+    the GPU's round-to-nearest-even gives), so there the rounding is done on the bits. Use
+    this for every fp32 -> low-precision conversion of a result.
+    """
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
