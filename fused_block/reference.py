@@ -139,12 +139,16 @@ def activation(x, name):
 
 
 def linear(x, weight, bias=None, activation_name=None, residual=None, *, compute_dtype=None):
-    """``act(x @ weight.T + bias) + residual``; weight in ``torch.nn.Linear`` layout (out, in)."""
+    """``act(x @ weight.T + bias) + residual``; weight in ``torch.nn.Linear`` layout (out, in).
+
+    Returns x's dtype, promoted with residual's (an fp32 residual stream keeps fp32).
+    """
     cdt = _compute_dtype(x.dtype, compute_dtype)
     y = F.linear(x.to(cdt), weight.to(cdt), _cast(bias, cdt))
     y = activation(y, activation_name)
     if residual is not None:
         y = y + residual.to(cdt)
+        return y.to(torch.promote_types(x.dtype, residual.dtype))
     return y.to(x.dtype)
 
 

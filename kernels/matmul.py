@@ -85,11 +85,12 @@ def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
     c_ptrs = C + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     x_ptrs = AUX + rm[:, None] * stride_xm + rn[None, :] * stride_xn
     if ACT_GRAD:
-        if EVEN_MN:
-            pre = tl.load(x_ptrs).to(tl.float32)
-        else:
-            pre = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc = acc * _act_grad(pre, ACTIVATION)
+        if ACTIVATION != 0:
+            if EVEN_MN:
+                pre = tl.load(x_ptrs).to(tl.float32)
+            else:
+                pre = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+            acc = acc * _act_grad(pre, ACTIVATION)
         if EVEN_MN:
             tl.store(c_ptrs, acc.to(C.dtype.element_ty))
         else:
@@ -320,6 +321,9 @@ def _launch_matmul(a, b, c, *, bias=None, residual=None, aux=None, part=None, ac
             res_t.stride(0), res_t.stride(1) if residual is not None else 0,
             aux_t.stride(0), aux_t.stride(1) if aux is not None else 0,
             triton.next_power_of_2(M))
+    # In-tile offsets are int32 (tile origins are int64): strides up to 2^31 / 256 elements.
+    if max(abs(x) for x in args[10:21]) >= 2**31 // 256:
+        raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=_act_code(activation),
                  HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, ACT_GRAD=act_grad,
                  HAS_DBIAS=part is not None, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS)
@@ -341,17 +345,17 @@ def _check_2d(name, t):
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
 
-def matmul(a, b, bias=None, activation=None, residual=None, store_pre=False):
+def matmul(a, b, bias=None, activation=None, residual=None, store_pre=False, out_dtype=None):
     """``act(a @ b + bias) + residual`` and, if ``store_pre``, the pre-activation ``a @ b + bias``.
 
-    a (M, K), b (K, N), residual (M, N): any strides; bias (N,). All share a's dtype. Returns
-    ``(out, pre)`` with out (M, N) contiguous in a's dtype and pre likewise (None unless
-    ``store_pre``).
+    a (M, K), b (K, N), residual (M, N): any strides; bias (N,). a, b and bias share a dtype;
+    residual may be wider. Returns ``(out, pre)``: out (M, N) contiguous in ``out_dtype``
+    (default a's dtype), pre (M, N) in a's dtype, or None unless ``store_pre``.
     """
     _check_2d("a", a)
     _check_2d("b", b)
     M, N = a.shape[0], b.shape[1]
-    c = common.empty((M, N), a.dtype, a.device)
+    c = common.empty((M, N), out_dtype or a.dtype, a.device)
     pre = common.empty((M, N), a.dtype, a.device) if store_pre else None
     if M == 0 or N == 0:
         return c, pre
