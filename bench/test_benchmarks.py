@@ -27,6 +27,8 @@ def test_benchmark(benchmark, case_provider):
         torch.cuda.synchronize()
 
     benchmark.pedantic(timed, rounds=ROUNDS, warmup_rounds=3, iterations=1)
+    if not benchmark.stats:  # --benchmark-disable: the function ran once, untimed
+        return
     ms = benchmark.stats["median"] * 1e3
     if case.bytes is not None:
         benchmark.extra_info["GB/s"] = round(case.bytes / ms * 1e-6, 1)
