@@ -77,7 +77,7 @@ def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
               stride_cm, stride_cn, stride_bias, stride_rm, stride_rn, stride_xm, stride_xn, pid_m,
               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               STORE_PRE: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_DBIAS: tl.constexpr,
-              EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr):
+              EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
     """Finish one fp32 (rows, columns rn) piece of the tile. C, RES and AUX already point at
     the tile's first row and rm counts rows from there, so the offsets stay int32."""
     mask_n = rn < N
@@ -92,9 +92,9 @@ def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
                 pre = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
             acc = acc * _act_grad(pre, ACTIVATION)
         if EVEN_MN:
-            tl.store(c_ptrs, acc.to(C.dtype.element_ty))
+            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET))
         else:
-            tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET), mask=mask)
         if HAS_DBIAS:
             BLOCK_M: tl.constexpr = acc.shape[0]
             SLICES: tl.constexpr = BLOCK_M // PARTIAL_ROWS
@@ -108,9 +108,9 @@ def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
             acc += tl.load(BIAS + rn * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if STORE_PRE:
             if EVEN_MN:
-                tl.store(x_ptrs, acc.to(AUX.dtype.element_ty))
+                tl.store(x_ptrs, common.cast(acc, AUX.dtype.element_ty, INTERPRET))
             else:
-                tl.store(x_ptrs, acc.to(AUX.dtype.element_ty), mask=mask)
+                tl.store(x_ptrs, common.cast(acc, AUX.dtype.element_ty, INTERPRET), mask=mask)
         acc = _act(acc, ACTIVATION)
         if HAS_RESIDUAL:
             r_ptrs = RES + rm[:, None] * stride_rm + rn[None, :] * stride_rn
@@ -119,9 +119,9 @@ def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
             else:
                 acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
         if EVEN_MN:
-            tl.store(c_ptrs, acc.to(C.dtype.element_ty))
+            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET))
         else:
-            tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M_BUCKET"])
@@ -194,7 +194,7 @@ def _matmul_kernel(
         _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N, stride_cm, stride_cn,
                   stride_bias, stride_rm, stride_rn, stride_xm, stride_xn, pid_m,
                   HAS_BIAS, ACTIVATION, HAS_RESIDUAL, STORE_PRE, ACT_GRAD, HAS_DBIAS, EVEN_MN,
-                  PARTIAL_ROWS)
+                  PARTIAL_ROWS, INTERPRET)
     else:
         tl.static_assert(EPI_SPLIT == 2 or EPI_SPLIT == 4)
         W: tl.constexpr = BLOCK_N // EPI_SPLIT
@@ -209,7 +209,7 @@ def _matmul_kernel(
             _epilogue(pieces[i], rm, col0 + i * W + tl.arange(0, W), mask_m, C, BIAS, RES, AUX,
                       PART, M, N, stride_cm, stride_cn, stride_bias, stride_rm, stride_rn,
                       stride_xm, stride_xn, pid_m, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, STORE_PRE,
-                      ACT_GRAD, HAS_DBIAS, EVEN_MN, PARTIAL_ROWS)
+                      ACT_GRAD, HAS_DBIAS, EVEN_MN, PARTIAL_ROWS, INTERPRET)
 
 
 @triton.jit
@@ -217,7 +217,7 @@ def _act_grad_kernel(
     G, PRE, DPRE, PART,
     M, N, stride_gm, stride_gn, stride_pm, stride_pn,
     ACTIVATION: tl.constexpr, STORE_DPRE: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dPre = G * act'(PRE) on a (BLOCK_M, BLOCK_N) tile; PART row pid_m gets its column sums.
 
@@ -236,7 +236,8 @@ def _act_grad_kernel(
         pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
         g = g * _act_grad(pre.to(tl.float32), ACTIVATION)
     if STORE_DPRE:
-        tl.store(DPRE + rm64[:, None] * N + rn[None, :], g.to(DPRE.dtype.element_ty), mask=mask)
+        tl.store(DPRE + rm64[:, None] * N + rn[None, :], common.cast(g, DPRE.dtype.element_ty, INTERPRET),
+                 mask=mask)
     if HAS_DBIAS:
         tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(tl.where(mask, g, 0.0), axis=0), mask=mask_n)
 
@@ -406,7 +407,7 @@ def act_grad(g, pre, activation, dbias=False, store_dpre=True):
         g, pre_t, dpre if dpre is not None else g, part if part is not None else g,
         M, N, g.stride(0), g.stride(1), pre_t.stride(0), pre_t.stride(1),
         ACTIVATION=_act_code(activation), STORE_DPRE=store_dpre, HAS_DBIAS=dbias,
-        BLOCK_M=PARTIAL_ROWS, BLOCK_N=ACT_GRAD_BLOCK_N, num_warps=4)
+        BLOCK_M=PARTIAL_ROWS, BLOCK_N=ACT_GRAD_BLOCK_N, INTERPRET=common.interpreting(), num_warps=4)
     return dpre, (_reduce_partials(part, g.dtype) if dbias else None)
 
 
@@ -475,8 +476,9 @@ def aot_specs():
             signature={"G": "*bf16", "PRE": "*bf16", "DPRE": "*bf16", "PART": "*fp32", "M": "i32",
                        "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr", "stride_pm": "i32",
                        "stride_pn": "constexpr", "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr",
-                       "HAS_DBIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+                       "HAS_DBIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                       "INTERPRET": "constexpr"},
             constexprs=dict(stride_gn=1, stride_pn=1, ACTIVATION=act, STORE_DPRE=True, HAS_DBIAS=True,
-                            BLOCK_M=PARTIAL_ROWS, BLOCK_N=ACT_GRAD_BLOCK_N),
+                            BLOCK_M=PARTIAL_ROWS, BLOCK_N=ACT_GRAD_BLOCK_N, INTERPRET=False),
             num_warps=4, aligned=("N", "stride_gm", "stride_pm")))
     return specs
