@@ -373,7 +373,12 @@ class _LayerMixin:
         self.activation_relu_or_gelu = {"relu": 1, "gelu": 2}.get(name, 0) if torch_compatible else 0
 
     def _add_norm(self, module, x, residual=None, dropout_p=0.0):
-        """``(norm(dropout(x) + residual), dropout(x) + residual)`` in one kernel."""
+        """``(norm(dropout(x) + residual), dropout(x) + residual)`` in one kernel.
+
+        The outputs take x's and residual's dtypes. Under autocast x (a matmul's output) is
+        low precision while the residual stream stays fp32, as in torch's layers; where the
+        norm's output is the residual stream itself (Post-LN) it must stay fp32 too.
+        """
         ops = _ops(x)
         if self.norm == "layer":
             return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p)
@@ -404,6 +409,13 @@ class _LayerMixin:
 
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
+
+
+def _like(a, x):
+    """Post-LN under autocast: the sublayer output (low precision) joins the fp32 residual
+    stream, and the norm's output, which becomes the stream, keeps the stream's dtype as torch's
+    fp32 ``layer_norm`` does. A no-op outside autocast."""
+    return a if a.dtype == x.dtype else a.to(torch.promote_types(a.dtype, x.dtype))
 
 
 def _batch(src, batch_first):
@@ -481,8 +493,8 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
             n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
             y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
         else:
-            h, _ = self._add_norm(self.norm1, sa(x), x, p1)
-            y, _ = self._add_norm(self.norm2, self._ffn(h), h, self.dropout2.p if self.training else 0.0)
+            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
+            y, _ = self._add_norm(self.norm2, _like(self._ffn(h), h), h, self.dropout2.p if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
 
     @classmethod
@@ -560,9 +572,9 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
             n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
             y = self._ffn(n3, residual=h)
         else:
-            h, _ = self._add_norm(self.norm1, sa(x), x, p(self.dropout1))
-            h, _ = self._add_norm(self.norm2, ca(h), h, p(self.dropout2))
-            y, _ = self._add_norm(self.norm3, self._ffn(h), h, p(self.dropout3))
+            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
+            h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
+            y, _ = self._add_norm(self.norm3, _like(self._ffn(h), h), h, p(self.dropout3))
         return _unbatch(y, batched, bf)
 
     @classmethod

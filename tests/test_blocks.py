@@ -1,0 +1,429 @@
+"""Parity of the fused Transformer layers with torch's on the same weights.
+
+Each case runs the same weights three ways: torch's layer in float64 (the oracle), torch's
+layer in the test dtype (PyTorch's own error), and the fused layer in the test dtype. A block
+chains about ten ops whose rounding points differ from torch's (fused adds, fp32 epilogues),
+so the rule is ``err(fused) <= BLOCK_FACTOR * err(torch) + atol * max(1, |ref|)`` with the
+per-dtype atol of ``tests/numerics.py``, checked on the output, the input gradients and every
+parameter gradient. On CUDA fp32 runs the kernels in TF32 (about 1e-3 relative per product),
+so fp32 then gets TF32's atol.
+
+Shapes: d_model 32 with 2 heads gives head dim 16, the kernel's smallest; L = 9 and S = 7 are
+not multiples of any block size, so every masked edge runs; batch 2 so that padding differs
+per sequence. Everything is tiny because the suite runs through the Triton interpreter.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fused_block
+from fused_block import blocks
+import numerics
+
+BLOCK_FACTOR = 4.0
+TF32_ATOL = 5e-3
+D, H, FF, B, L, S = 32, 2, 64, 2, 9, 7
+
+
+def _atol(dtype, device):
+    if dtype == torch.float32 and device.type == "cuda":
+        return TF32_ATOL
+    return numerics.ATOL[dtype]
+
+
+def _assert_close(name, actual, ref64, baseline, dtype, device):
+    scale = max(1.0, ref64.detach().abs().max().item())
+    numerics.assert_close(name, actual, ref64, baseline, atol=_atol(dtype, device) * scale, factor=BLOCK_FACTOR)
+
+
+def _padding(batch, n, device):
+    """Bool (batch, n), True = padding: the first sequence loses its last 3 keys, the second none."""
+    m = torch.zeros(batch, n, dtype=torch.bool, device=device)
+    m[0, n - 3:] = True
+    return m
+
+
+def _causal(n, device, dtype=torch.float32):
+    return nn.Transformer.generate_square_subsequent_mask(n, device=device, dtype=dtype)
+
+
+def _run(layer, inputs, kwargs, grad_out):
+    """Output and the gradients of every floating input and parameter (name -> tensor)."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    layer.zero_grad(set_to_none=True)
+    out = layer(*inputs, **kwargs)
+    out.backward(grad_out.to(out.dtype))
+    grads = {f"input{i}.grad": t.grad for i, t in enumerate(inputs)}
+    grads.update({f"{n}.grad": p.grad for n, p in layer.named_parameters()})
+    return out, grads
+
+
+def _three_ways(torch_layer, fused_layer, inputs, kwargs, dtype, device, mode="train"):
+    """Compare fused (dtype) with torch (float64 oracle, dtype baseline) on the same weights."""
+    torch_layer = torch_layer.to(device)
+    fused_layer = fused_layer.to(device=device, dtype=dtype)
+    fused_layer.load_state_dict(torch_layer.state_dict())
+    ref = copy.deepcopy(torch_layer).double()
+    base = copy.deepcopy(torch_layer).to(dtype)
+    for m in (ref, base, fused_layer):
+        m.train(mode == "train")
+    cast = lambda d: {k: (v.to(d) if torch.is_tensor(v) and v.is_floating_point() else v)  # noqa: E731
+                      for k, v in kwargs.items()}
+    grad_out = numerics.randn(*inputs[0].shape, dtype=torch.float64, device=device)  # output: input0's shape
+    out64, g64 = _run(ref, [t.double() for t in inputs], cast(torch.float64), grad_out)
+    out_b, g_b = _run(base, [t.to(dtype) for t in inputs], cast(dtype), grad_out)
+    out_f, g_f = _run(fused_layer, [t.to(dtype) for t in inputs], cast(dtype), grad_out)
+    assert out_f.dtype == dtype
+    _assert_close("output", out_f, out64, out_b, dtype, device)
+    assert g_f.keys() == g64.keys()
+    for name in g64:
+        assert g_f[name] is not None, f"{name} is None"
+        _assert_close(name, g_f[name], g64[name], g_b[name], dtype, device)
+
+
+def _layers(kind, **kw):
+    """A torch layer with fresh random weights and a fused layer of the same configuration."""
+    kw.setdefault("dropout", 0.0)
+    if kind == "encoder":
+        t = nn.TransformerEncoderLayer(D, H, FF, **kw)
+        f = fused_block.TransformerEncoderLayer(D, H, FF, **kw)
+    else:
+        t = nn.TransformerDecoderLayer(D, H, FF, **kw)
+        f = fused_block.TransformerDecoderLayer(D, H, FF, **kw)
+    _randomize(t)
+    return t, f
+
+
+def _randomize(layer):
+    """Non-trivial norm weights and biases (torch initializes them to 1 and 0)."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+
+
+def _x(batch_first, n, device, batch=B):
+    shape = (batch, n, D) if batch_first else (n, batch, D)
+    return numerics.randn(*shape, dtype=torch.float32, device=device)
+
+
+ENCODER_MASKS = {
+    "none": lambda dev: {},
+    "padding": lambda dev: {"src_key_padding_mask": _padding(B, L, dev)},
+    "causal_hint": lambda dev: {"src_mask": _causal(L, dev), "is_causal": True},
+    "causal_mask_and_padding": lambda dev: {"src_mask": _causal(L, dev), "src_key_padding_mask": _padding(B, L, dev)},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# construction, parameters, state dicts
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_same_parameters_initialization_and_state_dict_as_torch(kind):
+    cls_t = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
+    cls_f = fused_block.TransformerEncoderLayer if kind == "encoder" else fused_block.TransformerDecoderLayer
+    torch.manual_seed(0)
+    t = cls_t(D, H)
+    torch.manual_seed(0)
+    f = cls_f(D, H)
+    assert isinstance(f, cls_t)
+    st, sf = t.state_dict(), f.state_dict()
+    assert list(st) == list(sf)
+    for k in st:  # same names, shapes and (same seed) values: torch's init, in torch's order
+        assert torch.equal(st[k], sf[k]), k
+    assert (f.linear1.out_features, f.dropout.p, f.norm1.eps, f.norm_first, f.self_attn.batch_first) == (2048, 0.1, 1e-5, False, False)
+    # state dicts load both ways
+    _randomize(t)
+    f.load_state_dict(t.state_dict())
+    t2 = cls_t(D, H)
+    t2.load_state_dict(f.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(t.state_dict().values(), t2.state_dict().values()))
+
+
+def test_constructor_keywords_norm_and_num_kv_heads():
+    f = fused_block.TransformerEncoderLayer(64, 4, 128, norm="rms", num_kv_heads=2, bias=False)
+    assert isinstance(f.norm1, nn.RMSNorm) and isinstance(f.norm2, nn.RMSNorm)
+    assert f.self_attn.in_proj_weight.shape == ((4 + 2 * 2) * 16, 64)
+    assert f.self_attn.in_proj_bias is None and f.linear1.bias is None
+    d = fused_block.TransformerDecoderLayer(64, 4, 128, num_kv_heads=1)
+    assert d.multihead_attn.in_proj_weight.shape == ((4 + 2) * 16, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# parity with torch's layers
+# ---------------------------------------------------------------------------------------------
+
+# Pairwise coverage of norm_first x batch_first x mask x mode: every pair of values of any
+# two axes appears in some case (the full product is 32 cases, too slow for the interpreter).
+ENCODER_CASES = [
+    (True, True, "padding", "train"),
+    (True, False, "causal_hint", "eval"),
+    (True, True, "causal_mask_and_padding", "eval"),
+    (True, False, "none", "train"),
+    (False, True, "none", "eval"),
+    (False, False, "padding", "eval"),
+    (False, True, "causal_hint", "train"),
+    (False, False, "causal_mask_and_padding", "train"),
+]
+
+
+@pytest.mark.parametrize("norm_first, batch_first, mask, mode", ENCODER_CASES)
+def test_encoder_matches_torch_fp32(norm_first, batch_first, mask, mode, device, launches):
+    t, f = _layers("encoder", norm_first=norm_first, batch_first=batch_first)
+    _three_ways(t, f, [_x(batch_first, L, device)], ENCODER_MASKS[mask](device), torch.float32, device, mode)
+    # one attention forward and backward, two fused add+norms, QKV / out / FFN on the GEMM
+    assert launches["attention_fwd"] == 1 and launches["attention_bwd_dq"] == 1
+    assert launches["add_norm_fwd"] == 2 and launches["add_norm_bwd"] == 2 and launches["matmul"] >= 4
+
+
+@pytest.mark.parametrize("norm_first, dtype", [(True, torch.bfloat16), (False, torch.float16)])
+def test_encoder_matches_torch_low_precision(norm_first, dtype, device, launches):
+    t, f = _layers("encoder", norm_first=norm_first, batch_first=True, activation="gelu")
+    kwargs = {"src_mask": _causal(L, device), "is_causal": True, "src_key_padding_mask": _padding(B, L, device)}
+    _three_ways(t, f, [_x(True, L, device)], kwargs, dtype, device)
+    assert launches["attention_fwd"] == 1
+
+
+DECODER_MASKS = {
+    "none": lambda dev: {},
+    "causal_and_padding": lambda dev: {"tgt_mask": _causal(L, dev), "tgt_is_causal": True,
+                                       "tgt_key_padding_mask": _padding(B, L, dev),
+                                       "memory_key_padding_mask": _padding(B, S, dev)},
+}
+
+
+@pytest.mark.parametrize("norm_first, batch_first, mask, mode", [
+    (True, True, "causal_and_padding", "train"),
+    (True, False, "none", "eval"),
+    (False, True, "none", "train"),
+    (False, False, "causal_and_padding", "eval"),
+])
+def test_decoder_matches_torch_fp32(norm_first, batch_first, mask, mode, device, launches):
+    t, f = _layers("decoder", norm_first=norm_first, batch_first=batch_first)
+    inputs = [_x(batch_first, L, device), _x(batch_first, S, device)]
+    _three_ways(t, f, inputs, DECODER_MASKS[mask](device), torch.float32, device, mode)
+    assert launches["attention_fwd"] == 2 and launches["add_norm_fwd"] == 3
+
+
+def test_decoder_matches_torch_bf16(device):
+    t, f = _layers("decoder", norm_first=False, batch_first=True)
+    inputs = [_x(True, L, device), _x(True, S, device)]
+    _three_ways(t, f, inputs, DECODER_MASKS["causal_and_padding"](device), torch.bfloat16, device)
+
+
+def test_causal_mask_without_hint_is_detected(device, launches):
+    """A float causal src_mask with is_causal=False (bool too) runs the causal kernel, no fallback."""
+    t, f = _layers("encoder", norm_first=True, batch_first=True)
+    bool_causal = torch.ones(L, L, dtype=torch.bool, device=device).triu(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _three_ways(t, f, [_x(True, L, device)], {"src_mask": bool_causal}, torch.float32, device)
+    assert launches["attention_fwd"] == 1
+
+
+def test_is_causal_without_mask(device):
+    """Unlike torch (which needs the mask beside the hint), is_causal=True alone is enough."""
+    t, f = _layers("encoder", norm_first=False, batch_first=True)
+    f = f.to(device)
+    f.load_state_dict(t.state_dict())
+    x = _x(True, L, device)
+    with torch.no_grad():
+        expected = t.to(device)(x, src_mask=_causal(L, device), is_causal=True)
+        torch.testing.assert_close(f(x, is_causal=True), expected, atol=_atol(torch.float32, device) * 4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["random_float", "per_head_3d_bool", "float_padding"])
+def test_general_masks_fall_back_with_one_time_warning(kind, device, launches, monkeypatch):
+    monkeypatch.setattr(blocks, "_WARNED", set())
+    t, f = _layers("encoder", norm_first=True, batch_first=True)
+    if kind == "random_float":
+        kwargs = {"src_mask": torch.randn(L, L, device=device)}
+    elif kind == "per_head_3d_bool":
+        m = torch.rand(B * H, L, L, device=device) < 0.3
+        m[:, torch.arange(L), torch.arange(L)] = False  # every query keeps a key (no NaN rows in torch)
+        kwargs = {"src_mask": m}
+    else:
+        kpm = torch.zeros(B, L, device=device)
+        kpm[0, -2:] = -1.5  # finite additive values are not padding
+        kwargs = {"src_key_padding_mask": kpm}
+    with pytest.warns(UserWarning, match="scaled_dot_product_attention"):
+        _three_ways(t, f, [_x(True, L, device)], kwargs, torch.float32, device)
+    assert launches["attention_fwd"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # one-time: the second call is silent
+        f(_x(True, L, device).to(device), **kwargs)
+
+
+def test_float_padding_mask_of_zeros_and_neg_inf_uses_kernel(device, launches):
+    """nn.TransformerEncoder hands its layers float (0 / -inf) padding masks."""
+    t, f = _layers("encoder", norm_first=False, batch_first=True)
+    kpm = torch.zeros(B, L, device=device).masked_fill(_padding(B, L, device), float("-inf"))
+    _three_ways(t, f, [_x(True, L, device)], {"src_key_padding_mask": kpm}, torch.float32, device)
+    assert launches["attention_fwd"] == 1
+
+
+def test_head_dim_outside_kernel_range_falls_back(device, launches, monkeypatch):
+    monkeypatch.setattr(blocks, "_WARNED", set())
+    t = nn.TransformerEncoderLayer(D, 4, FF, 0.0, batch_first=True)  # head dim 8
+    f = fused_block.TransformerEncoderLayer(D, 4, FF, 0.0, batch_first=True)
+    with pytest.warns(UserWarning, match="head dim 8"):
+        _three_ways(t, f, [_x(True, L, device)], {"src_key_padding_mask": _padding(B, L, device)},
+                    torch.float32, device)
+    assert launches["attention_fwd"] == 0 and launches["matmul"] > 0
+
+
+def test_eval_inference_matches_torch_fast_path(device):
+    """torch's eval/no-grad fast path (fused native kernel) against the fused layer."""
+    t, f = _layers("encoder", norm_first=False, batch_first=True)
+    t, f = t.to(device).eval(), f.to(device).eval()
+    f.load_state_dict(t.state_dict())
+    x = _x(True, L, device)
+    with torch.inference_mode():
+        expected = t(x)
+        actual = f(x)
+    torch.testing.assert_close(actual, expected, atol=_atol(torch.float32, device) * 4, rtol=0)
+
+
+def test_unbatched_input(device):
+    t, f = _layers("decoder", norm_first=True, batch_first=False)
+    t, f = t.to(device), f.to(device)
+    f.load_state_dict(t.state_dict())
+    x, mem = numerics.randn(L, D, dtype=torch.float32, device=device), numerics.randn(S, D, dtype=torch.float32, device=device)
+    kpm = torch.zeros(S, dtype=torch.bool, device=device)
+    kpm[-2:] = True
+    with torch.no_grad():
+        torch.testing.assert_close(f(x, mem, memory_key_padding_mask=kpm), t(x, mem, memory_key_padding_mask=kpm),
+                                   atol=_atol(torch.float32, device) * 4, rtol=0)
+
+
+def test_float64_runs_the_reference(device):
+    t, f = _layers("encoder", norm_first=True, batch_first=True)
+    t, f = t.double().to(device), f.double().to(device)
+    f.load_state_dict(t.state_dict())
+    x = _x(True, L, device).double()
+    kpm = _padding(B, L, device)
+    torch.testing.assert_close(f(x, src_key_padding_mask=kpm), t(x, src_key_padding_mask=kpm), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# added features: RMSNorm, GQA, dropout
+# ---------------------------------------------------------------------------------------------
+
+def test_rms_norm_matches_torch_layer_with_rms_norms(device):
+    t = nn.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=True)
+    t.norm1, t.norm2 = nn.RMSNorm(D, eps=1e-5), nn.RMSNorm(D, eps=1e-5)  # torch's forward calls norm1(x)
+    _randomize(t)
+    f = fused_block.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=True, norm="rms")
+    _three_ways(t, f, [_x(True, L, device)], {"src_key_padding_mask": _padding(B, L, device)}, torch.float32, device)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_gqa_equals_mha_with_repeated_kv_weights(kind, device, launches):
+    """num_kv_heads=1 with 2 query heads equals torch's MHA whose k/v rows are repeated per group."""
+    kw = dict(dropout=0.0, batch_first=True, norm_first=(kind == "encoder"))
+    cls_t, cls_f = ((nn.TransformerEncoderLayer, fused_block.TransformerEncoderLayer) if kind == "encoder"
+                    else (nn.TransformerDecoderLayer, fused_block.TransformerDecoderLayer))
+    f = cls_f(D, H, FF, num_kv_heads=1, **kw)
+    t = cls_t(D, H, FF, **kw)
+    _randomize(f)
+    state = dict(f.state_dict())
+    hd = D // H
+    for prefix in ("self_attn", "multihead_attn") if kind == "decoder" else ("self_attn",):
+        for suffix in ("weight", "bias"):
+            w = state[f"{prefix}.in_proj_{suffix}"]
+            q, k, v = w[:D], w[D:D + hd], w[D + hd:]
+            state[f"{prefix}.in_proj_{suffix}"] = torch.cat([q, k.repeat(H, *[1] * (k.dim() - 1)),
+                                                             v.repeat(H, *[1] * (v.dim() - 1))])
+    t.load_state_dict(state)
+    t, f = t.to(device), f.to(device)
+    x = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
+    with torch.no_grad():
+        torch.testing.assert_close(f(*x, **({"src_key_padding_mask": _padding(B, L, device)} if kind == "encoder" else {})),
+                                   t(*x, **({"src_key_padding_mask": _padding(B, L, device)} if kind == "encoder" else {})),
+                                   atol=_atol(torch.float32, device) * 4, rtol=0)
+    assert launches["attention_fwd"] >= 1
+
+
+def test_dropout_in_training_is_seeded_and_differentiable(device):
+    f = fused_block.TransformerEncoderLayer(D, H, FF, dropout=0.3, batch_first=True, norm_first=True).to(device)
+    x = _x(True, L, device).requires_grad_(True)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        outs.append(f(x))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)  # same seed, same masks
+    f.eval()
+    with torch.no_grad():
+        assert not torch.allclose(outs[0], f(x))  # dropout was active in training
+    outs[0].sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in f.parameters())
+
+
+def test_multihead_attention_module(device):
+    """The MultiheadAttention subclass alone: fused without weights, torch's with them."""
+    torch.manual_seed(0)
+    t = nn.MultiheadAttention(D, H, batch_first=True).to(device)
+    f = blocks.MultiheadAttention(D, H, batch_first=True).to(device)
+    f.load_state_dict(t.state_dict())
+    x, mem = _x(True, L, device), _x(True, S, device)
+    kpm = _padding(B, S, device)
+    with torch.no_grad():
+        got, w = f(x, mem, mem, key_padding_mask=kpm, need_weights=False)
+        assert w is None
+        want = t(x, mem, mem, key_padding_mask=kpm, need_weights=False)[0]
+        torch.testing.assert_close(got, want, atol=_atol(torch.float32, device) * 4, rtol=0)
+        torch.testing.assert_close(f(x, x, x)[1], t(x, x, x)[1])  # need_weights: torch's path
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: the errors torch gives, as ValueError/TypeError naming the argument
+# ---------------------------------------------------------------------------------------------
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="nhead") as e:
+        fused_block.TransformerEncoderLayer(30, 4)
+    assert isinstance(e.value, AssertionError)  # what torch raises
+    with pytest.raises(AssertionError):
+        nn.TransformerEncoderLayer(30, 4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        fused_block.TransformerDecoderLayer(32, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="norm"):
+        fused_block.TransformerEncoderLayer(32, 4, norm="batch")
+    with pytest.raises(RuntimeError, match="activation"):
+        fused_block.TransformerEncoderLayer(32, 4, activation="swish")
+
+
+@pytest.mark.parametrize("case", ["d_model", "src_mask_shape", "padding_shape", "padding_dtype", "rank"])
+def test_bad_forward_arguments_raise_like_torch(case):
+    t = nn.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True)
+    f = fused_block.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True)
+    x = torch.randn(B, L, D)
+    args, kwargs, torch_exc, our_exc, name = {
+        "d_model": ((torch.randn(B, L, D + 8),), {}, AssertionError, ValueError, "src"),
+        "src_mask_shape": ((x,), {"src_mask": torch.zeros(L - 1, L - 1)}, RuntimeError, ValueError, "src_mask"),
+        "padding_shape": ((x,), {"src_key_padding_mask": torch.zeros(B, L - 1, dtype=torch.bool)},
+                          AssertionError, ValueError, "src_key_padding_mask"),
+        "padding_dtype": ((x,), {"src_key_padding_mask": torch.zeros(B, L, dtype=torch.int64)},
+                          AssertionError, TypeError, "src_key_padding_mask"),
+        "rank": ((torch.randn(1, B, L, D),), {}, AssertionError, ValueError, "src"),
+    }[case]
+    with pytest.raises(torch_exc):
+        t(*args, **kwargs)
+    with pytest.raises(our_exc, match=name) as e:
+        f(*args, **kwargs)
+    assert isinstance(e.value, torch_exc)
+
+
+def test_bad_decoder_memory():
+    f = fused_block.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True)
+    with pytest.raises(ValueError, match="memory"):
+        f(torch.randn(B, L, D), torch.randn(B, S, D + 8))
+    with pytest.raises(ValueError, match="memory"):
+        f(torch.randn(B, L, D), torch.randn(B + 1, S, D))
+    with pytest.raises(ValueError, match="memory_mask"):
+        f(torch.randn(B, L, D), torch.randn(B, S, D), memory_mask=torch.zeros(L, L))

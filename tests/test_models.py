@@ -1,0 +1,303 @@
+"""Models, conversion of existing torch models, and integration: compile, autocast,
+checkpointing, DDP, and a short training run against torch's layers.
+
+Model shapes are tiny (d_model 32, 2 heads, 1-2 layers, vocabulary 64, sequences of 8-12)
+because every kernel runs through the Triton interpreter on CPU-only machines.
+"""
+import copy
+import dataclasses
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fused_block
+from fused_block import models
+
+TINY_GPT = models.DecoderOnlyConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
+TINY_BERT = models.EncoderOnlyConfig(vocab_size=64, max_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0)
+TINY_SEQ2SEQ = models.EncoderDecoderConfig(vocab_size=64, max_len=16, n_encoder_layers=1, n_decoder_layers=1,
+                                           n_head=2, d_model=32, dim_feedforward=64, dropout=0.0)
+# Training tests: one layer, batches of 4 x 8 tokens (each step is ~20 interpreted launches).
+TRAIN_GPT = dataclasses.replace(TINY_GPT, n_layer=1)
+# fp32 through the interpreter is IEEE; on CUDA the kernels' fp32 products run in TF32.
+FP32_ATOL = 5e-3 if torch.cuda.is_available() else 2e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter counts (meta tensors: nothing is allocated)
+# ---------------------------------------------------------------------------------------------
+
+def test_gpt2_small_parameter_count_reproduces_the_seeds_estimate():
+    with torch.device("meta"):
+        model = models.DecoderOnly(models.DecoderOnlyConfig())
+    pc = models.param_count(model)
+    d, n = 768, 12
+    assert len(pc.blocks) == n
+    block = pc.blocks[0]
+    assert block.attention == 4 * d * d + 4 * d          # W_Q, W_K, W_V, W_O and their biases: ~4d^2
+    assert block.ffn == 8 * d * d + 4 * d + d            # W_1, W_2 (d_ff = 4d) and biases: ~8d^2
+    assert block.total == block.attention + block.ffn + block.norm
+    assert pc.in_blocks == 85_054_464                    # ~85M = 12 N d^2 (84.9M) + biases and norms
+    assert abs(pc.in_blocks / (12 * n * d * d) - 1) < 0.002
+    assert pc.embeddings == (50257 + 1024) * d           # token + position tables; the LM head is tied
+    assert pc.total == 124_439_808                       # GPT-2 small: 124M
+    assert pc.estimate == models.estimate_params(d, n, 50257, 1024)
+    assert abs(pc.estimate / pc.total - 1) < 0.001
+    assert "124,439,808" in str(pc)
+
+
+def test_seed_base_transformer_block_ffn_is_twice_attention():
+    """The seeds' example: d_model 512, d_ff 2048: FFN ~2.1M, attention ~1.0M per block."""
+    with torch.device("meta"):
+        model = models.EncoderDecoder(models.EncoderDecoderConfig())
+        bert = models.EncoderOnly(models.EncoderOnlyConfig())
+    pc = models.param_count(model)
+    enc, dec = pc.blocks[0], pc.blocks[-1]
+    assert abs(enc.ffn / 2.1e6 - 1) < 0.01 and abs(enc.attention / 1.0e6 - 1) < 0.06  # 2,099,712 and 1,050,624
+    assert abs(enc.ffn / enc.attention - 2) < 0.01
+    assert dec.attention == 2 * enc.attention             # decoder blocks add cross-attention
+    assert 60e6 < pc.total < 66e6                          # "Attention Is All You Need" base: 65M
+    assert 105e6 < models.param_count(bert).total < 112e6  # BERT-base: 110M
+
+
+@pytest.mark.parametrize("family", ["encoder_only", "decoder_only", "encoder_decoder"])
+def test_torch_and_fused_builds_have_the_same_parameters(family):
+    cls, cfg = {"encoder_only": (models.EncoderOnly, TINY_BERT), "decoder_only": (models.DecoderOnly, TINY_GPT),
+                "encoder_decoder": (models.EncoderDecoder, TINY_SEQ2SEQ)}[family]
+    t, f = cls(cfg, fused=False), cls(cfg, fused=True)
+    f.load_state_dict(t.state_dict())
+    t.load_state_dict(f.state_dict())
+    assert models.param_count(t) == models.param_count(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# the three model families against their torch-built twins
+# ---------------------------------------------------------------------------------------------
+
+def _tokens(*shape, vocab=64, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, shape, generator=g).to(device)
+
+
+def _assert_models_match(t, f, run, atol=FP32_ATOL):
+    """Same loss and the same gradient for every parameter."""
+    lt, lf = run(t), run(f)
+    lt.backward()
+    lf.backward()
+    torch.testing.assert_close(lf, lt, atol=atol, rtol=0)
+    gt, gf = dict(t.named_parameters()), dict(f.named_parameters())
+    for name in gt:
+        torch.testing.assert_close(gf[name].grad, gt[name].grad, atol=atol * 10, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("family", ["encoder_only", "decoder_only", "encoder_decoder"])
+def test_models_match_their_torch_twins(family, device, launches):
+    torch.manual_seed(0)
+    pad = torch.zeros(2, 12, dtype=torch.bool, device=device)
+    pad[1, 9:] = True
+    tgt = _tokens(2, 12, seed=1, device=device)
+    if family == "encoder_only":
+        t = models.EncoderOnly(TINY_BERT, fused=False)
+        run = lambda m: m(_tokens(2, 12, device=device), key_padding_mask=pad, targets=tgt)[1]  # noqa: E731
+    elif family == "decoder_only":
+        t = models.DecoderOnly(TINY_GPT, fused=False)
+        run = lambda m: m(_tokens(2, 12, device=device), targets=tgt)[1]  # noqa: E731
+    else:
+        t = models.EncoderDecoder(TINY_SEQ2SEQ, fused=False)
+        run = lambda m: m(_tokens(2, 10, device=device), tgt, src_key_padding_mask=pad[:, :10], targets=tgt)[1]  # noqa: E731
+    t = t.to(device)
+    f = fused_block.convert(copy.deepcopy(t))
+    _assert_models_match(t, f, run)
+    assert launches["attention_fwd"] > 0 and launches["add_norm_bwd"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# convert()
+# ---------------------------------------------------------------------------------------------
+
+def test_convert_nn_transformer_in_place(device):
+    torch.manual_seed(0)
+    model = nn.Transformer(32, 2, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=64, dropout=0.0)
+    model = model.to(device)
+    model.encoder.eval()  # the mode of each layer is kept
+    before = {name: p for name, p in model.named_parameters()}
+    ref = copy.deepcopy(model)
+    out = fused_block.convert(model)
+    assert out is model
+    assert all(type(m) is fused_block.TransformerEncoderLayer for m in model.encoder.layers)
+    assert type(model.decoder.layers[0]) is fused_block.TransformerDecoderLayer
+    assert {n: p for n, p in model.named_parameters()} == before  # the same Parameter objects
+    assert not model.encoder.layers[0].training and model.decoder.layers[0].training
+    assert model.encoder.use_nested_tensor is False
+    src, tgt = torch.randn(10, 2, 32, device=device), torch.randn(8, 2, 32, device=device)
+    kw = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(8, device=device), tgt_is_causal=True,
+              src_key_padding_mask=torch.tensor([[False] * 10, [False] * 7 + [True] * 3], device=device))
+    kw["memory_key_padding_mask"] = kw["src_key_padding_mask"]
+    _assert_models_match(ref, model, lambda m: m(src, tgt, **kw).square().mean())
+
+
+def test_convert_user_module_keeps_optimizer_dtype_and_subclasses(device):
+    class Custom(nn.TransformerEncoderLayer):  # a user subclass: its forward is the user's, keep it
+        pass
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True)
+            self.stack = nn.Sequential(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), nn.Identity())
+            self.custom = Custom(32, 2, 64, 0.0, batch_first=True)
+
+        def forward(self, x):
+            return self.custom(self.stack(self.block(x)))
+
+    net = Net().to(device=device, dtype=torch.bfloat16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)  # built before the conversion
+    fused_block.convert(net)
+    assert type(net.block) is fused_block.TransformerEncoderLayer
+    assert type(net.stack[0]) is fused_block.TransformerEncoderLayer and type(net.custom) is Custom
+    assert all(p.dtype == torch.bfloat16 and p.device.type == device.type for p in net.parameters())
+    w = net.block.linear1.weight.detach().clone()
+    net(torch.randn(2, 5, 32, device=device, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    assert not torch.equal(w, net.block.linear1.weight)  # the optimizer updates the fused layer
+    single = fused_block.convert(nn.TransformerDecoderLayer(32, 2))
+    assert type(single) is fused_block.TransformerDecoderLayer
+    with pytest.raises(TypeError, match="model"):
+        fused_block.convert("not a module")
+
+
+# ---------------------------------------------------------------------------------------------
+# training: convergence, checkpointing, DDP
+# ---------------------------------------------------------------------------------------------
+
+def _corpus(n, T, vocab, seed):
+    """A learnable synthetic corpus: each sequence counts up by a per-sequence stride mod vocab."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    return (start + stride * torch.arange(T + 1)) % vocab
+
+
+def _train(model, steps, device, lr=1e-2):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    data = _corpus(64, 8, TRAIN_GPT.vocab_size, seed=0).to(device)
+    losses = []
+    for step in range(steps):
+        batch = data[(step * 4) % 64:(step * 4) % 64 + 4]
+        _, loss = model(batch[:, :-1], targets=batch[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_tiny_lm_converges_like_torch_layers(device):
+    """24 AdamW steps of a 1-layer GPT on torch's layers and on converted ones: the loss
+    curves agree within 1e-3 (fp32, IEEE in the interpreter; 2e-2 with TF32 on CUDA)."""
+    torch.manual_seed(0)
+    t = models.DecoderOnly(TRAIN_GPT, fused=False).to(device)
+    f = fused_block.convert(copy.deepcopy(t))
+    lt, lf = _train(t, 24, device), _train(f, 24, device)
+    tol = 2e-2 if device.type == "cuda" else 1e-3
+    assert max(abs(a - b) for a, b in zip(lt, lf)) < tol, (lt, lf)
+    assert lf[-1] < 0.6 * lf[0]  # it learns
+
+
+def test_activation_checkpointing_with_dropout(device):
+    """Recomputation regenerates the same dropout masks (seeds come from torch's RNG, which
+    checkpoint restores), so gradients equal the plain run's."""
+    layer = fused_block.TransformerEncoderLayer(32, 2, 64, dropout=0.2, batch_first=True, norm_first=True).to(device)
+    x = torch.randn(2, 12, 32, device=device)
+    grads = []
+    for use_ckpt in (False, True):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(7)
+        y = checkpoint(layer, xi, None, None, True, use_reentrant=False) if use_ckpt else layer(xi, is_causal=True)
+        y.square().sum().backward()
+        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _ddp_worker(rank, world, init_file, device_type):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # identical initial replicas
+        model = fused_block.convert(models.DecoderOnly(TRAIN_GPT, fused=False))
+        init = torch.cat([p.detach().flatten() for p in model.parameters()])
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        data = _corpus(8, 8, TRAIN_GPT.vocab_size, seed=10 + rank)  # different data on each rank
+        for step in range(2):
+            batch = data[step * 4:(step + 1) * 4]
+            _, loss = ddp(batch[:, :-1], targets=batch[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        assert torch.equal(gathered[0], gathered[1]), "replicas diverged"
+        assert not torch.equal(flat, init), "no training happened"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_keep_replicas_identical():
+    """Two CPU processes over gloo train a converted model on different data for 2 steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), "cpu"), nprocs=2, join=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile and autocast
+# ---------------------------------------------------------------------------------------------
+
+def test_torch_compile_fullgraph_on_converted_model(device, launches):
+    torch.manual_seed(0)
+    model = fused_block.convert(models.DecoderOnly(TRAIN_GPT, fused=False)).to(device)
+    idx, tgt = _tokens(2, 12, device=device), _tokens(2, 12, seed=1, device=device)
+    eager_loss = model(idx, targets=tgt)[1]
+    eager_loss.backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    loss = compiled(idx, targets=tgt)[1]
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss, atol=FP32_ATOL, rtol=0)
+    for p, g in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g, atol=FP32_ATOL * 10, rtol=1e-3)
+    assert launches["attention_fwd"] >= TRAIN_GPT.n_layer  # the kernels ran inside the graph
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast(dtype, device):
+    """Under autocast the fused layer follows torch's: low-precision matmuls, fp32 output for
+    fp32 input. Compared with the fp64 oracle: at most twice torch's own autocast error."""
+    if device.type == "cpu" and dtype == torch.float16 and not torch.backends.mkldnn.is_available():
+        pytest.skip("fp16 autocast needs oneDNN on CPU")
+    torch.manual_seed(0)
+    t = nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True, norm_first=True).to(device)
+    f = fused_block.convert(copy.deepcopy(t))
+    ref = copy.deepcopy(t).double()
+    x = torch.randn(2, 12, 32, device=device)
+    kpm = torch.zeros(2, 12, dtype=torch.bool, device=device)
+    kpm[0, 8:] = True
+    with torch.autocast(device.type, dtype=dtype):
+        yt, yf = t(x, src_key_padding_mask=kpm), f(x, src_key_padding_mask=kpm)
+    y64 = ref(x.double(), src_key_padding_mask=kpm)
+    assert yf.dtype == yt.dtype
+    err_t, err_f = (yt.double() - y64).abs().max().item(), (yf.double() - y64).abs().max().item()
+    assert err_f <= 2 * err_t + 1e-2, (err_f, err_t)
+    yf.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for p in f.parameters())
