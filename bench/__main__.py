@@ -1,4 +1,4 @@
-"""``python -m bench``: the main job.
+"""python -m bench: the main job, GPU timings or (without a GPU) the numerics report.
 
 On a CUDA GPU: measures the ceilings, times every spec's cases, checks numerics, and writes
 ``<gpu-slug>-<date>[-quick].json``, ``.md`` and PNG plots under ``--out``. Without one: says
@@ -33,6 +33,8 @@ def parse_args(argv):
     p.add_argument("--only", default=None, help="comma-separated specs, e.g. norm,attention "
                    f"(available: {','.join(specs.names())})")
     p.add_argument("--out", default=DEFAULT_OUT, help="results folder (default: bench/results)")
+    p.add_argument("--no-compile-table", action="store_true",
+                   help="without a GPU: skip the compiled-kernel table (it compiles every config)")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     if args.only:
@@ -94,11 +96,12 @@ def run_cpu(args, found) -> int:
           flush=True)
     rows = run_numerics(found)
     print(harness.format_numerics(rows), flush=True)
-    print("\n== compiled kernels (sm_80, sm_90) ==", flush=True)
-    try:
-        print(compile_table(args.only))
-    except Exception as exc:  # noqa: BLE001
-        print(f"compile table unavailable: {harness.describe_error(exc)}")
+    if not args.no_compile_table:
+        print("\n== compiled kernels (sm_80, sm_90) ==", flush=True)
+        try:
+            print(compile_table(args.only))
+        except Exception as exc:  # noqa: BLE001
+            print(f"compile table unavailable: {harness.describe_error(exc)}")
     failed = [r for r in rows if r.get("ok") is False]
     print(f"\nnumerics: {sum(r.get('ok') is True for r in rows)} pass, {len(failed)} fail, "
           f"{sum('unavailable' in r for r in rows)} unavailable")

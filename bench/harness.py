@@ -206,12 +206,24 @@ def max_err(a, ref) -> float:
 
 
 def compare(op: str, case: str, tensor: str, actual, ref64, baseline, *, atol=None) -> dict:
-    """A numerics row: ours (``actual``) and torch same-dtype (``baseline``) vs the float64 oracle."""
+    """A numerics row: ours (``actual``) and torch same-dtype (``baseline``) vs the float64 oracle.
+
+    The rule of ``tests/numerics.assert_close``: NaN/Inf exactly where the reference has them;
+    over the finite elements, ``err <= FACTOR * torch_err + atol``, where torch's error is taken
+    where its result is finite and floored at the error of rounding the exact result to the
+    output dtype.
+    """
     dtype = actual.dtype
     atol = ATOL[dtype] if atol is None else atol
-    err, base = max_err(actual, ref64), max_err(baseline, ref64)
-    finite = bool(torch.isfinite(actual.detach()).all().item()) if actual.numel() else True
-    ok = finite and err <= FACTOR * base + atol
+    actual, ref64, baseline = actual.detach(), ref64.detach(), baseline.detach()
+    finite = torch.isfinite(ref64)
+    same_nonfinite = torch.equal(torch.isfinite(actual), finite)
+    ref = ref64[finite]
+    err = max_err(actual[finite], ref) if same_nonfinite else float("nan")
+    b = baseline[finite]
+    b_ok = torch.isfinite(b)
+    base = max(max_err(b[b_ok], ref[b_ok]), max_err(ref.to(dtype), ref))
+    ok = same_nonfinite and err <= FACTOR * base + atol
     return {"op": op, "case": case, "dtype": dtype_name(dtype), "tensor": tensor,
             "err": err, "torch_err": base, "atol": atol, "ok": ok}
 

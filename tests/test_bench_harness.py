@@ -111,6 +111,10 @@ def test_numerics_rule_and_table():
     nan = harness.compare("op", "4", "out", torch.full((4,), float("nan"), dtype=torch.bfloat16), ref,
                           torch.zeros(4, dtype=torch.bfloat16))
     assert good["ok"] and not bad["ok"] and not nan["ok"]
+    # Torch's error is floored at the rounding error of the output dtype.
+    exact = torch.full((4,), 1 / 3, dtype=torch.float64)
+    rounded = harness.compare("op", "4", "out", exact.to(torch.bfloat16), exact, exact)
+    assert rounded["ok"] and rounded["torch_err"] > 0
     text = harness.format_numerics([good, bad, harness.unavailable_row("attention", "ImportError: not yet")])
     assert "pass" in text and "FAIL" in text and "unavailable: ImportError: not yet" in text
 
