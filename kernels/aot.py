@@ -11,6 +11,7 @@ memory and stack, i.e. spills) is read from the cubin.
 import argparse
 import dataclasses
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -49,6 +50,7 @@ class KernelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
+    module: str
     name: str
     arch: int
     num_warps: int
@@ -81,7 +83,7 @@ def _resource_usage(cubin: bytes, kernel_name: str) -> dict:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", match.group(1))}
 
 
-def compile_spec(spec: KernelSpec, arch: int) -> CompileReport:
+def compile_spec(spec: KernelSpec, arch: int, module: str = "") -> CompileReport:
     args = list(spec.signature)
     attrs = {}
     for i, a in enumerate(args):
@@ -92,7 +94,7 @@ def compile_spec(spec: KernelSpec, arch: int) -> CompileReport:
                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
     return CompileReport(
-        name=spec.name, arch=arch, num_warps=spec.num_warps, num_stages=spec.num_stages,
+        module=module, name=spec.name, arch=arch, num_warps=spec.num_warps, num_stages=spec.num_stages,
         registers=usage.get("REG", 0), shared=compiled.metadata.shared,
         local=usage.get("LOCAL", 0), stack=usage.get("STACK", 0),
         wgmma_required=spec.wgmma and arch >= 90,
@@ -106,7 +108,7 @@ def specs_of(module: str) -> list:
 
 def _compile_one(job):
     module, index, arch = job
-    return compile_spec(specs_of(module)[index], arch)
+    return compile_spec(specs_of(module)[index], arch, module)
 
 
 def compile_all(modules=MODULES, archs=ARCHS, jobs=None) -> list:
@@ -130,13 +132,37 @@ def format_table(reports) -> str:
     return "\n".join(lines)
 
 
+def compile_all_subprocess(modules=MODULES, jobs=None) -> list:
+    """:func:`compile_all` in a fresh interpreter with ``TRITON_INTERPRET`` off.
+
+    Under the interpreter ``triton.jit`` makes interpreted functions, which cannot be compiled
+    for a GPU; the test suite (which runs with ``TRITON_INTERPRET=1``) uses this.
+    """
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "reports.json")
+        cmd = [sys.executable, "-m", "fused_block.kernels.aot", "--json", path, "--quiet"]
+        cmd += [f"--module={m}" for m in modules] + ([f"--jobs={jobs}"] if jobs else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if not os.path.exists(path):
+            raise RuntimeError(f"compile run failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        with open(path) as f:
+            return [CompileReport(**r) for r in json.load(f)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--module", action="append", choices=MODULES, help="only these kernel modules")
     parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--json", help="also write the reports to this JSON file")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary line")
     args = parser.parse_args(argv)
     reports = compile_all(tuple(args.module or MODULES), jobs=args.jobs)
-    print(format_table(reports))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in reports], f)
+    if not args.quiet:
+        print(format_table(reports))
     bad = [r for r in reports if r.spills or (r.wgmma_required and not r.wgmma_found)]
     print(f"\n{len(reports)} compiled, {len(bad)} with spills or missing wgmma")
     return 1 if bad else 0

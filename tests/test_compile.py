@@ -14,13 +14,14 @@ MODULES = [m for m in aot.MODULES if importlib.util.find_spec(f"fused_block.kern
 
 @pytest.fixture(scope="module")
 def reports():
-    return aot.compile_all(tuple(MODULES))
+    # In a subprocess: the suite runs with TRITON_INTERPRET=1, whose kernels cannot be compiled.
+    return aot.compile_all_subprocess(tuple(MODULES))
 
 
-def test_every_kernel_module_ships_specs():
-    assert MODULES, "no kernel modules found"
+def test_every_kernel_module_ships_specs(reports):
+    assert set(MODULES) == set(aot.MODULES), "a kernel module is missing"
     for m in MODULES:
-        assert aot.specs_of(m), f"fused_block.kernels.{m}.aot_specs() is empty"
+        assert {r.arch for r in reports if r.module == m} == set(aot.ARCHS), f"no specs compiled for {m}"
 
 
 def test_compiles_without_spills(reports):

@@ -100,7 +100,7 @@ def test_fp32_weight_and_residual_stream(device, launches, dtype, norm):
     base = _grads((_call(_ref(norm), norm, *inputs, compute_dtype=dtype)[0],), inputs, (g,))
     for name, a, w, b in zip(("dx", "dresidual", "dweight", "dbias"), got, want, base):
         assert a.dtype == (dtype if name == "dx" else torch.float32)
-        assert_close(name, a, w, b)
+        assert_close(name, a, w, b, dtype=dtype)
     assert launches["add_norm_fwd"] == 2 and launches["add_norm_bwd"] == 1
 
 
