@@ -23,7 +23,7 @@ TINY_GPT = models.DecoderOnlyConfig(vocab_size=64, block_size=16, n_layer=2, n_h
 TINY_BERT = models.EncoderOnlyConfig(vocab_size=64, max_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0)
 TINY_SEQ2SEQ = models.EncoderDecoderConfig(vocab_size=64, max_len=16, n_encoder_layers=1, n_decoder_layers=1,
                                            n_head=2, d_model=32, dim_feedforward=64, dropout=0.0)
-# Training tests: one layer, batches of 4 x 8 tokens (each step is ~20 interpreted launches).
+# Training tests: one layer, batches of 2 x 8 tokens (each step is ~25 interpreted launches).
 TRAIN_GPT = dataclasses.replace(TINY_GPT, n_layer=1)
 # fp32 through the interpreter is IEEE; on CUDA the kernels' fp32 products run in TF32.
 FP32_ATOL = 5e-3 if torch.cuda.is_available() else 2e-5
@@ -180,16 +180,16 @@ def _corpus(n, T, vocab, seed):
     """A learnable synthetic corpus: each sequence counts up by a per-sequence stride mod vocab."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, vocab, (n, 1), generator=g)
-    stride = torch.randint(1, 4, (n, 1), generator=g)
+    stride = torch.randint(1, 3, (n, 1), generator=g)
     return (start + stride * torch.arange(T + 1)) % vocab
 
 
 def _train(model, steps, device, lr=1e-2):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    data = _corpus(64, 8, TRAIN_GPT.vocab_size, seed=0).to(device)
+    data = _corpus(48, 8, 16, seed=0).to(device)  # 16 of the 64 tokens: learnable in a few steps
     losses = []
     for step in range(steps):
-        batch = data[(step * 4) % 64:(step * 4) % 64 + 4]
+        batch = data[(step * 2) % 48:(step * 2) % 48 + 2]
         _, loss = model(batch[:, :-1], targets=batch[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -207,7 +207,7 @@ def test_tiny_lm_converges_like_torch_layers(device):
     lt, lf = _train(t, 24, device), _train(f, 24, device)
     tol = 2e-2 if device.type == "cuda" else 1e-3
     assert max(abs(a - b) for a, b in zip(lt, lf)) < tol, (lt, lf)
-    assert lf[-1] < 0.6 * lf[0]  # it learns
+    assert lf[-1] < 0.5 * lf[0], lf  # it learns
 
 
 def test_activation_checkpointing_with_dropout(device):
@@ -271,7 +271,11 @@ def test_torch_compile_fullgraph_on_converted_model(device, launches):
     eager_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
+    # fullgraph=True is the check that nothing breaks the graph; aot_eager runs dynamo, the ops'
+    # fake implementations and AOT autograd. Inductor's CPU (C++) codegen would add ~30 s of
+    # cold compile time to the interpreter suite, so it runs where a GPU is.
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     loss = compiled(idx, targets=tgt)[1]
     loss.backward()
     torch.testing.assert_close(loss, eager_loss, atol=FP32_ATOL, rtol=0)
