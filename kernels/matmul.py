@@ -258,8 +258,10 @@ CONFIGS = (
     (64, 128, 64, 4, 4, 1),
     (64, 64, 64, 4, 4, 1),
 )
-# The interpreter runs one config: few programs, but tiles small enough for numpy to be quick.
-INTERPRETER_CONFIG = (64, 64, 64, 4, 1, 1)
+# The interpreter runs one config. Its cost is per program and per op (nested jit calls
+# included) rather than per element, so a large tile with an unsliced epilogue is quickest;
+# tests swap in other tiles to cover the sliced epilogue and multi-tile grids.
+INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
 ACT_GRAD_BLOCK_N = 128
 
 
