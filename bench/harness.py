@@ -73,12 +73,12 @@ from typing import Callable
 
 import torch
 
+# The numerics rule the tests use (python -m bench sets TRITON_INTERPRET before importing this).
+from fused_block.testing import ATOL, FACTOR, check, max_err  # noqa: F401
+
 MODES = ("fwd", "bwd", "fwd+bwd")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-# The tests' numerics rule (tests/numerics.py): err(ours) <= FACTOR * err(torch) + ATOL[dtype].
-FACTOR = 2.0
-ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
 
 
 @dataclasses.dataclass
@@ -199,33 +199,12 @@ def compiled(fn, **kwargs):
     return torch.compile(fn, **kwargs)
 
 
-def max_err(a, ref) -> float:
-    if a.numel() == 0:
-        return 0.0
-    return (a.detach().double() - ref.detach().double()).abs().max().item()
-
-
-def compare(op: str, case: str, tensor: str, actual, ref64, baseline, *, atol=None) -> dict:
-    """A numerics row: ours (``actual``) and torch same-dtype (``baseline``) vs the float64 oracle.
-
-    The rule of ``tests/numerics.assert_close``: NaN/Inf exactly where the reference has them;
-    over the finite elements, ``err <= FACTOR * torch_err + atol``, where torch's error is taken
-    where its result is finite and floored at the error of rounding the exact result to the
-    output dtype.
-    """
-    dtype = actual.dtype
-    atol = ATOL[dtype] if atol is None else atol
-    actual, ref64, baseline = actual.detach(), ref64.detach(), baseline.detach()
-    finite = torch.isfinite(ref64)
-    same_nonfinite = torch.equal(torch.isfinite(actual), finite)
-    ref = ref64[finite]
-    err = max_err(actual[finite], ref) if same_nonfinite else float("nan")
-    b = baseline[finite]
-    b_ok = torch.isfinite(b)
-    base = max(max_err(b[b_ok], ref[b_ok]), max_err(ref.to(dtype), ref))
-    ok = same_nonfinite and err <= FACTOR * base + atol
-    return {"op": op, "case": case, "dtype": dtype_name(dtype), "tensor": tensor,
-            "err": err, "torch_err": base, "atol": atol, "ok": ok}
+def compare(op: str, case: str, tensor: str, actual, ref64, baseline, *, atol=None, factor=FACTOR) -> dict:
+    """A numerics row: ours (``actual``) and torch same-dtype (``baseline``) vs the float64 oracle,
+    judged by the tests' rule (``fused_block.testing.check``)."""
+    v = check(actual, ref64, baseline, atol=atol, factor=factor)
+    return {"op": op, "case": case, "dtype": dtype_name(actual.dtype), "tensor": tensor,
+            "err": v.err, "torch_err": v.torch_err, "atol": v.atol, "ok": v.ok}
 
 
 def unavailable_row(op: str, reason: str, case: str = "-") -> dict:

@@ -46,6 +46,10 @@ def _values(regime, shape, dtype, device, gen):
 # output gradients; its error is set by fp16 rounding, so the atol is fp16's.
 @example(norm="layer", rows=5, n=1, dtype=torch.float16, has_res=True, has_w=True, has_b=True,
          fp32_params=True, x_layout="contiguous", r_layout="contiguous", regime="normal", seed=1)
+# Found by the long profile: a constant fp16 row of three: dx ~ 300 (rstd = 1/sqrt(eps)), so
+# output rounding dominates and three elements can round luckily for PyTorch.
+@example(norm="layer", rows=1, n=3, dtype=torch.float16, has_res=False, has_w=False, has_b=True,
+         fp32_params=False, x_layout="contiguous", r_layout="contiguous", regime="constant", seed=2)
 def test_add_norm_fuzz(device, norm, rows, n, dtype, has_res, has_w, has_b, fp32_params,
                        x_layout, r_layout, regime, seed):
     gen = torch.Generator().manual_seed(seed)
