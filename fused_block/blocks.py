@@ -447,7 +447,9 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
 
     ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)``: src is
     (B, L, E) with ``batch_first``, else (L, B, E), or unbatched (L, E); fp32, fp16 or bf16.
-    Unlike torch, ``is_causal=True`` also works without a ``src_mask``.
+    Unlike torch, ``is_causal=True`` also works without a ``src_mask``. Nested tensors (which
+    ``nn.TransformerEncoder``'s inference fast path creates from a padding mask) run torch's
+    own forward; :func:`fused_block.convert` switches that path off so the kernels run.
     """
 
     def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation=F.relu,

@@ -172,6 +172,20 @@ def test_convert_user_module_keeps_optimizer_dtype_and_subclasses(device):
         fused_block.convert("not a module")
 
 
+def test_nested_tensors_from_the_encoder_fast_path_run_torchs_layer(device):
+    """nn.TransformerEncoder built around a fused layer keeps torch's nested-tensor inference
+    path (eval, no_grad, padding mask); the layer hands nested input to torch's forward."""
+    torch.manual_seed(0)
+    t = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2).to(device).eval()
+    f = nn.TransformerEncoder(fused_block.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2).to(device).eval()
+    f.load_state_dict(t.state_dict())
+    x = torch.randn(2, 9, 32, device=device)
+    kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
+    kpm[0, 6:] = True
+    with torch.no_grad():
+        torch.testing.assert_close(f(x, src_key_padding_mask=kpm), t(x, src_key_padding_mask=kpm))
+
+
 # ---------------------------------------------------------------------------------------------
 # training: convergence, checkpointing, DDP
 # ---------------------------------------------------------------------------------------------
