@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_block.kernels import aot, common
+from fused_block.kernels import common
 
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 # Rows of dPre summed into one row of the bias-gradient partial buffer. Every BLOCK_M is a
@@ -439,6 +439,8 @@ _VARIANTS = (
 
 
 def _matmul_spec(name, layout, flags, cfg, even_k, dtype="bf16"):
+    from fused_block.kernels import aot  # only the compile check needs it
+
     bm, bn, bk, warps, stages, split = cfg
     ptr = f"*{dtype}"
     sig = {"A": ptr, "B": ptr, "C": ptr, "BIAS": ptr, "RES": ptr, "AUX": ptr, "PART": "*fp32",
@@ -467,6 +469,8 @@ def _matmul_spec(name, layout, flags, cfg, even_k, dtype="bf16"):
 def aot_specs():
     """Every shipped GEMM config with each fused variant (bf16); the masked-K path, fp16 and
     tf32 once each on the largest tiles; the elementwise activation-gradient kernel."""
+    from fused_block.kernels import aot
+
     specs = [_matmul_spec(name, layout, flags, cfg, True)
              for cfg in CONFIGS for name, layout, flags in _VARIANTS]
     specs.append(_matmul_spec(*_VARIANTS[1], CONFIGS[0], False))
