@@ -243,7 +243,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, of
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         dsT = pT * (dpT - delta[None, :])
         if CHUNKED:
-            q_c = tl.load(q_base + tl.cast(start_m, tl.int64) * stride_qm + in_blk[:, None] * stride_qm + offs_c[None, :],
+            q_c = tl.load(q_base + tl.cast(start_m, tl.int64) * stride_qm + in_blk[:, None] * stride_qm
+                          + offs_c[None, :],
                           mask=m_ok[:, None] & c_mask[None, :], other=0.0)
         else:
             q_c = tl.trans(qT)
@@ -363,7 +364,8 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, offs_m,
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
     if CHUNKED:
-        k_c = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_c[None, :],
+        k_c = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + tl.arange(0, BLOCK_N)[:, None] * stride_kn
+                      + offs_c[None, :],
                       mask=n_ok[:, None] & c_mask[None, :], other=0.0)
     else:
         k_c = tl.trans(kT)
@@ -583,13 +585,6 @@ def _grid_size(n_programs: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # launchers (inputs already validated by fused_block.attention; last dims contiguous)
 # ---------------------------------------------------------------------------------------------
-
-def _mask_arg(key_padding_mask, dummy):
-    if key_padding_mask is None:
-        return dummy, 0
-    m = key_padding_mask.contiguous().view(torch.uint8)
-    return m, m.stride(0)
-
 
 def _mask_arg(key_padding_mask, dummy):
     if key_padding_mask is None:
