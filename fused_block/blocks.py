@@ -26,7 +26,6 @@ per-head 3-D mask, head dims outside the kernel's range) runs attention through
 warning: slower, never a wrong answer. A query whose keys are all padding gives 0 here
 (torch's layers give NaN).
 """
-import math
 import warnings
 
 import torch

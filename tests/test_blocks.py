@@ -135,7 +135,8 @@ def test_same_parameters_initialization_and_state_dict_as_torch(kind):
     assert list(st) == list(sf)
     for k in st:  # same names, shapes and (same seed) values: torch's init, in torch's order
         assert torch.equal(st[k], sf[k]), k
-    assert (f.linear1.out_features, f.dropout.p, f.norm1.eps, f.norm_first, f.self_attn.batch_first) == (2048, 0.1, 1e-5, False, False)
+    defaults = (f.linear1.out_features, f.dropout.p, f.norm1.eps, f.norm_first, f.self_attn.batch_first)
+    assert defaults == (2048, 0.1, 1e-5, False, False)
     # state dicts load both ways
     _randomize(t)
     f.load_state_dict(t.state_dict())
@@ -292,7 +293,8 @@ def test_unbatched_input(device):
     t, f = _layers("decoder", norm_first=True, batch_first=False)
     t, f = t.to(device), f.to(device)
     f.load_state_dict(t.state_dict())
-    x, mem = numerics.randn(L, D, dtype=torch.float32, device=device), numerics.randn(S, D, dtype=torch.float32, device=device)
+    x = numerics.randn(L, D, dtype=torch.float32, device=device)
+    mem = numerics.randn(S, D, dtype=torch.float32, device=device)
     kpm = torch.zeros(S, dtype=torch.bool, device=device)
     kpm[-2:] = True
     with torch.no_grad():
@@ -341,10 +343,9 @@ def test_gqa_equals_mha_with_repeated_kv_weights(kind, device, launches):
     t.load_state_dict(state)
     t, f = t.to(device), f.to(device)
     x = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
+    kwargs = {"src_key_padding_mask": _padding(B, L, device)} if kind == "encoder" else {}
     with torch.no_grad():
-        torch.testing.assert_close(f(*x, **({"src_key_padding_mask": _padding(B, L, device)} if kind == "encoder" else {})),
-                                   t(*x, **({"src_key_padding_mask": _padding(B, L, device)} if kind == "encoder" else {})),
-                                   atol=_atol(torch.float32, device) * 4, rtol=0)
+        torch.testing.assert_close(f(*x, **kwargs), t(*x, **kwargs), atol=_atol(torch.float32, device) * 4, rtol=0)
     assert launches["attention_fwd"] >= 1
 
 

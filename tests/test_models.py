@@ -110,7 +110,8 @@ def test_models_match_their_torch_twins(family, device, launches):
         run = lambda m: m(_tokens(2, 12, device=device), targets=tgt)[1]  # noqa: E731
     else:
         t = models.EncoderDecoder(TINY_SEQ2SEQ, fused=False)
-        run = lambda m: m(_tokens(2, 10, device=device), tgt, src_key_padding_mask=pad[:, :10], targets=tgt)[1]  # noqa: E731
+        src = _tokens(2, 10, device=device)
+        run = lambda m: m(src, tgt, src_key_padding_mask=pad[:, :10], targets=tgt)[1]  # noqa: E731
     t = t.to(device)
     f = fused_block.convert(copy.deepcopy(t))
     _assert_models_match(t, f, run)
@@ -176,8 +177,9 @@ def test_nested_tensors_from_the_encoder_fast_path_run_torchs_layer(device):
     """nn.TransformerEncoder built around a fused layer keeps torch's nested-tensor inference
     path (eval, no_grad, padding mask); the layer hands nested input to torch's forward."""
     torch.manual_seed(0)
-    t = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2).to(device).eval()
-    f = nn.TransformerEncoder(fused_block.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2).to(device).eval()
+    t = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2)
+    f = nn.TransformerEncoder(fused_block.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True), 2)
+    t, f = t.to(device).eval(), f.to(device).eval()
     f.load_state_dict(t.state_dict())
     x = torch.randn(2, 9, 32, device=device)
     kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
