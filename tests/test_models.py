@@ -300,14 +300,15 @@ def test_torch_compile_fullgraph_on_converted_model(device, launches):
     assert launches["attention_fwd"] >= TRAIN_GPT.n_layer  # the kernels ran inside the graph
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast(dtype, device):
-    """Under autocast the fused layer follows torch's: low-precision matmuls, fp32 output for
-    fp32 input. Compared with the fp64 oracle: at most twice torch's own autocast error."""
+@pytest.mark.parametrize("dtype, norm_first", [(torch.bfloat16, True), (torch.float16, False)])
+def test_autocast(dtype, norm_first, device):
+    """Under autocast the fused layer follows torch's: low-precision matmuls and attention, an
+    fp32 residual stream and fp32 output for fp32 input (Pre-LN and Post-LN). Compared with the
+    fp64 oracle: at most twice torch's own autocast error."""
     if device.type == "cpu" and dtype == torch.float16 and not torch.backends.mkldnn.is_available():
         pytest.skip("fp16 autocast needs oneDNN on CPU")
     torch.manual_seed(0)
-    t = nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True, norm_first=True).to(device)
+    t = nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True, norm_first=norm_first).to(device)
     f = fused_block.convert(copy.deepcopy(t))
     ref = copy.deepcopy(t).double()
     x = torch.randn(2, 12, 32, device=device)
