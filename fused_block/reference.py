@@ -108,7 +108,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     vis = visible_keys(Lq, k.shape[2], causal, key_padding_mask, q.device)
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Lq); -inf on rows with no visible key
-    has_key = torch.isfinite(lse)[..., None]
+    has_key = ~torch.isneginf(lse)[..., None]  # NaN scores propagate, as in SDPA
     p = torch.where(has_key, torch.exp(s - torch.where(has_key, lse[..., None], 0.0)), 0.0)
     if dropout_p > 0.0:
         if dropout_mask is None:

@@ -1,0 +1,208 @@
+"""The bad-input catalogue and special values, for every public function and module.
+
+Each bad input must raise ValueError or TypeError naming the argument, before any kernel
+launch: nothing raises from inside Triton, nothing returns a silently wrong result.
+"""
+import pytest
+import torch
+
+import fused_block
+from fused_block import reference
+from fused_block.kernels import common
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def r(*shape, dtype=F32, device=DEV):
+    return torch.randn(*shape, dtype=F32).to(device=device, dtype=dtype)
+
+
+def _norm(**kw):
+    args = dict(x=r(4, 16), residual=None, weight=r(16), bias=None, eps=1e-5)
+    args.update(kw)
+    return fused_block.add_layer_norm(**args)
+
+
+def _rms(**kw):
+    args = dict(x=r(4, 16), residual=None, weight=r(16), eps=None)
+    args.update(kw)
+    return fused_block.add_rms_norm(**args)
+
+
+def _attn(**kw):
+    args = dict(q=r(2, 4, 8, 16, dtype=BF16), k=r(2, 2, 8, 16, dtype=BF16), v=r(2, 2, 8, 16, dtype=BF16))
+    args.update(kw)
+    return fused_block.attention(**args)
+
+
+def _linear(**kw):
+    args = dict(x=r(4, 16), weight=r(8, 16), bias=r(8))
+    args.update(kw)
+    return fused_block.linear(**args)
+
+
+def _mlp(**kw):
+    args = dict(x=r(4, 16), w1=r(32, 16), b1=r(32), w2=r(16, 32), b2=r(16))
+    args.update(kw)
+    return fused_block.mlp(**args)
+
+
+def _module(make, *inputs, **kw):
+    return lambda: make()(*inputs, **kw)
+
+
+def _enc():
+    return fused_block.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).to(DEV)
+
+
+def _dec():
+    return fused_block.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True).to(DEV)
+
+
+META = torch.device("meta")
+
+# (id, callable, exception type, the argument the message must name)
+CATALOGUE = [
+    # add_layer_norm / add_rms_norm
+    ("ln-int-x", lambda: _norm(x=torch.ones(4, 16, dtype=torch.int32, device=DEV)), TypeError, "x"),
+    ("ln-list-x", lambda: _norm(x=[[1.0]]), TypeError, "x"),
+    ("ln-0-d-x", lambda: _norm(x=torch.tensor(1.0, device=DEV), weight=None), ValueError, "x"),
+    ("ln-empty-hidden", lambda: _norm(x=r(4, 0), weight=None), ValueError, "x"),
+    ("ln-hidden-too-large", lambda: _norm(x=r(1, 65537), weight=None), ValueError, "x"),
+    ("ln-residual-shape", lambda: _norm(residual=r(4, 8)), ValueError, "residual"),
+    ("ln-residual-int", lambda: _norm(residual=torch.ones(4, 16, dtype=torch.int64, device=DEV)), TypeError, "residual"),
+    ("ln-weight-shape", lambda: _norm(weight=r(8)), ValueError, "weight"),
+    ("ln-bias-shape", lambda: _norm(bias=r(16, 1)), ValueError, "bias"),
+    ("ln-weight-device", lambda: _norm(weight=r(16, device=META)), ValueError, "weight"),
+    ("ln-eps-zero", lambda: _norm(eps=0.0), ValueError, "eps"),
+    ("ln-dropout-one", lambda: _norm(dropout_p=1.0), ValueError, "dropout_p"),
+    ("ln-dropout-negative", lambda: _norm(dropout_p=-0.1), ValueError, "dropout_p"),
+    ("ln-residual-in-fp32-type", lambda: _norm(residual_in_fp32=1), TypeError, "residual_in_fp32"),
+    ("rms-int-x", lambda: _rms(x=torch.ones(4, 16, dtype=torch.int32, device=DEV)), TypeError, "x"),
+    ("rms-weight-shape", lambda: _rms(weight=r(17)), ValueError, "weight"),
+    ("rms-dropout", lambda: _rms(dropout_p=1.5), ValueError, "dropout_p"),
+    # attention
+    ("attn-rank", lambda: _attn(q=r(4, 8, 16, dtype=BF16)), ValueError, "q"),
+    ("attn-int", lambda: _attn(q=torch.ones(2, 4, 8, 16, dtype=torch.int32, device=DEV)), TypeError, "q"),
+    ("attn-dtype-mismatch", lambda: _attn(k=r(2, 2, 8, 16, dtype=torch.float16)), TypeError, "k"),
+    ("attn-device", lambda: _attn(v=r(2, 2, 8, 16, dtype=BF16, device=META)), ValueError, "v"),
+    ("attn-batch", lambda: _attn(k=r(3, 2, 8, 16, dtype=BF16), v=r(3, 2, 8, 16, dtype=BF16)), ValueError, "k"),
+    ("attn-head-dim-mismatch", lambda: _attn(k=r(2, 2, 8, 24, dtype=BF16), v=r(2, 2, 8, 24, dtype=BF16)), ValueError, "k"),
+    ("attn-head-dim-not-8", lambda: _attn(q=r(2, 4, 8, 20, dtype=BF16), k=r(2, 2, 8, 20, dtype=BF16),
+                                          v=r(2, 2, 8, 20, dtype=BF16)), ValueError, "head dim"),
+    ("attn-head-dim-too-large", lambda: _attn(q=r(1, 1, 8, 264, dtype=BF16), k=r(1, 1, 8, 264, dtype=BF16),
+                                              v=r(1, 1, 8, 264, dtype=BF16)), ValueError, "head dim"),
+    ("attn-head-dim-too-small", lambda: _attn(q=r(1, 1, 8, 8, dtype=BF16), k=r(1, 1, 8, 8, dtype=BF16),
+                                              v=r(1, 1, 8, 8, dtype=BF16)), ValueError, "head dim"),
+    ("attn-heads-not-divisible", lambda: _attn(k=r(2, 3, 8, 16, dtype=BF16), v=r(2, 3, 8, 16, dtype=BF16)), ValueError, "heads"),
+    ("attn-v-shape", lambda: _attn(v=r(2, 2, 9, 16, dtype=BF16)), ValueError, "v"),
+    ("attn-mask-shape", lambda: _attn(key_padding_mask=torch.zeros(2, 7, dtype=torch.bool, device=DEV)), ValueError, "key_padding_mask"),
+    ("attn-mask-dtype", lambda: _attn(key_padding_mask=torch.zeros(2, 8, device=DEV)), TypeError, "key_padding_mask"),
+    ("attn-dropout", lambda: _attn(dropout_p=1.0), ValueError, "dropout_p"),
+    ("attn-causal-type", lambda: _attn(causal="yes"), TypeError, "causal"),
+    ("attn-scale", lambda: _attn(scale=-1.0), ValueError, "scale"),
+    # linear / mlp
+    ("linear-inner-dims", lambda: _linear(weight=r(8, 12)), ValueError, "weight"),
+    ("linear-bias-length", lambda: _linear(bias=r(7)), ValueError, "bias"),
+    ("linear-activation", lambda: _linear(activation="swish"), ValueError, "activation"),
+    ("linear-activation-type", lambda: _linear(activation=1), TypeError, "activation"),
+    ("linear-dtype-mismatch", lambda: _linear(weight=r(8, 16, dtype=BF16)), TypeError, "weight"),
+    ("linear-int-x", lambda: _linear(x=torch.ones(4, 16, dtype=torch.int64, device=DEV)), TypeError, "x"),
+    ("linear-weight-rank", lambda: _linear(weight=r(16)), ValueError, "weight"),
+    ("linear-residual-shape", lambda: _linear(residual=r(4, 16)), ValueError, "residual"),
+    ("linear-device", lambda: _linear(bias=r(8, device=META)), ValueError, "bias"),
+    ("mlp-w2-inner", lambda: _mlp(w2=r(16, 31)), ValueError, "w2"),
+    ("mlp-b2-length", lambda: _mlp(b2=r(15)), ValueError, "b2"),
+    ("mlp-w1-inner", lambda: _mlp(w1=r(32, 15)), ValueError, "w1"),
+    ("mlp-activation", lambda: _mlp(activation="tanh"), ValueError, "activation"),
+    # modules
+    ("LayerNorm-shape", _module(lambda: fused_block.LayerNorm(16).to(DEV), r(4, 8)), ValueError, "x"),
+    ("RMSNorm-shape", _module(lambda: fused_block.RMSNorm(16).to(DEV), r(4, 8)), ValueError, "x"),
+    ("Linear-in-features", _module(lambda: fused_block.Linear(16, 8).to(DEV), r(4, 12)), ValueError, "weight"),
+    ("MLP-d-model", _module(lambda: fused_block.MLP(16, 32).to(DEV), r(4, 12)), ValueError, "w1"),
+    ("Encoder-nhead", lambda: fused_block.TransformerEncoderLayer(16, 5, 32), ValueError, "nhead"),
+    ("Encoder-d-model", _module(_enc, r(2, 6, 12)), ValueError, "src"),
+    ("Encoder-padding-shape", _module(_enc, r(2, 6, 16), src_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool, device=DEV)),
+     ValueError, "src_key_padding_mask"),
+    ("Encoder-mask-shape", _module(_enc, r(2, 6, 16), src_mask=torch.zeros(5, 5, device=DEV)), ValueError, "src_mask"),
+    ("Decoder-memory-d-model", _module(_dec, r(2, 6, 16), r(2, 5, 12)), ValueError, "memory"),
+    ("Decoder-memory-padding", _module(_dec, r(2, 6, 16), r(2, 5, 16),
+                                       memory_key_padding_mask=torch.zeros(2, 6, dtype=torch.bool, device=DEV)),
+     ValueError, "memory_key_padding_mask"),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,arg", CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_bad_input_is_rejected_before_any_launch(name, call, exc, arg):
+    before = sum(common.LAUNCHES.values())
+    with pytest.raises(exc, match=arg):
+        call()
+    assert sum(common.LAUNCHES.values()) == before, "a kernel was launched before the error"
+
+
+# ---------------------------------------------------------------------------------------------
+# special values
+# ---------------------------------------------------------------------------------------------
+
+def test_nan_and_inf_propagate_like_the_reference():
+    x = r(3, 32)
+    x[0, 3], x[1, 5] = float("nan"), float("inf")
+    w = r(32)
+    for op, ref in ((fused_block.add_layer_norm, reference.add_layer_norm),
+                    (fused_block.add_rms_norm, reference.add_rms_norm)):
+        out, _ = op(x, None, w)
+        want, _ = ref(x.double(), None, w.double())
+        assert torch.equal(torch.isnan(out), torch.isnan(want))
+        torch.testing.assert_close(out[2].double(), want[2], atol=1e-5, rtol=1e-5)  # the clean row
+    w, b = r(8, 32), r(8)
+    y = fused_block.linear(x, w, b, "gelu")
+    want = reference.linear(x.double(), w.double(), b.double(), "gelu")
+    assert torch.equal(torch.isnan(y), torch.isnan(want)) and torch.equal(torch.isinf(y), torch.isinf(want))
+    q = r(1, 1, 4, 16, dtype=BF16)
+    k = r(1, 1, 4, 16, dtype=BF16)
+    k[0, 0, 1, 0] = float("nan")  # a NaN score poisons every row that sees it
+    out = fused_block.attention(q, k, k)
+    want = reference.attention(q.double(), k.double(), k.double())
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.isnan(out).all()
+    v = r(1, 1, 4, 16, dtype=BF16)
+    v[0, 0, 2, 3] = float("inf")  # an infinite value reaches every output that weighs it
+    out = fused_block.attention(q, q, v)
+    want = reference.attention(q.double(), q.double(), v.double())
+    assert torch.equal(torch.isinf(out), torch.isinf(want)) and torch.equal(torch.isnan(out), torch.isnan(want))
+
+
+def test_fully_masked_attention_rows_give_zero_and_finite_grads():
+    q = r(2, 2, 5, 16, dtype=BF16).requires_grad_()
+    k, v = (r(2, 2, 7, 16, dtype=BF16).requires_grad_() for _ in range(2))
+    mask = torch.zeros(2, 7, dtype=torch.bool, device=DEV)
+    mask[1] = True  # the second sequence is all padding
+    out = fused_block.attention(q, k, v, key_padding_mask=mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][1], torch.zeros_like(grads[0][1]))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "attention", "linear", "mlp"])
+def test_empty_inputs_give_empty_results_and_gradients(op):
+    if op == "attention":
+        args = [r(2, 2, 0, 16, dtype=BF16).requires_grad_(), r(2, 2, 5, 16, dtype=BF16).requires_grad_(),
+                r(2, 2, 5, 16, dtype=BF16).requires_grad_()]
+        out = fused_block.attention(*args)
+    elif op in ("layer_norm", "rms_norm"):
+        args = [r(0, 16).requires_grad_(), r(16).requires_grad_()]
+        fn = fused_block.add_layer_norm if op == "layer_norm" else fused_block.add_rms_norm
+        out = fn(args[0], None, args[1])[0]
+    elif op == "linear":
+        args = [r(0, 16).requires_grad_(), r(8, 16).requires_grad_(), r(8).requires_grad_()]
+        out = fused_block.linear(*args, activation="gelu")
+    else:
+        args = [r(0, 16).requires_grad_(), r(32, 16).requires_grad_(), r(32).requires_grad_(),
+                r(16, 32).requires_grad_(), r(16).requires_grad_()]
+        out = fused_block.mlp(*args)
+    assert out.numel() == 0
+    grads = torch.autograd.grad(out.sum(), args, allow_unused=False)
+    for a, g in zip(args, grads):
+        assert g.shape == a.shape
+        assert torch.equal(g, torch.zeros_like(g))
