@@ -54,7 +54,8 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, key_padding_mask, seed, causal, scale, dropout_p):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # The kernels write contiguous gradients whatever the inputs' strides (views of a QKV buffer).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

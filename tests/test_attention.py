@@ -267,6 +267,15 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.fused_block.attention_bwd.default,
                           (dout, q, k, v, out, lse, None, mask, seed, True, 0.25, 0.2),
                           test_utils=("test_schema", "test_faketensor"))
+    # Strided views of one fused QKV buffer (B, L, 3, H, D): the fake gradients' strides must
+    # match the kernels' (contiguous) ones, or compiled backward graphs break.
+    qkv = torch.randn(1, 17, 3, 2, 16, device=device).to(torch.float16)
+    qs, ks, vs = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    with torch.no_grad():
+        out, lse = torch.ops.fused_block.attention_fwd(qs, ks, vs, None, seed[:0], False, 0.25, 0.0)
+    torch.library.opcheck(torch.ops.fused_block.attention_bwd.default,
+                          (torch.randn_like(out), qs, ks, vs, out, lse, None, None, seed[:0], False, 0.25, 0.0),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_fullgraph(device, launches):
