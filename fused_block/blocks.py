@@ -33,14 +33,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fused_block import reference
+from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
 from fused_block.norm import add_layer_norm, add_rms_norm
 
 NORMS = ("layer", "rms")
-# Head dims the attention kernel takes: multiples of 8 in [16, 256].
-_KERNEL_HEAD_DIMS = range(16, 257, 8)
+# Head dims the attention kernel takes: multiples of 8 in [16, 256] (fp32: up to 128).
+_KERNEL_HEAD_DIMS = range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, 8)
 
 
 class ShapeError(ValueError, AssertionError):
@@ -262,8 +263,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
         masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, q.dtype, names)
         reason = masks.reason
-        if reason is None and D not in _KERNEL_HEAD_DIMS:
-            reason = f"head dim {D} (the kernel takes multiples of 8 in [16, 256])"
+        if reason is None and (D not in _KERNEL_HEAD_DIMS or (q.dtype == torch.float32 and D > MAX_FP32_HEAD_DIM)):
+            reason = (f"head dim {D} in {q.dtype} (the kernel takes multiples of 8 in [{MIN_HEAD_DIM}, "
+                      f"{MAX_HEAD_DIM}], up to {MAX_FP32_HEAD_DIM} in fp32)")
             if masks.key_padding is not None or masks.causal:
                 masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, q.dtype)
         if reason is None:

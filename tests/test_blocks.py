@@ -277,6 +277,17 @@ def test_head_dim_outside_kernel_range_falls_back(device, launches, monkeypatch)
     assert launches["attention_fwd"] == 0 and launches["matmul"] > 0
 
 
+def test_fp32_head_dim_beyond_the_fp32_kernels_falls_back(device, launches, monkeypatch):
+    """fp32 attention kernels take head dims up to 128: a 136-wide fp32 head runs SDPA."""
+    monkeypatch.setattr(blocks, "_WARNED", set())
+    t = nn.TransformerEncoderLayer(136, 1, FF, 0.0, batch_first=True)
+    f = fused_block.TransformerEncoderLayer(136, 1, FF, 0.0, batch_first=True)
+    x = numerics.randn(B, L, 136, dtype=torch.float32, device=device)
+    with pytest.warns(UserWarning, match="head dim 136"):
+        _three_ways(t, f, [x], {}, torch.float32, device)
+    assert launches["attention_fwd"] == 0 and launches["matmul"] > 0
+
+
 def test_eval_inference_matches_torch_fast_path(device):
     """torch's eval/no-grad fast path (fused native kernel) against the fused layer."""
     t, f = _layers("encoder", norm_first=False, batch_first=True)
