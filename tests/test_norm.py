@@ -166,6 +166,13 @@ def test_opcheck(device, norm):
     seed = torch.tensor([3], dtype=torch.int64, device=device)
     args = (x, residual, weight, bias, seed, 1e-5, 0.1, norm == "rms", torch.bfloat16, True)
     torch.library.opcheck(torch.ops.fused_block.add_norm_fwd.default, args)
+    with torch.no_grad():
+        _, rout, mean, rstd = torch.ops.fused_block.add_norm_fwd(*args)
+    dout, drout = torch.randn_like(x), torch.randn_like(rout)
+    bwd_args = (dout, drout, rout, weight, bias is not None, mean, rstd, seed, 0.1, norm == "rms",
+                torch.float32, torch.bfloat16, True)
+    torch.library.opcheck(torch.ops.fused_block.add_norm_bwd.default, bwd_args,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("norm", NORMS)
