@@ -5,8 +5,14 @@
 epilogue works on the fp32 tile in registers and casts once when it stores.
 
 - Forward epilogue: ``+ bias`` (per column), optional store of the pre-activation (what the
-  backward needs), activation (none, erf GELU, tanh GELU, ReLU), ``+ residual``.
-- Gradient epilogue (``ACT_GRAD``, cuBLASLt's DGELU): ``dPre = (A @ B) * act'(pre)`` is stored,
+  backward needs), activation (none, erf GELU, tanh GELU, ReLU), dropout (``HAS_DROPOUT``),
+  ``+ residual``.
+- Dropout: element (row, col) of the (M, N) output is kept when ``tl.rand(seed + row, col) >=
+  p`` (row int64, col int32; the formula of the norm kernels) and kept values are scaled by
+  ``1 / (1 - p)``. The mask is never stored: the backward regenerates it from the seed, and
+  :func:`dropout_mask` materializes it for tests.
+- Gradient epilogue (``ACT_GRAD``, cuBLASLt's DGELU): ``dPre = (A @ B) * keep / (1 - p) *
+  act'(pre)`` (the keep factor only with ``HAS_DROPOUT``) is stored,
   and the column sums of dPre over each 64-row slice of the tile go to an fp32 buffer
   (``PARTIAL_ROWS`` rows of dPre per buffer row), which the launcher reduces; the bias
   gradient is thus deterministic, without atomics, and independent of the tile chosen.
@@ -65,6 +71,15 @@ def _act_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _keep(seed, rows, cols, dropout_p):
+    """Dropout keep-mask of the (rows, cols) piece: ``tl.rand(seed + row, col) >= p``.
+
+    rows int64 (absolute row index), cols int32 (absolute column index).
+    """
+    return tl.rand(seed + rows[:, None], cols[None, :]) >= dropout_p
+
+
+@triton.jit
 def _halves(acc):
     """The left and right column halves of a 2-D tile (registers only; no data movement)."""
     BM: tl.constexpr = acc.shape[0]
@@ -75,16 +90,22 @@ def _halves(acc):
 @triton.jit
 def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
               stride_cm, stride_cn, stride_bias, stride_rm, stride_rn, stride_xm, stride_xn, pid_m,
+              seed, row0, dropout_p,
               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               STORE_PRE: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_DBIAS: tl.constexpr,
-              EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
+              INTERPRET: tl.constexpr):
     """Finish one fp32 (rows, columns rn) piece of the tile. C, RES and AUX already point at
-    the tile's first row and rm counts rows from there, so the offsets stay int32."""
+    the tile's first row and rm counts rows from there, so the offsets stay int32; the dropout
+    mask uses the absolute row ``row0 + rm`` (int64)."""
     mask_n = rn < N
     mask = mask_m[:, None] & mask_n[None, :]
     c_ptrs = C + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     x_ptrs = AUX + rm[:, None] * stride_xm + rn[None, :] * stride_xn
     if ACT_GRAD:
+        if HAS_DROPOUT:
+            keep = _keep(seed, row0 + rm, rn, dropout_p)
+            acc = tl.where(keep, acc * (1.0 / (1.0 - dropout_p)), 0.0)
         if ACTIVATION != 0:
             if EVEN_MN:
                 pre = tl.load(x_ptrs).to(tl.float32)
@@ -111,7 +132,11 @@ def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
                 tl.store(x_ptrs, common.cast(acc, AUX.dtype.element_ty, INTERPRET))
             else:
                 tl.store(x_ptrs, common.cast(acc, AUX.dtype.element_ty, INTERPRET), mask=mask)
+        if HAS_DROPOUT:  # before the activation: Philox's state dies before its temporaries live
+            keep = _keep(seed, row0 + rm, rn, dropout_p)
         acc = _act(acc, ACTIVATION)
+        if HAS_DROPOUT:
+            acc = tl.where(keep, acc * (1.0 / (1.0 - dropout_p)), 0.0)
         if HAS_RESIDUAL:
             r_ptrs = RES + rm[:, None] * stride_rm + rn[None, :] * stride_rn
             if EVEN_MN:
@@ -126,16 +151,18 @@ def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
 
 @triton.jit(do_not_specialize=["M_BUCKET"])
 def _matmul_kernel(
-    A, B, C, BIAS, RES, AUX, PART,
+    A, B, C, BIAS, RES, AUX, PART, SEED,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     stride_bias, stride_rm, stride_rn, stride_xm, stride_xn,
     M_BUCKET,  # autotune key only: M rounded up to a power of two
+    dropout_p,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+    DROP_SPLIT: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of C = epilogue(A @ B).
 
@@ -143,7 +170,10 @@ def _matmul_kernel(
     ``STORE_PRE``. Gradient (``ACT_GRAD`` on): AUX is the saved pre-activation, C = (A @ B) *
     act'(AUX), and with ``HAS_DBIAS`` PART (cdiv(M, PARTIAL_ROWS), N) fp32 gets C's column
     sums per PARTIAL_ROWS rows. The epilogue runs on EPI_SPLIT column slices of the tile in
-    turn, which keeps its temporaries small next to a 128x256 accumulator.
+    turn (DROP_SPLIT with dropout, whose Philox state is four words per element), which keeps
+    its temporaries small next to a 128x256 accumulator. With
+    ``HAS_DROPOUT`` the int64 seed at SEED drops elements after the activation (forward) or
+    scales the product by the regenerated keep / (1 - dropout_p) (gradient).
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -190,36 +220,62 @@ def _matmul_kernel(
     AUX += row0_64 * stride_xm
     mask_m = rm < M - row0
     rn = col0 + rn
-    if EPI_SPLIT == 1:
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    SPLIT: tl.constexpr = DROP_SPLIT if HAS_DROPOUT else EPI_SPLIT
+    if SPLIT == 1:
         _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N, stride_cm, stride_cn,
                   stride_bias, stride_rm, stride_rn, stride_xm, stride_xn, pid_m,
-                  HAS_BIAS, ACTIVATION, HAS_RESIDUAL, STORE_PRE, ACT_GRAD, HAS_DBIAS, EVEN_MN,
-                  PARTIAL_ROWS, INTERPRET)
+                  seed, row0_64, dropout_p,
+                  HAS_BIAS, ACTIVATION, HAS_RESIDUAL, STORE_PRE, ACT_GRAD, HAS_DBIAS, HAS_DROPOUT,
+                  EVEN_MN, PARTIAL_ROWS, INTERPRET)
     else:
-        tl.static_assert(EPI_SPLIT == 2 or EPI_SPLIT == 4)
-        W: tl.constexpr = BLOCK_N // EPI_SPLIT
+        tl.static_assert(SPLIT == 2 or SPLIT == 4 or SPLIT == 8 or SPLIT == 16)
+        W: tl.constexpr = BLOCK_N // SPLIT
         acc_lo, acc_hi = _halves(acc)
-        if EPI_SPLIT == 2:
+        if SPLIT == 2:
             pieces = (acc_lo, acc_hi)
         else:
             acc0, acc1 = _halves(acc_lo)
             acc2, acc3 = _halves(acc_hi)
-            pieces = (acc0, acc1, acc2, acc3)
-        for i in tl.static_range(EPI_SPLIT):
+            if SPLIT == 4:
+                pieces = (acc0, acc1, acc2, acc3)
+            else:
+                p0, p1 = _halves(acc0)
+                p2, p3 = _halves(acc1)
+                p4, p5 = _halves(acc2)
+                p6, p7 = _halves(acc3)
+                if SPLIT == 8:
+                    pieces = (p0, p1, p2, p3, p4, p5, p6, p7)
+                else:
+                    q0, q1 = _halves(p0)
+                    q2, q3 = _halves(p1)
+                    q4, q5 = _halves(p2)
+                    q6, q7 = _halves(p3)
+                    q8, q9 = _halves(p4)
+                    q10, q11 = _halves(p5)
+                    q12, q13 = _halves(p6)
+                    q14, q15 = _halves(p7)
+                    pieces = (q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15)
+        for i in tl.static_range(SPLIT):
             _epilogue(pieces[i], rm, col0 + i * W + tl.arange(0, W), mask_m, C, BIAS, RES, AUX,
                       PART, M, N, stride_cm, stride_cn, stride_bias, stride_rm, stride_rn,
-                      stride_xm, stride_xn, pid_m, HAS_BIAS, ACTIVATION, HAS_RESIDUAL, STORE_PRE,
-                      ACT_GRAD, HAS_DBIAS, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+                      stride_xm, stride_xn, pid_m, seed, row0_64, dropout_p, HAS_BIAS, ACTIVATION,
+                      HAS_RESIDUAL, STORE_PRE, ACT_GRAD, HAS_DBIAS, HAS_DROPOUT, EVEN_MN,
+                      PARTIAL_ROWS, INTERPRET)
 
 
 @triton.jit
 def _act_grad_kernel(
-    G, PRE, DPRE, PART,
-    M, N, stride_gm, stride_gn, stride_pm, stride_pn,
+    G, PRE, DPRE, PART, SEED,
+    M, N, stride_gm, stride_gn, stride_pm, stride_pn, dropout_p,
     ACTIVATION: tl.constexpr, STORE_DPRE: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """dPre = G * act'(PRE) on a (BLOCK_M, BLOCK_N) tile; PART row pid_m gets its column sums.
+    """dPre = G * keep / (1 - p) * act'(PRE) on a (BLOCK_M, BLOCK_N) tile (the keep factor,
+    the GEMM epilogue's regenerated dropout mask, only with ``HAS_DROPOUT``); PART row pid_m
+    gets its column sums.
 
     With ``ACTIVATION == 0`` and ``STORE_DPRE`` off this is the bias gradient of G alone.
     BLOCK_M equals PARTIAL_ROWS, so PART has the layout of the GEMM's gradient epilogue.
@@ -232,6 +288,9 @@ def _act_grad_kernel(
     mask_n = rn < N
     mask = (rm < M)[:, None] & mask_n[None, :]
     g = tl.load(G + rm64[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = _keep(tl.load(SEED), rm64, rn, dropout_p)
+        g = tl.where(keep, g * (1.0 / (1.0 - dropout_p)), 0.0)
     if ACTIVATION != 0:
         pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
         g = g * _act_grad(pre.to(tl.float32), ACTIVATION)
@@ -240,6 +299,16 @@ def _act_grad_kernel(
                  mask=mask)
     if HAS_DBIAS:
         tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(tl.where(mask, g, 0.0), axis=0), mask=mask_n)
+
+
+@triton.jit
+def _dropout_mask_kernel(SEED, OUT, M, N, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT (M, N) int8 = the keep-mask the GEMM epilogue and ``_act_grad_kernel`` use (tests only)."""
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _keep(tl.load(SEED), rm, rn, dropout_p)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(OUT + rm[:, None] * N + rn[None, :], keep.to(tl.int8), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +331,18 @@ CONFIGS = (
 # included) rather than per element, so a large tile with an unsliced epilogue is quickest;
 # tests swap in other tiles to cover the sliced epilogue and multi-tile grids.
 INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
+# With dropout the epilogue's slices hold at most this many elements per thread (Philox keeps
+# four 32-bit words per element), in at most 8 slices.
+DROP_ELEMS_PER_THREAD = 8
+
+
+def drop_split(cfg):
+    """The epilogue's column-slice count with dropout for config ``cfg``."""
+    bm, bn, _, warps, _, split = cfg
+    per_thread = bm * bn // (32 * warps)
+    return min(max(split, per_thread // DROP_ELEMS_PER_THREAD, 1), 16)
 ACT_GRAD_BLOCK_N = 128
+ACT_GRAD_DROP_BLOCK_N = 64  # with dropout: Philox's state per element must not spill
 
 
 def _smem_bytes(cfg, elem_size):
@@ -291,11 +371,12 @@ def _prune(configs, named_args, **kwargs):
 
 
 _tuned_matmul_kernel = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "EPI_SPLIT": e},
+    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "EPI_SPLIT": e,
+                            "DROP_SPLIT": drop_split((bm, bn, bk, w, s, e))},
                            num_warps=w, num_stages=s)
              for bm, bn, bk, w, s, e in CONFIGS],
     key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "STORE_PRE", "ACT_GRAD",
-         "HAS_DBIAS", "stride_ak", "stride_bk"],
+         "HAS_DBIAS", "HAS_DROPOUT", "stride_ak", "stride_bk"],
     prune_configs_by={"early_config_prune": _prune},
 )(triton.heuristics({
     "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
@@ -309,8 +390,16 @@ def _act_code(activation):
     return ACTIVATIONS[activation]
 
 
+def _has_dropout(seed, dropout_p):
+    if not dropout_p:
+        return False
+    if seed is None or seed.numel() != 1 or seed.dtype != torch.int64:
+        raise ValueError("dropout needs a one-element int64 seed tensor")
+    return True
+
+
 def _launch_matmul(a, b, c, *, bias=None, residual=None, aux=None, part=None, activation=None,
-                   store_pre=False, act_grad=False):
+                   store_pre=False, act_grad=False, seed=None, dropout_p=0.0):
     M, K = a.shape
     N = b.shape[1]
     dummy = c
@@ -318,24 +407,27 @@ def _launch_matmul(a, b, c, *, bias=None, residual=None, aux=None, part=None, ac
     res_t = residual if residual is not None else dummy
     aux_t = aux if aux is not None else dummy
     part_t = part if part is not None else dummy
-    args = (a, b, c, bias_t, res_t, aux_t, part_t, M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-            bias_t.stride(0) if bias is not None else 0,
-            res_t.stride(0), res_t.stride(1) if residual is not None else 0,
-            aux_t.stride(0), aux_t.stride(1) if aux is not None else 0,
-            triton.next_power_of_2(M))
+    has_dropout = _has_dropout(seed, dropout_p)
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+               bias_t.stride(0) if bias is not None else 0,
+               res_t.stride(0), res_t.stride(1) if residual is not None else 0,
+               aux_t.stride(0), aux_t.stride(1) if aux is not None else 0)
     # In-tile offsets are int32 (tile origins are int64): strides up to 2^31 / 256 elements.
-    if max(abs(x) for x in args[10:21]) >= 2**31 // 256:
+    if max(abs(x) for x in strides) >= 2**31 // 256:
         raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
+    args = (a, b, c, bias_t, res_t, aux_t, part_t, seed if has_dropout else dummy, M, N, K, *strides,
+            triton.next_power_of_2(M), float(dropout_p) if has_dropout else 0.0)
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=_act_code(activation),
                  HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, ACT_GRAD=act_grad,
-                 HAS_DBIAS=part is not None, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS)
+                 HAS_DBIAS=part is not None, HAS_DROPOUT=has_dropout, GROUP_M=GROUP_M,
+                 PARTIAL_ROWS=PARTIAL_ROWS)
     common.count_launch("matmul")
     if common.interpreting():
         bm, bn, bk, warps, stages, split = INTERPRETER_CONFIG
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
         _matmul_kernel[grid](*args, **flags, EVEN_K=K % bk == 0, EVEN_MN=M % bm == 0 and N % bn == 0,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, INTERPRET=True,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split,
+                             DROP_SPLIT=drop_split(INTERPRETER_CONFIG), INTERPRET=True,
                              num_warps=warps, num_stages=stages)
     else:
         def grid(meta):
@@ -348,12 +440,16 @@ def _check_2d(name, t):
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
 
-def matmul(a, b, bias=None, activation=None, residual=None, store_pre=False, out_dtype=None):
-    """``act(a @ b + bias) + residual`` and, if ``store_pre``, the pre-activation ``a @ b + bias``.
+def matmul(a, b, bias=None, activation=None, residual=None, store_pre=False, out_dtype=None,
+           dropout_p=0.0, seed=None):
+    """``dropout(act(a @ b + bias)) + residual`` and, if ``store_pre``, the pre-activation
+    ``a @ b + bias``.
 
     a (M, K), b (K, N), residual (M, N): any strides; bias (N,). a, b and bias share a dtype;
-    residual may be wider. Returns ``(out, pre)``: out (M, N) contiguous in ``out_dtype``
-    (default a's dtype), pre (M, N) in a's dtype, or None unless ``store_pre``.
+    residual may be wider. Dropout (when ``dropout_p > 0``) draws its mask from ``seed``, a
+    one-element int64 tensor (see :func:`dropout_mask`). Returns ``(out, pre)``: out (M, N)
+    contiguous in ``out_dtype`` (default a's dtype), pre (M, N) in a's dtype, or None unless
+    ``store_pre``.
     """
     _check_2d("a", a)
     _check_2d("b", b)
@@ -363,7 +459,7 @@ def matmul(a, b, bias=None, activation=None, residual=None, store_pre=False, out
     if M == 0 or N == 0:
         return c, pre
     _launch_matmul(a, b, c, bias=bias, residual=residual, aux=pre, activation=activation,
-                   store_pre=store_pre)
+                   store_pre=store_pre, seed=seed, dropout_p=dropout_p)
     return c, pre
 
 
@@ -372,8 +468,10 @@ def _reduce_partials(part, dtype):
     return part.sum(0).to(dtype)
 
 
-def matmul_act_grad(a, b, pre, activation, dbias=False):
-    """``dPre = (a @ b) * act'(pre)`` and, if ``dbias``, its column sums (the bias gradient).
+def matmul_act_grad(a, b, pre, activation, dbias=False, dropout_p=0.0, seed=None):
+    """``dPre = (a @ b) * keep / (1 - p) * act'(pre)`` and, if ``dbias``, its column sums (the
+    bias gradient). The keep factor (``dropout_p > 0``) is the mask :func:`matmul` drew from
+    ``seed`` for the (M, N) output.
 
     a (M, K), b (K, N), pre (M, N): any strides. Returns ``(dpre, dbias)``: dpre (M, N) in a's
     dtype, dbias (N,) in a's dtype reduced from fp32 partial sums, or None.
@@ -385,12 +483,14 @@ def matmul_act_grad(a, b, pre, activation, dbias=False):
     part = common.empty((triton.cdiv(M, PARTIAL_ROWS), N), torch.float32, a.device) if dbias else None
     if M == 0 or N == 0:
         return dpre, (torch.zeros(N, dtype=a.dtype, device=a.device) if dbias else None)
-    _launch_matmul(a, b, dpre, aux=pre, part=part, activation=activation, act_grad=True)
+    _launch_matmul(a, b, dpre, aux=pre, part=part, activation=activation, act_grad=True,
+                   seed=seed, dropout_p=dropout_p)
     return dpre, (_reduce_partials(part, a.dtype) if dbias else None)
 
 
-def act_grad(g, pre, activation, dbias=False, store_dpre=True):
-    """``dPre = g * act'(pre)`` (elementwise) and, if ``dbias``, its column sums.
+def act_grad(g, pre, activation, dbias=False, store_dpre=True, dropout_p=0.0, seed=None):
+    """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its column
+    sums. The keep factor (``dropout_p > 0``) is the mask :func:`matmul` drew from ``seed``.
 
     g and pre (M, N), any strides (pre unused when ``activation`` is None). Returns
     ``(dpre, dbias)``: dpre contiguous in g's dtype or None unless ``store_dpre``; dbias (N,) in
@@ -403,14 +503,33 @@ def act_grad(g, pre, activation, dbias=False, store_dpre=True):
     if M == 0 or N == 0:
         return dpre, (torch.zeros(N, dtype=g.dtype, device=g.device) if dbias else None)
     pre_t = pre if pre is not None else g
+    has_dropout = _has_dropout(seed, dropout_p)
     common.count_launch("act_grad")
-    grid = (triton.cdiv(M, PARTIAL_ROWS), triton.cdiv(N, ACT_GRAD_BLOCK_N))
+    block_n = ACT_GRAD_DROP_BLOCK_N if has_dropout else ACT_GRAD_BLOCK_N
+    grid = (triton.cdiv(M, PARTIAL_ROWS), triton.cdiv(N, block_n))
     _act_grad_kernel[grid](
         g, pre_t, dpre if dpre is not None else g, part if part is not None else g,
+        seed if has_dropout else g,
         M, N, g.stride(0), g.stride(1), pre_t.stride(0), pre_t.stride(1),
+        float(dropout_p) if has_dropout else 0.0,
         ACTIVATION=_act_code(activation), STORE_DPRE=store_dpre, HAS_DBIAS=dbias,
-        BLOCK_M=PARTIAL_ROWS, BLOCK_N=ACT_GRAD_BLOCK_N, INTERPRET=common.interpreting(), num_warps=4)
+        HAS_DROPOUT=has_dropout, BLOCK_M=PARTIAL_ROWS, BLOCK_N=block_n, INTERPRET=common.interpreting(),
+        num_warps=4)
     return dpre, (_reduce_partials(part, g.dtype) if dbias else None)
+
+
+def dropout_mask(seed, M, N, dropout_p, device):
+    """The bool keep-mask (M, N) that :func:`matmul` and the gradients use for ``seed`` and
+    ``dropout_p`` (for tests: the references take it as ``dropout_mask=``)."""
+    out = common.empty((M, N), torch.int8, device)
+    if M == 0 or N == 0:
+        return out.bool()
+    if not _has_dropout(seed, dropout_p):
+        return torch.ones((M, N), dtype=torch.bool, device=device)
+    common.count_launch("dropout_mask")
+    grid = (triton.cdiv(M, 64), triton.cdiv(N, 128))
+    _dropout_mask_kernel[grid](seed, out, M, N, float(dropout_p), BLOCK_M=64, BLOCK_N=128, num_warps=4)
+    return out.bool()
 
 
 def bias_grad(g):
@@ -427,14 +546,22 @@ def bias_grad(g):
 _LAYOUTS = {"NT": ("stride_ak", "stride_bk"), "NN": ("stride_ak", "stride_bn"),
             "TN": ("stride_am", "stride_bn")}
 
-# (name, layout, flags): the fused variants the layer launches.
+# (name, layout, flags): the fused variants the layer launches. The dropout ones: the FFN's
+# first GEMM (bias, GELU, pre-activation store, hidden dropout), its second (bias, output
+# dropout, residual) and the DGELU epilogue with the hidden dropout's regenerated mask.
 _VARIANTS = (
     ("fwd_bias_gelu_res_pre", "NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True,
-                                         ACT_GRAD=False, HAS_DBIAS=False)),
+                                         ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=False)),
     ("dgelu_dbias", "NN", dict(HAS_BIAS=False, ACTIVATION=1, HAS_RESIDUAL=False, STORE_PRE=False,
-                               ACT_GRAD=True, HAS_DBIAS=True)),
+                               ACT_GRAD=True, HAS_DBIAS=True, HAS_DROPOUT=False)),
     ("plain_wgrad", "TN", dict(HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, STORE_PRE=False,
-                               ACT_GRAD=False, HAS_DBIAS=False)),
+                               ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=False)),
+    ("fwd_bias_gelu_pre_drop", "NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=False, STORE_PRE=True,
+                                          ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=True)),
+    ("fwd_bias_drop_res", "NT", dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=True, STORE_PRE=False,
+                                     ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=True)),
+    ("dgelu_dbias_drop", "NN", dict(HAS_BIAS=False, ACTIVATION=1, HAS_RESIDUAL=False, STORE_PRE=False,
+                                    ACT_GRAD=True, HAS_DBIAS=True, HAS_DROPOUT=True)),
 )
 
 
@@ -444,7 +571,7 @@ def _matmul_spec(name, layout, flags, cfg, even_k, dtype="bf16"):
     bm, bn, bk, warps, stages, split = cfg
     ptr = f"*{dtype}"
     sig = {"A": ptr, "B": ptr, "C": ptr, "BIAS": ptr, "RES": ptr, "AUX": ptr, "PART": "*fp32",
-           "M": "i32", "N": "i32", "K": "i32"}
+           "SEED": "*i64", "M": "i32", "N": "i32", "K": "i32"}
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
                "stride_bias", "stride_rm", "stride_rn", "stride_xm", "stride_xn")
     ones = set(_LAYOUTS[layout]) | {"stride_cn", "stride_bias", "stride_rn", "stride_xn"}
@@ -454,11 +581,13 @@ def _matmul_spec(name, layout, flags, cfg, even_k, dtype="bf16"):
         if s in ones:
             constexprs[s] = 1
     sig["M_BUCKET"] = "i32"
-    for f in ("HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "STORE_PRE", "ACT_GRAD", "HAS_DBIAS", "EVEN_K",
-              "EVEN_MN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EPI_SPLIT", "GROUP_M", "PARTIAL_ROWS", "INTERPRET"):
+    sig["dropout_p"] = "fp32"
+    for f in ("HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "STORE_PRE", "ACT_GRAD", "HAS_DBIAS", "HAS_DROPOUT", "EVEN_K",
+              "EVEN_MN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EPI_SPLIT", "DROP_SPLIT", "GROUP_M", "PARTIAL_ROWS",
+              "INTERPRET"):
         sig[f] = "constexpr"
     constexprs.update(flags, EVEN_K=even_k, EVEN_MN=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS, INTERPRET=False)
+                      EPI_SPLIT=split, DROP_SPLIT=drop_split(cfg), GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS, INTERPRET=False)
     aligned = tuple(s for s in ("M", "N", "K", *strides) if sig[s] == "i32" and s != "stride_bias")
     return aot.KernelSpec(
         name=f"matmul[{name} {bm}x{bn}x{bk} even_k={int(even_k)} {dtype}]", fn=_matmul_kernel,
@@ -468,7 +597,8 @@ def _matmul_spec(name, layout, flags, cfg, even_k, dtype="bf16"):
 
 def aot_specs():
     """Every shipped GEMM config with each fused variant (bf16); the masked-K path, fp16 and
-    tf32 once each on the largest tiles; the elementwise activation-gradient kernel."""
+    tf32 once each on the largest tiles (tf32 also with dropout); the elementwise
+    activation-gradient kernel with and without dropout; the test-only dropout-mask kernel."""
     from fused_block.kernels import aot
 
     specs = [_matmul_spec(name, layout, flags, cfg, True)
@@ -476,15 +606,25 @@ def aot_specs():
     specs.append(_matmul_spec(*_VARIANTS[1], CONFIGS[0], False))
     specs.append(_matmul_spec(*_VARIANTS[0], CONFIGS[0], True, dtype="fp16"))
     specs.append(_matmul_spec(*_VARIANTS[0], CONFIGS[3], True, dtype="fp32"))
-    for act in (2,):
+    specs.append(_matmul_spec(*_VARIANTS[3], CONFIGS[0], False))
+    specs.append(_matmul_spec(*_VARIANTS[3], CONFIGS[3], True, dtype="fp32"))
+    for act, drop in ((2, False), (2, True), (0, True)):
         specs.append(aot.KernelSpec(
-            name=f"act_grad[act={act} dbias]", fn=_act_grad_kernel,
-            signature={"G": "*bf16", "PRE": "*bf16", "DPRE": "*bf16", "PART": "*fp32", "M": "i32",
-                       "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr", "stride_pm": "i32",
-                       "stride_pn": "constexpr", "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr",
-                       "HAS_DBIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+            name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
+            signature={"G": "*bf16", "PRE": "*bf16", "DPRE": "*bf16", "PART": "*fp32", "SEED": "*i64",
+                       "M": "i32", "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr",
+                       "stride_pm": "i32", "stride_pn": "constexpr", "dropout_p": "fp32",
+                       "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr", "HAS_DBIAS": "constexpr",
+                       "HAS_DROPOUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                        "INTERPRET": "constexpr"},
             constexprs=dict(stride_gn=1, stride_pn=1, ACTIVATION=act, STORE_DPRE=True, HAS_DBIAS=True,
-                            BLOCK_M=PARTIAL_ROWS, BLOCK_N=ACT_GRAD_BLOCK_N, INTERPRET=False),
+                            HAS_DROPOUT=drop, BLOCK_M=PARTIAL_ROWS,
+                            BLOCK_N=ACT_GRAD_DROP_BLOCK_N if drop else ACT_GRAD_BLOCK_N,
+                            INTERPRET=False),
             num_warps=4, aligned=("N", "stride_gm", "stride_pm")))
+    specs.append(aot.KernelSpec(
+        name="dropout_mask", fn=_dropout_mask_kernel,
+        signature={"SEED": "*i64", "OUT": "*i8", "M": "i32", "N": "i32", "dropout_p": "fp32",
+                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+        constexprs=dict(BLOCK_M=64, BLOCK_N=128), num_warps=4, aligned=("N",)))
     return specs
