@@ -138,21 +138,39 @@ def activation(x, name):
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 
-def linear(x, weight, bias=None, activation_name=None, residual=None, *, compute_dtype=None):
-    """``act(x @ weight.T + bias) + residual``; weight in ``torch.nn.Linear`` layout (out, in).
+def _dropout(y, p, mask, cdt):
+    """Dropout in ``cdt``: the random mask of F.dropout, or ``mask`` (bool, True = kept)."""
+    if p <= 0.0:
+        return y
+    if mask is None:
+        return F.dropout(y, p, training=True)
+    return y * mask.to(cdt) / (1.0 - p)
+
+
+def linear(x, weight, bias=None, activation_name=None, residual=None, dropout_p=0.0, *,
+           dropout_mask=None, compute_dtype=None):
+    """``dropout(act(x @ weight.T + bias)) + residual``; weight in ``torch.nn.Linear`` layout
+    (out, in). ``dropout_mask`` (bool, the output's shape, True = kept) replaces the random mask.
 
     Returns x's dtype, promoted with residual's (an fp32 residual stream keeps fp32).
     """
     cdt = _compute_dtype(x.dtype, compute_dtype)
     y = F.linear(x.to(cdt), weight.to(cdt), _cast(bias, cdt))
     y = activation(y, activation_name)
+    y = _dropout(y, dropout_p, dropout_mask, cdt)
     if residual is not None:
         y = y + residual.to(cdt)
         return y.to(torch.promote_types(x.dtype, residual.dtype))
     return y.to(x.dtype)
 
 
-def mlp(x, w1, b1, w2, b2, activation_name="gelu", residual=None, *, compute_dtype=None):
-    """``linear2(act(linear1(x))) + residual``; the hidden activation is rounded to x's dtype."""
-    h = linear(x, w1, b1, activation_name, compute_dtype=compute_dtype)
-    return linear(h, w2, b2, None, residual, compute_dtype=compute_dtype)
+def mlp(x, w1, b1, w2, b2, activation_name="gelu", residual=None, dropout_p=0.0, output_dropout_p=0.0,
+        *, dropout_mask=None, output_dropout_mask=None, compute_dtype=None):
+    """``dropout2(linear2(dropout(act(linear1(x))))) + residual``; the hidden activation (after
+    its dropout) is rounded to x's dtype. ``dropout_mask`` (hidden's shape) and
+    ``output_dropout_mask`` (the output's shape), bool with True = kept, replace the random masks.
+    """
+    h = linear(x, w1, b1, activation_name, None, dropout_p, dropout_mask=dropout_mask,
+               compute_dtype=compute_dtype)
+    return linear(h, w2, b2, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
+                  compute_dtype=compute_dtype)

@@ -582,12 +582,13 @@ def _matmul_spec(name, layout, flags, cfg, even_k, dtype="bf16"):
             constexprs[s] = 1
     sig["M_BUCKET"] = "i32"
     sig["dropout_p"] = "fp32"
-    for f in ("HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "STORE_PRE", "ACT_GRAD", "HAS_DBIAS", "HAS_DROPOUT", "EVEN_K",
-              "EVEN_MN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EPI_SPLIT", "DROP_SPLIT", "GROUP_M", "PARTIAL_ROWS",
-              "INTERPRET"):
+    for f in ("HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "STORE_PRE", "ACT_GRAD", "HAS_DBIAS", "HAS_DROPOUT",
+              "EVEN_K", "EVEN_MN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EPI_SPLIT", "DROP_SPLIT", "GROUP_M",
+              "PARTIAL_ROWS", "INTERPRET"):
         sig[f] = "constexpr"
     constexprs.update(flags, EVEN_K=even_k, EVEN_MN=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      EPI_SPLIT=split, DROP_SPLIT=drop_split(cfg), GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS, INTERPRET=False)
+                      EPI_SPLIT=split, DROP_SPLIT=drop_split(cfg), GROUP_M=GROUP_M,
+                      PARTIAL_ROWS=PARTIAL_ROWS, INTERPRET=False)
     aligned = tuple(s for s in ("M", "N", "K", *strides) if sig[s] == "i32" and s != "stride_bias")
     return aot.KernelSpec(
         name=f"matmul[{name} {bm}x{bn}x{bk} even_k={int(even_k)} {dtype}]", fn=_matmul_kernel,

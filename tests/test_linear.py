@@ -66,6 +66,9 @@ def _check(name, ours, ref_fn, inputs, dtype, device):
         assert_close(f"{name} grad of input {n}", a, r, b)
 
 
+_NO_SEED = torch.empty(0, dtype=torch.int64)
+
+
 def _linear_inputs(M, K, N, has_bias, has_res, dtype, device, lead=()):
     x = randn(*lead, M, K, dtype=dtype, device=device, requires_grad=True)
     w = randn(N, K, dtype=dtype, device=device, scale=K ** -0.5, requires_grad=True)
@@ -152,7 +155,7 @@ def test_linear_one_dim_input_and_no_grad(device, launches):
 def test_linear_recomputes_pre_activation_when_not_saved(device):
     # The op may run with save_pre=False and still be differentiated: backward recomputes pre.
     x, w, b, _ = _linear_inputs(37, 100, 8, True, False, torch.float32, device)
-    out, pre = torch.ops.fused_block.linear_fwd(x, w, b, None, "gelu", False)
+    out, pre = torch.ops.fused_block.linear_fwd(x, w, b, None, "gelu", False, _NO_SEED, 0.0)
     assert pre.numel() == 0
     grads = torch.autograd.grad(out, (x, w, b), torch.ones_like(out))
     x64, w64, b64 = _leaves((x, w, b), torch.float64)
@@ -238,6 +241,145 @@ def test_mlp_bias_gradient_is_deterministic(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# dropout fused into the epilogues
+# ---------------------------------------------------------------------------------------------
+
+def _kernel_masks(seed, device, *specs):
+    """The keep-masks the kernels draw after ``torch.manual_seed(seed)``: one per (rows, cols,
+    p) in ``specs``, in the order the op draws its seeds (mlp: hidden first, then output)."""
+    torch.manual_seed(seed)
+    seeds = [fused_block._backend.dropout_seed(p, device) for _, _, p in specs]
+    return [fused_block.kernels.matmul.dropout_mask(s, m, n, p, device) for s, (m, n, p) in zip(seeds, specs)]
+
+
+def _seeded(fn, seed):
+    def run(*args, **kwargs):
+        torch.manual_seed(seed)
+        return fn(*args, **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keep_fraction_and_scaling(p, device, launches):
+    # 128 x 192 outputs (a few tiles' worth, K tiny so the GEMM is cheap): the kept fraction
+    # is within 6 standard deviations of 1 - p, rows and columns are not correlated (each
+    # row's and column's fraction is sane), and kept values are exactly scaled by 1 / (1 - p).
+    M, K, N = 128, 8, 192
+    x = randn(M, K, dtype=torch.float32, device=device)
+    w = randn(N, K, dtype=torch.float32, device=device)
+    b = randn(N, dtype=torch.float32, device=device)
+    full = linear(x, w, b, "gelu")
+    torch.manual_seed(0)
+    out = linear(x, w, b, "gelu", dropout_p=p)
+    (mask,) = _kernel_masks(0, device, (M, N, p))
+    n = M * N
+    kept = mask.float().mean().item()
+    assert abs(kept - (1 - p)) < 6 * (p * (1 - p) / n) ** 0.5, kept
+    for frac in (mask.float().mean(0), mask.float().mean(1)):  # no all-kept / all-dropped lines
+        assert frac.min() > 0 and frac.max() < 1
+    assert torch.equal(out == 0, ~mask | (full == 0))
+    torch.testing.assert_close(out[mask], full[mask] / (1 - p), rtol=1e-6, atol=0)
+    assert not torch.equal(mask[:, :96], mask[:, 96:])  # columns draw different numbers
+    assert launches["dropout_mask"] == 1
+
+
+def test_dropout_same_seed_same_result(device):
+    x, w1, b1, w2, b2, r = _mlp_inputs(37, 8, 100, True, True, torch.float16, device)
+    outs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        out = mlp(x, w1, b1, w2, b2, "gelu", r, dropout_p=0.3, output_dropout_p=0.3)
+        outs.append((out, torch.autograd.grad(out.sum(), (x, w1))))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+    assert not torch.equal(outs[0][0], outs[2][0])
+
+
+# (M, D, F) with every gradient, each dtype: odd M, tiny d_model, hidden not a tile multiple.
+DROPOUT_SHAPE = (37, 8, 100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dropouts", [(0.3, 0.2), (0.25, 0.0), (0.0, 0.4)], ids=["both", "hidden", "output"])
+def test_mlp_dropout_matches_reference_with_kernel_masks(dropouts, dtype, device, launches):
+    M, D, F_ = DROPOUT_SHAPE
+    p1, p2 = dropouts
+    inputs = _mlp_inputs(M, D, F_, True, True, dtype, device)
+    m1, m2 = _kernel_masks(7, device, (M, F_, p1), (M, D, p2))
+
+    def ours(x, w1, b1, w2, b2, r):
+        return mlp(x, w1, b1, w2, b2, "gelu", r, p1, p2)
+
+    def ref(x, w1, b1, w2, b2, r, compute_dtype=None):
+        return reference.mlp(x, w1, b1, w2, b2, "gelu", r, p1, p2, dropout_mask=m1 if p1 else None,
+                             output_dropout_mask=m2 if p2 else None, compute_dtype=compute_dtype)
+
+    _check("mlp dropout", _seeded(ours, 7), ref, inputs, dtype, device)
+    assert launches["matmul"] == 6
+    assert launches["act_grad"] == 1  # dY * keep2 / (1 - p2) and dB2's sums in one pass (or dB2 alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_linear_dropout_matches_reference_with_kernel_masks(activation, dtype, device, launches):
+    M, K, N = 37, 100, 8  # odd M, masked K loop, N below a tile
+    inputs = _linear_inputs(M, K, N, True, True, dtype, device)
+    (mask,) = _kernel_masks(11, device, (M, N, 0.3))
+
+    def ours(x, w, b, r):
+        return linear(x, w, b, activation, r, dropout_p=0.3)
+
+    def ref(x, w, b, r, compute_dtype=None):
+        return reference.linear(x, w, b, activation, r, 0.3, dropout_mask=mask, compute_dtype=compute_dtype)
+
+    _check("linear dropout", _seeded(ours, 11), ref, inputs, dtype, device)
+    assert launches["act_grad"] == 1  # keep / (1 - p), act' and dB in one elementwise pass
+
+
+@pytest.mark.parametrize("tile", [TILES[0], TILES[2]], ids=lambda t: "x".join(map(str, t)))
+def test_mlp_dropout_other_tiles(tile, device, monkeypatch):
+    # Masks use absolute rows and columns: several tiles (64x64: 3 row tiles, 2 hidden column
+    # tiles; 128x256: 2 row tiles) and the epilogue on four column slices give the same masks
+    # as the mask kernel.
+    monkeypatch.setattr(fused_block.kernels.matmul, "INTERPRETER_CONFIG", tile)
+    M, D, F_ = 136, 40, 72
+    inputs = _mlp_inputs(M, D, F_, True, True, torch.bfloat16, device)
+    m1, m2 = _kernel_masks(5, device, (M, F_, 0.3), (M, D, 0.2))
+
+    def ref(x, w1, b1, w2, b2, r, compute_dtype=None):
+        return reference.mlp(x, w1, b1, w2, b2, "gelu_tanh", r, 0.3, 0.2, dropout_mask=m1,
+                             output_dropout_mask=m2, compute_dtype=compute_dtype)
+
+    ours = _seeded(lambda x, w1, b1, w2, b2, r: mlp(x, w1, b1, w2, b2, "gelu_tanh", r, 0.3, 0.2), 5)
+    _check("mlp dropout tiles", ours, ref, inputs, torch.bfloat16, device)
+
+
+def test_mlp_module_dropout_train_and_eval(device, launches, monkeypatch):
+    torch.manual_seed(0)
+    ours = MLP(16, 48, dropout=0.25, device=device)
+    assert "dropout=0.25" in repr(ours)
+    x = randn(9, 16, dtype=torch.float32, device=device)
+    args = (x, ours.linear1.weight, ours.linear1.bias, ours.linear2.weight, ours.linear2.bias, "gelu", x)
+    with torch.no_grad():
+        torch.manual_seed(4)
+        train = ours(x, residual=x)
+        torch.manual_seed(4)
+        torch.testing.assert_close(train, mlp(*args, dropout_p=0.25, output_dropout_p=0.25), atol=0, rtol=0)
+        ours.eval()
+        evaluated = ours(x, residual=x)
+        torch.testing.assert_close(evaluated, mlp(*args), atol=0, rtol=0)
+        assert not torch.allclose(train, evaluated)
+        # Without the Triton path (CPU without the interpreter) the reference runs F.dropout.
+        monkeypatch.setattr(fused_block._backend, "use_triton", lambda t: False)
+        ours.train()
+        before = launches["matmul"]
+        ref = ours(x)
+        assert launches["matmul"] == before
+        h = F.gelu(ours.linear1(x))
+        assert ref.shape == (9, 16) and not torch.allclose(ref, ours.linear2(h))
+
+
+# ---------------------------------------------------------------------------------------------
 # modules
 # ---------------------------------------------------------------------------------------------
 
@@ -267,8 +409,6 @@ def test_mlp_module_matches_transformer_layer_names(device):
     expected = layer.linear2(F.gelu(layer.linear1(x))) + x
     torch.testing.assert_close(ours(x, residual=x), expected, rtol=1e-5, atol=1e-5)
     assert MLP(32, 64, bias=False).linear1.bias is None
-    with pytest.raises(ValueError, match="dropout"):
-        MLP(32, 64, dropout=0.1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +462,26 @@ def test_mlp_bad_input(device, launches):
     assert launches["matmul"] == 0
 
 
+def test_dropout_bad_input(device, launches):
+    x = torch.randn(4, 8, device=device)
+    w1, b1 = torch.randn(16, 8, device=device), torch.randn(16, device=device)
+    w2, b2 = torch.randn(8, 16, device=device), torch.randn(8, device=device)
+    cases = [
+        (lambda: linear(x, w1, dropout_p=1.0), ValueError, "dropout_p"),
+        (lambda: linear(x, w1, dropout_p=-0.1), ValueError, "dropout_p"),
+        (lambda: linear(x, w1, dropout_p="0.1"), TypeError, "dropout_p"),
+        (lambda: mlp(x, w1, b1, w2, b2, dropout_p=1.5), ValueError, "dropout_p"),
+        (lambda: mlp(x, w1, b1, w2, b2, output_dropout_p=1.0), ValueError, "output_dropout_p"),
+        (lambda: mlp(x, w1, b1, w2, b2, output_dropout_p=True), TypeError, "output_dropout_p"),
+        (lambda: MLP(8, 16, dropout=1.0), ValueError, "dropout"),
+        (lambda: MLP(8, 16, dropout=None), TypeError, "dropout"),
+    ]
+    for fn, error, name in cases:
+        with pytest.raises(error, match=name):
+            fn()
+    assert launches["matmul"] == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library, torch.compile, autocast
 # ---------------------------------------------------------------------------------------------
@@ -330,28 +490,38 @@ def test_opcheck(device):
     dt = torch.float16
     x, w, b, r = _linear_inputs(37, 24, 40, True, True, dt, device)
     ops = torch.ops.fused_block
-    torch.library.opcheck(ops.linear_fwd.default, (x, w, b, r, "gelu", True))
+    none = _NO_SEED.to(device)
+    seed = torch.tensor([12345], dtype=torch.int64, device=device)
+    torch.library.opcheck(ops.linear_fwd.default, (x, w, b, r, "gelu", True, seed, 0.25))
     x, w1, b1, w2, b2, r = _mlp_inputs(37, 24, 40, True, True, dt, device)
-    torch.library.opcheck(ops.mlp_fwd.default, (x, w1, None, w2, None, None, "gelu_tanh", False))
+    torch.library.opcheck(ops.mlp_fwd.default, (x, w1, None, w2, None, None, "gelu_tanh", False, none, 0.0,
+                                                none, 0.0))
+    torch.library.opcheck(ops.mlp_fwd.default, (x, w1, b1, w2, b2, r, "gelu", True, seed, 0.3, seed + 1, 0.2))
     # The backward's building blocks (not differentiable themselves: no double backward).
     x, w2 = x.detach(), w2.detach()
     g = randn(37, 24, dtype=dt, device=device)
     pre = randn(37, 40, dtype=dt, device=device)
     torch.library.opcheck(ops.matmul.default, (g.t(), x))
-    torch.library.opcheck(ops.matmul_act_grad.default, (g, w2, pre, "gelu", True))
-    torch.library.opcheck(ops.act_grad.default, (pre, pre, "relu", True))
+    torch.library.opcheck(ops.matmul_act_grad.default, (g, w2, pre, "gelu", True, seed, 0.3))
+    torch.library.opcheck(ops.act_grad.default, (pre, pre, "relu", True, seed, 0.3))
     torch.library.opcheck(ops.bias_grad.default, (g,))
 
 
-def test_torch_compile_fullgraph(device, launches):
+def test_torch_compile_fullgraph(device, launches, monkeypatch):
+    # With dropout: the seeds are drawn with torch.randint inside the graph; fallback_random
+    # makes the compiled graph draw them as eager does, so both see the same masks.
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     x, w1, b1, w2, b2, r = _mlp_inputs(37, 24, 40, True, True, torch.float32, device)
 
     def block(x, w1, b1, w2, b2, r):
-        return linear(mlp(x, w1, b1, w2, b2, "gelu", r), w2.t(), b1, "relu")
+        h = mlp(x, w1, b1, w2, b2, "gelu", r, dropout_p=0.25, output_dropout_p=0.1)
+        return linear(h, w2.t(), b1, "relu", dropout_p=0.2)
 
     compiled = torch.compile(block, fullgraph=True)
+    torch.manual_seed(3)
     out = compiled(x, w1, b1, w2, b2, r)
     grads = torch.autograd.grad(out.sum(), (x, w1, b1, w2, b2, r))
+    torch.manual_seed(3)
     eager = block(x, w1, b1, w2, b2, r)
     eager_grads = torch.autograd.grad(eager.sum(), (x, w1, b1, w2, b2, r))
     torch.testing.assert_close(out, eager)
