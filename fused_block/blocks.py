@@ -15,6 +15,8 @@ Data flow of one encoder layer (x: (B, L, E) with ``batch_first``, else (L, B, E
 
 In Pre-LN, ``add_layer_norm`` returns the residual stream ``h`` beside ``LN2(h)``, and the
 FFN's residual add rides in the epilogue of its second matmul (``mlp(..., residual=h)``).
+The FFN's dropouts are fused too: the inner one (``dropout``) in the first matmul's epilogue,
+drop2 in the second's (Pre-LN) or in the norm kernel on the FFN output (Post-LN).
 Attention is one QKV matmul whose (..., (H + 2 Hkv) * D) output is viewed, without copies,
 as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel.
 
@@ -385,28 +387,21 @@ class _LayerMixin:
             return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p)
         return ops.add_rms_norm(x, residual, module.weight, module.eps, dropout_p)
 
-    def _ffn(self, x, residual=None):
-        """``residual + dropout2(linear2(dropout(act(linear1(x)))))``; the add rides in the
-        second matmul's epilogue when the outer dropout is off."""
+    def _ffn(self, x, residual=None, output_dropout=True):
+        """``residual + dropout2(linear2(dropout(act(linear1(x)))))``: one ``mlp`` with both
+        dropouts and the residual add fused into the GEMM epilogues. ``output_dropout=False``
+        leaves dropout2 out (Post-LN fuses it, with the add, into the next norm's kernel)."""
         p_in = self.dropout.p if self.training else 0.0
-        p_out = self._ffn_dropout().p if self.training else 0.0
+        p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
         name = _activation_name(self.activation)
         l1, l2 = self.linear1, self.linear2
-        epilogue_residual = residual if p_out == 0.0 else None
         ops = _ops(x)
-        if p_in == 0.0 and name is not None:
-            y = ops.mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, name, epilogue_residual)
-        else:
-            hid = ops.linear(x, l1.weight, l1.bias, name)
-            if name is None:
-                hid = self.activation(hid)
-            hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
-            y = ops.linear(hid, l2.weight, l2.bias, None, epilogue_residual)
-        if p_out > 0.0:
-            y = F.dropout(y, p_out, training=True)
-            if residual is not None:
-                y = y + residual
-        return y
+        if name is not None:
+            return ops.mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, name, residual, p_in, p_out)
+        # A custom activation callable runs between the GEMMs, so its dropout does too.
+        hid = self.activation(ops.linear(x, l1.weight, l1.bias))
+        hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
+        return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
 
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
@@ -497,7 +492,8 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
             y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
         else:
             h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
-            y, _ = self._add_norm(self.norm2, _like(self._ffn(h), h), h, self.dropout2.p if self.training else 0.0)
+            f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
+            y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
 
     @classmethod
@@ -577,7 +573,8 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         else:
             h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
             h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
-            y, _ = self._add_norm(self.norm3, _like(self._ffn(h), h), h, p(self.dropout3))
+            f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
+            y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
         return _unbatch(y, batched, bf)
 
     @classmethod

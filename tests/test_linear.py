@@ -354,6 +354,34 @@ def test_mlp_dropout_other_tiles(tile, device, monkeypatch):
     _check("mlp dropout tiles", ours, ref, inputs, torch.bfloat16, device)
 
 
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre_ln", "post_ln"])
+def test_transformer_layer_ffn_dropouts_are_fused(norm_first, device, monkeypatch):
+    # The layers' FFN: Pre-LN is one mlp with both dropouts and the residual; Post-LN's mlp
+    # has the inner dropout only, dropout2 being the next norm's (applied once, not twice).
+    # F.dropout must not run at all. Tiny dims: only the call pattern matters here.
+    blocks = fused_block.blocks
+    calls = []
+
+    def record(name, fn):
+        def wrapped(*args):
+            calls.append((name, args))
+            return fn(*args)
+        return wrapped
+
+    monkeypatch.setattr(blocks._FUSED, "mlp", record("mlp", blocks._FUSED.mlp))
+    monkeypatch.setattr(blocks._FUSED, "add_layer_norm", record("norm", blocks._FUSED.add_layer_norm))
+    monkeypatch.setattr(F, "dropout", lambda *a, **k: pytest.fail("unfused F.dropout"))
+    layer = fused_block.TransformerEncoderLayer(16, 2, 32, dropout=0.3, activation="gelu", batch_first=True,
+                                                norm_first=norm_first).to(device)
+    with torch.no_grad():
+        layer(randn(2, 5, 16, dtype=torch.float32, device=device))
+    (mlp_args,) = [a for n, a in calls if n == "mlp"]
+    assert mlp_args[7:] == ((0.3, 0.3) if norm_first else (0.3, 0.0))
+    assert (mlp_args[6] is not None) == norm_first  # Pre-LN: the residual add in the epilogue
+    if not norm_first:
+        assert calls[-1][0] == "norm" and calls[-1][1][5] == 0.3  # dropout2 in the norm kernel
+
+
 def test_mlp_module_dropout_train_and_eval(device, launches, monkeypatch):
     torch.manual_seed(0)
     ours = MLP(16, 48, dropout=0.25, device=device)
