@@ -495,14 +495,14 @@ def test_dropout_bad_input(device, launches):
     w1, b1 = torch.randn(16, 8, device=device), torch.randn(16, device=device)
     w2, b2 = torch.randn(8, 16, device=device), torch.randn(8, device=device)
     cases = [
-        (lambda: linear(x, w1, dropout_p=1.0), ValueError, "dropout_p"),
-        (lambda: linear(x, w1, dropout_p=-0.1), ValueError, "dropout_p"),
-        (lambda: linear(x, w1, dropout_p="0.1"), TypeError, "dropout_p"),
-        (lambda: mlp(x, w1, b1, w2, b2, dropout_p=1.5), ValueError, "dropout_p"),
+        (lambda: linear(x, w1, dropout_p=1.0), ValueError, "^dropout_p"),
+        (lambda: linear(x, w1, dropout_p=-0.1), ValueError, "^dropout_p"),
+        (lambda: linear(x, w1, dropout_p="0.1"), TypeError, "^dropout_p"),
+        (lambda: mlp(x, w1, b1, w2, b2, dropout_p=1.5), ValueError, "^dropout_p"),
         (lambda: mlp(x, w1, b1, w2, b2, output_dropout_p=1.0), ValueError, "output_dropout_p"),
         (lambda: mlp(x, w1, b1, w2, b2, output_dropout_p=True), TypeError, "output_dropout_p"),
-        (lambda: MLP(8, 16, dropout=1.0), ValueError, "dropout"),
-        (lambda: MLP(8, 16, dropout=None), TypeError, "dropout"),
+        (lambda: MLP(8, 16, dropout=1.0), ValueError, "^dropout"),
+        (lambda: MLP(8, 16, dropout=None), TypeError, "^dropout"),
     ]
     for fn, error, name in cases:
         with pytest.raises(error, match=name):
