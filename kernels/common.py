@@ -49,12 +49,6 @@ def dot(a, b, acc, INTERPRET: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit
-def tanh(x):
-    """tanh from sigmoid (``libdevice.tanh`` fails in the interpreter); exact limits at +-inf."""
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
 # Tests set this so that every buffer a launcher allocates starts as NaN: a kernel that
 # leaves any element unwritten then fails the comparison with the reference.
 POISON_OUTPUTS = False

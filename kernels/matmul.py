@@ -48,7 +48,8 @@ def _act(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 1:
         y = 0.5 * x * (1.0 + tl.erf(x * _SQRT_1_2))
     elif ACTIVATION == 2:
-        y = 0.5 * x * (1.0 + common.tanh(_TANH_K0 * (x + _TANH_K1 * x * x * x)))
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation for large |u|.
+        y = x * tl.sigmoid(2.0 * _TANH_K0 * (x + _TANH_K1 * x * x * x))
     elif ACTIVATION == 3:
         y = tl.where(x < 0.0, 0.0, x)  # keeps NaN, like torch.relu
     return y
@@ -62,9 +63,12 @@ def _act_grad(x, ACTIVATION: tl.constexpr):
         cdf = 0.5 * (1.0 + tl.erf(x * _SQRT_1_2))
         d = cdf + x * _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
     elif ACTIVATION == 2:
+        # With s = sigmoid(2u): 0.5 * (1 + tanh(u)) = s and 1 - tanh(u)^2 = 4 s sigmoid(-2u),
+        # which does not cancel where tanh(u) is near +-1.
         x2 = x * x
-        t = common.tanh(_TANH_K0 * (x + _TANH_K1 * x2 * x))
-        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _TANH_K0 * (1.0 + 3.0 * _TANH_K1 * x2)
+        u2 = 2.0 * _TANH_K0 * (x + _TANH_K1 * x2 * x)
+        s = tl.sigmoid(u2)
+        d = s + 2.0 * x * s * tl.sigmoid(-u2) * _TANH_K0 * (1.0 + 3.0 * _TANH_K1 * x2)
     elif ACTIVATION == 3:
         d = tl.where(x > 0.0, 1.0, 0.0)
     return d
