@@ -147,6 +147,24 @@ def _bwd_row_chunk(H, W, DOUT, cols, mask, mean, rstd, IS_RMS: tl.constexpr, HAS
 
 
 @triton.jit
+def _row_stats(MEAN, RSTD, row, IS_RMS: tl.constexpr):
+    """The forward's saved (mean, rstd) of ``row`` (mean 0 for RMSNorm)."""
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(MEAN + row)
+    return mean, tl.load(RSTD + row)
+
+
+@triton.jit
+def _dh(xhat, wdy, c1, c2, rstd, IS_RMS: tl.constexpr):
+    """Gradient reaching residual_out through the norm: (w*dy - xhat*c1 - c2) * rstd."""
+    if IS_RMS:
+        return (wdy - xhat * c1) * rstd
+    else:
+        return (wdy - (xhat * c1 + c2)) * rstd
+
+
+@triton.jit
 def _bwd_store_grads(DX, DRES, DROUT, SEED, row, cols, mask, N, dropout_p, dh,
                      HAS_DROUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                      INTERPRET: tl.constexpr):
@@ -181,22 +199,17 @@ def _add_norm_bwd_kernel(
         dw = tl.zeros((BLOCK_N,), tl.float32)
         db = tl.zeros((BLOCK_N,), tl.float32)
         for row in range(row_start, row_end):
-            mean = 0.0
-            if not IS_RMS:
-                mean = tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
+            mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS)
             xhat, dy, wdy = _bwd_row_chunk(H + row * stride_h, W, DOUT + row * stride_dout, cols, mask,
                                            mean, rstd, IS_RMS, HAS_W)
             if HAS_W:
                 dw += dy * xhat
             if HAS_B:
                 db += dy
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-            if IS_RMS:
-                dh = (wdy - xhat * c1) * rstd
-            else:
+            c2 = 0.0
+            if not IS_RMS:
                 c2 = tl.sum(wdy, axis=0) / N
-                dh = (wdy - (xhat * c1 + c2)) * rstd
+            dh = _dh(xhat, wdy, tl.sum(xhat * wdy, axis=0) / N, c2, rstd, IS_RMS)
             _bwd_store_grads(DX + row * stride_dx, DRES + row * stride_dres, DROUT + row * stride_drout,
                              SEED, row, cols, mask, N, dropout_p, dh, HAS_DROUT, STORE_DRES, HAS_DROPOUT, INTERPRET)
         if HAS_W:
@@ -208,10 +221,7 @@ def _add_norm_bwd_kernel(
         # kept in the C1/C2 scratch. Phase 2: column chunk by column chunk, every row's dx and
         # the chunk's dweight/dbias partials in registers (no read-modify-write of partials).
         for row in range(row_start, row_end):
-            mean = 0.0
-            if not IS_RMS:
-                mean = tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
+            mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS)
             s1 = tl.zeros((), tl.float32)
             s2 = tl.zeros((), tl.float32)
             for start in range(0, N, BLOCK_N):
@@ -230,21 +240,14 @@ def _add_norm_bwd_kernel(
             dw = tl.zeros((BLOCK_N,), tl.float32)
             db = tl.zeros((BLOCK_N,), tl.float32)
             for row in range(row_start, row_end):
-                mean = 0.0
-                if not IS_RMS:
-                    mean = tl.load(MEAN + row)
-                rstd = tl.load(RSTD + row)
+                mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS)
                 xhat, dy, wdy = _bwd_row_chunk(H + row * stride_h, W, DOUT + row * stride_dout, cols, mask,
                                                mean, rstd, IS_RMS, HAS_W)
                 if HAS_W:
                     dw += dy * xhat
                 if HAS_B:
                     db += dy
-                c1 = tl.load(C1 + row)
-                if IS_RMS:
-                    dh = (wdy - xhat * c1) * rstd
-                else:
-                    dh = (wdy - (xhat * c1 + tl.load(C2 + row))) * rstd
+                dh = _dh(xhat, wdy, tl.load(C1 + row), tl.load(C2 + row), rstd, IS_RMS)
                 _bwd_store_grads(DX + row * stride_dx, DRES + row * stride_dres, DROUT + row * stride_drout,
                                  SEED, row, cols, mask, N, dropout_p, dh, HAS_DROUT, STORE_DRES, HAS_DROPOUT, INTERPRET)
             if HAS_W:

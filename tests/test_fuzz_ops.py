@@ -11,7 +11,6 @@ Interpreter tiles: attention blocks are 64x32 (forward, dQ) and 32x64 (dK/dV), t
 is 256x256x128, so the edge sizes below sit on both sides of 16/32/64/128 (attention) and of
 128/256 (GEMM K and M/N). Sizes stay small: the interpreter runs every program in Python.
 """
-import contextlib
 import math
 
 import torch
@@ -22,7 +21,7 @@ from fused_block import reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, attention
 from fused_block.linear import linear, mlp
 from fuzzing import DTYPE, LAYOUTS, layout, settings_for
-from numerics import ATOL, assert_close
+from numerics import ATOL, assert_close, torch_precision_of_kernels
 
 ON_CUDA = torch.cuda.is_available()
 ACTS = st.sampled_from((None, "gelu", "gelu_tanh", "relu"))
@@ -151,20 +150,6 @@ SIZE = st.one_of(st.sampled_from([1, 2, 7, 8, 15, 16, 17, 31, 33, 63, 65, 100, 1
                  st.integers(1, 300))
 
 
-@contextlib.contextmanager
-def _torch_precision_of_kernels(dtype, device):
-    """Our fp32 GEMMs use TF32 on the GPU: measure PyTorch's fp32 error with TF32 as well."""
-    if dtype != torch.float32 or device.type != "cuda":
-        yield
-        return
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def _gemm_atol(ref, dtype):
     """The atol of the lowest precision in the computation (an fp32 residual promotes the
     output to fp32, but the product ran in ``dtype``). fp32 adds 16 ulps of the largest
@@ -191,7 +176,7 @@ def _check(ours, ref_fn, inputs, dtype, device, gen, g_scale=1.0):
     ref = ref_fn(*ins64)
     want = torch.autograd.grad(ref, [t for t in ins64 if t is not None], g.double())
     insb = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
-    with _torch_precision_of_kernels(dtype, device):
+    with torch_precision_of_kernels(dtype, device):
         base = ref_fn(*insb, compute_dtype=dtype)
         base_g = torch.autograd.grad(base, [t for t in insb if t is not None], g)
     assert out.dtype == base.dtype

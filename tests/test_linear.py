@@ -4,7 +4,6 @@ Every result and every gradient is compared with the float64 reference under the
 PyTorch's own error" rule (numerics.assert_close). fp32 products run in TF32 on the GPU, so
 there PyTorch's fp32 baseline is measured with TF32 enabled too.
 """
-import contextlib
 
 import pytest
 import torch
@@ -15,23 +14,9 @@ import fused_block.kernels.matmul
 from fused_block import reference
 from fused_block.linear import MLP, Linear, linear, mlp
 
-from numerics import ATOL, DTYPES, assert_close, randn
+from numerics import ATOL, DTYPES, assert_close, randn, torch_precision_of_kernels
 
 ACTS = (None, "gelu", "gelu_tanh", "relu")
-
-
-@contextlib.contextmanager
-def _torch_precision_of_kernels(dtype, device):
-    """Our fp32 GEMMs use TF32 on the GPU: measure PyTorch's fp32 error with TF32 as well."""
-    if dtype != torch.float32 or device.type != "cuda":
-        yield
-        return
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _leaves(tensors, dtype=None):
@@ -54,7 +39,7 @@ def _check(name, ours, ref_fn, inputs, dtype, device):
     grads64 = torch.autograd.grad(ref, [t for t in ins64 if t is not None and t.requires_grad], g.double())
 
     insb = _leaves(inputs)
-    with _torch_precision_of_kernels(dtype, device):
+    with torch_precision_of_kernels(dtype, device):
         base = ref_fn(*insb, compute_dtype=dtype)
         gradsb = torch.autograd.grad(base, [t for t in insb if t is not None and t.requires_grad], g)
 
