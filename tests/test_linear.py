@@ -520,10 +520,15 @@ def test_opcheck(device):
     torch.library.opcheck(ops.bias_grad.default, (g,))
 
 
-def test_torch_compile_fullgraph(device, launches, monkeypatch):
+def test_torch_compile_fullgraph(device, launches):
     # With dropout: the seeds are drawn with torch.randint inside the graph; fallback_random
-    # makes the compiled graph draw them as eager does, so both see the same masks.
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    # makes the compiled graph draw them as eager does, so both see the same masks. (Patched
+    # with the config's own context manager: monkeypatch's undo left the option deleted.)
+    with torch._inductor.config.patch(fallback_random=True):
+        _compile_matches_eager(device, launches)
+
+
+def _compile_matches_eager(device, launches):
     x, w1, b1, w2, b2, r = _mlp_inputs(37, 24, 40, True, True, torch.float32, device)
 
     def block(x, w1, b1, w2, b2, r):
