@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_block.kernels import aot, common
+from fused_block.kernels import common
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -725,6 +725,8 @@ def aot_specs() -> list:
     """Every shipped config, compiled with causal + padding on and dropout as its table says
     (bf16 for 2-byte classes, fp32 for the tf32 classes), plus preprocess and the mask helper.
     A config shared by a class's dropout and no-dropout lists compiles once, with dropout."""
+    from fused_block.kernels import aot  # only the compile check needs it
+
     specs = []
     kernels = (("fwd", _attn_fwd, FWD_CONFIGS, ("Q", "K", "V", "O"), ("LSE",)),
                ("dkdv", _attn_bwd_dkdv, DKDV_CONFIGS, ("Q", "K", "V", "DO", "DK", "DV"), ("LSE", "DELTA")),
