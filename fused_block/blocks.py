@@ -108,14 +108,18 @@ def _is_causal_mask(mask, L):
     return bool(torch.equal(mask, expected))
 
 
-def _check_mask(name, mask, B, H, L, S):
-    """Shape and dtype checks with torch's exception types and this library's argument names."""
-    if mask is None:
-        return
+def _check_mask_type(name, mask):
     if not isinstance(mask, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise MaskTypeError(f"only bool and floating types of {name} are supported, got {mask.dtype}")
+
+
+def _check_mask(name, mask, B, H, L, S):
+    """Shape and dtype checks with torch's exception types and this library's argument names."""
+    if mask is None:
+        return
+    _check_mask_type(name, mask)
     if mask.dim() == 2:
         if tuple(mask.shape) != (L, S):
             raise MaskError(f"{name}: the shape of the 2D mask is {tuple(mask.shape)}, but should be ({L}, {S})")
@@ -130,10 +134,7 @@ def _check_mask(name, mask, B, H, L, S):
 def _check_padding_mask(name, mask, B, S, batched):
     if mask is None:
         return
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise MaskTypeError(f"only bool and floating types of {name} are supported, got {mask.dtype}")
+    _check_mask_type(name, mask)
     expected = (B, S) if batched else (S,)
     if tuple(mask.shape) != expected:
         raise ShapeError(f"{name} must have shape {expected}, got {tuple(mask.shape)}")
