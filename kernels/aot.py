@@ -46,6 +46,10 @@ class KernelSpec:
     num_stages: int = 1
     aligned: tuple = ()
     wgmma: bool = False  # on sm_90 the products must compile to wgmma
+    tma: bool = False  # on sm_90 the loads must compile to TMA (cp.async.bulk.tensor)
+    # The architectures this config ships for: each arch's config table is compiled (and held
+    # to "no spills") on its own architecture only.
+    archs: tuple = (80, 90)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,8 @@ class CompileReport:
     stack: int
     wgmma_required: bool
     wgmma_found: bool
+    tma_required: bool = False
+    tma_found: bool = False
 
     @property
     def spills(self) -> bool:
@@ -99,6 +105,8 @@ def compile_spec(spec: KernelSpec, arch: int, module: str = "") -> CompileReport
         local=usage.get("LOCAL", 0), stack=usage.get("STACK", 0),
         wgmma_required=spec.wgmma and arch >= 90,
         wgmma_found="wgmma" in compiled.asm["ptx"],
+        tma_required=spec.tma and arch >= 90,
+        tma_found="cp.async.bulk.tensor" in compiled.asm["ptx"],
     )
 
 
@@ -113,7 +121,7 @@ def _compile_one(job):
 
 def compile_all(modules=MODULES, archs=ARCHS, jobs=None) -> list:
     """Compile every spec of ``modules`` for every arch, in parallel worker processes."""
-    work = [(m, i, a) for m in modules for i in range(len(specs_of(m))) for a in archs]
+    work = [(m, i, a) for m in modules for i, spec in enumerate(specs_of(m)) for a in archs if a in spec.archs]
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
         return [_compile_one(w) for w in work]
@@ -122,13 +130,15 @@ def compile_all(modules=MODULES, archs=ARCHS, jobs=None) -> list:
 
 
 def format_table(reports) -> str:
-    head = f"{'kernel / config':<64} {'sm':>3} {'warps':>5} {'stages':>6} {'regs':>5} {'smem':>7} {'spill':>6} {'wgmma':>6}"
+    head = (f"{'kernel / config':<64} {'sm':>3} {'warps':>5} {'stages':>6} {'regs':>5} {'smem':>7} "
+            f"{'spill':>6} {'wgmma':>6} {'tma':>4}")
     lines = [head, "-" * len(head)]
     for r in reports:
         spill = f"{r.local + r.stack}B" if r.spills else "0"
         wg = ("yes" if r.wgmma_found else "NO") if r.wgmma_required else ("yes" if r.wgmma_found else "-")
+        tma = ("yes" if r.tma_found else "NO") if r.tma_required else ("yes" if r.tma_found else "-")
         lines.append(f"{r.name:<64} {r.arch:>3} {r.num_warps:>5} {r.num_stages:>6} {r.registers:>5} "
-                     f"{r.shared:>7} {spill:>6} {wg:>6}")
+                     f"{r.shared:>7} {spill:>6} {wg:>6} {tma:>4}")
     return "\n".join(lines)
 
 
@@ -163,8 +173,9 @@ def main(argv=None) -> int:
             json.dump([dataclasses.asdict(r) for r in reports], f)
     if not args.quiet:
         print(format_table(reports))
-    bad = [r for r in reports if r.spills or (r.wgmma_required and not r.wgmma_found)]
-    print(f"\n{len(reports)} compiled, {len(bad)} with spills or missing wgmma")
+    bad = [r for r in reports if r.spills or (r.wgmma_required and not r.wgmma_found)
+           or (r.tma_required and not r.tma_found)]
+    print(f"\n{len(reports)} compiled, {len(bad)} with spills or missing wgmma/TMA")
     return 1 if bad else 0
 
 

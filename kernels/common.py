@@ -1,4 +1,4 @@
-"""Helpers shared by every kernel: the interpreter switch, the dot helper, launch accounting.
+"""Helpers shared by every kernel: the interpreter switch, the dot helper, the launch path.
 
 The Triton interpreter (``TRITON_INTERPRET=1``, used on CPU-only machines) keeps bf16 as raw
 uint16 bits, so bf16 arithmetic and ``tl.dot`` on bf16 operands give garbage there, while
@@ -8,6 +8,7 @@ operands only when ``INTERPRET`` (a constexpr computed by the launcher) is set. 
 the operands stay in fp16/bf16 and the product runs on tensor cores (wgmma on sm_90).
 """
 import collections
+import dataclasses
 import os
 
 import torch
@@ -16,15 +17,64 @@ import triton.language as tl
 
 # Launch counts per kernel name. Tests read it to prove the Triton path ran.
 LAUNCHES = collections.Counter()
+# Host-overhead measurement without a GPU: when set, :func:`launch` counts the launch and
+# returns without running the kernel (outputs keep whatever the launcher allocated).
+STUB_LAUNCHES = False
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels through its CPU interpreter (fixed when Triton is imported)."""
+    return _INTERPRET
 
 
 def count_launch(name: str) -> None:
     LAUNCHES[name] += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side integer helpers: plain Python (triton.cdiv / next_power_of_2 cost ~4 us a call)
+# ---------------------------------------------------------------------------------------------
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# the device: architecture class for config tables, fp32 matmul precision
+# ---------------------------------------------------------------------------------------------
+
+ARCHS = (80, 90)  # config tables exist for these; any other GPU uses the nearest one below
+_ARCH = {}
+
+
+def arch(device) -> int:
+    """The config-table architecture of ``device``: 90 for Hopper and newer, else 80.
+
+    The interpreter (CPU tensors) reports 0: launchers use their single interpreter config.
+    """
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    a = _ARCH.get(index)
+    if a is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        a = _ARCH[index] = 90 if major >= 9 else 80
+    return a
+
+
+def fp32_precision() -> str:
+    """``"tf32"`` when torch lets fp32 matmuls use TF32, else ``"ieee"`` (torch's default).
+
+    Read at call time, as torch's own matmuls do: ``torch.set_float32_matmul_precision("high")``
+    or ``torch.backends.cuda.matmul.allow_tf32 = True`` (or the newer ``fp32_precision =
+    "tf32"``) select TF32. Attention has no switch of its own in torch; it follows this one.
+    """
+    return "tf32" if torch._C._get_cublas_allow_tf32() else "ieee"
 
 
 _SM_COUNT = {}
@@ -76,3 +126,93 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch path: one config per key, chosen once, then a direct launch
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A kernel configuration: constexpr meta-parameters plus warps and pipeline stages."""
+
+    kwargs: tuple  # sorted (name, value) pairs, hashable
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @staticmethod
+    def of(num_warps=4, num_stages=1, **kwargs) -> "Config":
+        return Config(tuple(sorted(kwargs.items())), num_warps, num_stages)
+
+    def __getitem__(self, name):
+        for k, v in self.kwargs:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    def meta(self) -> dict:
+        return dict(self.kwargs)
+
+
+def launch(name: str, kernel, grid, args, constexprs: dict, config: Config) -> None:
+    """Count and launch ``kernel[grid](*args, **constexprs, **config)``.
+
+    The one place every kernel goes through: tests read the counts, and the host-overhead
+    benchmark sets ``STUB_LAUNCHES`` to time everything but the kernels.
+    """
+    LAUNCHES[name] += 1
+    if STUB_LAUNCHES:
+        return
+    kernel[grid](*args, **constexprs, **dict(config.kwargs), num_warps=config.num_warps,
+                 num_stages=config.num_stages)
+
+
+# FUSED_BLOCK_TUNE=0 takes the first candidate of every list instead of benchmarking them
+# (quicker test runs on a GPU; every candidate is still compiled by the AOT check).
+TUNE = os.environ.get("FUSED_BLOCK_TUNE", "1") != "0"
+
+
+class ConfigCache:
+    """Chooses one config per key among candidates, once, and remembers it.
+
+    On CUDA with several candidates, each is timed with ``triton.testing.do_bench`` on the
+    real arguments (so a launch must be idempotent: outputs overwritten, never accumulated),
+    candidates that fail to compile or launch are skipped, and the fastest is kept. Later
+    calls with the same key are a dict lookup. A single candidate, the interpreter,
+    ``STUB_LAUNCHES`` or ``FUSED_BLOCK_TUNE=0`` take the first candidate without timing.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.chosen = {}
+
+    def get(self, key, candidates, run) -> Config:
+        """The config for ``key``; ``run(config)`` launches once with it (used for timing)."""
+        cfg = self.chosen.get(key)
+        if cfg is not None:
+            return cfg
+        if not candidates:
+            raise ValueError(f"{self.name}: no config candidate for {key}")
+        if len(candidates) == 1 or not TUNE or STUB_LAUNCHES or _INTERPRET:
+            cfg = candidates[0]
+        else:
+            cfg = self._fastest(key, candidates, run)
+        self.chosen[key] = cfg
+        return cfg
+
+    def _fastest(self, key, candidates, run) -> Config:
+        from triton.testing import do_bench
+
+        timed = []
+        for cfg in candidates:
+            try:
+                timed.append((do_bench(lambda: run(cfg), warmup=5, rep=25), cfg))
+            except Exception as exc:  # noqa: BLE001 - out of resources etc.: not a candidate
+                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                    raise
+        if not timed:
+            raise RuntimeError(f"{self.name}: no candidate config runs for {key}")
+        if os.environ.get("FUSED_BLOCK_PRINT_TUNING"):
+            print(f"[fused_block] {self.name} {key}: " +
+                  ", ".join(f"{c}={t:.4f}ms" for t, c in sorted(timed, key=lambda x: x[0])))
+        return min(timed, key=lambda tc: tc[0])[1]

@@ -21,7 +21,7 @@ def reports():
 def test_every_kernel_module_ships_specs(reports):
     assert set(MODULES) == set(aot.MODULES), "a kernel module is missing"
     for m in MODULES:
-        assert {r.arch for r in reports if r.module == m} == set(aot.ARCHS), f"no specs compiled for {m}"
+        assert {r.arch for r in reports if r.module == m} == set(aot.ARCHS), f"no specs compiled for {m} on every arch"
 
 
 def test_compiles_without_spills(reports):
@@ -33,3 +33,8 @@ def test_compiles_without_spills(reports):
 def test_sm90_products_use_wgmma(reports):
     missing = [r for r in reports if r.wgmma_required and not r.wgmma_found]
     assert not missing, "no wgmma on sm_90:\n" + aot.format_table(missing)
+
+
+def test_sm90_tma_paths_use_tma(reports):
+    missing = [r for r in reports if r.tma_required and not r.tma_found]
+    assert not missing, "no TMA (cp.async.bulk.tensor) on sm_90:\n" + aot.format_table(missing)
