@@ -49,7 +49,6 @@ SWIGLU = 4
 # Every BLOCK_M is a multiple of it, so the buffer's layout does not depend on the tile chosen.
 PARTIAL_ROWS = 64
 GROUP_M = 8
-DROP_GROUP = 64  # columns served by one Philox call per row (4 words x 16 columns)
 
 _SQRT_1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -113,14 +112,11 @@ def _keep(word, drop_thresh):
 
 
 @triton.jit
-def _keep64(words, drop_thresh):
-    """The (rows, 64) keep-mask from :func:`_drop_words`'s four words: word q on columns
-    16 q .. 16 q + 15 (the inverse of splitting a tile in halves twice)."""
-    k01 = tl.reshape(tl.permute(tl.join(_keep(words[0], drop_thresh), _keep(words[1], drop_thresh)), (0, 2, 1)),
-                     (words[0].shape[0], 32))
-    k23 = tl.reshape(tl.permute(tl.join(_keep(words[2], drop_thresh), _keep(words[3], drop_thresh)), (0, 2, 1)),
-                     (words[0].shape[0], 32))
-    return tl.reshape(tl.permute(tl.join(k01, k23), (0, 2, 1)), (words[0].shape[0], 64))
+def _keep32(word_lo, word_hi, drop_thresh):
+    """The (rows, 32) keep-mask of two of :func:`_drop_words`'s words: ``word_lo`` on the first
+    16 columns, ``word_hi`` on the next 16 (the inverse of splitting a tile in halves)."""
+    k = tl.join(_keep(word_lo, drop_thresh), _keep(word_hi, drop_thresh))
+    return tl.reshape(tl.permute(k, (0, 2, 1)), (word_lo.shape[0], 32))
 
 
 @triton.jit
@@ -413,9 +409,10 @@ def _gemm_kernel(
             a2_desc = _operand_desc(A2, M, K - K1, stride_am, stride_ak, A_T, BLOCK_M, BLOCK_K)
             b2_desc = _operand_desc(B2, K - K1, N, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
 
-    # The epilogue's slices: 64 columns with dropout (one Philox call per row), else EPI_SPLIT.
+    # The epilogue's slices: with dropout 32 columns (half of one Philox call's 64 columns:
+    # its words and mask stay live beside the slice), else EPI_SPLIT of the tile.
     if HAS_DROPOUT:
-        LEAF_W: tl.constexpr = 64
+        LEAF_W: tl.constexpr = 32
     else:
         LEAF_W: tl.constexpr = BLOCK_N // EPI_SPLIT
     c_out = C
@@ -477,12 +474,16 @@ def _gemm_kernel(
             rows64 = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
             for i in tl.static_range(GROUPS):
                 c64 = col0 + i * 64
-                keep = _keep64(_drop_words(seed, rows64, c64), drop_thresh)
-                _leaf(pieces[i], pieces2[i], keep, row0, c64, M, N, pid_m,
-                      c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
-                      stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
-                      in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, STORE_H,
-                      HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+                words = _drop_words(seed, rows64, c64)
+                halves = _pieces(pieces[i], 2)
+                halves2 = _pieces(pieces2[i], 2)
+                for j in tl.static_range(2):
+                    _leaf(halves[j], halves2[j], _keep32(words[2 * j], words[2 * j + 1], drop_thresh),
+                          row0, c64 + 32 * j, M, N, pid_m,
+                          c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
+                          stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
+                          in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, STORE_H,
+                          HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
         else:
             pieces = _pieces(acc, EPI_SPLIT)
             pieces2 = _pieces(acc2, EPI_SPLIT)
@@ -603,26 +604,27 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
 # 128x256 footprint.
 # fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
-# fp32 "ieee": FMA products (no tensor cores), small tiles to stay spill-free.
+# fp32 "ieee": FMA products (no tensor cores): 64x64 tiles over 8 warps, BLOCK_K 16, to stay
+# spill-free (4 warps spill with dropout).
 # sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
 # pipelining of pointer loads.
 CONFIGS = {
     (90, "16", False): ((128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 128, 64, 8, 4, 2),
-                        (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 1),
+                        (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 2),
                         (64, 64, 64, 4, 4, 1)),
     (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
                        (64, 64, 64, 4, 4, 1)),
     (90, "tf32", False): ((128, 128, 32, 8, 3, 2), (128, 128, 32, 8, 4, 2), (64, 64, 32, 4, 4, 1)),
     (90, "tf32", True): ((128, 64, 32, 8, 3, 1), (64, 64, 32, 4, 3, 1)),
-    (90, "ieee", False): ((64, 64, 32, 4, 2, 1),),
-    (90, "ieee", True): ((64, 64, 16, 4, 2, 1),),
-    (80, "16", False): ((128, 256, 64, 8, 3, 4), (128, 128, 64, 8, 3, 2), (128, 128, 32, 4, 4, 2),
-                        (64, 128, 64, 4, 4, 1), (64, 64, 64, 4, 4, 1)),
+    (90, "ieee", False): ((64, 64, 16, 8, 2, 1),),
+    (90, "ieee", True): ((64, 64, 16, 8, 2, 1),),
+    (80, "16", False): ((128, 256, 64, 8, 3, 4), (128, 128, 64, 8, 3, 2), (64, 128, 64, 4, 4, 2),
+                        (64, 64, 64, 4, 4, 1)),
     (80, "16", True): ((128, 128, 32, 8, 3, 2), (64, 128, 32, 4, 3, 1), (64, 64, 64, 4, 3, 1)),
     (80, "tf32", False): ((128, 128, 32, 8, 3, 2), (64, 64, 32, 4, 3, 1)),
     (80, "tf32", True): ((128, 64, 32, 8, 3, 1), (64, 64, 32, 4, 3, 1)),
-    (80, "ieee", False): ((64, 64, 32, 4, 2, 1),),
-    (80, "ieee", True): ((64, 64, 16, 4, 2, 1),),
+    (80, "ieee", False): ((64, 64, 16, 8, 2, 1),),
+    (80, "ieee", True): ((64, 64, 16, 8, 2, 1),),
 }
 # The interpreter runs one config. Its cost is per program and per op (nested jit calls
 # included) rather than per element, so a large tile with an unsliced epilogue is quickest;
@@ -647,10 +649,12 @@ def _config(cfg):
 _TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
 
 
-def smem_bytes(cfg, elem_size, dual_n=False):
-    """Shared memory of a config's operand pipeline (the epilogue's scratch comes on top)."""
+def smem_bytes(cfg, arch, elem_size, dual_n=False):
+    """Shared memory a config needs, as the compile check reports it: sm_90 keeps ``stages``
+    operand buffers (TMA) plus the epilogue's staging, sm_80 ``stages - 1`` (cp.async)."""
     bm, bn, bk, _, stages, _ = cfg
-    return stages * (bm * bk + (2 if dual_n else 1) * bk * bn) * elem_size
+    per_stage = (bm * bk + (2 if dual_n else 1) * bk * bn) * elem_size
+    return stages * per_stage + 33 * 1024 if arch == 90 else (stages - 1) * per_stage
 
 
 def _smem_limit(device):
@@ -661,16 +665,34 @@ def _smem_limit(device):
     return _SMEM[index]
 
 
-def _candidates(arch, dtype, precision, dual_n, M, N, device):
-    kind = precision if dtype == torch.float32 else "16"
-    table = _TABLES[(arch, kind, dual_n)]
-    # Headroom for the epilogue's staging buffer (a 128 x 64 fp32 slice).
-    limit = _smem_limit(device) - 32 * 1024
+def _acc_regs(cfg):
+    bm, bn, _, warps, _, _ = cfg
+    return bm * bn // (32 * warps)
+
+
+def _light(cfg):
+    """At most 64 accumulator registers per thread: room for a heavy epilogue."""
+    return _acc_regs(cfg) <= 64
+
+
+def _heavy(act_grad, activation, dropout, tma_epi):
+    """Epilogues whose live values do not fit beside a 128-register accumulator: the backward's
+    with dropout or SwiGLU's two loads and three stores, and dropout with pointer stores."""
+    return act_grad and (dropout or activation == SWIGLU) or dropout and not tma_epi
+
+
+def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device):
+    """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
+    the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
+    for N <= 128. Tables end with their smallest tile, the fallback."""
+    key = (arch, precision if dtype == torch.float32 else "16", dual_n)
+    raw = CONFIGS[key]
+    limit = _smem_limit(device)
     elem = 4 if dtype == torch.float32 else 2
-    kept = [c for c in table
-            if smem_bytes((c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], 0, c.num_stages, 0), elem, dual_n) <= limit
-            and not (M <= 64 and c["BLOCK_M"] > 64) and not (N <= 128 and c["BLOCK_N"] > 128)]
-    return kept or [min(table, key=lambda c: c["BLOCK_M"] * c["BLOCK_N"])]
+    usable = [i for i, c in enumerate(raw)
+              if (not heavy or _light(c)) and smem_bytes(c, arch, elem, dual_n) <= limit] or [len(raw) - 1]
+    sized = [i for i in usable if not (M <= 64 and raw[i][0] > 64) and not (N <= 128 and raw[i][1] > 128)]
+    return [_TABLES[key][i] for i in (sized or usable[-1:])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,10 +758,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     if dual == 2 and a2.stride() != a.stride():
         a, a2 = a.contiguous(), a2.contiguous()
     has_dropout = _has_dropout(seed, dropout_p)
-    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-               residual.stride(0) if residual is not None else 0,
-               residual.stride(1) if residual is not None else 0)
-    if max(abs(s) for s in strides) >= 2**31 // 256 or c.stride(0) >= 2**31 // 256:
+    strides = (*a.stride(), *b.stride(), *(residual.stride() if residual is not None else (0, 0)))
+    if max(max(strides), -min(strides), c.stride(0)) >= 2**31 // 256:
         raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
     device = a.device
     arch = common.arch(device)
@@ -800,8 +820,12 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         triton.set_allocator(_alloc)
     if arch == 0:
         run(_config(INTERPRETER_CONFIG))
-    else:
-        run(_CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, M, N, device), run))
+        return
+    cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
+    if cfg is None:
+        heavy = _heavy(act_grad, activation, has_dropout, tma_epi)
+        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device), run)
+    run(cfg)
 
 
 def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0):
@@ -883,19 +907,20 @@ _NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=Fals
 _VARIANTS = {
     "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True)),
     "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, HAS_DROPOUT=True)),
+    "dact": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True)),
     "dact_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True, HAS_DROPOUT=True)),
     "dswiglu_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=SWIGLU, HAS_DBIAS=True, STORE_H=True,
                                 HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
     "dgrad_dual": ("NN", dict(DUAL=2)),
-    "swiglu": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, HAS_DROPOUT=True)),
 }
 # Per table kind (dtype class, dual): the variants compiled for every config of the table.
+# Heavy variants (see _heavy) are compiled, like launched, only on light configs.
 _TABLE_VARIANTS = {
-    ("16", False): ("fwd_drop", "dact_drop", "dswiglu_drop", "wgrad_rowsum", "dgrad_dual"),
+    ("16", False): ("fwd_drop", "dact", "dact_drop", "dswiglu_drop", "wgrad_rowsum", "dgrad_dual"),
     ("16", True): ("swiglu_drop",),
-    ("tf32", False): ("fwd_drop", "dact_drop", "wgrad_rowsum"),
+    ("tf32", False): ("fwd_drop", "dact", "dact_drop", "wgrad_rowsum"),
     ("tf32", True): ("swiglu_drop",),
     ("ieee", False): ("fwd_drop", "dact_drop"),
     ("ieee", True): ("swiglu_drop",),
@@ -941,19 +966,24 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
 
 def aot_specs():
     """Every shipped GEMM config on its own architecture with its table's fused variants (sm_90:
-    TMA loads and stores), plus sm_90's pointer fallback and the masked-K loop on each 16-bit
-    config's forward; the elementwise kernels (activation gradient with and without dropout,
+    TMA loads and stores; heavy epilogues on light configs only, as launched), plus sm_90's
+    pointer fallback and the masked-K loop on each 16-bit config's forward; the elementwise kernels (activation gradient with and without dropout,
     the bias-gradient reduction, the test-only dropout mask)."""
     from fused_block.kernels import aot
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
         for cfg in cfgs:
-            specs += [_gemm_spec(arch, kind, cfg, v) for v in _TABLE_VARIANTS[(kind, dual)]]
+            runs = [(v, True, True) for v in _TABLE_VARIANTS[(kind, dual)]]
             if kind == "16" and not dual:
-                specs.append(_gemm_spec(arch, kind, cfg, "fwd", even_k=False))
-                if arch == 90:
-                    specs.append(_gemm_spec(arch, kind, cfg, "fwd_drop", tma=False, even_k=False))
+                runs += [("fwd", True, False)] + ([("fwd", False, False), ("fwd_drop", False, False)]
+                                                  if arch == 90 else [])
+            for variant, tma, even_k in runs:
+                flags = _VARIANTS[variant][1]
+                heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0),
+                               flags.get("HAS_DROPOUT", False), tma and arch == 90)
+                if not heavy or _light(cfg):
+                    specs.append(_gemm_spec(arch, kind, cfg, variant, tma=tma, even_k=even_k))
     for act, drop in ((2, False), (2, True), (0, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,

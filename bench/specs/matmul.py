@@ -1,23 +1,32 @@
-"""FFN matmuls with fused epilogues: ``fused_block.linear`` (+ bias + GELU) and ``fused_block.mlp``.
+"""GEMMs with fused epilogues: ``fused_block.linear`` (+ bias + GELU), the FFN ``fused_block.mlp``
+(with a residual, with and without dropout) and the SwiGLU FFN ``fused_block.swiglu``.
 
-Ops:
-- ``linear_gelu``: ``gelu(x @ W1.T + b1)``, the FFN's first layer; x (T, d), W1 (4d, d).
-- ``mlp``: the whole FFN ``gelu(x @ W1.T + b1) @ W2.T + b2``.
+Ops and providers:
+- ``linear_gelu``: ``gelu(x @ W1.T + b1)``, the FFN's first layer; x (T, d), W1 (d_ff, d).
+  ``fused_block``; ``cublas``: the bare ``F.linear(x, W1)`` (no bias, no GELU), the ceiling a
+  fused epilogue should approach (issue 11: >= 90% of its TFLOP/s); ``eager`` (``F.linear`` then
+  ``F.gelu``); ``torch.compile`` of eager (default mode under ``--quick``, max-autotune in the
+  full run); ``addmm_gelu``: cuBLASLt's bias + GELU epilogue (``torch._addmm_activation``; its
+  GELU is the tanh approximation).
+- ``ffn``: ``gelu(x @ W1.T + b1) @ W2.T + b2 + x`` (forward + backward: the training step's
+  FFN). ``fused_block``, ``eager``, ``torch.compile``, and ``cublas``: the same six matmuls bare
+  (no bias, activation or residual). Peak memory is reported per provider (issue 11: at or below
+  eager's).
+- ``ffn_dropout``: the FFN with dropout 0.1 on the hidden activation and on the output
+  (``fused_block``, ``eager``, ``torch.compile``) and ``fused_block_p0``, ours without dropout:
+  its speedup column is dropout's cost (issue 11: at most 10%).
+- ``swiglu``: LLaMA's ``(silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T + x`` (no biases): ``fused_block``,
+  ``eager`` (Hugging Face's ``LlamaMLP`` arithmetic), ``torch.compile``.
 
-Providers: ``fused_block`` (ours); ``eager`` (``F.linear`` then ``F.gelu``); ``torch.compile``
-(max-autotune) of the eager function; ``addmm_gelu`` (``linear_gelu`` only: PyTorch's
-cuBLASLt bias + GELU epilogue, ``torch._addmm_activation``; its GELU is the tanh
-approximation); ``cublas``: the bare matmul(s) of the same shapes without any epilogue, the
-ceiling a fused epilogue should approach.
+Shapes: GPT-2 small, medium, large and XL FFNs (d = 768, 1024, 1280, 1600; d_ff = 4d) and
+LLaMA-7B's (d = 4096, d_ff = 11008; GELU for the non-gated ops), with 8k and 16k tokens. bf16
+and fp16 in the full run; ``--quick``: GPT-2 XL (the issue's 8192 x 1600 -> 6400) for the
+GELU ops and LLaMA-7B for SwiGLU, 8k tokens, bf16.
 
-Shapes: GPT-2 small, medium, large and XL FFNs (d = 768, 1024, 1280, 1600; d_ff = 4d) and a
-LLaMA-7B-sized FFN (d = 4096, d_ff = 11008, here with GELU), with 8k and 16k tokens.
-
-FLOPs (T tokens, d, F = d_ff), counting only the matmuls (2 per multiply-add):
-- linear_gelu: fwd 2 T d F; bwd 4 T d F (dX and dW1); fwd+bwd 6 T d F.
-- mlp: fwd 4 T d F; bwd 8 T d F (dX, dW1, dH, dW2); fwd+bwd 12 T d F.
-Bytes are not given: these cases are compute-bound, so TFLOP/s and % of the cuBLAS ceiling
-are the figures to read.
+FLOPs (T tokens, d, F = d_ff), counting only the matmuls (2 per multiply-add): one GEMM is
+``2 T d F``; linear_gelu fwd 1, fwd+bwd 3 GEMMs; ffn fwd 2, fwd+bwd 6; swiglu fwd 3, fwd+bwd 9.
+No bytes: these cases are compute bound, so TFLOP/s and % of the measured cuBLAS ceiling are
+the figures to read.
 """
 import torch
 import torch.nn.functional as F
@@ -25,44 +34,53 @@ import torch.nn.functional as F
 from bench import harness
 from bench.harness import Case
 
-OPS = ("linear_gelu", "mlp")
 MODELS = {"gpt2-s": (768, 3072), "gpt2-m": (1024, 4096), "gpt2-l": (1280, 5120),
           "gpt2-xl": (1600, 6400), "llama-7b": (4096, 11008)}
 TOKENS = (8192, 16384)
 DTYPES = (torch.bfloat16, torch.float16)
-# --quick: the smallest and the largest FFN, 8k tokens, bf16 (torch.compile max-autotune's
-# compile time dominates otherwise).
-QUICK_MODELS = ("gpt2-s", "llama-7b")
+QUICK = {"linear_gelu": ("gpt2-xl",), "ffn": ("gpt2-xl",), "ffn_dropout": ("gpt2-xl",), "swiglu": ("llama-7b",)}
 QUICK_TOKENS = (8192,)
 QUICK_DTYPES = (torch.bfloat16,)
+OP_MODES = {"linear_gelu": ("fwd", "fwd+bwd"), "ffn": ("fwd", "fwd+bwd"), "ffn_dropout": ("fwd+bwd",),
+            "swiglu": ("fwd", "fwd+bwd")}
+QUICK_MODES = {"linear_gelu": ("fwd",), "ffn": ("fwd+bwd",), "ffn_dropout": ("fwd+bwd",), "swiglu": ("fwd+bwd",)}
+DROPOUT = 0.1
+GEMMS = {"linear_gelu": 1, "ffn": 2, "ffn_dropout": 2, "swiglu": 3}  # forward GEMMs of 2 T d F FLOPs
 
 
 def flops(op: str, mode: str, tokens: int, d: int, f: int) -> int:
-    per_gemm = 2 * tokens * d * f
-    gemms = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode] * (2 if op == "mlp" else 1)
-    return gemms * per_gemm
+    return GEMMS[op] * (1 if mode == "fwd" else 3) * 2 * tokens * d * f
 
 
 # ---------------------------------------------------------------------------------------------
-# implementations: linear_gelu takes (x, w1, b1); mlp takes (x, w1, b1, w2, b2)
+# implementations: each takes the op's weights then x: (x, w1, b1) / (x, w1, b1, w2, b2) /
+# (x, wg, wu, wd)
 # ---------------------------------------------------------------------------------------------
 
 def _eager(op):
     if op == "linear_gelu":
         return lambda x, w1, b1: F.gelu(F.linear(x, w1, b1))
-    return lambda x, w1, b1, w2, b2: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+    if op == "swiglu":
+        return lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd) + x
+    if op == "ffn_dropout":
+        p = DROPOUT
+        return lambda x, w1, b1, w2, b2: F.dropout(F.linear(F.dropout(F.gelu(F.linear(x, w1, b1)), p), w2, b2), p) + x
+    return lambda x, w1, b1, w2, b2: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2) + x
 
 
-def _ours(op):
+def _ours(op, dropout=True):
     import fused_block
 
     if op == "linear_gelu":
         return lambda x, w1, b1: fused_block.linear(x, w1, b1, "gelu")
-    return lambda x, w1, b1, w2, b2: fused_block.mlp(x, w1, b1, w2, b2, "gelu")
+    if op == "swiglu":
+        return lambda x, wg, wu, wd: fused_block.swiglu(x, wg, wu, wd, x)
+    p = DROPOUT if op == "ffn_dropout" and dropout else 0.0
+    return lambda x, w1, b1, w2, b2: fused_block.mlp(x, w1, b1, w2, b2, "gelu", x, p, p)
 
 
-def _compiled(op):
-    return harness.compiled(_eager(op), mode="max-autotune")
+def _compiled(op, quick):
+    return harness.compiled(_eager(op), **({} if quick else {"mode": "max-autotune"}))
 
 
 def _addmm_gelu(op):
@@ -73,12 +91,22 @@ def _addmm_gelu(op):
 
 def _cublas(op):
     if op == "linear_gelu":
-        return lambda x, w1, b1: torch.matmul(x, w1.t())
-    return lambda x, w1, b1, w2, b2: torch.matmul(torch.matmul(x, w1.t()), w2.t())
+        return lambda x, w1, b1: F.linear(x, w1)
+    if op == "ffn":
+        return lambda x, w1, b1, w2, b2: F.linear(F.linear(x, w1), w2)
+    raise NotImplementedError("the bare-matmul ceiling is reported for linear_gelu and ffn")
 
 
-IMPLS = {"fused_block": _ours, "eager": _eager, "torch.compile": _compiled, "addmm_gelu": _addmm_gelu,
-         "cublas": _cublas}
+def _providers(op, quick):
+    out = {"fused_block": lambda: _ours(op)}
+    if op == "ffn_dropout":
+        out["fused_block_p0"] = lambda: _ours(op, dropout=False)
+    out.update(eager=lambda: _eager(op), **{"torch.compile": lambda: _compiled(op, quick)})
+    if op == "linear_gelu":
+        out["addmm_gelu"] = lambda: _addmm_gelu(op)
+    if op in ("linear_gelu", "ffn"):
+        out["cublas"] = lambda: _cublas(op)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +116,11 @@ IMPLS = {"fused_block": _ours, "eager": _eager, "torch.compile": _compiled, "add
 def _make_inputs(op, tokens, d, f, dtype, requires_grad, device=None):
     """The op's arguments and the incoming gradient of its output."""
     x = harness.randn(tokens, d, dtype=dtype, device=device, requires_grad=requires_grad)
+    if op == "swiglu":
+        ws = [harness.randn(f, d, dtype=dtype, device=device, scale=d ** -0.5, requires_grad=requires_grad)
+              for _ in range(2)]
+        wd = harness.randn(d, f, dtype=dtype, device=device, scale=f ** -0.5, requires_grad=requires_grad)
+        return (x, *ws, wd), harness.randn(tokens, d, dtype=dtype, device=device)
     w1 = harness.randn(f, d, dtype=dtype, device=device, scale=d ** -0.5, requires_grad=requires_grad)
     b1 = harness.randn(f, dtype=dtype, device=device, scale=0.1, requires_grad=requires_grad)
     if op == "linear_gelu":
@@ -99,44 +132,36 @@ def _make_inputs(op, tokens, d, f, dtype, requires_grad, device=None):
 
 def _set_bytes(op, tokens, d, f, dtype):
     elem = torch.empty((), dtype=dtype).element_size()
-    n = tokens * d + f * d + (tokens * f if op == "linear_gelu" else d * f)
-    return n * elem
+    weights = {"linear_gelu": 1, "swiglu": 3}.get(op, 2) * f * d
+    return (tokens * d + weights + tokens * (f if op == "linear_gelu" else d)) * elem
 
 
-def _factory(provider, op, tokens, d, f, dtype, mode):
+def _factory(make_impl, op, tokens, d, f, dtype, mode):
     def factory():
-        impl = IMPLS[provider](op)
+        impl = make_impl()
         set_bytes = _set_bytes(op, tokens, d, f, dtype)
         if mode == "fwd":
-            def make():
-                return _make_inputs(op, tokens, d, f, dtype, False)[0]
-            return harness.rotating(make, lambda args: impl(*args), set_bytes)
-        if mode == "fwd+bwd":
-            def make():
-                return _make_inputs(op, tokens, d, f, dtype, True)
+            return harness.rotating(lambda: _make_inputs(op, tokens, d, f, dtype, False)[0],
+                                    lambda args: impl(*args), set_bytes)
 
-            def run(inputs):
-                args, grad = inputs
-                return torch.autograd.grad(impl(*args), args, grad)
-            return harness.rotating(make, run, set_bytes)
-
-        def make_bwd():  # the forward graph is built once; only the backward is timed
-            args, grad = _make_inputs(op, tokens, d, f, dtype, True)
-            return harness.backward_fn((impl(*args),), (grad,), args)
-        return harness.rotating(make_bwd, lambda bwd: bwd(), 2 * set_bytes)
+        def run(inputs):
+            args, grad = inputs
+            return torch.autograd.grad(impl(*args), args, grad)
+        return harness.rotating(lambda: _make_inputs(op, tokens, d, f, dtype, True), run, set_bytes)
     return factory
 
 
 def cases(quick: bool) -> list:
     out = []
-    models = QUICK_MODELS if quick else tuple(MODELS)
-    for op in OPS:
+    for op in GEMMS:
+        models = QUICK[op] if quick else tuple(MODELS)
         for dtype in (QUICK_DTYPES if quick else DTYPES):
-            for mode in harness.MODES:
+            for mode in (QUICK_MODES if quick else OP_MODES)[op]:
                 for model in models:
                     d, f = MODELS[model]
                     for tokens in (QUICK_TOKENS if quick else TOKENS):
-                        providers = {p: _factory(p, op, tokens, d, f, dtype, mode) for p in IMPLS}
+                        providers = {name: _factory(make, op, tokens, d, f, dtype, mode)
+                                     for name, make in _providers(op, quick).items()}
                         out.append(Case(op=op, shape={"model": model, "tokens": tokens, "d": d, "d_ff": f},
                                         dtype=dtype, mode=mode, providers=providers,
                                         flops=flops(op, mode, tokens, d, f)))
@@ -147,9 +172,11 @@ def cases(quick: bool) -> list:
 # numerics: ours and torch same-dtype against the float64 reference
 # ---------------------------------------------------------------------------------------------
 
-# 37 tokens (odd: masked rows), d = 96, d_ff = 200 (not tile multiples): cheap in the interpreter.
+# 37 tokens (odd: clipped rows), d = 96, d_ff = 200 (not tile multiples): cheap in the interpreter.
 NUMERICS_SHAPE = (37, 96, 200)
 NUMERICS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_NAMES = {"linear_gelu": ("out", "dx", "dw1", "db1"), "ffn": ("out", "dx", "dw1", "db1", "dw2", "db2"),
+          "swiglu": ("out", "dx", "dwg", "dwu", "dwd")}
 
 
 def _run(fn, args, grad):
@@ -158,19 +185,22 @@ def _run(fn, args, grad):
     return (out,) + torch.autograd.grad(out, leaves, grad)
 
 
-def numerics() -> list:
+def _refs():
     from fused_block import reference
 
+    return {"linear_gelu": lambda x, w1, b1, **kw: reference.linear(x, w1, b1, "gelu", **kw),
+            "ffn": lambda x, w1, b1, w2, b2, **kw: reference.mlp(x, w1, b1, w2, b2, "gelu", x, **kw),
+            "swiglu": lambda x, wg, wu, wd, **kw: reference.swiglu(x, wg, wu, wd, x, **kw)}
+
+
+def numerics() -> list:
+    """fp32 runs in torch's default precision (IEEE products), which the kernels follow."""
     rows = []
     tokens, d, f = NUMERICS_SHAPE
     case = f"{tokens}x{d}x{f}"
-    refs = {"linear_gelu": lambda x, w1, b1, **kw: reference.linear(x, w1, b1, "gelu", **kw),
-            "mlp": lambda x, w1, b1, w2, b2, **kw: reference.mlp(x, w1, b1, w2, b2, "gelu", **kw)}
-    names = {"linear_gelu": ("out", "dx", "dw1", "db1"),
-             "mlp": ("out", "dx", "dw1", "db1", "dw2", "db2")}
-    for op in OPS:
+    for op in _NAMES:
         try:
-            ours = _ours(op)
+            ours, refs = _ours(op), _refs()
         except Exception as exc:  # noqa: BLE001 - the op may not be written yet
             rows.append(harness.unavailable_row(op, harness.describe_error(exc), case))
             continue
@@ -183,13 +213,7 @@ def numerics() -> list:
                 rows.append(harness.unavailable_row(op, harness.describe_error(exc), case))
                 continue
             want = _run(refs[op], tuple(a.double() for a in args), grad.double())
-            # fp32: our GEMMs use TF32 on the GPU, so torch's baseline does too.
-            tf32 = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = True
-            try:
-                base = _run(lambda *a: refs[op](*a, compute_dtype=dtype), args, grad)
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = tf32
-            for name, a, r, b in zip(names[op], got, want, base):
+            base = _run(lambda *a: refs[op](*a, compute_dtype=dtype), args, grad)
+            for name, a, r, b in zip(_NAMES[op], got, want, base):
                 rows.append(harness.compare(op, case, name, a, r, b))
     return rows
