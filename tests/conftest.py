@@ -41,3 +41,41 @@ def launches():
             return common.LAUNCHES[name] - before[name]
 
     return _Delta()
+
+
+# ---------------------------------------------------------------------------------------------
+# gpu_quick: the subset the GPU check runs (``pytest -m gpu_quick``)
+# ---------------------------------------------------------------------------------------------
+
+def _value_key(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:  # unhashable parameters are the same object in every case that uses them
+        return ("id", id(value))
+
+
+def gpu_quick_selection(items) -> list:
+    """Of each test function, the first case, then every case that brings a parameter value
+    (a dtype, an activation, a shape, a flag, ...) not yet selected for that function.
+
+    So every test function (op and feature family) runs at least once and meets each of its
+    dtypes and feature values at least once; combinations are left to the full suite. It
+    depends only on the collected items and their order, so every xdist worker selects the
+    same cases, and new tests and parameters are covered without marking anything.
+    """
+    seen, chosen = {}, []
+    for item in items:
+        function = item.nodeid.split("[", 1)[0]
+        callspec = getattr(item, "callspec", None)
+        values = {(name, _value_key(v)) for name, v in callspec.params.items()} if callspec else set()
+        if function not in seen or not values <= seen[function]:
+            chosen.append(item)
+            seen.setdefault(function, set()).update(values)
+    return chosen
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in gpu_quick_selection(items):
+        item.add_marker(pytest.mark.gpu_quick)
