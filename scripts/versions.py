@@ -1,7 +1,9 @@
 """What the GPU scripts ran on: GPU, driver, torch, triton, CUDA, the test plugins, and where
-``fused_block.kernels`` was imported from (the offline install's check)."""
+``fused_block.kernels`` was imported from (the offline install's check). Exits 1 without a
+CUDA device, so a GPU script run elsewhere cannot pass with every GPU test skipped."""
 import importlib.metadata as md
 import subprocess
+import sys
 
 import torch
 import triton
@@ -29,3 +31,6 @@ print(", ".join(f"{n} {version(n)}" for n in ("pytest", "pytest-xdist", "hypothe
 import fused_block.kernels  # noqa: E402 - after the versions, which print even if this fails
 
 print("fused_block.kernels from", fused_block.kernels.__file__)
+
+if not torch.cuda.is_available():
+    sys.exit("torch.cuda.is_available() is False: these scripts check the GPU build and need a CUDA device")

@@ -1,4 +1,6 @@
-"""The ``gpu_quick`` subset covers every test function, every dtype and every parameter value.
+"""The GPU check's test plumbing in ``tests/conftest.py``: the ``gpu_quick`` subset covers
+every test function, every dtype and every parameter value, and ``FUSED_BLOCK_DEADLINE``
+stops a run in time with its report.
 
 The whole suite is collected (not run) in a subprocess, as ``scripts/gpu_check.sh`` collects
 it, with a small plugin that records each case's function, parameters and whether
@@ -9,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -98,3 +101,15 @@ def test_selection_rule():
     chosen = [i.nodeid for i in gpu_quick_selection(items)]
     assert chosen == ["t.py::plain", "t.py::op[a-f32-s]", "t.py::op[a-f16-s]", "t.py::op[b-f32-s]",
                       "t.py::other[f32]", "t.py::other[f16]"]
+
+
+@pytest.mark.parametrize("deadline_in, exit_code", [(-60, 1), (3600, 0)], ids=["passed", "ahead"])
+def test_deadline_stops_starting_tests_and_fails_the_run(tmp_path, deadline_in, exit_code):
+    env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() + deadline_in))
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                           "tests/test_gpu_quick.py::test_selection_rule"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("1 tests not run: FUSED_BLOCK_DEADLINE passed" in proc.stdout) == (exit_code == 1)
+    assert ('skipped="1"' in junit.read_text()) == (exit_code == 1)
