@@ -15,8 +15,10 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# TESTS narrows the run (e.g. TESTS=tests/test_install.py); PYTEST_ARGS adds options (-n 2, -x).
+TESTS ?= tests
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TESTS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)

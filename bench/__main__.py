@@ -32,7 +32,8 @@ KERNEL_MODULES = {"norm": "norm", "attention": "attention", "matmul": "matmul"}
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a few shapes per op (the GPU check script)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few shapes per op and torch.compile's default mode (the GPU check script)")
     p.add_argument("--only", default=None, help="comma-separated specs, e.g. norm,attention "
                    f"(available: {','.join(specs.names())})")
     p.add_argument("--out", default=DEFAULT_OUT, help="results folder (default: bench/results)")

@@ -2,6 +2,8 @@
 
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, so it happens here, before any
 test module imports fused_block. With a GPU the same tests run on CUDA tensors unchanged.
+Also here: output poisoning and the launch counter (fixtures), the ``gpu_quick`` marker the
+GPU check selects, and ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run).
 """
 import os
 import sys
