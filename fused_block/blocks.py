@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from fused_block import reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
+from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
 from fused_block.norm import add_layer_norm, add_rms_norm
@@ -207,7 +208,8 @@ def _split_heads(t, n_heads, batch_first):
 
 
 def _merge_heads(o, batch_first):
-    """(B, H, L, D) -> (B, L, H*D) or (L, B, H*D)."""
+    """(B, H, L, D) -> (B, L, H*D) or (L, B, H*D); a view when o's memory is (B, L, H, D)- or
+    (L, B, H, D)-ordered (the attention kernel's output for q from ``_split_heads``)."""
     o = o.transpose(1, 2) if batch_first else o.permute(2, 0, 1, 3)
     return o.reshape(*o.shape[:2], -1)
 
@@ -247,7 +249,10 @@ class MultiheadAttention(nn.MultiheadAttention):
         """Projected attention output (before out_proj dropout) in x's layout.
 
         x: (B, L, E) if batch_first else (L, B, E); memory: the same layout with S for L, or
-        None for self-attention. Masks as torch's (already shape-checked).
+        None for self-attention. Masks as torch's (already shape-checked). On the kernel path
+        self-attention hands the packed QKV projection to ``attention_qkvpacked`` (q, k, v read
+        in place; its output is the out-projection's input; one packed gradient), and
+        cross-attention gets q and k/v as views whose output's head merge is a view too.
         """
         bf = self.batch_first
         B, L = (x.shape[0], x.shape[1]) if bf else (x.shape[1], x.shape[0])
@@ -257,20 +262,28 @@ class MultiheadAttention(nn.MultiheadAttention):
         if memory is None:
             S = L
             qkv = ops.linear(x, w, b)  # (.., (H + 2 Hkv) * D): one matmul
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            dtype = qkv.dtype
         else:
             S = memory.shape[0 if not bf else 1]
             q = ops.linear(x, w[:H * D], None if b is None else b[:H * D])
             kv = ops.linear(memory, w[H * D:], None if b is None else b[H * D:])  # one matmul for k, v
-            k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
-        q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
-        masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, q.dtype, names)
+            dtype = q.dtype
+        masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names)
         reason = masks.reason
-        if reason is None and (D not in _KERNEL_HEAD_DIMS or (q.dtype == torch.float32 and D > MAX_FP32_HEAD_DIM)):
-            reason = (f"head dim {D} in {q.dtype} (the kernel takes multiples of 8 in [{MIN_HEAD_DIM}, "
+        if reason is None and (D not in _KERNEL_HEAD_DIMS or (dtype == torch.float32 and D > MAX_FP32_HEAD_DIM)):
+            reason = (f"head dim {D} in {dtype} (the kernel takes multiples of 8 in [{MIN_HEAD_DIM}, "
                       f"{MAX_HEAD_DIM}], up to {MAX_FP32_HEAD_DIM} in fp32)")
             if masks.key_padding is not None or masks.causal:
-                masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, q.dtype)
+                masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
+        if memory is None:
+            if reason is None and ops is _FUSED:
+                o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
+                                         batch_first=bf)
+                return ops.linear(o, self.out_proj.weight, self.out_proj.bias)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
+        q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
         if reason is None:
             o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
         else:
