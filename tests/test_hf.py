@@ -214,3 +214,20 @@ def test_importing_fused_block_does_not_import_transformers():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_bench_spec_cases_and_numerics():
+    """bench/specs/hf.py: the cases build without CUDA (meta models for the counts) and the
+    CPU numerics rows pass the rule."""
+    from bench.specs import hf as spec
+
+    quick, full = spec.cases(True), spec.cases(False)
+    assert {(c.op, c.shape["model"]) for c in quick} == {(c.op, c.shape["model"]) for c in full}
+    assert all(set(c.providers) == {"fused_block", "eager", "torch.compile"} for c in full)
+    train = {c.shape["model"]: c for c in full if c.op == "hf_train"}
+    # 2 T P with P ~ 124M matmul weights (GPT-2 small, LM head included), times 3 for the backward
+    assert abs(train["gpt2-small"].flops / (3 * 2 * 8 * 1024 * 123.5e6) - 1) < 0.2
+    gen = {c.shape["model"]: c for c in full if c.op == "hf_generate"}
+    assert gen["llama-1b"].bytes == 1_100_048_384 * 2 * 32  # every bf16 weight once per generated token
+    rows = spec.numerics()
+    assert len(rows) == 4 and all(r["ok"] for r in rows), rows
