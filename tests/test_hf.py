@@ -231,3 +231,31 @@ def test_bench_spec_cases_and_numerics():
     assert gen["llama-1b"].bytes == 1_100_048_384 * 2 * 32  # every bf16 weight once per generated token
     rows = spec.numerics()
     assert len(rows) == 4 and all(r["ok"] for r in rows), rows
+
+
+def test_gradient_checkpointing_and_torch_compile(device, launches):
+    """The converted layer keeps transformers' activation checkpointing (the forward is
+    recomputed in backward) and traces under torch.compile (aot_eager: dynamo, the ops' fake
+    implementations and AOT autograd; inductor's CPU codegen would add minutes here)."""
+    model = _converted(_model("llama", device, layers=1).train())
+    ids, _ = _inputs("llama", device)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    before = launches["attention_fwd"]
+    model(ids, labels=ids).loss.backward()
+    assert launches["attention_fwd"] - before == 2  # forward, and its recomputation in backward
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g, atol=0, rtol=0)
+    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+    model.zero_grad()
+    torch._dynamo.reset()
+    before = launches["rope"]
+    compiled_loss = torch.compile(model, backend="aot_eager")(ids, labels=ids).loss
+    compiled_loss.backward()
+    assert launches["rope"] - before == 2
+    torch.testing.assert_close(compiled_loss, loss, atol=1e-6, rtol=0)
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
