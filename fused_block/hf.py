@@ -153,12 +153,19 @@ def _fused_forward(self, *args, **kwargs):
         out = self._gradient_checkpointing_func(run, hidden)
     else:
         out = run(hidden)
-    return out if state.returns_tensor else (out,)
+    if state.returns_tensor:
+        return out
+    # Older transformers: a tuple, whose models read the updated cache after the hidden states
+    # (when use_cache) or ignore what follows them.
+    return (out, _cache(call)) if call.get("use_cache") and _cache(call) is not None else (out,)
 
 
 def _common_reason(module, call, hidden):
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         return "hidden_states is not a (batch, length, hidden) tensor"
+    mask = call.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)):
+        return f"an attention mask of type {type(mask).__name__} (e.g. flex attention's BlockMask)"
     if hidden.dtype not in _KERNEL_DTYPES:
         return f"dtype {hidden.dtype} (the kernels take fp32, fp16 and bf16)"
     if call.get("output_attentions"):
@@ -228,6 +235,17 @@ class _Plan:
 _LAST_MASK = [None, None]  # (weakref to the last 4-D mask read, what it was read as)
 
 
+def _mask_reason(mask, L, causal, flash):
+    """Masks whose convention the fused path knows: None, flash-attention's 2-D padding mask,
+    or a 4-D (B or 1, 1, Lq, Lk) mask; (B, 1, 1, Lk) only for bidirectional attention (older
+    transformers pass causal layers a padding-only mask and apply causality inside)."""
+    if mask is None or (mask.dim() == 2 and flash):
+        return None
+    if mask.dim() == 4 and mask.shape[1] == 1 and (mask.shape[2] == L or (mask.shape[2] == 1 and not causal)):
+        return None
+    return f"an attention mask of shape {tuple(mask.shape)} for a {'causal' if causal else 'bidirectional'} layer"
+
+
 def _plan(mask, B, Lq, Lk, causal, flash):
     """Read a Hugging Face attention mask. ``causal``: the module is causal; ``flash``: the
     model runs a flash-attention implementation (2-D masks, bottom-right causal when None)."""
@@ -240,14 +258,8 @@ def _plan(mask, B, Lq, Lk, causal, flash):
             # SDPA's is_causal is top-left: query i sees keys j <= i, i.e. the first Lq keys bottom-right.
             return _Plan(True, causal=True, n_keys=Lq)
         return _Plan(False, sdpa_causal=True, reason=f"a top-left causal mask with more queries ({Lq}) than keys")
-    if not isinstance(mask, torch.Tensor):
-        return None
-    if mask.dim() == 2 and flash:
-        if mask.shape[-1] < Lk:
-            return None
+    if mask.dim() == 2:  # flash-attention's (B, seen + L) padding mask, 1 = token
         return _Plan(True, causal=causal, key_padding=_padding(~mask[:, -Lk:].bool(), B))
-    if mask.dim() != 4:
-        return None
     if torch.compiler.is_compiling():
         return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask under torch.compile (its values "
                      "cannot be read while tracing; pass attention_mask=None when there is no padding)")
@@ -262,7 +274,7 @@ def _plan(mask, B, Lq, Lk, causal, flash):
 def _read_mask(mask, B, Lq, Lk, causal):
     general = _Plan(False, sdpa_mask=mask, reason="an attention mask that is not causal plus key padding "
                     "(a sliding window that cuts keys, packed sequences, a custom pattern)")
-    if mask.shape[1] != 1 or mask.shape[-2:] != (Lq, Lk) or mask.shape[0] not in (1, B):
+    if mask.shape[-1] != Lk or mask.shape[0] not in (1, B):
         return general
     if mask.dtype == torch.bool:
         keep = mask
@@ -272,7 +284,7 @@ def _read_mask(mask, B, Lq, Lk, causal):
             return general
     key_padding = ~keep[:, 0, -1, :]  # the last query sees every key that is not padding
     visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device)
-    if not torch.equal(visible.expand(keep.shape), keep):
+    if not torch.equal(visible, keep.expand(visible.shape)):
         return general
     return _Plan(True, causal=causal, key_padding=_padding(key_padding, B))
 
@@ -348,21 +360,33 @@ def _rms_eps(norm):
 
 def _llama_check_call(layer, call):
     attn = layer.self_attn
-    if call.get("position_embeddings") is None and call.get("position_ids") is None:
-        return "neither position_embeddings nor position_ids"
+    hidden = call["hidden_states"]
+    if call.get("position_embeddings") is None and _rotary_positions(layer, call, *hidden.shape[:2]) is None:
+        return "no position_embeddings (and no model-level rotary module with position_ids)"
     window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
     if window is not None and _is_flash(attn.config):
         return "a sliding window with flash-attention masks"
-    return _implementation_reason(attn.config) or _records_outputs(attn)
+    return (_implementation_reason(attn.config) or _records_outputs(attn)
+            or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True,
+                            _is_flash(attn.config)))
+
+
+def _rotary_positions(layer, call, B, L):
+    """position_ids (B or 1, L) when the model has one standard rotary module, else None."""
+    positions = call.get("position_ids")
+    if layer._fused_block.rotary is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
+            and positions.shape[0] in (1, B) and positions.shape[1] == L:
+        return positions
+    return None
 
 
 def _llama_rope(layer, q, k, call):
     """RoPE on the (B, L, H, D) views: fp32 angles from position_ids and the rotary module's
     inv_freq when the model has one standard rotary module, else HF's cos/sin tables."""
-    rotary, positions = layer._fused_block.rotary, call.get("position_ids")
     B, L = q.shape[:2]
-    if rotary is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
-            and positions.shape[0] in (1, B) and positions.shape[1] == L:
+    positions = _rotary_positions(layer, call, B, L)
+    if positions is not None:
+        rotary = layer._fused_block.rotary
         inv_freq = rotary.inv_freq.to(device=q.device, dtype=torch.float32)
         return rope(q, k, positions, inv_freq, scale=float(rotary.attention_scaling))
     cos, sin = call["position_embeddings"]
@@ -421,7 +445,9 @@ def _gpt2_scale(attn):
 
 
 def _gpt2_check_call(block, call):
-    return _implementation_reason(block.attn.config) or _records_outputs(block.attn, block.mlp)
+    cfg = block.attn.config
+    return (_implementation_reason(cfg) or _records_outputs(block.attn, block.mlp)
+            or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True, _is_flash(cfg)))
 
 
 def _gpt2_run(block, call, x):
@@ -466,7 +492,8 @@ def _bert_check(layer):
 def _bert_check_call(layer, call):
     s = layer.attention.self
     return (_implementation_reason(s.config)
-            or _records_outputs(layer.attention, s, layer.attention.output, layer.intermediate, layer.output))
+            or _records_outputs(layer.attention, s, layer.attention.output, layer.intermediate, layer.output)
+            or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], False, _is_flash(s.config)))
 
 
 def _bert_run(layer, call, x):
