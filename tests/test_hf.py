@@ -126,7 +126,7 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
     assert launches["rope"] == (4 if arch not in ("gpt2", "bert") else 0)  # forward and backward per layer
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_logits(arch, device, launches):
     model = _model(arch, device).eval()
     ref = copy.deepcopy(model).double()

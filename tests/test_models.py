@@ -391,7 +391,7 @@ def test_llama_like_matches_transformers_llama(interleaved, device, launches):
     """Same weights, same logits and loss gradients as transformers' LLaMA (run in float64 as
     the oracle and in fp32 as PyTorch's own error), with either RoPE layout."""
     torch.manual_seed(0)
-    cfg = models.LlamaLikeConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, num_kv_heads=2, d_model=64,
+    cfg = models.LlamaLikeConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, num_kv_heads=2, d_model=64,
                                  dim_feedforward=96, rope_interleaved=interleaved)
     model = models.LlamaLike(cfg).to(device)
     with torch.no_grad():
