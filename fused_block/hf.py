@@ -89,6 +89,8 @@ def convert_modules(model: nn.Module) -> list:
         if family is None or not type(m).__module__.startswith("transformers.models.") or "_fused_block" in m.__dict__:
             continue
         reason = family.check(m)
+        if reason is None and ("forward" in m.__dict__ or any(hasattr(s, "_hf_hook") for s in m.modules())):
+            reason = "its forward is already wrapped (accelerate's device hooks or another patch)"
         if reason is None and _returns_tensor(type(m).forward) is None:
             reason = f"the return type of {type(m).__name__}.forward is not recognised (transformers version?)"
         if reason is not None:
@@ -102,10 +104,11 @@ def convert_modules(model: nn.Module) -> list:
 
 class _Family:
     """A layer class's conversion: ``check(layer)`` at conversion and ``check_call(layer, call)``
-    per call return a reason to keep the original forward (or None); ``run(layer, call, x)``."""
+    per call return a reason to keep the original forward (or None); ``run(layer, call, x)``
+    computes the output; ``called(layer)`` lists the submodules ``run`` still calls."""
 
-    def __init__(self, check, check_call, run):
-        self.check, self.check_call, self.run = check, check_call, run
+    def __init__(self, check, check_call, run, called=lambda layer: ()):
+        self.check, self.check_call, self.run, self.called = check, check_call, run, called
 
 
 class _State:
@@ -143,7 +146,8 @@ def _fused_forward(self, *args, **kwargs):
     call = dict(zip(state.positional, args))
     call.update(kwargs)
     hidden = call.get("hidden_states")
-    reason = _common_reason(self, call, hidden) or state.family.check_call(self, call)
+    reason = _common_reason(call, hidden) or _records_outputs(self, state.family.called(self)) \
+        or state.family.check_call(self, call)
     if reason is not None:
         _warn_once((type(self).__name__, reason), f"{type(self).__name__} runs its original forward: {reason}")
         return state.original(self, *args, **kwargs)
@@ -160,7 +164,7 @@ def _fused_forward(self, *args, **kwargs):
     return (out, _cache(call)) if call.get("use_cache") and _cache(call) is not None else (out,)
 
 
-def _common_reason(module, call, hidden):
+def _common_reason(call, hidden):
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         return "hidden_states is not a (batch, length, hidden) tensor"
     mask = call.get("attention_mask")
@@ -188,10 +192,13 @@ def _cache(call):
     return None
 
 
-def _records_outputs(*modules):
-    """A submodule the fused path skips has a hook that would see nothing: user hooks, or
-    transformers' output capturing while attention weights are requested."""
-    for m in modules:
+def _records_outputs(layer, called):
+    """A submodule the fused path skips (any but ``called`` and their children) has a hook that
+    would see nothing: user hooks, or transformers' output capturing of attention weights."""
+    skip = {id(c) for m in called for c in m.modules()}
+    for m in layer.modules():
+        if m is layer or id(m) in skip:
+            continue
         for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()):
             fn = getattr(hook, "func", hook)
             if getattr(fn, "__module__", None) != _CAPTURE_MODULE:
@@ -366,7 +373,7 @@ def _llama_check_call(layer, call):
     window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
     if window is not None and _is_flash(attn.config):
         return "a sliding window with flash-attention masks"
-    return (_implementation_reason(attn.config) or _records_outputs(attn)
+    return (_implementation_reason(attn.config)
             or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True,
                             _is_flash(attn.config)))
 
@@ -446,7 +453,7 @@ def _gpt2_scale(attn):
 
 def _gpt2_check_call(block, call):
     cfg = block.attn.config
-    return (_implementation_reason(cfg) or _records_outputs(block.attn, block.mlp)
+    return (_implementation_reason(cfg)
             or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True, _is_flash(cfg)))
 
 
@@ -492,7 +499,6 @@ def _bert_check(layer):
 def _bert_check_call(layer, call):
     s = layer.attention.self
     return (_implementation_reason(s.config)
-            or _records_outputs(layer.attention, s, layer.attention.output, layer.intermediate, layer.output)
             or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], False, _is_flash(s.config)))
 
 
@@ -518,7 +524,7 @@ def _bert_run(layer, call, x):
     return y
 
 
-_LLAMA = _Family(_llama_check, _llama_check_call, _llama_run)
+_LLAMA = _Family(_llama_check, _llama_check_call, _llama_run, called=lambda layer: (layer.mlp,))
 _FAMILIES = {name: _LLAMA for name in _LLAMA_LAYERS}
 _FAMILIES["GPT2Block"] = _Family(_gpt2_check, _gpt2_check_call, _gpt2_run)
 _FAMILIES["BertLayer"] = _Family(_bert_check, _bert_check_call, _bert_run)

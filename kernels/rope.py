@@ -32,7 +32,8 @@ from fused_block.kernels import common
 
 # Cephes' single-precision minimax polynomials for sin and cos on [-pi/4, pi/4] (about 1 ulp).
 _S1, _S2, _S3 = tl.constexpr(-1.9515295891e-4), tl.constexpr(8.3321608736e-3), tl.constexpr(-1.6666654611e-1)
-_C1, _C2, _C3 = tl.constexpr(2.443315711809948e-5), tl.constexpr(-1.388731625493765e-3), tl.constexpr(4.166664568298827e-2)
+_C1, _C2 = tl.constexpr(2.443315711809948e-5), tl.constexpr(-1.388731625493765e-3)
+_C3 = tl.constexpr(4.166664568298827e-2)
 
 
 @triton.jit

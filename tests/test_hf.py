@@ -192,7 +192,8 @@ def test_state_dict_and_save_pretrained_round_trip(arch, device):
 
 
 def test_unfusable_inputs_run_the_original_code(device, launches):
-    """output_attentions and a sliding window that cuts keys: one-time warnings, same answers."""
+    """output_attentions, a sliding window that cuts keys, a user hook on a skipped submodule:
+    one-time warnings, the original's answers."""
     model = _model("mistral", device, attn_implementation="eager", sliding_window=4).eval()
     fused = fused_block.convert(copy.deepcopy(model))
     ids, mask = _inputs("mistral", device)
@@ -207,6 +208,12 @@ def test_unfusable_inputs_run_the_original_code(device, launches):
     assert len(got.attentions) == 2
     for a, b in zip(got.attentions, want.attentions):
         torch.testing.assert_close(a, b)
+    seen = []
+    fused.model.layers[0].input_layernorm.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad(), pytest.warns(UserWarning, match="forward hook"):
+        got = fused(ids)
+    assert len(seen) == 1  # a user's hook on a submodule the fused path skips still runs
+    torch.testing.assert_close(got.logits, model(ids).logits)
 
 
 def test_importing_fused_block_does_not_import_transformers():
