@@ -192,8 +192,8 @@ def test_state_dict_and_save_pretrained_round_trip(arch, device):
 
 
 def test_unfusable_inputs_run_the_original_code(device, launches):
-    """output_attentions, a sliding window that cuts keys, a user hook on a skipped submodule:
-    one-time warnings, the original's answers."""
+    """output_attentions, a sliding window that cuts keys, a head dim below the kernel's range,
+    a user hook on a skipped submodule: one-time warnings, the original's answers."""
     model = _model("mistral", device, attn_implementation="eager", sliding_window=4).eval()
     fused = fused_block.convert(copy.deepcopy(model))
     ids, mask = _inputs("mistral", device)
@@ -208,6 +208,12 @@ def test_unfusable_inputs_run_the_original_code(device, launches):
     assert len(got.attentions) == 2
     for a, b in zip(got.attentions, want.attentions):
         torch.testing.assert_close(a, b)
+    small = _model("llama", device, layers=1, hidden_size=32, head_dim=8).eval()  # below the kernel's 16
+    with torch.no_grad(), pytest.warns(UserWarning, match="head dim 8"):
+        got = fused_block.convert(copy.deepcopy(small))(ids, attention_mask=mask).logits
+        want = small(ids, attention_mask=mask).logits
+    keep = mask[..., None] == 1
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-5, rtol=0)
     seen = []
     fused.model.layers[0].input_layernorm.register_forward_hook(lambda m, i, o: seen.append(o))
     with torch.no_grad(), pytest.warns(UserWarning, match="forward hook"):
