@@ -201,3 +201,46 @@ def swiglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_
     h = _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
     return linear(h, w_down, b_down, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
                   compute_dtype=compute_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary position embeddings
+# ---------------------------------------------------------------------------------------------
+
+def rope_cos_sin(positions=None, inv_freq=None, cos=None, sin=None, scale=1.0, interleaved=False, *,
+                 dtype=torch.float32):
+    """Per-pair ``(cos, sin)`` of shape (B or 1, L, D_rot / 2) in ``dtype``.
+
+    From positions: angles ``positions * inv_freq`` rounded to fp32 (Hugging Face's rotary
+    modules compute them so; it is part of the definition), cos/sin in ``dtype`` promoted to at
+    least fp32, times ``scale``, then rounded to ``dtype``. From tables: the pair's first entry.
+    """
+    if positions is not None:
+        angle = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+        wide = torch.promote_types(dtype, torch.float32)
+        angle = angle.to(wide)
+        return (torch.cos(angle) * scale).to(dtype), (torch.sin(angle) * scale).to(dtype)
+    first = slice(0, None, 2) if interleaved else slice(0, cos.shape[-1] // 2)
+    return cos[..., first].to(dtype), sin[..., first].to(dtype)
+
+
+def rope(q, k, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0, interleaved=False,
+         compute_dtype=None):
+    """Rotary embeddings on q (B, L, Hq, D) and k (B, L, Hk, D); see :func:`fused_block.rope`.
+
+    Pairs are (i, i + D_rot/2) (half-split) or (2i, 2i + 1) (interleaved); dims past D_rot are
+    copied. Returns ``(q_out, k_out)`` in the inputs' dtype.
+    """
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    c, s = rope_cos_sin(positions, inv_freq, cos, sin, scale, interleaved, dtype=cdt)
+    c, s = c[:, :, None, :], s[:, :, None, :]  # (B or 1, L, 1, D_rot / 2): broadcast over heads
+    rot = 2 * c.shape[-1]
+
+    def rotate(x):
+        xr, rest = x.to(cdt)[..., :rot], x.to(cdt)[..., rot:]
+        x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :rot // 2], xr[..., rot // 2:])
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
+        return torch.cat((out, rest), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)

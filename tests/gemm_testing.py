@@ -1,11 +1,11 @@
 """Shared by the GEMM tests: fp32 precision modes and the float64 comparison of every gradient.
 
-fp32 precision modes: the kernels follow torch's setting at call time (``common.fp32_precision()``): "ieee" (torch's
-default) or "tf32" (``torch.backends.cuda.matmul.allow_tf32 = True``). A test runs the op
-under :func:`fp32_mode` and measures PyTorch's own error under :func:`baseline_mode`, which in
-"tf32" mode rounds every fp32 product's operands to TF32 (10-bit mantissa). That emulates what
-cuBLAS does with TF32 allowed, on every shape and device: cuBLAS itself skips TF32 on some
-shapes (e.g. a one-row GEMV), which would hold the kernels to IEEE accuracy there.
+fp32 precision: the kernels follow torch's setting at call time (``common.fp32_precision()``):
+IEEE products under torch's default "highest", TF32 under "high". A test runs the op inside
+``numerics.fp32_matmul_precision(mode)`` and measures PyTorch's own error under
+:func:`baseline_mode`, which under "high" also rounds every fp32 product's operands to TF32
+(``numerics.tf32_round``): TF32's error on every shape and device, where cuBLAS itself skips
+TF32 on some shapes (e.g. a one-row GEMV) and would hold the kernels to IEEE accuracy there.
 """
 import contextlib
 
@@ -15,33 +15,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_block
 import fused_block.kernels.matmul as kmatmul
-from numerics import assert_close, randn
+from numerics import FP32_PRECISIONS, assert_close, fp32_matmul_precision, randn, tf32_round
 
-MODES = ("ieee", "tf32")
-# (dtype, fp32 mode) pairs for parametrized tests; the mode is irrelevant to fp16/bf16.
-DTYPE_MODES = [pytest.param((torch.float32, "ieee"), id="fp32"),
-               pytest.param((torch.float32, "tf32"), id="fp32-tf32"),
-               pytest.param((torch.float16, "ieee"), id="fp16"),
-               pytest.param((torch.bfloat16, "ieee"), id="bf16")]
-
-
-@contextlib.contextmanager
-def fp32_mode(mode):
-    """Set torch's fp32 matmul precision switch to ``mode`` ("ieee" or "tf32") for the block."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def round_to_tf32(t):
-    """fp32 ``t`` rounded to TF32's 10-bit mantissa (nearest, ties away from zero)."""
-    bits = t.contiguous().view(torch.int32)
-    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32).view(t.shape)
-    return torch.where(torch.isfinite(t), rounded, t)
-
+# (dtype, fp32 precision) pairs for parametrized tests; the precision is irrelevant to fp16/bf16.
+DTYPE_MODES = [pytest.param((torch.float32, "highest"), id="fp32"),
+               pytest.param((torch.float32, "high"), id="fp32-tf32"),
+               pytest.param((torch.float16, "highest"), id="fp16"),
+               pytest.param((torch.bfloat16, "highest"), id="bf16")]
+MODES = FP32_PRECISIONS
 
 _aten = torch.ops.aten
 # Product ops and the positions of their two matrix operands.
@@ -56,18 +37,19 @@ class _TF32Products(TorchDispatchMode):
             args = list(args)
             for i in operands:
                 if args[i].dtype == torch.float32:
-                    args[i] = round_to_tf32(args[i])
+                    args[i] = tf32_round(args[i])
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def baseline_mode(dtype, mode):
-    """PyTorch's same-dtype baseline in ``mode``: fp32 products in TF32 when mode is "tf32"."""
-    if dtype != torch.float32 or mode != "tf32":
-        yield
-        return
-    with fp32_mode("tf32"), _TF32Products():
-        yield
+    """PyTorch's same-dtype baseline under fp32 precision ``mode``: products in TF32 for "high"."""
+    with fp32_matmul_precision(mode):
+        if dtype != torch.float32 or mode == "highest":
+            yield
+        else:
+            with _TF32Products():
+                yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,11 +61,11 @@ def leaves(tensors, dtype=None):
             for t in tensors]
 
 
-def check(name, ours, ref_fn, inputs, dtype, device, mode="ieee"):
+def check(name, ours, ref_fn, inputs, dtype, device, mode="highest"):
     """Run ``ours(*inputs)`` forward and backward in fp32 ``mode``; compare output and every
     input's gradient with ``ref_fn`` in float64, against PyTorch's own error in ``dtype`` and
     ``mode``. The incoming gradient must not be modified."""
-    with fp32_mode(mode):
+    with fp32_matmul_precision(mode):
         out = ours(*inputs)
         g = randn(*out.shape, dtype=out.dtype, device=device)
         g_before = g.clone()
