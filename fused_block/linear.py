@@ -72,9 +72,9 @@ def _linear_fwd_fake(x, weight, bias, residual, activation, save_pre, seed, drop
 
 @_library.op("linear_fwd", fake=_linear_fwd_fake)
 def _linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
-                activation: str, save_pre: bool, seed: Tensor, dropout_p: float) -> tuple[Tensor, Tensor]:
+                activation: str, save_pre: bool, seed: Optional[Tensor], dropout_p: float) -> tuple[Tensor, Tensor]:
     """x (M, K), weight (N, K) -> (out (M, N), pre (M, N), or empty unless saved). seed: int64
-    (1,) when ``dropout_p > 0`` (else unused, may be empty)."""
+    (1,) when ``dropout_p > 0``, else None."""
     store = save_pre and activation != "none"
     out = common.empty((x.shape[0], weight.shape[0]), _out_dtype(x, residual), x.device)
     pre = _empty(out.shape, x.dtype, x.device, store)
@@ -135,7 +135,7 @@ def _ffn_fwd_fake(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, s
 @_library.op("ffn_fwd", fake=_ffn_fwd_fake)
 def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor], b1_up: Optional[Tensor],
              w2: Tensor, b2: Optional[Tensor], residual: Optional[Tensor], activation: str, save: int,
-             seed: Tensor, dropout_p: float, output_seed: Tensor,
+             seed: Optional[Tensor], dropout_p: float, output_seed: Optional[Tensor],
              output_dropout_p: float) -> tuple[Tensor, Tensor]:
     """x (M, D), w1 (F, D), w2 (D', F) -> (out (M, D'), saved).
 
@@ -400,7 +400,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     _check_residual(x, residual, n)
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p)
-    seed = _backend.dropout_seed(dropout_p, x.device)
+    seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     args = (x.reshape(-1, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none")
     if _needs_grad(x, weight, bias, residual):
         out = _LinearFn.apply(*args, seed, float(dropout_p))
@@ -411,8 +411,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
 
 def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, output_dropout_p, split_w1):
     n = w2.shape[0]
-    seed = _backend.dropout_seed(dropout_p, x.device)  # the hidden dropout's seed is drawn first
-    output_seed = _backend.dropout_seed(output_dropout_p, x.device)
+    # The hidden dropout's seed is drawn first; no seed (no random number, no tensor) at p = 0.
+    seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
+    output_seed = _backend.dropout_seed(output_dropout_p, x.device) if output_dropout_p > 0 else None
     x2, residual = x.reshape(-1, x.shape[-1]), _rows(residual, n)
     activation = activation or "none"
     if _needs_grad(x, w1, w1_up, b1, b1_up, w2, b2, residual):
