@@ -116,7 +116,7 @@ def _linear_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: O
             rowsum = need_b and part is None  # dB = colsum(dY) from the dW GEMM's reads of dY
             if rowsum:
                 part = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), N), torch.float32, g.device)
-            _k.gemm(dpre.t(), x, dw, part=part, rowsum=rowsum)
+            _k.gemm(dpre.t(), x, dw, part=part if rowsum else None, rowsum=rowsum)
         elif need_b and part is None:
             part = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_b:
@@ -152,7 +152,7 @@ def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor
     with _backend.device_guard(x):
         _k.gemm(x, w1.t(), h, b2=w1_up.t() if swiglu else None, bias=b1, bias2=b1_up if swiglu else None,
                 aux=pre, aux2=pre[:, F:] if swiglu and pre is not None else None, store_pre=pre is not None,
-                activation=_code(activation), seed=seed, dropout_p=dropout_p)
+                round_pre=activation != "none", activation=_code(activation), seed=seed, dropout_p=dropout_p)
         _k.gemm(h, w2.t(), out, bias=b2, residual=residual, seed=output_seed, dropout_p=output_dropout_p)
     if save == SAVE_PRE:
         return out, pre
@@ -207,7 +207,7 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
             rowsum = need_b2 and part2 is None
             if rowsum:
                 part2 = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), D2), torch.float32, dev)
-            _k.gemm(g.t(), h, dw2, part=part2, rowsum=rowsum)
+            _k.gemm(g.t(), h, dw2, part=part2 if rowsum else None, rowsum=rowsum)
         elif need_b2 and part2 is None:
             part2 = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_w1:

@@ -6,18 +6,20 @@ accumulation, and constexpr switches for everything else:
 
 - Main loop. ``USE_TMA``: tensor-descriptor (TMA) loads, for operands with one unit stride and
   16-byte aligned base and leading stride; otherwise pointer loads (``cp.async`` pipelining on
-  sm_80, and the fallback for unaligned views on sm_90). Persistent grid (``min(SMs, tiles)``
-  programs walking the tiles in grouped order, GROUP_M row tiles per group for L2 reuse) on
-  sm_90 with the tile loop flattened into the K loop so the next tile's loads overlap this
-  tile's epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80.
+  sm_80, and the fallback for unaligned views on sm_90). Persistent grid on sm_90 (``min(SMs,
+  tiles)`` programs, twice as many for tiles below 128x128, walking the tiles in grouped order,
+  GROUP_M row tiles per group for L2 reuse; each program builds its descriptors once) with the
+  tile loop flattened into the K loop so the next tile's loads overlap this tile's epilogue
+  (Triton's 09-persistent-matmul); one program per tile on sm_80.
   ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
   gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
   a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
 - Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 16 columns with
   dropout) so its temporaries do not cut into the pipeline's registers. Stores (and the
   residual / pre-activation loads) use tensor descriptors when ``TMA_EPI``.
-  Forward: ``+ bias``; the pre-activation rounded to the input dtype (as eager PyTorch
-  rounds a linear's output before its activation) and stored when ``STORE_PRE``; activation
+  Forward: ``+ bias``; the pre-activation rounded to the input dtype (``ROUND_PRE``: an
+  FFN's first layer, as eager PyTorch rounds a linear's output before its activation) and
+  stored when ``STORE_PRE``; activation
   (none, erf GELU, tanh GELU, ReLU, or SwiGLU ``silu(gate) * up``); dropout; ``+ residual``.
   Gradient (``ACT_GRAD``, cuBLASLt's DGELU): ``dPre = (A @ B) * keep / (1 - p) * act'(pre)``
   (SwiGLU: ``dGate`` and ``dUp`` from the saved gate and up), the bias gradient's column sums
@@ -203,7 +205,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
           stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
           IN_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr,
           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr,
-          STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+          ROUND_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
           TMA_EPI: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
           INTERPRET: tl.constexpr):
     """The epilogue on one column slice ``acc`` (rows row0.., columns col..) of the tile;
@@ -254,8 +256,9 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
             acc += tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if ACTIVATION == 4:
                 acc2 += tl.load(BIAS2 + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION != 0:
-            # Rounded as eager rounds a linear's output, and as the backward reads it back.
+        if ROUND_PRE:
+            # An FFN's hidden activation, recomputed in backward from the stored (rounded)
+            # pre-activation, must be the forward's: rounded as eager rounds a linear's output.
             acc = common.cast(acc, IN_DTYPE, INTERPRET).to(tl.float32)
             if ACTIVATION == 4:
                 acc2 = common.cast(acc2, IN_DTYPE, INTERPRET).to(tl.float32)
@@ -374,8 +377,8 @@ def _gemm_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_rm, stride_rn, stride_xm, stride_p,
     drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    STORE_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr, ROWSUM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DUAL: tl.constexpr, USE_TMA: tl.constexpr, TMA_EPI: tl.constexpr,
+    STORE_PRE: tl.constexpr, ROUND_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr,
+    ROWSUM: tl.constexpr, HAS_DROPOUT: tl.constexpr, DUAL: tl.constexpr, USE_TMA: tl.constexpr, TMA_EPI: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
@@ -482,7 +485,7 @@ def _gemm_kernel(
                           row0, c64 + 32 * j, M, N, pid_m,
                           c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
                           stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
-                          in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, STORE_H,
+                          in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, ROUND_PRE, STORE_H,
                           HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
         else:
             pieces = _pieces(acc, EPI_SPLIT)
@@ -491,7 +494,7 @@ def _gemm_kernel(
                 _leaf(pieces[i], pieces2[i], 0, row0, col0 + i * LEAF_W, M, N, pid_m,
                       c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
                       stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
-                      in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, STORE_H,
+                      in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, ROUND_PRE, STORE_H,
                       HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
         if ROWSUM:
             # Row sums of A per PARTIAL_ROWS columns (the bias gradient of dW = dY.T @ X): the
@@ -737,13 +740,17 @@ def _has_dropout(seed, dropout_p):
 
 def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=None, aux=None,
          aux2=None, hout=None, part=None, seed=None, dropout_p=0.0, activation=0, act_grad=False,
-         store_pre=False, rowsum=False):
+         store_pre=False, round_pre=False, rowsum=False):
     """Launch ``c = epilogue(a @ b)``; see ``_gemm_kernel`` for the roles of the arguments.
 
     ``b2`` with ``a2``: the dual-K product ``a @ b + a2 @ b2``; ``b2`` alone: SwiGLU's up
     projection (``activation == SWIGLU``, forward). Strides: a, b, a2, b2, residual any
     (a2/b2 with a/b's strides); c, c2, aux, aux2 unit column stride, c2/aux2 with c/aux's row
-    stride; hout contiguous. Sizes past 2^23 in a stride are rejected (int32 in-tile offsets).
+    stride; hout contiguous. ``round_pre``: the pre-activation rounded to a's dtype before the
+    activation (an FFN's first layer, whose backward recomputes the hidden activation from the
+    stored pre-activation). ``part`` (fp32): with ``act_grad`` the column sums of the gradient
+    per PARTIAL_ROWS rows, with ``rowsum`` the row sums of a per PARTIAL_ROWS columns. Sizes
+    past 2^23 in a stride are rejected (int32 in-tile offsets).
     """
     M, K1 = a.shape
     N = b.shape[1]
@@ -780,8 +787,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         tma_epi = all(_rows_ok(t) for t in epi)
         if FORCE_PATH == "tma" and not (use_tma and tma_epi):
             raise ValueError("matmul: FORCE_PATH='tma' with operands a descriptor cannot read")
-    flags = (activation, act_grad, bias is not None, residual is not None, store_pre, hout is not None,
-             part is not None and not rowsum, rowsum, has_dropout, dual, use_tma, tma_epi, a_t, b_t)
+    flags = (activation, act_grad, bias is not None, residual is not None, store_pre, round_pre, hout is not None,
+             part is not None and act_grad, rowsum, has_dropout, dual, use_tma, tma_epi, a_t, b_t)
     key = (arch, a.dtype, c.dtype, precision, min(common.next_pow2(M), 65536),
            N, K, flags)
     drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
@@ -797,21 +804,22 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             drop_thresh, drop_scale)
     constexprs = dict(
         ACTIVATION=activation, ACT_GRAD=act_grad, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, STORE_H=hout is not None,
-        HAS_DBIAS=part is not None and not rowsum, ROWSUM=rowsum, HAS_DROPOUT=has_dropout, DUAL=dual,
+        HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, ROUND_PRE=round_pre, STORE_H=hout is not None,
+        HAS_DBIAS=part is not None and act_grad, ROWSUM=rowsum, HAS_DROPOUT=has_dropout, DUAL=dual,
         USE_TMA=use_tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
         PRECISION=precision, INTERPRET=arch == 0)
-    persistent_arch = arch == 90 or arch == 0
     n_sm = common.sm_count(device)
     k_parts = (K1, K - K1) if dual == 2 else (K,)
 
     def run(cfg):
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         tiles = common.cdiv(M, bm) * common.cdiv(N, bn)
-        persistent = persistent_arch and bm * bn >= 128 * 128 or arch == 0
-        progs = min(tiles, n_sm) if persistent else tiles
-        flatten = persistent and arch == 90 and dual != 2 and not rowsum
-        even_k = all(k % bk == 0 for k in k_parts)
+        if arch == 80:
+            progs = tiles
+        else:  # persistent; tiles below 128x128 fit two programs per SM
+            progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
+        flatten = arch == 90 and dual != 2 and not rowsum
+        even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
         even_mn = M % bm == 0 and N % bn == 0
         common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
                       dict(constexprs, EVEN_K=even_k, EVEN_MN=even_mn, FLATTEN=flatten), cfg)
@@ -901,19 +909,21 @@ _LAYOUTS = {"NT": (("stride_ak", "stride_bk"), (False, True)),
             "NN": (("stride_ak", "stride_bn"), (False, False)),
             "TN": (("stride_am", "stride_bn"), (True, False))}
 _NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=False, STORE_PRE=False,
-                 STORE_H=False, HAS_DBIAS=False, ROWSUM=False, HAS_DROPOUT=False, DUAL=0)
+                 ROUND_PRE=False, STORE_H=False, HAS_DBIAS=False, ROWSUM=False, HAS_DROPOUT=False, DUAL=0)
 # name -> (layout, flags): the fused variants the layers launch, each the heaviest of its
 # family (a variant without dropout or without an output has fewer live registers).
 _VARIANTS = {
-    "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True)),
-    "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, HAS_DROPOUT=True)),
+    "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True)),
+    "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True,
+                            HAS_DROPOUT=True)),
     "dact": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True)),
     "dact_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True, HAS_DROPOUT=True)),
     "dswiglu_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=SWIGLU, HAS_DBIAS=True, STORE_H=True,
                                 HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
     "dgrad_dual": ("NN", dict(DUAL=2)),
-    "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, HAS_DROPOUT=True)),
+    "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
+                               HAS_DROPOUT=True)),
 }
 # Per table kind (dtype class, dual): the variants compiled for every config of the table.
 # Heavy variants (see _heavy) are compiled, like launched, only on light configs.
@@ -947,12 +957,11 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
             sig[s] = "i32"
     sig.update(drop_thresh="i32", drop_scale="fp32")
     dual = flags.get("DUAL", 0)
-    persistent = arch == 90 and bm * bn >= 128 * 128
     constexprs.update(_NO_FLAGS, **flags)
     constexprs.update(USE_TMA=tma, TMA_EPI=tma, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=False, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
-                      FLATTEN=persistent and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
+                      FLATTEN=arch == 90 and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
@@ -966,9 +975,10 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
 
 def aot_specs():
     """Every shipped GEMM config on its own architecture with its table's fused variants (sm_90:
-    TMA loads and stores; heavy epilogues on light configs only, as launched), plus sm_90's
-    pointer fallback and the masked-K loop on each 16-bit config's forward; the elementwise kernels (activation gradient with and without dropout,
-    the bias-gradient reduction, the test-only dropout mask)."""
+    TMA loads and stores; heavy epilogues on light configs only, as launched), plus the pointer
+    path with a masked K loop on each 16-bit config's forward (sm_90's fallback); the
+    elementwise kernels (activation gradient with and without dropout, the bias-gradient
+    reduction, the test-only dropout mask)."""
     from fused_block.kernels import aot
 
     specs = []
@@ -976,8 +986,11 @@ def aot_specs():
         for cfg in cfgs:
             runs = [(v, True, True) for v in _TABLE_VARIANTS[(kind, dual)]]
             if kind == "16" and not dual:
-                runs += [("fwd", True, False)] + ([("fwd", False, False), ("fwd_drop", False, False)]
-                                                  if arch == 90 else [])
+                # Pointer loads with a masked K loop (sm_80's path, sm_90's fallback for views a
+                # descriptor cannot read); descriptors zero-pad, so TMA launches never mask K.
+                runs.append(("fwd", False, False))
+                if arch == 90:
+                    runs += [("fwd", True, True), ("fwd_drop", False, False)]
             for variant, tma, even_k in runs:
                 flags = _VARIANTS[variant][1]
                 heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0),
