@@ -379,7 +379,8 @@ def _needs_grad(*tensors):
 
 
 def _rows(t, n):
-    return None if t is None else t.reshape(-1, n)
+    """(rows, n) view of (..., n) ``t`` (also when n or the rows are 0)."""
+    return None if t is None else t.reshape(t.shape[:-1].numel(), n)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
@@ -401,7 +402,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    args = (x.reshape(-1, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none")
+    args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none")
     if _needs_grad(x, weight, bias, residual):
         out = _LinearFn.apply(*args, seed, float(dropout_p))
     else:
@@ -414,7 +415,7 @@ def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, outpu
     # The hidden dropout's seed is drawn first; no seed (no random number, no tensor) at p = 0.
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     output_seed = _backend.dropout_seed(output_dropout_p, x.device) if output_dropout_p > 0 else None
-    x2, residual = x.reshape(-1, x.shape[-1]), _rows(residual, n)
+    x2, residual = _rows(x, x.shape[-1]), _rows(residual, n)
     activation = activation or "none"
     if _needs_grad(x, w1, w1_up, b1, b1_up, w2, b2, residual):
         out = _FFNFn.apply(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),

@@ -27,7 +27,7 @@ ACTS = (None, "gelu", "gelu_tanh", "relu")
 
 def _linear_inputs(M, K, N, has_bias, has_res, dtype, device, lead=()):
     x = randn(*lead, M, K, dtype=dtype, device=device, requires_grad=True)
-    w = randn(N, K, dtype=dtype, device=device, scale=K ** -0.5, requires_grad=True)
+    w = randn(N, K, dtype=dtype, device=device, scale=max(K, 1) ** -0.5, requires_grad=True)
     b = randn(N, dtype=dtype, device=device, requires_grad=True) if has_bias else None
     r = randn(*lead, M, N, dtype=dtype, device=device, requires_grad=True) if has_res else None
     return x, w, b, r
@@ -137,6 +137,20 @@ def test_linear_one_dim_input_and_no_grad(device, launches):
     ref = reference.linear(x.double(), w.double(), None, "relu")
     assert_close("linear 1-D", out, ref, reference.linear(x, w, None, "relu", compute_dtype=torch.float16))
     assert launches["matmul"] == 1
+
+
+@pytest.mark.parametrize("shape", [(4, 0, 8), (0, 5, 8), (3, 5, 0)], ids=["no_in_features", "no_rows", "no_out"])
+def test_linear_zero_sizes(shape, device):
+    # Empty products: out = act(bias) + residual without features; empty results and
+    # gradients of the right shapes (zeros where a sum has no terms) otherwise.
+    x, w, b, r = _linear_inputs(*shape, True, True, torch.float32, device)
+    out = linear(x, w, b, "gelu", r)
+    ref = reference.linear(x, w, b, "gelu", r)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.sum(), (x, w, b, r))
+    refs = torch.autograd.grad(ref.sum(), (x, w, b, r))
+    for a, e in zip(grads, refs):
+        torch.testing.assert_close(a, e)
 
 
 def test_linear_saves_only_what_backward_needs(device):

@@ -20,8 +20,8 @@ from numerics import randn
 
 def _inputs(M, D, F_, has_bias, has_res, dtype, device, lead=()):
     x = randn(*lead, M, D, dtype=dtype, device=device, requires_grad=True)
-    wg = randn(F_, D, dtype=dtype, device=device, scale=D ** -0.5, requires_grad=True)
-    wu = randn(F_, D, dtype=dtype, device=device, scale=D ** -0.5, requires_grad=True)
+    wg = randn(F_, D, dtype=dtype, device=device, scale=max(D, 1) ** -0.5, requires_grad=True)
+    wu = randn(F_, D, dtype=dtype, device=device, scale=max(D, 1) ** -0.5, requires_grad=True)
     wd = randn(D, F_, dtype=dtype, device=device, scale=F_ ** -0.5, requires_grad=True)
     r = randn(*lead, M, D, dtype=dtype, device=device, requires_grad=True) if has_res else None
     biases = [randn(n, dtype=dtype, device=device, requires_grad=True) if has_bias else None for n in (F_, F_, D)]
@@ -148,6 +148,16 @@ def test_mlp_swiglu_dropout_matches_reference_with_kernel_masks(dropouts, device
                              output_dropout_mask=m2 if p2 else None, compute_dtype=compute_dtype)
 
     check("mlp swiglu dropout", seeded(ours, 9), ref, (x, w1, w2, r), torch.bfloat16, device)
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 16), (3, 0, 16)], ids=["no_rows", "no_in_features"])
+def test_swiglu_zero_sizes(shape, device):
+    inputs = _inputs(*shape, True, True, torch.float32, device)
+    out, ref = _ours(*inputs), _ref(*inputs)
+    torch.testing.assert_close(out, ref)
+    diff = [t for t in inputs if t is not None]
+    for a, e in zip(torch.autograd.grad(out.sum(), diff), torch.autograd.grad(ref.sum(), diff)):
+        torch.testing.assert_close(a, e)
 
 
 def test_swiglu_saves_gate_and_up_only(device):
