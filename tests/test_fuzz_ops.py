@@ -152,14 +152,25 @@ SIZE = st.one_of(st.sampled_from([1, 2, 7, 8, 15, 16, 17, 31, 33, 63, 65, 100, 1
 
 def _gemm_atol(ref, dtype):
     """The atol of the lowest precision in the computation (an fp32 residual promotes the
-    output to fp32, but the product ran in ``dtype``). fp32 adds 16 ulps of the largest
+    output to fp32, but the product ran in ``dtype``). fp32 adds 32 ulps of the largest
     result: a K-term fp32 dot product's rounding error depends on its summation order (about
     sqrt(K) ulps for K <= 300), PyTorch's CPU GEMM often sums more accurately than the
-    kernel's tile order, and the fixed atol is negligible next to large-magnitude results."""
+    kernel's tile order, and the fixed atol is negligible next to large-magnitude results.
+    Through an activation's derivative, a cancelling pre-activation's rounding error (as
+    accurate in the kernel as in PyTorch, but another realization) is summed again, weighted by
+    large inputs: the weight gradient's error then varies by more than 2x between equally
+    accurate computations (a long-profile case below needed 16.3 ulps)."""
     atol = ATOL[dtype]
     if dtype == torch.float32 and ref.numel():
-        atol += 16 * torch.finfo(torch.float32).eps * ref.detach().abs().max().item()
+        atol += 32 * torch.finfo(torch.float32).eps * ref.detach().abs().max().item()
     return atol
+
+
+def _representable(ref, dtype):
+    """The float64 reference as ``dtype`` can hold it: values past its range are the infinity
+    any ``dtype`` result of them is (e.g. an fp16 weight gradient of large inputs)."""
+    overflow = torch.isfinite(ref) & ~torch.isfinite(ref.detach().to(dtype))
+    return torch.where(overflow, torch.sign(ref) * float("inf"), ref)
 
 
 def _check(ours, ref_fn, inputs, dtype, device, gen, g_scale=1.0):
@@ -180,10 +191,10 @@ def _check(ours, ref_fn, inputs, dtype, device, gen, g_scale=1.0):
     base = ref_fn(*insb, compute_dtype=dtype)
     base_g = torch.autograd.grad(base, [t for t in insb if t is not None], g)
     assert out.dtype == base.dtype
-    assert_close("out", out, ref, base, atol=_gemm_atol(ref, dtype))
+    assert_close("out", out, _representable(ref, out.dtype), base, atol=_gemm_atol(ref, dtype))
     for i, (a, w, b) in enumerate(zip(got, want, base_g)):
         assert a.dtype == b.dtype
-        assert_close(f"grad[{i}]", a, w, b, atol=_gemm_atol(w, dtype))
+        assert_close(f"grad[{i}]", a, _representable(w, a.dtype), b, atol=_gemm_atol(w, dtype))
 
 
 @settings_for(examples=20)
@@ -203,6 +214,12 @@ def _check(ours, ref_fn, inputs, dtype, device, gen, g_scale=1.0):
 # linear keeps it in fp32 now, as it did before.
 @example(M=1, K=2, N=1, dtype=torch.bfloat16, activation="relu", has_bias=True, residual="fp32",
          x_layout="contiguous", w_layout="contiguous", r_layout="contiguous", lead=False, regime="large", seed=1)
+# Found by the long profile: fp32 tanh-GELU, inputs ~300, K = 284: dW's error 2.2x PyTorch's from
+# pre's cancellation error (the kernel's pre as accurate as PyTorch's, mean error 4.5e-5 vs
+# 4.8e-5), the case behind ``_gemm_atol``'s 32 ulps.
+@example(M=74, K=284, N=238, dtype=torch.float32, activation="gelu_tanh", has_bias=False, residual="same",
+         x_layout="contiguous", w_layout="contiguous", r_layout="contiguous", lead=False, regime="large",
+         seed=8643)
 def test_linear_fuzz(device, launches, M, K, N, dtype, activation, has_bias, residual, x_layout, w_layout,
                      r_layout, lead, regime, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -240,6 +257,10 @@ def test_linear_fuzz(device, launches, M, K, N, dtype, activation, has_bias, res
 # covered by the fp32 GEMM slack of ``_gemm_atol``.
 @example(M=1, D=1, F=257, dtype=torch.float32, activation="gelu", has_b1=False, has_b2=False, has_res=False,
          x_layout="contiguous", w_layout="contiguous", regime="large", seed=1999)
+# Found by the long profile: fp16 inputs ~300, dW1's exact entries up to 87,527, past fp16's range
+# (PyTorch's fp16 result overflows too): the reference is compared as fp16 can hold it.
+@example(M=63, D=100, F=1, dtype=torch.float16, activation=None, has_b1=False, has_b2=False, has_res=False,
+         x_layout="contiguous", w_layout="contiguous", regime="large", seed=0)
 def test_mlp_fuzz(device, launches, M, D, F, dtype, activation, has_b1, has_b2, has_res, x_layout, w_layout,
                   regime, seed):
     gen = torch.Generator().manual_seed(seed)
