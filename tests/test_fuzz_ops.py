@@ -190,6 +190,10 @@ def _check(ours, ref_fn, inputs, dtype, device, gen, g_scale=1.0):
     insb = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
     base = ref_fn(*insb, compute_dtype=dtype)
     base_g = torch.autograd.grad(base, [t for t in insb if t is not None], g)
+    # Where PyTorch's own computation in ``dtype`` overflows on the way (e.g. SwiGLU's product of
+    # two fp16 projections of inputs ~300), the problem is outside the dtype's range: not a case.
+    for w, b in zip((ref, *want), (base, *base_g)):
+        assume(torch.equal(torch.isfinite(_representable(w, b.dtype)), torch.isfinite(b)))
     assert out.dtype == base.dtype
     assert_close("out", out, _representable(ref, out.dtype), base, atol=_gemm_atol(ref, dtype))
     for i, (a, w, b) in enumerate(zip(got, want, base_g)):
@@ -260,6 +264,10 @@ def test_linear_fuzz(device, launches, M, K, N, dtype, activation, has_bias, res
 # Found by the long profile: fp16 inputs ~300, dW1's exact entries up to 87,527, past fp16's range
 # (PyTorch's fp16 result overflows too): the reference is compared as fp16 can hold it.
 @example(M=63, D=100, F=1, dtype=torch.float16, activation=None, has_b1=False, has_b2=False, has_res=False,
+         x_layout="contiguous", w_layout="contiguous", regime="large", seed=0)
+# Found by the long profile: fp16 SwiGLU of inputs ~300, whose hidden activation (~9e4) overflows in
+# every fp16 computation: rejected, not compared.
+@example(M=1, D=1, F=16, dtype=torch.float16, activation="swiglu", has_b1=False, has_b2=False, has_res=False,
          x_layout="contiguous", w_layout="contiguous", regime="large", seed=0)
 def test_mlp_fuzz(device, launches, M, D, F, dtype, activation, has_b1, has_b2, has_res, x_layout, w_layout,
                   regime, seed):
