@@ -11,6 +11,8 @@ weight, the fp32 mean/rstd and the dropout seed; mean and rstd are not outputs o
 so they never get gradients, and gradients that do not arrive (an unused ``residual_out``) are
 not materialized.
 """
+import contextlib
+import functools
 import math
 
 import torch
@@ -25,6 +27,21 @@ MAX_HIDDEN = _k.MAX_HIDDEN
 # ---------------------------------------------------------------------------------------------
 # torch.library ops on 2-D (rows, hidden) tensors with a unit last stride
 # ---------------------------------------------------------------------------------------------
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+@functools.cache
+def _one_gpu() -> bool:
+    return torch.cuda.device_count() <= 1
+
+
+def _device_guard(t):
+    """``_backend.device_guard``, skipped where it cannot matter (CPU, a single visible GPU)."""
+    if t.device.type != "cuda" or _one_gpu():
+        return _NO_GUARD
+    return _backend.device_guard(t)
+
 
 def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
     M, N = x.shape
@@ -42,7 +59,7 @@ def _add_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, bia
                   seed: Tensor | None, eps: float, dropout_p: float, is_rms: bool,
                   residual_dtype: torch.dtype, store_residual: bool) -> list[Tensor]:
     """``[out, residual_out (if store_residual), mean (LayerNorm), rstd]``; see kernels.norm.add_norm_fwd."""
-    with _backend.device_guard(x):
+    with _device_guard(x):
         return _k.add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms,
                                residual_dtype, store_residual)
 
@@ -65,7 +82,7 @@ def _add_norm_bwd(dout: Tensor | None, dresidual_out: Tensor | None, h: Tensor, 
                   x_dtype: torch.dtype, dres_dtype: torch.dtype | None, dw_dtype: torch.dtype | None,
                   db_dtype: torch.dtype | None) -> list[Tensor]:
     """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``; see kernels.norm.add_norm_bwd."""
-    with _backend.device_guard(h):
+    with _device_guard(h):
         return _k.add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms,
                                x_dtype, dres_dtype, dw_dtype, db_dtype)
 
@@ -164,7 +181,10 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, is_rm
     else:  # nothing to differentiate: the op alone, without the Function's bookkeeping
         outs = _add_norm_fwd(*args)
         out, rout = outs[0], outs[1] if store_residual else None
-    return out.view(x.shape), (rout.view(x.shape) if store_residual else x)
+    if x.dim() != 2:
+        out = out.view(x.shape)
+        rout = None if rout is None else rout.view(x.shape)
+    return out, (rout if store_residual else x)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | None = None,

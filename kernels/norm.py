@@ -39,6 +39,9 @@ MAX_HIDDEN = 65536
 # Both are held to "no spills" on sm_80 and sm_90 by the compile check.
 FWD_REG_MAX = 16384
 BWD_REG_MAX = 8192
+# Dropout's random numbers and 32-bit x or residual_out need more registers: such rows stay in
+# registers up to 8192 only.
+FWD_REG_MAX_HEAVY = 8192
 # Chunk widths of the wide-row paths.
 FWD_CHUNK = 4096
 BWD_CHUNK = 1024
@@ -73,8 +76,7 @@ def _sum_in(X, R, ROUT, x_offs, r_offs, mask, rand_offs, seed, keep_scale, dropo
 @triton.jit
 def _add_norm_fwd_kernel(
     X, R, W, B, OUT, ROUT, MEAN, RSTD, SEED,
-    stride_x, stride_r, stride_out, stride_rout,
-    M, N, eps, dropout_p,
+    stride_x, stride_r, M, N, eps, dropout_p,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_ROUT: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -103,7 +105,7 @@ def _add_norm_fwd_kernel(
         h = _sum_in(X, R, ROUT, r2 * stride_x + c2, r2 * stride_r + c2, mask, r2 * N + c2, seed,
                     keep_scale, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
         if STORE_ROUT:
-            tl.store(ROUT + r2 * stride_rout + c2, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
+            tl.store(ROUT + r2 * N + c2, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
         if IS_RMS:
             xc = h
             var = tl.sum(h * h, axis=1) / N
@@ -122,29 +124,37 @@ def _add_norm_fwd_kernel(
             y = y * w[None, :]
         if HAS_B:
             y = y + b[None, :]
-        tl.store(OUT + r2 * stride_out + c2, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(OUT + r2 * N + c2, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
     else:
-        # Pass 1: residual_out and the statistics, merging chunk (mean, M2) pairs.
-        mean = tl.zeros((ROWS,), tl.float32)
-        m2 = tl.zeros((ROWS,), tl.float32)
+        # Pass 1: residual_out and the statistics: sums of (h - shift) and its square, the shift
+        # being the mean of the first chunk (always full here: N > FWD_REG_MAX >= BLOCK_N). Its
+        # distance to the row mean is at most sqrt(N / BLOCK_N) standard deviations, so the
+        # subtraction var = E[d^2] - E[d]^2 loses at most ~N / BLOCK_N ulps; and the loop has no
+        # division (on sm_80 a division in this loop made ptxas use a stack frame).
+        shift = tl.zeros((ROWS,), tl.float32)
+        s1 = tl.zeros((ROWS,), tl.float32)
+        s2 = tl.zeros((ROWS,), tl.float32)
         for start in range(0, N, BLOCK_N):
             c2 = start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask[:, None] & (c2 < N)
             h = _sum_in(X, R, ROUT, r2 * stride_x + c2, r2 * stride_r + c2, mask, r2 * N + c2, seed,
                         keep_scale, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
             if STORE_ROUT:
-                tl.store(ROUT + r2 * stride_rout + c2, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
+                tl.store(ROUT + r2 * N + c2, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
             if IS_RMS:
-                m2 += tl.sum(h * h, axis=1)
+                s2 += tl.sum(h * h, axis=1)
             else:
-                n_b = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-                mean_b = tl.sum(h, axis=1) / n_b
-                d = tl.where(mask, h - mean_b[:, None], 0.0)
-                total = start + n_b
-                delta = mean_b - mean
-                mean += delta * (n_b / total)
-                m2 += tl.sum(d * d, axis=1) + delta * delta * (start * n_b / total)
-        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+                if start == 0:
+                    shift = tl.sum(h, axis=1) * (1.0 / BLOCK_N)
+                d = tl.where(mask, h - shift[:, None], 0.0)
+                s1 += tl.sum(d, axis=1)
+                s2 += tl.sum(d * d, axis=1)
+        if IS_RMS:
+            rstd = 1.0 / tl.sqrt(s2 / N + eps)
+        else:
+            d_mean = s1 / N
+            mean = shift + d_mean
+            rstd = 1.0 / tl.sqrt(tl.maximum(s2 / N - d_mean * d_mean, 0.0) + eps)
         # Pass 2: recompute h exactly (same loads, same dropout mask; mostly L2 hits), normalize.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
@@ -160,7 +170,7 @@ def _add_norm_fwd_kernel(
                 y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             if HAS_B:
                 y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(OUT + r2 * stride_out + c2, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
+            tl.store(OUT + r2 * N + c2, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
     if not IS_RMS:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -201,22 +211,24 @@ def _dh(xhat, wdy, c1, c2, rstd, IS_RMS: tl.constexpr):
 
 
 @triton.jit
-def _store_grads(DX, DRES, dx_offs, dres_offs, mask, rand_offs, seed, keep_scale, dropout_p, dh,
+def _store_grads(DX, DRES, offs, mask, seed, keep_scale, dropout_p, dh,
                  STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr):
-    """dh (the gradient of residual_out, incoming part included) -> dresidual, and through dropout -> dx."""
+    """dh (the gradient of residual_out, incoming part included) -> dresidual, and through dropout -> dx.
+
+    ``offs`` = row * N + col: the offset in the (contiguous) outputs and the dropout counter.
+    """
     if STORE_DRES:
-        tl.store(DRES + dres_offs, common.cast(dh, DRES.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(DRES + offs, common.cast(dh, DRES.dtype.element_ty, INTERPRET), mask=mask)
     if HAS_DROPOUT:
-        keep = tl.rand(seed, rand_offs) >= dropout_p
+        keep = tl.rand(seed, offs) >= dropout_p
         dh = tl.where(keep, dh * keep_scale, 0.0)
-    tl.store(DX + dx_offs, common.cast(dh, DX.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(DX + offs, common.cast(dh, DX.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit
 def _add_norm_bwd_kernel(
     H, W, DOUT, DROUT, MEAN, RSTD, SEED, DX, DRES, DW_PART, DB_PART,
-    stride_h, stride_dout, stride_drout, stride_dx, stride_dres,
-    M, N, dropout_p, rows_per_program,
+    stride_h, stride_dout, stride_drout, M, N, dropout_p, rows_per_program,
     IS_RMS: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr,
     HAS_DB: tl.constexpr, HAS_DROUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -263,7 +275,7 @@ def _add_norm_bwd_kernel(
                 if not IS_RMS:
                     cm = tl.sum(wdy, axis=1) / N
                 dh += _dh(xhat, wdy, c1, cm, rstd, IS_RMS)
-            _store_grads(DX, DRES, r2 * stride_dx + c2, r2 * stride_dres + c2, mask, r2 * N + c2, seed,
+            _store_grads(DX, DRES, r2 * N + c2, mask, seed,
                          keep_scale, dropout_p, dh, STORE_DRES, HAS_DROPOUT, INTERPRET)
         if HAS_DW:
             tl.store(DW_PART + cols, tl.sum(dw, axis=0), mask=col_mask)
@@ -317,7 +329,7 @@ def _add_norm_bwd_kernel(
                         db = tl.sum(dy, axis=0)
                         db += tl.load(DB_PART + cols, mask=col_mask & not_first, other=0.0)
                         tl.store(DB_PART + cols, db, mask=col_mask)
-                _store_grads(DX, DRES, r2 * stride_dx + c2, r2 * stride_dres + c2, mask, r2 * N + c2, seed,
+                _store_grads(DX, DRES, r2 * N + c2, mask, seed,
                              keep_scale, dropout_p, dh, STORE_DRES, HAS_DROPOUT, INTERPRET)
             # The next group reads the partials this one wrote, possibly from other threads
             # (a reduced vector is replicated across the threads of the row dimension).
@@ -359,7 +371,11 @@ def _reduce_partials_kernel(
 # candidate is the default (taken with FUSED_BLOCK_TUNE=0 and on the interpreter), the others
 # are timed once per key by common.ConfigCache on CUDA. None of these has been timed on a GPU
 # yet (no GPU was available when they were written): the defaults follow the anchors below.
+# A forward candidate marked LIGHT is offered only to 16-bit x and residual_out without dropout:
+# in the heavier variants it spills (the compile check holds every offered config to no spills).
 # ---------------------------------------------------------------------------------------------
+
+LIGHT = "light"
 
 # sm_90, forward. quack's Hopper forward (rmsnorm_config._for_hopper_fwd) gives each thread
 # 16-64 elements of a row (threads_per_row 32 for N <= 3K, 64 <= 6K, 128 <= 16K) and packs several
@@ -371,8 +387,8 @@ _FWD_SM90 = (
     (2048, ((1, 4), (1, 8), (2, 8))),
     (4096, ((1, 8), (1, 16), (1, 4))),
     (8192, ((1, 16), (1, 8))),
-    (16384, ((1, 16), (1, 32))),
-    (MAX_HIDDEN, ((1, 16), (1, 8))),  # chunked (FWD_CHUNK wide)
+    (16384, ((1, 16), (1, 32, LIGHT))),
+    (MAX_HIDDEN, ((1, 8), (1, 16, LIGHT))),  # chunked (FWD_CHUNK wide)
 )
 # sm_80, forward. One row per program from 1024 up with Liger's warp ladder (calculate_settings:
 # 4 warps, 8 from 2048, 16 from 8192, 32 from 32768), several rows below (its RMSNorm block
@@ -383,7 +399,7 @@ _FWD_SM80 = (
     (2048, ((1, 8), (1, 4))),
     (4096, ((1, 8), (1, 16))),
     (8192, ((1, 16), (1, 8))),
-    (16384, ((1, 16), (1, 32))),
+    (16384, ((1, 16), (1, 32, LIGHT))),
     (MAX_HIDDEN, ((1, 16), (1, 8))),
 )
 # sm_90, backward (ROWS, num_warps, NUM_STAGES). quack's Hopper backward
@@ -465,14 +481,13 @@ def _table_arch(arch: int) -> int:
 def fwd_candidates(arch: int, block_n: int, single: bool, light: bool) -> tuple:
     """The forward configs to choose from for a row of ``block_n`` (a power of two or the chunk).
 
-    ``light``: 16-bit x and residual_out and no dropout. 32-warp configs cap registers at 64 a
-    thread; only the light variant fits in them without spills.
+    ``light``: 16-bit x and residual_out and no dropout (fewer registers than the other variants).
     """
     n = block_n if single else MAX_HIDDEN
     for limit, cands in _FWD_TABLES[_table_arch(arch)]:
         if n <= limit:
-            return tuple(common.Config.of(num_warps=w, ROWS=r if r is not None else min(64, 2048 // block_n))
-                         for r, w in cands if light or w < 32)
+            return tuple(common.Config.of(num_warps=c[1], ROWS=c[0] if c[0] is not None else min(64, 2048 // block_n))
+                         for c in cands if light or LIGHT not in c)
     raise AssertionError(block_n)
 
 
@@ -517,25 +532,33 @@ def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residu
     if M == 0:
         return outs
     has_res, has_w, has_b, has_drop = residual is not None, weight is not None, bias is not None, dropout_p > 0
-    block, single = _block(N, FWD_REG_MAX, FWD_CHUNK)
+    light = not has_drop and x.element_size() == 2 and (residual_dtype.itemsize == 2 or not store_residual)
+    block, single = _block(N, FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK)
     arch = common.arch(dev)
+    key = (arch, block, single, is_rms, has_res, has_w, has_b, has_drop, store_residual,
+           x.dtype, residual_dtype, None if weight is None else weight.dtype)
     # Absent pointers get x (never dereferenced: their use is constexpr-guarded).
     args = (x, residual if has_res else x, weight if has_w else x, bias if has_b else x, out,
             rout if store_residual else x, mean if mean is not None else rstd, rstd, seed if has_drop else x,
-            x.stride(0), residual.stride(0) if has_res else 0, out.stride(0), rout.stride(0) if store_residual else 0,
-            M, N, eps, dropout_p)
-    constexprs = dict(IS_RMS=is_rms, HAS_RES=has_res, HAS_W=has_w, HAS_B=has_b, HAS_DROPOUT=has_drop,
-                      STORE_ROUT=store_residual, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=_INTERPRET)
-
-    def run(cfg):
-        rows = cfg["ROWS"]
-        common.launch("add_norm_fwd", _add_norm_fwd_kernel, (-(-M // rows),), args, constexprs, cfg)
-
-    key = (arch, block, single, is_rms, has_res, has_w, has_b, has_drop, store_residual,
-           x.dtype, residual_dtype, None if weight is None else weight.dtype)
-    light = not has_drop and x.element_size() == 2 and (residual_dtype.itemsize == 2 or not store_residual)
-    run(_FWD_CACHE.get(key, fwd_candidates(arch, block, single, light), run))
+            x.stride(0), residual.stride(0) if has_res else 0, M, N, eps, dropout_p)
+    cfg = _FWD_CACHE.chosen.get(key)
+    if cfg is None:
+        cfg = _FWD_CACHE.get(key, fwd_candidates(arch, block, single, light),
+                             lambda c: _fwd_launch(c, M, args, key))
+    _fwd_launch(cfg, M, args, key)
     return outs
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_constexprs(key):
+    _, block, single, is_rms, has_res, has_w, has_b, has_drop, store_residual = key[:9]
+    return dict(IS_RMS=is_rms, HAS_RES=has_res, HAS_W=has_w, HAS_B=has_b, HAS_DROPOUT=has_drop,
+                STORE_ROUT=store_residual, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=_INTERPRET)
+
+
+def _fwd_launch(cfg, M, args, key):
+    rows = cfg["ROWS"]
+    common.launch("add_norm_fwd", _add_norm_fwd_kernel, (-(-M // rows),), args, _fwd_constexprs(key), cfg)
 
 
 def add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
@@ -567,53 +590,67 @@ def add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is
         db = common.empty((N,), db_dtype, dev)
         outs.append(db)
     arch = common.arch(dev)
-    block, single = _block(N, BWD_REG_MAX, BWD_CHUNK)
-    has_drout, has_drop = dresidual_out is not None, dropout_p > 0
-    has_w = weight is not None and has_dout
-    n_part = 0
-    part_w = part_b = dx  # stand-ins, never dereferenced without HAS_DW / HAS_DB
+    n_part, part_w, part_b = 0, dx, dx  # stand-ins, never dereferenced without HAS_DW / HAS_DB
     if M > 0:
-        cands = bwd_candidates(arch, block, single)
-        # The partials are sized for the config's grid, and the grid for the row count: every
-        # program gets at least one group of rows (it writes its partial row).
-        target = bwd_programs(N, common.sm_count(dev))
-
-        def grid_of(cfg):
-            rows = cfg["ROWS"]
-            groups = -(-M // rows)
-            per_program = -(-groups // min(target, groups)) * rows
-            return per_program, -(-M // per_program)
-
-        def partials(n_prog):  # every row is written by its program (poisoned in tests)
-            return (common.empty((n_prog, N), torch.float32, dev) if has_dw else dx,
-                    common.empty((n_prog, N), torch.float32, dev) if has_db else dx)
-
-        constexprs = dict(IS_RMS=is_rms, HAS_DOUT=has_dout, HAS_W=has_w, HAS_DW=has_dw, HAS_DB=has_db,
-                          HAS_DROUT=has_drout, STORE_DRES=dres is not None, HAS_DROPOUT=has_drop,
-                          SINGLE_PASS=single, BLOCK_N=block, INTERPRET=_INTERPRET)
-
-        def run(cfg, parts=None):
-            per_program, n_prog = grid_of(cfg)
-            pw, pb = parts if parts is not None else partials(n_prog)
-            args = (h, weight if has_w else h, dout if has_dout else h, dresidual_out if has_drout else h,
-                    mean if mean is not None else rstd, rstd, seed if has_drop else h, dx,
-                    dres if dres is not None else dx, pw, pb,
-                    h.stride(0), dout.stride(0) if has_dout else 0, dresidual_out.stride(0) if has_drout else 0,
-                    dx.stride(0), dres.stride(0) if dres is not None else 0,
-                    M, N, dropout_p, per_program)
-            common.launch("add_norm_bwd", _add_norm_bwd_kernel, (n_prog,), args, constexprs, cfg)
-            return n_prog, pw, pb
-
+        block, single = _block(N, BWD_REG_MAX, BWD_CHUNK)
+        has_drout, has_drop = dresidual_out is not None, dropout_p > 0
+        has_w = weight is not None and has_dout
         key = (arch, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, dres is not None,
                has_drop, x_dtype, h.dtype, None if weight is None else weight.dtype)
-        cfg = _BWD_CACHE.get(key, cands, run)
-        n_part, part_w, part_b = run(cfg)
+        # Absent pointers get h (never dereferenced: their use is constexpr-guarded).
+        ptrs = (h, weight if has_w else h, dout if has_dout else h, dresidual_out if has_drout else h,
+                mean if mean is not None else rstd, rstd, seed if has_drop else h, dx,
+                dres if dres is not None else dx)
+        strides = (h.stride(0), dout.stride(0) if has_dout else 0, dresidual_out.stride(0) if has_drout else 0,
+                   M, N, dropout_p)
+        target = bwd_programs(N, common.sm_count(dev))
+        cfg = _BWD_CACHE.chosen.get(key)
+        if cfg is None:
+            cfg = _BWD_CACHE.get(key, bwd_candidates(arch, block, single),
+                                 lambda c: _bwd_launch(c, M, N, target, ptrs, strides, key, dev))
+        n_part, part_w, part_b = _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev)
     if has_dw or has_db:
         cfg = _REDUCE_CONFIGS[arch if arch in _REDUCE_CONFIGS else 90]
         common.launch("add_norm_bwd_reduce", _reduce_partials_kernel, (-(-N // cfg["BLOCK_C"]),),
                       (part_w, part_b, dw if has_dw else dx, db if has_db else dx, n_part, N),
-                      dict(HAS_DW=has_dw, HAS_DB=has_db, INTERPRET=_INTERPRET), cfg)
+                      _reduce_constexprs(has_dw, has_db), cfg)
     return outs
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_constexprs(key):
+    _, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, store_dres, has_drop = key[:11]
+    return dict(IS_RMS=is_rms, HAS_DOUT=has_dout, HAS_W=has_w, HAS_DW=has_dw, HAS_DB=has_db,
+                HAS_DROUT=has_drout, STORE_DRES=store_dres, HAS_DROPOUT=has_drop, SINGLE_PASS=single,
+                BLOCK_N=block, INTERPRET=_INTERPRET)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_constexprs(has_dw, has_db):
+    return dict(HAS_DW=has_dw, HAS_DB=has_db, INTERPRET=_INTERPRET)
+
+
+def _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev):
+    """Launch the backward with ``cfg``; returns (number of partial rows, dweight partials, dbias partials).
+
+    The grid is about ``target`` programs of ``rows_per_program`` rows (a multiple of ROWS),
+    each with at least one row, so each writes its row of partials (sized for this grid).
+    """
+    rows = cfg["ROWS"]
+    groups = -(-M // rows)
+    per_program = -(-groups // min(target, groups)) * rows
+    n_prog = -(-M // per_program)
+    has_dw, has_db = key[6], key[7]
+    # One allocation for both (n_prog, N) partials; every row is written by its program
+    # (poisoned in the tests).
+    part_w = part_b = ptrs[7]
+    if has_dw or has_db:
+        parts = common.empty((has_dw + has_db, n_prog, N), torch.float32, dev)
+        part_w = parts[0] if has_dw else part_w
+        part_b = parts[-1] if has_db else part_b
+    common.launch("add_norm_bwd", _add_norm_bwd_kernel, (n_prog,), ptrs + (part_w, part_b) + strides + (per_program,),
+                  _bwd_constexprs(key), cfg)
+    return n_prog, part_w, part_b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,8 +666,7 @@ def add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is
 def _fwd_sig(xt, rt, wt):
     return {"X": f"*{xt}", "R": f"*{rt}", "W": f"*{wt}", "B": f"*{wt}", "OUT": f"*{xt}",
             "ROUT": f"*{rt}", "MEAN": "*fp32", "RSTD": "*fp32", "SEED": "*i64",
-            "stride_x": "i64", "stride_r": "i64", "stride_out": "i64", "stride_rout": "i64",
-            "M": "i32", "N": "i32", "eps": "fp32", "dropout_p": "fp32",
+            "stride_x": "i64", "stride_r": "i64", "M": "i32", "N": "i32", "eps": "fp32", "dropout_p": "fp32",
             "IS_RMS": "constexpr", "HAS_RES": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr",
             "HAS_DROPOUT": "constexpr", "STORE_ROUT": "constexpr", "SINGLE_PASS": "constexpr",
             "BLOCK_N": "constexpr", "ROWS": "constexpr", "INTERPRET": "constexpr"}
@@ -640,7 +676,7 @@ def _bwd_sig(xt, rt, wt):
     return {"H": f"*{rt}", "W": f"*{wt}", "DOUT": f"*{xt}", "DROUT": f"*{rt}", "MEAN": "*fp32",
             "RSTD": "*fp32", "SEED": "*i64", "DX": f"*{xt}", "DRES": f"*{rt}", "DW_PART": "*fp32",
             "DB_PART": "*fp32", "stride_h": "i64", "stride_dout": "i64", "stride_drout": "i64",
-            "stride_dx": "i64", "stride_dres": "i64", "M": "i32", "N": "i32", "dropout_p": "fp32",
+            "M": "i32", "N": "i32", "dropout_p": "fp32",
             "rows_per_program": "i32",
             "IS_RMS": "constexpr", "HAS_DOUT": "constexpr", "HAS_W": "constexpr", "HAS_DW": "constexpr",
             "HAS_DB": "constexpr", "HAS_DROUT": "constexpr", "STORE_DRES": "constexpr",
@@ -661,8 +697,8 @@ def _blocks(reg_max, chunk):
 def aot_specs():
     from fused_block.kernels import aot  # only the compile check needs it
 
-    fwd_aligned = ("stride_x", "stride_r", "stride_out", "stride_rout", "N")
-    bwd_aligned = ("stride_h", "stride_dout", "stride_drout", "stride_dx", "stride_dres", "N")
+    fwd_aligned = ("stride_x", "stride_r", "N")
+    bwd_aligned = ("stride_h", "stride_dout", "stride_drout", "N")
     # (x, residual, params, RMSNorm, dropout, every candidate)
     variants = (("fp32", "fp32", "fp32", False, True, True), ("bf16", "fp32", "fp32", False, True, False),
                 ("bf16", "bf16", "bf16", False, False, True), ("bf16", "bf16", "bf16", True, False, False))
@@ -671,8 +707,9 @@ def aot_specs():
         for xt, rt, wt, is_rms, dropout, every in variants:
             norm = ("rms" if is_rms else "ln") + (",dropout" if dropout else "")
             flags = {"IS_RMS": is_rms, "HAS_W": True, "HAS_DROPOUT": dropout}
-            for block, single in _blocks(FWD_REG_MAX, FWD_CHUNK):
-                cands = fwd_candidates(arch, block, single, xt == rt == "bf16" and not dropout)
+            light = xt == rt == "bf16" and not dropout
+            for block, single in _blocks(FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK):
+                cands = fwd_candidates(arch, block, single, light)
                 for cfg in cands if every else cands[:1]:
                     tag = f"sm{arch},N={block},{'reg' if single else 'chunked'},rows={cfg['ROWS']},{norm},{xt}/{rt}/{wt}"
                     specs.append(aot.KernelSpec(
