@@ -74,6 +74,11 @@ def _sum_in(X, R, ROUT, x_offs, r_offs, mask, rand_offs, seed, keep_scale, dropo
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _add_norm_fwd_kernel(
     X, R, W, B, OUT, ROUT, MEAN, RSTD, SEED,
     stride_x, stride_r, M, N, eps, dropout_p,
@@ -110,9 +115,15 @@ def _add_norm_fwd_kernel(
             xc = h
             var = tl.sum(h * h, axis=1) / N
         else:
+            # Corrected two-pass: the rounding error of the first mean (~N ulps of |mean|, large
+            # against a tiny spread) comes back exactly in sum(d), in the same reduction as sum(d^2).
             mean = tl.sum(h, axis=1) / N
-            xc = tl.where(mask, h - mean[:, None], 0.0)
-            var = tl.sum(xc * xc, axis=1) / N
+            d = tl.where(mask, h - mean[:, None], 0.0)
+            sd, sdd = tl.reduce((d, d * d), 1, _add_pair)
+            dm = sd / N
+            mean += dm
+            xc = d - dm[:, None]
+            var = tl.maximum(sdd / N - dm * dm, 0.0)
         rstd = 1.0 / tl.sqrt(var + eps)
         y = xc * rstd[:, None]
         if ROWS * BLOCK_N > 8192:
