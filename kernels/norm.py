@@ -281,11 +281,11 @@ def _add_norm_bwd_kernel(
                     dw += dy * xhat
                 if HAS_DB:
                     db += dy
-                c1 = tl.sum(xhat * wdy, axis=1) / N
-                cm = c1
+                m1 = tl.sum(xhat * wdy, axis=1) / N
+                m2 = m1
                 if not IS_RMS:
-                    cm = tl.sum(wdy, axis=1) / N
-                dh += _dh(xhat, wdy, c1, cm, rstd, IS_RMS)
+                    m2 = tl.sum(wdy, axis=1) / N
+                dh += _dh(xhat, wdy, m1, m2, rstd, IS_RMS)
             _store_grads(DX, DRES, r2 * N + c2, mask, seed,
                          keep_scale, dropout_p, dh, STORE_DRES, HAS_DROPOUT, INTERPRET)
         if HAS_DW:
