@@ -668,10 +668,10 @@ def _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev):
 # Ahead-of-time compile specs: every config of both architectures' tables on its own
 # architecture, at every BLOCK_N the launchers can pick. Every candidate compiles in the
 # heaviest variant (LayerNorm, all fp32, every feature on: dropout, residual, bias, the incoming
-# residual gradient); the default candidates also in the autocast variant (bf16 activations,
-# fp32 residual stream and parameters, every feature) and in the benchmarked bf16 variants
-# (LayerNorm and RMSNorm with a residual, no dropout), whose register counts are the ones that
-# matter for speed.
+# residual gradient), and the LIGHT-only ones in the light LayerNorm variant; the default
+# candidates also in the autocast variant (bf16 activations, fp32 residual stream and
+# parameters, every feature) and in the benchmarked bf16 variants (LayerNorm and RMSNorm with a
+# residual, no dropout), whose register counts are the ones that matter for speed.
 # ---------------------------------------------------------------------------------------------
 
 def _fwd_sig(xt, rt, wt):
@@ -712,7 +712,7 @@ def aot_specs():
     bwd_aligned = ("stride_h", "stride_dout", "stride_drout", "N")
     # (x, residual, params, RMSNorm, dropout, every candidate)
     variants = (("fp32", "fp32", "fp32", False, True, True), ("bf16", "fp32", "fp32", False, True, False),
-                ("bf16", "bf16", "bf16", False, False, True), ("bf16", "bf16", "bf16", True, False, False))
+                ("bf16", "bf16", "bf16", False, False, False), ("bf16", "bf16", "bf16", True, False, False))
     specs = []
     for arch in common.ARCHS:
         for xt, rt, wt, is_rms, dropout, every in variants:
@@ -721,7 +721,11 @@ def aot_specs():
             light = xt == rt == "bf16" and not dropout
             for block, single in _blocks(FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK):
                 cands = fwd_candidates(arch, block, single, light)
-                for cfg in cands if every else cands[:1]:
+                if not every:
+                    heavy = fwd_candidates(arch, block, single, False) if block <= FWD_REG_MAX_HEAVY or not single else ()
+                    only_light = [c for c in cands[1:] if c not in heavy] if light and not is_rms else []
+                    cands = cands[:1] + tuple(only_light)
+                for cfg in cands:
                     tag = f"sm{arch},N={block},{'reg' if single else 'chunked'},rows={cfg['ROWS']},{norm},{xt}/{rt}/{wt}"
                     specs.append(aot.KernelSpec(
                         f"add_norm_fwd[{tag}]", _add_norm_fwd_kernel, _fwd_sig(xt, rt, wt),
