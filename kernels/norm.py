@@ -54,6 +54,17 @@ _INTERPRET = common.interpreting()
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _dropout_state(SEED, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(seed, 1 / (1 - p)) of the dropout mask; (0, 1) without dropout."""
+    seed = 0
+    keep_scale = 1.0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+    return seed, keep_scale
+
+
+@triton.jit
 def _sum_in(X, R, ROUT, x_offs, r_offs, mask, rand_offs, seed, keep_scale, dropout_p,
             HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_ROUT: tl.constexpr,
             INTERPRET: tl.constexpr):
@@ -89,11 +100,7 @@ def _add_norm_fwd_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     r2 = rows[:, None]
-    seed = 0
-    keep_scale = 1.0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
-        keep_scale = 1.0 / (1.0 - dropout_p)
+    seed, keep_scale = _dropout_state(SEED, dropout_p, HAS_DROPOUT)
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -250,11 +257,7 @@ def _add_norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     DW_PART += pid * N
     DB_PART += pid * N
-    seed = 0
-    keep_scale = 1.0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
-        keep_scale = 1.0 / (1.0 - dropout_p)
+    seed, keep_scale = _dropout_state(SEED, dropout_p, HAS_DROPOUT)
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -296,7 +299,8 @@ def _add_norm_bwd_kernel(
         # Wide rows, a group of ROWS rows at a time. Pass 1: the row reductions
         # c1 = mean(xhat * w * dy), c2 = mean(w * dy). Pass 2 (the group re-read from L2): dx,
         # and the chunk's dweight/dbias partials added into this program's partial row (the
-        # first group writes it, so it needs no zero-fill).
+        # first group writes it, so it needs no zero-fill). Both passes prefetch the next chunk
+        # when NUM_STAGES > 1.
         for r0 in range(row_start, row_end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
             row_mask = rows < row_end
@@ -305,7 +309,7 @@ def _add_norm_bwd_kernel(
             s1 = tl.zeros((ROWS,), tl.float32)
             s2 = tl.zeros((ROWS,), tl.float32)
             if HAS_DOUT:
-                for start in range(0, N, BLOCK_N):
+                for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
                     cols = start + tl.arange(0, BLOCK_N)
                     c2 = cols[None, :]
                     mask = row_mask[:, None] & (c2 < N)
@@ -317,7 +321,7 @@ def _add_norm_bwd_kernel(
                     s1 += tl.sum(xhat * wdy, axis=1)
                     s2 += tl.sum(wdy, axis=1)
             not_first = r0 > row_start
-            for start in range(0, N, BLOCK_N):
+            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < N
                 c2 = cols[None, :]
@@ -427,7 +431,7 @@ _BWD_SM90 = (
     (2048, ((1, 4, 2), (1, 8, 2))),
     (4096, ((1, 4, 2), (1, 8, 2), (1, 16, 2))),
     (8192, ((1, 8, 2),)),
-    (MAX_HIDDEN, ((4, 8, 1), (2, 8, 1), (4, 16, 1))),  # chunked (BWD_CHUNK wide), group of ROWS rows
+    (MAX_HIDDEN, ((4, 8, 2), (4, 8, 1), (2, 8, 2))),  # chunked (BWD_CHUNK wide), group of ROWS rows
 )
 # sm_80, backward. flash-attention's kernel (one row at a time, BLOCK_N = next_pow2(N)) with
 # Liger's warp ladder, plus quack's row packing for small N and a 2-stage prefetch.
@@ -440,7 +444,7 @@ _BWD_SM80 = (
     (2048, ((1, 8, 2), (1, 4, 2))),
     (4096, ((1, 8, 2), (1, 16, 2), (1, 4, 2))),
     (8192, ((1, 8, 2),)),
-    (MAX_HIDDEN, ((4, 8, 1), (2, 8, 1), (4, 16, 1))),
+    (MAX_HIDDEN, ((4, 8, 1), (2, 8, 2))),  # 4 rows with prefetch spill on sm_80
 )
 _FWD_TABLES = {80: _FWD_SM80, 90: _FWD_SM90}
 _BWD_TABLES = {80: _BWD_SM80, 90: _BWD_SM90}
@@ -455,10 +459,12 @@ _REDUCE_CONFIGS = {80: common.Config.of(num_warps=4, BLOCK_R=64, BLOCK_C=32, NUM
 def bwd_programs(n: int, sms: int) -> int:
     """Backward grid size for hidden ``n`` (before clipping to the row count).
 
-    quack's Hopper table (rmsnorm_config._get_sm_count_hopper): more programs than SMs hide the
-    latency of the row loads when rows are short (flash-attention uses 8 x SMs for every N,
-    commit 2afa43cd); for wide rows fewer programs keep the (programs x N) partials small.
-    The same table serves sm_80 (not separately measured).
+    quack's Hopper table (rmsnorm_config._get_sm_count_hopper) up to 8192: more programs than
+    SMs hide the latency of the row loads when rows are short (flash-attention uses 8 x SMs for
+    every N, commit 2afa43cd); for wide rows fewer programs keep the (programs x N) partials
+    small. Above 8192 quack splits each row over a cluster of CTAs (SMs / 2 clusters of two at
+    16K, 2 x SMs beyond); our chunked path runs one program per row group, so it takes 2 x SMs
+    (two programs per SM) there. The same table serves sm_80 (not separately measured).
     """
     if n <= 256:
         return 16 * sms
@@ -470,8 +476,6 @@ def bwd_programs(n: int, sms: int) -> int:
         return 2 * sms
     if n <= 8192:
         return sms
-    if n <= 16384:
-        return max(1, sms // 2)
     return 2 * sms
 
 
