@@ -44,6 +44,13 @@ def parse_args(argv):
     return args
 
 
+def print_reports(found: dict, quick: bool) -> None:
+    """Specs that measure something other than GPU timings (e.g. ``host``) print it here."""
+    for name, mod in found.items():
+        if not isinstance(mod, str) and hasattr(mod, "report"):
+            print(f"\n{mod.report(quick)}", flush=True)
+
+
 def run_numerics(found: dict) -> list:
     rows = []
     for name, mod in found.items():
@@ -96,6 +103,7 @@ def run_cpu(args, found) -> int:
           flush=True)
     rows = run_numerics(found)
     print(harness.format_numerics(rows), flush=True)
+    print_reports(found, args.quick)
     if not args.no_compile_table:
         print("\n== compiled kernels (sm_80, sm_90) ==", flush=True)
         try:
@@ -114,6 +122,7 @@ def run_cuda(args, found) -> int:
           f"triton {env['triton']}", flush=True)
     rows = run_numerics(found)
     print(harness.format_numerics(rows), flush=True)
+    print_reports(found, args.quick)
     ceilings = harness.measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, cuBLAS bf16 "
           f"{ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)

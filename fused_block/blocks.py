@@ -29,6 +29,7 @@ warning: slower, never a wrong answer. A query whose keys are all padding gives 
 (torch's layers give NaN).
 """
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -87,18 +88,14 @@ def _warn_once(key, message):
         warnings.warn(message, stacklevel=4)
 
 
-def _is_compiling():
-    return torch.compiler.is_compiling()
-
-
 # ---------------------------------------------------------------------------------------------
 # masks
 # ---------------------------------------------------------------------------------------------
 
 def _is_causal_mask(mask, L):
     """True when ``mask`` (L, L) is exactly the causal mask: float 0 / -inf above the diagonal
-    (``generate_square_subsequent_mask``) or bool True above the diagonal. Reads the mask, so
-    it is only called outside ``torch.compile``."""
+    (``generate_square_subsequent_mask``) or bool True above the diagonal. Reads the mask (a
+    host-device sync on CUDA): called through :func:`_verdict` only."""
     if mask.dim() != 2 or mask.shape != (L, L):
         return False
     upper = torch.ones(L, L, dtype=torch.bool, device=mask.device).triu(1)
@@ -106,6 +103,49 @@ def _is_causal_mask(mask, L):
         return bool(torch.equal(mask, upper))
     expected = torch.zeros(L, L, dtype=mask.dtype, device=mask.device).masked_fill(upper, float("-inf"))
     return bool(torch.equal(mask, expected))
+
+
+def _is_zero_mask(mask):
+    return not bool(mask.any())
+
+
+def _is_padding_float_mask(kpm):
+    """Only 0 and -inf: an additive form of a bool padding mask."""
+    return bool(((kpm == 0) | torch.isneginf(kpm)).all())
+
+
+# Verdicts on masks' values, by (check, id(mask)): (weak reference, version counter, verdict).
+# A model hands the same mask tensors to each of its layers, every step: the values are read
+# (a host-device sync) once, not once per layer and step. An in-place change bumps the
+# tensor's version, so it is read again; a new tensor with a reused id fails the identity check.
+_VERDICTS = {}
+_MAX_VERDICTS = 64
+
+
+def _verdict(check, mask, *args):
+    """``check(mask, *args)``, cached per mask tensor and version; None when the values cannot
+    be read here: under ``torch.compile`` (no data-dependent branches) or during CUDA graph
+    capture (no syncs) without an earlier verdict on the same tensor."""
+    if torch.compiler.is_compiling():
+        return None
+    if mask.is_inference():  # no version counter: read every time
+        return None if _capturing(mask) else check(mask, *args)
+    key = (check, id(mask), args)
+    hit = _VERDICTS.get(key)
+    version = mask._version
+    if hit is not None and hit[0]() is mask and hit[1] == version:
+        return hit[2]
+    if _capturing(mask):
+        return None
+    verdict = check(mask, *args)
+    if len(_VERDICTS) >= _MAX_VERDICTS:
+        _VERDICTS.clear()
+    _VERDICTS[key] = (weakref.ref(mask), version, verdict)
+    return verdict
+
+
+def _capturing(t):
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_mask_type(name, mask):
@@ -151,29 +191,41 @@ class _Masks:
 
 
 def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names):
-    """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason."""
+    """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason.
+
+    Values decide only where they can be read (see :func:`_verdict`): under ``torch.compile``,
+    or in a CUDA graph capture without a verdict from the warm-up, an unhinted causal mask or
+    a float padding mask is general, which is slower, never wrong.
+    """
+    if attn_mask is None and key_padding_mask is None:
+        return _Masks(causal=bool(is_causal))
     mask_name, kpm_name = names
-    compiling = _is_compiling()
     causal = bool(is_causal)
+    unread = " whose values cannot be read under torch.compile or CUDA graph capture"
+    mask_reason = f"a general (non-causal) {mask_name}"
     if attn_mask is not None and not causal:
-        # Data-dependent checks only in eager mode; under torch.compile an unhinted mask is general.
-        if not compiling and attn_mask.dim() == 2 and L == S and _is_causal_mask(attn_mask, L):
-            causal, attn_mask = True, None
-        elif not compiling and attn_mask.dim() == 2 and attn_mask.dtype != torch.bool and not attn_mask.any():
-            attn_mask = None  # an all-zero float mask masks nothing
+        if attn_mask.dim() == 2 and L == S:
+            is_causal_mask = _verdict(_is_causal_mask, attn_mask, L)
+            if is_causal_mask is None:
+                mask_reason = f"a {mask_name}{unread} (pass is_causal=True with a causal mask)"
+            elif is_causal_mask:
+                causal, attn_mask = True, None
+        if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.dtype != torch.bool:
+            if _verdict(_is_zero_mask, attn_mask):
+                attn_mask = None  # an all-zero float mask masks nothing
     elif causal:
         attn_mask = None  # torch trusts the is_causal hint as well
     kpm = key_padding_mask
     if kpm is not None and kpm.dtype != torch.bool:
-        neg_inf = torch.isneginf(kpm)
-        if not compiling and bool(((kpm == 0) | neg_inf).all()):
-            kpm = neg_inf
+        is_padding = _verdict(_is_padding_float_mask, kpm)
+        if is_padding:
+            kpm = torch.isneginf(kpm)
         else:
-            return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
-                          reason=f"a float {kpm_name} with values other than 0 and -inf")
+            reason = (f"a float {kpm_name} with values other than 0 and -inf" if is_padding is not None
+                      else f"a float {kpm_name}{unread} (pass a bool mask)")
+            return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=reason)
     if attn_mask is not None:
-        return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
-                      reason=f"a general (non-causal) {mask_name}")
+        return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=mask_reason)
     if causal and L != S:
         # torch's hinted causal mask is top-left aligned; the kernel's is bottom-right.
         return _Masks(general=_merge_masks(None, kpm, True, B, H, L, S, dtype),

@@ -1,0 +1,165 @@
+"""What a step costs besides the kernels' own time: kernels launched per step, and host time.
+
+:func:`count_kernels` runs a function once and counts every device kernel it launches:
+Triton launches (``common.LAUNCHES``, which every launcher increments) and PyTorch kernels
+(a ``TorchDispatchMode`` that sees each ATen op below autograd, so the backward's ops and
+autograd's own gradient additions are counted too). An ATen op counts as a kernel unless it
+is a view (``OpOverload.is_view``: view, transpose, split, detach, ...), only allocates
+(empty, empty_strided, new_empty, ...), or only produces empty tensors. zeros, fill_, copy_,
+cat, sum, clone and dtype casts (``_to_copy``) all count; ops that return a Python value
+(``_local_scalar_dense`` from ``.item()``, ``equal``) count as kernels and also as host-device
+synchronizations. The functions of ``fused_block``'s own ops are entered, not counted: the
+ops inside them are.
+
+:func:`host_profile` breaks a step's host time down by function (cProfile); run the step
+inside :func:`fused_block._backend.host_only` (kernels skipped) on CPU tensors, as
+``bench/specs/host.py`` does to compare the layers' host time with torch's.
+"""
+import collections
+import contextlib
+import cProfile
+import dataclasses
+import pstats
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from fused_block.kernels import common
+
+_aten = torch.ops.aten
+# Ops that allocate or re-describe memory without launching anything.
+_NO_KERNEL = {
+    _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default, _aten._unsafe_view.default,
+    _aten.lift_fresh.default, _aten.set_.source_Storage_storage_offset, _aten.resize_.default,
+}
+_SYNCS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
+
+
+def _produces_data(out) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.numel() > 0
+    if isinstance(out, (tuple, list)):
+        return any(_produces_data(o) for o in out)
+    return False
+
+
+def _backend_keys(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return torch._C.DispatchKeySet(torch._C._parse_dispatch_key(a.device.type.upper()))
+    raise TypeError("a fused_block op without tensor arguments")
+
+
+class _AtenKernels(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kernels = collections.Counter()
+        self.syncs = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "fused_block":
+            # An op that went through the dispatcher (under torch.compile, or registered with
+            # custom_op): run its implementation with this mode back on, to count the
+            # PyTorch ops inside; the op itself launches nothing of its own.
+            with self:
+                return func.redispatch(_backend_keys(args), *args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _SYNCS:
+            self.syncs[func.overloadpacket.__name__] += 1
+            self.kernels[func.overloadpacket.__name__] += 1
+        elif not func.is_view and func not in _NO_KERNEL and _produces_data(out):
+            self.kernels[func.overloadpacket.__name__] += 1
+        return out
+
+
+@dataclasses.dataclass
+class KernelCount:
+    """Kernels launched by one call: Triton launches and PyTorch kernels, by name."""
+
+    triton: dict
+    torch: dict
+    syncs: dict
+
+    @property
+    def total(self) -> int:
+        return sum(self.triton.values()) + sum(self.torch.values())
+
+    def table(self) -> str:
+        lines = [f"{self.total} kernels: {sum(self.triton.values())} Triton, {sum(self.torch.values())} PyTorch"
+                 + (f", {sum(self.syncs.values())} host syncs" if self.syncs else "")]
+        for kind, counts in (("triton", self.triton), ("torch", self.torch)):
+            for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+                lines.append(f"  {kind:<7} {name:<32} {n}")
+        return "\n".join(lines)
+
+
+def count_kernels(fn, *args, **kwargs) -> KernelCount:
+    """Run ``fn(*args, **kwargs)`` once and count the kernels it launches (see module doc).
+
+    Run a warm-up call first on CUDA: a first call may time config candidates, launching
+    kernels that later calls do not.
+    """
+    before = common.LAUNCHES.copy()
+    mode = _AtenKernels()
+    with _interpreter_unseen(), mode:
+        fn(*args, **kwargs)
+    triton = {k: v - before[k] for k, v in common.LAUNCHES.items() if v - before[k] > 0}
+    return KernelCount(triton=triton, torch=dict(mode.kernels), syncs=dict(mode.syncs))
+
+
+@contextlib.contextmanager
+def _interpreter_unseen():
+    """The Triton interpreter runs a kernel with PyTorch ops (copies in and out of its
+    buffers); a GPU runs it as one kernel, already counted as a launch: hide those ops."""
+    if not common.interpreting():
+        yield
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def unseen(self, *args, **kwargs):
+        with _disable_current_modes():
+            return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = unseen
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = run
+
+
+def host_profile(fn, *, repeat=20, top=12, ours=("fused_block/", "kernels/")) -> str:
+    """A cProfile breakdown of ``repeat`` calls of ``fn``, in us per call: the ``top``
+    functions by own time, then this library's functions (paths containing one of ``ours``)
+    by cumulative time. cProfile's own overhead inflates short functions."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(repeat):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [(tt / repeat * 1e6, ct / repeat * 1e6, nc / repeat, f"{_where(key)}")
+            for key, (cc, nc, tt, ct, _) in stats.items()]
+    lines = [f"  {'own us':>8} {'cum us':>8} {'calls':>6}  function (top {top} by own time)"]
+    for own, cum, calls, where in sorted(rows, key=lambda r: -r[0])[:top]:
+        lines.append(f"  {own:>8.1f} {cum:>8.1f} {calls:>6.1f}  {where}")
+    mine = [r for r in rows if any(m in r[3] for m in ours)]
+    lines.append(f"  {'own us':>8} {'cum us':>8} {'calls':>6}  fused_block functions by cumulative time")
+    for own, cum, calls, where in sorted(mine, key=lambda r: -r[1])[:top]:
+        lines.append(f"  {own:>8.1f} {cum:>8.1f} {calls:>6.1f}  {where}")
+    return "\n".join(lines)
+
+
+def _where(key) -> str:
+    filename, line, name = key
+    if filename == "~":
+        return name
+    for marker in ("site-packages/", "fused_block/", "kernels/"):
+        i = filename.rfind(marker)
+        if i >= 0:
+            filename = filename[i:]
+            break
+    return f"{filename}:{line} {name}"

@@ -1,0 +1,191 @@
+"""The launch path of the layers: kernels per training step, host-only runs, seeds, mask reads.
+
+Kernel counts come from ``fused_block.profiling.count_kernels`` (Triton launches plus PyTorch
+ops that launch a device kernel) over one training step: forward, then the gradients of the
+input and of every parameter. The steps run inside ``_backend.host_only()`` (kernels skipped:
+the count does not depend on the kernels' results), except where a test compares that with a
+real run. Shapes are tiny (head dim 16, the kernel's smallest) because nothing here depends on
+them and real runs go through the interpreter.
+"""
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import fused_block
+from fused_block import _backend, blocks, profiling
+from fused_block.kernels import common
+
+D, H, FF, B, L = 32, 2, 128, 2, 8
+
+# Kernels per training step (bf16, GELU, no mask) measured on this branch; the issue's target
+# is 26 for Pre-LN (Triton + PyTorch). What remains above it (see the report in the commit
+# history and README): norm's dW/dB partial sums and casts (8: the norm kernels' own reduction),
+# the linear/mlp bias-gradient sums and act_grad launches (7: fused into the GEMMs), zero-filled
+# gradients that autograd materializes for unused outputs (7 Pre-LN, 9 Post-LN: the ops'
+# registration), the QKV-gradient clones and cat and the head-merge copy (5: the packed
+# attention op), one gradient add for x (Pre-LN; Post-LN two: x and h feed two ops each), and
+# with dropout one seed draw per dropout (4). The lead tightens these after the merges.
+MAX_KERNELS = {
+    (True, 0.0): 48,
+    (True, 0.1): 52,
+    (False, 0.0): 51,
+    (False, 0.1): 55,
+}
+
+
+@pytest.fixture(autouse=True)
+def no_poison(monkeypatch):
+    """The suite's NaN-filled outputs are fill kernels a real step does not launch."""
+    monkeypatch.setattr(common, "POISON_OUTPUTS", False)
+
+
+def _step(norm_first, p, device, dtype=torch.bfloat16, **kwargs):
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(D, H, FF, dropout=p, activation="gelu", batch_first=True,
+                                     norm_first=norm_first)
+    layer = fused_block.convert(ref).to(device=device, dtype=dtype)
+    x = torch.randn(B, L, D, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    inputs = (x, *layer.parameters())
+    return lambda: torch.autograd.grad(layer(x, **kwargs), inputs, dy)
+
+
+def _count(step, device, *, stub=True):
+    with _backend.host_only() if stub else contextlib.nullcontext():
+        if device.type == "cuda":
+            step()  # a first call on CUDA times config candidates: count a steady step
+        return profiling.count_kernels(step)
+
+
+@pytest.mark.parametrize("norm_first, p", list(MAX_KERNELS))
+def test_kernels_per_training_step(norm_first, p, device):
+    counts = _count(_step(norm_first, p, device), device)
+    assert counts.total <= MAX_KERNELS[norm_first, p], counts.table()
+    assert counts.syncs == {}, counts.table()  # nothing in a step waits for the GPU
+    assert ("randint" in counts.torch) == (p > 0), counts.table()  # seeds only for dropout
+    assert counts.triton["attention_fwd"] == 1 and counts.triton["add_norm_fwd"] == 2
+
+
+def test_host_only_count_equals_real_count(device):
+    """Stubbing the launches changes nothing but the kernels: same launches, same PyTorch ops."""
+    stubbed = _count(_step(True, 0.1, device), device)
+    real = _count(_step(True, 0.1, device), device, stub=False)
+    assert (stubbed.triton, stubbed.torch) == (real.triton, real.torch)
+
+
+def test_host_only_forces_the_kernel_path_and_restores():
+    cpu = torch.empty(1)
+    before = (_backend.use_triton(cpu), common.STUB_LAUNCHES)
+    with pytest.raises(RuntimeError, match="inside"):
+        with _backend.host_only():
+            assert _backend.use_triton(cpu) and common.STUB_LAUNCHES
+            raise RuntimeError("inside")
+    assert (_backend.use_triton(cpu), common.STUB_LAUNCHES) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout seeds
+# ---------------------------------------------------------------------------------------------
+
+def test_dropout_seed_at_zero_draws_and_allocates_nothing(device):
+    state = torch.random.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+    a, b = _backend.dropout_seed(0.0, device), _backend.dropout_seed(0.0, device)
+    after = torch.random.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+    assert a is b and a.numel() == 0 and a.dtype == torch.int64 and a.device.type == device.type
+    assert torch.equal(state, after)  # no random number consumed
+
+
+def test_dropout_seed_at_zero_is_usable_after_inference_mode():
+    """The cached empty seed is saved for backward: it must not be an inference tensor."""
+    dev = torch.device("cpu")
+    _backend._NO_SEED.pop(dev, None)
+    with torch.inference_mode():
+        seed = _backend.dropout_seed(0.0, dev)
+    assert not seed.is_inference()
+
+
+def test_dropout_seed_is_drawn_from_torchs_generator(device):
+    torch.manual_seed(1)
+    a = _backend.dropout_seed(0.1, device)
+    b = _backend.dropout_seed(0.1, device)
+    torch.manual_seed(1)
+    assert torch.equal(_backend.dropout_seed(0.1, device), a) and not torch.equal(a, b)
+    assert a.shape == (1,) and a.dtype == torch.int64 and a.device.type == device.type
+
+
+# ---------------------------------------------------------------------------------------------
+# the counting rule
+# ---------------------------------------------------------------------------------------------
+
+def test_count_kernels_counts_compute_not_views_or_allocations():
+    x = torch.randn(4, 6)
+
+    def fn():
+        v = x.t().reshape(-1).view(6, 4)  # views (reshape of a non-contiguous tensor: a copy)
+        v.split(2)
+        torch.empty(3)
+        y = torch.zeros(3)  # a fill kernel
+        y.add_(1)
+        return (y.sum() + v.sum()).item()  # two sums, an add, and a sync
+
+    c = profiling.count_kernels(fn)
+    assert c.torch == {"clone": 1, "zeros": 1, "add_": 1, "sum": 2, "add": 1, "_local_scalar_dense": 1}, c.torch
+    assert c.syncs == {"_local_scalar_dense": 1} and c.triton == {}
+    assert c.total == 7 and "7 kernels" in c.table()
+
+
+# ---------------------------------------------------------------------------------------------
+# masks: values read once per tensor, never inside a step that could be captured
+# ---------------------------------------------------------------------------------------------
+
+def test_causal_mask_values_are_read_once_per_tensor(device):
+    torch.manual_seed(0)
+    layer = fused_block.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True).to(device)
+    x = torch.randn(B, L, D, device=device)
+    mask = nn.Transformer.generate_square_subsequent_mask(L, device=device)
+    blocks._VERDICTS.clear()
+    with torch.no_grad(), _backend.host_only():
+        first = profiling.count_kernels(layer, x, src_mask=mask)
+        second = profiling.count_kernels(layer, x, src_mask=mask)  # same tensor: verdict cached
+        mask.add_(0)  # an in-place change: read again
+        third = profiling.count_kernels(layer, x, src_mask=mask)
+        other = profiling.count_kernels(layer, x, src_mask=mask.clone())
+    assert first.syncs == {"equal": 1} and second.syncs == {} and third.syncs == {"equal": 1}
+    assert other.syncs == {"equal": 1}
+    assert first.triton == second.triton == other.triton  # the causal kernel each time
+    assert second.total < first.total
+
+
+def test_mask_verdicts_are_not_read_during_capture(device, monkeypatch):
+    """Where a CUDA graph is being captured no value may be read (a sync): unknown masks are
+    general (the SDPA fallback, after its warning), known ones keep their verdict."""
+    mask = nn.Transformer.generate_square_subsequent_mask(L, device=device)
+    blocks._VERDICTS.clear()
+    monkeypatch.setattr(blocks, "_capturing", lambda t: True)
+    masks = blocks._resolve_masks(mask, None, False, B, H, L, L, torch.float32, ("src_mask", "kpm"))
+    assert not masks.causal and masks.general is not None and "graph capture" in masks.reason
+    kpm = torch.zeros(B, L, device=device)
+    masks = blocks._resolve_masks(None, kpm, False, B, H, L, L, torch.float32, ("src_mask", "kpm"))
+    assert masks.general is not None and "bool mask" in masks.reason
+    monkeypatch.undo()
+    blocks._resolve_masks(mask, kpm, False, B, H, L, L, torch.float32, ("src_mask", "kpm"))  # warm-up reads
+    monkeypatch.setattr(blocks, "_capturing", lambda t: True)
+    masks = blocks._resolve_masks(mask, kpm, False, B, H, L, L, torch.float32, ("src_mask", "kpm"))
+    assert masks.causal and masks.general is None and masks.key_padding.dtype == torch.bool
+
+
+# ---------------------------------------------------------------------------------------------
+# the host-time benchmark
+# ---------------------------------------------------------------------------------------------
+
+def test_host_benchmark_reports_every_configuration():
+    from bench.specs import host
+
+    rows = host.measure(quick=True)
+    assert [r["config"] for r in rows] == [host._name(*c) for c in host.CONFIGS]
+    for r in rows:
+        assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["kernels"].total > 0
+    table = host.format_rows(rows)
+    assert all(r["config"] in table for r in rows)
