@@ -446,7 +446,7 @@ class _LayerMixin:
         leaves dropout2 out (Post-LN fuses it, with the add, into the next norm's kernel)."""
         p_in = self.dropout.p if self.training else 0.0
         p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
-        name = _activation_name(self.activation)
+        name = self._activation()
         l1, l2 = self.linear1, self.linear2
         ops = _ops(x)
         if name is not None:
@@ -455,6 +455,15 @@ class _LayerMixin:
         hid = self.activation(ops.linear(x, l1.weight, l1.bias))
         hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
         return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
+
+    def _activation(self):
+        """The fused epilogue's name for ``self.activation``, looked up once per activation
+        object (the attribute may be reassigned; the name follows it)."""
+        act = self.activation
+        cached = self.__dict__.get("_activation_cache")
+        if cached is None or cached[0] is not act:
+            cached = self.__dict__["_activation_cache"] = (act, _activation_name(act))
+        return cached[1]
 
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
