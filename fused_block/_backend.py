@@ -34,7 +34,8 @@ def host_only():
     PyTorch op run as usual; ``common.launch`` counts each launch and returns without running
     it (``common.STUB_LAUNCHES``), so outputs hold whatever their buffers held. Launchers see
     ``common.arch(cpu) == 0`` and ``interpreting()`` unchanged, so they pick their interpreter
-    configs and never time candidates. For measuring host time and counting kernels only.
+    configs and never time candidates. For measuring host time and counting kernels on CPU
+    tensors only: on CUDA tensors the configs chosen untimed would stay in the config caches.
     """
     global FORCE_TRITON
     before = FORCE_TRITON, common.STUB_LAUNCHES
