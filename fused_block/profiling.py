@@ -131,26 +131,59 @@ def _interpreter_unseen():
         InterpretedFunction.run = run
 
 
-def host_profile(fn, *, repeat=20, top=12, ours=("fused_block/", "kernels/")) -> str:
-    """A cProfile breakdown of ``repeat`` calls of ``fn``, in us per call: the ``top``
-    functions by own time, then this library's functions (paths containing one of ``ours``)
-    by cumulative time. cProfile's own overhead inflates short functions."""
+@dataclasses.dataclass
+class HostProfile:
+    """cProfile of a function, per call in microseconds: ``groups`` maps a component (one of
+    this library's files, a torch or triton subpackage, ``C`` for builtins and tensor methods)
+    to the own time spent in it; ``functions`` lists (own us, cumulative us, calls, where)."""
+
+    total_us: float
+    groups: dict
+    functions: list
+
+    def top(self, n=12) -> str:
+        lines = [f"  {'own us':>8} {'cum us':>8} {'calls':>6}  function (top {n} by own time)"]
+        for own, cum, calls, where in sorted(self.functions, key=lambda r: -r[0])[:n]:
+            lines.append(f"  {own:>8.1f} {cum:>8.1f} {calls:>6.1f}  {where}")
+        return "\n".join(lines)
+
+
+def host_profile(fn, *, repeat=20) -> HostProfile:
+    """Profile ``repeat`` calls of ``fn`` (cProfile's own overhead inflates short functions:
+    read the shares, not the absolute times)."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(repeat):
         fn()
     prof.disable()
     stats = pstats.Stats(prof).stats
-    rows = [(tt / repeat * 1e6, ct / repeat * 1e6, nc / repeat, f"{_where(key)}")
-            for key, (cc, nc, tt, ct, _) in stats.items()]
-    lines = [f"  {'own us':>8} {'cum us':>8} {'calls':>6}  function (top {top} by own time)"]
-    for own, cum, calls, where in sorted(rows, key=lambda r: -r[0])[:top]:
-        lines.append(f"  {own:>8.1f} {cum:>8.1f} {calls:>6.1f}  {where}")
-    mine = [r for r in rows if any(m in r[3] for m in ours)]
-    lines.append(f"  {'own us':>8} {'cum us':>8} {'calls':>6}  fused_block functions by cumulative time")
-    for own, cum, calls, where in sorted(mine, key=lambda r: -r[1])[:top]:
-        lines.append(f"  {own:>8.1f} {cum:>8.1f} {calls:>6.1f}  {where}")
-    return "\n".join(lines)
+    groups = collections.Counter()
+    functions = []
+    for key, (_, calls, own, cum, _) in stats.items():
+        groups[_group(key[0])] += own / repeat * 1e6
+        functions.append((own / repeat * 1e6, cum / repeat * 1e6, calls / repeat, _where(key)))
+    return HostProfile(sum(groups.values()), dict(groups), functions)
+
+
+_GROUP_MARKERS = ("fused_block/kernels/", "fused_block/", "/kernels/", "torch/", "triton/")
+
+
+def _group(filename) -> str:
+    """``fused_block/norm.py``, ``kernels/matmul.py``, ``torch/autograd``, ``triton/runtime``,
+    ``C`` (builtins: tensor methods, torch ops, the autograd engine), ``other``."""
+    if filename == "~":
+        return "C"
+    path = filename.replace("\\", "/")
+    for marker in _GROUP_MARKERS:
+        i = path.rfind(marker)
+        if i < 0:
+            continue
+        rest = path[i:].lstrip("/")
+        if marker in ("torch/", "triton/"):
+            parts = rest.split("/")
+            return "/".join(parts[:2]) if len(parts) > 2 else rest
+        return rest.replace("fused_block/kernels/", "kernels/")
+    return "other"
 
 
 def _where(key) -> str:

@@ -198,3 +198,8 @@ def test_host_benchmark_reports_every_configuration():
         assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["kernels"].total > 0
     table = host.format_rows(rows)
     assert all(r["config"] in table for r in rows)
+    profs = host.profiles(quick=True)
+    assert list(profs) == [r["config"] for r in rows]
+    assert all(p.groups.get("fused_block/blocks.py", 0) > 0 for p in profs.values())
+    breakdown = host.format_profiles(profs)
+    assert "fused_block/blocks.py" in breakdown and "total (profiled)" in breakdown
