@@ -8,6 +8,7 @@
   the host-overhead measurement (``python -m bench --only host``) on a machine without a GPU.
 """
 import contextlib
+import functools
 
 import torch
 
@@ -74,6 +75,19 @@ def dropout_seed(p: float, device) -> torch.Tensor:
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
+_NO_GUARD = contextlib.nullcontext()  # reentrant and stateless: one for every call
+
+
+@functools.cache
+def _one_gpu() -> bool:
+    return torch.cuda.device_count() <= 1
+
+
 def device_guard(t: torch.Tensor):
-    """Launch on the tensor's device (and that device's current stream), not the current one."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Launch on the tensor's device (and that device's current stream), not the current one.
+
+    Free where there is nothing to switch: CPU tensors, or a machine with one GPU.
+    """
+    if t.device.type != "cuda" or _one_gpu():
+        return _NO_GUARD
+    return torch.cuda.device(t.device)

@@ -19,7 +19,9 @@ import collections
 import contextlib
 import cProfile
 import dataclasses
+import gc
 import pstats
+import statistics
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -148,20 +150,33 @@ class HostProfile:
         return "\n".join(lines)
 
 
-def host_profile(fn, *, repeat=20) -> HostProfile:
-    """Profile ``repeat`` calls of ``fn`` (cProfile's own overhead inflates short functions:
-    read the shares, not the absolute times)."""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(repeat):
-        fn()
-    prof.disable()
-    stats = pstats.Stats(prof).stats
+def host_profile(fn, *, repeat=10, rounds=5) -> HostProfile:
+    """Profile ``rounds`` x ``repeat`` calls of ``fn``; each function's time is the median over
+    the rounds, so a round that the OS preempted (charged to whatever function was running)
+    does not decide it. cProfile's own overhead inflates short functions: read the shares,
+    not the absolute times. The garbage collector is paused meanwhile, for the same reason."""
+    samples = collections.defaultdict(list)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(repeat):
+                fn()
+            prof.disable()
+            for key, (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+                samples[key].append((own / repeat * 1e6, cum / repeat * 1e6, calls / repeat))
+    finally:
+        if collecting:
+            gc.enable()
     groups = collections.Counter()
     functions = []
-    for key, (_, calls, own, cum, _) in stats.items():
-        groups[_group(key[0])] += own / repeat * 1e6
-        functions.append((own / repeat * 1e6, cum / repeat * 1e6, calls / repeat, _where(key)))
+    for key, rows in samples.items():
+        rows += [(0.0, 0.0, 0.0)] * (rounds - len(rows))  # not called in some rounds
+        own, cum, calls = (statistics.median(col) for col in zip(*rows))
+        groups[_group(key[0])] += own
+        functions.append((own, cum, calls, _where(key)))
     return HostProfile(sum(groups.values()), dict(groups), functions)
 
 

@@ -159,7 +159,7 @@ def profiles(quick=False) -> dict:
         for norm_first, p in CONFIGS:
             ours, _ = _steps(norm_first, p)
             ours()
-            out[_name(norm_first, p)] = profiling.host_profile(ours, repeat=5 if quick else 20)
+            out[_name(norm_first, p)] = profiling.host_profile(ours, rounds=2 if quick else 7)
     return out
 
 
