@@ -9,6 +9,7 @@
 """
 import contextlib
 import functools
+import threading
 
 import torch
 
@@ -51,12 +52,36 @@ def host_only():
 _NO_SEED = {}
 
 
+_LOCAL = threading.local()  # .seeds: [views of one drawn tensor, next index, device] inside seed_block
+
+
+@contextlib.contextmanager
+def seed_block(n: int, device):
+    """Draw the seeds of the next ``n`` dropouts on this thread at once: one ``randint`` of
+    ``n`` values (one kernel) instead of ``n``. A layer's forward opens one around its ops;
+    :func:`dropout_seed` hands the values out in call order, and draws as usual when the block
+    is used up, for another device, or absent. Under ``torch.compile`` it does nothing.
+    """
+    if n < 2 or torch.compiler.is_compiling():
+        yield
+        return
+    before = getattr(_LOCAL, "seeds", None)
+    drawn = torch.randint(0, 2**62, (n,), dtype=torch.int64, device=device)
+    _LOCAL.seeds = [drawn.split(1), 0, drawn.device]
+    try:
+        yield
+    finally:
+        _LOCAL.seeds = before
+
+
 def dropout_seed(p: float, device) -> torch.Tensor:
     """A fresh int64 seed (shape (1,)) drawn from torch's generator, so ``torch.manual_seed``
     fixes it; kernels read it from device memory (``tl.load``), never on the host.
 
     With ``p == 0`` no random number is drawn and the result is an empty tensor, the same one
     on every call for a device (kernels never read it; nothing is allocated or launched).
+
+    Inside :func:`seed_block` the seed is the next of the values drawn there (a view).
 
     CUDA graphs: drawn inside a captured region, ``torch.randint`` takes its Philox offset
     from the graph's generator state, which ``CUDAGraph.replay`` advances, so each replay
@@ -72,6 +97,11 @@ def dropout_seed(p: float, device) -> torch.Tensor:
             with torch.inference_mode(False):
                 seed = _NO_SEED[device] = torch.empty(0, dtype=torch.int64, device=device)
         return seed
+    block = getattr(_LOCAL, "seeds", None)
+    if (block is not None and block[1] < len(block[0]) and block[2] == torch.device(device)
+            and not torch.compiler.is_compiling()):  # a traced graph draws its own seeds
+        block[1] += 1
+        return block[0][block[1] - 1]
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 

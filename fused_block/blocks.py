@@ -28,6 +28,7 @@ per-head 3-D mask, head dims outside the kernel's range) runs attention through
 warning: slower, never a wrong answer. A query whose keys are all padding gives 0 here
 (torch's layers give NaN).
 """
+import contextlib
 import warnings
 import weakref
 
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fused_block import reference
+from fused_block import _backend, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.linear import linear as _linear
@@ -465,8 +466,19 @@ class _LayerMixin:
             cached = self.__dict__["_activation_cache"] = (act, _activation_name(act))
         return cached[1]
 
+    def _seed_block(self, x, *dropouts):
+        """Training: the seeds of the layer's dropouts (``nn.Dropout`` modules and the
+        attention modules' ``dropout``) drawn in one kernel, see ``_backend.seed_block``."""
+        if not self.training or _ops(x) is not _FUSED or not _backend.use_triton(x):
+            return _NO_SEED_BLOCK  # the reference's dropouts draw from torch's generator themselves
+        n = sum((d.p if isinstance(d, nn.Dropout) else d.dropout) > 0 for d in dropouts)
+        return _backend.seed_block(n, x.device) if n > 1 else _NO_SEED_BLOCK
+
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
+
+
+_NO_SEED_BLOCK = contextlib.nullcontext()
 
 
 def _like(a, x):
@@ -548,14 +560,15 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         def sa(inp):
             return attn._attend(inp, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
 
-        if self.norm_first:
-            n1, _ = self._add_norm(self.norm1, x)
-            n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
-            y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
-        else:
-            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
-            f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
-            y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
+        with self._seed_block(x, self.dropout1, self.dropout2, self.dropout, attn):
+            if self.norm_first:
+                n1, _ = self._add_norm(self.norm1, x)
+                n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
+                y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
+            else:
+                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
+                f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
+                y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
 
     @classmethod
@@ -627,16 +640,17 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
             return ca_mod._attend(inp, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
                                   self._attn_dropout(ca_mod), ("memory_mask", "memory_key_padding_mask"))
 
-        if self.norm_first:
-            n1, _ = self._add_norm(self.norm1, x)
-            n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
-            n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
-            y = self._ffn(n3, residual=h)
-        else:
-            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
-            h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
-            f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
-            y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
+        with self._seed_block(x, self.dropout1, self.dropout2, self.dropout3, self.dropout, sa_mod, ca_mod):
+            if self.norm_first:
+                n1, _ = self._add_norm(self.norm1, x)
+                n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
+                n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
+                y = self._ffn(n3, residual=h)
+            else:
+                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
+                h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
+                f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
+                y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
         return _unbatch(y, batched, bf)
 
     @classmethod
