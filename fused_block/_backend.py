@@ -78,8 +78,8 @@ def dropout_seed(p: float, device) -> torch.Tensor:
     """A fresh int64 seed (shape (1,)) drawn from torch's generator, so ``torch.manual_seed``
     fixes it; kernels read it from device memory (``tl.load``), never on the host.
 
-    With ``p == 0`` no random number is drawn and the result is an empty tensor, the same one
-    on every call for a device (kernels never read it; nothing is allocated or launched).
+    With ``p == 0`` no random number is drawn and the result is an empty tensor, in eager mode
+    the same one on every call for a device (kernels never read it; nothing is allocated).
 
     Inside :func:`seed_block` the seed is the next of the values drawn there (a view).
 
@@ -88,10 +88,12 @@ def dropout_seed(p: float, device) -> torch.Tensor:
     draws a new seed (new dropout masks), and the backward reads the seed its forward drew.
     """
     if p == 0.0:
+        if torch.compiler.is_compiling():
+            # A fresh one per call: dynamo rejects a tensor passed twice to one autograd.Function
+            # (an op's two seeds), and a traced allocation costs nothing at run time.
+            return torch.empty(0, dtype=torch.int64, device=device)
         seed = _NO_SEED.get(device)
         if seed is None:
-            if torch.compiler.is_compiling():
-                return torch.empty(0, dtype=torch.int64, device=device)
             # Not an inference tensor even when first made under inference_mode: ops save it
             # for backward, which inference tensors cannot be.
             with torch.inference_mode(False):

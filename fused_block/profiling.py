@@ -1,7 +1,7 @@
 """What a step costs besides the kernels' own time: kernels launched per step, and host time.
 
 :func:`count_kernels` runs a function once and counts every device kernel it launches:
-Triton launches (``common.LAUNCHES``, which every launcher increments) and PyTorch kernels
+Triton launches (each ``common.launch``, and any kernel started without it) and PyTorch kernels
 (a ``TorchDispatchMode`` that sees each ATen op below autograd, so the backward's ops and
 autograd's own gradient additions are counted too). An ATen op counts as a kernel unless it
 is a view (``OpOverload.is_view``: view, transpose, split, detach, ...), only allocates
@@ -103,34 +103,55 @@ def count_kernels(fn, *args, **kwargs) -> KernelCount:
     Run a warm-up call first on CUDA: a first call may time config candidates, launching
     kernels that later calls do not.
     """
-    before = common.LAUNCHES.copy()
     mode = _AtenKernels()
-    with _interpreter_unseen(), mode:
+    triton = collections.Counter()
+    with _triton_launches(triton), mode:
         fn(*args, **kwargs)
-    triton = {k: v - before[k] for k, v in common.LAUNCHES.items() if v - before[k] > 0}
-    return KernelCount(triton=triton, torch=dict(mode.kernels), syncs=dict(mode.syncs))
+    return KernelCount(triton=dict(triton), torch=dict(mode.kernels), syncs=dict(mode.syncs))
 
 
 @contextlib.contextmanager
-def _interpreter_unseen():
-    """The Triton interpreter runs a kernel with PyTorch ops (copies in and out of its
-    buffers); a GPU runs it as one kernel, already counted as a launch: hide those ops."""
-    if not common.interpreting():
-        yield
-        return
-    from triton.runtime.interpreter import InterpretedFunction
+def _triton_launches(counts):
+    """Count Triton kernels: each ``common.launch`` under its name (run or stubbed), and any
+    kernel started without it under its function's name. (Counting ``common.LAUNCHES`` would
+    also count the path markers some launchers record there.) Where the Triton interpreter
+    runs a kernel, its PyTorch ops stay unseen: on a GPU the kernel is that one launch."""
+    import triton.runtime.jit as jit
 
-    run = InterpretedFunction.run
+    launch = common.launch
+    state = {"inside": False}
 
-    def unseen(self, *args, **kwargs):
-        with _disable_current_modes():
-            return run(self, *args, **kwargs)
+    def counted_launch(name, *args, **kwargs):
+        counts[name] += 1
+        state["inside"] = True
+        try:
+            return launch(name, *args, **kwargs)
+        finally:
+            state["inside"] = False
 
-    InterpretedFunction.run = unseen
+    classes = [jit.JITFunction]
+    if common.interpreting():
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    runs = {cls: cls.run for cls in classes}
+
+    def hooked(run):
+        def counted_run(self, *args, **kwargs):
+            if not state["inside"]:
+                counts[getattr(self, "__name__", None) or self.fn.__name__] += 1
+            with _disable_current_modes():
+                return run(self, *args, **kwargs)
+        return counted_run
+
+    common.launch = counted_launch
+    for cls, run in runs.items():
+        cls.run = hooked(run)
     try:
         yield
     finally:
-        InterpretedFunction.run = run
+        common.launch = launch
+        for cls, run in runs.items():
+            cls.run = run
 
 
 @dataclasses.dataclass
