@@ -120,6 +120,6 @@ def device_guard(t: torch.Tensor):
 
     Free where there is nothing to switch: CPU tensors, or a machine with one GPU.
     """
-    if t.device.type != "cuda" or _one_gpu():
+    if not t.is_cuda or _one_gpu():
         return _NO_GUARD
     return torch.cuda.device(t.device)

@@ -516,13 +516,15 @@ class _LayerMixin:
             cached = self.__dict__["_activation_cache"] = (act, _activation_name(act))
         return cached[1]
 
-    def _seed_block(self, x, *dropouts):
-        """Training: the seeds of the layer's dropouts (``nn.Dropout`` modules and the
-        attention modules' ``dropout``) drawn in one kernel, see ``_backend.seed_block``."""
-        if not self.training or _ops(x) is not _FUSED or not _backend.use_triton(x):
+    def _seed_block(self, x, *ps):
+        """Training: the seeds of the layer's dropouts (probabilities ``ps``) drawn in one
+        kernel, see ``_backend.seed_block``."""
+        n = 0
+        for p in ps:
+            n += p > 0
+        if n < 2 or not self.training or _ops(x) is not _FUSED or not _backend.use_triton(x):
             return _NO_SEED_BLOCK  # the reference's dropouts draw from torch's generator themselves
-        n = sum((d.p if isinstance(d, nn.Dropout) else d.dropout) > 0 for d in dropouts)
-        return _backend.seed_block(n, x.device) if n > 1 else _NO_SEED_BLOCK
+        return _backend.seed_block(n, x.device)
 
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
@@ -612,7 +614,7 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         def sa(inp):
             return attn._attend(inp, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
 
-        with self._seed_block(x, self.dropout1, self.dropout2, self.dropout, attn):
+        with self._seed_block(x, p1, self.dropout2.p, self.dropout.p, attn.dropout):
             if self.norm_first:
                 n1, _ = self._add_norm(self.norm1, x)
                 n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
@@ -694,7 +696,8 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
             return ca_mod._attend(inp, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
                                   self._attn_dropout(ca_mod), ("memory_mask", "memory_key_padding_mask"))
 
-        with self._seed_block(x, self.dropout1, self.dropout2, self.dropout3, self.dropout, sa_mod, ca_mod):
+        with self._seed_block(x, self.dropout1.p, self.dropout2.p, self.dropout3.p, self.dropout.p, sa_mod.dropout,
+                              ca_mod.dropout):
             if self.norm_first:
                 n1, _ = self._add_norm(self.norm1, x)
                 n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
