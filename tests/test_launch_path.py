@@ -171,6 +171,18 @@ def test_count_kernels_counts_compute_not_views_or_allocations():
     assert c.total == 7 and "7 kernels" in c.table()
 
 
+def test_count_kernels_counts_launches_not_markers():
+    """A stubbed common.launch is a kernel of a real step; a name bumped in common.LAUNCHES
+    without a launch (a launcher's path marker) is not."""
+    def fn():
+        common.launch("some_kernel", None, (1,), (), {}, common.Config.of())
+        common.count_launch("some_path_marker")
+
+    with _backend.host_only():
+        c = profiling.count_kernels(fn)
+    assert c.triton == {"some_kernel": 1} and c.torch == {}
+
+
 # ---------------------------------------------------------------------------------------------
 # masks: values read once per tensor, never inside a step that could be captured
 # ---------------------------------------------------------------------------------------------
