@@ -1,35 +1,50 @@
 """FlashAttention-style fused softmax attention: forward, backward, and the dropout keep-mask.
 
-Layout is SDPA's: q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), any strides with a contiguous
-last dim; Hq % Hkv == 0 (GQA/MQA: query head h reads K/V head h // (Hq // Hkv)). Causal
-alignment is bottom-right: query i sees keys j <= i + Lk - Lq. ``MASK`` is the (B, Lk) key
-padding mask as uint8 (1 = padding). A query row with no visible key outputs 0 and has
-LSE = -inf; its gradients are 0.
+Every tensor is a strided (B, H, L, D) view with a contiguous last dim: SDPA's layout, views of
+a packed QKV projection (B, L, (H + 2 Hkv) * D) or (L, B, ...), and outputs written straight
+into such layouts all look alike to the kernels (three strides per tensor). GQA/MQA: query head
+h reads K/V head h // (Hq // Hkv). Causal alignment is bottom-right: query i sees keys
+j <= i + Lk - Lq. ``MASK`` is the (B, Lk) key padding mask as uint8 (1 = padding). A query row
+with no visible key outputs 0 and has LSE = -inf; its gradients are 0.
 
-- ``_attn_fwd``: one program per (query block, batch*head); online softmax in fp32 with
-  ``exp2`` (log2(e) folded into the scale). Key blocks every row of the query block sees are
-  processed without masks; only the blocks that straddle the causal diagonal (or the end of
-  the keys) pay for masking, and blocks entirely above the diagonal are never visited.
+Two data paths, one kernel body each (constexpr ``USE_TMA``):
+
+- **TMA** (Hopper, and the interpreter): every program builds device-side tensor descriptors
+  (``tl.make_tensor_descriptor``) over its (batch, head)'s (L, D) matrices, so ragged L and
+  D < BLOCK_D are zero-padded by the hardware and strided views need no copy. Needs 16-byte
+  aligned bases and strides (true for every head dim multiple of 8 in a dense or packed
+  buffer); launches set ``triton.set_allocator`` for the descriptors' scratch (per thread,
+  so forward and backward both do).
+- **pointers** (Ampere, and unaligned layouts anywhere): masked ``tl.load``; loads inside the
+  unmasked part of a loop carry only the head-dim mask, and none when D is a power of two.
+
+Kernels:
+
+- ``_attn_fwd``: one program per (query block, batch * head), query blocks of a head in
+  reverse order (under a causal mask the last blocks do the most work: heaviest first).
+  Online softmax in fp32 with ``exp2`` and the scale folded into one FMA. Key blocks every
+  row of the query block sees, in bounds, run without masks; only the blocks straddling the
+  causal diagonal or the end of the keys pay for masking, and blocks above the diagonal are
+  never visited. K/V loops are software pipelined (``tl.range``, the config's stages).
   Saves only O and the fp32 natural-log LSE (B, Hq, Lq).
-- ``_attn_bwd_preprocess``: delta = rowsum(dO * O) - dLSE (fp32). The dLSE term makes the
-  LSE output differentiable: d lse_i / d s_ij = P_ij.
-- ``_attn_bwd_dkdv``: one program per (key block, batch*kv_head); loops over the group's
-  query heads and over query blocks, so GQA dK/dV are summed without atomics. Under a causal
-  mask the query blocks that see none of the key block are skipped.
-- ``_attn_bwd_dq``: one program per (query block, batch*head); loops over key blocks.
-  Both backward kernels write the output columns [col0, col0 + BLOCK_DC): wide rows (D > 128,
-  fp32) run in column chunks, one launch each, and where dK and dV do not fit in registers
-  together (``DKDV_SPLIT``) a dV pass and a dK pass (``PART``) replace the joint one. This
-  keeps every shipped config free of register spills on sm_80 and sm_90.
-- ``_dropout_keep``: keep = uniform(seed, (j, i, batch*Hq + h)) >= p, Philox counters are the
-  key index, query index and flattened head, so the mask is regenerated identically in every
-  kernel and by ``dropout_keep_mask`` (a test helper) without storing it.
+- ``_attn_bwd_preprocess``: delta = rowsum(dO * O) - dLSE (fp32). The dLSE term makes the LSE
+  output differentiable: d lse_i / d s_ij = P_ij.
+- ``_attn_bwd``: one kernel for dK/dV and dQ (flex_attention's split): per (batch, kv head),
+  programs [0, kv_blocks) accumulate dK/dV of one key block over the group's query heads
+  and query blocks (GQA reduced in registers: deterministic, no atomics); programs
+  [kv_blocks, kv_blocks + q_blocks * group) compute dQ of one query block. Causally invisible
+  blocks are skipped and only the diagonal ones masked, in both halves.
+- ``_dropout_keep``: keep = uniform(seed, (j, i, batch * Hq + h)) >= p: Philox counters are the
+  key index, query index and flattened head, so every kernel (and ``dropout_keep_mask``, a test
+  helper) regenerates the same mask without storing it.
 
-All grids are 1-D (axis 0 allows 2^31 - 1 programs), with the block index fastest so that
-consecutive programs share one head's K/V in L2. Base offsets are int64. fp32 operands run
-their products in TF32 on the GPU and exist up to D = 128.
+All grids are 1-D (axis 0 allows 2^31 - 1 programs), the block index fastest so that
+consecutive programs share one head's K/V in L2. Offsets of heads and rows are int64.
+
+fp32 inputs follow torch's matmul precision at call time (``common.fp32_precision()``): IEEE
+fp32 products by default, TF32 when torch allows TF32 for matmuls (torch has no attention
+switch of its own). The mode is a constexpr of the kernels and part of the config key.
 """
-
 import torch
 import triton
 import triton.language as tl
@@ -37,12 +52,86 @@ import triton.language as tl
 from fused_block.kernels import common
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+
+# Tests set this to "pointer" to run the pointer path where TMA would be taken (the interpreter
+# runs the TMA path by default wherever the layout allows it, as Hopper does).
+FORCE_PATH = None
 
 
 # ---------------------------------------------------------------------------------------------
-# kernels
+# device helpers
 # ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` (fp32 accumulation). ``IEEE``: fp32 operands in full fp32 precision
+    (else TF32 for fp32; fp16/bf16 are exact products either way). The interpreter upcasts
+    (its bf16 arithmetic is not bf16) and computes exactly."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load(desc, base, row0, L, stride, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+          CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [row0, row0 + BLOCK) x columns [0, BLOCK_D) of an (L, D) matrix, zero outside.
+
+    TMA: ``desc`` (bounds by its shape). Pointers: ``base`` with row stride ``stride``; rows
+    are checked only when ``CHECK_ROWS``, columns unless ``EVEN_D`` (D == BLOCK_D).
+    """
+    if USE_TMA:
+        return desc.load([row0, 0])
+    else:
+        rows = tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = base + tl.cast(row0, tl.int64) * stride + rows[:, None].to(tl.int64) * stride + cols[None, :]
+        if CHECK_ROWS:
+            if EVEN_D:
+                return tl.load(ptrs, mask=(row0 + rows < L)[:, None], other=0.0)
+            else:
+                return tl.load(ptrs, mask=(row0 + rows < L)[:, None] & (cols < D)[None, :], other=0.0)
+        elif EVEN_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=(cols < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _store(desc, base, row0, L, stride, D, x, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+           USE_TMA: tl.constexpr):
+    """Store ``x`` (BLOCK, BLOCK_D) at rows [row0, row0 + BLOCK) of an (L, D) matrix, in bounds."""
+    if USE_TMA:
+        desc.store([row0, 0], x)
+    else:
+        rows = row0 + tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = base + rows[:, None].to(tl.int64) * stride + cols[None, :]
+        tl.store(ptrs, x, mask=(rows < L)[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
+def _desc(base, L, D, stride, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """A (BLOCK, BLOCK_D) tensor descriptor over the (L, D) matrix at ``base``; the pointer path
+    gets ``base`` back (unused: a jit function cannot return None)."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, [L, D], [stride, 1], [BLOCK, BLOCK_D])
+    else:
+        return base
+
+
+@triton.jit
+def _desc3(base, H, L, D, stride_h, stride, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """A (1, BLOCK, BLOCK_D) descriptor over the (H, L, D) heads of one batch at ``base`` (or
+    ``base`` on the pointer path)."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, [H, L, D], [stride_h, stride, 1], [1, BLOCK, BLOCK_D])
+    else:
+        return base
+
 
 @triton.jit
 def _dropout_keep(seed, bh, rows, cols, dropout_p):
@@ -59,46 +148,59 @@ def _dropout_keep(seed, bh, rows, cols, dropout_p):
 
 
 @triton.jit
-def _fwd_block(acc, l_i, m_i, q, k_base, v_base, pad_base, start_n, offs_m, offs_d, d_mask,
-               stride_kn, stride_vn, Lq, Lk, qk_scale, seed, bh, dropout_p,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _causal_ranges(start, Lq, Lk, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the rows [start, start + BLOCK_OTHER) of the score matrix (queries), the key range
+    in BLOCK steps: ``(full_end, hi)``: [0, full_end) is visible to every row and in bounds
+    (no masks), [full_end, hi) needs masks, keys from hi on are invisible to every row."""
+    full_end = (Lk // BLOCK) * BLOCK
+    hi = Lk
+    if IS_CAUSAL:
+        full_end = tl.minimum(full_end, (tl.maximum(start + Lk - Lq + 1, 0) // BLOCK) * BLOCK)
+        hi = tl.minimum(Lk, tl.maximum(start + BLOCK_OTHER + Lk - Lq, 0))
+    return full_end, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+              Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     """One key block of the online softmax; ``MASKED`` blocks check bounds and causality."""
+    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERPRET)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < Lk
     if MASKED:
-        kv_mask = n_ok[:, None] & d_mask[None, :]
-    else:
-        kv_mask = d_mask[None, :]
-    # int64 block start (scalar), int32 offsets inside the block: few address registers.
-    in_blk = tl.arange(0, BLOCK_N)[:, None]
-    k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + in_blk * stride_kn + offs_d[None, :], mask=kv_mask,
-                other=0.0)
-    qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET)
-    qk = qk * qk_scale
-    if MASKED:
-        visible = n_ok[None, :]
+        visible = (offs_n < Lk)[None, :]
         if IS_CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Lk - Lq))
         qk = tl.where(visible, qk, float("-inf"))
     if HAS_PAD:
-        pad = tl.load(pad_base + offs_n, mask=n_ok, other=1)
-        qk = tl.where(pad[None, :] == 0, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+        pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
+        qk = tl.where((pad == 0)[None, :], qk, float("-inf"))
+    # scale > 0, so max(qk) * scale = max(qk * scale): the scale rides in exp2's FMA below.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if MASKED or HAS_PAD:
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_ij = tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
         rows = offs_m[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         p = tl.where(_dropout_keep(seed, bh, rows, cols, dropout_p), p, 0.0)
-    v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + in_blk * stride_vn + offs_d[None, :], mask=kv_mask,
-                other=0.0)
-    acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET)
+    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    acc = _dot(common.cast(p, v.dtype, INTERPRET), v, acc, IEEE, INTERPRET)
+    # l last: fewer live registers across the products (the tutorial's ordering).
+    l_i = l_i * alpha + l_ij
     return acc, l_i, m_new
 
 
@@ -111,31 +213,30 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
               stride_mb,
               Hq, GROUPS, Lq, Lk, D,
               scale, dropout_p,
-              LQ_BUCKET, LK_BUCKET,  # autotune keys only
               IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     num_m_blocks = tl.cdiv(Lq, BLOCK_M)
     bh = pid // num_m_blocks
     # Reverse the block order: under a causal mask the last query blocks do the most work.
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    start_m = (num_m_blocks - 1 - pid % num_m_blocks) * BLOCK_M
     b = bh // Hq
     h = bh % Hq
     hk = h // GROUPS
-    start_m = m_block * BLOCK_M
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    m_ok = offs_m < Lq
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     pad_base = MASK + b.to(tl.int64) * stride_mb
-    q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-                mask=m_ok[:, None] & d_mask[None, :], other=0.0)
+    q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+    k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+    o_desc = _desc(o_base, Lq, D, stride_om, BLOCK_M, BLOCK_D, USE_TMA)
 
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -144,20 +245,17 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Keys [0, full_end) are visible to every row of the block and in bounds: no masks there.
-    full_end = (Lk // BLOCK_N) * BLOCK_N
-    hi = Lk
-    if IS_CAUSAL:
-        full_end = tl.minimum(full_end, (tl.maximum(start_m + Lk - Lq + 1, 0) // BLOCK_N) * BLOCK_N)
-        hi = tl.minimum(Lk, tl.maximum(start_m + BLOCK_M + Lk - Lq, 0))
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, pad_base, start_n, offs_m, offs_d,
-                                   d_mask, stride_kn, stride_vn, Lq, Lk, qk_scale, seed, bh, dropout_p,
-                                   False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, BLOCK_M, BLOCK_N, INTERPRET)
-    for start_n in range(full_end, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, pad_base, start_n, offs_m, offs_d,
-                                   d_mask, stride_kn, stride_vn, Lq, Lk, qk_scale, seed, bh, dropout_p,
-                                   True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, BLOCK_M, BLOCK_N, INTERPRET)
+    full_end, hi = _causal_ranges(start_m, Lq, Lk, BLOCK_N, BLOCK_M, IS_CAUSAL)
+    for start_n in tl.range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+                                  Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+                                  False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+    for start_n in tl.range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+                                  Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+                                  True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -165,11 +263,14 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    tl.store(o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
-             common.cast(out, O.dtype.element_ty, INTERPRET), mask=m_ok[:, None] & d_mask[None, :])
-    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
+    _store(o_desc, o_base, start_m, Lq, stride_om, D, common.cast(out, O.dtype.element_ty, INTERPRET),
+           BLOCK_M, BLOCK_D, USE_TMA)
+    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
 
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
 
 @triton.jit
 def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
@@ -198,29 +299,35 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, offs_n, offs_d, d_mask,
-                offs_c, c_mask, stride_qm, stride_dom, Lq, Lk, qk_scale, seed, bh, dropout_p, inv_keep,
-                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, PART: tl.constexpr,
-                CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """One query block's contribution to a key block's dK and dV (computed transposed).
+def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, bh, h, start_m, offs_n,
+               Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+               IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """Query block [start_m, start_m + BLOCK_M) of head ``h`` (flat ``bh``): its contribution to
+    a key block's dK and dV (scores computed transposed); ``PART`` 1 / 2: only dV / only dK. ``q_desc``/``do_desc`` are (H, L, D)
+    descriptors of the batch (TMA), ``Q_b``/``DO_b`` the batch's base pointers.
 
-    ``PART``: 0 computes both, 1 only dV, 2 only dK. ``CHUNKED``: only the output columns
-    ``offs_c`` are accumulated (wide heads: smaller fp32 accumulators).
+    Keys past Lk need no mask: their rows of dK/dV are never stored. Queries past Lq get
+    LSE = +inf, hence P = 0, as do rows with no visible key (LSE = -inf).
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Lq
-    in_blk = tl.arange(0, BLOCK_M)
-    qT = tl.load(q_base + tl.cast(start_m, tl.int64) * stride_qm + in_blk[None, :] * stride_qm + offs_d[:, None],
-                 mask=d_mask[:, None] & m_ok[None, :], other=0.0)
-    # Rows past Lq get LSE = +inf, hence P = 0; rows with no visible key (LSE = -inf) too.
-    lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+    if USE_TMA:
+        q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
+        do = do_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
+    else:
+        q = _load(q_desc, Q_b + h.to(tl.int64) * stride_qh, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, MASKED,
+                  EVEN_D, False)
+        do = _load(do_desc, DO_b + h.to(tl.int64) * stride_doh, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D,
+                   MASKED, EVEN_D, False)
+    row_base = bh.to(tl.int64) * Lq
+    lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    qkT = common.dot(k, qT, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET)
+    qkT = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE, INTERPRET)
     pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
     if MASKED and IS_CAUSAL:
         pT = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), pT, 0.0)
-    do = tl.load(do_base + tl.cast(start_m, tl.int64) * stride_dom + in_blk[:, None] * stride_dom + offs_d[None, :],
-                 mask=m_ok[:, None] & d_mask[None, :], other=0.0)
     if HAS_DROPOUT:
         rows_t = offs_m[None, :] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         cols_t = offs_n[:, None] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
@@ -230,217 +337,237 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, of
             pdT = tl.where(keep, pT * inv_keep, 0.0)
         else:
             pdT = pT
-        if CHUNKED:
-            do_c = tl.load(do_base + tl.cast(start_m, tl.int64) * stride_dom + in_blk[:, None] * stride_dom
-                           + offs_c[None, :], mask=m_ok[:, None] & c_mask[None, :], other=0.0)
-        else:
-            do_c = do
-        dv = common.dot(common.cast(pdT, do.dtype, INTERPRET), do_c, dv, INTERPRET)
+        dv = _dot(common.cast(pdT, do.dtype, INTERPRET), do, dv, IEEE, INTERPRET)
     if PART != 1:
-        dpT = common.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET)
+        dpT = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE, INTERPRET)
         if HAS_DROPOUT:
             dpT = tl.where(keep, dpT * inv_keep, 0.0)
-        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
         dsT = pT * (dpT - delta[None, :])
-        if CHUNKED:
-            q_c = tl.load(q_base + tl.cast(start_m, tl.int64) * stride_qm + in_blk[:, None] * stride_qm
-                          + offs_c[None, :],
-                          mask=m_ok[:, None] & c_mask[None, :], other=0.0)
-        else:
-            q_c = tl.trans(qT)
-        dk = common.dot(common.cast(dsT, qT.dtype, INTERPRET), q_c, dk, INTERPRET)
+        dk = _dot(common.cast(dsT, q.dtype, INTERPRET), q, dk, IEEE, INTERPRET)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED,
-                   stride_qb, stride_qh, stride_qm,
-                   stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn,
-                   stride_dob, stride_doh, stride_dom,
-                   stride_dkb, stride_dkh, stride_dkn,
-                   stride_mb,
-                   Hq, Hkv, GROUPS, Lq, Lk, D, col0,
-                   scale, dropout_p,
-                   LQ_BUCKET, LK_BUCKET,  # autotune keys only
-                   IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(Lk, BLOCK_N)
-    bhk = pid // num_n_blocks
-    start_n = (pid % num_n_blocks) * BLOCK_N
-    b = bhk // Hkv
-    hk = bhk % Hkv
-
+def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+             Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key block's contribution to a query block's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    n_ok = offs_n < Lk
-    kv_mask = n_ok[:, None] & d_mask[None, :]
-    cols = offs_n[:, None].to(tl.int64)
-    k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + cols * stride_kn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + cols * stride_vn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    # This program writes output columns [col0, col0 + BLOCK_DC) (all of them unless chunked).
-    offs_c = col0 + tl.arange(0, BLOCK_DC)
-    c_mask = offs_c < D
-    dk = tl.zeros([BLOCK_N, BLOCK_DC], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DC], dtype=tl.float32)
-
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SEED)
-    inv_keep = 1.0 / (1.0 - dropout_p)
-    qk_scale = scale * 1.4426950408889634
-    # Under a causal mask, query blocks before m_lo see no key of this block and are skipped;
-    # the rest run in one loop with the mask applied (one loop body keeps register pressure
-    # low enough for wgmma tiles without spills). Keys past Lk need no mask: their rows of dK
-    # and dV are not stored.
-    m_lo = 0
-    if IS_CAUSAL:
-        m_lo = (tl.maximum(start_n - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
-    for g in range(0, GROUPS):
-        h = hk * GROUPS + g
-        bh = b * Hq + h
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        lse_base = LSE + bh.to(tl.int64) * Lq
-        delta_base = DELTA + bh.to(tl.int64) * Lq
-        for start_m in range(m_lo, Lq, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, offs_n, offs_d,
-                                 d_mask, offs_c, c_mask, stride_qm, stride_dom, Lq, Lk, qk_scale, seed, bh,
-                                 dropout_p, inv_keep, IS_CAUSAL, IS_CAUSAL, HAS_DROPOUT, PART, BLOCK_DC < BLOCK_D,
-                                 BLOCK_M, BLOCK_N, INTERPRET)
-
-    dk = dk * scale
-    if HAS_PAD:
-        # A padded key is invisible to every query: its dK and dV are exactly 0.
-        pad = tl.load(MASK + b.to(tl.int64) * stride_mb + offs_n, mask=n_ok, other=1)
-        dk = tl.where(pad[:, None] == 0, dk, 0.0)
-        dv = tl.where(pad[:, None] == 0, dv, 0.0)
-    out_off = b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + cols * stride_dkn + offs_c[None, :]
-    out_mask = n_ok[:, None] & c_mask[None, :]
-    if PART != 1:
-        tl.store(DK + out_off, common.cast(dk, DK.dtype.element_ty, INTERPRET), mask=out_mask)
-    if PART != 2:
-        tl.store(DV + out_off, common.cast(dv, DV.dtype.element_ty, INTERPRET), mask=out_mask)
-
-
-@triton.jit
-def _dq_block(dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, offs_m, offs_d, d_mask, offs_c, c_mask,
-              stride_kn, stride_vn, Lq, Lk, qk_scale, seed, bh, dropout_p, inv_keep,
-              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              INTERPRET: tl.constexpr):
-    """One key block's contribution to a query block's dQ (columns ``offs_c`` when ``CHUNKED``)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < Lk
-    if MASKED:
-        kv_mask = d_mask[:, None] & n_ok[None, :]
-    else:
-        kv_mask = d_mask[:, None]
-    in_blk = tl.arange(0, BLOCK_N)[None, :]
-    kT = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + in_blk * stride_kn + offs_d[:, None], mask=kv_mask,
-                 other=0.0)
-    vT = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + in_blk * stride_vn + offs_d[:, None], mask=kv_mask,
-                 other=0.0)
-    qk = common.dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET)
+    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERPRET)
     p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASKED:
-        visible = n_ok[None, :]
+        visible = (offs_n < Lk)[None, :]
         if IS_CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Lk - Lq))
         p = tl.where(visible, p, 0.0)
     if HAS_PAD:
-        pad = tl.load(pad_base + offs_n, mask=n_ok, other=1)
-        p = tl.where(pad[None, :] == 0, p, 0.0)
-    dp = common.dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET)
+        pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
+        p = tl.where((pad == 0)[None, :], p, 0.0)
+    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERPRET)
     if HAS_DROPOUT:
         rows = offs_m[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        cols_i = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        keep = _dropout_keep(seed, bh, rows, cols_i, dropout_p)
-        dp = tl.where(keep, dp * inv_keep, 0.0)
+        cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        dp = tl.where(_dropout_keep(seed, bh, rows, cols, dropout_p), dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
-    if CHUNKED:
-        k_c = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + tl.arange(0, BLOCK_N)[:, None] * stride_kn
-                      + offs_c[None, :],
-                      mask=n_ok[:, None] & c_mask[None, :], other=0.0)
-    else:
-        k_c = tl.trans(kT)
-    dq = common.dot(common.cast(ds, kT.dtype, INTERPRET), k_c, dq, INTERPRET)
+    dq = _dot(common.cast(ds, k.dtype, INTERPRET), k, dq, IEEE, INTERPRET)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, MASK, SEED,
-                 stride_qb, stride_qh, stride_qm,
-                 stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn,
-                 stride_dob, stride_doh, stride_dom,
-                 stride_dqb, stride_dqh, stride_dqm,
-                 stride_mb,
-                 Hq, GROUPS, Lq, Lk, D, col0,
-                 scale, dropout_p,
-                 LQ_BUCKET, LK_BUCKET,  # autotune keys only
-                 IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m_blocks = tl.cdiv(Lq, BLOCK_M)
-    bh = pid // num_m_blocks
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // GROUPS
-    start_m = m_block * BLOCK_M
+def _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk, start_n,
+                      stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                      stride_dkb, stride_dkh, stride_dkn,
+                      Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                      IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                      USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """dK, dV of keys [start_n, start_n + BLOCK_N), summed over the group's query heads
+    (``PART`` 1: only dV, 2: only dK, 0: both)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
+    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Query blocks: [m_lo, head_end) straddle the causal diagonal (masked), [head_end, mid_end)
+    # see every key of the block and are in bounds (unmasked), [mid_end, Lq) is the partial
+    # last block (masked); queries before m_lo see none of these keys. Each loop runs over
+    # (group head, query block) pairs: one flat loop, not a loop nest (fewer live registers).
+    m_ceil = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    m_lo = 0
+    head_end = 0
+    if IS_CAUSAL:
+        m_lo = (tl.maximum(start_n - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
+        head_end = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
+        head_end = tl.minimum(tl.maximum(head_end, m_lo), m_ceil)
+    mid_end = tl.maximum(head_end, (Lq // BLOCK_M) * BLOCK_M)
+    n_head = (head_end - m_lo) // BLOCK_M
+    n_masked = n_head + (m_ceil - mid_end) // BLOCK_M
+    n_full = (mid_end - head_end) // BLOCK_M
+    Q_b = Q + b.to(tl.int64) * stride_qb
+    DO_b = DO + b.to(tl.int64) * stride_dob
+    q_desc = _desc3(Q_b, Hq, Lq, D, stride_qh, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+    do_desc = _desc3(DO_b, Hq, Lq, D, stride_doh, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
+    h0 = hk * GROUPS
+    for it in tl.range(0, GROUPS * n_masked):
+        i = it % n_masked
+        h = h0 + it // n_masked
+        start_m = tl.where(i < n_head, m_lo + i * BLOCK_M, mid_end + (i - n_head) * BLOCK_M)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, b * Hq + h, h, start_m, offs_n,
+                            Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p,
+                            inv_keep, True, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N,
+                            BLOCK_D,
+                            INTERPRET)
+    for it in tl.range(0, GROUPS * n_full):
+        h = h0 + it // n_full
+        start_m = head_end + (it % n_full) * BLOCK_M
+        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, b * Hq + h, h, start_m, offs_n,
+                            Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p,
+                            inv_keep, False, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N,
+                            BLOCK_D,
+                            INTERPRET)
+    dk = dk * scale
+    if HAS_PAD:
+        # A padded key is invisible to every query: its dK and dV are exactly 0.
+        pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
+        dk = tl.where((pad == 0)[:, None], dk, 0.0)
+        dv = tl.where((pad == 0)[:, None], dv, 0.0)
+    dk_base = DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    dv_base = DV + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    if PART != 1:
+        dk_desc = _desc(dk_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
+        _store(dk_desc, dk_base, start_n, Lk, stride_dkn, D, common.cast(dk, DK.dtype.element_ty, INTERPRET),
+               BLOCK_N, BLOCK_D, USE_TMA)
+    if PART != 2:
+        dv_desc = _desc(dv_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
+        _store(dv_desc, dv_base, start_n, Lk, stride_dkn, D, common.cast(dv, DV.dtype.element_ty, INTERPRET),
+               BLOCK_N, BLOCK_D, USE_TMA)
 
+
+@triton.jit
+def _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, h, start_m,
+                    stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                    stride_dqb, stride_dqh, stride_dqm,
+                    Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """dQ of queries [start_m, start_m + BLOCK_M) of head ``h``."""
+    bh = b * Hq + h
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
     m_ok = offs_m < Lq
-    rows = offs_m[:, None].to(tl.int64)
-    q_mask = m_ok[:, None] & d_mask[None, :]
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows * stride_qm + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows * stride_dom
-                 + offs_d[None, :], mask=q_mask, other=0.0)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+    do_desc = _desc(do_base, Lq, D, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
+    k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+    q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
+    do = _load(do_desc, do_base, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
     lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=m_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_end, hi = _causal_ranges(start_m, Lq, Lk, BLOCK_N, BLOCK_M, IS_CAUSAL)
+    for start_n in tl.range(0, full_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+                      Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+                      False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
+                      INTERPRET)
+    for start_n in tl.range(full_end, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+                      Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+                      True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
+                      INTERPRET)
+    dq_desc = _desc(dq_base, Lq, D, stride_dqm, BLOCK_M, BLOCK_D, USE_TMA)
+    _store(dq_desc, dq_base, start_m, Lq, stride_dqm, D, common.cast(dq * scale, DQ.dtype.element_ty, INTERPRET),
+           BLOCK_M, BLOCK_D, USE_TMA)
+
+
+@triton.jit
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, MASK, SEED,
+              stride_qb, stride_qh, stride_qm,
+              stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn,
+              stride_dob, stride_doh, stride_dom,
+              stride_dqb, stride_dqh, stride_dqm,
+              stride_dkb, stride_dkh, stride_dkn,
+              stride_mb,
+              Hq, Hkv, GROUPS, Lq, Lk, D,
+              scale, dropout_p,
+              IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+              SPLIT_KV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per (batch, kv head): programs [0, kv_blocks) compute dK/dV (BLOCK_N1 keys, BLOCK_M1
+    queries per step), the next q_blocks * GROUPS programs dQ (BLOCK_M2 queries, BLOCK_N2 keys
+    per step), each head's query blocks heaviest first. DK and DV share strides."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(Lk, BLOCK_N1)
+    num_m_blocks = tl.cdiv(Lq, BLOCK_M2)
+    per_head = num_n_blocks * (2 if SPLIT_KV else 1) + num_m_blocks * GROUPS
+    bhk = pid // per_head
+    r = pid % per_head
+    b = bhk // Hkv
+    hk = bhk % Hkv
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     pad_base = MASK + b.to(tl.int64) * stride_mb
-
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
     inv_keep = 1.0 / (1.0 - dropout_p)
     qk_scale = scale * 1.4426950408889634
-    # This program writes dQ columns [col0, col0 + BLOCK_DC) (all of them unless chunked).
-    offs_c = col0 + tl.arange(0, BLOCK_DC)
-    c_mask = offs_c < D
-    dq = tl.zeros([BLOCK_M, BLOCK_DC], dtype=tl.float32)
-    # Whole key blocks run without masks, the partial last one with. Under a causal mask the
-    # blocks above the diagonal are skipped and the rest run in one masked loop (one loop body
-    # keeps register pressure low enough for wgmma tiles without spills).
-    full_end = (Lk // BLOCK_N) * BLOCK_N
-    hi = Lk
-    if IS_CAUSAL:
-        full_end = 0
-        hi = tl.minimum(Lk, tl.maximum(start_m + BLOCK_M + Lk - Lq, 0))
-    for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, offs_m, offs_d, d_mask, offs_c,
-                       c_mask, stride_kn, stride_vn, Lq, Lk, qk_scale, seed, bh, dropout_p, inv_keep,
-                       False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, BLOCK_DC < BLOCK_D, BLOCK_M, BLOCK_N, INTERPRET)
-    for start_n in range(full_end, hi, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, offs_m, offs_d, d_mask, offs_c,
-                       c_mask, stride_kn, stride_vn, Lq, Lk, qk_scale, seed, bh, dropout_p, inv_keep,
-                       True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, BLOCK_DC < BLOCK_D, BLOCK_M, BLOCK_N, INTERPRET)
-    dq = dq * scale
-    tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqm + offs_c[None, :],
-             common.cast(dq, DQ.dtype.element_ty, INTERPRET), mask=m_ok[:, None] & c_mask[None, :])
+    if SPLIT_KV:
+        # dK and dV accumulators do not fit in registers together: a dV program and a dK
+        # program per key block (the dK one recomputes P).
+        if r < num_n_blocks:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn,
+                              Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                              IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                              INTERPRET)
+        elif r < 2 * num_n_blocks:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk,
+                              (r - num_n_blocks) * BLOCK_N1,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn,
+                              Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                              IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                              INTERPRET)
+        else:
+            r2 = r - 2 * num_n_blocks
+            _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+                            (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2,
+                            stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                            stride_dqb, stride_dqh, stride_dqm,
+                            Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                            IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2, BLOCK_N2,
+                            INTERPRET)
+    elif r < num_n_blocks:
+        _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
+                          stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                          stride_dkb, stride_dkh, stride_dkn,
+                          Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                          IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                          INTERPRET)
+    else:
+        r2 = r - num_n_blocks
+        _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+                        (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2,
+                        stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                        stride_dqb, stride_dqh, stride_dqm,
+                        Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                        IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2, BLOCK_N2,
+                        INTERPRET)
 
 
 @triton.jit
@@ -460,120 +587,178 @@ def _dropout_mask_kernel(SEED, OUT, Hq, Lq, Lk, num_m_blocks, num_n_blocks, drop
 
 
 # ---------------------------------------------------------------------------------------------
-# configs: (BLOCK_M, BLOCK_N, num_warps, num_stages) by (head-dim class, operand bytes, dropout).
-# BLOCK_M is the query block and BLOCK_N the key block in every kernel. Dropout's Philox tile
-# needs registers, so its configs have fewer elements per thread; fp32 operands (tf32 products)
-# need twice the shared memory. Every entry is compiled by tests/test_compile.py.
+# configs, per architecture: candidates by (head-dim class, operand kind, dropout)
+#
+# Head-dim classes are BLOCK_D <= 64, 128, 256 (16/32 run the 64 class's tiles); operand kinds
+# "16" (fp16/bf16), "tf32" and "ieee" (fp32 under torch's TF32 / full-precision matmul setting).
+# On CUDA with several candidates, common.ConfigCache times them once per key and keeps the
+# fastest. Every candidate compiles without spills on its own arch (tests/test_compile.py);
+# sm_90 candidates compile with TMA, and the first candidate also with pointer loads (the
+# pointer path there, for unaligned layouts, takes only the first).
+#
+# Sources: flex_attention's H100/A100 defaults (torch/_inductor/template_heuristics/triton.py:
+# D64 128x128/3 stages/4 warps, D128 128x64/3/8, D256 64x32/3/4 forward; sm90 backward
+# 64/128/128/64, 3 stages, 8 warps), Triton's 06-fused-attention tutorial (Hopper forward
+# 128x{64,128} with 8 warps only from 128x128; backward 32/128/128/32, 5 stages, 4 warps).
+# Dropout's Philox tile needs registers, so its lists are trimmed where a config spills.
 # ---------------------------------------------------------------------------------------------
 
+def _fwd_cfg(bm, bn, warps, stages):
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn)
+
+
+def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False):
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
+                            BLOCK_N2=n2, SPLIT_KV=split_kv)
+
+
+F, B = _fwd_cfg, _bwd_cfg
 FWD_CONFIGS = {
-    (64, 2, False): [(128, 64, 4, 3), (128, 128, 8, 3)],
-    (64, 2, True): [(64, 64, 8, 3)],
-    (128, 2, False): [(128, 32, 8, 3)],
-    (128, 2, True): [(64, 32, 4, 2)],
-    (256, 2, False): [(64, 32, 8, 2)],
-    (256, 2, True): [(64, 16, 8, 1)],
-    (128, 4, False): [(64, 32, 8, 2)],
-    (128, 4, True): [(64, 16, 8, 2)],
+    90: {
+        (64, "16", False): [F(128, 128, 8, 3), F(128, 128, 4, 3), F(128, 64, 4, 3)],
+        (64, "16", True): [F(128, 64, 8, 3), F(128, 128, 8, 3)],
+        (128, "16", False): [F(128, 64, 8, 3), F(128, 128, 8, 2)],
+        (128, "16", True): [F(128, 64, 8, 3)],
+        (256, "16", False): [F(64, 32, 8, 3), F(64, 32, 4, 3), F(128, 64, 8, 2)],
+        (256, "16", True): [F(64, 32, 8, 2), F(128, 32, 8, 2)],
+        (64, "tf32", False): [F(128, 32, 4, 3), F(128, 32, 8, 3)],
+        (64, "tf32", True): [F(128, 32, 8, 3), F(64, 32, 4, 3)],
+        (128, "tf32", False): [F(128, 32, 8, 3), F(64, 64, 4, 3)],
+        (128, "tf32", True): [F(128, 32, 8, 3), F(64, 32, 4, 3)],
+        (64, "ieee", False): [F(32, 32, 4, 2)],
+        (64, "ieee", True): [F(32, 32, 4, 2)],
+        (128, "ieee", False): [F(16, 16, 4, 2)],
+        (128, "ieee", True): [F(16, 16, 4, 2)],
+    },
+    80: {
+        (64, "16", False): [F(128, 64, 4, 3), F(128, 128, 8, 3)],
+        (64, "16", True): [F(128, 64, 8, 3)],
+        (128, "16", False): [F(128, 32, 8, 3)],
+        (128, "16", True): [F(128, 32, 8, 3)],
+        (256, "16", False): [F(64, 32, 8, 3)],
+        (256, "16", True): [F(32, 32, 4, 2)],
+        (64, "tf32", False): [F(128, 32, 4, 3)],
+        (64, "tf32", True): [F(128, 32, 4, 3)],
+        (128, "tf32", False): [F(128, 32, 8, 3)],
+        (128, "tf32", True): [F(128, 32, 8, 3)],
+        (64, "ieee", False): [F(32, 32, 4, 2)],
+        (64, "ieee", True): [F(32, 32, 4, 2)],
+        (128, "ieee", False): [F(16, 16, 4, 2)],
+        (128, "ieee", True): [F(16, 16, 4, 2)],
+    },
 }
-DKDV_CONFIGS = {
-    (64, 2, False): [(16, 64, 8, 1)],
-    (64, 2, True): [(16, 64, 8, 1)],
-    (128, 2, False): [(16, 64, 8, 2)],
-    (128, 2, True): [(16, 64, 8, 2)],
-    (256, 2, False): [(16, 64, 8, 1)],
-    (256, 2, True): [(16, 64, 8, 1)],
-    (128, 4, False): [(16, 64, 8, 1)],
-    (128, 4, True): [(16, 64, 8, 1)],
+# Backward: BLOCK_M1 x BLOCK_N1 (dK/dV: queries per step x keys per program), BLOCK_M2 x
+# BLOCK_N2 (dQ). dK and dV accumulate in registers together, BLOCK_N1 x BLOCK_D fp32 each:
+# with 8 warps BLOCK_N1 = 128 is two warpgroups of 64 rows (wgmma's M), and BLOCK_M1 = 32 (the
+# tutorial's 32/128) leaves room for the score tiles; flex's 64/128 spills at D = 128 here.
+# Where both accumulators cannot fit (D = 256, some fp32 and dropout classes) ``split_kv``
+# gives dV and dK programs of their own (the dK one recomputes P).
+BWD_CONFIGS = {
+    90: {
+        (64, "16", False): [B(64, 128, 128, 64, 8, 3), B(32, 128, 128, 64, 8, 3)],
+        (64, "16", True): [B(32, 128, 128, 32, 8, 2), B(64, 128, 128, 64, 8, 3)],
+        (128, "16", False): [B(32, 128, 128, 64, 8, 3), B(32, 128, 128, 64, 8, 2)],
+        (128, "16", True): [B(16, 128, 128, 32, 8, 2)],
+        (256, "16", False): [B(32, 64, 64, 32, 8, 2, True), B(64, 64, 64, 64, 8, 2, True)],
+        (256, "16", True): [B(16, 64, 64, 16, 8, 2, True)],
+        (64, "tf32", False): [B(32, 128, 128, 64, 8, 3)],
+        (64, "tf32", True): [B(16, 128, 128, 32, 8, 2)],
+        (128, "tf32", False): [B(16, 128, 128, 16, 8, 2, True), B(16, 128, 128, 32, 8, 2)],
+        (128, "tf32", True): [B(16, 128, 128, 16, 8, 2, True), B(16, 64, 64, 16, 8, 2, True)],
+        (64, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
+        (64, "ieee", True): [B(16, 32, 32, 16, 4, 2)],
+        (128, "ieee", False): [B(16, 16, 16, 16, 4, 2)],
+        (128, "ieee", True): [B(16, 16, 16, 16, 4, 2)],
+    },
+    80: {
+        (64, "16", False): [B(32, 128, 128, 32, 8, 2), B(32, 64, 64, 32, 4, 2)],
+        (64, "16", True): [B(32, 64, 64, 32, 4, 2)],
+        (128, "16", False): [B(32, 64, 64, 32, 8, 2)],
+        (128, "16", True): [B(32, 64, 64, 32, 8, 2)],
+        (256, "16", False): [B(32, 64, 64, 32, 8, 2, True)],
+        (256, "16", True): [B(16, 64, 64, 16, 8, 2, True)],
+        (64, "tf32", False): [B(16, 64, 64, 16, 8, 2)],
+        (64, "tf32", True): [B(16, 64, 64, 16, 8, 2)],
+        (128, "tf32", False): [B(16, 64, 64, 16, 8, 2, True)],
+        (128, "tf32", True): [B(16, 64, 64, 16, 8, 2, True)],
+        (64, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
+        (64, "ieee", True): [B(16, 32, 32, 16, 4, 2)],
+        (128, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
+        (128, "ieee", True): [B(16, 32, 32, 16, 4, 2)],
+    },
 }
-# Classes whose dK and dV fp32 accumulators (plus the Philox tile) do not fit in registers
-# together: a dV pass and a dK pass (PART 1 and 2) instead of one (PART 0).
-DKDV_SPLIT = {(128, 2, True), (256, 2, False), (256, 2, True), (128, 4, False), (128, 4, True)}
-DQ_CONFIGS = {
-    (64, 2, False): [(64, 32, 4, 2)],
-    (64, 2, True): [(64, 32, 4, 2)],
-    (128, 2, False): [(64, 32, 8, 2)],
-    (128, 2, True): [(64, 32, 4, 2)],
-    (256, 2, False): [(64, 32, 8, 2)],
-    (256, 2, True): [(64, 32, 8, 1)],
-    (128, 4, False): [(64, 32, 8, 2)],
-    (128, 4, True): [(64, 32, 8, 2)],
-}
-# One config on the interpreter: BLOCK_M != BLOCK_N so that tests cross both block grids.
-INTERPRET_FWD = (64, 32, 1, 1)
-INTERPRET_DKDV = (32, 64, 1, 1)
-INTERPRET_DQ = (64, 32, 1, 1)
+del F, B
+# The interpreter runs one config: query and key blocks of different sizes (and different in
+# the two backward halves), so the tests cross both block grids and every masked/unmasked split.
+INTERPRET_FWD = _fwd_cfg(64, 32, 1, 1)
+INTERPRET_BWD = _bwd_cfg(32, 64, 64, 32, 1, 1)
 PRE_BLOCK_M = 64
-
-
-def _config_class(block_d: int, elem_size: int, dropout: bool):
-    """Config-table key. fp32 (TF32 products) exists up to D = 128 only: wider fp32 tiles spill."""
-    if elem_size >= 4:
-        if block_d > 128:
-            raise ValueError(f"fp32 attention kernels take head dims up to 128, got BLOCK_D={block_d}")
-        return (128, 4, dropout)
-    return (64 if block_d <= 64 else 128 if block_d <= 128 else 256, 2, dropout)
-
-
-def _configs(table):
-    seen, out = set(), []
-    for cfgs in table.values():
-        for cfg in cfgs:
-            if cfg not in seen:
-                seen.add(cfg)
-                bm, bn, w, s = cfg
-                out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    return out
-
-
-def _pruner(table):
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        wanted = table[_config_class(args["BLOCK_D"], args["Q"].element_size(), args["HAS_DROPOUT"])]
-        return [c for c in configs
-                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-    return prune
-
-
-# Keys: sequence lengths bucketed to powers of two, so a new length reuses the tuned config.
-_KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "IS_CAUSAL", "HAS_PAD", "HAS_DROPOUT"]
-_DKDV_KEY = _KEY + ["PART", "BLOCK_DC"]
-_attn_fwd_tuned = triton.autotune(_configs(FWD_CONFIGS), key=_KEY,
-                                  prune_configs_by={"early_config_prune": _pruner(FWD_CONFIGS)})(_attn_fwd)
-_attn_bwd_dkdv_tuned = triton.autotune(_configs(DKDV_CONFIGS), key=_DKDV_KEY,
-                                       prune_configs_by={"early_config_prune": _pruner(DKDV_CONFIGS)})(_attn_bwd_dkdv)
-_attn_bwd_dq_tuned = triton.autotune(_configs(DQ_CONFIGS), key=_KEY + ["BLOCK_DC"],
-                                     prune_configs_by={"early_config_prune": _pruner(DQ_CONFIGS)})(_attn_bwd_dq)
-
-
-def _bucket(n: int) -> int:
-    """Autotune key for a sequence length: the next power of two (at least 16)."""
-    return max(16, triton.next_power_of_2(n))
+MAX_FP32_BLOCK_D = 128  # fp32 tiles are twice as wide; wider fp32 heads are refused upstream
 
 
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, common.next_pow2(d))
 
 
-def _block_dc(block_d: int, elem_size: int, dropout: bool) -> int:
-    """Output columns per backward program, so that the fp32 accumulators of wide rows fit in
-    registers: 128 for 2-byte dtypes (64 with dropout's Philox tile at D > 128), 64 for fp32.
-    Wider rows take one launch per chunk."""
-    if elem_size >= 4:
-        return min(block_d, 64)
-    if block_d > 128:
-        return 64 if dropout else 128
-    return block_d
+def _kind(dtype) -> str:
+    if dtype == torch.float32:
+        return "tf32" if common.fp32_precision() == "tf32" else "ieee"
+    return "16"
 
 
-def _launch(tuned, bare, interpret_cfg, grid, args, flags):
-    """Autotuned launch on CUDA; the bare kernel with one config on the interpreter."""
-    if common.interpreting():
-        bm, bn, w, s = interpret_cfg
-        blocks = {"BLOCK_M": bm, "BLOCK_N": bn}
-        bare[grid(blocks)](*args, **flags, **blocks, INTERPRET=True, num_warps=w, num_stages=s)
-    else:
-        tuned[grid](*args, **flags, INTERPRET=False)
+def _table_key(block_d: int, kind: str, dropout: bool):
+    return (64 if block_d <= 64 else block_d, kind, dropout)
+
+
+def _bucket(n: int) -> int:
+    """Config-key bucket of a sequence length: the next power of two in [64, 16384]."""
+    return min(max(64, common.next_pow2(n)), 16384)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers (inputs validated by fused_block.attention; every last dim contiguous)
+# ---------------------------------------------------------------------------------------------
+
+_FWD_CACHE = common.ConfigCache("attention_fwd")
+_BWD_CACHE = common.ConfigCache("attention_bwd")
+_ALLOCATORS = {}
+
+
+def _allocator(device):
+    """``triton.set_allocator`` callback: descriptor scratch on ``device``'s caching allocator."""
+    alloc = _ALLOCATORS.get(device)
+    if alloc is None:
+        def alloc(size, alignment, stream):
+            return torch.empty(size, dtype=torch.int8, device=device)
+        _ALLOCATORS[device] = alloc
+    return alloc
+
+
+def _strides(t):
+    """(batch, head, row) strides of a (B, H, L, D) view. A size-1 dim's stride is never used to
+    move, so it gets a stand-in that never blocks TMA: 0 for the batch (only pointer math
+    uses it), an aligned nonzero value for the head and row (descriptor strides)."""
+    B, H, L = t.shape[:3]
+    sb, sh, sl = t.stride()[:3]
+    sl = sl if L > 1 else 16
+    sh = sh if H > 1 else sl * L
+    return (sb if B > 1 else 0, sh, sl)
+
+
+def _aligned(t, strides) -> bool:
+    """TMA-able: 16-byte aligned base and strides, and no broadcast (zero-stride) head or row."""
+    es = t.element_size()
+    return (t.data_ptr() % 16 == 0 and all(s * es % 16 == 0 for s in strides)
+            and strides[1] != 0 and strides[2] != 0)
+
+
+def _use_tma(arch: int, kind: str, pairs) -> bool:
+    """TMA on Hopper and in the interpreter, for layouts whose bases and strides are 16-byte
+    aligned (descriptors require it); ``pairs`` are (tensor, strides). Hopper's IEEE fp32
+    products run on FMA units from registers: pointer loads there (TMA staging spills)."""
+    if FORCE_PATH == "pointer" or arch not in (0, 90) or (arch == 90 and kind == "ieee"):
+        return False
+    return all(_aligned(t, s) for t, s in pairs)
 
 
 def _grid_size(n_programs: int) -> int:
@@ -582,110 +767,122 @@ def _grid_size(n_programs: int) -> int:
     return n_programs
 
 
-# ---------------------------------------------------------------------------------------------
-# launchers (inputs already validated by fused_block.attention; last dims contiguous)
-# ---------------------------------------------------------------------------------------------
+def _candidates(tables, interpret_cfg, arch, key, use_tma):
+    if arch == 0:
+        if "SPLIT_KV" in interpret_cfg.meta():
+            # Split dK/dV programs where the GPU tables split them, so the interpreter runs them.
+            split = any(c["SPLIT_KV"] for t in tables.values() for c in t[key])
+            interpret_cfg = _bwd_cfg(*(interpret_cfg[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
+                                     interpret_cfg.num_warps, interpret_cfg.num_stages, split)
+        return [interpret_cfg]
+    cands = tables[arch][key]
+    # sm_90's pointer path (unaligned layouts only) runs the first candidate, compiled as such.
+    return cands if use_tma or arch != 90 else cands[:1]
+
+
+def _run(kernel, grid, args, constexprs, cfg):
+    """A launch outside the counter: ConfigCache's timing runs."""
+    kernel[grid](*args, **constexprs, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
 
 def _mask_arg(key_padding_mask, dummy):
     if key_padding_mask is None:
         return dummy, 0
-    m = key_padding_mask.contiguous().view(torch.uint8)
-    return m, m.stride(0)
+    m = key_padding_mask if key_padding_mask.is_contiguous() else key_padding_mask.contiguous()
+    return m.view(torch.uint8), m.stride(0)
 
 
-def _flags(causal, key_padding_mask, dropout_p, d):
-    return dict(IS_CAUSAL=bool(causal), HAS_PAD=key_padding_mask is not None,
-                HAS_DROPOUT=dropout_p > 0.0, BLOCK_D=_block_d(d))
-
-
-def attention_forward(q, k, v, key_padding_mask, seed, causal: bool, scale: float, dropout_p: float):
-    """Returns ``out`` (B, Hq, Lq, D) in q's dtype and the fp32 natural-log ``lse`` (B, Hq, Lq).
-
-    ``seed`` is a 1-element int64 tensor, read only when ``dropout_p > 0``.
-    """
+def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: float, dropout_p: float) -> None:
+    """Writes ``out`` (a (B, Hq, Lq, D) view in q's dtype, any strides) and ``lse`` ((B, Hq, Lq)
+    contiguous fp32, natural log). ``seed``: 1-element int64 tensor, read when dropout_p > 0."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    out = common.empty((B, Hq, Lq, D), q.dtype, q.device)
-    lse = common.empty((B, Hq, Lq), torch.float32, q.device)
     if out.numel() == 0:
-        return out, lse
+        return
+    if Lk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    arch = common.arch(q.device)
+    sq, sk, sv, so = _strides(q), _strides(k), _strides(v), _strides(out)
+    block_d = _block_d(D)
+    kind = _kind(q.dtype)
+    use_tma = _use_tma(arch, kind, ((q, sq), (k, sk), (v, sv), (out, so)))
+    dropout = dropout_p > 0.0
     mask, stride_mb = _mask_arg(key_padding_mask, q)
-    args = (q, k, v, out, lse, mask, seed if dropout_p > 0.0 else q,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            stride_mb, Hq, Hq // Hkv, Lq, Lk, D, float(scale), float(dropout_p), _bucket(Lq), _bucket(Lk))
+    args = (q, k, v, out, lse, mask, seed if dropout else q, *sq, *sk, *sv, *so, stride_mb,
+            Hq, Hq // Hkv, Lq, Lk, D, float(scale), float(dropout_p))
+    constexprs = dict(IS_CAUSAL=bool(causal), HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout,
+                      USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
+                      INTERPRET=arch == 0)
+    if use_tma and arch:
+        triton.set_allocator(_allocator(q.device))
 
-    def grid(meta):
-        return (_grid_size(triton.cdiv(Lq, meta["BLOCK_M"]) * B * Hq),)
+    def grid(cfg):
+        return (_grid_size(common.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq),)
 
-    common.count_launch("attention_fwd")
-    _launch(_attn_fwd_tuned, _attn_fwd, INTERPRET_FWD, grid, args, _flags(causal, key_padding_mask, dropout_p, D))
-    return out, lse
+    key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
+           _bucket(Lq), _bucket(Lk))
+    cfg = _FWD_CACHE.get(key, _candidates(FWD_CONFIGS, INTERPRET_FWD, arch, key[1], use_tma),
+                         lambda c: _run(_attn_fwd, grid(c), args, constexprs, c))
+    if use_tma:
+        common.count_launch("attention_tma")
+    common.launch("attention_fwd", _attn_fwd, grid(cfg), args, constexprs, cfg)
 
 
-def attention_backward(do, q, k, v, out, lse, dlse, key_padding_mask, seed, causal: bool, scale: float,
-                       dropout_p: float):
-    """Gradients ``(dq, dk, dv)`` in the inputs' dtypes (dk, dv summed over each GQA group).
+def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, causal: bool, scale: float,
+             dropout_p: float) -> None:
+    """Writes the gradients into ``dq``, ``dk``, ``dv`` (views of q's, k's, v's shapes and dtypes;
+    dk and dv with equal strides), dK/dV summed over each GQA group.
 
-    ``do`` has out's shape (any strides with a contiguous last dim); ``lse`` is the forward's;
-    ``dlse`` (B, Hq, Lq) or None is the gradient of the LSE output.
+    ``do`` has out's shape (any strides, contiguous last dim); ``lse`` is the forward's;
+    ``dlse`` ((B, Hq, Lq) fp32) or None is the gradient of the LSE output.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    dq = common.empty(q.shape, q.dtype, q.device)
-    dk = common.empty(k.shape, k.dtype, k.device)
-    dv = common.empty(v.shape, v.dtype, v.device)
-    if q.numel() == 0 or k.numel() == 0:
+    if Lq == 0 or Lk == 0 or B == 0:
         # No query (nothing to differentiate) or no key (every row outputs the constant 0).
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    mask, stride_mb = _mask_arg(key_padding_mask, q)
-    seed_arg = seed if dropout_p > 0.0 else q
-    flags = _flags(causal, key_padding_mask, dropout_p, D)
-    lse = lse.contiguous()
-
+        for t in (dq, dk, dv):
+            t.zero_()
+        return
+    arch = common.arch(q.device)
+    block_d = _block_d(D)
     delta = common.empty((B, Hq, Lq), torch.float32, q.device)
-    n_pre = triton.cdiv(Lq, PRE_BLOCK_M)
-    common.count_launch("attention_bwd_preprocess")
-    _attn_bwd_preprocess[(_grid_size(n_pre * B * Hq),)](
-        out, do, dlse.contiguous() if dlse is not None else lse, delta,
-        out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        Hq, Lq, D, n_pre, HAS_DLSE=dlse is not None, BLOCK_D=flags["BLOCK_D"], BLOCK_M=PRE_BLOCK_M,
-        num_warps=4)
+    n_pre = common.cdiv(Lq, PRE_BLOCK_M)
+    so, sdo = _strides(out), _strides(do)
+    if dlse is not None and not dlse.is_contiguous():
+        dlse = dlse.contiguous()  # e.g. the expanded gradient of lse.sum()
+    common.launch("attention_bwd_preprocess", _attn_bwd_preprocess, (_grid_size(n_pre * B * Hq),),
+                  (out, do, dlse if dlse is not None else lse, delta, *so, *sdo, Hq, Lq, D, n_pre),
+                  dict(HAS_DLSE=dlse is not None, BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M),
+                  common.Config.of(num_warps=4))
 
-    # Wide rows are accumulated in column chunks (one launch per chunk): see _block_dc.
-    block_dc = _block_dc(flags["BLOCK_D"], q.element_size(), flags["HAS_DROPOUT"])
-    split = _config_class(flags["BLOCK_D"], q.element_size(), flags["HAS_DROPOUT"]) in DKDV_SPLIT
-    for col0 in range(0, D, block_dc):
-        for part in (1, 2) if split else (0,):
-            common.count_launch("attention_bwd_dkdv")
-            _launch(_attn_bwd_dkdv_tuned, _attn_bwd_dkdv, INTERPRET_DKDV,
-                    lambda meta: (_grid_size(triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv),),
-                    (q, k, v, do, lse, delta, dk, dv, mask, seed_arg,
-                     q.stride(0), q.stride(1), q.stride(2),
-                     k.stride(0), k.stride(1), k.stride(2),
-                     v.stride(0), v.stride(1), v.stride(2),
-                     do.stride(0), do.stride(1), do.stride(2),
-                     dk.stride(0), dk.stride(1), dk.stride(2),
-                     stride_mb, Hq, Hkv, Hq // Hkv, Lq, Lk, D, col0, float(scale), float(dropout_p),
-                     _bucket(Lq), _bucket(Lk)),
-                    dict(flags, PART=part, BLOCK_DC=block_dc))
+    sq, sk, sv, sdq, sdk = _strides(q), _strides(k), _strides(v), _strides(dq), _strides(dk)
+    kind = _kind(q.dtype)
+    use_tma = _use_tma(arch, kind, ((q, sq), (k, sk), (v, sv), (do, sdo), (dq, sdq), (dk, sdk), (dv, sdk)))
+    dropout = dropout_p > 0.0
+    mask, stride_mb = _mask_arg(key_padding_mask, q)
+    groups = Hq // Hkv
+    args = (q, k, v, do, dq, dk, dv, lse, delta, mask, seed if dropout else q,
+            *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, Hq, Hkv, groups, Lq, Lk, D, float(scale), float(dropout_p))
+    constexprs = dict(IS_CAUSAL=bool(causal), HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout,
+                      USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
+                      INTERPRET=arch == 0)
+    if use_tma and arch:
+        triton.set_allocator(_allocator(q.device))
 
-    for col0 in range(0, D, block_dc):
-        common.count_launch("attention_bwd_dq")
-        _launch(_attn_bwd_dq_tuned, _attn_bwd_dq, INTERPRET_DQ,
-                lambda meta: (_grid_size(triton.cdiv(Lq, meta["BLOCK_M"]) * B * Hq),),
-                (q, k, v, do, lse, delta, dq, mask, seed_arg,
-                 q.stride(0), q.stride(1), q.stride(2),
-                 k.stride(0), k.stride(1), k.stride(2),
-                 v.stride(0), v.stride(1), v.stride(2),
-                 do.stride(0), do.stride(1), do.stride(2),
-                 dq.stride(0), dq.stride(1), dq.stride(2),
-                 stride_mb, Hq, Hq // Hkv, Lq, Lk, D, col0, float(scale), float(dropout_p), _bucket(Lq),
-                 _bucket(Lk)),
-                dict(flags, BLOCK_DC=block_dc))
-    return dq, dk, dv
+    def grid(cfg):
+        kv_programs = common.cdiv(Lk, cfg["BLOCK_N1"]) * (2 if cfg["SPLIT_KV"] else 1)
+        per_head = kv_programs + common.cdiv(Lq, cfg["BLOCK_M2"]) * groups
+        return (_grid_size(per_head * B * Hkv),)
+
+    key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
+           _bucket(Lq), _bucket(Lk))
+    cfg = _BWD_CACHE.get(key, _candidates(BWD_CONFIGS, INTERPRET_BWD, arch, key[1], use_tma),
+                         lambda c: _run(_attn_bwd, grid(c), args, constexprs, c))
+    if use_tma:
+        common.count_launch("attention_tma")
+    common.launch("attention_bwd", _attn_bwd, grid(cfg), args, constexprs, cfg)
 
 
 def dropout_keep_mask(seed, B: int, Hq: int, Lq: int, Lk: int, dropout_p: float, device) -> torch.Tensor:
@@ -694,10 +891,10 @@ def dropout_keep_mask(seed, B: int, Hq: int, Lq: int, Lk: int, dropout_p: float,
     if out.numel() == 0:
         return out.bool()
     bm = bn = 32
-    nm, nn = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
-    common.count_launch("attention_dropout_mask")
-    _dropout_mask_kernel[(_grid_size(nm * nn * B * Hq),)](seed, out, Hq, Lq, Lk, nm, nn, float(dropout_p),
-                                                          BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    nm, nn = common.cdiv(Lq, bm), common.cdiv(Lk, bn)
+    common.launch("attention_dropout_mask", _dropout_mask_kernel, (_grid_size(nm * nn * B * Hq),),
+                  (seed, out, Hq, Lq, Lk, nm, nn, float(dropout_p)), dict(BLOCK_M=bm, BLOCK_N=bn),
+                  common.Config.of(num_warps=4))
     return out.bool()
 
 
@@ -717,51 +914,58 @@ def _signature(fn, ptr_types: dict, floats=("scale", "dropout_p")) -> dict:
     return sig
 
 
-def _strides(fn):
-    return tuple(n for n in fn.arg_names if n.startswith("stride_") and n != "stride_mb")
+def _aligned_args(fn):
+    return tuple(n for n in fn.arg_names if n.startswith("stride_") and n != "stride_mb") + ("D",)
+
+
+def _data_ptrs(fn, dt):
+    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") if p in fn.arg_names}
+    ptrs.update({p: "*fp32" for p in ("LSE", "DELTA") if p in fn.arg_names})
+    ptrs.update(MASK="*u8", SEED="*i64")
+    return ptrs
 
 
 def aot_specs() -> list:
-    """Every shipped config, compiled with causal + padding on and dropout as its table says
-    (bf16 for 2-byte classes, fp32 for the tf32 classes), plus preprocess and the mask helper.
-    A config shared by a class's dropout and no-dropout lists compiles once, with dropout."""
+    """Every shipped config on its own arch, compiled with causal + padding on and dropout as its
+    list says (bf16 for the "16" kind, fp32 for tf32/ieee; ieee products are not wgmma). A config
+    and path in both a class's dropout and no-dropout lists compile once, with dropout (the
+    heavier). sm_90: TMA (asserted), plus pointer loads for each list's first config (IEEE
+    fp32: pointers only); sm_80: pointers."""
     from fused_block.kernels import aot  # only the compile check needs it
 
+    def variants(arch, kind, cfgs):
+        # sm_90 runs a list on TMA (except IEEE fp32) and its first config on pointers too.
+        for i, cfg in enumerate(cfgs):
+            for tma in ((True, False) if i == 0 else (True,)) if arch == 90 and kind != "ieee" else (False,):
+                yield cfg, tma
+
     specs = []
-    kernels = (("fwd", _attn_fwd, FWD_CONFIGS, ("Q", "K", "V", "O"), ("LSE",)),
-               ("dkdv", _attn_bwd_dkdv, DKDV_CONFIGS, ("Q", "K", "V", "DO", "DK", "DV"), ("LSE", "DELTA")),
-               ("dq", _attn_bwd_dq, DQ_CONFIGS, ("Q", "K", "V", "DO", "DQ"), ("LSE", "DELTA")))
-    for kname, fn, table, data_ptrs, f32_ptrs in kernels:
-        for (block_d, width, dropout), cfgs in table.items():
-            same_code = (kname == "fwd" or (_block_dc(block_d, width, True) == _block_dc(block_d, width, False)
-                                            and ((block_d, width, True) in DKDV_SPLIT)
-                                            == ((block_d, width, False) in DKDV_SPLIT)))
-            if not dropout and table[(block_d, width, True)] == cfgs and same_code:
-                continue  # the same configs compile below with dropout, the heavier variant
-            dt = "fp32" if width == 4 else "bf16"
-            ptrs = {p: f"*{dt}" for p in data_ptrs}
-            ptrs.update({p: "*fp32" for p in f32_ptrs})
-            ptrs.update(MASK="*u8", SEED="*i64")
-            parts = [{}]
-            if kname == "dkdv":
-                split = (block_d, width, dropout) in DKDV_SPLIT
-                parts = [{"PART": 1}, {"PART": 2}] if split else [{"PART": 0}]
-            for bm, bn, w, s in cfgs:
-                for part in parts:
-                    label = f" part{part['PART']}" if part.get("PART") else ""
+    for kname, fn, tables in (("fwd", _attn_fwd, FWD_CONFIGS), ("bwd", _attn_bwd, BWD_CONFIGS)):
+        for arch, table in tables.items():
+            for (block_d, kind, dropout), cfgs in table.items():
+                dt = "bf16" if kind == "16" else "fp32"
+                with_dropout = set(variants(arch, kind, table.get((block_d, kind, True), ())))
+                for cfg, tma in variants(arch, kind, cfgs):
+                    if not dropout and (cfg, tma) in with_dropout:
+                        continue
+                    m = cfg.meta()
+                    blocks = (f"{m['BLOCK_M']}x{m['BLOCK_N']}" if kname == "fwd" else
+                              f"{m['BLOCK_M1']}x{m['BLOCK_N1']}/{m['BLOCK_M2']}x{m['BLOCK_N2']}"
+                              f"{' split' if m['SPLIT_KV'] else ''}")
                     specs.append(aot.KernelSpec(
-                        name=f"attention_{kname}{label} D{block_d} {dt}{' dropout' if dropout else ''} {bm}x{bn}",
-                        fn=fn, signature=_signature(fn, ptrs),
-                        constexprs=dict(IS_CAUSAL=True, HAS_PAD=True, HAS_DROPOUT=dropout, BLOCK_D=block_d,
-                                        BLOCK_M=bm, BLOCK_N=bn, INTERPRET=False, **part,
-                                        **({} if kname == "fwd" else {"BLOCK_DC": _block_dc(block_d, width, dropout)})),
-                        num_warps=w, num_stages=s, aligned=_strides(fn) + ("D",), wgmma=True))
+                        name=(f"attention_{kname} D{block_d} {kind}{' dropout' if dropout else ''} {blocks} "
+                              f"{'tma' if tma else 'ptr'}"),
+                        fn=fn, signature=_signature(fn, _data_ptrs(fn, dt)),
+                        constexprs=dict(IS_CAUSAL=True, HAS_PAD=True, HAS_DROPOUT=dropout, USE_TMA=tma,
+                                        IEEE=kind == "ieee", EVEN_D=False, BLOCK_D=block_d, INTERPRET=False, **m),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn),
+                        wgmma=kind != "ieee", tma=tma, archs=(arch,)))
     specs.append(aot.KernelSpec(
         name="attention_bwd_preprocess D128 bf16", fn=_attn_bwd_preprocess,
         signature=_signature(_attn_bwd_preprocess, {"O": "*bf16", "DO": "*bf16", "DLSE": "*fp32",
                                                     "DELTA": "*fp32"}),
         constexprs=dict(HAS_DLSE=True, BLOCK_D=128, BLOCK_M=PRE_BLOCK_M), num_warps=4,
-        aligned=_strides(_attn_bwd_preprocess) + ("D",)))
+        aligned=_aligned_args(_attn_bwd_preprocess)))
     specs.append(aot.KernelSpec(
         name="attention_dropout_mask", fn=_dropout_mask_kernel,
         signature=_signature(_dropout_mask_kernel, {"SEED": "*i64", "OUT": "*u8"}),

@@ -1,29 +1,42 @@
-"""fused_block.attention against the float64 reference (interpreter on CPU, unchanged on CUDA).
+"""fused_block.attention / attention_qkvpacked against the float64 reference (interpreter on CPU,
+unchanged on CUDA).
 
-Shapes are a covering set, not a cross product: the interpreter runs every program in
-Python, so long sequences and D=256 appear in a few cases with B*H small. Interpreter blocks
-are 64x32 (forward, dQ) and 32x64 (dK/dV), so 17, 128, 200 and 1000 cross them in every way.
+Shapes are a covering set, not a cross product: the interpreter runs every program in Python,
+so long sequences and D = 256 appear in a few cases with B * H small. Interpreter blocks are
+64 x 32 (forward), 32 x 64 (dK/dV: queries per step x keys per program) and 64 x 32 (dQ), so
+17, 128, 200 and 1000 cross them in every way. Both data paths run: the TMA path (tensor
+descriptors; the interpreter's default wherever the layout is 16-byte aligned, as on Hopper)
+and the pointer path (``FORCE_PATH = "pointer"``, Ampere's and unaligned layouts').
 """
+import contextlib
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import fused_block
 from fused_block import _backend, reference
-from fused_block.attention import attention
+from fused_block.attention import attention, attention_qkvpacked
 from fused_block.kernels import attention as kernels
+from fused_block.kernels import common
 from numerics import ATOL, DTYPES, assert_close, randn
 
 ON_CUDA = torch.cuda.is_available()
+HOPPER = ON_CUDA and torch.cuda.get_device_capability()[0] >= 9
+PATHS = ("tma", "pointer")
 
 
-def _baseline_dtype(dtype):
-    # fp32 runs its products in TF32 on the GPU (documented): bound it by the fp16 reference.
-    return torch.float16 if dtype == torch.float32 and ON_CUDA else dtype
-
-
-def _atol(dtype):
-    return ATOL[torch.float16] if dtype == torch.float32 and ON_CUDA else ATOL[dtype]
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Runs the test on one data path and checks afterwards that it was the one taken."""
+    if request.param == "tma" and ON_CUDA and not HOPPER:
+        pytest.skip("TMA needs Hopper")
+    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer" if request.param == "pointer" else None)
+    before = common.LAUNCHES["attention_tma"]
+    yield request.param
+    took_tma = common.LAUNCHES["attention_tma"] > before
+    assert took_tma == (request.param == "tma"), f"the {request.param} path did not run"
 
 
 def _padding(B, Lk, device, full_row=True, generator=None):
@@ -34,32 +47,36 @@ def _padding(B, Lk, device, full_row=True, generator=None):
     return mask.to(device)
 
 
-def _compare(q, k, v, causal=False, mask=None, dropout_p=0.0, dropout_mask=None, scale=None, out=None,
-             grads=True, lse=None):
-    """Check ``attention(q, k, v, ...)`` (or the given ``out``/``lse``) and its gradients."""
+def _leaves(tensors, dtype=None):
+    return [t.detach().to(dtype or t.dtype).clone().requires_grad_() for t in tensors]
+
+
+def _compare(q, k, v, causal=False, mask=None, dropout_p=0.0, dropout_mask=None, scale=None, out=None, lse=None,
+             grads=True):
+    """Check ``attention(q, k, v, ...)`` (or the given ``out``/``lse``) and its gradients against
+    the float64 reference, with PyTorch's own error in q's dtype (fp32: in torch's current
+    matmul precision, which the kernels follow) as the baseline."""
     dtype = q.dtype
     if out is None:
         out, lse = attention(q, k, v, causal, scale, mask, dropout_p, return_lse=True)
     ref_kw = dict(dropout_mask=dropout_mask, return_lse=True)
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves64 = _leaves((q, k, v), torch.float64)
     ref64, lse64 = reference.attention(*leaves64, causal, scale, mask, dropout_p, **ref_kw)
-    leaves_lp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    base, base_lse = reference.attention(*leaves_lp, causal, scale, mask, dropout_p,
-                                         compute_dtype=_baseline_dtype(dtype), **ref_kw)
-    atol = _atol(dtype)
-    assert_close("out", out, ref64, base, atol=atol)
+    leaves_lp = _leaves((q, k, v))
+    base, base_lse = reference.attention(*leaves_lp, causal, scale, mask, dropout_p, compute_dtype=dtype, **ref_kw)
+    assert out.dtype == dtype
+    assert_close("out", out, ref64, base)
     if lse is not None:
         assert lse.dtype == torch.float32
-        assert_close("lse", lse, lse64, base_lse, atol=atol)
+        assert_close("lse", lse, lse64, base_lse, atol=ATOL[dtype])
     if not grads:
         return
     dout = randn(*out.shape, dtype=dtype, device=out.device)
-    grads_k = torch.autograd.grad(out, (q, k, v), dout)
-    grads_64 = torch.autograd.grad(ref64, leaves64, dout.double())
-    grads_lp = torch.autograd.grad(base, leaves_lp, dout)
-    for name, g, g64, gb in zip(("dq", "dk", "dv"), grads_k, grads_64, grads_lp):
+    for name, g, g64, gb in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
+                                torch.autograd.grad(ref64, leaves64, dout.double()),
+                                torch.autograd.grad(base, leaves_lp, dout)):
         assert g.dtype == dtype
-        assert_close(name, g, g64, gb, atol=atol)
+        assert_close(name, g, g64, gb)
 
 
 def _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device):
@@ -68,12 +85,17 @@ def _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device):
             randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True))
 
 
+def _launched_once(launches):
+    assert launches["attention_fwd"] == 1 and launches["attention_bwd_preprocess"] == 1
+    assert launches["attention_bwd"] == 1  # dK/dV and dQ in one kernel
+
+
 # (B, Hq, Hkv, Lq, Lk, D, causal, padding), each with its reason.
 CASES = [
     # Lq = Lk = 128: whole blocks; causal diagonal blocks, and blocks skipped above it.
     pytest.param(1, 2, 2, 128, 128, 64, True, False, id="self-128-causal-d64"),
     # Lq = 17 < Lk = 200: cross-attention, partial blocks, bottom-right causal offset 183
-    # (not a block multiple); D = 80 padded to 128; MQA 4:1.
+    # (not a block multiple); D = 80 padded to 128 (TMA zero-pads the columns); MQA 4:1.
     pytest.param(1, 4, 1, 17, 200, 80, True, False, id="cross-17x200-causal-d80-mqa"),
     # Lq = 200 > Lk = 17: under causal the first 183 queries see no key (output 0);
     # D = 16, the smallest head dim; GQA 8:2.
@@ -82,64 +104,84 @@ CASES = [
     pytest.param(2, 2, 1, 1, 200, 64, True, True, id="decode-1x200-causal-pad"),
     # Lk = 1: a single key; bidirectional with padding, so batch 0 has no key at all.
     pytest.param(2, 2, 2, 17, 1, 32, False, True, id="17x1-pad"),
-    # Lq = Lk = 200 non-causal: partial last blocks in both grids; padding including a
+    # Lq = Lk = 140 non-causal: partial last blocks in both grids; padding including a
     # fully padded batch row; D = 128, MQA 2:1.
-    pytest.param(2, 2, 1, 200, 200, 128, False, True, id="self-200-pad-d128"),
+    pytest.param(2, 2, 1, 140, 140, 128, False, True, id="self-140-pad-d128"),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding", CASES)
 def test_attention_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype, device, launches):
+    """Every case and dtype on the default path (TMA in the interpreter and on Hopper)."""
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
     mask = _padding(B, Lk, device) if padding else None
     _compare(q, k, v, causal, mask)
-    assert launches["attention_fwd"] == 1 and launches["attention_bwd_preprocess"] == 1
-    # Wide fp32 rows run dK/dV and dQ in column chunks (more than one launch).
-    assert launches["attention_bwd_dkdv"] >= 1 and launches["attention_bwd_dq"] >= 1
+    _launched_once(launches)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding", CASES)
+def test_attention_pointer_path(B, Hq, Hkv, Lq, Lk, D, causal, padding, device, launches, monkeypatch):
+    """The same cases on the pointer path (row and head-dim masks instead of descriptors), in
+    fp16 (the path's loads and stores do not depend on the dtype)."""
+    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer")
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float16, device)
+    mask = _padding(B, Lk, device) if padding else None
+    _compare(q, k, v, causal, mask)
+    _launched_once(launches)
+    assert launches["attention_tma"] == 0
 
 
 # Long and wide shapes, one dtype each (interpreter time): they add block-count and width.
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding,dtype", [
-    # Lq = Lk = 1000: 16 x 32 blocks, the online softmax rescales across many key blocks.
-    pytest.param(1, 1, 1, 1000, 1000, 64, True, False, torch.bfloat16, id="self-1000-causal-bf16"),
+    # Lq = Lk = 520: 9 x 17 blocks, the online softmax rescales across many key blocks.
+    pytest.param(1, 1, 1, 520, 520, 64, True, False, torch.bfloat16, id="self-520-causal-bf16"),
     # Lq = 128 queries over Lk = 1000 keys, non-causal with padding.
     pytest.param(1, 1, 1, 128, 1000, 64, False, True, torch.float16, id="cross-128x1000-pad-fp16"),
-    # D = 256, the widest head dim (backward in two column chunks, dK and dV in two passes).
+    # D = 256, the widest head dim: dV and dK in programs of their own (split_kv).
     pytest.param(1, 2, 1, 128, 17, 256, False, False, torch.float16, id="d256-fp16"),
     pytest.param(1, 1, 1, 200, 128, 256, True, False, torch.bfloat16, id="d256-causal-bf16"),
-    # fp32 at D = 128, its widest (backward in two 64-column chunks).
+    # fp32 at D = 128, its widest.
     pytest.param(1, 2, 1, 70, 50, 128, True, False, torch.float32, id="d128-fp32"),
 ])
 def test_attention_large(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype, device, launches):
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
     mask = _padding(B, Lk, device, full_row=False) if padding else None
     _compare(q, k, v, causal, mask)
-    assert launches["attention_fwd"] == 1 and launches["attention_bwd_dkdv"] >= 1
+    _launched_once(launches)
+
+
+def test_d256_pointer_path(device, launches, monkeypatch):
+    """split_kv's dV and dK programs on the pointer path too (GQA 2:1, causal, padding)."""
+    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer")
+    q, k, v = _qkv(1, 2, 1, 40, 70, 256, torch.bfloat16, device)
+    _compare(q, k, v, True, _padding(1, 70, device, full_row=False))
+    _launched_once(launches)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strided_views_of_fused_qkv(dtype, device, launches):
-    """q, k, v as views of one (B, L, 3, H, D) projection: no copy, same result."""
+def test_strided_views_of_fused_qkv(dtype, device, path, launches):
+    """q, k, v as views of one (B, L, 3, H, D) projection: no copy, same result; the output is
+    laid out (B, L, H, D) like q, so merging its heads is a view."""
     B, L, H, D = 2, 33, 2, 32
     qkv = randn(B, L, 3, H, D, dtype=dtype, device=device, requires_grad=True)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, L, D), strided
     assert not q.is_contiguous() and q.stride(-1) == 1
+    out = attention(q, k, v, True, 0.3)
+    assert out.transpose(1, 2).is_contiguous()
     _compare(q, k, v, causal=True, scale=0.3)
-    assert launches["attention_fwd"] == 1
+    assert launches["attention_fwd"] == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_lse_gradient(dtype, device, launches):
+def test_lse_gradient(dtype, device, path, launches):
     """The LSE output is differentiable: d lse_i / d s_ij = P_ij (folded into delta)."""
     q, k, v = _qkv(1, 2, 1, 40, 70, 32, dtype, device)
     mask = _padding(1, 70, device, full_row=False)
     out, lse = attention(q, k, v, True, None, mask, return_lse=True)
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    leaves_lp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    leaves64, leaves_lp = _leaves((q, k, v), torch.float64), _leaves((q, k, v))
     ref64, lse64 = reference.attention(*leaves64, True, None, mask, return_lse=True)
-    base, base_lse = reference.attention(*leaves_lp, True, None, mask, return_lse=True,
-                                         compute_dtype=_baseline_dtype(dtype))
+    base, base_lse = reference.attention(*leaves_lp, True, None, mask, return_lse=True, compute_dtype=dtype)
     w = randn(*lse.shape, dtype=torch.float32, device=device)
 
     def loss(o, l):
@@ -149,11 +191,24 @@ def test_lse_gradient(dtype, device, launches):
     g64 = torch.autograd.grad(loss(ref64, lse64), leaves64)
     gb = torch.autograd.grad(loss(base, base_lse), leaves_lp)
     for name, a, r, b in zip(("dq", "dk", "dv"), g, g64, gb):
-        assert_close(name, a, r, b, atol=_atol(dtype))
-    assert launches["attention_bwd_preprocess"] == 1
+        assert_close(name, a, r, b)
+    _launched_once(launches)
 
 
-def test_fully_masked_rows_are_zero_with_finite_grads(device, launches):
+def test_only_lse_used(device, launches):
+    """A loss on the LSE alone: the output's gradient is None (not a materialized zero)."""
+    q, k, v = _qkv(1, 2, 2, 20, 30, 16, torch.float32, device)
+    _, lse = attention(q, k, v, return_lse=True)
+    g = torch.autograd.grad(lse.sum(), (q, k, v), allow_unused=True)
+    leaves64 = _leaves((q, k, v), torch.float64)
+    g64 = torch.autograd.grad(reference.attention(*leaves64, return_lse=True)[1].sum(), leaves64,
+                              allow_unused=True)
+    torch.testing.assert_close(g[0].double(), g64[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g[1].double(), g64[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(g[2], torch.zeros_like(g[2]))  # the LSE does not depend on v
+
+
+def test_fully_masked_rows_are_zero_with_finite_grads(device, path, launches):
     """No visible key (padding + Lq > Lk causal): out 0, LSE -inf, grads 0 and finite."""
     q, k, v = _qkv(2, 2, 1, 40, 9, 16, torch.bfloat16, device)
     mask = torch.zeros(2, 9, dtype=torch.bool, device=device)
@@ -166,6 +221,157 @@ def test_fully_masked_rows_are_zero_with_finite_grads(device, launches):
         assert torch.all(torch.isfinite(g))
     assert torch.all(dq[1] == 0) and torch.all(dk[1] == 0) and torch.all(dv[1] == 0)
     assert torch.all(dq[0, :, :31] == 0)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 5, 16), (2, 2, 0, 16)], ids=["B0", "L0"])
+def test_empty_inputs(shape, device, launches):
+    """No query or no key: empty or zero outputs and gradients, no kernel launch."""
+    q = randn(*shape, dtype=torch.float16, device=device, requires_grad=True)
+    k = randn(shape[0], 2, 7 if shape[2] == 0 else 0, 16, dtype=torch.float16, device=device, requires_grad=True)
+    v = randn(*k.shape, dtype=torch.float16, device=device, requires_grad=True)
+    out = attention(q, k, v)
+    assert out.shape == q.shape and torch.all(out == 0)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    for t, g in zip((q, k, v), grads):
+        assert g.shape == t.shape and torch.all(g == 0)
+    assert launches["attention_fwd"] == 0 and launches["attention_bwd"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 precision: the kernels follow torch's matmul setting at call time
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _tf32(enabled):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("mode", ["ieee", "tf32"])
+def test_fp32_follows_torch_matmul_precision(mode, device, launches, monkeypatch):
+    """fp32 runs IEEE products under torch's default and TF32 once torch allows TF32 for
+    matmuls (the mode is in the config key); each is held to PyTorch's error in that mode."""
+    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    q, k, v = _qkv(1, 2, 1, 40, 50, 64, torch.float32, device)
+    with _tf32(mode == "tf32"):
+        assert common.fp32_precision() == mode
+        _compare(q, k, v, True, _padding(1, 50, device, full_row=False))
+    for cache in (kernels._FWD_CACHE, kernels._BWD_CACHE):
+        assert [key[1][1] for key in cache.chosen] == [mode]
+    _launched_once(launches)
+
+
+# ---------------------------------------------------------------------------------------------
+# the packed self-attention entry point
+# ---------------------------------------------------------------------------------------------
+
+class _AtenOps(TorchDispatchMode):
+    """Records the aten ops that run (to prove the packed path copies nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _packed_reference(qkv, H, Hkv, batch_first, causal, mask, scale=None, dropout_p=0.0, dropout_mask=None,
+                      compute_dtype=None):
+    t = qkv.unflatten(-1, (H + 2 * Hkv, -1))
+    t = t.transpose(1, 2) if batch_first else t.permute(1, 2, 0, 3)
+    o = reference.attention(t[:, :H], t[:, H:H + Hkv], t[:, H + Hkv:], causal, scale, mask, dropout_p,
+                            dropout_mask=dropout_mask, compute_dtype=compute_dtype)
+    return (o.transpose(1, 2) if batch_first else o.permute(2, 0, 1, 3)).flatten(2)
+
+
+# (B, L, H, Hkv, D, batch_first, causal, padding, dtype), each with its reason.
+PACKED_CASES = [
+    # batch_first (B, L, E): causal + padding, GQA 4:2, L = 70 crosses both block grids.
+    pytest.param(2, 70, 4, 2, 32, True, True, True, torch.bfloat16, id="bf-gqa-causal-pad-bf16"),
+    # (L, B, E) layout (nn.MultiheadAttention's default): MHA, non-causal, D = 24 (padded to 32).
+    pytest.param(3, 33, 2, 2, 24, False, False, False, torch.float16, id="lbe-mha-d24-fp16"),
+    # MQA in fp32 (IEEE products), sequence-first with padding.
+    pytest.param(2, 40, 2, 1, 16, False, True, True, torch.float32, id="lbe-mqa-causal-pad-fp32"),
+]
+
+
+# Host-side ops that would mean a copy, a concatenation, a gradient accumulation or a
+# materialized zero gradient.
+COPY_OPS = {"cat", "stack", "copy_", "clone", "_to_copy", "add", "add_", "sum", "zeros", "zeros_like", "zero_",
+            "new_zeros", "index", "index_put_", "split_with_sizes_copy"}
+
+
+@pytest.mark.parametrize("B,L,H,Hkv,D,batch_first,causal,padding,dtype", PACKED_CASES)
+def test_qkvpacked_matches_reference(B, L, H, Hkv, D, batch_first, causal, padding, dtype, device, path, launches,
+                                     monkeypatch):
+    """Output (B, L, H*D) / (L, B, H*D) contiguous; the gradient of qkv (written by the kernel
+    into one buffer) against the reference on the split views; besides the kernels only
+    allocations and views run (no copy, cat or merge), checked with the launches stubbed."""
+    E = (H + 2 * Hkv) * D
+    qkv = randn(*((B, L, E) if batch_first else (L, B, E)), dtype=dtype, device=device, requires_grad=True)
+    mask = _padding(B, L, device) if padding else None
+    out = attention_qkvpacked(qkv, H, Hkv, causal, None, mask, batch_first=batch_first)
+    assert out.shape == ((B, L, H * D) if batch_first else (L, B, H * D)) and out.is_contiguous()
+    dout = randn(*out.shape, dtype=dtype, device=device)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    assert dqkv.is_contiguous()
+
+    leaf64, leaf_lp = _leaves((qkv,), torch.float64)[0], _leaves((qkv,))[0]
+    ref64 = _packed_reference(leaf64, H, Hkv, batch_first, causal, mask)
+    base = _packed_reference(leaf_lp, H, Hkv, batch_first, causal, mask, compute_dtype=dtype)
+    assert_close("out", out, ref64, base)
+    (g64,) = torch.autograd.grad(ref64, leaf64, dout.double())
+    (gb,) = torch.autograd.grad(base, leaf_lp, dout)
+    assert_close("dqkv", dqkv, g64, gb)
+    _launched_once(launches)
+
+    monkeypatch.setattr(common, "STUB_LAUNCHES", True)
+    recorder = _AtenOps()
+    with recorder:
+        torch.autograd.grad(attention_qkvpacked(qkv, H, Hkv, causal, None, mask, batch_first=batch_first), qkv,
+                            dout)
+    copies = [op for op in recorder.ops if op in COPY_OPS]
+    assert not copies, f"the packed path ran {copies} (all ops: {recorder.ops})"
+
+
+def test_qkvpacked_strided_and_lse(device, launches):
+    """A row-padded qkv view (row stride > E) and the differentiable LSE of the packed call."""
+    B, L, H, D = 2, 20, 2, 16
+    buf = randn(B, L, 3 * H * D + 8, dtype=torch.float16, device=device)
+    qkv = buf[..., :3 * H * D].requires_grad_()
+    out, lse = attention_qkvpacked(qkv, H, causal=True, return_lse=True)
+    assert lse.shape == (B, H, L)
+    w = randn(*lse.shape, dtype=torch.float32, device=device)
+    (g,) = torch.autograd.grad(out.float().sum() + (lse * w).sum(), qkv)
+    leaf64 = _leaves((qkv,), torch.float64)[0]
+    t = leaf64.unflatten(-1, (3 * H, D)).transpose(1, 2)
+    o64, lse64 = reference.attention(t[:, :H], t[:, H:2 * H], t[:, 2 * H:], True, return_lse=True)
+    (g64,) = torch.autograd.grad(o64.sum() + (lse64 * w.double()).sum(), leaf64)
+    torch.testing.assert_close(out.double(), o64.transpose(1, 2).flatten(2), atol=4e-3, rtol=0)
+    torch.testing.assert_close(g.double(), g64, atol=2e-2, rtol=2e-2)
+    _launched_once(launches)
+
+
+def test_qkvpacked_dropout_matches_unpacked(device, launches):
+    """Dropout on the packed path uses the same mask as on q, k, v views (same seed)."""
+    B, L, H, D, p = 1, 40, 2, 32, 0.3
+    qkv = randn(B, L, 3 * H * D, dtype=torch.float16, device=device, requires_grad=True)
+    torch.manual_seed(5)
+    packed = attention_qkvpacked(qkv, H, causal=True, dropout_p=p)
+    (g_packed,) = torch.autograd.grad(packed.float().sum(), qkv)
+    t = qkv.unflatten(-1, (3 * H, D)).transpose(1, 2)
+    torch.manual_seed(5)
+    views = attention(t[:, :H], t[:, H:2 * H], t[:, 2 * H:], True, dropout_p=p)
+    (g_views,) = torch.autograd.grad(views.float().sum(), qkv)
+    assert torch.equal(packed, views.transpose(1, 2).flatten(2))
+    assert torch.equal(g_packed, g_views)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,18 +403,27 @@ def test_dropout_keep_statistics(device, launches):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dropout_matches_reference_with_the_same_mask(dtype, device, launches):
+def test_dropout_matches_reference_with_the_same_mask(dtype, device, path, launches):
     """Forward and backward equal the reference given the kernels' own keep mask: the
-    backward regenerates exactly the forward's mask. GQA 4:2, causal, padding."""
-    p, B, Hq, Hkv, Lq, Lk, D = 0.25, 2, 4, 2, 40, 70, 32
+    backward regenerates exactly the forward's mask. GQA 2:1, causal, padding."""
+    p, B, Hq, Hkv, Lq, Lk, D = 0.25, 2, 2, 1, 40, 70, 32
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
     mask = _padding(B, Lk, device, full_row=False)
-    seed = _seeded(7, p, device)
-    keep = kernels.dropout_keep_mask(seed, B, Hq, Lq, Lk, p, device)
+    keep = kernels.dropout_keep_mask(_seeded(7, p, device), B, Hq, Lq, Lk, p, device)
     torch.manual_seed(7)
     out, lse = attention(q, k, v, True, None, mask, p, return_lse=True)
     _compare(q, k, v, True, mask, p, dropout_mask=keep, out=out, lse=lse)
-    assert launches["attention_fwd"] == 1 and launches["attention_bwd_dkdv"] >= 1
+    _launched_once(launches)
+
+
+def test_dropout_d256_split_programs(device, launches):
+    """Dropout through split_kv's separate dV and dK programs (D = 256) keeps one mask."""
+    p, B, Hq, Hkv, Lq, Lk, D = 0.2, 1, 2, 1, 24, 40, 256
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.bfloat16, device)
+    keep = kernels.dropout_keep_mask(_seeded(3, p, device), B, Hq, Lq, Lk, p, device)
+    torch.manual_seed(3)
+    out = attention(q, k, v, False, None, None, p)
+    _compare(q, k, v, False, None, p, dropout_mask=keep, out=out)
 
 
 def test_dropout_same_seed_same_result(device, launches):
@@ -238,7 +453,17 @@ def test_dropout_is_unbiased(device, launches):
     assert (mean - plain).abs().mean().item() < 0.05
 
 
-def test_backward_is_deterministic(device, launches):
+def test_no_dropout_draws_no_seed(device, launches):
+    """dropout_p = 0 consumes no random number (and allocates no seed tensor)."""
+    q, k, v = _qkv(1, 1, 1, 8, 8, 16, torch.float16, device)
+    torch.manual_seed(11)
+    attention(q, k, v)
+    after = torch.rand(1)
+    torch.manual_seed(11)
+    assert torch.equal(after, torch.rand(1))
+
+
+def test_backward_is_deterministic(device, path, launches):
     """No atomics: two backward passes are bitwise equal (GQA sums over heads in-kernel)."""
     q, k, v = _qkv(1, 4, 1, 70, 70, 32, torch.bfloat16, device)
     out = attention(q, k, v, causal=True)
@@ -254,28 +479,37 @@ def test_backward_is_deterministic(device, launches):
 # ---------------------------------------------------------------------------------------------
 
 def test_opcheck(device):
+    """Every op: schema and fake tensors (the fakes' strides must match the kernels' outputs);
+    the full check (autograd registration, AOT dispatch) on one call of each forward op."""
     q, k, v = _qkv(1, 2, 1, 17, 33, 16, torch.float16, device)
+    q, k, v = q.detach(), k.detach(), v.detach()
     mask = _padding(1, 33, device, full_row=False)
     seed = _seeded(0, 0.2, device)
-    # Autograd registration is checked with dropout; fake tensors also without it.
-    torch.library.opcheck(torch.ops.fused_block.attention_fwd.default, (q, k, v, mask, seed, True, 0.25, 0.2))
-    torch.library.opcheck(torch.ops.fused_block.attention_fwd.default, (q, k, v, None, seed[:0], False, 0.25, 0.0),
-                          test_utils=("test_schema", "test_faketensor"))
-    with torch.no_grad():
-        out, lse = torch.ops.fused_block.attention_fwd(q, k, v, mask, seed, True, 0.25, 0.2)
-    dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.fused_block.attention_bwd.default,
-                          (dout, q, k, v, out, lse, None, mask, seed, True, 0.25, 0.2),
-                          test_utils=("test_schema", "test_faketensor"))
-    # Strided views of one fused QKV buffer (B, L, 3, H, D): the fake gradients' strides must
-    # match the kernels' (contiguous) ones, or compiled backward graphs break.
+    ops = torch.ops.fused_block
+    fake = dict(test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, mask, seed, True, 0.25, 0.2))
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, None, None, False, 0.25, 0.0), **fake)
+    out, lse = ops.attention_fwd(q, k, v, mask, seed, True, 0.25, 0.2)
+    torch.library.opcheck(ops.attention_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), mask, seed, True, 0.25,
+                           0.2), **fake)
+    # Strided views of one fused QKV buffer (B, L, 3, H, D): outputs and gradients follow q's
+    # memory order, in the fakes too.
     qkv = torch.randn(1, 17, 3, 2, 16, device=device).to(torch.float16)
     qs, ks, vs = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    with torch.no_grad():
-        out, lse = torch.ops.fused_block.attention_fwd(qs, ks, vs, None, seed[:0], False, 0.25, 0.0)
-    torch.library.opcheck(torch.ops.fused_block.attention_bwd.default,
-                          (torch.randn_like(out), qs, ks, vs, out, lse, None, None, seed[:0], False, 0.25, 0.0),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.attention_fwd.default, (qs, ks, vs, None, None, False, 0.25, 0.0), **fake)
+    out, lse = ops.attention_fwd(qs, ks, vs, None, None, False, 0.25, 0.0)
+    torch.library.opcheck(ops.attention_bwd.default,
+                          (torch.randn_like(out), qs, ks, vs, out, lse, None, None, None, False, 0.25, 0.0), **fake)
+    # The packed ops, both layouts (H = 2, Hkv = 1, D = 16).
+    for batch_first in (True, False):
+        packed = torch.randn(17, 2, 4 * 16, device=device).to(torch.float16)
+        pmask = _padding(17 if batch_first else 2, 2 if batch_first else 17, device, full_row=False)
+        args = (2, 1, batch_first, pmask, seed, True, 0.25, 0.2)
+        torch.library.opcheck(ops.attention_packed_fwd.default, (packed, *args), **({} if batch_first else fake))
+        out, lse = ops.attention_packed_fwd(packed, *args)
+        torch.library.opcheck(ops.attention_packed_bwd.default,
+                              (torch.randn_like(out), packed, out, lse, torch.randn_like(lse), *args), **fake)
 
 
 def test_torch_compile_fullgraph(device, launches):
@@ -294,7 +528,25 @@ def test_torch_compile_fullgraph(device, launches):
     torch.testing.assert_close(got, want)
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b)
-    assert launches["attention_fwd"] == 2 and launches["attention_bwd_dq"] == 2  # D = 16: one chunk
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
+
+
+def test_torch_compile_fullgraph_qkvpacked(device, launches):
+    qkv = randn(2, 17, 4 * 16, dtype=torch.float16, device=device, requires_grad=True)
+
+    def f(qkv):
+        return attention_qkvpacked(qkv, 2, 1, True, dropout_p=0.1).float().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(0)
+    got = compiled(qkv)
+    (g_got,) = torch.autograd.grad(got, qkv)
+    torch.manual_seed(0)
+    want = f(qkv)
+    (g_want,) = torch.autograd.grad(want, qkv)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_got, g_want)
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,42 +558,60 @@ def _bad_cases(device):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     q, k, v = t(2, 4, 8, 64), t(2, 2, 16, 64), t(2, 2, 16, 64)
+    qkv = t(2, 8, 4 * 16)
     return [
-        ((q, k[:1], v[:1]), {}, ValueError, "k must have shape"),
-        ((q, t(2, 2, 16, 32), v), {}, ValueError, "k must have shape"),
-        ((q, k, t(2, 2, 15, 64)), {}, ValueError, "v must have shape"),
-        ((t(2, 4, 8, 60), t(2, 2, 16, 60), t(2, 2, 16, 60)), {}, ValueError, "head dim"),
-        ((t(2, 4, 8, 264), t(2, 2, 16, 264), t(2, 2, 16, 264)), {}, ValueError, "head dim"),
-        ((t(2, 4, 8, 8), t(2, 2, 16, 8), t(2, 2, 16, 8)), {}, ValueError, "head dim"),
-        ((q, t(2, 3, 16, 64), t(2, 3, 16, 64)), {}, ValueError, "multiple of k's heads"),
-        ((q[0], k, v), {}, ValueError, "q must be 4-D"),
-        ((q, k.float(), v), {}, TypeError, "k must have q's dtype"),
-        ((q.double(), k.double(), v.double()), {}, TypeError, "q must have dtype"),
-        ((q, k, v), {"key_padding_mask": t(2, 16, dtype=torch.uint8)}, TypeError, "key_padding_mask must have dtype"),
-        ((q, k, v), {"key_padding_mask": t(2, 15, dtype=torch.bool)}, ValueError, "key_padding_mask must have shape"),
-        ((q, k, v), {"key_padding_mask": t(16, dtype=torch.bool)}, ValueError, "key_padding_mask must be 2-D"),
-        ((q, k, v), {"dropout_p": 1.0}, ValueError, "dropout_p"),
-        ((q, k, v), {"dropout_p": -0.1}, ValueError, "dropout_p"),
-        ((q, k, v), {"scale": 0.0}, ValueError, "scale"),
-        ((q, k, v), {"causal": 1}, TypeError, "causal"),
-        ((q.float()[..., :0], k.float(), v.float()), {}, ValueError, "head dim"),
-        (([1.0], k, v), {}, TypeError, "q must be a torch.Tensor"),
+        (attention, (q, k[:1], v[:1]), {}, ValueError, "k must have shape"),
+        (attention, (q, t(2, 2, 16, 32), v), {}, ValueError, "k must have shape"),
+        (attention, (q, k, t(2, 2, 15, 64)), {}, ValueError, "v must have shape"),
+        (attention, (t(2, 4, 8, 60), t(2, 2, 16, 60), t(2, 2, 16, 60)), {}, ValueError, "head dim"),
+        (attention, (t(2, 4, 8, 264), t(2, 2, 16, 264), t(2, 2, 16, 264)), {}, ValueError, "head dim"),
+        (attention, (t(2, 4, 8, 8), t(2, 2, 16, 8), t(2, 2, 16, 8)), {}, ValueError, "head dim"),
+        (attention, (q, t(2, 3, 16, 64), t(2, 3, 16, 64)), {}, ValueError, "multiple of k's heads"),
+        (attention, (q[0], k, v), {}, ValueError, "q must be 4-D"),
+        (attention, (q, k.float(), v), {}, TypeError, "k must have q's dtype"),
+        (attention, (q.double(), k.double(), v.double()), {}, TypeError, "q must have dtype"),
+        (attention, (q, k, v), {"key_padding_mask": t(2, 16, dtype=torch.uint8)}, TypeError,
+         "key_padding_mask must have dtype"),
+        (attention, (q, k, v), {"key_padding_mask": t(2, 15, dtype=torch.bool)}, ValueError,
+         "key_padding_mask must have shape"),
+        (attention, (q, k, v), {"key_padding_mask": t(16, dtype=torch.bool)}, ValueError,
+         "key_padding_mask must be 2-D"),
+        (attention, (q, k, v), {"dropout_p": 1.0}, ValueError, "dropout_p"),
+        (attention, (q, k, v), {"dropout_p": -0.1}, ValueError, "dropout_p"),
+        (attention, (q, k, v), {"scale": 0.0}, ValueError, "scale"),
+        (attention, (q, k, v), {"causal": 1}, TypeError, "causal"),
+        (attention, (q.float()[..., :0], k.float(), v.float()), {}, ValueError, "head dim"),
+        (attention, ([1.0], k, v), {}, TypeError, "q must be a torch.Tensor"),
+        (attention, (t(2, 4, 8, 136, dtype=torch.float32), t(2, 2, 16, 136, dtype=torch.float32),
+                     t(2, 2, 16, 136, dtype=torch.float32)), {}, TypeError, "q: fp32 attention kernels"),
+        (attention_qkvpacked, (qkv, 2, 1), {"key_padding_mask": t(2, 7, dtype=torch.bool)}, ValueError,
+         "key_padding_mask must have shape"),
+        (attention_qkvpacked, (qkv, 3, 1), {}, ValueError, r"\(num_heads \+ 2 \* num_kv_heads\)"),
+        (attention_qkvpacked, (qkv, 2, 2), {}, ValueError, r"\(num_heads \+ 2 \* num_kv_heads\)"),
+        (attention_qkvpacked, (t(2, 8, 4 * 12), 2, 1), {}, ValueError, "qkv's head dim"),
+        (attention_qkvpacked, (qkv, 3, 2), {}, ValueError, "num_heads"),
+        (attention_qkvpacked, (qkv, 0, 1), {}, ValueError, "num_heads must be positive"),
+        (attention_qkvpacked, (qkv, 2, 1.0), {}, TypeError, "num_kv_heads must be an int"),
+        (attention_qkvpacked, (qkv[0], 2, 1), {}, ValueError, "qkv must be 3-D"),
+        (attention_qkvpacked, (qkv.int(), 2, 1), {}, TypeError, "qkv must have dtype"),
+        (attention_qkvpacked, (qkv, 2, 1), {"batch_first": 1}, TypeError, "batch_first"),
+        (attention_qkvpacked, (qkv, 2, 1), {"causal": None}, TypeError, "causal"),
+        (attention_qkvpacked, (qkv, 2, 1), {"dropout_p": 2.0}, ValueError, "dropout_p"),
+        (attention_qkvpacked, (t(2, 8, 4 * 136, dtype=torch.float32), 2, 1), {}, TypeError,
+         "qkv: fp32 attention kernels"),
     ]
 
 
-@pytest.mark.parametrize("index", range(19))
+@pytest.mark.parametrize("index", range(33))
 def test_bad_input(index, device, launches):
-    args, kwargs, exc, match = _bad_cases(device)[index]
+    fn, args, kwargs, exc, match = _bad_cases(device)[index]
     with pytest.raises(exc, match=match):
-        attention(*args, **kwargs)
+        fn(*args, **kwargs)
     assert launches["attention_fwd"] == 0
 
 
-def test_fp32_wide_heads_are_refused(device, launches):
-    q = torch.zeros(1, 1, 8, 136, dtype=torch.float32, device=device)
-    with pytest.raises(TypeError, match="q: fp32 attention kernels take head dims up to 128"):
-        attention(q, q, q)
-    assert launches["attention_fwd"] == 0
+def test_bad_input_catalogue_is_complete(device):
+    assert len(_bad_cases(device)) == 33
 
 
 def test_bad_input_device(device, launches):
@@ -350,3 +620,7 @@ def test_bad_input_device(device, launches):
     q = torch.zeros(1, 1, 8, 16, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="k is on"):
         attention(q, q.cpu(), q)
+
+
+def test_public_names():
+    assert fused_block.attention is attention and fused_block.attention_qkvpacked is attention_qkvpacked
