@@ -1,20 +1,24 @@
 # `make bench`: the main job (python -m bench). `make test`: the test suite.
 # Both create or reuse the virtual environment in $(VENV) and install what they need.
+# `make compile-report`: the compiled-kernel resource table (every config, sm_80 and sm_90).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fused-block-installed
 
 .PHONY: test bench compile-report clean-venv
 
-$(STAMP): requirements-dev.txt setup.py
+# The package itself installs offline, as on the GPU machine: no index, no build isolation.
+$(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# TESTS narrows the run (e.g. TESTS=tests/test_install.py); PYTEST_ARGS adds options (-n 2, -x).
+TESTS ?= tests
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TESTS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)

@@ -2,14 +2,17 @@
 
 On a CUDA GPU: measures the ceilings, times every spec's cases, checks numerics, and writes
 ``<gpu-slug>-<date>[-quick].json``, ``.md`` and PNG plots under ``--out``. Without one: says
-that timings need an NVIDIA GPU, prints the numerics report (the kernels run through the
-Triton interpreter) and the compiled-kernel resource table. Exits 1 if a numerics row fails.
+that timings need an NVIDIA GPU and prints the numerics report (the kernels run through the
+Triton interpreter), with each spec's time; ``--compile-report`` adds the compiled-kernel
+resource table (it compiles every config for sm_80 and sm_90: minutes). Exits 1 if a numerics
+row fails.
 """
 import argparse
 import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -29,12 +32,17 @@ KERNEL_MODULES = {"norm": "norm", "attention": "attention", "matmul": "matmul"}
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a few shapes per op (the GPU check script)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few shapes per op and torch.compile's default mode (the GPU check script)")
     p.add_argument("--only", default=None, help="comma-separated specs, e.g. norm,attention "
                    f"(available: {','.join(specs.names())})")
     p.add_argument("--out", default=DEFAULT_OUT, help="results folder (default: bench/results)")
-    p.add_argument("--no-compile-table", action="store_true",
-                   help="without a GPU: skip the compiled-kernel table (it compiles every config)")
+    p.add_argument("--compile-report", action="store_true",
+                   help="without a GPU: add the compiled-kernel resource table (compiles every config "
+                        "for sm_80 and sm_90; the same as make compile-report)")
+    p.add_argument("--spec-budget", type=float, default=None, metavar="SECONDS",
+                   help="on a GPU: start no further case of a spec after this many seconds in it "
+                        "(those cases are recorded as not run), so every spec gets its turn")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     if args.only:
@@ -42,19 +50,6 @@ def parse_args(argv):
         if unknown:
             p.error(f"--only: no spec named {', '.join(unknown)} (available: {', '.join(specs.names())})")
     return args
-
-
-def run_numerics(found: dict) -> list:
-    rows = []
-    for name, mod in found.items():
-        if isinstance(mod, str):
-            rows.append(harness.unavailable_row(name, f"spec import failed: {mod}"))
-            continue
-        try:
-            rows += mod.numerics()
-        except Exception as exc:  # noqa: BLE001 - reported, the run goes on
-            rows.append(harness.unavailable_row(name, f"numerics() failed: {harness.describe_error(exc)}"))
-    return rows
 
 
 def compile_table(only) -> str:
@@ -82,7 +77,9 @@ def compile_table(only) -> str:
 def run_cpu(args, found) -> int:
     print("Timings need an NVIDIA GPU: torch.cuda.is_available() is False, so nothing is timed and "
           "no results file is written.\nBelow: the numerics report (kernels through the Triton "
-          "interpreter) and the compiled-kernel resource table.\n", flush=True)
+          "interpreter)" + (" and the compiled-kernel resource table" if args.compile_report else
+                            "; --compile-report (or make compile-report) adds the compiled-kernel "
+                            "resource table") + ".\n", flush=True)
     for name, mod in found.items():
         if isinstance(mod, str):
             print(f"spec {name}: unavailable ({mod})")
@@ -94,9 +91,10 @@ def run_cpu(args, found) -> int:
             print(f"spec {name}: cases() failed: {harness.describe_error(exc)}")
     print("\n== numerics: max |error| vs the float64 reference; ours must be <= 2 x torch's + atol ==",
           flush=True)
-    rows = run_numerics(found)
+    rows, seconds = harness.timed_numerics(found)
     print(harness.format_numerics(rows), flush=True)
-    if not args.no_compile_table:
+    print(harness.format_numerics_times(seconds, harness.NUMERICS_BUDGET_S), flush=True)
+    if args.compile_report:
         print("\n== compiled kernels (sm_80, sm_90) ==", flush=True)
         try:
             print(compile_table(args.only))
@@ -112,8 +110,11 @@ def run_cuda(args, found) -> int:
     env = harness.environment()
     print(f"{env['gpu']}: driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
           f"triton {env['triton']}", flush=True)
-    rows = run_numerics(found)
+    rows, seconds = harness.timed_numerics(found)
     print(harness.format_numerics(rows), flush=True)
+    print(harness.format_numerics_times(seconds), flush=True)
+    # How long each part took, in the results: what the GPU check's time budget is made of.
+    env["seconds"] = {"numerics": {n: round(t, 1) for n, t in seconds.items()}, "specs": {}}
     ceilings = harness.measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, cuBLAS bf16 "
           f"{ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
@@ -127,8 +128,14 @@ def run_cuda(args, found) -> int:
         except Exception as exc:  # noqa: BLE001
             print(f"spec {name}: cases() failed: {harness.describe_error(exc)}", flush=True)
             continue
+        start = time.monotonic()
         for case in cases:
-            for m in harness.run_case(case, ceilings):
+            if args.spec_budget is not None and time.monotonic() - start > args.spec_budget:
+                results = harness.not_run(case, f"not run: spec {name} used its {args.spec_budget:.0f} s "
+                                                "budget (--spec-budget)")
+            else:
+                results = harness.run_case(case, ceilings)
+            for m in results:
                 measurements.append(m)
                 if m.unavailable:
                     print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: unavailable ({m.unavailable})",
@@ -137,6 +144,7 @@ def run_cuda(args, found) -> int:
                     rate = f"{m.gbps:.0f} GB/s" if m.gbps is not None else (
                         f"{m.tflops:.1f} TFLOP/s" if m.tflops is not None else "")
                     print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: {m.ms:.4f} ms {rate}", flush=True)
+        env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
         # Rewritten after each spec so a run cut short still leaves what it measured.
         harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
     try:
@@ -152,6 +160,7 @@ def run_cuda(args, found) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    harness.QUICK = args.quick
     found = specs.discover(args.only)
     return run_cuda(args, found) if CUDA else run_cpu(args, found)
 

@@ -4,7 +4,10 @@ Each (case, provider) is one test, parametrized here from ``bench/specs`` so tha
 specs serve ``python -m bench`` and pytest-benchmark. Without CUDA every test is skipped with
 the reason. The main test command (``pytest tests``) never collects this folder.
 """
-from bench import specs
+from bench import harness, specs
+
+# The quick cases, with torch.compile's default mode, as under ``python -m bench --quick``.
+harness.QUICK = True
 
 
 def quick_params():

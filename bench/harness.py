@@ -10,7 +10,9 @@ not exist yet: import ``fused_block`` (and anything optional) inside the factori
 ``cases(quick: bool) -> list[Case]``
     GPU timing cases. ``quick=True`` is the small set used by ``--quick``, by
     ``scripts/gpu_check.sh`` and by ``pytest bench --benchmark-only``: a few shapes, so that
-    every spec together stays within a couple of minutes (torch.compile's compile time counts).
+    every spec together stays within a couple of minutes (torch.compile's compile time counts;
+    :func:`compiled` uses torch.compile's default mode there). The GPU check also passes
+    ``--spec-budget``: cases of a spec not started within it are recorded as not run.
     Building the list must not touch CUDA: the work happens in the factories.
 
 ``numerics() -> list[dict]``
@@ -18,7 +20,9 @@ not exist yet: import ``fused_block`` (and anything optional) inside the factori
     ``DEVICE`` (CUDA when present, else CPU through the Triton interpreter; ``python -m bench``
     sets ``TRITON_INTERPRET=1`` before Triton is imported when there is no GPU). Build the rows
     with :func:`compare` (the tests' rule: ``err(ours) <= 2 * err(torch same-dtype) + atol``)
-    or :func:`unavailable_row` (op missing, with the reason).
+    or :func:`unavailable_row` (op missing, with the reason). Without a GPU this is the main
+    job's answer: keep each spec within ``NUMERICS_BUDGET_S`` (``python -m bench`` prints each
+    spec's time and names those over it).
 
 ``Case`` (fields)
     ``op``        str, the op's name, e.g. ``"add_layer_norm"``; one table section and one plot
@@ -56,7 +60,8 @@ What a run measures (CUDA only)
   allocated before it (the inputs, and for "bwd" the saved forward graph), and ours' speedup
   over it (its time / ours' time).
 - Output, under ``--out`` (default ``bench/results/``): ``<gpu-slug>-<date>[-quick].json``
-  (environment, ceilings, measurements, numerics), ``.md`` (tables) and one PNG per op.
+  (environment: GPU, driver, CUDA, torch, triton, date, torch.compile mode, seconds per part;
+  ceilings, measurements, numerics), ``.md`` (tables) and one PNG per op.
 """
 from __future__ import annotations
 
@@ -69,6 +74,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 from typing import Callable
 
 import torch
@@ -78,7 +84,13 @@ from fused_block.testing import ATOL, FACTOR, check, max_err  # noqa: F401
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
+# Set by ``python -m bench --quick`` and by ``pytest bench``: :func:`compiled` then uses
+# torch.compile's default mode whatever a spec asks for (max-autotune's tuning would take
+# most of the GPU check's minutes).
+QUICK = False
+# Seconds one spec's ``numerics()`` should take without a GPU (the interpreter, 2 cores):
+# ``python -m bench`` names the specs over it, and the whole main job stays under 3 minutes.
+NUMERICS_BUDGET_S = 30.0
 
 
 @dataclasses.dataclass
@@ -183,8 +195,10 @@ def compiled(fn, **kwargs):
 
     A benchmark compiles the same function for many shapes and dtypes; past dynamo's default
     recompile limit it would silently fall back to eager and the "torch.compile" numbers
-    would be eager ones.
+    would be eager ones. Under :data:`QUICK` the ``mode`` is dropped (torch.compile's default).
     """
+    if QUICK:
+        kwargs.pop("mode", None)
     global _DYNAMO_LIMITS_RAISED
     if not _DYNAMO_LIMITS_RAISED:
         import torch._dynamo as dynamo  # not "import torch._dynamo": that makes torch local here
@@ -304,6 +318,42 @@ def run_case(case: Case, ceilings: dict, **kw) -> list:
     return out
 
 
+def not_run(case: Case, reason: str) -> list:
+    """A case left out (e.g. its spec's time budget was used up): every provider unavailable."""
+    return [Measurement(case.op, dict(case.shape), dtype_name(case.dtype), case.mode, name, unavailable=reason)
+            for name in case.providers]
+
+
+def timed_numerics(found: dict) -> tuple:
+    """Every spec's numerics rows and the seconds each spec took: ``(rows, {spec: seconds})``.
+
+    A spec whose module failed to import (a string in ``found``) or whose ``numerics()``
+    raises gives one unavailable row with the reason; the others still run.
+    """
+    rows, seconds = [], {}
+    for name, mod in found.items():
+        if isinstance(mod, str):
+            rows.append(unavailable_row(name, f"spec import failed: {mod}"))
+            continue
+        start = time.monotonic()
+        try:
+            rows += mod.numerics()
+        except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+            rows.append(unavailable_row(name, f"numerics() failed: {describe_error(exc)}"))
+        seconds[name] = time.monotonic() - start
+    return rows, seconds
+
+
+def format_numerics_times(seconds: dict, budget: float = None) -> str:
+    """``numerics time: norm 4.2 s, ...``, then a line naming each spec over ``budget``."""
+    line = "numerics time: " + ", ".join(f"{n} {s:.1f} s" for n, s in seconds.items())
+    slow = [n for n, s in seconds.items() if budget is not None and s > budget]
+    if slow:
+        line += (f"\nover the {budget:.0f} s budget of one spec: {', '.join(slow)} (make its numerics() "
+                 "shapes smaller: the interpreter runs every program in Python)")
+    return line
+
+
 # ---------------------------------------------------------------------------------------------
 # environment and results files
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +378,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "gpu": None,
         "driver": None,
+        "torch_compile_mode": "default (--quick)" if QUICK else "each spec's",
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

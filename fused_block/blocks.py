@@ -3,7 +3,10 @@
 The layers subclass torch's and keep their constructors, defaults, parameter names,
 initialization and state dicts (``self_attn.in_proj_weight``, ``self_attn.out_proj``,
 ``linear1``, ``linear2``, ``norm1``..``norm3``, ``multihead_attn``), so either loads the
-other's weights. Added keywords: ``norm="layer" | "rms"`` and ``num_kv_heads`` (GQA).
+other's weights. Added keywords: ``norm="layer" | "rms"``, ``num_kv_heads`` (GQA), ``rope``
+(rotary embeddings in self-attention, with ``rope_base`` and ``rope_interleaved``), and
+``activation="swiglu"`` (``linear1`` holds [gate; up], 2 x dim_feedforward rows): with
+``norm="rms"``, ``bias=False`` and ``norm_first=True`` that is a LLaMA layer.
 
 Data flow of one encoder layer (x: (B, L, E) with ``batch_first``, else (L, B, E))::
 
@@ -41,6 +44,7 @@ from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
 from fused_block.norm import add_layer_norm, add_rms_norm
+from fused_block.rope import rope as _rope
 
 NORMS = ("layer", "rms")
 # Head dims the attention kernel takes: multiples of 8 in [16, 256] (fp32: up to 128).
@@ -222,11 +226,14 @@ class MultiheadAttention(nn.MultiheadAttention):
     ((num_heads + 2 * num_kv_heads) * head_dim, embed_dim), rows [q; k; v]. Only the
     ``_qkv_same_embed_dim`` layout without ``add_bias_kv``/``add_zero_attn`` is supported.
     ``forward`` with ``need_weights=True`` (torch's default) runs torch's implementation.
+    ``rope=True`` applies rotary embeddings (positions 0..L-1, ``inv_freq = rope_base **
+    (-2i / head_dim)``, half-split pairs or ``rope_interleaved``) to q and k of self-attention
+    with :func:`fused_block.rope`; ``inv_freq`` is a non-persistent buffer (no state-dict entry).
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
                  add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
-                 dtype=None, *, num_kv_heads=None):
+                 dtype=None, *, num_kv_heads=None, rope=False, rope_base=10000.0, rope_interleaved=False):
         _check_heads(embed_dim, num_heads, num_kv_heads)
         if add_bias_kv or add_zero_attn or (kdim not in (None, embed_dim)) or (vdim not in (None, embed_dim)):
             raise ValueError("add_bias_kv, add_zero_attn, kdim and vdim are not supported")
@@ -240,6 +247,18 @@ class MultiheadAttention(nn.MultiheadAttention):
             nn.init.xavier_uniform_(self.in_proj_weight)
             if bias:
                 self.in_proj_bias = nn.Parameter(torch.zeros(rows, **factory))
+        self.rope, self.rope_interleaved = bool(rope), bool(rope_interleaved)
+        if self.rope:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+            self.register_buffer("inv_freq", 1.0 / (float(rope_base) ** exponents), persistent=False)
+
+    def _rotate(self, q, k):
+        """RoPE on q (B, H, L, D) and k (B, Hkv, L, D) at positions 0..L-1; same layout out."""
+        positions = torch.arange(q.shape[2], device=q.device)[None]
+        fn = _rope if q.dtype in _KERNEL_DTYPES else reference.rope
+        q, k = fn(q.transpose(1, 2), k.transpose(1, 2), positions, self.inv_freq.float(),
+                  interleaved=self.rope_interleaved)
+        return q.transpose(1, 2), k.transpose(1, 2)
 
     def extra_repr(self):
         return f"num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -276,7 +295,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             if masks.key_padding is not None or masks.causal:
                 masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
         if memory is None:
-            if reason is None and ops is _FUSED:
+            # RoPE rotates q and k before attention: those layers take the split path.
+            if reason is None and ops is _FUSED and not self.rope:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
                 return ops.linear(o, self.out_proj.weight, self.out_proj.bias)
@@ -284,6 +304,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
+        if self.rope and memory is None:
+            q, k = self._rotate(q, k)
         if reason is None:
             o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
         else:
@@ -351,9 +373,9 @@ def _check_input(name, t, d_model):
 def _activation_name(activation):
     """The fused epilogue's name for torch's activation argument, or None for other callables."""
     if isinstance(activation, str):
-        if activation not in ("relu", "gelu", "gelu_tanh"):
-            raise RuntimeError(f"activation should be relu/gelu/gelu_tanh, not {activation}")
-        return activation
+        if activation not in ("relu", "gelu", "gelu_tanh", "swiglu"):
+            raise RuntimeError(f"activation should be relu/gelu/gelu_tanh/swiglu, not {activation}")
+        return None if activation == "swiglu" else activation
     if activation is F.relu or isinstance(activation, nn.ReLU):
         return "relu"
     if activation is F.gelu:
@@ -363,8 +385,22 @@ def _activation_name(activation):
     return None
 
 
+def swiglu(h):
+    """SwiGLU's gating on linear1's output [gate; up] (..., 2F): ``silu(gate) * up`` (..., F).
+
+    It runs between the two GEMMs as a custom activation (PyTorch ops) until a fused SwiGLU
+    epilogue exists."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _torch_activation(name):
-    return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": nn.GELU(approximate="tanh")}[name]
+    return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": swiglu}[name]
+
+
+def _ffn_width(activation, dim_feedforward):
+    """linear1's width: SwiGLU's gate and up projections are its two halves."""
+    return 2 * dim_feedforward if activation == "swiglu" or activation is swiglu else dim_feedforward
 
 
 class _LayerMixin:
@@ -386,7 +422,8 @@ class _LayerMixin:
         # torch's fast-path flags; a value of 0 keeps nn.TransformerEncoder from handing this
         # layer nested tensors when its math is not torch's (RMSNorm, GQA).
         name = _activation_name(activation)
-        torch_compatible = norm == "layer" and self.self_attn.num_kv_heads == self.self_attn.num_heads
+        torch_compatible = (norm == "layer" and self.self_attn.num_kv_heads == self.self_attn.num_heads
+                            and not self.self_attn.rope and activation is not swiglu)
         self.activation_relu_or_gelu = {"relu": 1, "gelu": 2}.get(name, 0) if torch_compatible else 0
 
     def _add_norm(self, module, x, residual=None, dropout_p=0.0):
@@ -464,14 +501,16 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
 
     def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation=F.relu,
                  layer_norm_eps=1e-5, batch_first=False, norm_first=False, bias=True, device=None,
-                 dtype=None, *, norm="layer", num_kv_heads=None):
+                 dtype=None, *, norm="layer", num_kv_heads=None, rope=False, rope_base=10000.0,
+                 rope_interleaved=False):
         _check_heads(d_model, nhead, num_kv_heads)
         factory = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)
         # Construction order as torch's, so a seed gives the same initial values.
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
-                                            num_kv_heads=num_kv_heads, **factory)
-        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+                                            num_kv_heads=num_kv_heads, rope=rope, rope_base=rope_base,
+                                            rope_interleaved=rope_interleaved, **factory)
+        self.linear1 = nn.Linear(d_model, _ffn_width(activation, dim_feedforward), bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
         self.norm_first = norm_first
@@ -528,14 +567,16 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
 
     def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation=F.relu,
                  layer_norm_eps=1e-5, batch_first=False, norm_first=False, bias=True, device=None,
-                 dtype=None, *, norm="layer", num_kv_heads=None):
+                 dtype=None, *, norm="layer", num_kv_heads=None, rope=False, rope_base=10000.0,
+                 rope_interleaved=False):
         _check_heads(d_model, nhead, num_kv_heads)
         factory = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)
         mha = dict(dropout=dropout, batch_first=batch_first, bias=bias, num_kv_heads=num_kv_heads, **factory)
-        self.self_attn = MultiheadAttention(d_model, nhead, **mha)
+        self.self_attn = MultiheadAttention(d_model, nhead, rope=rope, rope_base=rope_base,
+                                            rope_interleaved=rope_interleaved, **mha)
         self.multihead_attn = MultiheadAttention(d_model, nhead, **mha)
-        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+        self.linear1 = nn.Linear(d_model, _ffn_width(activation, dim_feedforward), bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
         self.norm_first = norm_first
@@ -626,4 +667,5 @@ def _convert_mha(mha):
         if key in mha.__dict__:
             new.__dict__[key] = type(mha.__dict__[key])(mha.__dict__[key])
     new.num_kv_heads = mha.num_heads
+    new.rope, new.rope_interleaved = False, False
     return new

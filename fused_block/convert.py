@@ -1,4 +1,7 @@
-"""``convert(model)``: swap torch's Transformer layers for the fused ones, in place."""
+"""``convert(model)``: swap torch's Transformer layers for the fused ones, in place, and convert
+Hugging Face ``transformers`` layers (see :mod:`fused_block.hf`)."""
+import sys
+
 from torch import nn
 
 from fused_block.blocks import TransformerDecoderLayer, TransformerEncoderLayer
@@ -18,6 +21,11 @@ def convert(model: nn.Module) -> nn.Module:
     conversion all keep working) and each layer keeps its train/eval mode. Only layers whose
     type is exactly torch's are converted; user subclasses (custom ``forward``) are left alone.
     Returns ``model`` (or, when ``model`` itself is such a layer, its fused replacement).
+
+    Hugging Face ``transformers`` models (GPT-2, BERT, LLaMA, Mistral, Qwen2 layers) are
+    converted in place as described in :mod:`fused_block.hf`: same classes, modules,
+    parameters and state dict, a fused ``forward`` per layer. ``transformers`` is never
+    imported here; a model built from it has already imported it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -32,4 +40,9 @@ def convert(model: nn.Module) -> nn.Module:
             # The encoder's inference fast path hands nested tensors to its layers; the fused
             # layers run padded tensors with a padding mask instead.
             parent.use_nested_tensor = False
+    if "transformers" in sys.modules:
+        from fused_block import hf
+
+        if hf.is_transformers_model(model):
+            hf.convert_modules(model)
     return model

@@ -1,278 +1,332 @@
-"""Linear layers with fused epilogues: ``linear`` (GEMM + bias + activation + residual) and ``mlp``.
+"""Linear layers with fused epilogues: ``linear``, ``mlp`` and ``swiglu``, and their modules.
 
 Shapes: x (..., K); weight (N, K) in ``torch.nn.Linear`` layout; bias (N,); residual (..., N).
-x, weight and bias share one dtype (fp32, fp16 or bf16); the residual may be wider (the output
-then has the promoted dtype, as ``residual + F.linear(...)`` would), e.g. an fp32 residual
-stream under autocast.
+x, weights and biases share one dtype (fp32, fp16 or bf16); the residual may be wider (the
+output then has the promoted dtype, as ``residual + F.linear(...)`` would), e.g. an fp32
+residual stream under autocast.
 
-Precision: fp32 accumulation everywhere. fp32 inputs run the products in TF32 on the GPU
-(10-bit mantissa, relative error about 1e-3 of the dot products' magnitude, like torch with
-``torch.backends.cuda.matmul.allow_tf32 = True``); the CPU interpreter computes them in IEEE fp32.
+Precision: fp32 accumulation everywhere. fp32 inputs follow torch's matmul precision at call
+time: IEEE fp32 products by default (torch's "highest"), TF32 after
+``torch.set_float32_matmul_precision("high")`` or ``torch.backends.cuda.matmul.allow_tf32 =
+True``.
 
-Saved for backward (only what ``ctx.needs_input_grad`` asks for): the inputs the gradient
-formulas read, and the pre-activation ``x @ W.T + b`` (in x's dtype) when there is an
-activation; the public functions store it only when a gradient will be needed, and the
-backward recomputes it if it was not stored. ``mlp`` writes the hidden activation once (the
-second GEMM reads it; its weight gradient reuses it) and the pre-activation only for backward.
-
-Backward of ``mlp`` (Triton GEMMs): dB2 from deterministic column sums of dY; dW2 = dY^T H;
-dPre = (dY @ W2) * act'(pre) in the GEMM's epilogue, which also emits dB1's partial sums;
-dW1 = dPre^T X; dX = dPre @ W1. Incoming gradients are never written to.
+Each op is a ``torch.library`` op (``fused_block._library``) inside a ``torch.autograd.Function``
+that saves only what ``ctx.needs_input_grad`` asks for and never materializes gradients
+nobody uses:
+- ``linear`` saves x (for dW), the weight (for dX) and, with an activation, the
+  pre-activation. Backward: one elementwise pass for the activation and dropout gradient (with
+  the bias gradient's partial sums), the dX and dW GEMMs; without an activation the bias
+  gradient's partials come from the dW GEMM, which reads dY anyway. One small kernel reduces
+  the partials into the bias's dtype (deterministic, no atomics).
+- ``mlp`` / ``swiglu`` save x and the pre-activation only (for SwiGLU the gate and up
+  projections); the hidden activation is recomputed in the backward's first GEMM. Backward:
+  ``dPre = (dY @ W2) * act'(pre)`` (SwiGLU: dGate and dUp) in one GEMM epilogue that also
+  emits the first bias's partial sums and the recomputed hidden activation; ``dW2 = dY^T H``
+  with the second bias's partials; ``dW1 = dPre^T X``; ``dX = dPre @ W1`` (SwiGLU: the gate
+  and up weights read in place); one reduction for both biases.
 
 Dropout is fused into the epilogues: ``mlp``'s ``dropout_p`` on the hidden activation (the
 first GEMM's epilogue, after the activation), ``output_dropout_p`` on the second GEMM's output
 before the residual add; ``linear``'s ``dropout_p`` after the activation, before the residual.
 Each dropout draws one int64 seed from torch's generator (``_backend.dropout_seed``; for
-``mlp`` the hidden one first), saved for backward; the masks are never stored but regenerated
-from the seeds: the output dropout's gradient ``dY * keep / (1 - p)`` (with dB2's partial sums)
-is one elementwise pass, the hidden dropout's mask rides in the DGELU epilogue, and the stored
-hidden activation (read by dW2) is the dropped one.
+``mlp`` the hidden one first); the masks are never stored but regenerated from the seeds.
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from fused_block import _backend, _validate, reference
+from fused_block import _backend, _library, _validate, reference
+from fused_block.kernels import common
 from fused_block.kernels import matmul as _k
 
 ACTIVATIONS = reference.ACTIVATIONS
+MLP_ACTIVATIONS = reference.MLP_ACTIVATIONS
+# What the FFN's forward keeps for backward: nothing, the pre-activation, or the hidden
+# activation (when only the second layer's weight needs a gradient, or there is no activation).
+SAVE_NONE, SAVE_PRE, SAVE_H = 0, 1, 2
 
 
-def _act(name: str):
-    """Op-schema activation string ("none" for None) to the kernels' name."""
-    return None if name == "none" else name
+def _code(activation: str) -> int:
+    """Op-schema activation string ("none" for None) to the kernels' code."""
+    return _k.ACTIVATIONS[None if activation == "none" else activation]
 
 
-def _empty_like_none(x: Tensor) -> Tensor:
-    return x.new_empty(0)
+def _out_dtype(x, residual):
+    return torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+
+
+def _empty(shape, dtype, device, needed):
+    return common.empty(shape if needed else (0,), dtype, device)
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library ops: forward ops with autograd, and the backward's building blocks
+# torch.library ops on 2-D tensors
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("fused_block::linear_fwd", mutates_args=())
+def _linear_fwd_fake(x, weight, bias, residual, activation, save_pre, seed, dropout_p):
+    shape = (x.shape[0], weight.shape[0])
+    return (x.new_empty(shape, dtype=_out_dtype(x, residual)),
+            x.new_empty(shape if save_pre and activation != "none" else (0,)))
+
+
+@_library.op("linear_fwd", fake=_linear_fwd_fake)
 def _linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
                 activation: str, save_pre: bool, seed: Tensor, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """x (M, K), weight (N, K) -> (out (M, N), pre (M, N) or empty). seed: int64 (1,) when
-    ``dropout_p > 0`` (else unused, may be empty)."""
+    """x (M, K), weight (N, K) -> (out (M, N), pre (M, N), or empty unless saved). seed: int64
+    (1,) when ``dropout_p > 0`` (else unused, may be empty)."""
     store = save_pre and activation != "none"
-    out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    out, pre = _k.matmul(x, weight.t(), bias, _act(activation), residual, store_pre=store,
-                         out_dtype=out_dtype, dropout_p=dropout_p, seed=seed)
-    return out, (pre if pre is not None else _empty_like_none(x))
-
-
-@_linear_fwd.register_fake
-def _(x, weight, bias, residual, activation, save_pre, seed, dropout_p):
-    out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    out = x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
-    pre = x.new_empty((x.shape[0], weight.shape[0])) if save_pre and activation != "none" else x.new_empty(0)
+    out = common.empty((x.shape[0], weight.shape[0]), _out_dtype(x, residual), x.device)
+    pre = _empty(out.shape, x.dtype, x.device, store)
+    with _backend.device_guard(x):
+        _k.gemm(x, weight.t(), out, bias=bias, residual=residual, aux=pre if store else None,
+                store_pre=store, activation=_code(activation), seed=seed, dropout_p=dropout_p)
     return out, pre
 
 
-@torch.library.custom_op("fused_block::mlp_fwd", mutates_args=())
-def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-             residual: Optional[Tensor], activation: str, save_pre: bool, seed: Tensor,
-             dropout_p: float, output_seed: Tensor,
-             output_dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x (M, D), w1 (F, D), w2 (D', F) -> (out (M, D'), pre (M, F) or empty, hidden (M, F)).
-
-    hidden is dropout(act(pre)) with ``seed``; out = dropout(hidden @ w2.T + b2) with
-    ``output_seed``, + residual."""
-    store = save_pre and activation != "none"
-    h, pre = _k.matmul(x, w1.t(), b1, _act(activation), None, store_pre=store,
-                       dropout_p=dropout_p, seed=seed)
-    out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    out, _ = _k.matmul(h, w2.t(), b2, None, residual, out_dtype=out_dtype,
-                       dropout_p=output_dropout_p, seed=output_seed)
-    return out, (pre if pre is not None else _empty_like_none(x)), h
+def _linear_bwd_fake(g, x, weight, pre, seed, activation, dropout_p, need_x, need_w, need_b):
+    M, N = g.shape
+    K = weight.shape[1] if weight is not None else (x.shape[1] if x is not None else 0)
+    return (g.new_empty((M, K) if need_x else (0,)), g.new_empty((N, K) if need_w else (0,)),
+            g.new_empty((N,) if need_b else (0,)))
 
 
-@_mlp_fwd.register_fake
-def _(x, w1, b1, w2, b2, residual, activation, save_pre, seed, dropout_p, output_seed, output_dropout_p):
-    M, F = x.shape[0], w1.shape[0]
-    out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    out = x.new_empty((M, w2.shape[0]), dtype=out_dtype)
-    pre = x.new_empty((M, F)) if save_pre and activation != "none" else x.new_empty(0)
-    return out, pre, x.new_empty((M, F))
-
-
-@torch.library.custom_op("fused_block::matmul", mutates_args=())
-def _matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a (M, K) @ b (K, N), any strides (transposed views need no copy)."""
-    return _k.matmul(a, b)[0]
-
-
-@_matmul.register_fake
-def _(a, b):
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
-@torch.library.custom_op("fused_block::matmul_act_grad", mutates_args=())
-def _matmul_act_grad(a: Tensor, b: Tensor, pre: Tensor, activation: str, want_dbias: bool,
-                     seed: Tensor, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """dPre = (a @ b) * keep / (1 - p) * act'(pre) and its column sums (empty unless
-    ``want_dbias``); the keep factor only when ``dropout_p > 0``."""
-    dpre, db = _k.matmul_act_grad(a, b, pre, _act(activation), dbias=want_dbias,
-                                  dropout_p=dropout_p, seed=seed)
-    return dpre, (db if db is not None else _empty_like_none(a))
-
-
-@_matmul_act_grad.register_fake
-def _(a, b, pre, activation, want_dbias, seed, dropout_p):
-    n = b.shape[1]
-    return a.new_empty((a.shape[0], n)), (a.new_empty(n) if want_dbias else a.new_empty(0))
-
-
-@torch.library.custom_op("fused_block::act_grad", mutates_args=())
-def _act_grad(g: Tensor, pre: Tensor, activation: str, want_dbias: bool, seed: Tensor,
-              dropout_p: float) -> tuple[Tensor, Tensor]:
-    """dPre = g * keep / (1 - p) * act'(pre) (elementwise) and its column sums (empty unless
-    ``want_dbias``); the keep factor only when ``dropout_p > 0``."""
-    dpre, db = _k.act_grad(g, pre, _act(activation), dbias=want_dbias, dropout_p=dropout_p, seed=seed)
-    return dpre, (db if db is not None else _empty_like_none(g))
-
-
-@_act_grad.register_fake
-def _(g, pre, activation, want_dbias, seed, dropout_p):
-    return g.new_empty(g.shape), (g.new_empty(g.shape[1]) if want_dbias else g.new_empty(0))
-
-
-@torch.library.custom_op("fused_block::bias_grad", mutates_args=())
-def _bias_grad(g: Tensor) -> Tensor:
-    """Column sums of g (M, N), reduced deterministically in fp32."""
-    return _k.bias_grad(g)
-
-
-@_bias_grad.register_fake
-def _(g):
-    return g.new_empty(g.shape[1])
-
-
-def _none_if_empty(t):
-    return t if t is not None and t.numel() > 0 else None
-
-
-def _linear_setup_context(ctx, inputs, output):
-    x, weight, bias, residual, activation, save_pre, seed, dropout_p = inputs
-    _, pre = output
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    has_act = activation != "none"
-    need_pre = has_act and (need_x or need_w or need_b)
-    recompute = need_pre and pre.numel() == 0
-    ctx.activation = activation
-    ctx.x_dtype = x.dtype
-    ctx.dropout_p = dropout_p
-    ctx.save_for_backward(
-        x if need_w or recompute else None,
-        weight if need_x or recompute else None,
-        bias if recompute else None,
-        pre if need_pre and not recompute else None,
-        seed if dropout_p > 0 and (need_x or need_w or need_b) else None,
-    )
-    ctx.recompute = recompute
-
-
-def _linear_backward(ctx, dout, _dpre):
-    x, weight, bias, pre, seed = ctx.saved_tensors
-    need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
-    dres = dout if need_r else None
-    g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)  # residual promoted out
-    dx = dw = db = None
-    if need_x or need_w or need_b:
-        if ctx.activation != "none" or ctx.dropout_p > 0:
-            # One elementwise pass: dropout's regenerated mask, act'(pre), dB's partial sums.
-            if ctx.recompute:
-                pre = _linear_fwd(x, weight, bias, None, "none", False, _no_seed(x), 0.0)[0]
-            if seed is None:
-                seed = _no_seed(g)
-            g, db = _act_grad(g, pre if pre is not None else g, ctx.activation, need_b, seed,
-                              ctx.dropout_p)
-            db = db if need_b else None
-        elif need_b:
-            db = _bias_grad(g)
+@_library.op("linear_bwd", fake=_linear_bwd_fake)
+def _linear_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: Optional[Tensor],
+                seed: Optional[Tensor], activation: str, dropout_p: float, need_x: bool, need_w: bool,
+                need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``linear`` from g = dOut (M, N) in x's dtype: (dx (M, K), dw (N, K), db
+    (N,)), each empty unless needed. x is needed for dw, weight for dx, pre when there is an
+    activation, seed when ``dropout_p > 0``."""
+    M, N = g.shape
+    K = weight.shape[1] if weight is not None else (x.shape[1] if x is not None else 0)
+    act = _code(activation)
+    dx = _empty((M, K), g.dtype, g.device, need_x)
+    dw = _empty((N, K), g.dtype, g.device, need_w)
+    db = None
+    with _backend.device_guard(g):
+        dpre, part = g, None
+        if act or dropout_p > 0:
+            # One pass: dropout's regenerated mask, act'(pre), dB's partial sums.
+            dpre, part = _k.act_grad(g, pre, act, dbias=need_b, store_dpre=need_x or need_w, seed=seed,
+                                     dropout_p=dropout_p)
         if need_x:
-            dx = _matmul(g, weight)
+            _k.gemm(dpre, weight, dx)
         if need_w:
-            dw = _matmul(g.t(), x)
-    return dx, dw, db, dres, None, None, None, None
+            rowsum = need_b and part is None  # dB = colsum(dY) from the dW GEMM's reads of dY
+            if rowsum:
+                part = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), N), torch.float32, g.device)
+            _k.gemm(dpre.t(), x, dw, part=part, rowsum=rowsum)
+        elif need_b and part is None:
+            part = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
+        if need_b:
+            db = _k.reduce_partials(part, g.dtype)[0]
+    return dx, dw, db if need_b else g.new_empty(0)
 
 
-_linear_fwd.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+def _ffn_fwd_fake(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
+                  output_seed, output_dropout_p):
+    M, F = x.shape[0], w1.shape[0]
+    width = 2 * F if activation == "swiglu" else F
+    saved = (M, width) if save == SAVE_PRE else ((M, F) if save == SAVE_H else (0,))
+    return x.new_empty((M, w2.shape[0]), dtype=_out_dtype(x, residual)), x.new_empty(saved)
 
 
-def _mlp_setup_context(ctx, inputs, output):
-    x, w1, b1, w2, b2, residual, activation, save_pre, seed, dropout_p, output_seed, output_dropout_p = inputs
-    _, pre, h = output
-    need_x, need_w1, need_b1, need_w2 = ctx.needs_input_grad[:4]
-    need_hidden = need_x or need_w1 or need_b1  # the gradient through the second GEMM
-    need_pre = need_hidden and activation != "none"
-    recompute = need_pre and pre.numel() == 0
-    need_b2 = ctx.needs_input_grad[4]
-    need_g = need_hidden or need_w2 or need_b2  # anything through the second GEMM's output
-    ctx.activation = activation
-    ctx.x_dtype = x.dtype
-    ctx.dropout_p, ctx.output_dropout_p = dropout_p, output_dropout_p
-    ctx.save_for_backward(
-        x if need_w1 or recompute else None,
-        w1 if need_x or recompute else None,
-        b1 if recompute else None,
-        w2 if need_hidden else None,
-        pre if need_pre and not recompute else None,
-        h if need_w2 else None,
-        seed if dropout_p > 0 and need_hidden else None,
-        output_seed if output_dropout_p > 0 and need_g else None,
-    )
-    ctx.recompute = recompute
+@_library.op("ffn_fwd", fake=_ffn_fwd_fake)
+def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor], b1_up: Optional[Tensor],
+             w2: Tensor, b2: Optional[Tensor], residual: Optional[Tensor], activation: str, save: int,
+             seed: Tensor, dropout_p: float, output_seed: Tensor,
+             output_dropout_p: float) -> tuple[Tensor, Tensor]:
+    """x (M, D), w1 (F, D), w2 (D', F) -> (out (M, D'), saved).
+
+    hidden = dropout(act(x @ w1.T + b1)) with ``seed``, or for SwiGLU dropout(silu(x @ w1.T +
+    b1) * (x @ w1_up.T + b1_up)) (one GEMM, two accumulators); out = dropout(hidden @ w2.T +
+    b2) with ``output_seed``, + residual. saved: the pre-activation (M, F), for SwiGLU [gate |
+    up] (M, 2F) (``save == SAVE_PRE``), the hidden activation (``SAVE_H``), or empty.
+    """
+    M, F = x.shape[0], w1.shape[0]
+    swiglu = activation == "swiglu"
+    h = common.empty((M, F), x.dtype, x.device)
+    pre = common.empty((M, 2 * F if swiglu else F), x.dtype, x.device) if save == SAVE_PRE else None
+    out = common.empty((M, w2.shape[0]), _out_dtype(x, residual), x.device)
+    with _backend.device_guard(x):
+        _k.gemm(x, w1.t(), h, b2=w1_up.t() if swiglu else None, bias=b1, bias2=b1_up if swiglu else None,
+                aux=pre, aux2=pre[:, F:] if swiglu and pre is not None else None, store_pre=pre is not None,
+                activation=_code(activation), seed=seed, dropout_p=dropout_p)
+        _k.gemm(h, w2.t(), out, bias=b2, residual=residual, seed=output_seed, dropout_p=output_dropout_p)
+    if save == SAVE_PRE:
+        return out, pre
+    return out, (h if save == SAVE_H else x.new_empty(0))
 
 
-def _no_seed(t):
-    return t.new_empty(0, dtype=torch.int64)
+def _ffn_bwd_fake(g, x, w1, w1_up, w2, saved, seed, output_seed, activation, dropout_p, output_dropout_p,
+                  save, d_in, need_x, need_w1, need_b1, need_w2, need_b2):
+    M, D2 = g.shape
+    F = w2.shape[1]
+    F1 = 2 * F if activation == "swiglu" else F
+    return (g.new_empty((M, d_in) if need_x else (0,)), g.new_empty((F1, d_in) if need_w1 else (0,)),
+            g.new_empty((F1,) if need_b1 else (0,)), g.new_empty((D2, F) if need_w2 else (0,)),
+            g.new_empty((D2,) if need_b2 else (0,)))
 
 
-def _mlp_backward(ctx, dout, _dpre, _dh):
-    x, w1, b1, w2, pre, h, seed, output_seed = ctx.saved_tensors
-    need_x, need_w1, need_b1, need_w2, need_b2, need_r = ctx.needs_input_grad[:6]
-    dres = dout if need_r else None
-    g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)
-    dx = dw1 = db1 = dw2 = db2 = None
-    if output_seed is not None:
-        # Through the output dropout: g * keep / (1 - p) and dB2's partial sums in one pass.
-        g, db2 = _act_grad(g, g, "none", need_b2, output_seed, ctx.output_dropout_p)
-        db2 = db2 if need_b2 else None
-    elif need_b2:
-        db2 = _bias_grad(g)
-    if need_w2:
-        dw2 = _matmul(g.t(), h)
-    if need_x or need_w1 or need_b1:
-        if ctx.recompute:
-            pre = _linear_fwd(x, w1, b1, None, "none", False, _no_seed(x), 0.0)[0]
-        if pre is None:  # no activation: act' = 1 and pre is not read
-            pre = g.new_empty((g.shape[0], w2.shape[1]))
-        dpre, db1 = _matmul_act_grad(g, w2, pre, ctx.activation, need_b1,
-                                     seed if seed is not None else _no_seed(g), ctx.dropout_p)
-        db1 = db1 if need_b1 else None
+@_library.op("ffn_bwd", fake=_ffn_bwd_fake)
+def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Optional[Tensor], w2: Tensor,
+             saved: Optional[Tensor], seed: Optional[Tensor], output_seed: Optional[Tensor], activation: str,
+             dropout_p: float, output_dropout_p: float, save: int, d_in: int, need_x: bool, need_w1: bool,
+             need_b1: bool, need_w2: bool, need_b2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``_ffn_fwd`` from g = dOut (M, D') in x's dtype: (dx (M, d_in), dw1 (F1,
+    d_in), db1 (F1,), dw2 (D', F), db2 (D',)), each empty unless needed; F1 = 2F for SwiGLU
+    (gate rows, then up rows)."""
+    M, D2 = g.shape
+    F = w2.shape[1]
+    swiglu = activation == "swiglu"
+    F1 = 2 * F if swiglu else F
+    need_hidden = need_x or need_w1 or need_b1
+    dt, dev = g.dtype, g.device
+    dx = _empty((M, d_in), dt, dev, need_x)
+    dw1 = _empty((F1, d_in), dt, dev, need_w1)
+    dw2 = _empty((D2, F), dt, dev, need_w2)
+    part1 = part2 = None
+    h = saved if save == SAVE_H else None
+    with _backend.device_guard(g):
+        if output_dropout_p > 0:
+            # Through the output dropout: g * keep / (1 - p) and dB2's partial sums in one pass.
+            g, part2 = _k.act_grad(g, None, 0, dbias=need_b2, store_dpre=need_hidden or need_w2,
+                                   seed=output_seed, dropout_p=output_dropout_p)
+        if need_hidden:
+            dpre = common.empty((M, F1), dt, dev)
+            pre = saved if save == SAVE_PRE else None
+            if need_w2 and h is None:
+                h = common.empty((M, F), dt, dev)  # recomputed from pre in the epilogue
+            if need_b1:
+                part1 = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), F1), torch.float32, dev)
+            _k.gemm(g, w2, dpre, c2=dpre[:, F:] if swiglu else None, aux=pre,
+                    aux2=pre[:, F:] if swiglu else None, hout=h if save == SAVE_PRE and need_w2 else None,
+                    part=part1, seed=seed, dropout_p=dropout_p, activation=_code(activation), act_grad=True)
+        if need_w2:
+            rowsum = need_b2 and part2 is None
+            if rowsum:
+                part2 = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), D2), torch.float32, dev)
+            _k.gemm(g.t(), h, dw2, part=part2, rowsum=rowsum)
+        elif need_b2 and part2 is None:
+            part2 = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_w1:
-            dw1 = _matmul(dpre.t(), x)
+            _k.gemm(dpre.t(), x, dw1)
         if need_x:
-            dx = _matmul(dpre, w1)
-    return dx, dw1, db1, dw2, db2, dres, None, None, None, None, None, None
+            if swiglu:
+                _k.gemm(dpre[:, :F], w1, dx, a2=dpre[:, F:], b2=w1_up)
+            else:
+                _k.gemm(dpre, w1, dx)
+        db1 = db2 = None
+        if need_b1 and need_b2:
+            db1, db2 = _k.reduce_partials(part1, dt, part2)
+        elif need_b1:
+            db1 = _k.reduce_partials(part1, dt)[0]
+        elif need_b2:
+            db2 = _k.reduce_partials(part2, dt)[0]
+    empty = g.new_empty(0)
+    return dx, dw1, db1 if need_b1 else empty, dw2, db2 if need_b2 else empty
 
 
-_mlp_fwd.register_autograd(_mlp_backward, setup_context=_mlp_setup_context)
+# ---------------------------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------------------------
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, activation, seed, dropout_p):
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need = need_x or need_w or need_b
+        save_pre = need and activation != "none"
+        out, pre = _linear_fwd(x, weight, bias, residual, activation, save_pre, seed, dropout_p)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None, pre if save_pre else None,
+                              seed if need and dropout_p > 0 else None)
+        ctx.activation, ctx.dropout_p, ctx.x_dtype = activation, dropout_p, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+        dx = dw = db = None
+        if dout is not None and (need_x or need_w or need_b):
+            x, weight, pre, seed = ctx.saved_tensors
+            g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)  # residual promoted out
+            dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
+                                     need_x, need_w, need_b)
+        return (dx if need_x else None, dw if need_w else None, db if need_b else None,
+                dout if need_r else None, None, None, None)
+
+
+def _gate_up_views(w1, b1):
+    """mlp's SwiGLU layer: w1 (2F, D) and b1 (2F,) as gate and up views (no copy)."""
+    f = w1.shape[0] // 2
+    return w1[:f], w1[f:], *((None, None) if b1 is None else (b1[:f], b1[f:]))
+
+
+class _FFNFn(torch.autograd.Function):
+    """Inputs (x, w1, w1_up, b1, b1_up, w2, b2, residual, ...). ``split_w1``: SwiGLU with w1
+    (2F, D) and b1 (2F,) holding gate then up rows (mlp's layout), passed to the ops as views;
+    otherwise SwiGLU's gate and up come as separate tensors and get views of one gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, dropout_p, output_seed,
+                output_dropout_p, split_w1):
+        ni = ctx.needs_input_grad
+        need_x, need_w1, need_b1, need_w2, need_b2 = ni[0], ni[1] or ni[2], ni[3] or ni[4], ni[5], ni[6]
+        need_hidden = need_x or need_w1 or need_b1
+        if activation != "none" and need_hidden:
+            save = SAVE_PRE
+        else:
+            save = SAVE_H if need_w2 else SAVE_NONE
+        if split_w1:
+            w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
+        out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
+                              output_seed, output_dropout_p)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x if need_w1 else None, w1 if need_x else None, w1_up if need_x else None, w2,
+                              saved if save != SAVE_NONE else None,
+                              seed if need_hidden and dropout_p > 0 else None,
+                              output_seed if output_dropout_p > 0 and (need_hidden or need_w2 or need_b2)
+                              else None)
+        ctx.activation, ctx.save, ctx.split_w1 = activation, save, split_w1
+        ctx.dropout_p, ctx.output_dropout_p = dropout_p, output_dropout_p
+        ctx.x_dtype, ctx.d_in = x.dtype, x.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        ni = ctx.needs_input_grad
+        need_x, need_w1, need_b1, need_w2, need_b2 = ni[0], ni[1] or ni[2], ni[3] or ni[4], ni[5], ni[6]
+        grads = [None] * 14
+        if dout is None:
+            return tuple(grads)
+        if need_x or need_w1 or need_b1 or need_w2 or need_b2:
+            x, w1, w1_up, w2, saved, seed, output_seed = ctx.saved_tensors
+            g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)
+            dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1, w1_up, w2, saved, seed, output_seed, ctx.activation,
+                                              ctx.dropout_p, ctx.output_dropout_p, ctx.save, ctx.d_in,
+                                              need_x, need_w1, need_b1, need_w2, need_b2)
+            grads[0], grads[5], grads[6] = dx, dw2, db2
+            if ctx.activation == "swiglu" and not ctx.split_w1:
+                f = w2.shape[1]
+                grads[1], grads[2] = (dw1[:f], dw1[f:]) if need_w1 else (None, None)
+                grads[3], grads[4] = (db1[:f], db1[f:]) if need_b1 else (None, None)
+            else:
+                grads[1], grads[3] = dw1, db1
+        grads[7] = dout if ni[7] else None
+        return tuple(t if t is not None and ni[i] else None for i, t in enumerate(grads))
 
 
 # ---------------------------------------------------------------------------------------------
 # validation, autocast, public functions
 # ---------------------------------------------------------------------------------------------
 
-def _check_activation(activation):
+def _check_activation(activation, allowed=ACTIVATIONS):
     if activation is not None and not isinstance(activation, str):
         raise TypeError(f"activation must be None or a str, got {type(activation).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation not in allowed:
+        raise ValueError(f"activation must be one of {allowed}, got {activation!r}")
 
 
 def _check_layer(x_name, x, w_name, weight, b_name, bias):
@@ -286,6 +340,20 @@ def _check_layer(x_name, x, w_name, weight, b_name, bias):
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"{w_name} has in_features {weight.shape[1]} (shape {tuple(weight.shape)}) "
                          f"but {x_name}.shape[-1] is {x.shape[-1]}")
+    _validate.shape(b_name, bias, (weight.shape[0],))
+
+
+def _check_second_layer(x, w_name, weight, b_name, bias, hidden, hidden_name):
+    """The FFN's second layer: weight (D', hidden) on x's dtype and device, bias (D',)."""
+    _validate.tensor(w_name, weight, ndim=2)
+    if weight.shape[1] != hidden:
+        raise ValueError(f"{w_name} has in_features {weight.shape[1]} (shape {tuple(weight.shape)}) but "
+                         f"{hidden_name} is {hidden}")
+    _validate.tensor(b_name, bias, ndim=1, optional=True)
+    _validate.same_device("x", x, **{w_name: weight, b_name: bias})
+    for name, t in ((w_name, weight), (b_name, bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}")
     _validate.shape(b_name, bias, (weight.shape[0],))
 
 
@@ -305,7 +373,13 @@ def _autocast(x, *tensors):
 
 
 def _needs_grad(*tensors):
+    """Whether autograd will differentiate the op (else it runs without the autograd Function,
+    saving nothing)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _rows(t, n):
+    return None if t is None else t.reshape(-1, n)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
@@ -326,13 +400,30 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     _check_residual(x, residual, n)
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p)
-    lead = x.shape[:-1]
-    save_pre = activation is not None and _needs_grad(x, weight, bias)
     seed = _backend.dropout_seed(dropout_p, x.device)
-    out, _ = _linear_fwd(x.reshape(-1, x.shape[-1]), weight, bias,
-                         None if residual is None else residual.reshape(-1, n),
-                         activation or "none", save_pre, seed, float(dropout_p))
-    return out.reshape(*lead, n)
+    args = (x.reshape(-1, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none")
+    if _needs_grad(x, weight, bias, residual):
+        out = _LinearFn.apply(*args, seed, float(dropout_p))
+    else:
+        out = _linear_fwd(*args, False, seed, float(dropout_p))[0]
+    return out.view(*x.shape[:-1], n)
+
+
+def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, output_dropout_p, split_w1):
+    n = w2.shape[0]
+    seed = _backend.dropout_seed(dropout_p, x.device)  # the hidden dropout's seed is drawn first
+    output_seed = _backend.dropout_seed(output_dropout_p, x.device)
+    x2, residual = x.reshape(-1, x.shape[-1]), _rows(residual, n)
+    activation = activation or "none"
+    if _needs_grad(x, w1, w1_up, b1, b1_up, w2, b2, residual):
+        out = _FFNFn.apply(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
+                           output_seed, float(output_dropout_p), split_w1)
+    else:
+        if split_w1:
+            w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
+        out = _ffn_fwd(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, SAVE_NONE, seed,
+                       float(dropout_p), output_seed, float(output_dropout_p))[0]
+    return out.view(*x.shape[:-1], n)
 
 
 def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
@@ -342,40 +433,62 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     + dropout in the first's epilogue, bias + dropout + residual in the second's.
 
     x (..., D); w1 (F, D); b1 (F,) or None; w2 (D', F); b2 (D',) or None; residual (..., D').
+    activation None, "gelu", "gelu_tanh", "relu" or "swiglu"; with "swiglu" w1 is (2F, D) and b1
+    (2F,): the gate rows then the up rows, used in place (see :func:`swiglu`).
     dropout_p: on the hidden activation (torch's ``dropout`` in ``_ff_block``);
     output_dropout_p: on the second GEMM's output before the residual add (torch's
     ``dropout2``); both in [0, 1), always applied when > 0 (pass 0 in eval). The hidden
     activation is rounded to x's dtype, as in eager PyTorch. Returns (..., D').
     """
     _validate.tensor("x", x, min_ndim=1)
-    _check_activation(activation)
+    _check_activation(activation, MLP_ACTIVATIONS)
     _validate.probability("dropout_p", dropout_p)
     _validate.probability("output_dropout_p", output_dropout_p)
     x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _check_layer("x", x, "w1", w1, "b1", b1)
-    _validate.tensor("w2", w2, ndim=2)
-    if w2.shape[1] != w1.shape[0]:
-        raise ValueError(f"w2 has in_features {w2.shape[1]} (shape {tuple(w2.shape)}) but w1 has "
-                         f"out_features {w1.shape[0]}")
-    _validate.tensor("b2", b2, ndim=1, optional=True)
-    _validate.same_device("x", x, w2=w2, b2=b2)
-    for name, t in (("w2", w2), ("b2", b2)):
-        if t is not None and t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}")
-    _validate.shape("b2", b2, (w2.shape[0],))
-    n = w2.shape[0]
-    _check_residual(x, residual, n)
+    hidden = w1.shape[0]
+    if activation == "swiglu":
+        if hidden % 2:
+            raise ValueError(f"w1 must have an even out_features (gate rows, then up rows) for swiglu, "
+                             f"got shape {tuple(w1.shape)}")
+        hidden //= 2
+    _check_second_layer(x, "w2", w2, "b2", b2, hidden,
+                        "w1's out_features / 2 (swiglu)" if activation == "swiglu" else "w1's out_features")
+    _check_residual(x, residual, w2.shape[0])
     if not _backend.use_triton(x):
         return reference.mlp(x, w1, b1, w2, b2, activation, residual, dropout_p, output_dropout_p)
-    lead = x.shape[:-1]
-    save_pre = activation is not None and _needs_grad(x, w1, b1)
-    seed = _backend.dropout_seed(dropout_p, x.device)  # the hidden dropout's seed is drawn first
-    output_seed = _backend.dropout_seed(output_dropout_p, x.device)
-    out, _, _ = _mlp_fwd(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2,
-                         None if residual is None else residual.reshape(-1, n),
-                         activation or "none", save_pre, seed, float(dropout_p), output_seed,
-                         float(output_dropout_p))
-    return out.reshape(*lead, n)
+    return _ffn(x, w1, None, b1, None, w2, b2, residual, activation, dropout_p, output_dropout_p,
+                activation == "swiglu")
+
+
+def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Optional[Tensor] = None, *,
+           b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
+           b_down: Optional[Tensor] = None) -> Tensor:
+    """LLaMA's FFN ``(silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down +
+    residual`` in two GEMMs.
+
+    x (..., D); w_gate, w_up (F, D) (Hugging Face's gate_proj / up_proj weights, read in place:
+    the gate and up products are one GEMM with two accumulators and the SiLU-multiply in its
+    epilogue); w_down (D', F); biases (F,), (F,), (D',) or None; residual (..., D') or None.
+    The gate and up projections are rounded to x's dtype before the SiLU-multiply, as eager
+    PyTorch computes them. Backward: dGate and dUp in the epilogue of ``dH = dY @ w_down``,
+    then dW_gate/dW_up in one GEMM and dX reading both weights in place. Returns (..., D').
+    """
+    _validate.tensor("x", x, min_ndim=1)
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down = _autocast(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
+    _check_layer("x", x, "w_up", w_up, "b_up", b_up)
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    _check_second_layer(x, "w_down", w_down, "b_down", b_down, w_gate.shape[0], "w_gate's out_features")
+    _check_residual(x, residual, w_down.shape[0])
+    if not _backend.use_triton(x):
+        return reference.swiglu(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down)
+    if (b_gate is None) != (b_up is None):
+        # One kernel adds both biases or neither: a missing one is a zero vector.
+        b_gate = b_gate if b_gate is not None else torch.zeros_like(b_up)
+        b_up = b_up if b_up is not None else torch.zeros_like(b_gate)
+    return _ffn(x, w_gate, w_up, b_gate, b_up, w_down, b_down, residual, "swiglu", 0.0, 0.0, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,18 +518,19 @@ class MLP(torch.nn.Module):
     """The feed-forward block ``linear2(act(linear1(x)))`` (+ residual) of a Transformer layer.
 
     Parameters are named like ``torch.nn.TransformerEncoderLayer``'s: ``linear1`` (d_model ->
-    dim_feedforward) and ``linear2`` (dim_feedforward -> d_model), so their state dict keys
-    match. ``dropout`` is applied, as in torch's layer, to the hidden activation and to the
-    block's output (before the residual add), both fused into the GEMM epilogues; only in
-    training mode.
+    dim_feedforward; 2 * dim_feedforward for ``activation="swiglu"``: gate rows then up rows)
+    and ``linear2`` (dim_feedforward -> d_model), so their state dict keys match. ``dropout``
+    is applied, as in torch's layer, to the hidden activation and to the block's output
+    (before the residual add), both fused into the GEMM epilogues; only in training mode.
     """
 
     def __init__(self, d_model: int, dim_feedforward: int, activation: Optional[str] = "gelu",
                  bias: bool = True, dropout: float = 0.0, device=None, dtype=None):
         super().__init__()
-        _check_activation(activation)
+        _check_activation(activation, MLP_ACTIVATIONS)
         _validate.probability("dropout", dropout)
-        self.linear1 = torch.nn.Linear(d_model, dim_feedforward, bias, device=device, dtype=dtype)
+        width = 2 * dim_feedforward if activation == "swiglu" else dim_feedforward
+        self.linear1 = torch.nn.Linear(d_model, width, bias, device=device, dtype=dtype)
         self.linear2 = torch.nn.Linear(dim_feedforward, d_model, bias, device=device, dtype=dtype)
         self.activation = activation
         self.dropout = dropout

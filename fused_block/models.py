@@ -1,15 +1,20 @@
-"""Small nanoGPT-style models built from the fused blocks: the three Transformer families.
+"""Small nanoGPT-style models built from the fused blocks: the three Transformer families and
+a LLaMA-like decoder.
 
 - :class:`EncoderOnly` (BERT-like): bidirectional self-attention, Post-LN, masked-LM head.
 - :class:`DecoderOnly` (GPT-like): causal self-attention, Pre-LN, tied embeddings.
 - :class:`EncoderDecoder` (the original Transformer): Post-LN encoder and decoder with
   cross-attention, sinusoidal positions, shared and tied embeddings.
+- :class:`LlamaLike` (the architecture most open models now share): Pre-RMSNorm blocks with
+  rotary position embeddings, grouped-query attention and a SwiGLU FFN, no biases, untied
+  LM head. Built from the fused layers only (torch's layers have no RoPE).
 
 Each takes a config dataclass and ``fused=True``; ``fused=False`` builds the same model on
 ``torch.nn``'s layers (same parameter names), which :func:`fused_block.convert` turns into the
 fused one. :func:`param_count` splits the parameters per block into attention (about
 ``4 d^2``) and FFN (about ``8 d^2``), and checks them against the estimate ``12 N d^2`` plus
-embeddings: GPT-2 small (d=768, N=12) has about 85M parameters in blocks, 124M in all.
+embeddings: GPT-2 small (d=768, N=12) has about 85M parameters in blocks, 124M in all; the
+LLaMA-like default (TinyLlama-1.1B's shape) has 1.10B.
 """
 import math
 from dataclasses import dataclass
@@ -280,7 +285,8 @@ class BlockCount:
     ffn: int        # linear1 + linear2, ~2 d d_ff = 8 d^2 at d_ff = 4d
     norm: int
     total: int
-    estimate: int   # 4 d^2 per attention + 2 d d_ff, the seeds' rule without biases and norms
+    estimate: int   # 4 d^2 per attention (2 d^2 + 2 d d_kv with GQA) + the FFN's matrices
+    #                 (2 d d_ff; 3 d d_ff for SwiGLU), the seeds' rule without biases and norms
 
 
 @dataclass
@@ -301,7 +307,7 @@ class ParamCount:
             lines.append(f"{len(bs):>3} blocks of: attention {attn:,}  ffn {ffn:,}  norm {norm:,}  total {tot:,}")
         lines += [f"{'in blocks':>12}: {self.in_blocks:,}", f"{'embeddings':>12}: {self.embeddings:,}",
                   f"{'other':>12}: {self.other:,}", f"{'total':>12}: {self.total:,}",
-                  f"{'estimate':>12}: {self.estimate:,}  (4d^2 per attention + 2 d d_ff per FFN + embeddings)"]
+                  f"{'estimate':>12}: {self.estimate:,}  (4d^2 per attention + the FFN's matrices + embeddings)"]
         return "\n".join(lines)
 
 
@@ -327,9 +333,11 @@ def param_count(model: nn.Module) -> ParamCount:
         attention = _numel(p for a in attns for p in a.parameters())
         ffn = _numel(list(m.linear1.parameters()) + list(m.linear2.parameters()))
         norm = _numel(p for n in norms for p in n.parameters())
-        d, d_ff = m.linear1.in_features, m.linear1.out_features
+        d = m.linear1.in_features
+        d_kv = sum(a.head_dim * getattr(a, "num_kv_heads", a.num_heads) for a in attns)
         per_block.append(BlockCount(attention, ffn, norm, _numel(m.parameters()),
-                                    4 * d * d * len(attns) + 2 * d * d_ff))
+                                    2 * d * d * len(attns) + 2 * d * d_kv
+                                    + d * (m.linear1.out_features + m.linear2.in_features)))
         in_block_ids.update(id(p) for p in m.parameters())
     unique = {id(p): p for p in model.parameters()}
     emb_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
@@ -338,6 +346,63 @@ def param_count(model: nn.Module) -> ParamCount:
     total = sum(p.numel() for p in unique.values())
     return ParamCount(per_block, in_blocks, embeddings, total - in_blocks - embeddings, total,
                       sum(b.estimate for b in per_block) + embeddings)
+
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA-like (decoder-only with RoPE, GQA, SwiGLU)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class LlamaLikeConfig:
+    """TinyLlama-1.1B's shape by default (1,100,048,384 parameters): LLaMA 2's architecture at
+    d_model 2048, 22 layers, 32 query heads sharing 4 KV heads, SwiGLU width 5632."""
+    vocab_size: int = 32000
+    block_size: int = 2048
+    n_layer: int = 22
+    n_head: int = 32
+    num_kv_heads: int | None = 4
+    d_model: int = 2048
+    dim_feedforward: int = 5632  # SwiGLU's F: gate and up are (F, d), down is (d, F)
+    rope_base: float = 10000.0
+    rope_interleaved: bool = False  # Hugging Face's half-split layout
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+
+
+class LlamaLike(nn.Module):
+    """LLaMA-style language model: token embedding, Pre-RMSNorm blocks (RoPE self-attention with
+    GQA, SwiGLU FFN, no biases), a final RMSNorm and an untied LM head."""
+
+    def __init__(self, config: LlamaLikeConfig):
+        super().__init__()
+        self.config = c = config
+        import fused_block
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.blocks = nn.ModuleList(
+            blocks.TransformerEncoderLayer(c.d_model, c.n_head, c.dim_feedforward, dropout=c.dropout,
+                                           activation="swiglu", layer_norm_eps=c.norm_eps, batch_first=True,
+                                           norm_first=True, bias=False, norm="rms", num_kv_heads=c.num_kv_heads,
+                                           rope=True, rope_base=c.rope_base, rope_interleaved=c.rope_interleaved)
+            for _ in range(c.n_layer))
+        self.norm = fused_block.RMSNorm(c.d_model, eps=c.norm_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.apply(_gpt_init)
+        for blk in self.blocks:
+            for lin in (blk.self_attn.out_proj, blk.linear2):
+                nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * c.n_layer))
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) int64 -> logits (B, T, vocab), and the mean cross-entropy if targets."""
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"idx: sequence length {T} exceeds block_size {self.config.block_size}")
+        x = self.embed(idx)  # (B, T, d); positions enter through RoPE in every block
+        for blk in self.blocks:
+            x = blk(x, is_causal=True)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
 def estimate_params(d_model: int, n_layer: int, vocab_size: int = 0, n_positions: int = 0) -> int:

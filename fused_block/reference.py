@@ -124,6 +124,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
 # ---------------------------------------------------------------------------------------------
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
+MLP_ACTIVATIONS = ACTIVATIONS + ("swiglu",)  # swiglu: a gated FFN, not an elementwise function
 
 
 def activation(x, name):
@@ -169,8 +170,77 @@ def mlp(x, w1, b1, w2, b2, activation_name="gelu", residual=None, dropout_p=0.0,
     """``dropout2(linear2(dropout(act(linear1(x))))) + residual``; the hidden activation (after
     its dropout) is rounded to x's dtype. ``dropout_mask`` (hidden's shape) and
     ``output_dropout_mask`` (the output's shape), bool with True = kept, replace the random masks.
+    ``activation_name="swiglu"``: w1 (2F, D) and b1 (2F,) hold the gate rows then the up rows
+    (see :func:`swiglu`).
     """
+    if activation_name == "swiglu":
+        f = w1.shape[0] // 2
+        return swiglu(x, w1[:f], w1[f:], w2, residual, b_gate=None if b1 is None else b1[:f],
+                      b_up=None if b1 is None else b1[f:], b_down=b2, dropout_p=dropout_p,
+                      output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
+                      output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype)
     h = linear(x, w1, b1, activation_name, None, dropout_p, dropout_mask=dropout_mask,
                compute_dtype=compute_dtype)
     return linear(h, w2, b2, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
                   compute_dtype=compute_dtype)
+
+
+def swiglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None, dropout_p=0.0,
+           output_dropout_p=0.0, dropout_mask=None, output_dropout_mask=None, compute_dtype=None):
+    """LLaMA's FFN: ``dropout2((dropout(silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up))) @
+    w_down.T + b_down) + residual``; weights in ``torch.nn.Linear`` layout.
+
+    The gate and up projections are rounded to x's dtype before the SiLU-multiply, and the
+    hidden activation after it, as eager PyTorch (Hugging Face's ``LlamaMLP``) computes them.
+    Masks as in :func:`mlp`.
+    """
+    cdt = _compute_dtype(x.dtype, compute_dtype)
+    xc = x.to(cdt)
+    gate = F.linear(xc, w_gate.to(cdt), _cast(b_gate, cdt)).to(x.dtype).to(cdt)
+    up = F.linear(xc, w_up.to(cdt), _cast(b_up, cdt)).to(x.dtype).to(cdt)
+    h = _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
+    return linear(h, w_down, b_down, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
+                  compute_dtype=compute_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary position embeddings
+# ---------------------------------------------------------------------------------------------
+
+def rope_cos_sin(positions=None, inv_freq=None, cos=None, sin=None, scale=1.0, interleaved=False, *,
+                 dtype=torch.float32):
+    """Per-pair ``(cos, sin)`` of shape (B or 1, L, D_rot / 2) in ``dtype``.
+
+    From positions: angles ``positions * inv_freq`` rounded to fp32 (Hugging Face's rotary
+    modules compute them so; it is part of the definition), cos/sin in ``dtype`` promoted to at
+    least fp32, times ``scale``, then rounded to ``dtype``. From tables: the pair's first entry.
+    """
+    if positions is not None:
+        angle = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+        wide = torch.promote_types(dtype, torch.float32)
+        angle = angle.to(wide)
+        return (torch.cos(angle) * scale).to(dtype), (torch.sin(angle) * scale).to(dtype)
+    first = slice(0, None, 2) if interleaved else slice(0, cos.shape[-1] // 2)
+    return cos[..., first].to(dtype), sin[..., first].to(dtype)
+
+
+def rope(q, k, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0, interleaved=False,
+         compute_dtype=None):
+    """Rotary embeddings on q (B, L, Hq, D) and k (B, L, Hk, D); see :func:`fused_block.rope`.
+
+    Pairs are (i, i + D_rot/2) (half-split) or (2i, 2i + 1) (interleaved); dims past D_rot are
+    copied. Returns ``(q_out, k_out)`` in the inputs' dtype.
+    """
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    c, s = rope_cos_sin(positions, inv_freq, cos, sin, scale, interleaved, dtype=cdt)
+    c, s = c[:, :, None, :], s[:, :, None, :]  # (B or 1, L, 1, D_rot / 2): broadcast over heads
+    rot = 2 * c.shape[-1]
+
+    def rotate(x):
+        xr, rest = x.to(cdt)[..., :rot], x.to(cdt)[..., rot:]
+        x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :rot // 2], xr[..., rot // 2:])
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
+        return torch.cat((out, rest), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)

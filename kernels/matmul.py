@@ -1,27 +1,41 @@
-"""GEMM with a fused epilogue (bias, activation, residual), and the activation's backward.
+"""GEMMs with fused epilogues for linear layers and feed-forward blocks, forward and backward.
 
-``C = act(A @ B + bias) + residual`` with A (M, K) and B (K, N) given by arbitrary strides, so
-``x @ W.T``, ``dPre @ W`` and ``dY.T @ X`` all run without a copy. Accumulation is fp32; the
-epilogue works on the fp32 tile in registers and casts once when it stores.
+One kernel body, ``_gemm_kernel``, computes ``C = epilogue(A @ B)`` with A (M, K) and B (K, N)
+given by strides (``x @ W.T``, ``dPre @ W`` and ``dY.T @ X`` run without copies), fp32
+accumulation, and constexpr switches for everything else:
 
-- Forward epilogue: ``+ bias`` (per column), optional store of the pre-activation (what the
-  backward needs), activation (none, erf GELU, tanh GELU, ReLU), dropout (``HAS_DROPOUT``),
-  ``+ residual``.
-- Dropout: element (row, col) of the (M, N) output is kept when ``tl.rand(seed + row, col) >=
-  p`` (row int64, col int32; the formula of the norm kernels) and kept values are scaled by
-  ``1 / (1 - p)``. The mask is never stored: the backward regenerates it from the seed, and
+- Main loop. ``USE_TMA``: tensor-descriptor (TMA) loads, for operands with one unit stride and
+  16-byte aligned base and leading stride; otherwise pointer loads (``cp.async`` pipelining on
+  sm_80, and the fallback for unaligned views on sm_90). Persistent grid (``min(SMs, tiles)``
+  programs walking the tiles in grouped order, GROUP_M row tiles per group for L2 reuse) on
+  sm_90 with the tile loop flattened into the K loop so the next tile's loads overlap this
+  tile's epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80.
+  ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
+  gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
+  a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
+- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 16 columns with
+  dropout) so its temporaries do not cut into the pipeline's registers. Stores (and the
+  residual / pre-activation loads) use tensor descriptors when ``TMA_EPI``.
+  Forward: ``+ bias``; the pre-activation rounded to the input dtype (as eager PyTorch
+  rounds a linear's output before its activation) and stored when ``STORE_PRE``; activation
+  (none, erf GELU, tanh GELU, ReLU, or SwiGLU ``silu(gate) * up``); dropout; ``+ residual``.
+  Gradient (``ACT_GRAD``, cuBLASLt's DGELU): ``dPre = (A @ B) * keep / (1 - p) * act'(pre)``
+  (SwiGLU: ``dGate`` and ``dUp`` from the saved gate and up), the bias gradient's column sums
+  per ``PARTIAL_ROWS`` rows (``HAS_DBIAS``), and with ``STORE_H`` the hidden activation
+  recomputed from pre (the forward saves pre only; the weight gradient of the next layer reads
+  this). ``ROWSUM``: row sums of A per ``PARTIAL_ROWS`` columns, so the weight-gradient GEMM
+  ``dY.T @ X`` also yields the bias gradient ``colsum(dY)``'s partials. Partial sums are
+  reduced in a fixed order by ``_reduce_kernel``: deterministic, no atomics.
+- Dropout: element (row, col) of an (M, N) output is kept when word ``(col % 64) // 16`` of
+  ``philox(seed, counter=(col // 64) * 16 + col % 16, row)`` is at least ``p * 2^32``; one
+  Philox call thus serves four elements, and the mask is a function of (seed, row, col) only,
+  so every tile shape and kernel regenerates the same mask. Kept values are scaled by
+  ``1 / (1 - p)``. The mask is never stored: gradients regenerate it, and
   :func:`dropout_mask` materializes it for tests.
-- Gradient epilogue (``ACT_GRAD``, cuBLASLt's DGELU): ``dPre = (A @ B) * keep / (1 - p) *
-  act'(pre)`` (the keep factor only with ``HAS_DROPOUT``) is stored,
-  and the column sums of dPre over each 64-row slice of the tile go to an fp32 buffer
-  (``PARTIAL_ROWS`` rows of dPre per buffer row), which the launcher reduces; the bias
-  gradient is thus deterministic, without atomics, and independent of the tile chosen.
-- Program order is grouped (``GROUP_M`` row tiles share a column tile) for L2 reuse. Rows and
-  columns past the edge wrap around inside the main loop (valid addresses, results never
-  stored), so only K needs masks, and not even K when it is a multiple of ``BLOCK_K``.
-- Row offsets are int64, so tensors past 2^31 elements work.
-- fp32 operands: on the GPU ``tl.dot`` runs them in TF32 (about 1e-3 relative error per
-  product, like torch with ``allow_tf32=True``); the interpreter computes them in IEEE fp32.
+- Products: fp16/bf16 on tensor cores (wgmma on sm_90); fp32 follows ``PRECISION``: "ieee"
+  (torch's default: full fp32 products) or "tf32" (torch's ``allow_tf32``). The interpreter
+  computes every product exactly in fp32.
+- Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
 import torch
 import triton
@@ -29,17 +43,23 @@ import triton.language as tl
 
 from fused_block.kernels import common
 
-ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
-# Rows of dPre summed into one row of the bias-gradient partial buffer. Every BLOCK_M is a
-# multiple of it, so the buffer's layout does not depend on the autotuned tile.
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu": 4}
+SWIGLU = 4
+# Rows of dPre (columns of A for ROWSUM) summed into one row of a bias-gradient partial buffer.
+# Every BLOCK_M is a multiple of it, so the buffer's layout does not depend on the tile chosen.
 PARTIAL_ROWS = 64
 GROUP_M = 8
+DROP_GROUP = 64  # columns served by one Philox call per row (4 words x 16 columns)
 
 _SQRT_1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _TANH_K0 = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 _TANH_K1 = tl.constexpr(0.044715)
 
+
+# ---------------------------------------------------------------------------------------------
+# elementwise pieces of the epilogues
+# ---------------------------------------------------------------------------------------------
 
 @triton.jit
 def _act(x, ACTIVATION: tl.constexpr):
@@ -75,12 +95,32 @@ def _act_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _keep(seed, rows, cols, dropout_p):
-    """Dropout keep-mask of the (rows, cols) piece: ``tl.rand(seed + row, col) >= p``.
+def _drop_words(seed, rows64, c64):
+    """Four uint32 Philox words for rows ``rows64`` (int64) and the 64 columns from ``c64`` (a
+    multiple of 64): word q serves columns ``c64 + 16 q + j``, j < 16 (see the module doc)."""
+    BM: tl.constexpr = rows64.shape[0]
+    cnt = c64 // 4 + tl.arange(0, 16)
+    c0 = tl.broadcast_to(cnt[None, :], (BM, 16))
+    c1 = tl.broadcast_to(rows64.to(tl.int32)[:, None], (BM, 16))  # low 32 bits of the row
+    c2 = tl.broadcast_to((rows64 >> 32).to(tl.int32)[:, None], (BM, 16))
+    return tl.philox(seed, c0, c1, c2, tl.zeros((BM, 16), tl.int32))
 
-    rows int64 (absolute row index), cols int32 (absolute column index).
-    """
-    return tl.rand(seed + rows[:, None], cols[None, :]) >= dropout_p
+
+@triton.jit
+def _keep(word, drop_thresh):
+    """Keep-mask from a Philox word: ``word >= p * 2^32`` compared on 31 bits (int32)."""
+    return (word >> 1).to(tl.int32) >= drop_thresh
+
+
+@triton.jit
+def _keep64(words, drop_thresh):
+    """The (rows, 64) keep-mask from :func:`_drop_words`'s four words: word q on columns
+    16 q .. 16 q + 15 (the inverse of splitting a tile in halves twice)."""
+    k01 = tl.reshape(tl.permute(tl.join(_keep(words[0], drop_thresh), _keep(words[1], drop_thresh)), (0, 2, 1)),
+                     (words[0].shape[0], 32))
+    k23 = tl.reshape(tl.permute(tl.join(_keep(words[2], drop_thresh), _keep(words[3], drop_thresh)), (0, 2, 1)),
+                     (words[0].shape[0], 32))
+    return tl.reshape(tl.permute(tl.join(k01, k23), (0, 2, 1)), (words[0].shape[0], 64))
 
 
 @triton.jit
@@ -92,119 +132,176 @@ def _halves(acc):
 
 
 @triton.jit
-def _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N,
-              stride_cm, stride_cn, stride_bias, stride_rm, stride_rn, stride_xm, stride_xn, pid_m,
-              seed, row0, dropout_p,
-              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              STORE_PRE: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_DBIAS: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
+def _pieces(acc, SPLIT: tl.constexpr):
+    """``acc``'s columns as a tuple of SPLIT (1, 2 or 4) equal slices, left to right."""
+    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4)
+    if SPLIT == 1:
+        res = (acc,)
+    else:
+        lo, hi = _halves(acc)
+        if SPLIT == 2:
+            res = (lo, hi)
+        else:
+            q0, q1 = _halves(lo)
+            q2, q3 = _halves(hi)
+            res = (q0, q1, q2, q3)
+    return res
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc + a @ b``; fp32 operands at ``PRECISION``; the interpreter computes exactly in fp32
+    (it keeps bf16 as raw bits, so low-precision operands are upcast there)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _io_load(src, row0, rm, rn, mask, stride_m, stride_n, EVEN: tl.constexpr):
+    """The fp32 (rm, rn) piece at row row0 of ``src`` (a pointer). Epilogue inputs use pointer
+    loads even when the outputs use descriptors: a descriptor load waits for its data where it
+    is issued, one round trip per slice, while pointer loads of later slices are in flight
+    while earlier ones compute."""
+    ptrs = src + row0.to(tl.int64) * stride_m + (rm[:, None] * stride_m + rn[None, :] * stride_n)
+    if EVEN:
+        return tl.load(ptrs).to(tl.float32)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _io_store(dst, val, row0, col, rm, rn, mask, stride_m, TMA: tl.constexpr, EVEN: tl.constexpr,
               INTERPRET: tl.constexpr):
-    """Finish one fp32 (rows, columns rn) piece of the tile. C, RES and AUX already point at
-    the tile's first row and rm counts rows from there, so the offsets stay int32; the dropout
-    mask uses the absolute row ``row0 + rm`` (int64)."""
+    """Store the fp32 piece ``val`` at (row0, col), rounded to the destination's dtype (unit
+    column stride), through a tensor descriptor (clipped at the edges; asynchronous) or a
+    pointer with masks."""
+    if TMA:
+        dst.store([row0, col], common.cast(val, dst.dtype, INTERPRET))
+    else:
+        ptrs = dst + row0.to(tl.int64) * stride_m + (rm[:, None] * stride_m + rn[None, :])
+        v = common.cast(val, dst.dtype.element_ty, INTERPRET)
+        if EVEN:
+            tl.store(ptrs, v)
+        else:
+            tl.store(ptrs, v, mask=mask)
+
+
+@triton.jit
+def _col_partials(d, PART, col_off, pid_m, rn, mask_m, mask_n, M, stride_p, PARTIAL_ROWS: tl.constexpr):
+    """Column sums of the fp32 piece d per PARTIAL_ROWS rows into PART[pid_m * SLICES + s,
+    col_off + rn] (rows past M excluded)."""
+    BM: tl.constexpr = d.shape[0]
+    SLICES: tl.constexpr = BM // PARTIAL_ROWS
+    dd = tl.where(mask_m[:, None], d, 0.0)
+    part = tl.sum(tl.reshape(dd, (SLICES, PARTIAL_ROWS, d.shape[1])), axis=1)
+    rp = pid_m * SLICES + tl.arange(0, SLICES)
+    p_mask = (rp < tl.cdiv(M, PARTIAL_ROWS))[:, None] & mask_n[None, :]
+    tl.store(PART + rp.to(tl.int64)[:, None] * stride_p + (col_off + rn)[None, :], part, mask=p_mask)
+
+
+@triton.jit
+def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
+          C, C2, BIAS, BIAS2, RES, AUX, AUX2, AUX_OUT, AUX2_OUT, HOUT, PART,
+          stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
+          IN_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr,
+          HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr,
+          STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+          TMA_EPI: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
+          INTERPRET: tl.constexpr):
+    """The epilogue on one column slice ``acc`` (rows row0.., columns col..) of the tile;
+    ``acc2`` is the up projection's slice for SwiGLU, ``keep`` the slice's dropout mask. Inputs
+    (RES, AUX, AUX2 in backward) are pointers; outputs (C, C2, AUX_OUT, AUX2_OUT, HOUT) are
+    descriptors when ``TMA_EPI``."""
+    BM: tl.constexpr = acc.shape[0]
+    W: tl.constexpr = acc.shape[1]
+    rm = tl.arange(0, BM)
+    rn = col + tl.arange(0, W)
+    mask_m = rm < M - row0
     mask_n = rn < N
     mask = mask_m[:, None] & mask_n[None, :]
-    c_ptrs = C + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    x_ptrs = AUX + rm[:, None] * stride_xm + rn[None, :] * stride_xn
     if ACT_GRAD:
         if HAS_DROPOUT:
-            keep = _keep(seed, row0 + rm, rn, dropout_p)
-            acc = tl.where(keep, acc * (1.0 / (1.0 - dropout_p)), 0.0)
-        if ACTIVATION != 0:
-            if EVEN_MN:
-                pre = tl.load(x_ptrs).to(tl.float32)
-            else:
-                pre = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-            acc = acc * _act_grad(pre, ACTIVATION)
-        if EVEN_MN:
-            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET))
+            acc = tl.where(keep, acc * drop_scale, 0.0)
+        if ACTIVATION == 4:
+            g = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
+            u = _io_load(AUX2, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
+            s = tl.sigmoid(g)
+            silu = g * s
+            dg = acc * u * (s * (1.0 + g * (1.0 - s)))
+            du = acc * silu
+            _io_store(C, dg, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
+            _io_store(C2, du, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
+            if HAS_DBIAS:
+                _col_partials(dg, PART, 0, pid_m, rn, mask_m, mask_n, M, stride_p, PARTIAL_ROWS)
+                _col_partials(du, PART, N, pid_m, rn, mask_m, mask_n, M, stride_p, PARTIAL_ROWS)
+            if STORE_H:
+                h = silu * u
+                if HAS_DROPOUT:
+                    h = tl.where(keep, h * drop_scale, 0.0)
+                _io_store(HOUT, h, row0, col, rm, rn, mask, N, TMA_EPI, EVEN_MN, INTERPRET)
         else:
-            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET), mask=mask)
-        if HAS_DBIAS:
-            BLOCK_M: tl.constexpr = acc.shape[0]
-            SLICES: tl.constexpr = BLOCK_M // PARTIAL_ROWS
-            d = tl.where(mask_m[:, None], acc, 0.0)  # clamped rows past M must not count
-            part = tl.sum(tl.reshape(d, (SLICES, PARTIAL_ROWS, acc.shape[1])), axis=1)
-            rp = pid_m * SLICES + tl.arange(0, SLICES)
-            p_mask = (rp < tl.cdiv(M, PARTIAL_ROWS))[:, None] & mask_n[None, :]
-            tl.store(PART + rp.to(tl.int64)[:, None] * N + rn[None, :], part, mask=p_mask)
+            if ACTIVATION != 0:
+                pre = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
+                acc = acc * _act_grad(pre, ACTIVATION)
+                if STORE_H:
+                    h = _act(pre, ACTIVATION)
+                    if HAS_DROPOUT:
+                        h = tl.where(keep, h * drop_scale, 0.0)
+                    _io_store(HOUT, h, row0, col, rm, rn, mask, N, TMA_EPI, EVEN_MN, INTERPRET)
+            _io_store(C, acc, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
+            if HAS_DBIAS:
+                _col_partials(acc, PART, 0, pid_m, rn, mask_m, mask_n, M, stride_p, PARTIAL_ROWS)
     else:
         if HAS_BIAS:
-            acc += tl.load(BIAS + rn * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if ACTIVATION == 4:
+                acc2 += tl.load(BIAS2 + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != 0:
+            # Rounded as eager rounds a linear's output, and as the backward reads it back.
+            acc = common.cast(acc, IN_DTYPE, INTERPRET).to(tl.float32)
+            if ACTIVATION == 4:
+                acc2 = common.cast(acc2, IN_DTYPE, INTERPRET).to(tl.float32)
         if STORE_PRE:
-            if EVEN_MN:
-                tl.store(x_ptrs, common.cast(acc, AUX.dtype.element_ty, INTERPRET))
-            else:
-                tl.store(x_ptrs, common.cast(acc, AUX.dtype.element_ty, INTERPRET), mask=mask)
-        if HAS_DROPOUT:  # before the activation: Philox's state dies before its temporaries live
-            keep = _keep(seed, row0 + rm, rn, dropout_p)
-        acc = _act(acc, ACTIVATION)
-        if HAS_DROPOUT:
-            acc = tl.where(keep, acc * (1.0 / (1.0 - dropout_p)), 0.0)
-        if HAS_RESIDUAL:
-            r_ptrs = RES + rm[:, None] * stride_rm + rn[None, :] * stride_rn
-            if EVEN_MN:
-                acc += tl.load(r_ptrs).to(tl.float32)
-            else:
-                acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if EVEN_MN:
-            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET))
+            _io_store(AUX_OUT, acc, row0, col, rm, rn, mask, stride_xm, TMA_EPI, EVEN_MN, INTERPRET)
+            if ACTIVATION == 4:
+                _io_store(AUX2_OUT, acc2, row0, col, rm, rn, mask, stride_xm, TMA_EPI, EVEN_MN, INTERPRET)
+        if ACTIVATION == 4:
+            y = acc * tl.sigmoid(acc) * acc2
         else:
-            tl.store(c_ptrs, common.cast(acc, C.dtype.element_ty, INTERPRET), mask=mask)
+            y = _act(acc, ACTIVATION)
+        if HAS_DROPOUT:
+            y = tl.where(keep, y * drop_scale, 0.0)
+        if HAS_RESIDUAL:
+            y += _io_load(RES, row0, rm, rn, mask, stride_rm, stride_rn, EVEN_MN)
+        _io_store(C, y, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
 
 
-@triton.jit(do_not_specialize=["M_BUCKET"])
-def _matmul_kernel(
-    A, B, C, BIAS, RES, AUX, PART, SEED,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    stride_bias, stride_rm, stride_rn, stride_xm, stride_xn,
-    M_BUCKET,  # autotune key only: M rounded up to a power of two
-    dropout_p,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    STORE_PRE: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    DROP_SPLIT: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """One (BLOCK_M, BLOCK_N) tile of C = epilogue(A @ B).
+# ---------------------------------------------------------------------------------------------
+# main loops
+# ---------------------------------------------------------------------------------------------
 
-    Forward (``ACT_GRAD`` off): C = act(A @ B + BIAS) + RES; AUX receives A @ B + BIAS when
-    ``STORE_PRE``. Gradient (``ACT_GRAD`` on): AUX is the saved pre-activation, C = (A @ B) *
-    act'(AUX), and with ``HAS_DBIAS`` PART (cdiv(M, PARTIAL_ROWS), N) fp32 gets C's column
-    sums per PARTIAL_ROWS rows. The epilogue runs on EPI_SPLIT column slices of the tile in
-    turn (DROP_SPLIT with dropout, whose Philox state is four words per element), which keeps
-    its temporaries small next to a 128x256 accumulator. With
-    ``HAS_DROPOUT`` the int64 seed at SEED drops elements after the activation (forward) or
-    scales the product by the regenerated keep / (1 - dropout_p) (gradient).
+@triton.jit
+def _loop_ptr(acc, acc2, A, B, B2, row0, col0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+              DUAL_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc += A[row0:, :K] @ B[:K, col0:] (and acc2 with B2 when DUAL_N), pointer loads.
+
+    Rows/columns past the edge wrap around to the tile's first ones: loads need no masks along
+    M and N (what those rows/columns produce is never stored), and the modulo keeps the
+    compiler's contiguity facts, so loads stay vectorized and pipelined. Only K is masked,
+    and not even K when it is a multiple of BLOCK_K.
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles walk the column tiles together, so B's tiles stay in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    # The tile's first row/column go in int64 into the scalar base pointers; in-tile offsets
-    # are int32. Rows/columns past the edge wrap around to the tile's first ones: loads need no
-    # masks along M and N (what those rows/columns produce is never stored), and the modulo
-    # keeps the compiler's contiguity facts, so loads stay vectorized and pipelined.
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     ram = rm % (M - row0)
     rbn = rn % (N - col0)
     a_ptrs = A + row0.to(tl.int64) * stride_am + (ram[:, None] * stride_am + rk[None, :] * stride_ak)
-    b_ptrs = B + col0.to(tl.int64) * stride_bn + (rk[:, None] * stride_bk + rbn[None, :] * stride_bn)
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_off = col0.to(tl.int64) * stride_bn + (rk[:, None] * stride_bk + rbn[None, :] * stride_bn)
+    b_ptrs = B + b_off
+    b2_ptrs = B2 + b_off
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -213,185 +310,399 @@ def _matmul_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = common.dot(a, b, acc, INTERPRET)
+        acc = _mma(a, b, acc, PRECISION, INTERPRET)
+        if DUAL_N:
+            if EVEN_K:
+                b2 = tl.load(b2_ptrs)
+            else:
+                b2 = tl.load(b2_ptrs, mask=rk[:, None] < K - k * BLOCK_K, other=0.0)
+            acc2 = _mma(a, b2, acc2, PRECISION, INTERPRET)
+            b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    return acc, acc2
 
-    # ---- epilogue, on the fp32 tile in registers --------------------------------------------
-    row0_64 = row0.to(tl.int64)
-    C += row0_64 * stride_cm
-    RES += row0_64 * stride_rm
-    AUX += row0_64 * stride_xm
-    mask_m = rm < M - row0
-    rn = col0 + rn
+
+@triton.jit
+def _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, K, A_T: tl.constexpr, B_T: tl.constexpr,
+              DUAL_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """acc += A[row0:, :K] @ B[:K, col0:] (and acc2 with B2 when DUAL_N), TMA loads (zero
+    padding past every edge). ``A_T``/``B_T``: the operand is stored transposed (its first
+    stride is 1), so its descriptor covers the transpose and the tile is transposed back."""
+    for k in range(0, K, BLOCK_K):
+        if A_T:
+            a = a_desc.load([k, row0]).T
+        else:
+            a = a_desc.load([row0, k])
+        if B_T:
+            b = b_desc.load([col0, k]).T
+        else:
+            b = b_desc.load([k, col0])
+        acc = _mma(a, b, acc, PRECISION, INTERPRET)
+        if DUAL_N:
+            if B_T:
+                b2 = b2_desc.load([col0, k]).T
+            else:
+                b2 = b2_desc.load([k, col0])
+            acc2 = _mma(a, b2, acc2, PRECISION, INTERPRET)
+    return acc, acc2
+
+
+@triton.jit
+def _operand_desc(X, rows, cols, stride_r, stride_c, TRANSPOSED: tl.constexpr, BR: tl.constexpr,
+                  BC: tl.constexpr):
+    """Descriptor of the (rows, cols) operand with (BR, BC) blocks, or of its transpose when
+    it is stored transposed (stride_r == 1)."""
+    if TRANSPOSED:
+        return tl.make_tensor_descriptor(X, [cols, rows], [stride_c, 1], [BC, BR])
+    else:
+        return tl.make_tensor_descriptor(X, [rows, cols], [stride_r, 1], [BR, BC])
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles walk the column tiles together, so B's tiles stay in L2."""
+    width = GROUP_M * num_pid_n
+    first_m = (tile_id // width) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % width) % group_size
+    pid_n = (tile_id % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm_kernel(
+    A, A2, B, B2, C, C2, BIAS, BIAS2, RES, AUX, AUX2, HOUT, PART, SEED,
+    M, N, K, K1, num_progs,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_rm, stride_rn, stride_xm, stride_p,
+    drop_thresh, drop_scale,
+    ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr, ROWSUM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DUAL: tl.constexpr, USE_TMA: tl.constexpr, TMA_EPI: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
+    GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Tiles of C = epilogue(A @ B) (+ A2 @ B2 when DUAL == 2), ``num_progs`` programs walking
+    the tiles (persistent when fewer than the tiles).
+
+    Shapes: A (M, K1), B (K1, N) and, DUAL == 2, A2 (M, K - K1), B2 (K - K1, N); DUAL == 1:
+    B2 (K, N) into the second accumulator. C, C2, AUX, AUX2, RES (M, N), C/AUX/AUX2 with unit
+    column stride (C2/AUX2: SwiGLU's up half, the row strides of C/AUX); HOUT (M, N)
+    contiguous; PART: fp32 bias-gradient partials (``HAS_DBIAS``: (cdiv(M, PARTIAL_ROWS), N or
+    2N); ``ROWSUM``: (cdiv(K, PARTIAL_ROWS), M)), row stride stride_p. See the module doc.
+    """
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    DUAL_N: tl.constexpr = DUAL == 1
+    if DUAL == 2:
+        k_main = K1
+    else:
+        k_main = K
+    if USE_TMA:
+        a_desc = _operand_desc(A, M, k_main, stride_am, stride_ak, A_T, BLOCK_M, BLOCK_K)
+        b_desc = _operand_desc(B, k_main, N, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+        b2_desc = b_desc
+        if DUAL == 1:
+            b2_desc = _operand_desc(B2, K, N, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+        if DUAL == 2:
+            a2_desc = _operand_desc(A2, M, K - K1, stride_am, stride_ak, A_T, BLOCK_M, BLOCK_K)
+            b2_desc = _operand_desc(B2, K - K1, N, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+
+    # The epilogue's slices: 64 columns with dropout (one Philox call per row), else EPI_SPLIT.
+    if HAS_DROPOUT:
+        LEAF_W: tl.constexpr = 64
+    else:
+        LEAF_W: tl.constexpr = BLOCK_N // EPI_SPLIT
+    c_out = C
+    c2_out = C2
+    aux_out = AUX
+    aux2_out = AUX2
+    hout = HOUT
+    if TMA_EPI:
+        c_out = tl.make_tensor_descriptor(C, [M, N], [stride_cm, 1], [BLOCK_M, LEAF_W])
+        if ACT_GRAD and ACTIVATION == 4:
+            c2_out = tl.make_tensor_descriptor(C2, [M, N], [stride_cm, 1], [BLOCK_M, LEAF_W])
+        if STORE_PRE:
+            aux_out = tl.make_tensor_descriptor(AUX, [M, N], [stride_xm, 1], [BLOCK_M, LEAF_W])
+            if ACTIVATION == 4:
+                aux2_out = tl.make_tensor_descriptor(AUX2, [M, N], [stride_xm, 1], [BLOCK_M, LEAF_W])
+        if STORE_H:
+            hout = tl.make_tensor_descriptor(HOUT, [M, N], [N, 1], [BLOCK_M, LEAF_W])
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
-    SPLIT: tl.constexpr = DROP_SPLIT if HAS_DROPOUT else EPI_SPLIT
-    if SPLIT == 1:
-        _epilogue(acc, rm, rn, mask_m, C, BIAS, RES, AUX, PART, M, N, stride_cm, stride_cn,
-                  stride_bias, stride_rm, stride_rn, stride_xm, stride_xn, pid_m,
-                  seed, row0_64, dropout_p,
-                  HAS_BIAS, ACTIVATION, HAS_RESIDUAL, STORE_PRE, ACT_GRAD, HAS_DBIAS, HAS_DROPOUT,
-                  EVEN_MN, PARTIAL_ROWS, INTERPRET)
-    else:
-        tl.static_assert(SPLIT == 2 or SPLIT == 4 or SPLIT == 8 or SPLIT == 16)
-        W: tl.constexpr = BLOCK_N // SPLIT
-        acc_lo, acc_hi = _halves(acc)
-        if SPLIT == 2:
-            pieces = (acc_lo, acc_hi)
-        else:
-            acc0, acc1 = _halves(acc_lo)
-            acc2, acc3 = _halves(acc_hi)
-            if SPLIT == 4:
-                pieces = (acc0, acc1, acc2, acc3)
-            else:
-                p0, p1 = _halves(acc0)
-                p2, p3 = _halves(acc1)
-                p4, p5 = _halves(acc2)
-                p6, p7 = _halves(acc3)
-                if SPLIT == 8:
-                    pieces = (p0, p1, p2, p3, p4, p5, p6, p7)
-                else:
-                    q0, q1 = _halves(p0)
-                    q2, q3 = _halves(p1)
-                    q4, q5 = _halves(p2)
-                    q6, q7 = _halves(p3)
-                    q8, q9 = _halves(p4)
-                    q10, q11 = _halves(p5)
-                    q12, q13 = _halves(p6)
-                    q14, q15 = _halves(p7)
-                    pieces = (q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15)
-        for i in tl.static_range(SPLIT):
-            _epilogue(pieces[i], rm, col0 + i * W + tl.arange(0, W), mask_m, C, BIAS, RES, AUX,
-                      PART, M, N, stride_cm, stride_cn, stride_bias, stride_rm, stride_rn,
-                      stride_xm, stride_xn, pid_m, seed, row0_64, dropout_p, HAS_BIAS, ACTIVATION,
-                      HAS_RESIDUAL, STORE_PRE, ACT_GRAD, HAS_DBIAS, HAS_DROPOUT, EVEN_MN,
-                      PARTIAL_ROWS, INTERPRET)
+    in_dtype = A.dtype.element_ty
 
+    # The epilogue recomputes its tile from its own counter: no value lives from the
+    # prologue to the epilogue of the flattened loop (as in Triton's persistent tutorial).
+    tile_c = start - num_progs
+    for tile_id in tl.range(start, num_tiles, num_progs, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if DUAL_N:
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc2 = acc
+        if USE_TMA:
+            acc, acc2 = _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, k_main, A_T, B_T,
+                                  DUAL_N, BLOCK_K, PRECISION, INTERPRET)
+            if DUAL == 2:
+                acc, acc2 = _loop_tma(acc, acc2, a2_desc, b2_desc, b2_desc, row0, col0, K - K1, A_T,
+                                      B_T, False, BLOCK_K, PRECISION, INTERPRET)
+        else:
+            acc, acc2 = _loop_ptr(acc, acc2, A, B, B2, row0, col0, M, N, k_main, stride_am, stride_ak,
+                                  stride_bk, stride_bn, DUAL_N, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  PRECISION, INTERPRET)
+            if DUAL == 2:
+                acc, acc2 = _loop_ptr(acc, acc2, A2, B2, B2, row0, col0, M, N, K - K1, stride_am,
+                                      stride_ak, stride_bk, stride_bn, False, EVEN_K, BLOCK_M, BLOCK_N,
+                                      BLOCK_K, PRECISION, INTERPRET)
+
+        # ---- epilogue, on the fp32 tile in registers ----------------------------------------
+        tile_c += num_progs
+        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        if HAS_DROPOUT:
+            GROUPS: tl.constexpr = BLOCK_N // 64
+            pieces = _pieces(acc, GROUPS)
+            pieces2 = _pieces(acc2, GROUPS)
+            rows64 = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
+            for i in tl.static_range(GROUPS):
+                c64 = col0 + i * 64
+                keep = _keep64(_drop_words(seed, rows64, c64), drop_thresh)
+                _leaf(pieces[i], pieces2[i], keep, row0, c64, M, N, pid_m,
+                      c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
+                      stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
+                      in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, STORE_H,
+                      HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+        else:
+            pieces = _pieces(acc, EPI_SPLIT)
+            pieces2 = _pieces(acc2, EPI_SPLIT)
+            for i in tl.static_range(EPI_SPLIT):
+                _leaf(pieces[i], pieces2[i], 0, row0, col0 + i * LEAF_W, M, N, pid_m,
+                      c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
+                      stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
+                      in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, STORE_H,
+                      HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+        if ROWSUM:
+            # Row sums of A per PARTIAL_ROWS columns (the bias gradient of dW = dY.T @ X): the
+            # tiles of one row block share its column chunks, one in num_pid_n each.
+            rm = tl.arange(0, BLOCK_M)
+            rk = tl.arange(0, PARTIAL_ROWS)
+            mask_m = rm < M - row0
+            a_rows = A + row0.to(tl.int64) * stride_am + rm[:, None] * stride_am
+            p_row = PART + pid_n.to(tl.int64) * stride_p + row0
+            for c in range(pid_n, tl.cdiv(K, PARTIAL_ROWS), num_pid_n):
+                kk = c * PARTIAL_ROWS + rk
+                blk = tl.load(a_rows + kk.to(tl.int64)[None, :] * stride_ak,
+                              mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
+                tl.store(p_row + rm, tl.sum(blk.to(tl.float32), axis=1), mask=mask_m)
+                p_row += num_pid_n * stride_p
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise kernels: activation gradient, bias-gradient reduction, dropout mask (tests)
+# ---------------------------------------------------------------------------------------------
 
 @triton.jit
 def _act_grad_kernel(
     G, PRE, DPRE, PART, SEED,
-    M, N, stride_gm, stride_gn, stride_pm, stride_pn, dropout_p,
+    M, N, stride_gm, stride_gn, stride_pm, stride_pn, drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, STORE_DPRE: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """dPre = G * keep / (1 - p) * act'(PRE) on a (BLOCK_M, BLOCK_N) tile (the keep factor,
-    the GEMM epilogue's regenerated dropout mask, only with ``HAS_DROPOUT``); PART row pid_m
-    gets its column sums.
-
-    With ``ACTIVATION == 0`` and ``STORE_DPRE`` off this is the bias gradient of G alone.
-    BLOCK_M equals PARTIAL_ROWS, so PART has the layout of the GEMM's gradient epilogue.
+    """dPre = G * keep / (1 - p) * act'(PRE) on (BLOCK_M, 64) tiles (the keep factor, the GEMM
+    epilogue's regenerated dropout mask, only with ``HAS_DROPOUT``); PART row pid_m gets its
+    column sums. With ``ACTIVATION == 0`` and ``STORE_DPRE`` off this is the bias gradient of
+    G alone. BLOCK_M equals PARTIAL_ROWS, so PART has the GEMM epilogue's layout.
     """
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm64 = rm.to(tl.int64)
-    mask_n = rn < N
-    mask = (rm < M)[:, None] & mask_n[None, :]
-    g = tl.load(G + rm64[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    c64 = tl.program_id(1) * 64
+    rm = tl.arange(0, BLOCK_M)
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    mask_m = rm < M - row0
+    G += row0 * stride_gm
+    PRE += row0 * stride_pm
+    DPRE += row0 * N
     if HAS_DROPOUT:
-        keep = _keep(tl.load(SEED), rm64, rn, dropout_p)
-        g = tl.where(keep, g * (1.0 / (1.0 - dropout_p)), 0.0)
-    if ACTIVATION != 0:
-        pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
-        g = g * _act_grad(pre.to(tl.float32), ACTIVATION)
-    if STORE_DPRE:
-        tl.store(DPRE + rm64[:, None] * N + rn[None, :], common.cast(g, DPRE.dtype.element_ty, INTERPRET),
-                 mask=mask)
-    if HAS_DBIAS:
-        tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(tl.where(mask, g, 0.0), axis=0), mask=mask_n)
+        words = _drop_words(tl.load(SEED), row0 + rm, c64)
+    for j in tl.static_range(4):
+        rn = c64 + 16 * j + tl.arange(0, 16)
+        mask = mask_m[:, None] & (rn < N)[None, :]
+        d = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            d = tl.where(_keep(words[j], drop_thresh), d * drop_scale, 0.0)
+        if ACTIVATION != 0:
+            pre = tl.load(PRE + rm[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
+            d = d * _act_grad(pre.to(tl.float32), ACTIVATION)
+        if STORE_DPRE:
+            tl.store(DPRE + rm[:, None] * N + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
+                     mask=mask)
+        if HAS_DBIAS:
+            tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(d, axis=0), mask=rn < N)
 
 
 @triton.jit
-def _dropout_mask_kernel(SEED, OUT, M, N, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """OUT (M, N) int8 = the keep-mask the GEMM epilogue and ``_act_grad_kernel`` use (tests only)."""
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _keep(tl.load(SEED), rm, rn, dropout_p)
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(OUT + rm[:, None] * N + rn[None, :], keep.to(tl.int8), mask=mask)
+def _reduce_cols(P, O, R, N, blk, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """O[cols] = sum over the R rows of P (R, N) fp32, in a fixed order, cast to O's dtype."""
+    cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for r in range(0, R, BLOCK_R):
+        rows = r + rr
+        acc += tl.load(P + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                       mask=(rows < R)[:, None] & (cols < N)[None, :], other=0.0)
+    tl.store(O + cols, tl.sum(acc, axis=0).to(O.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _reduce_kernel(P1, O1, R1, N1, P2, O2, R2, N2, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bias gradients from fp32 partials: O1 = colsum(P1) and O2 = colsum(P2) (when N2 > 0),
+    one launch for both of an FFN's biases."""
+    pid = tl.program_id(0)
+    nb1 = tl.cdiv(N1, BLOCK_N)
+    if pid < nb1:
+        _reduce_cols(P1, O1, R1, N1, pid, BLOCK_R, BLOCK_N)
+    else:
+        _reduce_cols(P2, O2, R2, N2, pid - nb1, BLOCK_R, BLOCK_N)
+
+
+@triton.jit
+def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
+    """The keep-mask (int8, (M, N) contiguous) the epilogues use, on (BLOCK_M, 64) tiles."""
+    rm = tl.arange(0, BLOCK_M)
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    c64 = tl.program_id(1) * 64
+    words = _drop_words(tl.load(SEED), row0 + rm, c64)
+    for j in tl.static_range(4):
+        rn = c64 + 16 * j + tl.arange(0, 16)
+        mask = (rm < M - row0)[:, None] & (rn < N)[None, :]
+        tl.store(OUT + (row0 + rm)[:, None] * N + rn[None, :], _keep(words[j], drop_thresh).to(tl.int8),
+                 mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
-# configs and launchers
+# config tables: one per architecture, dtype class and main-loop shape
 # ---------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_SPLIT). The first two are
-# Hopper-sized: one 128x256 wgmma tile per two warpgroups; 4 stages need 192 KiB of shared
-# memory (H100/H200). Tiles with 128 accumulator registers per thread run the epilogue on four
-# column slices in turn (EPI_SPLIT=4) so that its temporaries do not spill.
-CONFIGS = (
-    (128, 256, 64, 8, 3, 4),
-    (128, 256, 64, 8, 4, 4),
-    (128, 128, 64, 8, 4, 1),
-    (128, 128, 32, 4, 4, 4),
-    (64, 128, 64, 4, 4, 1),
-    (64, 64, 64, 4, 4, 1),
-)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, EPI_SPLIT), in the order they are tried; the
+# first is taken without timing when FUSED_BLOCK_TUNE=0.
+#
+# sm_90, fp16/bf16: Triton's 09-persistent-matmul and inductor's persistent TMA configs
+# (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages), the epilogue on
+# 64-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
+# the accumulator's 128 per thread; 64-row tiles for small M (decoding).
+# SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
+# 128x256 footprint.
+# fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
+# fp32 "ieee": FMA products (no tensor cores), small tiles to stay spill-free.
+# sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
+# pipelining of pointer loads.
+CONFIGS = {
+    (90, "16", False): ((128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 128, 64, 8, 4, 2),
+                        (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 1),
+                        (64, 64, 64, 4, 4, 1)),
+    (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
+                       (64, 64, 64, 4, 4, 1)),
+    (90, "tf32", False): ((128, 128, 32, 8, 3, 2), (128, 128, 32, 8, 4, 2), (64, 64, 32, 4, 4, 1)),
+    (90, "tf32", True): ((128, 64, 32, 8, 3, 1), (64, 64, 32, 4, 3, 1)),
+    (90, "ieee", False): ((64, 64, 32, 4, 2, 1),),
+    (90, "ieee", True): ((64, 64, 16, 4, 2, 1),),
+    (80, "16", False): ((128, 256, 64, 8, 3, 4), (128, 128, 64, 8, 3, 2), (128, 128, 32, 4, 4, 2),
+                        (64, 128, 64, 4, 4, 1), (64, 64, 64, 4, 4, 1)),
+    (80, "16", True): ((128, 128, 32, 8, 3, 2), (64, 128, 32, 4, 3, 1), (64, 64, 64, 4, 3, 1)),
+    (80, "tf32", False): ((128, 128, 32, 8, 3, 2), (64, 64, 32, 4, 3, 1)),
+    (80, "tf32", True): ((128, 64, 32, 8, 3, 1), (64, 64, 32, 4, 3, 1)),
+    (80, "ieee", False): ((64, 64, 32, 4, 2, 1),),
+    (80, "ieee", True): ((64, 64, 16, 4, 2, 1),),
+}
 # The interpreter runs one config. Its cost is per program and per op (nested jit calls
 # included) rather than per element, so a large tile with an unsliced epilogue is quickest;
-# tests swap in other tiles to cover the sliced epilogue and multi-tile grids.
+# tests swap in other tiles to cover the sliced epilogue and multi-tile persistent grids.
 INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
-# With dropout the epilogue's slices hold at most this many elements per thread (Philox keeps
-# four 32-bit words per element), in at most 8 slices.
-DROP_ELEMS_PER_THREAD = 8
+# Tests set this to "tma" or "pointer" to force the main loop and epilogue path (the
+# interpreter runs tensor descriptors); None chooses by architecture and alignment.
+FORCE_PATH = None
+ACT_GRAD_BLOCK_M = PARTIAL_ROWS
+REDUCE_BLOCK = (8, 256)  # (rows, columns) per step of the partial-sum reduction
+
+_CACHE = common.ConfigCache("matmul")
+_SMEM = {}
 
 
-def drop_split(cfg):
-    """The epilogue's column-slice count with dropout for config ``cfg``."""
-    bm, bn, _, warps, _, split = cfg
-    per_thread = bm * bn // (32 * warps)
-    return min(max(split, per_thread // DROP_ELEMS_PER_THREAD, 1), 16)
-ACT_GRAD_BLOCK_N = 128
-ACT_GRAD_DROP_BLOCK_N = 64  # with dropout: Philox's state per element must not spill
+def _config(cfg):
+    bm, bn, bk, warps, stages, split = cfg
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                            EPI_SPLIT=split)
 
 
-def _smem_bytes(cfg, elem_size):
+_TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
+
+
+def smem_bytes(cfg, elem_size, dual_n=False):
+    """Shared memory of a config's operand pipeline (the epilogue's scratch comes on top)."""
     bm, bn, bk, _, stages, _ = cfg
-    return stages * (bm * bk + bk * bn) * elem_size
+    return stages * (bm * bk + (2 if dual_n else 1) * bk * bn) * elem_size
 
 
-def _prune(configs, named_args, **kwargs):
-    """Drop configs that do not fit the device's shared memory or are far larger than M, N."""
-    a = named_args["A"]
-    m, n = named_args["M"], named_args["N"]
-    props = torch.cuda.get_device_properties(a.device)
-    smem = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
-    kept = []
-    for c in configs:
-        kw = c.kwargs
-        cfg = (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], c.num_warps, c.num_stages, kw["EPI_SPLIT"])
-        if _smem_bytes(cfg, a.element_size()) > smem:
-            continue
-        if kw["BLOCK_M"] > 64 and m <= 64:  # small M (decoding): no 128-row tiles
-            continue
-        if kw["BLOCK_N"] > 128 and n <= 128:
-            continue
-        kept.append(c)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+def _smem_limit(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM:
+        props = torch.cuda.get_device_properties(index)
+        _SMEM[index] = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+    return _SMEM[index]
 
 
-_tuned_matmul_kernel = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "EPI_SPLIT": e,
-                            "DROP_SPLIT": drop_split((bm, bn, bk, w, s, e))},
-                           num_warps=w, num_stages=s)
-             for bm, bn, bk, w, s, e in CONFIGS],
-    key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "STORE_PRE", "ACT_GRAD",
-         "HAS_DBIAS", "HAS_DROPOUT", "stride_ak", "stride_bk"],
-    prune_configs_by={"early_config_prune": _prune},
-)(triton.heuristics({
-    "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
-    "EVEN_MN": lambda args: args["M"] % args["BLOCK_M"] == 0 and args["N"] % args["BLOCK_N"] == 0,
-})(_matmul_kernel))
+def _candidates(arch, dtype, precision, dual_n, M, N, device):
+    kind = precision if dtype == torch.float32 else "16"
+    table = _TABLES[(arch, kind, dual_n)]
+    # Headroom for the epilogue's staging buffer (a 128 x 64 fp32 slice).
+    limit = _smem_limit(device) - 32 * 1024
+    elem = 4 if dtype == torch.float32 else 2
+    kept = [c for c in table
+            if smem_bytes((c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], 0, c.num_stages, 0), elem, dual_n) <= limit
+            and not (M <= 64 and c["BLOCK_M"] > 64) and not (N <= 128 and c["BLOCK_N"] > 128)]
+    return kept or [min(table, key=lambda c: c["BLOCK_M"] * c["BLOCK_N"])]
 
 
-def _act_code(activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    return ACTIVATIONS[activation]
+# ---------------------------------------------------------------------------------------------
+# host side: the launch path
+# ---------------------------------------------------------------------------------------------
+
+def _alloc(size, alignment, stream):
+    """Global scratch for device-side tensor descriptors (``triton.set_allocator``)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def _desc_ok(t):
+    """Can ``t`` (2-D) be read through a TMA descriptor: one unit stride, 16-byte aligned base
+    and other stride. Returns (ok, transposed), transposed meaning its first stride is 1."""
+    s0, s1 = t.stride()
+    if s1 == 1:
+        lead, transposed = s0, False
+    elif s0 == 1:
+        lead, transposed = s1, True
+    else:
+        return False, False
+    return lead > 0 and t.data_ptr() % 16 == 0 and (lead * t.element_size()) % 16 == 0, transposed
+
+
+def _rows_ok(t):
+    """Epilogue tensors: unit column stride, 16-byte aligned base and row stride."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def drop_params(dropout_p):
+    """The kernels' dropout arguments: the 31-bit keep threshold and the 1 / (1 - p) scale."""
+    return min(int(dropout_p * 2.0**31), 2**31 - 1), 1.0 / (1.0 - dropout_p)
 
 
 def _has_dropout(seed, dropout_p):
@@ -402,234 +713,266 @@ def _has_dropout(seed, dropout_p):
     return True
 
 
-def _launch_matmul(a, b, c, *, bias=None, residual=None, aux=None, part=None, activation=None,
-                   store_pre=False, act_grad=False, seed=None, dropout_p=0.0):
-    M, K = a.shape
+def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=None, aux=None,
+         aux2=None, hout=None, part=None, seed=None, dropout_p=0.0, activation=0, act_grad=False,
+         store_pre=False, rowsum=False):
+    """Launch ``c = epilogue(a @ b)``; see ``_gemm_kernel`` for the roles of the arguments.
+
+    ``b2`` with ``a2``: the dual-K product ``a @ b + a2 @ b2``; ``b2`` alone: SwiGLU's up
+    projection (``activation == SWIGLU``, forward). Strides: a, b, a2, b2, residual any
+    (a2/b2 with a/b's strides); c, c2, aux, aux2 unit column stride, c2/aux2 with c/aux's row
+    stride; hout contiguous. Sizes past 2^23 in a stride are rejected (int32 in-tile offsets).
+    """
+    M, K1 = a.shape
     N = b.shape[1]
-    dummy = c
-    bias_t = bias if bias is not None else dummy
-    res_t = residual if residual is not None else dummy
-    aux_t = aux if aux is not None else dummy
-    part_t = part if part is not None else dummy
+    if M == 0 or N == 0:
+        return
+    K = K1 + (a2.shape[1] if a2 is not None else 0)
+    dual = 2 if a2 is not None else (1 if b2 is not None else 0)
+    # The second operands are read with the first ones' strides: equal layouts (the two
+    # weights of a SwiGLU stored differently are the rare case that pays for a copy).
+    if dual and b2.stride() != b.stride():
+        b, b2 = b.contiguous(), b2.contiguous()
+    if dual == 2 and a2.stride() != a.stride():
+        a, a2 = a.contiguous(), a2.contiguous()
     has_dropout = _has_dropout(seed, dropout_p)
-    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-               bias_t.stride(0) if bias is not None else 0,
-               res_t.stride(0), res_t.stride(1) if residual is not None else 0,
-               aux_t.stride(0), aux_t.stride(1) if aux is not None else 0)
-    # In-tile offsets are int32 (tile origins are int64): strides up to 2^31 / 256 elements.
-    if max(abs(x) for x in strides) >= 2**31 // 256:
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+               residual.stride(0) if residual is not None else 0,
+               residual.stride(1) if residual is not None else 0)
+    if max(abs(s) for s in strides) >= 2**31 // 256 or c.stride(0) >= 2**31 // 256:
         raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
-    args = (a, b, c, bias_t, res_t, aux_t, part_t, seed if has_dropout else dummy, M, N, K, *strides,
-            triton.next_power_of_2(M), float(dropout_p) if has_dropout else 0.0)
-    flags = dict(HAS_BIAS=bias is not None, ACTIVATION=_act_code(activation),
-                 HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, ACT_GRAD=act_grad,
-                 HAS_DBIAS=part is not None, HAS_DROPOUT=has_dropout, GROUP_M=GROUP_M,
-                 PARTIAL_ROWS=PARTIAL_ROWS)
-    common.count_launch("matmul")
-    if common.interpreting():
-        bm, bn, bk, warps, stages, split = INTERPRETER_CONFIG
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        _matmul_kernel[grid](*args, **flags, EVEN_K=K % bk == 0, EVEN_MN=M % bm == 0 and N % bn == 0,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split,
-                             DROP_SPLIT=drop_split(INTERPRETER_CONFIG), INTERPRET=True,
-                             num_warps=warps, num_stages=stages)
+    device = a.device
+    arch = common.arch(device)
+    precision = common.fp32_precision() if a.dtype == torch.float32 else "tf32"
+
+    use_tma = tma_epi = False
+    a_t = b_t = False
+    if (FORCE_PATH != "pointer" and (arch == 90 or arch == 0) and K1 > 0
+            and (dual != 2 or K > K1)):
+        ok_a, a_t = _desc_ok(a)
+        ok_b, b_t = _desc_ok(b)
+        use_tma = ok_a and ok_b
+        if dual:
+            ok_a2, a2_t = _desc_ok(a2) if a2 is not None else (True, a_t)
+            ok_b2, b2_t = _desc_ok(b2)
+            use_tma = use_tma and ok_a2 and ok_b2 and a2_t == a_t and b2_t == b_t
+        epi = [c] + [t for t in (c2, aux, aux2, residual, hout) if t is not None]
+        tma_epi = all(_rows_ok(t) for t in epi)
+        if FORCE_PATH == "tma" and not (use_tma and tma_epi):
+            raise ValueError("matmul: FORCE_PATH='tma' with operands a descriptor cannot read")
+    flags = (activation, act_grad, bias is not None, residual is not None, store_pre, hout is not None,
+             part is not None and not rowsum, rowsum, has_dropout, dual, use_tma, tma_epi, a_t, b_t)
+    key = (arch, a.dtype, c.dtype, precision, min(common.next_pow2(M), 65536),
+           N, K, flags)
+    drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
+    dummy = c
+    args = (a, a2 if a2 is not None else a, b, b2 if b2 is not None else b, c, c2 if c2 is not None else c,
+            bias if bias is not None else dummy, bias2 if bias2 is not None else dummy,
+            residual if residual is not None else dummy, aux if aux is not None else dummy,
+            aux2 if aux2 is not None else dummy, hout if hout is not None else dummy,
+            part if part is not None else dummy, seed if has_dropout else dummy,
+            M, N, K, K1)
+    tail = (strides[0], strides[1], strides[2], strides[3], c.stride(0), strides[4], strides[5],
+            aux.stride(0) if aux is not None else 0, part.stride(0) if part is not None else 0,
+            drop_thresh, drop_scale)
+    constexprs = dict(
+        ACTIVATION=activation, ACT_GRAD=act_grad, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, STORE_H=hout is not None,
+        HAS_DBIAS=part is not None and not rowsum, ROWSUM=rowsum, HAS_DROPOUT=has_dropout, DUAL=dual,
+        USE_TMA=use_tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
+        PRECISION=precision, INTERPRET=arch == 0)
+    persistent_arch = arch == 90 or arch == 0
+    n_sm = common.sm_count(device)
+    k_parts = (K1, K - K1) if dual == 2 else (K,)
+
+    def run(cfg):
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        tiles = common.cdiv(M, bm) * common.cdiv(N, bn)
+        persistent = persistent_arch and bm * bn >= 128 * 128 or arch == 0
+        progs = min(tiles, n_sm) if persistent else tiles
+        flatten = persistent and arch == 90 and dual != 2 and not rowsum
+        even_k = all(k % bk == 0 for k in k_parts)
+        even_mn = M % bm == 0 and N % bn == 0
+        common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
+                      dict(constexprs, EVEN_K=even_k, EVEN_MN=even_mn, FLATTEN=flatten), cfg)
+
+    if use_tma or tma_epi:
+        triton.set_allocator(_alloc)
+    if arch == 0:
+        run(_config(INTERPRETER_CONFIG))
     else:
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        _tuned_matmul_kernel[grid](*args, **flags, INTERPRET=False)
+        run(_CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, M, N, device), run))
 
 
-def _check_2d(name, t):
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0):
+    """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its fp32
+    partial column sums (cdiv(M, PARTIAL_ROWS), N). The keep factor (``dropout_p > 0``) is
+    the mask the GEMM epilogue drew from ``seed``.
 
-
-def matmul(a, b, bias=None, activation=None, residual=None, store_pre=False, out_dtype=None,
-           dropout_p=0.0, seed=None):
-    """``dropout(act(a @ b + bias)) + residual`` and, if ``store_pre``, the pre-activation
-    ``a @ b + bias``.
-
-    a (M, K), b (K, N), residual (M, N): any strides; bias (N,). a, b and bias share a dtype;
-    residual may be wider. Dropout (when ``dropout_p > 0``) draws its mask from ``seed``, a
-    one-element int64 tensor (see :func:`dropout_mask`). Returns ``(out, pre)``: out (M, N)
-    contiguous in ``out_dtype`` (default a's dtype), pre (M, N) in a's dtype, or None unless
-    ``store_pre``.
+    g and pre (M, N), any strides (pre unused when ``activation`` is 0). Returns ``(dpre,
+    part)``: dpre contiguous in g's dtype (None unless ``store_dpre``), part or None.
     """
-    _check_2d("a", a)
-    _check_2d("b", b)
-    M, N = a.shape[0], b.shape[1]
-    c = common.empty((M, N), out_dtype or a.dtype, a.device)
-    pre = common.empty((M, N), a.dtype, a.device) if store_pre else None
-    if M == 0 or N == 0:
-        return c, pre
-    _launch_matmul(a, b, c, bias=bias, residual=residual, aux=pre, activation=activation,
-                   store_pre=store_pre, seed=seed, dropout_p=dropout_p)
-    return c, pre
-
-
-def _reduce_partials(part, dtype):
-    # Fixed-order reduction of the (cdiv(M, 64), N) fp32 partials: deterministic.
-    return part.sum(0).to(dtype)
-
-
-def matmul_act_grad(a, b, pre, activation, dbias=False, dropout_p=0.0, seed=None):
-    """``dPre = (a @ b) * keep / (1 - p) * act'(pre)`` and, if ``dbias``, its column sums (the
-    bias gradient). The keep factor (``dropout_p > 0``) is the mask :func:`matmul` drew from
-    ``seed`` for the (M, N) output.
-
-    a (M, K), b (K, N), pre (M, N): any strides. Returns ``(dpre, dbias)``: dpre (M, N) in a's
-    dtype, dbias (N,) in a's dtype reduced from fp32 partial sums, or None.
-    """
-    _check_2d("a", a)
-    _check_2d("b", b)
-    M, N = a.shape[0], b.shape[1]
-    dpre = common.empty((M, N), a.dtype, a.device)
-    part = common.empty((triton.cdiv(M, PARTIAL_ROWS), N), torch.float32, a.device) if dbias else None
-    if M == 0 or N == 0:
-        return dpre, (torch.zeros(N, dtype=a.dtype, device=a.device) if dbias else None)
-    _launch_matmul(a, b, dpre, aux=pre, part=part, activation=activation, act_grad=True,
-                   seed=seed, dropout_p=dropout_p)
-    return dpre, (_reduce_partials(part, a.dtype) if dbias else None)
-
-
-def act_grad(g, pre, activation, dbias=False, store_dpre=True, dropout_p=0.0, seed=None):
-    """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its column
-    sums. The keep factor (``dropout_p > 0``) is the mask :func:`matmul` drew from ``seed``.
-
-    g and pre (M, N), any strides (pre unused when ``activation`` is None). Returns
-    ``(dpre, dbias)``: dpre contiguous in g's dtype or None unless ``store_dpre``; dbias (N,) in
-    g's dtype or None.
-    """
-    _check_2d("g", g)
     M, N = g.shape
     dpre = common.empty((M, N), g.dtype, g.device) if store_dpre else None
-    part = common.empty((triton.cdiv(M, PARTIAL_ROWS), N), torch.float32, g.device) if dbias else None
+    part = common.empty((common.cdiv(M, PARTIAL_ROWS), N), torch.float32, g.device) if dbias else None
     if M == 0 or N == 0:
-        return dpre, (torch.zeros(N, dtype=g.dtype, device=g.device) if dbias else None)
+        return dpre, part
     pre_t = pre if pre is not None else g
     has_dropout = _has_dropout(seed, dropout_p)
-    common.count_launch("act_grad")
-    block_n = ACT_GRAD_DROP_BLOCK_N if has_dropout else ACT_GRAD_BLOCK_N
-    grid = (triton.cdiv(M, PARTIAL_ROWS), triton.cdiv(N, block_n))
-    _act_grad_kernel[grid](
-        g, pre_t, dpre if dpre is not None else g, part if part is not None else g,
-        seed if has_dropout else g,
-        M, N, g.stride(0), g.stride(1), pre_t.stride(0), pre_t.stride(1),
-        float(dropout_p) if has_dropout else 0.0,
-        ACTIVATION=_act_code(activation), STORE_DPRE=store_dpre, HAS_DBIAS=dbias,
-        HAS_DROPOUT=has_dropout, BLOCK_M=PARTIAL_ROWS, BLOCK_N=block_n, INTERPRET=common.interpreting(),
-        num_warps=4)
-    return dpre, (_reduce_partials(part, g.dtype) if dbias else None)
+    drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
+    grid = (common.cdiv(M, ACT_GRAD_BLOCK_M), common.cdiv(N, 64))
+    common.launch("act_grad", _act_grad_kernel, grid,
+                  (g, pre_t, dpre if dpre is not None else g, part if part is not None else g,
+                   seed if has_dropout else g, M, N, g.stride(0), g.stride(1), pre_t.stride(0),
+                   pre_t.stride(1), drop_thresh, drop_scale),
+                  dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=has_dropout,
+                       BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=common.arch(g.device) == 0),
+                  _ELEMENTWISE)
+    return dpre, part
+
+
+_ELEMENTWISE = common.Config.of(num_warps=4)
+
+
+def reduce_partials(part1, dtype, part2=None):
+    """Column sums of fp32 partial buffers (rows, N), in a fixed order, cast to ``dtype``: one
+    launch for one or two buffers. Returns (sum1, sum2 or None)."""
+    out1 = common.empty((part1.shape[1],), dtype, part1.device)
+    out2 = common.empty((part2.shape[1],), dtype, part2.device) if part2 is not None else None
+    n1 = part1.shape[1] if part1.shape[0] else 0
+    n2 = part2.shape[1] if part2 is not None and part2.shape[0] else 0
+    if part1.shape[0] == 0:
+        out1.zero_()
+    if part2 is not None and part2.shape[0] == 0:
+        out2.zero_()
+    br, bn = REDUCE_BLOCK
+    blocks = common.cdiv(n1, bn) + common.cdiv(n2, bn)
+    if blocks:
+        p2 = part2 if n2 else part1
+        common.launch("bias_grad_reduce", _reduce_kernel, (blocks,),
+                      (part1, out1, part1.shape[0], n1, p2, out2 if n2 else out1, p2.shape[0], n2),
+                      dict(BLOCK_R=br, BLOCK_N=bn), _ELEMENTWISE)
+    return out1, out2
 
 
 def dropout_mask(seed, M, N, dropout_p, device):
-    """The bool keep-mask (M, N) that :func:`matmul` and the gradients use for ``seed`` and
-    ``dropout_p`` (for tests: the references take it as ``dropout_mask=``)."""
-    out = common.empty((M, N), torch.int8, device)
-    if M == 0 or N == 0:
-        return out.bool()
+    """The bool keep-mask (M, N) that the GEMM epilogues and :func:`act_grad` use for ``seed``
+    and ``dropout_p`` (for tests: the references take it as ``dropout_mask=``)."""
     if not _has_dropout(seed, dropout_p):
         return torch.ones((M, N), dtype=torch.bool, device=device)
-    common.count_launch("dropout_mask")
-    grid = (triton.cdiv(M, 64), triton.cdiv(N, 128))
-    _dropout_mask_kernel[grid](seed, out, M, N, float(dropout_p), BLOCK_M=64, BLOCK_N=128, num_warps=4)
+    out = common.empty((M, N), torch.int8, device)
+    if M and N:
+        common.launch("dropout_mask", _dropout_mask_kernel, (common.cdiv(M, 64), common.cdiv(N, 64)),
+                      (seed, out, M, N, drop_params(dropout_p)[0]), dict(BLOCK_M=64), _ELEMENTWISE)
     return out.bool()
-
-
-def bias_grad(g):
-    """Column sums of g (M, N) in g's dtype, reduced deterministically from fp32 partials."""
-    return act_grad(g, None, None, dbias=True, store_dpre=False)[1]
 
 
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compile specs
 # ---------------------------------------------------------------------------------------------
 
-# Operand layouts the layer launches, as which strides are 1: forward x @ W.T ("NT"), input
-# and hidden gradients dPre @ W ("NN"), weight gradients dY.T @ X ("TN").
-_LAYOUTS = {"NT": ("stride_ak", "stride_bk"), "NN": ("stride_ak", "stride_bn"),
-            "TN": ("stride_am", "stride_bn")}
+# Operand layouts the layers launch, as which strides are 1: forward x @ W.T ("NT"), input and
+# hidden gradients dPre @ W ("NN"), weight gradients dY.T @ X ("TN"); (A_T, B_T) for TMA.
+_LAYOUTS = {"NT": (("stride_ak", "stride_bk"), (False, True)),
+            "NN": (("stride_ak", "stride_bn"), (False, False)),
+            "TN": (("stride_am", "stride_bn"), (True, False))}
+_NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=False, STORE_PRE=False,
+                 STORE_H=False, HAS_DBIAS=False, ROWSUM=False, HAS_DROPOUT=False, DUAL=0)
+# name -> (layout, flags): the fused variants the layers launch, each the heaviest of its
+# family (a variant without dropout or without an output has fewer live registers).
+_VARIANTS = {
+    "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True)),
+    "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, HAS_DROPOUT=True)),
+    "dact_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True, HAS_DROPOUT=True)),
+    "dswiglu_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=SWIGLU, HAS_DBIAS=True, STORE_H=True,
+                                HAS_DROPOUT=True)),
+    "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
+    "dgrad_dual": ("NN", dict(DUAL=2)),
+    "swiglu": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True)),
+    "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, HAS_DROPOUT=True)),
+}
+# Per table kind (dtype class, dual): the variants compiled for every config of the table.
+_TABLE_VARIANTS = {
+    ("16", False): ("fwd_drop", "dact_drop", "dswiglu_drop", "wgrad_rowsum", "dgrad_dual"),
+    ("16", True): ("swiglu_drop",),
+    ("tf32", False): ("fwd_drop", "dact_drop", "wgrad_rowsum"),
+    ("tf32", True): ("swiglu_drop",),
+    ("ieee", False): ("fwd_drop", "dact_drop"),
+    ("ieee", True): ("swiglu_drop",),
+}
 
-# (name, layout, flags): the fused variants the layer launches. The dropout ones: the FFN's
-# first GEMM (bias, GELU, pre-activation store, hidden dropout), its second (bias, output
-# dropout, residual) and the DGELU epilogue with the hidden dropout's regenerated mask.
-_VARIANTS = (
-    ("fwd_bias_gelu_res_pre", "NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True,
-                                         ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=False)),
-    ("dgelu_dbias", "NN", dict(HAS_BIAS=False, ACTIVATION=1, HAS_RESIDUAL=False, STORE_PRE=False,
-                               ACT_GRAD=True, HAS_DBIAS=True, HAS_DROPOUT=False)),
-    ("plain_wgrad", "TN", dict(HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, STORE_PRE=False,
-                               ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=False)),
-    ("fwd_bias_gelu_pre_drop", "NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=False, STORE_PRE=True,
-                                          ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=True)),
-    ("fwd_bias_drop_res", "NT", dict(HAS_BIAS=True, ACTIVATION=0, HAS_RESIDUAL=True, STORE_PRE=False,
-                                     ACT_GRAD=False, HAS_DBIAS=False, HAS_DROPOUT=True)),
-    ("dgelu_dbias_drop", "NN", dict(HAS_BIAS=False, ACTIVATION=1, HAS_RESIDUAL=False, STORE_PRE=False,
-                                    ACT_GRAD=True, HAS_DBIAS=True, HAS_DROPOUT=True)),
-)
 
-
-def _matmul_spec(name, layout, flags, cfg, even_k, dtype="bf16"):
+def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
     from fused_block.kernels import aot  # only the compile check needs it
 
     bm, bn, bk, warps, stages, split = cfg
+    layout, flags = _VARIANTS[variant]
+    ones, (a_t, b_t) = _LAYOUTS[layout]
+    tma = tma and arch == 90
+    dtype = {"16": "bf16", "tf32": "fp32", "ieee": "fp32"}[kind]
     ptr = f"*{dtype}"
-    sig = {"A": ptr, "B": ptr, "C": ptr, "BIAS": ptr, "RES": ptr, "AUX": ptr, "PART": "*fp32",
-           "SEED": "*i64", "M": "i32", "N": "i32", "K": "i32"}
-    strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
-               "stride_bias", "stride_rm", "stride_rn", "stride_xm", "stride_xn")
-    ones = set(_LAYOUTS[layout]) | {"stride_cn", "stride_bias", "stride_rn", "stride_xn"}
+    sig = {name: ptr for name in ("A", "A2", "B", "B2", "C", "C2", "BIAS", "BIAS2", "RES", "AUX", "AUX2", "HOUT")}
+    sig.update(PART="*fp32", SEED="*i64", M="i32", N="i32", K="i32", K1="i32", num_progs="i32")
     constexprs = {}
-    for s in strides:
-        sig[s] = "constexpr" if s in ones else "i32"
-        if s in ones:
-            constexprs[s] = 1
-    sig["M_BUCKET"] = "i32"
-    sig["dropout_p"] = "fp32"
-    for f in ("HAS_BIAS", "ACTIVATION", "HAS_RESIDUAL", "STORE_PRE", "ACT_GRAD", "HAS_DBIAS", "HAS_DROPOUT",
-              "EVEN_K", "EVEN_MN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EPI_SPLIT", "DROP_SPLIT", "GROUP_M",
-              "PARTIAL_ROWS", "INTERPRET"):
-        sig[f] = "constexpr"
-    constexprs.update(flags, EVEN_K=even_k, EVEN_MN=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      EPI_SPLIT=split, DROP_SPLIT=drop_split(cfg), GROUP_M=GROUP_M,
-                      PARTIAL_ROWS=PARTIAL_ROWS, INTERPRET=False)
-    aligned = tuple(s for s in ("M", "N", "K", *strides) if sig[s] == "i32" and s != "stride_bias")
+    for s in ("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_rm", "stride_rn",
+              "stride_xm", "stride_p"):
+        if s in ones or s == "stride_rn":
+            sig[s], constexprs[s] = "constexpr", 1
+        else:
+            sig[s] = "i32"
+    sig.update(drop_thresh="i32", drop_scale="fp32")
+    dual = flags.get("DUAL", 0)
+    persistent = arch == 90 and bm * bn >= 128 * 128
+    constexprs.update(_NO_FLAGS, **flags)
+    constexprs.update(USE_TMA=tma, TMA_EPI=tma, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=False, BLOCK_M=bm,
+                      BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
+                      PRECISION="ieee" if kind == "ieee" else "tf32",
+                      FLATTEN=persistent and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
+    for name in _gemm_kernel.arg_names:
+        if name not in sig:
+            sig[name] = "constexpr"
+    aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh"))
+    path = "tma" if tma else "ptr"
     return aot.KernelSpec(
-        name=f"matmul[{name} {bm}x{bn}x{bk} even_k={int(even_k)} {dtype}]", fn=_matmul_kernel,
-        signature=sig, constexprs=constexprs, num_warps=warps, num_stages=stages,
-        aligned=aligned, wgmma=True)
+        name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{'' if even_k else ' mask_k'} {kind}]",
+        fn=_gemm_kernel, signature=sig, constexprs=constexprs, num_warps=warps, num_stages=stages,
+        aligned=aligned, wgmma=kind != "ieee", tma=tma, archs=(arch,))
 
 
 def aot_specs():
-    """Every shipped GEMM config with each fused variant (bf16); the masked-K path, fp16 and
-    tf32 once each on the largest tiles (tf32 also with dropout); the elementwise
-    activation-gradient kernel with and without dropout; the test-only dropout-mask kernel."""
+    """Every shipped GEMM config on its own architecture with its table's fused variants (sm_90:
+    TMA loads and stores), plus sm_90's pointer fallback and the masked-K loop on each 16-bit
+    config's forward; the elementwise kernels (activation gradient with and without dropout,
+    the bias-gradient reduction, the test-only dropout mask)."""
     from fused_block.kernels import aot
 
-    specs = [_matmul_spec(name, layout, flags, cfg, True)
-             for cfg in CONFIGS for name, layout, flags in _VARIANTS]
-    specs.append(_matmul_spec(*_VARIANTS[1], CONFIGS[0], False))
-    specs.append(_matmul_spec(*_VARIANTS[0], CONFIGS[0], True, dtype="fp16"))
-    specs.append(_matmul_spec(*_VARIANTS[0], CONFIGS[3], True, dtype="fp32"))
-    specs.append(_matmul_spec(*_VARIANTS[3], CONFIGS[0], False))
-    specs.append(_matmul_spec(*_VARIANTS[3], CONFIGS[3], True, dtype="fp32"))
+    specs = []
+    for (arch, kind, dual), cfgs in CONFIGS.items():
+        for cfg in cfgs:
+            specs += [_gemm_spec(arch, kind, cfg, v) for v in _TABLE_VARIANTS[(kind, dual)]]
+            if kind == "16" and not dual:
+                specs.append(_gemm_spec(arch, kind, cfg, "fwd", even_k=False))
+                if arch == 90:
+                    specs.append(_gemm_spec(arch, kind, cfg, "fwd_drop", tma=False, even_k=False))
     for act, drop in ((2, False), (2, True), (0, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
             signature={"G": "*bf16", "PRE": "*bf16", "DPRE": "*bf16", "PART": "*fp32", "SEED": "*i64",
                        "M": "i32", "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr",
-                       "stride_pm": "i32", "stride_pn": "constexpr", "dropout_p": "fp32",
+                       "stride_pm": "i32", "stride_pn": "constexpr", "drop_thresh": "i32", "drop_scale": "fp32",
                        "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr", "HAS_DBIAS": "constexpr",
-                       "HAS_DROPOUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                       "INTERPRET": "constexpr"},
+                       "HAS_DROPOUT": "constexpr", "BLOCK_M": "constexpr", "INTERPRET": "constexpr"},
             constexprs=dict(stride_gn=1, stride_pn=1, ACTIVATION=act, STORE_DPRE=True, HAS_DBIAS=True,
-                            HAS_DROPOUT=drop, BLOCK_M=PARTIAL_ROWS,
-                            BLOCK_N=ACT_GRAD_DROP_BLOCK_N if drop else ACT_GRAD_BLOCK_N,
-                            INTERPRET=False),
+                            HAS_DROPOUT=drop, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
             num_warps=4, aligned=("N", "stride_gm", "stride_pm")))
     specs.append(aot.KernelSpec(
+        name="bias_grad_reduce", fn=_reduce_kernel,
+        signature={"P1": "*fp32", "O1": "*bf16", "R1": "i32", "N1": "i32", "P2": "*fp32", "O2": "*bf16",
+                   "R2": "i32", "N2": "i32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"},
+        constexprs=dict(BLOCK_R=REDUCE_BLOCK[0], BLOCK_N=REDUCE_BLOCK[1]), num_warps=4, aligned=("N1", "N2")))
+    specs.append(aot.KernelSpec(
         name="dropout_mask", fn=_dropout_mask_kernel,
-        signature={"SEED": "*i64", "OUT": "*i8", "M": "i32", "N": "i32", "dropout_p": "fp32",
-                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-        constexprs=dict(BLOCK_M=64, BLOCK_N=128), num_warps=4, aligned=("N",)))
+        signature={"SEED": "*i64", "OUT": "*i8", "M": "i32", "N": "i32", "drop_thresh": "i32",
+                   "BLOCK_M": "constexpr"},
+        constexprs=dict(BLOCK_M=64), num_warps=4, aligned=("N",)))
     return specs

@@ -2,9 +2,12 @@
 
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, so it happens here, before any
 test module imports fused_block. With a GPU the same tests run on CUDA tensors unchanged.
+Also here: output poisoning and the launch counter (fixtures), the ``gpu_quick`` marker the
+GPU check selects, and ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run).
 """
 import os
 import sys
+import time
 
 import torch
 
@@ -41,3 +44,73 @@ def launches():
             return common.LAUNCHES[name] - before[name]
 
     return _Delta()
+
+
+# ---------------------------------------------------------------------------------------------
+# gpu_quick: the subset the GPU check runs (``pytest -m gpu_quick``)
+# ---------------------------------------------------------------------------------------------
+
+def _value_key(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:  # unhashable parameters are the same object in every case that uses them
+        return ("id", id(value))
+
+
+def gpu_quick_selection(items) -> list:
+    """Of each test function, the first case, then every case that brings a parameter value
+    (a dtype, an activation, a shape, a flag, ...) not yet selected for that function.
+
+    So every test function (op and feature family) runs at least once and meets each of its
+    dtypes and feature values at least once; combinations are left to the full suite. It
+    depends only on the collected items and their order, so every xdist worker selects the
+    same cases, and new tests and parameters are covered without marking anything.
+    """
+    seen, chosen = {}, []
+    for item in items:
+        function = item.nodeid.split("[", 1)[0]
+        callspec = getattr(item, "callspec", None)
+        values = {(name, _value_key(v)) for name, v in callspec.params.items()} if callspec else set()
+        if function not in seen or not values <= seen[function]:
+            chosen.append(item)
+            seen.setdefault(function, set()).update(values)
+    return chosen
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in gpu_quick_selection(items):
+        item.add_marker(pytest.mark.gpu_quick)
+
+
+# ---------------------------------------------------------------------------------------------
+# FUSED_BLOCK_DEADLINE: a wall-clock limit for a run (the GPU scripts set it)
+# ---------------------------------------------------------------------------------------------
+
+# Seconds since the epoch after which no further test starts: each is skipped as not run and
+# the session fails. The GPU scripts set it some seconds before their step's `timeout`, so a
+# run that would be cut short still finishes, reports what ran and writes its JUnit file.
+DEADLINE = float(os.environ.get("FUSED_BLOCK_DEADLINE", "inf"))
+NOT_RUN = "not run: FUSED_BLOCK_DEADLINE passed"
+_not_run = []
+
+
+def pytest_runtest_setup(item):
+    if time.time() > DEADLINE:
+        pytest.skip(NOT_RUN)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and NOT_RUN in str(report.longrepr):  # with xdist, the controller counts
+        _not_run.append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _not_run:
+        terminalreporter.write_line(f"{len(_not_run)} tests {NOT_RUN}: the run is incomplete", red=True)
+
+
+def pytest_sessionfinish(session):
+    if _not_run and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

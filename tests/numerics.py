@@ -6,7 +6,11 @@ import torch
 from fused_block.testing import ATOL, FACTOR, check
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-__all__ = ["ATOL", "DTYPES", "assert_close", "randn", "torch_precision_of_kernels"]
+# torch's fp32 matmul precisions the kernels follow: "highest" (torch's default) -> IEEE fp32
+# products, "high" -> TF32 ("medium" is TF32 too for the kernels).
+FP32_PRECISIONS = ("highest", "high")
+__all__ = ["ATOL", "DTYPES", "FP32_PRECISIONS", "assert_close", "fp32_matmul_precision", "randn",
+           "tf32_round", "torch_precision_of_kernels"]
 
 
 def randn(*shape, dtype, device, scale=1.0, requires_grad=False, generator=None):
@@ -23,8 +27,50 @@ def assert_close(name, actual, ref64, baseline, *, atol=None, factor=FACTOR, dty
 
 
 @contextlib.contextmanager
+def fp32_matmul_precision(precision):
+    """``torch.set_float32_matmul_precision(precision)`` inside the block, restored after.
+
+    The kernels read torch's setting at call time (``fused_block.kernels.common.fp32_precision``)
+    as torch's own matmuls do, so wrap both the kernel call (forward and backward) and the
+    PyTorch baseline in the same block: both then run fp32 products in the same mode. Only
+    torch's ``set/get_float32_matmul_precision`` API is used (torch refuses to read a precision
+    set through a mix of its old and new APIs).
+    """
+    if precision not in ("highest", "high", "medium"):
+        raise ValueError(f"precision must be 'highest', 'high' or 'medium', got {precision!r}")
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def tf32_round(t):
+    """fp32 ``t`` rounded to TF32 (10 mantissa bits; to nearest, ties away from zero, as
+    ``cvt.rna.tf32.f32``); NaN and Inf unchanged.
+
+    A baseline for TF32 products that does not depend on cuBLAS: with TF32 allowed, cuBLAS
+    still runs some shapes in full fp32 (GEMV for one row, small or odd shapes), so PyTorch's
+    own error there is fp32's and says nothing of TF32's. Computing the reference from
+    TF32-rounded operands in fp32 gives TF32's error on every shape (the products of two TF32
+    values are exact in fp32).
+    """
+    if t.dtype != torch.float32:
+        raise TypeError(f"tf32_round takes fp32, got {t.dtype}")
+    bits = t.contiguous().view(torch.int32)
+    # Sign and magnitude: adding half of the dropped 13 bits rounds the magnitude, ties away.
+    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32).view(t.shape)
+    return torch.where(torch.isfinite(t), rounded, t)
+
+
+@contextlib.contextmanager
 def torch_precision_of_kernels(dtype, device):
-    """Our fp32 GEMMs use TF32 on the GPU: measure PyTorch's fp32 error with TF32 as well."""
+    """Our fp32 GEMMs use TF32 on the GPU: measure PyTorch's fp32 error with TF32 as well.
+
+    Superseded by :func:`fp32_matmul_precision` now that the kernels follow torch's setting;
+    kept until the tests that use it move to it.
+    """
     if dtype != torch.float32 or device.type != "cuda":
         yield
         return

@@ -244,3 +244,111 @@ def test_only_rejects_unknown_spec():
 
     with pytest.raises(SystemExit):
         main.parse_args(["--only", "no_such_op"])
+
+
+def _numerics_spec(rows=None, error=None):
+    def numerics():
+        if error:
+            raise error
+        return rows
+
+    return type("NumericsSpec", (), {"cases": staticmethod(lambda quick: []), "numerics": staticmethod(numerics)})
+
+
+def test_cpu_path_prints_numerics_and_compiles_only_on_request(monkeypatch, capsys):
+    # Without a GPU the main job answers with the numerics report; the resource table (minutes of
+    # compiling every config for two architectures) only with --compile-report.
+    import bench.__main__ as main
+
+    calls = []
+    monkeypatch.setattr(main, "compile_table", lambda only: calls.append(only) or "TABLE")
+    row = {"op": "op", "case": "4", "dtype": "bfloat16", "tensor": "out", "err": 0.0, "torch_err": 0.0,
+           "atol": 0.0, "ok": True}
+    found = {"fake": _numerics_spec([row])}
+    assert main.run_cpu(main.parse_args([]), found) == 0
+    out = capsys.readouterr().out
+    assert not calls and "TABLE" not in out and "--compile-report" in out
+    assert "numerics time: fake " in out and "1 pass, 0 fail" in out
+
+    assert main.run_cpu(main.parse_args(["--compile-report", "--only", "norm"]), found) == 0
+    assert calls == [["norm"]] and "TABLE" in capsys.readouterr().out
+
+
+def test_cpu_path_exits_1_on_a_failing_row(monkeypatch, capsys):
+    import bench.__main__ as main
+
+    row = {"op": "op", "case": "4", "dtype": "bfloat16", "tensor": "out", "err": 1.0, "torch_err": 0.0,
+           "atol": 0.0, "ok": False}
+    assert main.run_cpu(main.parse_args([]), {"fake": _numerics_spec([row])}) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_timed_numerics_reports_broken_specs_and_times_the_rest():
+    ok = {"op": "op", "case": "4", "dtype": "bfloat16", "tensor": "out", "err": 0.0, "torch_err": 0.0,
+          "atol": 0.0, "ok": True}
+    found = {"good": _numerics_spec([ok]), "raises": _numerics_spec(error=RuntimeError("boom\nmore")),
+             "unimportable": "ImportError: no module"}
+    rows, seconds = harness.timed_numerics(found)
+    assert rows[0] == ok
+    assert rows[1]["unavailable"] == "numerics() failed: RuntimeError: boom"
+    assert rows[2]["unavailable"] == "spec import failed: ImportError: no module"
+    assert set(seconds) == {"good", "raises"} and all(s >= 0 for s in seconds.values())
+
+
+def test_numerics_times_name_the_specs_over_budget():
+    text = harness.format_numerics_times({"norm": 4.0, "block": 41.5}, budget=30)
+    assert text.splitlines()[0] == "numerics time: norm 4.0 s, block 41.5 s"
+    assert "over the 30 s budget of one spec: block" in text and "norm (" not in text
+    assert "\n" not in harness.format_numerics_times({"norm": 4.0}, budget=30)
+
+
+def test_quick_uses_torch_compiles_default_mode(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    monkeypatch.setattr(harness, "QUICK", True)
+    harness.compiled(abs, mode="max-autotune")
+    monkeypatch.setattr(harness, "QUICK", False)
+    harness.compiled(abs, mode="max-autotune")
+    assert seen == [{"dynamic": False}, {"mode": "max-autotune", "dynamic": False}]
+
+
+def test_main_sets_quick_from_the_flag(monkeypatch, capsys):
+    import bench.__main__ as main
+
+    monkeypatch.setattr(harness, "QUICK", False)
+    monkeypatch.setattr(specs, "discover", lambda only: {"fake": _numerics_spec([])})
+    assert main.main(["--quick"]) == 0 and harness.QUICK is True
+    assert main.main([]) == 0 and harness.QUICK is False
+
+
+def test_spec_budget_records_later_cases_as_not_run(fake_cuda, tmp_path, monkeypatch):
+    import bench.__main__ as main
+
+    clock = iter(range(0, 1000, 10))  # every reading of the clock: 10 s later
+    monkeypatch.setattr(main, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))
+    (case,) = _fake_spec().cases(True)
+    spec = type("TwoCases", (), {"cases": staticmethod(lambda quick: [case, case]),
+                                 "numerics": staticmethod(lambda: [])})
+    args = main.parse_args(["--quick", "--out", str(tmp_path), "--spec-budget", "15"])
+    written = []
+    monkeypatch.setattr(harness, "write_results", lambda out, env, ceilings, ms, *a, **k: written.append(
+        (env, list(ms))) or [])
+    assert main.run_cuda(args, {"fake": spec}) == 0
+    env, ms = written[-1]
+    # The first case starts 10 s into the spec (within 15 s), the second at 20 s: not run.
+    assert [m.ms for m in ms] == [2.0, None, None, None, None, None]
+    assert all(m.unavailable == "not run: spec fake used its 15 s budget (--spec-budget)" for m in ms[3:])
+    assert [m.provider for m in ms[3:]] == ["fused_block", "sdpa-flash", "broken"]
+    assert env["seconds"]["specs"] == {"fake": 30}
+
+
+def test_results_carry_versions_date_and_compile_mode(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "QUICK", True)
+    env = harness.environment()
+    assert {"date", "torch", "triton", "cuda", "gpu", "driver", "python"} <= set(env)
+    assert env["torch_compile_mode"] == "default (--quick)"
+    paths = harness.write_results(str(tmp_path), {**env, "gpu": "NVIDIA H200"}, CEILINGS, [], quick=True,
+                                  plots=False)
+    data = json.loads(pathlib.Path(paths[0]).read_text())
+    assert data["environment"]["torch"] == torch.__version__ and data["quick"] is True
+    assert pathlib.Path(paths[0]).name.startswith("nvidia-h200-") and paths[0].endswith("-quick.json")

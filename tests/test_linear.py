@@ -1,8 +1,12 @@
-"""fused_block.linear / mlp: GEMM + bias + activation + residual epilogues, forward and backward.
+"""fused_block.linear / mlp: GEMM + bias + activation + dropout + residual epilogues, forward and
+backward, both main-loop paths (TMA descriptors and pointers), fp32 in both precision modes.
 
 Every result and every gradient is compared with the float64 reference under the "twice
-PyTorch's own error" rule (numerics.assert_close). fp32 products run in TF32 on the GPU, so
-there PyTorch's fp32 baseline is measured with TF32 enabled too.
+PyTorch's own error" rule (numerics.assert_close), PyTorch's error measured in the same dtype
+and fp32 precision mode (tests/gemm_testing.py). Shapes are small: the interpreter's cost is per
+program and per op, and its default tile (256x256x128) covers most of them in one program;
+tests that need several tiles, persistent programs or the sliced epilogue swap in smaller
+tiles (``INTERPRETER_CONFIG``).
 """
 
 import pytest
@@ -10,45 +14,16 @@ import torch
 import torch.nn.functional as F
 
 import fused_block
-import fused_block.kernels.matmul
+import fused_block.kernels.matmul as kmatmul
 from fused_block import reference
+from fused_block.kernels import common
 from fused_block.linear import MLP, Linear, linear, mlp
 
-from numerics import ATOL, DTYPES, assert_close, randn, torch_precision_of_kernels
+from gemm_testing import (DTYPE_MODES, MODES, check, fp32_mode, kernel_masks, leaves, round_to_tf32, saved_numels,
+                          seeded)
+from numerics import ATOL, assert_close, randn
 
 ACTS = (None, "gelu", "gelu_tanh", "relu")
-
-
-def _leaves(tensors, dtype=None):
-    return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(t.requires_grad)
-            for t in tensors]
-
-
-def _check(name, ours, ref_fn, inputs, dtype, device):
-    """Run ``ours(*inputs)`` forward and backward; compare output and every input's gradient
-    with ``ref_fn`` in float64, against PyTorch's own error in ``dtype``."""
-    out = ours(*inputs)
-    g = randn(*out.shape, dtype=out.dtype, device=device)
-    g_before = g.clone()
-    diff = [t for t in inputs if t is not None and t.requires_grad]
-    grads = torch.autograd.grad(out, diff, g)
-    assert torch.equal(g, g_before), "the incoming gradient was modified"
-
-    ins64 = _leaves(inputs, torch.float64)
-    ref = ref_fn(*ins64)
-    grads64 = torch.autograd.grad(ref, [t for t in ins64 if t is not None and t.requires_grad], g.double())
-
-    insb = _leaves(inputs)
-    with torch_precision_of_kernels(dtype, device):
-        base = ref_fn(*insb, compute_dtype=dtype)
-        gradsb = torch.autograd.grad(base, [t for t in insb if t is not None and t.requires_grad], g)
-
-    assert out.dtype == base.dtype
-    assert_close(f"{name} out", out, ref, base)
-    names = [n for n, t in zip("abcdefgh", inputs) if t is not None and t.requires_grad]
-    for n, a, r, b in zip(names, grads, grads64, gradsb):
-        assert a.dtype == b.dtype, f"{name} grad {n}: dtype {a.dtype} != {b.dtype}"
-        assert_close(f"{name} grad of input {n}", a, r, b)
 
 
 _NO_SEED = torch.empty(0, dtype=torch.int64)
@@ -62,6 +37,33 @@ def _linear_inputs(M, K, N, has_bias, has_res, dtype, device, lead=()):
     return x, w, b, r
 
 
+def test_tf32_rounding_emulation():
+    # The TF32 baseline's operand rounding: 10 mantissa bits, nearest, specials kept.
+    x = torch.tensor([1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, -(1.0 + 2.0**-11), float("inf"), float("nan")])
+    r = round_to_tf32(x)
+    assert r[:3].tolist() == [1.0 + 2.0**-10, 1.0 + 2 * 2.0**-10, -(1.0 + 2.0**-10)]
+    assert r[3] == float("inf") and r[4].isnan()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp32_precision_follows_torch_at_call_time(mode, device, monkeypatch):
+    # The kernels read torch's switch on every call (no import-time global): the products'
+    # precision is a constexpr of the launch; fp16/bf16 launches are unaffected.
+    seen = []
+    launch = common.launch
+
+    def spy(name, kernel, grid, args, constexprs, config):
+        seen.append(constexprs.get("PRECISION"))
+        return launch(name, kernel, grid, args, constexprs, config)
+
+    monkeypatch.setattr(common, "launch", spy)
+    x, w, _, _ = _linear_inputs(4, 8, 8, False, False, torch.float32, device)
+    with fp32_mode(mode):
+        linear(x.detach(), w.detach())
+        linear(x.detach().half(), w.detach().half())
+    assert seen == [mode, "tf32"]
+
+
 # ---------------------------------------------------------------------------------------------
 # linear
 # ---------------------------------------------------------------------------------------------
@@ -69,16 +71,22 @@ def _linear_inputs(M, K, N, has_bias, has_res, dtype, device, lead=()):
 # Cheap shapes (M, K, N), run with every activation, with and without bias + residual:
 SMALL = [
     (1, 8, 100),    # one row (decoding); K below one BLOCK_K; N not a tile multiple
-    (37, 100, 8),   # odd M; masked K loop; N smaller than a tile
-    (37, 768, 100), # K a multiple of BLOCK_K (unmasked K loop); M and N edges
+    (37, 100, 8),   # odd M; masked K loop (pointer path: 200-byte bf16 rows are not 16-aligned)
+    (37, 64, 40),   # TMA-aligned rows (x, W and out): descriptor loads and stores, edges clipped
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias_res", [(True, True), (False, False)], ids=["bias_res", "plain"])
+# (bias + residual, dtype and fp32 mode): fp32's tf32 mode once, with bias and residual (the
+# products are the same kernels with another constexpr).
+BIAS_MODES = [pytest.param(((has, has), dm.values[0]), id=f"{'bias_res' if has else 'plain'}-{dm.id}")
+              for has in (True, False) for dm in DTYPE_MODES if has or dm.id != "fp32-tf32"]
+
+
+@pytest.mark.parametrize("bias_mode", BIAS_MODES)
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("shape", SMALL, ids=lambda s: "x".join(map(str, s)))
-def test_linear(shape, activation, bias_res, dtype, device, launches):
+def test_linear(shape, activation, bias_mode, device, launches):
+    bias_res, (dtype, mode) = bias_mode
     x, w, b, r = _linear_inputs(*shape, *bias_res, dtype, device)
 
     def ours(x, w, b, r):
@@ -87,34 +95,39 @@ def test_linear(shape, activation, bias_res, dtype, device, launches):
     def ref(x, w, b, r, compute_dtype=None):
         return reference.linear(x, w, b, activation, r, compute_dtype=compute_dtype)
 
-    _check("linear", ours, ref, (x, w, b, r), dtype, device)
+    check("linear", ours, ref, (x, w, b, r), dtype, device, mode)
     assert launches["matmul"] == 3  # forward, dX, dW
-    assert launches["act_grad"] == (1 if activation or bias_res[0] else 0)
+    # act' in one elementwise pass (which also sums dB); without an activation dB's partial
+    # sums come from the dW GEMM; one reduction writes dB in the bias's dtype.
+    assert launches["act_grad"] == (1 if activation else 0)
+    assert launches["bias_grad_reduce"] == (1 if bias_res[0] else 0)
 
 
 # Larger shapes, once each with the full epilogue (the interpreter is slow on big GEMMs):
 LARGE = [
-    (512, 3072, 100),  # long K reduction (d_ff -> d); M a tile multiple; 48 K steps
-    (512, 100, 768),   # M and N tile multiples (unmasked epilogue), many tiles and groups
+    (512, 3072, 100),  # long K reduction (d_ff -> d); M a tile multiple; 24 K steps
+    (512, 104, 768),   # M and N tile multiples (unclipped epilogue), several row/column tiles
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[3]])
 @pytest.mark.parametrize("shape", LARGE, ids=lambda s: "x".join(map(str, s)))
-def test_linear_large(shape, dtype, device, launches):
+def test_linear_large(shape, dtype_mode, device, launches):
+    dtype, mode = dtype_mode
     x, w, b, r = _linear_inputs(*shape, True, True, dtype, device)
 
     def ref(x, w, b, r, compute_dtype=None):
         return reference.linear(x, w, b, "gelu", r, compute_dtype=compute_dtype)
 
-    _check("linear", lambda x, w, b, r: linear(x, w, b, "gelu", r), ref, (x, w, b, r), dtype, device)
+    check("linear", lambda x, w, b, r: linear(x, w, b, "gelu", r), ref, (x, w, b, r), dtype, device, mode)
     assert launches["matmul"] == 3
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_leading_dims_strided_weight_and_partial_grads(dtype, device, launches):
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+def test_linear_leading_dims_strided_weight_and_partial_grads(dtype_mode, device, launches):
     # x with two leading dims; weight a transposed view (no copy: the kernel takes strides);
     # only some inputs require grad, so backward computes (and forward saves) only those.
+    dtype, mode = dtype_mode
     x = randn(2, 3, 40, dtype=dtype, device=device)
     w = randn(40, 24, dtype=dtype, device=device, scale=40 ** -0.5).t().requires_grad_()
     b = randn(24, dtype=dtype, device=device)
@@ -123,31 +136,79 @@ def test_linear_leading_dims_strided_weight_and_partial_grads(dtype, device, lau
     def ref(x, w, b, r, compute_dtype=None):
         return reference.linear(x, w, b, "gelu_tanh", r, compute_dtype=compute_dtype)
 
-    _check("linear", lambda x, w, b, r: linear(x, w, b, "gelu_tanh", r), ref, (x, w, b, r), dtype, device)
+    check("linear", lambda x, w, b, r: linear(x, w, b, "gelu_tanh", r), ref, (x, w, b, r), dtype, device, mode)
     assert launches["matmul"] == 2  # forward and dW only
 
 
 def test_linear_one_dim_input_and_no_grad(device, launches):
     x = randn(40, dtype=torch.float16, device=device)
-    w = randn(24, 40, dtype=torch.float16, device=device, scale=40 ** -0.5)
-    out = linear(x, w, None, "relu")
-    assert out.shape == (24,)
+    w = randn(24, 40, dtype=torch.float16, device=device, scale=40 ** -0.5, requires_grad=True)
+    with torch.no_grad():
+        out = linear(x, w, None, "relu")
+    assert out.shape == (24,) and out.grad_fn is None
     ref = reference.linear(x.double(), w.double(), None, "relu")
     assert_close("linear 1-D", out, ref, reference.linear(x, w, None, "relu", compute_dtype=torch.float16))
     assert launches["matmul"] == 1
 
 
-def test_linear_recomputes_pre_activation_when_not_saved(device):
-    # The op may run with save_pre=False and still be differentiated: backward recomputes pre.
-    x, w, b, _ = _linear_inputs(37, 100, 8, True, False, torch.float32, device)
-    out, pre = torch.ops.fused_block.linear_fwd(x, w, b, None, "gelu", False, _NO_SEED, 0.0)
-    assert pre.numel() == 0
-    grads = torch.autograd.grad(out, (x, w, b), torch.ones_like(out))
-    x64, w64, b64 = _leaves((x, w, b), torch.float64)
-    ref = reference.linear(x64, w64, b64, "gelu")
-    refs = torch.autograd.grad(ref, (x64, w64, b64), torch.ones_like(ref))
-    for a, r in zip(grads, refs):
-        torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-4)
+def test_linear_saves_only_what_backward_needs(device):
+    x, w, b, r = _linear_inputs(37, 24, 40, True, True, torch.float32, device)
+    # Every gradient: x (dW), weight (dX) and the pre-activation (act').
+    assert saved_numels(lambda: linear(x, w, b, "gelu", r)) == sorted([37 * 24, 40 * 24, 37 * 40])
+    # Only the bias: the pre-activation alone; without an activation, nothing.
+    x2, w2 = x.detach(), w.detach()
+    assert saved_numels(lambda: linear(x2, w2, b, "gelu")) == [37 * 40]
+    assert saved_numels(lambda: linear(x2, w2, b, None, r)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# both main-loop paths, forced
+# ---------------------------------------------------------------------------------------------
+
+# TMA-aligned (rows of 16-byte multiples for every operand and output) but not tile-aligned:
+# the same call runs the descriptor path and the pointer path.
+PATH_SHAPE = (37, 64, 48)
+
+
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[3]])
+def test_linear_paths(path, dtype_mode, device, launches, monkeypatch):
+    monkeypatch.setattr(kmatmul, "FORCE_PATH", path)
+    dtype, mode = dtype_mode
+    x, w, b, r = _linear_inputs(*PATH_SHAPE, True, True, dtype, device)
+    (mask,) = kernel_masks(5, device, (PATH_SHAPE[0], PATH_SHAPE[2], 0.2))
+
+    def ref(x, w, b, r, compute_dtype=None):
+        return reference.linear(x, w, b, "gelu", r, 0.2, dropout_mask=mask, compute_dtype=compute_dtype)
+
+    ours = seeded(lambda x, w, b, r: linear(x, w, b, "gelu", r, dropout_p=0.2), 5)
+    check("linear path", ours, ref, (x, w, b, r), dtype, device, mode)
+    assert launches["matmul"] == 3
+
+
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("activation", ["gelu", None])
+def test_mlp_paths(path, activation, device, launches, monkeypatch):
+    # None: the hidden activation is saved; gelu: the pre-activation, h recomputed in backward.
+    monkeypatch.setattr(kmatmul, "FORCE_PATH", path)
+    M, D, F_ = PATH_SHAPE
+    inputs = _mlp_inputs(M, D, F_, True, True, torch.bfloat16, device)
+    m1, m2 = kernel_masks(6, device, (M, F_, 0.3), (M, D, 0.1))
+
+    def ref(x, w1, b1, w2, b2, r, compute_dtype=None):
+        return reference.mlp(x, w1, b1, w2, b2, activation, r, 0.3, 0.1, dropout_mask=m1,
+                             output_dropout_mask=m2, compute_dtype=compute_dtype)
+
+    ours = seeded(lambda x, w1, b1, w2, b2, r: mlp(x, w1, b1, w2, b2, activation, r, 0.3, 0.1), 6)
+    check("mlp path", ours, ref, inputs, torch.bfloat16, device)
+    assert launches["matmul"] == 6
+
+
+def test_forced_tma_path_rejects_unaligned_operands(device, monkeypatch):
+    monkeypatch.setattr(kmatmul, "FORCE_PATH", "tma")
+    x, w, _, _ = _linear_inputs(5, 100, 8, False, False, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="FORCE_PATH"):
+        linear(x.detach(), w.detach())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +222,7 @@ MLP_SHAPES = [
 ]
 # One larger shape with the full epilogue: tile multiples along M and F, many tiles, several
 # 64-row slices of the bias-gradient partial sums.
-MLP_LARGE = (512, 100, 768)
+MLP_LARGE = (512, 104, 768)
 
 
 def _mlp_inputs(M, D, F_, has_bias, has_res, dtype, device):
@@ -174,7 +235,7 @@ def _mlp_inputs(M, D, F_, has_bias, has_res, dtype, device):
     return x, w1, b1, w2, b2, r
 
 
-def _run_mlp(shape, activation, bias_res, dtype, device):
+def _run_mlp(shape, activation, bias_res, dtype, device, mode="ieee"):
     inputs = _mlp_inputs(*shape, *bias_res, dtype, device)
 
     def ours(x, w1, b1, w2, b2, r):
@@ -183,38 +244,53 @@ def _run_mlp(shape, activation, bias_res, dtype, device):
     def ref(x, w1, b1, w2, b2, r, compute_dtype=None):
         return reference.mlp(x, w1, b1, w2, b2, activation, r, compute_dtype=compute_dtype)
 
-    _check("mlp", ours, ref, inputs, dtype, device)
+    check("mlp", ours, ref, inputs, dtype, device, mode)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias_res", [(True, True), (False, False)], ids=["bias_res", "plain"])
+@pytest.mark.parametrize("bias_mode", BIAS_MODES)
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("shape", MLP_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_mlp(shape, activation, bias_res, dtype, device, launches):
-    _run_mlp(shape, activation, bias_res, dtype, device)
-    # forward 2; backward dW2, dH with the fused act-gradient epilogue, dW1, dX
+def test_mlp(shape, activation, bias_mode, device, launches):
+    bias_res, (dtype, mode) = bias_mode
+    _run_mlp(shape, activation, bias_res, dtype, device, mode)
+    # forward 2; backward dH (act' and dB1's partials in its epilogue), dW2 (dB2's partials),
+    # dW1, dX; one reduction for both biases; no elementwise pass.
     assert launches["matmul"] == 6
-    assert launches["act_grad"] == (1 if bias_res[0] else 0)  # only dB2's column sums
+    assert launches["act_grad"] == 0
+    assert launches["bias_grad_reduce"] == (1 if bias_res[0] else 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mlp_large(dtype, device, launches):
-    _run_mlp(MLP_LARGE, "gelu", (True, True), dtype, device)
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[3]])
+def test_mlp_large(dtype_mode, device, launches):
+    dtype, mode = dtype_mode
+    _run_mlp(MLP_LARGE, "gelu", (True, True), dtype, device, mode)
     assert launches["matmul"] == 6
+
+
+def test_mlp_saves_the_pre_activation_only(device):
+    # Peak memory at or below eager's: the forward keeps x, the weights and pre (M x F); the
+    # hidden activation is recomputed in backward. With only w2 trainable: h instead of pre.
+    M, D, F_ = 37, 24, 40
+    x, w1, b1, w2, b2, r = _mlp_inputs(M, D, F_, True, True, torch.float32, device)
+    assert saved_numels(lambda: mlp(x, w1, b1, w2, b2, "gelu", r)) == sorted([M * D, F_ * D, D * F_, M * F_])
+    x0, w10, b10 = x.detach(), w1.detach(), b1.detach()
+    assert saved_numels(lambda: mlp(x0, w10, b10, w2, b2, "gelu")) == sorted([D * F_, M * F_])
 
 
 # Interpreter tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, EPI_SPLIT) besides the default
-# large one: many small tiles in both directions and partial groups; the epilogue on two and on
-# four column slices (the Hopper configs'). On CUDA the autotuner picks; the test still holds.
+# large one: many small tiles in both directions, partial groups and persistent programs
+# walking several tiles (4 programs on the interpreter); the epilogue on two and on four
+# column slices (the Hopper configs').
 TILES = [(64, 64, 32, 4, 1, 1), (128, 128, 64, 4, 1, 2), (128, 256, 64, 8, 1, 4)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["tma", "pointer"])
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
-def test_mlp_other_tiles(tile, dtype, device, monkeypatch):
-    monkeypatch.setattr(fused_block.kernels.matmul, "INTERPRETER_CONFIG", tile)
+def test_mlp_other_tiles(tile, path, device, monkeypatch):
+    monkeypatch.setattr(kmatmul, "INTERPRETER_CONFIG", tile)
+    monkeypatch.setattr(kmatmul, "FORCE_PATH", path)
     # With 64x64 tiles: 4 row tiles (a partial GROUP_M group), 3 hidden column tiles, edges.
-    _run_mlp((200, 40, 136), "gelu", (True, True), dtype, device)
+    _run_mlp((200, 48, 136), "gelu", (True, True), torch.bfloat16, device)
 
 
 def test_mlp_bias_gradient_is_deterministic(device):
@@ -229,21 +305,6 @@ def test_mlp_bias_gradient_is_deterministic(device):
 # dropout fused into the epilogues
 # ---------------------------------------------------------------------------------------------
 
-def _kernel_masks(seed, device, *specs):
-    """The keep-masks the kernels draw after ``torch.manual_seed(seed)``: one per (rows, cols,
-    p) in ``specs``, in the order the op draws its seeds (mlp: hidden first, then output)."""
-    torch.manual_seed(seed)
-    seeds = [fused_block._backend.dropout_seed(p, device) for _, _, p in specs]
-    return [fused_block.kernels.matmul.dropout_mask(s, m, n, p, device) for s, (m, n, p) in zip(seeds, specs)]
-
-
-def _seeded(fn, seed):
-    def run(*args, **kwargs):
-        torch.manual_seed(seed)
-        return fn(*args, **kwargs)
-    return run
-
-
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_keep_fraction_and_scaling(p, device, launches):
     # 128 x 192 outputs (a few tiles' worth, K tiny so the GEMM is cheap): the kept fraction
@@ -256,7 +317,7 @@ def test_dropout_keep_fraction_and_scaling(p, device, launches):
     full = linear(x, w, b, "gelu")
     torch.manual_seed(0)
     out = linear(x, w, b, "gelu", dropout_p=p)
-    (mask,) = _kernel_masks(0, device, (M, N, p))
+    (mask,) = kernel_masks(0, device, (M, N, p))
     n = M * N
     kept = mask.float().mean().item()
     assert abs(kept - (1 - p)) < 6 * (p * (1 - p) / n) ** 0.5, kept
@@ -264,7 +325,10 @@ def test_dropout_keep_fraction_and_scaling(p, device, launches):
         assert frac.min() > 0 and frac.max() < 1
     assert torch.equal(out == 0, ~mask | (full == 0))
     torch.testing.assert_close(out[mask], full[mask] / (1 - p), rtol=1e-6, atol=0)
-    assert not torch.equal(mask[:, :96], mask[:, 96:])  # columns draw different numbers
+    # The four Philox words of one call serve different 16-column groups: no repeats.
+    for q in range(1, 4):
+        assert not torch.equal(mask[:, :16], mask[:, 16 * q:16 * q + 16])
+    assert not torch.equal(mask[:, :64], mask[:, 64:128])
     assert launches["dropout_mask"] == 1
 
 
@@ -284,13 +348,14 @@ def test_dropout_same_seed_same_result(device):
 DROPOUT_SHAPE = (37, 8, 100)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
 @pytest.mark.parametrize("dropouts", [(0.3, 0.2), (0.25, 0.0), (0.0, 0.4)], ids=["both", "hidden", "output"])
-def test_mlp_dropout_matches_reference_with_kernel_masks(dropouts, dtype, device, launches):
+def test_mlp_dropout_matches_reference_with_kernel_masks(dropouts, dtype_mode, device, launches):
+    dtype, mode = dtype_mode
     M, D, F_ = DROPOUT_SHAPE
     p1, p2 = dropouts
     inputs = _mlp_inputs(M, D, F_, True, True, dtype, device)
-    m1, m2 = _kernel_masks(7, device, (M, F_, p1), (M, D, p2))
+    m1, m2 = kernel_masks(7, device, (M, F_, p1), (M, D, p2))
 
     def ours(x, w1, b1, w2, b2, r):
         return mlp(x, w1, b1, w2, b2, "gelu", r, p1, p2)
@@ -299,17 +364,19 @@ def test_mlp_dropout_matches_reference_with_kernel_masks(dropouts, dtype, device
         return reference.mlp(x, w1, b1, w2, b2, "gelu", r, p1, p2, dropout_mask=m1 if p1 else None,
                              output_dropout_mask=m2 if p2 else None, compute_dtype=compute_dtype)
 
-    _check("mlp dropout", _seeded(ours, 7), ref, inputs, dtype, device)
+    check("mlp dropout", seeded(ours, 7), ref, inputs, dtype, device, mode)
     assert launches["matmul"] == 6
-    assert launches["act_grad"] == 1  # dY * keep2 / (1 - p2) and dB2's sums in one pass (or dB2 alone)
+    # dY * keep2 / (1 - p2) and dB2's sums in one pass when there is an output dropout.
+    assert launches["act_grad"] == (1 if p2 else 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
 @pytest.mark.parametrize("activation", [None, "relu"])
-def test_linear_dropout_matches_reference_with_kernel_masks(activation, dtype, device, launches):
+def test_linear_dropout_matches_reference_with_kernel_masks(activation, dtype_mode, device, launches):
+    dtype, mode = dtype_mode
     M, K, N = 37, 100, 8  # odd M, masked K loop, N below a tile
     inputs = _linear_inputs(M, K, N, True, True, dtype, device)
-    (mask,) = _kernel_masks(11, device, (M, N, 0.3))
+    (mask,) = kernel_masks(11, device, (M, N, 0.3))
 
     def ours(x, w, b, r):
         return linear(x, w, b, activation, r, dropout_p=0.3)
@@ -317,26 +384,25 @@ def test_linear_dropout_matches_reference_with_kernel_masks(activation, dtype, d
     def ref(x, w, b, r, compute_dtype=None):
         return reference.linear(x, w, b, activation, r, 0.3, dropout_mask=mask, compute_dtype=compute_dtype)
 
-    _check("linear dropout", _seeded(ours, 11), ref, inputs, dtype, device)
+    check("linear dropout", seeded(ours, 11), ref, inputs, dtype, device, mode)
     assert launches["act_grad"] == 1  # keep / (1 - p), act' and dB in one elementwise pass
 
 
 @pytest.mark.parametrize("tile", [TILES[0], TILES[2]], ids=lambda t: "x".join(map(str, t)))
 def test_mlp_dropout_other_tiles(tile, device, monkeypatch):
-    # Masks use absolute rows and columns: several tiles (64x64: 3 row tiles, 2 hidden column
-    # tiles; 128x256: 2 row tiles) and the epilogue on four column slices give the same masks
-    # as the mask kernel.
-    monkeypatch.setattr(fused_block.kernels.matmul, "INTERPRETER_CONFIG", tile)
+    # Masks depend on absolute rows and columns only: several tiles (64x64: 3 row tiles, 2
+    # hidden column tiles; 128x256: 2 row tiles) give the same masks as the mask kernel.
+    monkeypatch.setattr(kmatmul, "INTERPRETER_CONFIG", tile)
     M, D, F_ = 136, 40, 72
     inputs = _mlp_inputs(M, D, F_, True, True, torch.bfloat16, device)
-    m1, m2 = _kernel_masks(5, device, (M, F_, 0.3), (M, D, 0.2))
+    m1, m2 = kernel_masks(5, device, (M, F_, 0.3), (M, D, 0.2))
 
     def ref(x, w1, b1, w2, b2, r, compute_dtype=None):
         return reference.mlp(x, w1, b1, w2, b2, "gelu_tanh", r, 0.3, 0.2, dropout_mask=m1,
                              output_dropout_mask=m2, compute_dtype=compute_dtype)
 
-    ours = _seeded(lambda x, w1, b1, w2, b2, r: mlp(x, w1, b1, w2, b2, "gelu_tanh", r, 0.3, 0.2), 5)
-    _check("mlp dropout tiles", ours, ref, inputs, torch.bfloat16, device)
+    ours = seeded(lambda x, w1, b1, w2, b2, r: mlp(x, w1, b1, w2, b2, "gelu_tanh", r, 0.3, 0.2), 5)
+    check("mlp dropout tiles", ours, ref, inputs, torch.bfloat16, device)
 
 
 @pytest.mark.parametrize("norm_first", [True, False], ids=["pre_ln", "post_ln"])
@@ -409,6 +475,8 @@ def test_linear_module_is_a_drop_in_nn_linear(device, launches):
     assert "activation='gelu'" in repr(ours)
     with pytest.raises(ValueError, match="activation"):
         Linear(4, 4, activation="swish")
+    with pytest.raises(ValueError, match="activation"):
+        Linear(4, 4, activation="swiglu")  # a gated FFN, not an elementwise activation
 
 
 def test_mlp_module_matches_transformer_layer_names(device):
@@ -443,10 +511,11 @@ def _bad_linear_cases(device):
         (dict(x=x, weight=w, residual=torch.randn(4, 5, device=device)), ValueError, "residual"),
         (dict(x=x, weight=w[0]), ValueError, "weight"),
         (dict(x="x", weight=w), TypeError, "x"),
+        (dict(x=x, weight=w, activation="swiglu"), ValueError, "activation"),
     ]
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(12))
 def test_linear_bad_input(case, device, launches):
     kwargs, error, name = _bad_linear_cases(device)[case]
     with pytest.raises(error, match=name):
@@ -501,23 +570,29 @@ def test_dropout_bad_input(device, launches):
 
 def test_opcheck(device):
     dt = torch.float16
-    x, w, b, r = _linear_inputs(37, 24, 40, True, True, dt, device)
     ops = torch.ops.fused_block
     none = _NO_SEED.to(device)
     seed = torch.tensor([12345], dtype=torch.int64, device=device)
+    x, w, b, r = (t.detach() for t in _linear_inputs(37, 24, 40, True, True, dt, device))
     torch.library.opcheck(ops.linear_fwd.default, (x, w, b, r, "gelu", True, seed, 0.25))
-    x, w1, b1, w2, b2, r = _mlp_inputs(37, 24, 40, True, True, dt, device)
-    torch.library.opcheck(ops.mlp_fwd.default, (x, w1, None, w2, None, None, "gelu_tanh", False, none, 0.0,
-                                                none, 0.0))
-    torch.library.opcheck(ops.mlp_fwd.default, (x, w1, b1, w2, b2, r, "gelu", True, seed, 0.3, seed + 1, 0.2))
-    # The backward's building blocks (not differentiable themselves: no double backward).
-    x, w2 = x.detach(), w2.detach()
-    g = randn(37, 24, dtype=dt, device=device)
+    torch.library.opcheck(ops.linear_fwd.default, (x, w, None, None, "none", False, none, 0.0))
+    g = randn(37, 40, dtype=dt, device=device)
     pre = randn(37, 40, dtype=dt, device=device)
-    torch.library.opcheck(ops.matmul.default, (g.t(), x))
-    torch.library.opcheck(ops.matmul_act_grad.default, (g, w2, pre, "gelu", True, seed, 0.3))
-    torch.library.opcheck(ops.act_grad.default, (pre, pre, "relu", True, seed, 0.3))
-    torch.library.opcheck(ops.bias_grad.default, (g,))
+    torch.library.opcheck(ops.linear_bwd.default, (g, x, w, pre, seed, "gelu", 0.3, True, True, True))
+    torch.library.opcheck(ops.linear_bwd.default, (g, x, None, None, None, "none", 0.0, False, True, True))
+    torch.library.opcheck(ops.linear_bwd.default, (g, None, None, None, None, "none", 0.0, False, False, True))
+    x, w1, b1, w2, b2, r = (t.detach() for t in _mlp_inputs(37, 24, 40, True, True, dt, device))
+    for save in (0, 1, 2):
+        torch.library.opcheck(ops.ffn_fwd.default, (x, w1, None, b1, None, w2, b2, r, "gelu", save, seed, 0.3,
+                                                    seed + 1, 0.2))
+    torch.library.opcheck(ops.ffn_fwd.default, (x, w1, None, None, None, w2, None, None, "relu", 0, none, 0.0,
+                                                none, 0.0))
+    gy = randn(37, 24, dtype=dt, device=device)
+    h = randn(37, 40, dtype=dt, device=device)
+    torch.library.opcheck(ops.ffn_bwd.default, (gy, x, w1, None, w2, pre, seed, seed + 1, "gelu", 0.3, 0.2, 1,
+                                                24, True, True, True, True, True))
+    torch.library.opcheck(ops.ffn_bwd.default, (gy, None, None, None, w2, h, None, None, "none", 0.0, 0.0, 2,
+                                                24, False, False, False, True, True))
 
 
 def test_torch_compile_fullgraph(device, launches):
@@ -559,10 +634,10 @@ def test_autocast(device, launches):
         expected = F.gelu(F.linear(x, w, b))
     assert out.dtype == expected.dtype == lowp
     assert out_res.dtype == torch.float32
-    ref = reference.linear(*_leaves((x, w, b), torch.float64), "gelu")
-    x64, w64, b64, r64 = _leaves((x, w, b, r), torch.float64)
+    ref = reference.linear(*leaves((x, w, b), torch.float64), "gelu")
+    x64, w64, b64, r64 = leaves((x, w, b, r), torch.float64)
     ref_res = reference.linear(x64, w64, b64, "gelu", r64)
-    base = reference.linear(*_leaves((x, w, b), lowp), "gelu", compute_dtype=lowp)
+    base = reference.linear(*leaves((x, w, b), lowp), "gelu", compute_dtype=lowp)
     assert_close("autocast out", out, ref, base)
     assert_close("autocast out + fp32 residual", out_res, ref_res, base.float() + r.detach(),
                  atol=ATOL[lowp])
@@ -572,5 +647,5 @@ def test_autocast(device, launches):
 
 
 def test_public_names():
-    for name in ("linear", "mlp", "Linear", "MLP"):
+    for name in ("linear", "mlp", "swiglu", "Linear", "MLP"):
         assert hasattr(fused_block, name)

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fused_block
 from fused_block import models
+import numerics
 
 TINY_GPT = models.DecoderOnlyConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
 TINY_BERT = models.EncoderOnlyConfig(vocab_size=64, max_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0)
@@ -328,3 +329,93 @@ def test_autocast(dtype, norm_first, device):
     assert err_f <= 2 * err_t + 1e-2, (err_f, err_t)
     yf.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == p.dtype for p in f.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA-like model: RoPE, GQA, SwiGLU, RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+def test_llama_like_parameter_count_is_tinyllama_1_1b():
+    with torch.device("meta"):
+        model = models.LlamaLike(models.LlamaLikeConfig())
+    pc = models.param_count(model)
+    d, kv, f = 2048, 4 * 64, 5632
+    assert len(pc.blocks) == 22
+    block = pc.blocks[0]
+    assert block.attention == 2 * d * d + 2 * d * kv      # W_Q, W_O: d^2 each; W_K, W_V: d x (4 heads x 64)
+    assert block.ffn == 3 * d * f                         # gate, up, down; no biases
+    assert block.estimate == block.attention + block.ffn  # the rule is exact without biases
+    assert pc.total == 1_100_048_384                      # TinyLlama-1.1B
+    assert pc.embeddings == 32000 * d and pc.other == 32000 * d + d  # untied LM head + final norm
+
+
+def _hf_llama_twin(cfg, model, interleaved):
+    """A transformers LlamaForCausalLM with ``model``'s weights. Interleaved RoPE equals
+    half-split RoPE after permuting each head's q/k rows (2i -> i, 2i+1 -> i + D/2), the
+    permutation transformers' LLaMA conversion script applies to Meta's checkpoints."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                                      intermediate_size=cfg.dim_feedforward, num_hidden_layers=cfg.n_layer,
+                                      num_attention_heads=cfg.n_head, num_key_value_heads=cfg.num_kv_heads,
+                                      max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+                                      rope_theta=cfg.rope_base, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(hf_cfg)
+    D = cfg.d_model // cfg.n_head
+    order = torch.cat((torch.arange(0, D, 2), torch.arange(1, D, 2))) if interleaved else torch.arange(D)
+
+    def half_split(w, heads):
+        return w.unflatten(0, (heads, D))[:, order].flatten(0, 1)
+
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(model.embed.weight)
+        hf.model.norm.weight.copy_(model.norm.weight)
+        hf.lm_head.weight.copy_(model.lm_head.weight)
+        for blk, layer in zip(model.blocks, hf.model.layers):
+            q, k, v = blk.self_attn.in_proj_weight.split([cfg.d_model, cfg.num_kv_heads * D, cfg.num_kv_heads * D])
+            a = layer.self_attn
+            a.q_proj.weight.copy_(half_split(q, cfg.n_head))
+            a.k_proj.weight.copy_(half_split(k, cfg.num_kv_heads))
+            a.v_proj.weight.copy_(v)
+            a.o_proj.weight.copy_(blk.self_attn.out_proj.weight)
+            gate, up = blk.linear1.weight.chunk(2)
+            layer.mlp.gate_proj.weight.copy_(gate)
+            layer.mlp.up_proj.weight.copy_(up)
+            layer.mlp.down_proj.weight.copy_(blk.linear2.weight)
+            layer.input_layernorm.weight.copy_(blk.norm1.weight)
+            layer.post_attention_layernorm.weight.copy_(blk.norm2.weight)
+    return hf.to(model.lm_head.weight.device)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_llama_like_matches_transformers_llama(interleaved, device, launches):
+    """Same weights, same logits and loss gradients as transformers' LLaMA (run in float64 as
+    the oracle and in fp32 as PyTorch's own error), with either RoPE layout."""
+    torch.manual_seed(0)
+    cfg = models.LlamaLikeConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, num_kv_heads=2, d_model=64,
+                                 dim_feedforward=96, rope_interleaved=interleaved)
+    model = models.LlamaLike(cfg).to(device)
+    with torch.no_grad():
+        for blk in model.blocks:  # non-trivial norm weights
+            for n in (blk.norm1, blk.norm2):
+                n.weight.normal_(1.0, 0.3)
+    hf = _hf_llama_twin(cfg, model, interleaved)
+    idx, tgt = _tokens(2, 9, device=device), _tokens(2, 9, seed=1, device=device)
+    logits, loss = model(idx, targets=tgt)
+    loss.backward()
+    outs = []
+    for m in (copy.deepcopy(hf).double(), hf):
+        out = m(idx)
+        torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), tgt.flatten()).backward()
+        outs.append((out.logits, m))
+    scale = max(1.0, outs[0][0].abs().max().item())
+    numerics.assert_close("logits", logits, outs[0][0], outs[1][0], atol=FP32_ATOL * scale, factor=4.0)
+    for i, blk in enumerate(model.blocks):
+        pairs = [(blk.linear2.weight.grad, lambda m: m.model.layers[i].mlp.down_proj.weight.grad),
+                 (blk.self_attn.out_proj.weight.grad, lambda m: m.model.layers[i].self_attn.o_proj.weight.grad),
+                 (blk.norm1.weight.grad, lambda m: m.model.layers[i].input_layernorm.weight.grad)]
+        for j, (got, want) in enumerate(pairs):
+            ref = want(outs[0][1])
+            g_scale = max(1.0, ref.abs().max().item())
+            numerics.assert_close(f"block{i}.grad{j}", got, ref, want(outs[1][1]), atol=FP32_ATOL * g_scale,
+                                  factor=4.0)
+    assert launches["rope"] == 2 * cfg.n_layer and launches["attention_fwd"] == cfg.n_layer

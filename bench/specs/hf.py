@@ -1,0 +1,184 @@
+"""Hugging Face models converted by ``fused_block.convert``: a training step and greedy generation.
+
+Models (random weights, bf16, the default SDPA attention implementation):
+
+- ``gpt2-small``: ``GPT2LMHeadModel(GPT2Config())``, 124M parameters.
+- ``llama-1b``: ``LlamaForCausalLM`` at TinyLlama-1.1B's shape (d 2048, 22 layers, 32 heads
+  with 4 KV heads, SwiGLU width 5632, vocabulary 32000). ``--quick`` keeps 4 of its 22 layers
+  (``n_layer`` in the shape says so) so that torch.compile's compile time fits the GPU check.
+
+Providers:
+
+- ``fused_block``: the model after ``fused_block.convert`` (eager).
+- ``eager``: the unconverted model.
+- ``torch.compile``: the unconverted model under ``torch.compile`` (default mode with
+  ``--quick``, ``max-autotune`` in the full run) for the training step; for generation,
+  transformers' own compiled decoding (``cache_implementation="static"``, which compiles the
+  decoding forward).
+
+Ops and modes:
+
+- ``hf_train`` (``fwd+bwd``): forward with ``labels`` (the causal-LM loss) and the gradient of
+  every parameter, batch x seq tokens. FLOPs: ``3 x (2 T P + 4 B S^2 d n_layer)`` with T tokens,
+  P the parameters of the linear layers (LM head included) and the attention's QK^T and PV
+  counted in full (the causal half is not subtracted, as nanoGPT's MFU does).
+- ``hf_generate`` (``fwd``): greedy generation of ``new`` tokens after a ``prompt``-token
+  prompt, batch 1, with the KV cache. Bytes: the weights read once per generated token (the
+  floor of memory-bound decoding; the KV cache and activations are not counted), so GB/s and
+  % of the copy ceiling say how close decoding is to reading the weights at full bandwidth.
+"""
+import torch
+
+from bench import harness
+from bench.harness import Case
+
+DTYPE = torch.bfloat16
+MODELS = {
+    "gpt2-small": dict(arch="gpt2", n_layer=12, d_model=768, train_batch=8, seq=1024, prompt=128, new=32),
+    "llama-1b": dict(arch="llama", n_layer=22, d_model=2048, train_batch=4, seq=2048, prompt=128, new=32),
+}
+QUICK = {"gpt2-small": dict(new=16), "llama-1b": dict(n_layer=4, new=16)}
+
+
+def _config(arch, n_layer):
+    import transformers
+
+    if arch == "gpt2":
+        return transformers.GPT2Config(n_layer=n_layer, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                    num_hidden_layers=n_layer, num_attention_heads=32, num_key_value_heads=4,
+                                    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _model(arch, n_layer, device):
+    import transformers
+
+    torch.manual_seed(0)
+    cls = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM
+    with torch.device(device):
+        return cls(_config(arch, n_layer)).to(DTYPE)
+
+
+def _linear_params(model):
+    """Weights of the matmuls: nn.Linear and GPT-2's Conv1D (the LM head included, tied or not)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+               and m.weight.dim() == 2 and not isinstance(m, torch.nn.Embedding))
+
+
+def train_flops(model, batch, seq, n_layer, d_model):
+    tokens = batch * seq
+    return 3 * (2 * tokens * _linear_params(model) + 4 * batch * seq * seq * d_model * n_layer)
+
+
+def _provider(provider, spec, mode, quick):
+    def factory():
+        import fused_block
+
+        model = _model(spec["arch"], spec["n_layer"], "cuda")
+        vocab = model.config.vocab_size
+        if provider == "fused_block":
+            fused_block.convert(model)
+        if mode == "fwd+bwd":
+            model.train()
+            params = tuple(model.parameters())
+            fn = harness.compiled(model, mode="default" if quick else "max-autotune") \
+                if provider == "torch.compile" else model
+
+            ids = torch.randint(0, vocab, (spec["train_batch"], spec["seq"]), device="cuda")
+
+            def step():  # a step reads every weight and far more activations than L2 holds
+                return torch.autograd.grad(fn(ids, labels=ids).loss, params)
+            return step
+        model.eval()
+        ids = torch.randint(0, vocab, (1, spec["prompt"]), device="cuda")
+        kw = dict(max_new_tokens=spec["new"], min_new_tokens=spec["new"], do_sample=False, pad_token_id=0)
+        if provider == "torch.compile":
+            kw["cache_implementation"] = "static"
+
+        def generate():
+            return model.generate(ids, **kw)
+        return generate
+    return factory
+
+
+def cases(quick: bool) -> list:
+    out = []
+    for name, spec in MODELS.items():
+        spec = dict(spec, **(QUICK[name] if quick else {}))
+        shape = {"model": name, "n_layer": spec["n_layer"]}
+        for op, mode in (("hf_train", "fwd+bwd"), ("hf_generate", "fwd")):
+            providers = {p: _provider(p, spec, mode, quick) for p in ("fused_block", "eager", "torch.compile")}
+            if mode == "fwd+bwd":
+                case_shape = dict(shape, batch=spec["train_batch"], seq=spec["seq"])
+                out.append(Case(op=op, shape=case_shape, dtype=DTYPE, mode=mode, providers=providers,
+                                flops=_count_train_flops(spec)))
+            else:
+                case_shape = dict(shape, prompt=spec["prompt"], new=spec["new"])
+                out.append(Case(op=op, shape=case_shape, dtype=DTYPE, mode=mode, providers=providers,
+                                bytes=_count_weight_bytes(spec) * spec["new"]))
+    return out
+
+
+def _meta_model(spec):
+    return _model(spec["arch"], spec["n_layer"], "meta")
+
+
+def _count_train_flops(spec):
+    return train_flops(_meta_model(spec), spec["train_batch"], spec["seq"], spec["n_layer"], spec["d_model"])
+
+
+def _count_weight_bytes(spec):
+    model = _meta_model(spec)
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics: converted tiny models against the originals in float64 (CPU through the interpreter)
+# ---------------------------------------------------------------------------------------------
+
+# One layer, hidden 64 with 4 heads (head dim 16, the kernel's smallest), 2 x 8 tokens with
+# left padding on the second sequence: small enough for the interpreter.
+NUMERICS_DTYPES = (torch.float32, torch.bfloat16)
+BLOCK_FACTOR = 4.0  # a layer chains about ten ops whose rounding points differ (tests/test_blocks.py)
+
+
+def _tiny(arch):
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=1, n_head=4,
+                                      initializer_range=0.2, bos_token_id=0, eos_token_id=95)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   initializer_range=0.2)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def numerics() -> list:
+    import copy
+
+    try:
+        import fused_block
+        import transformers  # noqa: F401 - optional dependency
+    except Exception as exc:  # noqa: BLE001
+        return [harness.unavailable_row(op, harness.describe_error(exc)) for op in ("hf_gpt2", "hf_llama")]
+    dev = harness.DEVICE
+    rows = []
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1)).to(dev)
+    mask = torch.ones(2, 8, dtype=torch.long, device=dev)
+    mask[1, :2] = 0
+    for arch in ("gpt2", "llama"):
+        for dtype in NUMERICS_DTYPES:
+            model = _tiny(arch).to(dev).eval()
+            ref = copy.deepcopy(model).double()
+            base = copy.deepcopy(model).to(dtype)
+            ours = fused_block.convert(copy.deepcopy(base))
+            with torch.no_grad():
+                logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                          for m in (ours, ref, base)]
+            scale = max(1.0, logits[1].abs().max().item())
+            rows.append(harness.compare(f"hf_{arch}", "2x8 (1 layer, d 64)", "logits", *logits,
+                                        atol=harness.ATOL[dtype] * scale, factor=BLOCK_FACTOR))
+    return rows

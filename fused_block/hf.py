@@ -1,0 +1,530 @@
+"""Hugging Face ``transformers`` models converted in place by :func:`fused_block.convert`.
+
+Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+``BertForMaskedLM``, need nothing else): ``LlamaDecoderLayer``, ``MistralDecoderLayer``,
+``Qwen2DecoderLayer`` (the LLaMA family: Pre-RMSNorm, RoPE, GQA, gated MLP), ``GPT2Block``
+(Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU) and ``BertLayer`` (Post-LN encoder).
+
+How: each recognised layer keeps its class, submodules, parameters (so state dicts,
+``save_pretrained``/``from_pretrained``, optimizers and train/eval mode are untouched) and
+gets an instance-level ``forward`` that runs the fused ops:
+
+- LLaMA family: ``add_rms_norm`` for both norms (the attention's residual add fused into the
+  second), one QKV GEMM (q/k/v weights concatenated, the copy cached while the weights do not
+  change and no gradient is taken), fused RoPE on the QKV output (angles in fp32 from
+  ``position_ids`` and the model's rotary ``inv_freq``/``attention_scaling``, else from the
+  layer's ``position_embeddings``), the KV cache's ``update``, the attention kernel (GQA,
+  bottom-right causal for decoding with a cache, key padding), the output GEMM. The MLP runs
+  Hugging Face's module (see the README: SwiGLU is wired in when the fused op exists).
+- GPT-2: ``add_layer_norm`` for ``ln_1`` and ``ln_2`` (attention residual and its dropout
+  fused), ``linear`` on the Conv1D weights as transposed views (no copies), the attention
+  kernel, ``mlp`` with tanh GELU, output dropout and the residual in its epilogues.
+- BERT: one QKV GEMM, the attention kernel with the padding mask, then the two Post-LN
+  ``add_layer_norm`` with the dense outputs' dropout fused, and ``mlp`` for the FFN.
+
+Masks: the layer reads the mask the model built for its attention implementation (None, a
+4-D bool or additive mask, or flash-attention's 2-D padding mask), checks once per mask
+object that it is causal (bottom-right) and/or key padding, and hands the kernel ``causal``
+and a (B, Lk) padding mask. Anything else (sliding windows that cut keys, packed sequences,
+other custom patterns, a 4-D mask under ``torch.compile`` where its values cannot be read)
+runs ``scaled_dot_product_attention`` with that very mask after a one-time warning. Inputs the
+fused path does not express (output_attentions, head masks, cross-attention, hooks on the
+skipped submodules, unknown activations or signatures, float64) run the layer's original
+forward, with a one-time warning. Never a different answer, only a slower one.
+
+This module never imports ``transformers``: it is only reached for models that already did.
+A converted model object cannot be pickled whole (``torch.save(model)``); save its state dict
+or use ``save_pretrained``.
+"""
+import functools
+import inspect
+import sys
+import types
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fused_block import reference
+from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
+from fused_block.attention import attention as _attention
+from fused_block.blocks import _like
+from fused_block.linear import linear, mlp
+from fused_block.norm import add_layer_norm, add_rms_norm
+from fused_block.rope import rope
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Hugging Face activation names (ACT2FN keys) and the GEMM epilogue's equivalent.
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+_ROTARY_CLASSES = ("LlamaRotaryEmbedding", "MistralRotaryEmbedding", "Qwen2RotaryEmbedding")
+_CAPTURE_MODULE = "transformers.utils.output_capturing"
+_WARNED = set()
+
+
+def _warn_once(key, message):
+    if key not in _WARNED and not torch.compiler.is_compiling():
+        _WARNED.add(key)
+        warnings.warn(f"fused_block: {message}", stacklevel=3)
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion
+# ---------------------------------------------------------------------------------------------
+
+def convert_modules(model: nn.Module) -> list:
+    """Patch every recognised layer of ``model`` in place; returns the converted modules."""
+    rotaries = [m for m in model.modules() if type(m).__name__ in _ROTARY_CLASSES
+                and hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
+    rotary = rotaries[0] if len(rotaries) == 1 else None
+    converted = []
+    for m in model.modules():
+        family = _FAMILIES.get(type(m).__name__)
+        if family is None or not type(m).__module__.startswith("transformers.models.") or "_fused_block" in m.__dict__:
+            continue
+        reason = family.check(m)
+        if reason is None and ("forward" in m.__dict__ or any(hasattr(s, "_hf_hook") for s in m.modules())):
+            reason = "its forward is already wrapped (accelerate's device hooks or another patch)"
+        if reason is None and _returns_tensor(type(m).forward) is None:
+            reason = f"the return type of {type(m).__name__}.forward is not recognised (transformers version?)"
+        if reason is not None:
+            _warn_once(("convert", type(m).__name__, reason),
+                       f"{type(m).__name__} is left unconverted: {reason}")
+            continue
+        _patch(m, family, rotary)
+        converted.append(m)
+    return converted
+
+
+class _Family:
+    """A layer class's conversion: ``check(layer)`` at conversion and ``check_call(layer, call)``
+    per call return a reason to keep the original forward (or None); ``run(layer, call, x)``
+    computes the output; ``called(layer)`` lists the submodules ``run`` still calls."""
+
+    def __init__(self, check, check_call, run, called=lambda layer: ()):
+        self.check, self.check_call, self.run, self.called = check, check_call, run, called
+
+
+class _State:
+    """What a converted layer keeps beside its modules: how its forward was called and returns."""
+
+    def __init__(self, family, original, positional, returns_tensor, rotary):
+        self.family, self.original, self.positional = family, original, positional
+        self.returns_tensor = returns_tensor
+        self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
+        self.packed = {}  # name -> (key, concatenated weight) cache
+
+
+def _patch(module, family, rotary):
+    forward = type(module).forward
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    state = _State(family, forward, positional, _returns_tensor(forward), rotary)
+    module.__dict__["_fused_block"] = state  # a plain attribute: no submodule, no state-dict entry
+    module.forward = types.MethodType(_fused_forward, module)
+
+
+def _returns_tensor(forward):
+    """True if the layer returns a tensor, False for a 1-tuple (older transformers), None if unknown."""
+    ann = inspect.signature(forward).return_annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+    if ann is torch.Tensor or text in ("torch.Tensor", "Tensor", "torch.FloatTensor"):
+        return True
+    if "tuple" in str(ann).lower():
+        return False
+    return None
+
+
+def _fused_forward(self, *args, **kwargs):
+    state = self._fused_block
+    call = dict(zip(state.positional, args))
+    call.update(kwargs)
+    hidden = call.get("hidden_states")
+    reason = _common_reason(call, hidden) or _records_outputs(self, state.family.called(self)) \
+        or state.family.check_call(self, call)
+    if reason is not None:
+        _warn_once((type(self).__name__, reason), f"{type(self).__name__} runs its original forward: {reason}")
+        return state.original(self, *args, **kwargs)
+    run = functools.partial(state.family.run, self, call)
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled() \
+            and hasattr(self, "_gradient_checkpointing_func"):
+        out = self._gradient_checkpointing_func(run, hidden)
+    else:
+        out = run(hidden)
+    if state.returns_tensor:
+        return out
+    # Older transformers: a tuple, whose models read the updated cache after the hidden states
+    # (when use_cache) or ignore what follows them.
+    return (out, _cache(call)) if call.get("use_cache") and _cache(call) is not None else (out,)
+
+
+def _common_reason(call, hidden):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        return "hidden_states is not a (batch, length, hidden) tensor"
+    mask = call.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)):
+        return f"an attention mask of type {type(mask).__name__} (e.g. flex attention's BlockMask)"
+    if hidden.dtype not in _KERNEL_DTYPES:
+        return f"dtype {hidden.dtype} (the kernels take fp32, fp16 and bf16)"
+    if call.get("output_attentions"):
+        return "output_attentions=True (the fused attention never forms the attention weights)"
+    if call.get("head_mask") is not None:
+        return "a head_mask"
+    if call.get("encoder_hidden_states") is not None:
+        return "cross-attention (encoder_hidden_states)"
+    for name in ("past_key_value", "past_key_values", "layer_past", "cache"):
+        cache = call.get(name)
+        if cache is not None and not hasattr(cache, "update"):
+            return f"a legacy (tuple) {name}"
+    return None
+
+
+def _cache(call):
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
+        if call.get(name) is not None:
+            return call[name]
+    return None
+
+
+def _records_outputs(layer, called):
+    """A submodule the fused path skips (any but ``called`` and their children) has a hook that
+    would see nothing: user hooks, or transformers' output capturing of attention weights."""
+    skip = {id(c) for m in called for c in m.modules()}
+    for m in layer.modules():
+        if m is layer or id(m) in skip:
+            continue
+        for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()):
+            fn = getattr(hook, "func", hook)
+            if getattr(fn, "__module__", None) != _CAPTURE_MODULE:
+                return "a forward hook on a submodule that the fused path does not call"
+            collector = sys.modules[_CAPTURE_MODULE]._active_collector.get()
+            if collector and any(k != "hidden_states" and not k.startswith("_") for k in collector):
+                return "output capturing of attention weights (output_attentions=True)"
+    return None
+
+
+def _packed(state, name, tensors):
+    """``torch.cat(tensors)``; cached across calls while the tensors are unchanged and no
+    gradient flows through them (generation), recomputed otherwise (training, compile)."""
+    if tensors[0] is None:
+        return None
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return torch.cat(tensors)
+    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    hit = state.packed.get(name)
+    if hit is None or hit[0] != key:
+        hit = state.packed[name] = (key, torch.cat(tensors))
+    return hit[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# masks and attention
+# ---------------------------------------------------------------------------------------------
+
+class _Plan:
+    """How attention runs: the kernel (``causal``, ``key_padding`` (B, Lk) or None, the first
+    ``n_keys`` keys) or SDPA with the model's own ``sdpa_mask`` / ``sdpa_causal`` and a reason."""
+
+    __slots__ = ("kernel", "causal", "key_padding", "n_keys", "sdpa_mask", "sdpa_causal", "reason")
+
+    def __init__(self, kernel, causal=False, key_padding=None, n_keys=None, sdpa_mask=None, sdpa_causal=False,
+                 reason=None):
+        self.kernel, self.causal, self.key_padding, self.n_keys = kernel, causal, key_padding, n_keys
+        self.sdpa_mask, self.sdpa_causal, self.reason = sdpa_mask, sdpa_causal, reason
+
+
+_LAST_MASK = [None, None]  # (weakref to the last 4-D mask read, what it was read as)
+
+
+def _mask_reason(mask, L, causal, flash):
+    """Masks whose convention the fused path knows: None, flash-attention's 2-D padding mask,
+    or a 4-D (B or 1, 1, Lq, Lk) mask; (B, 1, 1, Lk) only for bidirectional attention (older
+    transformers pass causal layers a padding-only mask and apply causality inside)."""
+    if mask is None or (mask.dim() == 2 and flash):
+        return None
+    if mask.dim() == 4 and mask.shape[1] == 1 and (mask.shape[2] == L or (mask.shape[2] == 1 and not causal)):
+        return None
+    return f"an attention mask of shape {tuple(mask.shape)} for a {'causal' if causal else 'bidirectional'} layer"
+
+
+def _plan(mask, B, Lq, Lk, causal, flash):
+    """Read a Hugging Face attention mask. ``causal``: the module is causal; ``flash``: the
+    model runs a flash-attention implementation (2-D masks, bottom-right causal when None)."""
+    if mask is None:
+        if not causal or Lq == 1:
+            return _Plan(True, causal=False)
+        if Lq == Lk or flash:
+            return _Plan(True, causal=True)
+        if Lq < Lk:
+            # SDPA's is_causal is top-left: query i sees keys j <= i, i.e. the first Lq keys bottom-right.
+            return _Plan(True, causal=True, n_keys=Lq)
+        return _Plan(False, sdpa_causal=True, reason=f"a top-left causal mask with more queries ({Lq}) than keys")
+    if mask.dim() == 2:  # flash-attention's (B, seen + L) padding mask, 1 = token
+        return _Plan(True, causal=causal, key_padding=_padding(~mask[:, -Lk:].bool(), B))
+    if torch.compiler.is_compiling():
+        return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask under torch.compile (its values "
+                     "cannot be read while tracing; pass attention_mask=None when there is no padding)")
+    last_ref, last = _LAST_MASK
+    if last_ref is not None and last_ref() is mask and last[0] == (B, Lq, Lk, causal):
+        return last[1]
+    plan = _read_mask(mask, B, Lq, Lk, causal)
+    _LAST_MASK[:] = [weakref.ref(mask), ((B, Lq, Lk, causal), plan)]
+    return plan
+
+
+def _read_mask(mask, B, Lq, Lk, causal):
+    general = _Plan(False, sdpa_mask=mask, reason="an attention mask that is not causal plus key padding "
+                    "(a sliding window that cuts keys, packed sequences, a custom pattern)")
+    if mask.shape[-1] != Lk or mask.shape[0] not in (1, B):
+        return general
+    if mask.dtype == torch.bool:
+        keep = mask
+    else:
+        keep = mask == 0
+        if not bool((keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return general
+    key_padding = ~keep[:, 0, -1, :]  # the last query sees every key that is not padding
+    visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device)
+    if not torch.equal(visible, keep.expand(visible.shape)):
+        return general
+    return _Plan(True, causal=causal, key_padding=_padding(key_padding, B))
+
+
+def _padding(key_padding, B):
+    if not bool(key_padding.any()):
+        return None
+    return key_padding.expand(B, -1) if key_padding.shape[0] != B else key_padding
+
+
+def _attend(q, k, v, plan, scale, dropout_p, name):
+    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D)."""
+    D = q.shape[-1]
+    if plan.kernel and (D % 8 or not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM
+                        or (q.dtype == torch.float32 and D > MAX_FP32_HEAD_DIM)):
+        plan = _Plan(False, sdpa_mask=_dense(plan, q.shape[2], k.shape[2], q.device),
+                     reason=f"head dim {D} in {q.dtype} (outside the attention kernel's range)")
+    if plan.kernel:
+        if plan.n_keys is not None:
+            k, v = k[:, :, :plan.n_keys], v[:, :, :plan.n_keys]
+        return _attention(q, k, v, plan.causal, scale, plan.key_padding, dropout_p)
+    _warn_once((name, plan.reason), f"{name}: {plan.reason}; attention runs through "
+               "torch.nn.functional.scaled_dot_product_attention with the model's mask (slower, same result)")
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.sdpa_mask, dropout_p=dropout_p,
+                                          is_causal=plan.sdpa_causal, scale=scale)
+
+
+def _dense(plan, Lq, Lk, device):
+    """The kernel plan as SDPA's bool mask (True = attend)."""
+    n = plan.n_keys or Lk
+    vis = reference.visible_keys(Lq, n, plan.causal, None if plan.key_padding is None else plan.key_padding[:, :n],
+                                 device)
+    return F.pad(vis, (0, Lk - n), value=False)
+
+
+def _is_flash(config):
+    return str(getattr(config, "_attn_implementation", "")).startswith("flash")
+
+
+def _implementation_reason(config):
+    impl = getattr(config, "_attn_implementation", None)
+    if impl in (None, "eager", "sdpa") or _is_flash(config):
+        return None
+    return f"attention implementation {impl!r} (its masks are not read by the fused path)"
+
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA family: LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer
+# ---------------------------------------------------------------------------------------------
+
+def _llama_check(layer):
+    attn = getattr(layer, "self_attn", None)
+    parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in parts):
+        return "self_attn does not have q_proj/k_proj/v_proj/o_proj linears"
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        n = getattr(layer, norm, None)
+        if n is None or not hasattr(n, "weight") or _rms_eps(n) is None:
+            return f"{norm} is not an RMSNorm with weight and eps"
+    if not hasattr(layer, "mlp") or not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
+        return "missing mlp, head_dim or scaling"
+    return None
+
+
+def _rms_eps(norm):
+    for name in ("variance_epsilon", "eps"):
+        if isinstance(getattr(norm, name, None), float):
+            return getattr(norm, name)
+    return None
+
+
+def _llama_check_call(layer, call):
+    attn = layer.self_attn
+    hidden = call["hidden_states"]
+    if call.get("position_embeddings") is None and _rotary_positions(layer, call, *hidden.shape[:2]) is None:
+        return "no position_embeddings (and no model-level rotary module with position_ids)"
+    window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    if window is not None and _is_flash(attn.config):
+        return "a sliding window with flash-attention masks"
+    return (_implementation_reason(attn.config)
+            or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True,
+                            _is_flash(attn.config)))
+
+
+def _rotary_positions(layer, call, B, L):
+    """position_ids (B or 1, L) when the model has one standard rotary module, else None."""
+    positions = call.get("position_ids")
+    if layer._fused_block.rotary is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
+            and positions.shape[0] in (1, B) and positions.shape[1] == L:
+        return positions
+    return None
+
+
+def _llama_rope(layer, q, k, call):
+    """RoPE on the (B, L, H, D) views: fp32 angles from position_ids and the rotary module's
+    inv_freq when the model has one standard rotary module, else HF's cos/sin tables."""
+    B, L = q.shape[:2]
+    positions = _rotary_positions(layer, call, B, L)
+    if positions is not None:
+        rotary = layer._fused_block.rotary
+        inv_freq = rotary.inv_freq.to(device=q.device, dtype=torch.float32)
+        return rope(q, k, positions, inv_freq, scale=float(rotary.attention_scaling))
+    cos, sin = call["position_embeddings"]
+    return rope(q, k, cos=cos.expand(B, -1, -1) if cos.shape[0] != B else cos,
+                sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin)
+
+
+def _llama_run(layer, call, x):
+    attn, state = layer.self_attn, layer._fused_block
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    B, L, _ = x.shape
+    D = attn.head_dim
+    H = attn.q_proj.out_features // D
+    Hkv = attn.k_proj.out_features // D
+    n1, _ = add_rms_norm(x, None, ln1.weight, _rms_eps(ln1))
+    w = _packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+    b = _packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
+    qkv = linear(n1, w, b)  # (B, L, (H + 2 Hkv) D): one GEMM
+    q, k, v = (t.unflatten(-1, (-1, D)) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    q, k = _llama_rope(layer, q, k, call)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n, L, D) views
+    cache = _cache(call)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)
+    plan = _plan(call.get("attention_mask"), B, L, k.shape[2], True, _is_flash(attn.config))
+    p = attn.attention_dropout if attn.training else 0.0
+    o = _attend(q, k, v, plan, attn.scaling, p, type(layer).__name__)
+    o = linear(o.transpose(1, 2).reshape(B, L, H * D), attn.o_proj.weight, attn.o_proj.bias)
+    n2, h = add_rms_norm(_like(o, x), x, ln2.weight, _rms_eps(ln2))
+    return h + layer.mlp(n2)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2: GPT2Block
+# ---------------------------------------------------------------------------------------------
+
+def _gpt2_check(block):
+    attn, mlp_mod = getattr(block, "attn", None), getattr(block, "mlp", None)
+    if attn is None or mlp_mod is None or getattr(attn, "is_cross_attention", False):
+        return "not a GPT-2 self-attention block"
+    for name in ("c_attn", "c_proj"):
+        if getattr(getattr(attn, name, None), "weight", None) is None:
+            return f"attn.{name} has no weight"
+    act = getattr(attn.config, "activation_function", None)
+    if act not in _ACTIVATIONS:
+        return f"activation_function {act!r} has no fused epilogue"
+    return None
+
+
+def _gpt2_scale(attn):
+    scaling = getattr(attn, "scaling", None)
+    if scaling is not None:
+        return float(scaling)
+    scale = attn.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
+    return scale / (attn.layer_idx + 1) if attn.scale_attn_by_inverse_layer_idx else scale
+
+
+def _gpt2_check_call(block, call):
+    cfg = block.attn.config
+    return (_implementation_reason(cfg)
+            or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True, _is_flash(cfg)))
+
+
+def _gpt2_run(block, call, x):
+    attn, m = block.attn, block.mlp
+    B, L, E = x.shape
+    H, D = attn.num_heads, attn.head_dim
+    p_resid = attn.resid_dropout.p if block.training else 0.0
+    n1, _ = add_layer_norm(x, None, block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
+    # Conv1D stores (in, out): its transpose is nn.Linear's layout as a view, no copy.
+    qkv = linear(n1, attn.c_attn.weight.t(), attn.c_attn.bias)
+    q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv.split(E, dim=-1))
+    cache = _cache(call)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)
+    plan = _plan(call.get("attention_mask"), B, L, k.shape[2], True, _is_flash(attn.config))
+    o = _attend(q, k, v, plan, _gpt2_scale(attn), attn.attn_dropout.p if block.training else 0.0, "GPT2Block")
+    o = linear(o.transpose(1, 2).reshape(B, L, E), attn.c_proj.weight.t(), attn.c_proj.bias)
+    n2, h = add_layer_norm(_like(o, x), x, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, p_resid)
+    act = _ACTIVATIONS[attn.config.activation_function]
+    p_mlp = m.dropout.p if block.training else 0.0
+    return mlp(n2, m.c_fc.weight.t(), m.c_fc.bias, m.c_proj.weight.t(), m.c_proj.bias, act, h, 0.0, p_mlp)
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT: BertLayer (encoder)
+# ---------------------------------------------------------------------------------------------
+
+def _bert_check(layer):
+    attn = getattr(getattr(layer, "attention", None), "self", None)
+    if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("query", "key", "value")):
+        return "attention.self does not have query/key/value linears"
+    if getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention", False):
+        return "BERT as a decoder (causal self-attention, cross-attention) is not converted"
+    act = getattr(attn.config, "hidden_act", None)
+    if not isinstance(act, str) or act not in _ACTIVATIONS:
+        return f"hidden_act {act!r} has no fused epilogue"
+    if getattr(attn, "position_embedding_type", "absolute") != "absolute":
+        return "relative position embeddings in the attention scores"
+    return None
+
+
+def _bert_check_call(layer, call):
+    s = layer.attention.self
+    return (_implementation_reason(s.config)
+            or _mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], False, _is_flash(s.config)))
+
+
+def _bert_run(layer, call, x):
+    s, so, inter, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
+    B, L, E = x.shape
+    H = s.num_attention_heads
+    D = s.attention_head_size
+    state = layer._fused_block
+    w = _packed(state, "qkv_weight", (s.query.weight, s.key.weight, s.value.weight))
+    b = _packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias))
+    q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in linear(x, w, b).split(H * D, dim=-1))
+    plan = _plan(call.get("attention_mask"), B, L, L, False, _is_flash(s.config))
+    scale = float(getattr(s, "scaling", D ** -0.5))
+    o = _attend(q, k, v, plan, scale, s.dropout.p if layer.training else 0.0, "BertLayer")
+    a = linear(o.transpose(1, 2).reshape(B, L, H * D), so.dense.weight, so.dense.bias)
+    p1 = so.dropout.p if layer.training else 0.0
+    h, _ = add_layer_norm(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)
+    f = mlp(h, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias,
+            _ACTIVATIONS[s.config.hidden_act])
+    p2 = out.dropout.p if layer.training else 0.0
+    y, _ = add_layer_norm(_like(f, h), h, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps, p2)
+    return y
+
+
+_LLAMA = _Family(_llama_check, _llama_check_call, _llama_run, called=lambda layer: (layer.mlp,))
+_FAMILIES = {name: _LLAMA for name in _LLAMA_LAYERS}
+_FAMILIES["GPT2Block"] = _Family(_gpt2_check, _gpt2_check_call, _gpt2_run)
+_FAMILIES["BertLayer"] = _Family(_bert_check, _bert_check_call, _bert_run)

@@ -1,0 +1,130 @@
+"""Fused rotary position embeddings (RoPE) on q and k: validation, op, autograd, public API.
+
+``rope(q, k, positions, inv_freq)`` rotates q (B, L, Hq, D) and k (B, L, Hk, D) (the layout of
+a QKV projection's output viewed per head; any strides) in one kernel launch and returns new
+contiguous (B, L, H, D) tensors; ``.transpose(1, 2)`` gives SDPA's (B, H, L, D) layout
+without a copy. The backward is the same kernel with the inverse rotation; nothing is saved
+but the angle inputs. See :mod:`fused_block.kernels.rope` for the layouts and the fp32 angle
+computation.
+"""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fused_block import _backend, _library, _validate, reference
+from fused_block.kernels import rope as _k
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _fake(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@_library.op("rope", fake=_fake)
+def _rope_op(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Optional[Tensor],
+             cos: Optional[Tensor], sin: Optional[Tensor], scale: float, rot_dim: int, interleaved: bool,
+             conj: bool) -> tuple[Tensor, Tensor]:
+    """q (B, L, Hq, D), k (B, L, Hk, D), unit last stride -> rotated contiguous copies."""
+    with _backend.device_guard(q):
+        return _k.rope(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj)
+
+
+def _unit_last(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(positions, inv_freq, cos, sin)
+        ctx.scale, ctx.rot_dim, ctx.interleaved = scale, rot_dim, interleaved
+        ctx.q_shape, ctx.k_shape = q.shape, k.shape
+        return _rope_op(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        positions, inv_freq, cos, sin = ctx.saved_tensors
+        # An unused output has no gradient: give the kernel zero heads of it instead of zeros.
+        B, L, _, D = ctx.q_shape
+        gq = _unit_last(dq) if dq is not None else dk.new_empty((B, L, 0, D))
+        gk = _unit_last(dk) if dk is not None else dq.new_empty((B, L, 0, D))
+        rq, rk = _rope_op(gq, gk, positions, inv_freq, cos, sin, ctx.scale, ctx.rot_dim, ctx.interleaved, True)
+        return (rq if dq is not None else None, rk if dk is not None else None,
+                None, None, None, None, None, None, None)
+
+
+def _check(q, k, positions, inv_freq, cos, sin, scale, interleaved):
+    _validate.tensor("q", q, ndim=4)
+    _validate.tensor("k", k, ndim=4)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    B, L, _, D = q.shape
+    if k.shape[0] != B or k.shape[1] != L or k.shape[3] != D:
+        raise ValueError(f"k must have shape (B={B}, L={L}, Hk, D={D}) to match q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    _validate.positive("scale", scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    from_positions = positions is not None or inv_freq is not None
+    from_table = cos is not None or sin is not None
+    if from_positions == from_table:
+        raise ValueError("pass either positions and inv_freq, or cos and sin (exactly one pair)")
+    if from_positions:
+        _validate.tensor("positions", positions, dtypes=_INT_DTYPES, ndim=2)
+        _validate.tensor("inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
+        if positions.shape[0] not in (1, B) or positions.shape[1] != L:
+            raise ValueError(f"positions must have shape ({B} or 1, {L}), got {tuple(positions.shape)}")
+        rot_dim = 2 * inv_freq.shape[0]
+        if not 2 <= rot_dim <= D:
+            raise ValueError(f"inv_freq must have between 1 and D/2 = {D // 2} entries, got {inv_freq.shape[0]}")
+        _validate.same_device("q", q, k=k, positions=positions, inv_freq=inv_freq)
+        if inv_freq.requires_grad and torch.is_grad_enabled():
+            raise ValueError("inv_freq: no gradient flows to the frequencies; pass inv_freq.detach()")
+        return rot_dim
+    _validate.tensor("cos", cos, ndim=3)
+    _validate.tensor("sin", sin, ndim=3)
+    if cos.shape[0] not in (1, B) or cos.shape[1] != L:
+        raise ValueError(f"cos must have shape ({B} or 1, {L}, rotary dim), got {tuple(cos.shape)}")
+    _validate.shape("sin", sin, cos.shape)
+    rot_dim = cos.shape[2]
+    if rot_dim % 2 or not 2 <= rot_dim <= D:
+        raise ValueError(f"cos: the rotary dim (last dim) must be even and in [2, D={D}], got {rot_dim}")
+    _validate.same_device("q", q, k=k, cos=cos, sin=sin)
+    if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
+        raise ValueError("cos/sin: no gradient flows to the tables; pass cos.detach() and sin.detach()")
+    return rot_dim
+
+
+def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Optional[Tensor] = None, *,
+         cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, scale: float = 1.0,
+         interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """Rotary position embeddings applied to q and k in one kernel.
+
+    Args:
+        q: (B, L, Hq, D); k: (B, L, Hk, D), q's dtype (fp32, fp16, bf16). Any strides (views of
+            a fused QKV projection need no copy).
+        positions: (B or 1, L) int32/int64 absolute positions (offset by the cache length when
+            decoding), with ``inv_freq``: (D_rot / 2,) fp32, e.g. ``base ** (-arange(0, D_rot, 2) / D_rot)``.
+            Angles ``pos * inv_freq`` are rounded to fp32 and their cos/sin computed in fp32 in the
+            kernel, then multiplied by ``scale`` (Hugging Face's ``attention_scaling``).
+        cos, sin: instead of positions, (B or 1, L, D_rot) tables in Hugging Face's layout (any
+            float dtype, read in fp32): ``cat((f, f))`` for half-split, ``repeat_interleave(f, 2)``
+            for interleaved.
+        interleaved: False: half-split pairs (i, i + D_rot/2), GPT-NeoX/Hugging Face LLaMA
+            ``rotate_half``; True: adjacent pairs (2i, 2i + 1), GPT-J / Meta's LLaMA.
+    Dimensions past D_rot are copied unchanged (partial rotary). Returns ``(q_out, k_out)``,
+    contiguous (B, L, H, D) in q's dtype. Gradients flow to q and k (not to the angle inputs).
+    """
+    rot_dim = _check(q, k, positions, inv_freq, cos, sin, scale, interleaved)
+    if not _backend.use_triton(q):
+        return reference.rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved)
+    if cos is not None:
+        cos, sin = _unit_last(cos), _unit_last(sin)
+    return _RoPE.apply(_unit_last(q), _unit_last(k), positions, inv_freq, cos, sin, float(scale), rot_dim,
+                       interleaved)

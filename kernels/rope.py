@@ -1,0 +1,226 @@
+"""Rotary position embeddings (RoPE) applied to q and k in one kernel, forward and backward.
+
+Layout: q (B, L, Hq, D) and k (B, L, Hk, D) with any strides and a unit last stride, e.g.
+views of one fused QKV projection output (B, L, (Hq + 2 Hk) * D). The outputs are new
+contiguous (B, L, H, D) tensors. One program rotates BLOCK_H heads of one token: the angles
+of the token's D_rot / 2 frequency pairs are computed (or loaded) once in fp32 and applied to
+every head of the block, so q and k of a token share them.
+
+Pairs (the two layouts of the literature, named as flash-attn's ``apply_rotary_emb``):
+- half-split (``INTERLEAVED=False``): element i rotates with element i + D_rot / 2. GPT-NeoX's
+  ``rotate_half``, which Hugging Face uses for LLaMA, Mistral, Qwen2 and GPT-NeoX.
+- interleaved (``INTERLEAVED=True``): element 2i rotates with element 2i + 1. GPT-J's
+  ``rotate_every_two`` and Meta's original LLaMA code (``torch.view_as_complex``).
+
+Rotation of a pair (x1, x2) by angle t: (x1 cos t - x2 sin t, x2 cos t + x1 sin t). Its
+transpose (``CONJ``, sin -> -sin) is the backward: the gradient of an orthogonal map.
+Dimensions past D_rot (partial rotary, GPT-NeoX's ``rotary_pct``) are copied unchanged.
+
+Angles, in fp32:
+- from positions (``FROM_TABLE=False``): t = pos * inv_freq[p] rounded to fp32, then
+  ``cos(t) * scale`` and ``sin(t) * scale``: exactly Hugging Face's rotary modules
+  (``position_ids.float() * inv_freq`` in fp32; ``attention_scaling`` as ``scale``);
+- from cos/sin tables (``FROM_TABLE=True``), (B or 1, L, D_rot) in any float dtype, read at
+  the pair's first element (index p in half-split, 2p interleaved), as Hugging Face lays them
+  out (``cat((freqs, freqs))`` or ``repeat_interleave(freqs, 2)``).
+"""
+import triton
+import triton.language as tl
+
+from fused_block.kernels import common
+
+
+# Cephes' single-precision minimax polynomials for sin and cos on [-pi/4, pi/4] (about 1 ulp).
+_S1, _S2, _S3 = tl.constexpr(-1.9515295891e-4), tl.constexpr(8.3321608736e-3), tl.constexpr(-1.6666654611e-1)
+_C1, _C2 = tl.constexpr(2.443315711809948e-5), tl.constexpr(-1.388731625493765e-3)
+_C3 = tl.constexpr(4.166664568298827e-2)
+
+
+@triton.jit
+def _sincos(angle):
+    """fp32 (sin, cos) of fp32 ``angle``, within about 1 ulp for |angle| < 2^24.
+
+    ``tl.sin``/``tl.cos`` compile to libdevice's ``__nv_sinf``/``__nv_cosf``, whose
+    Payne-Hanek path for |x| > 105615 (reached at 128k positions) keeps an array on the stack:
+    local memory. Here the reduction by pi/2 runs in fp64 instead (the fp32 angle is exact
+    there, and the error of k * pi/2 stays below 1e-9 for every fp32 angle below 2^24), then
+    the polynomials run in fp32 on [-pi/4, pi/4] and the quadrant picks sign and function.
+    """
+    a = angle.to(tl.float64)
+    k = tl.floor(a * 0.6366197723675814 + 0.5)  # nearest multiple of pi/2
+    r = (a - k * 1.5707963267948966).to(tl.float32)
+    z = r * r
+    s = ((_S1 * z + _S2) * z + _S3) * z * r + r
+    c = ((_C1 * z + _C2) * z + _C3) * z * z - 0.5 * z + 1.0
+    quadrant = k.to(tl.int64) & 3
+    sin = tl.where((quadrant & 1) == 0, s, c)
+    cos = tl.where((quadrant & 1) == 0, c, s)
+    sin = tl.where(quadrant >= 2, -sin, sin)
+    cos = tl.where((quadrant == 1) | (quadrant == 2), -cos, cos)
+    return sin, cos
+
+
+@triton.jit
+def _rotate_heads(X, O, h0, H, stride_xh, stride_oh, cos, sin, pairs, pair_ok, rest, rest_ok,
+                  ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_REST: tl.constexpr,
+                  BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rotate heads [h0, h0 + BLOCK_H) of one token. X, O point at the token's head 0."""
+    heads = h0 + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    x_rows = X + heads.to(tl.int64)[:, None] * stride_xh
+    o_rows = O + heads.to(tl.int64)[:, None] * stride_oh
+    if INTERLEAVED:
+        c1 = 2 * pairs
+        c2 = 2 * pairs + 1
+    else:
+        c1 = pairs
+        c2 = pairs + ROT_HALF
+    ok = head_ok[:, None] & pair_ok[None, :]
+    x1 = tl.load(x_rows + c1[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + c2[None, :], mask=ok, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    dtype = O.dtype.element_ty
+    tl.store(o_rows + c1[None, :], common.cast(o1, dtype, INTERPRET), mask=ok)
+    tl.store(o_rows + c2[None, :], common.cast(o2, dtype, INTERPRET), mask=ok)
+    if HAS_REST:
+        rok = head_ok[:, None] & rest_ok[None, :]
+        xr = tl.load(x_rows + rest[None, :], mask=rok, other=0.0)
+        tl.store(o_rows + rest[None, :], xr, mask=rok)
+
+
+@triton.jit
+def _rope_kernel(Q, K, QO, KO, POS, FREQ, COS, SIN,
+                 L, HQ, HK, D, head_blocks_q,
+                 stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh,
+                 stride_qob, stride_qol, stride_qoh, stride_kob, stride_kol, stride_koh,
+                 stride_pb, stride_pl, stride_cb, stride_cl, scale,
+                 ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, FROM_TABLE: tl.constexpr,
+                 CONJ: tl.constexpr, HAS_REST: tl.constexpr, BLOCK_P: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """grid = (B * L, cdiv(HQ, BLOCK_H) + cdiv(HK, BLOCK_H)): one token, BLOCK_H heads of q or k."""
+    token = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    b = token // L
+    t = token % L
+    pairs = tl.arange(0, BLOCK_P)
+    pair_ok = pairs < ROT_HALF
+    if FROM_TABLE:
+        first = 2 * pairs if INTERLEAVED else pairs
+        row = b * stride_cb + t * stride_cl
+        cos = tl.load(COS + row + first, mask=pair_ok, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + row + first, mask=pair_ok, other=0.0).to(tl.float32)
+    else:
+        pos = tl.load(POS + b * stride_pb + t * stride_pl).to(tl.float32)
+        freq = tl.load(FREQ + pairs, mask=pair_ok, other=0.0)
+        sin, cos = _sincos(pos * freq)
+        cos = cos * scale
+        sin = sin * scale
+    if CONJ:
+        sin = -sin
+    rest = 2 * ROT_HALF + tl.arange(0, BLOCK_R)
+    rest_ok = rest < D
+    if hb < head_blocks_q:
+        _rotate_heads(Q + b * stride_qb + t * stride_ql, QO + b * stride_qob + t * stride_qol,
+                      hb * BLOCK_H, HQ, stride_qh, stride_qoh, cos, sin, pairs, pair_ok, rest, rest_ok,
+                      ROT_HALF, INTERLEAVED, HAS_REST, BLOCK_H, INTERPRET)
+    else:
+        _rotate_heads(K + b * stride_kb + t * stride_kl, KO + b * stride_kob + t * stride_kol,
+                      (hb - head_blocks_q) * BLOCK_H, HK, stride_kh, stride_koh, cos, sin, pairs, pair_ok,
+                      rest, rest_ok, ROT_HALF, INTERLEAVED, HAS_REST, BLOCK_H, INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------------------------
+
+# Elements of q/k one program moves: BLOCK_H heads x D. 4096 (e.g. 32 heads of 128) keeps a
+# token's angles amortized over many heads while a program's tile stays in registers.
+_TILE = 4096
+_CONFIGS = common.ConfigCache("rope")
+
+
+def _config(D, H):
+    block_h = max(1, min(common.next_pow2(H), _TILE // common.next_pow2(D)))
+    warps = 4 if block_h * D >= 2048 else (2 if block_h * D >= 512 else 1)
+    return common.Config.of(num_warps=warps, BLOCK_H=block_h)
+
+
+def rope(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj):
+    """Rotate q (B, L, Hq, D) and k (B, L, Hk, D); returns contiguous ``(q_out, k_out)``.
+
+    Angles from ``positions`` (B or 1, L) int and ``inv_freq`` (rot_dim / 2,) fp32 times
+    ``scale``, or from ``cos``/``sin`` (B or 1, L, >= rot_dim) when ``positions`` is None.
+    ``conj`` applies the inverse rotation (the backward). Inputs are checked by the caller.
+    """
+    B, L, HQ, D = q.shape
+    HK = k.shape[2]
+    dev = q.device
+    qo = common.empty((B, L, HQ, D), q.dtype, dev)
+    ko = common.empty((B, L, HK, D), k.dtype, dev)
+    if B * L == 0:
+        return qo, ko
+    from_table = positions is None
+    cfg = _CONFIGS.get((common.next_pow2(D), min(common.next_pow2(max(HQ, HK)), 64)), [_config(D, max(HQ, HK))],
+                       None)
+    block_h = cfg["BLOCK_H"]
+    hbq = common.cdiv(HQ, block_h)
+    grid = (B * L, hbq + common.cdiv(HK, block_h))
+    table = cos if from_table else q  # unused pointers stand in for the absent inputs
+    pos = positions if not from_table else q
+    freq = inv_freq if not from_table else q
+    stride_pb, stride_pl = (0, 0) if from_table else (positions.stride(0) if positions.shape[0] > 1 else 0,
+                                                       positions.stride(1))
+    stride_cb, stride_cl = (table.stride(0) if table.shape[0] > 1 else 0, table.stride(1)) if from_table else (0, 0)
+    rot_half = rot_dim // 2
+    args = (q, k, qo, ko, pos, freq, table, sin if from_table else q,
+            L, HQ, HK, D, hbq,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+            stride_pb, stride_pl, stride_cb, stride_cl, float(scale))
+    constexprs = dict(ROT_HALF=rot_half, INTERLEAVED=interleaved, FROM_TABLE=from_table, CONJ=conj,
+                      HAS_REST=rot_dim < D, BLOCK_P=common.next_pow2(rot_half),
+                      BLOCK_R=common.next_pow2(max(D - rot_dim, 1)), INTERPRET=common.interpreting())
+    common.launch("rope", _rope_kernel, grid, args, constexprs, cfg)
+    return qo, ko
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs: the head dims of the models we convert (64, 80 with a partial
+# rotary of 64 as in GPT-NeoX's rotary_pct, 128, 256), both layouts, both angle sources,
+# forward and backward, bf16 and fp32.
+# ---------------------------------------------------------------------------------------------
+
+def _sig(xt, table_t):
+    sig = {"Q": f"*{xt}", "K": f"*{xt}", "QO": f"*{xt}", "KO": f"*{xt}", "POS": "*i64", "FREQ": "*fp32",
+           "COS": f"*{table_t}", "SIN": f"*{table_t}"}
+    sig.update({n: "i32" for n in ("L", "HQ", "HK", "D", "head_blocks_q")})
+    sig.update({n: "i64" for n in ("stride_qb", "stride_ql", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
+                                   "stride_qob", "stride_qol", "stride_qoh", "stride_kob", "stride_kol", "stride_koh",
+                                   "stride_pb", "stride_pl", "stride_cb", "stride_cl")})
+    sig["scale"] = "fp32"
+    sig.update({n: "constexpr" for n in ("ROT_HALF", "INTERLEAVED", "FROM_TABLE", "CONJ", "HAS_REST", "BLOCK_P",
+                                         "BLOCK_R", "BLOCK_H", "INTERPRET")})
+    return sig
+
+
+def aot_specs():
+    from fused_block.kernels import aot  # only the compile check needs it
+
+    specs = []
+    for xt in ("bf16", "fp32"):
+        for D, rot, H in ((64, 64, 16), (80, 64, 32), (128, 128, 32), (256, 256, 8)):
+            cfg = _config(D, H)
+            for interleaved in (False, True):
+                for from_table in (False, True):
+                    for conj in (False, True):
+                        tag = (f"D={D},rot={rot},{xt},{'interleaved' if interleaved else 'half'},"
+                               f"{'table' if from_table else 'positions'}{',bwd' if conj else ''}")
+                        consts = dict(ROT_HALF=rot // 2, INTERLEAVED=interleaved, FROM_TABLE=from_table, CONJ=conj,
+                                      HAS_REST=rot < D, BLOCK_P=triton.next_power_of_2(rot // 2),
+                                      BLOCK_R=triton.next_power_of_2(max(D - rot, 1)), INTERPRET=False,
+                                      **cfg.meta())
+                        specs.append(aot.KernelSpec(f"rope[{tag}]", _rope_kernel, _sig(xt, xt), consts,
+                                                    num_warps=cfg.num_warps))
+    return specs
+

@@ -1,0 +1,299 @@
+"""Hugging Face models converted in place: logits, gradients, greedy generation, state dicts.
+
+Each architecture is a tiny random model built from its config (no download): hidden 64 with
+4 heads gives head dim 16, the attention kernel's smallest; 2 layers so that the residual
+stream crosses a layer boundary; vocabulary 96; sequences of 9 tokens (not a multiple of any
+block size). The LLaMA family uses 2 KV heads (GQA). Weights are drawn with std 0.2 (HF's
+0.02 makes tiny models' logits nearly flat, so greedy tokens would tie). Comparison rule as in
+tests/test_blocks.py: err(converted) <= 4 x err(original, same dtype) + atol x max(1, |ref|)
+against the original model run in float64.
+"""
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fused_block  # noqa: E402
+import numerics  # noqa: E402
+
+BLOCK_FACTOR = 4.0
+TF32_ATOL = 5e-3
+V, B, L = 96, 2, 9
+
+
+def _config(arch, layers=2, **overrides):
+    common = dict(vocab_size=V, initializer_range=0.2)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(n_positions=64, n_embd=64, n_layer=layers, n_head=4, bos_token_id=0,
+                                      eos_token_id=V - 1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    elif arch == "bert":
+        cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                      intermediate_size=96, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, **common)
+    else:
+        cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}[arch]
+        cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=V - 1,
+                  pad_token_id=None, **common)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _model(arch, device, attn_implementation=None, **overrides):
+    torch.manual_seed(0)
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
+           "llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+           "qwen2": transformers.Qwen2ForCausalLM}[arch]
+    model = cls(_config(arch, **overrides)).to(device)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    with torch.no_grad():  # non-trivial norm weights and biases (HF initializes them to 1 and 0)
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+    return model
+
+
+def _inputs(arch, device):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, L), generator=g).to(device)
+    mask = torch.ones(B, L, dtype=torch.long, device=device)
+    if arch == "bert":
+        mask[1, L - 3:] = 0  # right padding
+    else:
+        mask[1, :3] = 0  # left padding, as batched generation pads
+    return ids, mask
+
+
+def _atol(dtype, device):
+    return TF32_ATOL if dtype == torch.float32 and device.type == "cuda" else numerics.ATOL[dtype]
+
+
+def _assert_close(name, actual, ref64, baseline, dtype, device):
+    scale = max(1.0, ref64.detach().abs().max().item())
+    numerics.assert_close(name, actual, ref64, baseline, atol=_atol(dtype, device) * scale, factor=BLOCK_FACTOR)
+
+
+@contextlib.contextmanager
+def _no_fallback():
+    """Nothing falls back (no fused_block warning) in the covered configurations."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fused_block:")
+        yield
+
+
+def _converted(model):
+    with _no_fallback():
+        return fused_block.convert(copy.deepcopy(model))
+
+
+ARCHS = ["llama", "mistral", "qwen2", "gpt2", "bert"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_and_gradients_match_the_original(arch, device, launches):
+    """fp32 logits and the gradient of every parameter (one training step's loss, padding
+    included) against the original in float64; the kernels ran."""
+    model = _model(arch, device).train()
+    fused = _converted(model)
+    assert fused.training and all(m.training for m in fused.modules())
+    ref = copy.deepcopy(model).double()
+    ids, mask = _inputs(arch, device)
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for name, m in (("ref", ref), ("base", model), ("fused", fused)):
+        with _no_fallback():
+            out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outs[name] = (out.logits.masked_fill(mask[..., None] == 0, 0.0), dict(m.named_parameters()))
+    _assert_close("logits", outs["fused"][0], outs["ref"][0], outs["base"][0], torch.float32, device)
+    for pname, p in outs["ref"][1].items():
+        g = outs["fused"][1][pname].grad
+        assert g is not None, pname
+        _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
+    assert launches["attention_fwd"] == 2 and launches["add_norm_bwd"] >= 4  # per layer: 1 and 2
+    assert launches["add_norm_fwd"] >= 4
+    assert launches["rope"] == (4 if arch not in ("gpt2", "bert") else 0)  # forward and backward per layer
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_logits(arch, device, launches):
+    model = _model(arch, device).eval()
+    ref = copy.deepcopy(model).double()
+    base = copy.deepcopy(model).to(torch.bfloat16)
+    fused = _converted(base)
+    ids, mask = _inputs(arch, device)
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in (ref, base, fused)]
+    assert logits[2].dtype == torch.bfloat16
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.bfloat16, device)
+    assert launches["attention_fwd"] == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
+def test_greedy_generation_matches(arch, device, launches):
+    """16 greedy tokens with the KV cache (prefill, then one query against the cached keys).
+    One layer: each token is a full interpreted forward. GPT-2's one layer needs larger
+    weights than std 0.2 not to repeat one token."""
+    model = _model(arch, device, layers=1, initializer_range=1.0 if arch == "gpt2" else 0.2).eval()
+    fused = _converted(model)
+    ids, _ = _inputs(arch, device)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
+    want = model.generate(ids[:1], **kw)
+    got = fused.generate(ids[:1], **kw)
+    assert want.shape[1] == L + 16 and len(set(want[0, L:].tolist())) > 3  # a real sequence, not one token
+    assert torch.equal(got, want)
+    assert launches["attention_fwd"] == 16
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_batched_generation_with_left_padding(implementation, device, launches):
+    """Left padding in both mask forms (SDPA's bool mask, eager's additive float mask): the
+    padding reaches the kernel as a key padding mask, also while decoding from the cache."""
+    model = _model("llama", device, attn_implementation=implementation, layers=1).eval()
+    fused = _converted(model)
+    ids, mask = _inputs("llama", device)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=V - 1)
+    with _no_fallback():
+        got = fused.generate(ids, **kw)
+    assert torch.equal(got, model.generate(ids, **kw))
+    assert launches["attention_fwd"] == 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_state_dict_and_save_pretrained_round_trip(arch, device):
+    model = _model(arch, device).eval()
+    keys = list(model.state_dict())
+    fused = copy.deepcopy(model)
+    params = list(fused.parameters())
+    assert fused_block.convert(fused) is fused
+    assert list(fused.state_dict()) == keys
+    assert all(a is b for a, b in zip(fused.parameters(), params))  # the same Parameter objects
+    ids, mask = _inputs(arch, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        fused.save_pretrained(tmp)
+        reloaded = type(model).from_pretrained(tmp).to(device).eval()  # loads into the plain model
+        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
+        torch.testing.assert_close(again(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
+                                   atol=0, rtol=0)
+
+
+def test_unfusable_inputs_run_the_original_code(device, launches):
+    """output_attentions, a sliding window that cuts keys, a head dim below the kernel's range,
+    a user hook on a skipped submodule: one-time warnings, the original's answers."""
+    model = _model("mistral", device, attn_implementation="eager", sliding_window=4).eval()
+    fused = fused_block.convert(copy.deepcopy(model))
+    ids, mask = _inputs("mistral", device)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask)
+        with pytest.warns(UserWarning, match="sliding window|not causal plus key padding"):
+            got = fused(ids, attention_mask=mask)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+        with pytest.warns(UserWarning, match="output_attentions|attention weights"):
+            got = fused(ids, output_attentions=True)
+        want = model(ids, output_attentions=True)
+    assert len(got.attentions) == 2
+    for a, b in zip(got.attentions, want.attentions):
+        torch.testing.assert_close(a, b)
+    small = _model("llama", device, layers=1, hidden_size=32, head_dim=8).eval()  # below the kernel's 16
+    with torch.no_grad(), pytest.warns(UserWarning, match="head dim 8"):
+        got = fused_block.convert(copy.deepcopy(small))(ids, attention_mask=mask).logits
+        want = small(ids, attention_mask=mask).logits
+    keep = mask[..., None] == 1
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-5, rtol=0)
+    seen = []
+    fused.model.layers[0].input_layernorm.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad(), pytest.warns(UserWarning, match="forward hook"):
+        got = fused(ids)
+    assert len(seen) == 1  # a user's hook on a submodule the fused path skips still runs
+    torch.testing.assert_close(got.logits, model(ids).logits)
+
+
+def test_importing_fused_block_does_not_import_transformers():
+    code = "import sys, fused_block; fused_block.convert(__import__('torch').nn.Linear(2, 2)); " \
+           "assert 'transformers' not in sys.modules, 'transformers was imported'"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bench_spec_cases_and_numerics():
+    """bench/specs/hf.py: the cases build without CUDA (meta models for the counts). Its CPU
+    numerics rows repeat test_bf16_logits and run in the bench job."""
+    from bench.specs import hf as spec
+
+    quick, full = spec.cases(True), spec.cases(False)
+    assert {(c.op, c.shape["model"]) for c in quick} == {(c.op, c.shape["model"]) for c in full}
+    assert all(set(c.providers) == {"fused_block", "eager", "torch.compile"} for c in full)
+    train = {c.shape["model"]: c for c in full if c.op == "hf_train"}
+    # 2 T P with P ~ 124M matmul weights (GPT-2 small, LM head included), times 3 for the backward
+    assert abs(train["gpt2-small"].flops / (3 * 2 * 8 * 1024 * 123.5e6) - 1) < 0.2
+    gen = {c.shape["model"]: c for c in full if c.op == "hf_generate"}
+    assert gen["llama-1b"].bytes == 1_100_048_384 * 2 * 32  # every bf16 weight once per generated token
+
+
+def test_gradient_checkpointing_and_torch_compile(device, launches):
+    """The converted layer keeps transformers' activation checkpointing (the forward is
+    recomputed in backward) and traces under torch.compile (aot_eager: dynamo, the ops' fake
+    implementations and AOT autograd; inductor's CPU codegen would add minutes here)."""
+    model = _converted(_model("llama", device, layers=1).train())
+    ids, _ = _inputs("llama", device)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    before = launches["attention_fwd"]
+    model(ids, labels=ids).loss.backward()
+    assert launches["attention_fwd"] - before == 2  # forward, and its recomputation in backward
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g, atol=0, rtol=0)
+    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+    model.zero_grad()
+    torch._dynamo.reset()
+    before = launches["rope"]
+    compiled_loss = torch.compile(model, backend="aot_eager")(ids, labels=ids).loss
+    compiled_loss.backward()
+    assert launches["rope"] - before == 2
+    torch.testing.assert_close(compiled_loss, loss, atol=1e-6, rtol=0)
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+
+
+def test_rope_tables_and_unknown_mask_conventions(device, launches):
+    """Without a model-level rotary module the fused RoPE reads the layer's cos/sin tables (any
+    rope scaling the model computed); a causal layer handed a padding-only (B, 1, 1, L) mask (the
+    convention of older transformers, causality applied inside) runs its original forward."""
+    model = _model("llama", device, layers=1).eval()
+    fused = _converted(model)
+    fused.model.layers[0]._fused_block.rotary = None
+    ids, mask = _inputs("llama", device)
+    with torch.no_grad(), _no_fallback():
+        got = fused(ids, attention_mask=mask).logits
+        want = model(ids, attention_mask=mask).logits
+    keep = mask[..., None] == 1
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    assert launches["rope"] == 1
+    layer, plain = fused.model.layers[0], model.model.layers[0]
+    x = numerics.randn(B, L, 64, dtype=torch.float32, device=device)
+    pos = torch.arange(L, device=device)[None]
+    emb = model.model.rotary_emb(x, pos)
+    padding_only = torch.zeros(B, 1, 1, L, device=device)
+    padding_only[1, ..., :3] = torch.finfo(torch.float32).min
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"attention mask of shape \(2, 1, 1, 9\)"):
+        out = layer(x, attention_mask=padding_only, position_ids=pos, position_embeddings=emb)
+        ref = plain(x, attention_mask=padding_only, position_ids=pos, position_embeddings=emb)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
