@@ -11,7 +11,6 @@ Interpreter tiles: attention blocks are 64x32 (forward, dQ) and 32x64 (dK/dV), t
 is 256x256x128, so the edge sizes below sit on both sides of 16/32/64/128 (attention) and of
 128/256 (GEMM K and M/N). Sizes stay small: the interpreter runs every program in Python.
 """
-import contextlib
 import math
 
 import torch
@@ -24,6 +23,7 @@ from fused_block.kernels import attention as attention_kernels
 from fused_block.kernels import common
 from fused_block.linear import linear, mlp
 from fuzzing import DTYPE, LAYOUTS, layout, settings_for
+from gemm_testing import baseline_mode, fp32_mode
 from numerics import ATOL, assert_close
 
 ON_CUDA = torch.cuda.is_available()
@@ -87,18 +87,6 @@ def _attn_view(vals, kind, slot, slots):
     raise ValueError(kind)
 
 
-@contextlib.contextmanager
-def _attn_precision(dtype, tf32):
-    """fp32 attention follows torch's matmul precision: run it, and its baseline, with TF32
-    allowed or not (the interpreter computes exactly either way)."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = bool(tf32 and dtype == torch.float32)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 @settings_for(examples=16)
 @given(heads=HEADS, Lq=SEQ, Lk=SEQ, D=HEAD_DIM, dtype=DTYPE, causal=st.booleans(), padding=PADDING,
        q_layout=QKV_LAYOUTS, kv_layout=QKV_LAYOUTS, regime=REGIMES, explicit_scale=st.booleans(),
@@ -132,12 +120,14 @@ def test_attention_fuzz(device, monkeypatch, heads, Lq, Lk, D, dtype, causal, pa
     dout = (v_scale ** -1 * _values("normal", (B, Hq, Lq, D), gen)).to(device, dtype)
     dlse = _values("normal", (B, Hq, Lq), gen).to(device, torch.float32)
 
+    mode = "tf32" if tf32 and dtype == torch.float32 else "ieee"
     before = common.LAUNCHES.copy()  # the fixture counts over all examples of the test
-    with _attn_precision(dtype, tf32):
+    with fp32_mode(mode):
         out, lse = attention(q, k, v, causal, scale, mask, return_lse=True)
         # Gradients of out and of the LSE (dLSE is nonzero on fully masked rows too).
         got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-        leaves_lp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    leaves_lp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with baseline_mode(dtype, mode):
         base, base_lse = reference.attention(*leaves_lp, causal, scale, mask, return_lse=True, compute_dtype=dtype)
         base_g = torch.autograd.grad((base, base_lse), leaves_lp, (dout, dlse.to(base_lse.dtype)))
     ran = {name: common.LAUNCHES[name] - before[name] for name in ("attention_fwd", "attention_bwd", "attention_tma")}
@@ -153,7 +143,7 @@ def test_attention_fuzz(device, monkeypatch, heads, Lq, Lk, D, dtype, causal, pa
     assert ran["attention_fwd"] == 1 and ran["attention_bwd"] == 1
     # The TMA path runs wherever the layout allows it ("strided_d" is copied, then aligned too):
     # in the interpreter and on Hopper, where IEEE fp32 (FMA products) takes pointers.
-    ieee = dtype == torch.float32 and not tf32
+    ieee = dtype == torch.float32 and mode == "ieee"
     assert (ran["attention_tma"] > 0) == (path == "tma" and (not ON_CUDA or (HOPPER and not ieee)))
 
 
