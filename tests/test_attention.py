@@ -619,3 +619,47 @@ def test_bad_input_device(device, launches):
 
 def test_public_names():
     assert fused_block.attention is attention and fused_block.attention_qkvpacked is attention_qkvpacked
+
+
+# ---------------------------------------------------------------------------------------------
+# every shipped config, on the GPU (the interpreter runs one config per kernel)
+# ---------------------------------------------------------------------------------------------
+
+def _shipped_configs():
+    """(kernel, class key, index, path) of every config this GPU's tables can launch."""
+    if not ON_CUDA:
+        return []
+    arch = common.arch(torch.device("cuda"))
+    out = []
+    for kname, tables in (("fwd", kernels.FWD_CONFIGS), ("bwd", kernels.BWD_CONFIGS)):
+        for key, cfgs in tables[arch].items():
+            for i in range(len(cfgs)):
+                tma_paths = ("tma", "pointer") if i == 0 else ("tma",)
+                for path in tma_paths if arch == 90 and key[1] != "ieee" else ("pointer",):
+                    out.append(pytest.param(kname, key, i, path, id=f"{kname}-D{key[0]}-{key[1]}"
+                                            f"{'-dropout' if key[2] else ''}-{i}-{path}"))
+    return out
+
+
+@pytest.mark.parametrize("kname,key,index,path_", _shipped_configs())
+def test_every_shipped_config(kname, key, index, path_, device, launches, monkeypatch):
+    """Each config of this GPU's tables (forced as the only candidate), on each path it ships
+    for: causal with padding, GQA 2:1, L = 300 (partial blocks), dropout where its class has it."""
+    arch = common.arch(device)
+    tables = kernels.FWD_CONFIGS if kname == "fwd" else kernels.BWD_CONFIGS
+    monkeypatch.setitem(tables[arch], key, [tables[arch][key][index]])
+    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer" if path_ == "pointer" else None)
+    block_d, kind, dropout = key
+    dtype = torch.bfloat16 if kind == "16" else torch.float32
+    mode = "tf32" if kind == "tf32" else "ieee"
+    B, Hq, Hkv, L, p = 2, 4, 2, 300, 0.2 if dropout else 0.0
+    q, k, v = _qkv(B, Hq, Hkv, L, L, block_d, dtype, device)
+    mask = _padding(B, L, device, full_row=False)
+    keep = kernels.dropout_keep_mask(_seeded(9, p, device), B, Hq, L, L, p, device) if dropout else None
+    torch.manual_seed(9)
+    with fp32_mode(mode):
+        out, lse = attention(q, k, v, True, None, mask, p, return_lse=True)
+    _compare(q, k, v, True, mask, p, dropout_mask=keep, out=out, lse=lse, mode=mode)
+    assert (launches["attention_tma"] > 0) == (path_ == "tma")
