@@ -525,6 +525,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, MASK, SEED,
         seed = tl.load(SEED)
     inv_keep = 1.0 / (1.0 - dropout_p)
     qk_scale = scale * 1.4426950408889634
+    # One call per (SPLIT_KV, role): folding the calls into fewer (a computed key block, a
+    # constexpr part) moved several configs sitting at 255 registers into spills.
     if SPLIT_KV:
         # dK and dV accumulators do not fit in registers together: a dV program and a dK
         # program per key block (the dK one recomputes P).
