@@ -10,11 +10,13 @@ with no visible key outputs 0 and has LSE = -inf; its gradients are 0.
 Two data paths, one kernel body each (constexpr ``USE_TMA``):
 
 - **TMA** (Hopper, and the interpreter): every program builds device-side tensor descriptors
-  (``tl.make_tensor_descriptor``) over its (batch, head)'s (L, D) matrices, so ragged L and
-  D < BLOCK_D are zero-padded by the hardware and strided views need no copy. Needs 16-byte
-  aligned bases and strides (true for every head dim multiple of 8 in a dense or packed
-  buffer); launches set ``triton.set_allocator`` for the descriptors' scratch (per thread,
-  so forward and backward both do).
+  (``tl.make_tensor_descriptor``) over its (batch, head)'s (L, D) matrices (the dK/dV
+  programs: over the batch's (H, L, D) queries, to walk the group's heads in one loop), so
+  ragged L and D < BLOCK_D are zero-padded by the hardware and strided views need no copy.
+  Needs 16-byte aligned bases and strides (true for every head dim multiple of 8 in a dense
+  or packed buffer); launches set ``triton.set_allocator`` for the descriptors' scratch (per
+  thread, so forward and backward both do). Hopper's IEEE fp32 products (FMA units, operands
+  from registers) take the pointer path.
 - **pointers** (Ampere, and unaligned layouts anywhere): masked ``tl.load``; loads inside the
   unmasked part of a loop carry only the head-dim mask, and none when D is a power of two.
 
@@ -31,9 +33,12 @@ Kernels:
   output differentiable: d lse_i / d s_ij = P_ij.
 - ``_attn_bwd``: one kernel for dK/dV and dQ (flex_attention's split): per (batch, kv head),
   programs [0, kv_blocks) accumulate dK/dV of one key block over the group's query heads
-  and query blocks (GQA reduced in registers: deterministic, no atomics); programs
-  [kv_blocks, kv_blocks + q_blocks * group) compute dQ of one query block. Causally invisible
-  blocks are skipped and only the diagonal ones masked, in both halves.
+  and query blocks, in one flat loop over (head, block) pairs (GQA reduced in registers:
+  deterministic, no atomics); programs [kv_blocks, kv_blocks + q_blocks * group) compute dQ
+  of one query block. Causally invisible blocks are skipped and only the diagonal ones
+  masked, in both halves. Where dK's and dV's fp32 accumulators cannot share the registers
+  (``SPLIT_KV`` configs: D = 256, some fp32 and dropout classes), each key block gets a dV
+  program and a dK program (which recomputes P).
 - ``_dropout_keep``: keep = uniform(seed, (j, i, batch * Hq + h)) >= p: Philox counters are the
   key index, query index and flattened head, so every kernel (and ``dropout_keep_mask``, a test
   helper) regenerates the same mask without storing it.
@@ -50,8 +55,6 @@ import triton
 import triton.language as tl
 
 from fused_block.kernels import common
-
-LOG2E = 1.4426950408889634
 
 # Tests set this to "pointer" to run the pointer path where TMA would be taken (the interpreter
 # runs the TMA path by default wherever the layout allows it, as Hopper does).
