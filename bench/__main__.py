@@ -144,9 +144,9 @@ def run_cuda(args, found) -> int:
                     rate = f"{m.gbps:.0f} GB/s" if m.gbps is not None else (
                         f"{m.tflops:.1f} TFLOP/s" if m.tflops is not None else "")
                     print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: {m.ms:.4f} ms {rate}", flush=True)
-        env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
-        # Rewritten after each spec so a run cut short still leaves what it measured.
-        harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
+            env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
+            # Rewritten after each case so a run cut short still leaves what it measured.
+            harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
     try:
         paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick)
     except Exception as exc:  # noqa: BLE001 - e.g. matplotlib missing: keep the tables

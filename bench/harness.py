@@ -88,9 +88,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # torch.compile's default mode whatever a spec asks for (max-autotune's tuning would take
 # most of the GPU check's minutes).
 QUICK = False
-# Seconds one spec's ``numerics()`` should take without a GPU (the interpreter, 2 cores):
-# ``python -m bench`` names the specs over it, and the whole main job stays under 3 minutes.
-NUMERICS_BUDGET_S = 30.0
+# Seconds one spec's ``numerics()`` may take without a GPU (the interpreter, 2 cores): four
+# specs within it keep the main job's answer under 3 minutes, start-up included.
+# ``python -m bench`` names the specs over it.
+NUMERICS_BUDGET_S = 40.0
 
 
 @dataclasses.dataclass
