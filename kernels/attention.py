@@ -785,11 +785,6 @@ def _candidates(tables, interpret_cfg, arch, key, use_tma):
     return cands if use_tma or arch != 90 else cands[:1]
 
 
-def _run(kernel, grid, args, constexprs, cfg):
-    """A launch outside the counter: ConfigCache's timing runs."""
-    kernel[grid](*args, **constexprs, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def _mask_arg(key_padding_mask, dummy):
     if key_padding_mask is None:
         return dummy, 0
@@ -829,7 +824,7 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
            _bucket(Lq), _bucket(Lk))
     cfg = _FWD_CACHE.get(key, _candidates(FWD_CONFIGS, INTERPRET_FWD, arch, key[1], use_tma),
-                         lambda c: _run(_attn_fwd, grid(c), args, constexprs, c))
+                         lambda c: common.launch("attention_fwd", _attn_fwd, grid(c), args, constexprs, c))
     if use_tma:
         common.count_launch("attention_tma")
     common.launch("attention_fwd", _attn_fwd, grid(cfg), args, constexprs, cfg)
@@ -884,7 +879,7 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
            _bucket(Lq), _bucket(Lk))
     cfg = _BWD_CACHE.get(key, _candidates(BWD_CONFIGS, INTERPRET_BWD, arch, key[1], use_tma),
-                         lambda c: _run(_attn_bwd, grid(c), args, constexprs, c))
+                         lambda c: common.launch("attention_bwd", _attn_bwd, grid(c), args, constexprs, c))
     if use_tma:
         common.count_launch("attention_tma")
     common.launch("attention_bwd", _attn_bwd, grid(cfg), args, constexprs, cfg)
