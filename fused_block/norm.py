@@ -11,8 +11,6 @@ weight, the fp32 mean/rstd and the dropout seed; mean and rstd are not outputs o
 so they never get gradients, and gradients that do not arrive (an unused ``residual_out``) are
 not materialized.
 """
-import contextlib
-import functools
 import math
 
 import torch
@@ -27,20 +25,6 @@ MAX_HIDDEN = _k.MAX_HIDDEN
 # ---------------------------------------------------------------------------------------------
 # torch.library ops on 2-D (rows, hidden) tensors with a unit last stride
 # ---------------------------------------------------------------------------------------------
-
-_NO_GUARD = contextlib.nullcontext()
-
-
-@functools.cache
-def _one_gpu() -> bool:
-    return torch.cuda.device_count() <= 1
-
-
-def _device_guard(t):
-    """``_backend.device_guard``, skipped where it cannot matter (CPU, a single visible GPU)."""
-    if t.device.type != "cuda" or _one_gpu():
-        return _NO_GUARD
-    return _backend.device_guard(t)
 
 
 def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
@@ -59,7 +43,7 @@ def _add_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, bia
                   seed: Tensor | None, eps: float, dropout_p: float, is_rms: bool,
                   residual_dtype: torch.dtype, store_residual: bool) -> list[Tensor]:
     """``[out, residual_out (if store_residual), mean (LayerNorm), rstd]``; see kernels.norm.add_norm_fwd."""
-    with _device_guard(x):
+    with _backend.device_guard(x):
         return _k.add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms,
                                residual_dtype, store_residual)
 
@@ -82,7 +66,7 @@ def _add_norm_bwd(dout: Tensor | None, dresidual_out: Tensor | None, h: Tensor, 
                   x_dtype: torch.dtype, dres_dtype: torch.dtype | None, dw_dtype: torch.dtype | None,
                   db_dtype: torch.dtype | None) -> list[Tensor]:
     """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``; see kernels.norm.add_norm_bwd."""
-    with _device_guard(h):
+    with _backend.device_guard(h):
         return _k.add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms,
                                x_dtype, dres_dtype, dw_dtype, db_dtype)
 
