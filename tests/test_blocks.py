@@ -22,6 +22,7 @@ from torch import nn
 import fused_block
 from fused_block import blocks
 import numerics
+import op_counting
 
 BLOCK_FACTOR = 4.0
 TF32_ATOL = 5e-3
@@ -358,6 +359,110 @@ def test_gqa_equals_mha_with_repeated_kv_weights(kind, device, launches):
     with torch.no_grad():
         torch.testing.assert_close(f(*x, **kwargs), t(*x, **kwargs), atol=_atol(torch.float32, device) * 4, rtol=0)
     assert launches["attention_fwd"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA-style layers: RMSNorm, RoPE, GQA, SwiGLU, no biases (torch has no such layer: the oracle
+# is the same layer in float64, which runs fused_block.reference; PyTorch's own error is that
+# reference run in the test dtype)
+# ---------------------------------------------------------------------------------------------
+
+def _llama_layer(kind, batch_first, interleaved=False):
+    cls = fused_block.TransformerEncoderLayer if kind == "encoder" else fused_block.TransformerDecoderLayer
+    torch.manual_seed(0)
+    layer = cls(D, H, FF, dropout=0.0, activation="swiglu", batch_first=batch_first, norm_first=True, bias=False,
+                norm="rms", num_kv_heads=1, rope=True, rope_interleaved=interleaved)
+    _randomize(layer)
+    return layer
+
+
+def _against_reference(layer, inputs, kwargs, dtype, device, monkeypatch):
+    """The layer (dtype) against itself in float64 on the reference ops, with the reference
+    ops in dtype as the baseline: output, input gradients and every parameter gradient."""
+    layer = layer.to(device)
+    grad_out = numerics.randn(*inputs[0].shape, dtype=torch.float64, device=device)
+    out64, g64 = _run(copy.deepcopy(layer).double(), [t.double() for t in inputs], kwargs, grad_out)
+    out_f, g_f = _run(copy.deepcopy(layer).to(dtype), [t.to(dtype) for t in inputs], kwargs, grad_out)
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "_ops", lambda x: blocks._REFERENCE)
+        out_b, g_b = _run(copy.deepcopy(layer).to(dtype), [t.to(dtype) for t in inputs], kwargs, grad_out)
+    assert out_f.dtype == dtype
+    _assert_close("output", out_f, out64, out_b, dtype, device)
+    assert g_f.keys() == g64.keys()
+    for name in g64:
+        _assert_close(name, g_f[name], g64[name], g_b[name], dtype, device)
+
+
+# Each kind in both layouts; fp32 and bf16 each meet both kinds and both RoPE layouts.
+LLAMA_CASES = [("encoder", True, torch.float32, False), ("encoder", False, torch.bfloat16, True),
+               ("decoder", False, torch.float32, True), ("decoder", True, torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("kind, batch_first, dtype, interleaved", LLAMA_CASES)
+def test_llama_layer_matches_float64(kind, batch_first, dtype, interleaved, device, launches, monkeypatch):
+    """Causal self-attention with key padding: RoPE on the packed projection (sequence-first
+    too), the packed attention kernel, SwiGLU in the FFN's GEMMs; gradients of everything."""
+    layer = _llama_layer(kind, batch_first, interleaved)
+    x = _x(batch_first, L, device)
+    if kind == "encoder":
+        inputs, kwargs = [x], {"src_key_padding_mask": _padding(B, L, device), "is_causal": True}
+    else:
+        inputs = [x, _x(batch_first, S, device)]
+        kwargs = {"tgt_key_padding_mask": _padding(B, L, device), "tgt_is_causal": True,
+                  "memory_key_padding_mask": _padding(B, S, device)}
+    kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    _against_reference(layer, inputs, kwargs, dtype, device, monkeypatch)
+    # Self-attention only is rotated (forward, backward); the decoder adds cross-attention.
+    n_attn = 1 if kind == "encoder" else 2
+    assert launches["rope_qkvpacked"] == 2 and launches["rope"] == 0
+    assert launches["attention_fwd"] == launches["attention_bwd"] == n_attn
+    # Each linear: 1 GEMM forward, 2 backward (dX, dW): QKV and out, plus the decoder's
+    # cross-attention q, kv and out; SwiGLU: 2 forward, 4 backward.
+    assert launches["matmul"] == 3 * (2 if kind == "encoder" else 5) + 6
+
+
+def test_llama_layer_step_runs_no_unfused_pytorch_ops(device, monkeypatch):
+    """A training step of the LLaMA-style encoder layer runs no PyTorch matmul, SiLU or
+    multiply (SwiGLU is in the GEMM epilogues) and no cat, split or copy (RoPE and attention
+    read and write the packed QKV tensor and its one packed gradient)."""
+    layer = _llama_layer("encoder", True).to(device)
+    x = _x(True, L, device).requires_grad_(True)
+    grad = numerics.randn(B, L, D, dtype=torch.float32, device=device)  # not sum()'s stride-0 gradient
+    with op_counting.aten_ops(monkeypatch) as ops:
+        layer(x, src_key_padding_mask=_padding(B, L, device), is_causal=True).backward(grad)
+    assert op_counting.unfused(ops) == {}, dict(ops)
+    assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_rope_layer_with_a_general_mask_falls_back_rotated(device, launches, monkeypatch):
+    """A mask the kernel cannot express sends a RoPE layer to SDPA on views of the rotated
+    packed tensor: still rotated, still right, after the one-time warning."""
+    monkeypatch.setattr(blocks, "_WARNED", set())
+    layer = _llama_layer("encoder", False)
+    mask = numerics.randn(L, L, dtype=torch.float32, device=device)  # a general additive mask
+    with pytest.warns(UserWarning, match="scaled_dot_product_attention"):
+        _against_reference(layer, [_x(False, L, device)], {"src_mask": mask}, torch.float32, device, monkeypatch)
+    assert launches["rope_qkvpacked"] == 2 and launches["attention_fwd"] == 0
+
+
+def test_swiglu_layer_keywords_and_cast_rope_frequencies(device):
+    """activation="swiglu" doubles linear1 (gate rows, then up rows) and stores the name (no
+    PyTorch SiLU-multiply callable); a layer cast to half precision still rotates with fp32
+    frequencies computed from rope_base (cast ones would shift the angles)."""
+    layer = _llama_layer("encoder", True)
+    assert layer.linear1.weight.shape == (2 * FF, D) and layer.activation == "swiglu"
+    assert layer.activation_relu_or_gelu == 0  # never torch's nested-tensor fast path
+    assert not hasattr(blocks, "swiglu")
+    half = copy.deepcopy(layer).to(device=device, dtype=torch.bfloat16)
+    assert half.self_attn.inv_freq.dtype == torch.bfloat16
+    x = _x(True, L, device)
+    with torch.no_grad():
+        got = half(x.to(torch.bfloat16), is_causal=True).float()
+        want = layer.to(device)(x, is_causal=True)
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    with torch.no_grad():  # the rounded frequencies would have rotated differently
+        half.self_attn.rope_base = 500.0
+        assert not torch.allclose(half(x.to(torch.bfloat16), is_causal=True).float(), want, atol=0.1, rtol=0.05)
 
 
 def test_dropout_in_training_is_seeded_and_differentiable(device):
