@@ -341,6 +341,11 @@ def _packed_sig(xt):
     return sig
 
 
+# Integers these models' shapes make multiples of 16, which the launcher's JIT specializes as
+# such (so v's copy moves 16-byte vectors): the head dim, v's width and the row strides.
+_PACKED_ALIGNED = ("D", "copy_len", "stride_xb", "stride_xl", "stride_ob", "stride_ol")
+
+
 def _packed_specs(aot):
     specs = []
     for xt in ("bf16", "fp32"):
@@ -356,6 +361,6 @@ def _packed_specs(aot):
                                       BLOCK_P=triton.next_power_of_2(rot // 2),
                                       BLOCK_R=triton.next_power_of_2(max(D - rot, 1)), INTERPRET=False, **cfg.meta())
                         specs.append(aot.KernelSpec(f"rope_qkvpacked[{tag}]", _rope_packed_kernel, _packed_sig(xt),
-                                                    consts, num_warps=cfg.num_warps))
+                                                    consts, num_warps=cfg.num_warps, aligned=_PACKED_ALIGNED))
     return specs
 
