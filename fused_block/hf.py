@@ -133,7 +133,7 @@ class _State:
         self.family, self.original, self.positional = family, original, positional
         self.returns_tensor = returns_tensor
         self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
-        self.packed = {}  # name -> (key, concatenated weight) cache
+        self.packed = {}  # name -> (key, value) cache of _cached
         self.fused_mlp = False  # LLaMA family: the MLP runs as swiglu
 
 
@@ -225,18 +225,21 @@ def _records_outputs(layer, called):
     return None
 
 
-def _packed(state, name, tensors):
-    """``torch.cat(tensors)``; cached across calls while the tensors are unchanged and no
-    gradient flows through them (generation), recomputed otherwise (training, compile)."""
-    if tensors[0] is None:
-        return None
+def _cached(state, name, tensors, make):
+    """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
+    flows through them (generation; buffers), recomputed otherwise (training, compile)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return torch.cat(tensors)
+        return make(tensors)
     key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
     hit = state.packed.get(name)
     if hit is None or hit[0] != key:
-        hit = state.packed[name] = (key, torch.cat(tensors))
+        hit = state.packed[name] = (key, make(tensors))
     return hit[1]
+
+
+def _packed(state, name, tensors):
+    """``torch.cat(tensors)`` (None for absent biases), cached as :func:`_cached`."""
+    return None if tensors[0] is None else _cached(state, name, tensors, torch.cat)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,9 +433,12 @@ def _llama_rope(layer, qkv, H, Hkv, call):
     B, L = qkv.shape[:2]
     positions = _rotary_positions(layer, call, B, L)
     if positions is not None:
-        rotary = layer._fused_block.rotary
-        inv_freq = rotary.inv_freq.to(device=qkv.device, dtype=torch.float32)
-        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(rotary.attention_scaling))
+        state = layer._fused_block
+        # The model's frequencies as its rotary module uses them (rounded if the model was cast),
+        # in fp32 on qkv's device: a conversion kernel once, not per call.
+        inv_freq = _cached(state, ("inv_freq", qkv.device), (state.rotary.inv_freq,),
+                           lambda t: t[0].to(device=qkv.device, dtype=torch.float32))
+        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(state.rotary.attention_scaling))
     cos, sin = call["position_embeddings"]
     return rope_qkvpacked(qkv, H, Hkv, cos=cos.expand(B, -1, -1) if cos.shape[0] != B else cos,
                           sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin)

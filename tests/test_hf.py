@@ -343,3 +343,20 @@ def test_mlp_without_silu_runs_hugging_faces_module(device, launches):
     keep = mask[..., None] == 1
     torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
     assert launches["matmul"] == 2 and launches["attention_fwd"] == 1  # QKV and out only
+
+
+def test_cast_model_rotary_frequencies_are_converted_once(device, monkeypatch, launches):
+    """A model cast to bf16 has bf16 rotary frequencies, which the fused RoPE uses as the
+    model's rotary module does (in fp32): converted on the first call, reused while unchanged."""
+    model = _converted(_model("llama", device, layers=1).eval().to(torch.bfloat16))
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    ids, _ = _inputs("llama", device)
+    pos = torch.arange(L, device=device)[None]
+    with torch.no_grad():
+        model(ids)
+        x = model.model.embed_tokens(ids)
+        emb = model.model.rotary_emb(x, pos)
+        with op_counting.aten_ops(monkeypatch) as ops:
+            model.model.layers[0](x, position_ids=pos, position_embeddings=emb)
+    assert "_to_copy" not in ops and "cat" not in ops, dict(ops)  # frequencies and QKV weights cached
+    assert launches["rope_qkvpacked"] == 2
