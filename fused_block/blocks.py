@@ -33,13 +33,15 @@ per-head 3-D mask, head dims outside the kernel's range) runs attention through
 warning: slower, never a wrong answer. A query whose keys are all padding gives 0 here
 (torch's layers give NaN).
 """
+import contextlib
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fused_block import reference
+from fused_block import _backend, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
@@ -94,18 +96,14 @@ def _warn_once(key, message):
         warnings.warn(message, stacklevel=4)
 
 
-def _is_compiling():
-    return torch.compiler.is_compiling()
-
-
 # ---------------------------------------------------------------------------------------------
 # masks
 # ---------------------------------------------------------------------------------------------
 
 def _is_causal_mask(mask, L):
     """True when ``mask`` (L, L) is exactly the causal mask: float 0 / -inf above the diagonal
-    (``generate_square_subsequent_mask``) or bool True above the diagonal. Reads the mask, so
-    it is only called outside ``torch.compile``."""
+    (``generate_square_subsequent_mask``) or bool True above the diagonal. Reads the mask (a
+    host-device sync on CUDA): called through :func:`_verdict` only."""
     if mask.dim() != 2 or mask.shape != (L, L):
         return False
     upper = torch.ones(L, L, dtype=torch.bool, device=mask.device).triu(1)
@@ -113,6 +111,49 @@ def _is_causal_mask(mask, L):
         return bool(torch.equal(mask, upper))
     expected = torch.zeros(L, L, dtype=mask.dtype, device=mask.device).masked_fill(upper, float("-inf"))
     return bool(torch.equal(mask, expected))
+
+
+def _is_zero_mask(mask):
+    return not bool(mask.any())
+
+
+def _is_padding_float_mask(kpm):
+    """Only 0 and -inf: an additive form of a bool padding mask."""
+    return bool(((kpm == 0) | torch.isneginf(kpm)).all())
+
+
+# Verdicts on masks' values, by (check, id(mask)): (weak reference, version counter, verdict).
+# A model hands the same mask tensors to each of its layers, every step: the values are read
+# (a host-device sync) once, not once per layer and step. An in-place change bumps the
+# tensor's version, so it is read again; a new tensor with a reused id fails the identity check.
+_VERDICTS = {}
+_MAX_VERDICTS = 64
+
+
+def _verdict(check, mask, *args):
+    """``check(mask, *args)``, cached per mask tensor and version; None when the values cannot
+    be read here: under ``torch.compile`` (no data-dependent branches) or during CUDA graph
+    capture (no syncs) without an earlier verdict on the same tensor."""
+    if torch.compiler.is_compiling():
+        return None
+    if mask.is_inference():  # no version counter: read every time
+        return None if _capturing(mask) else check(mask, *args)
+    key = (check, id(mask), args)
+    hit = _VERDICTS.get(key)
+    version = mask._version
+    if hit is not None and hit[0]() is mask and hit[1] == version:
+        return hit[2]
+    if _capturing(mask):
+        return None
+    verdict = check(mask, *args)
+    if len(_VERDICTS) >= _MAX_VERDICTS:
+        _VERDICTS.clear()
+    _VERDICTS[key] = (weakref.ref(mask), version, verdict)
+    return verdict
+
+
+def _capturing(t):
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_mask_type(name, mask):
@@ -158,29 +199,41 @@ class _Masks:
 
 
 def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names):
-    """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason."""
+    """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason.
+
+    Values decide only where they can be read (see :func:`_verdict`): under ``torch.compile``,
+    or in a CUDA graph capture without a verdict from the warm-up, an unhinted causal mask or
+    a float padding mask is general, which is slower, never wrong.
+    """
+    if attn_mask is None and key_padding_mask is None:
+        return _Masks(causal=bool(is_causal))
     mask_name, kpm_name = names
-    compiling = _is_compiling()
     causal = bool(is_causal)
+    unread = " whose values cannot be read under torch.compile or CUDA graph capture"
+    mask_reason = f"a general (non-causal) {mask_name}"
     if attn_mask is not None and not causal:
-        # Data-dependent checks only in eager mode; under torch.compile an unhinted mask is general.
-        if not compiling and attn_mask.dim() == 2 and L == S and _is_causal_mask(attn_mask, L):
-            causal, attn_mask = True, None
-        elif not compiling and attn_mask.dim() == 2 and attn_mask.dtype != torch.bool and not attn_mask.any():
-            attn_mask = None  # an all-zero float mask masks nothing
+        if attn_mask.dim() == 2 and L == S:
+            is_causal_mask = _verdict(_is_causal_mask, attn_mask, L)
+            if is_causal_mask is None:
+                mask_reason = f"a {mask_name}{unread} (pass is_causal=True with a causal mask)"
+            elif is_causal_mask:
+                causal, attn_mask = True, None
+        if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.dtype != torch.bool:
+            if _verdict(_is_zero_mask, attn_mask):
+                attn_mask = None  # an all-zero float mask masks nothing
     elif causal:
         attn_mask = None  # torch trusts the is_causal hint as well
     kpm = key_padding_mask
     if kpm is not None and kpm.dtype != torch.bool:
-        neg_inf = torch.isneginf(kpm)
-        if not compiling and bool(((kpm == 0) | neg_inf).all()):
-            kpm = neg_inf
+        is_padding = _verdict(_is_padding_float_mask, kpm)
+        if is_padding:
+            kpm = torch.isneginf(kpm)
         else:
-            return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
-                          reason=f"a float {kpm_name} with values other than 0 and -inf")
+            reason = (f"a float {kpm_name} with values other than 0 and -inf" if is_padding is not None
+                      else f"a float {kpm_name}{unread} (pass a bool mask)")
+            return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=reason)
     if attn_mask is not None:
-        return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
-                      reason=f"a general (non-causal) {mask_name}")
+        return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=mask_reason)
     if causal and L != S:
         # torch's hinted causal mask is top-left aligned; the kernel's is bottom-right.
         return _Masks(general=_merge_masks(None, kpm, True, B, H, L, S, dtype),
@@ -449,7 +502,7 @@ class _LayerMixin:
         leaves dropout2 out (Post-LN fuses it, with the add, into the next norm's kernel)."""
         p_in = self.dropout.p if self.training else 0.0
         p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
-        name = _activation_name(self.activation)
+        name = self._activation()
         l1, l2 = self.linear1, self.linear2
         ops = _ops(x)
         if name is not None:
@@ -459,8 +512,30 @@ class _LayerMixin:
         hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
         return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
 
+    def _activation(self):
+        """The fused epilogue's name for ``self.activation``, looked up once per activation
+        object (the attribute may be reassigned; the name follows it)."""
+        act = self.activation
+        cached = self.__dict__.get("_activation_cache")
+        if cached is None or cached[0] is not act:
+            cached = self.__dict__["_activation_cache"] = (act, _activation_name(act))
+        return cached[1]
+
+    def _seed_block(self, x, *ps):
+        """Training: the seeds of the layer's dropouts (probabilities ``ps``) drawn in one
+        kernel, see ``_backend.seed_block``."""
+        n = 0
+        for p in ps:
+            n += p > 0
+        if n < 2 or not self.training or _ops(x) is not _FUSED or not _backend.use_triton(x):
+            return _NO_SEED_BLOCK  # the reference's dropouts draw from torch's generator themselves
+        return _backend.seed_block(n, x.device)
+
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
+
+
+_NO_SEED_BLOCK = contextlib.nullcontext()
 
 
 def _like(a, x):
@@ -544,14 +619,15 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         def sa(inp):
             return attn._attend(inp, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
 
-        if self.norm_first:
-            n1, _ = self._add_norm(self.norm1, x)
-            n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
-            y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
-        else:
-            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
-            f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
-            y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
+        with self._seed_block(x, p1, self.dropout2.p, self.dropout.p, attn.dropout):
+            if self.norm_first:
+                n1, _ = self._add_norm(self.norm1, x)
+                n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
+                y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
+            else:
+                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
+                f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
+                y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
 
     @classmethod
@@ -625,16 +701,18 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
             return ca_mod._attend(inp, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
                                   self._attn_dropout(ca_mod), ("memory_mask", "memory_key_padding_mask"))
 
-        if self.norm_first:
-            n1, _ = self._add_norm(self.norm1, x)
-            n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
-            n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
-            y = self._ffn(n3, residual=h)
-        else:
-            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
-            h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
-            f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
-            y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
+        with self._seed_block(x, self.dropout1.p, self.dropout2.p, self.dropout3.p, self.dropout.p, sa_mod.dropout,
+                              ca_mod.dropout):
+            if self.norm_first:
+                n1, _ = self._add_norm(self.norm1, x)
+                n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
+                n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
+                y = self._ffn(n3, residual=h)
+            else:
+                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
+                h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
+                f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
+                y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
         return _unbatch(y, batched, bf)
 
     @classmethod

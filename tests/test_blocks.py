@@ -14,6 +14,7 @@ per sequence. Everything is tiny because the suite runs through the Triton inter
 """
 import copy
 import warnings
+import zlib
 
 import pytest
 import torch
@@ -27,6 +28,12 @@ import op_counting
 BLOCK_FACTOR = 4.0
 TF32_ATOL = 5e-3
 D, H, FF, B, L, S = 32, 2, 64, 2, 9, 7
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    """Each test draws the same random weights and inputs whichever tests ran before it."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def _atol(dtype, device):
@@ -212,7 +219,10 @@ def test_decoder_matches_torch_fp32(norm_first, batch_first, mask, mode, device,
 
 
 def test_decoder_matches_torch_bf16(device):
-    t, f = _layers("decoder", norm_first=False, batch_first=True)
+    # GELU, not ReLU: a bf16 pre-activation within rounding of 0 may take the other side of
+    # ReLU's kink than the float64 oracle's (unrounded weights), moving a whole token's share
+    # of linear1's gradient; that is rounding, not the layer.
+    t, f = _layers("decoder", norm_first=False, batch_first=True, activation="gelu")
     inputs = [_x(True, L, device), _x(True, S, device)]
     _three_ways(t, f, inputs, DECODER_MASKS["causal_and_padding"](device), torch.bfloat16, device)
 
