@@ -309,15 +309,20 @@ class MultiheadAttention(nn.MultiheadAttention):
             self.rope_base = float(rope_base)
             self.register_buffer("inv_freq", _inv_freq(self.head_dim, self.rope_base, device), persistent=False)
 
+    def _apply(self, fn, *args, **kwargs):
+        """``to``/``half``/``cuda``/``to_empty`` also reach the frequencies buffer: recompute it
+        in fp32 from ``rope_base`` on its new device (cast frequencies would shift every angle;
+        ``to_empty`` would leave garbage), once per move rather than per call."""
+        out = super()._apply(fn, *args, **kwargs)
+        if self.rope:
+            self.inv_freq = _inv_freq(self.head_dim, self.rope_base, self.inv_freq.device)
+        return out
+
     def _rotate(self, qkv, ops):
         """RoPE at positions 0..L-1 on the packed QKV projection (x's layout): one packed tensor,
         q and k rotated, v copied."""
-        inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:
-            # The module was cast (model.half()): rounded frequencies would shift every angle.
-            inv_freq = _inv_freq(self.head_dim, self.rope_base, inv_freq.device)
         fn = _rope_qkvpacked if ops is _FUSED else reference.rope_qkvpacked
-        return fn(qkv, self.num_heads, self.num_kv_heads, inv_freq=inv_freq, interleaved=self.rope_interleaved,
+        return fn(qkv, self.num_heads, self.num_kv_heads, inv_freq=self.inv_freq, interleaved=self.rope_interleaved,
                   batch_first=self.batch_first)
 
     def extra_repr(self):
