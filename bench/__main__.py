@@ -52,6 +52,13 @@ def parse_args(argv):
     return args
 
 
+def print_reports(found: dict, quick: bool) -> None:
+    """Specs that measure something other than GPU timings (e.g. ``host``) print it here."""
+    for name, mod in found.items():
+        if not isinstance(mod, str) and hasattr(mod, "report"):
+            print(f"\n{mod.report(quick)}", flush=True)
+
+
 def compile_table(only) -> str:
     """``python -m fused_block.kernels.aot`` in a subprocess without ``TRITON_INTERPRET``.
 
@@ -94,6 +101,7 @@ def run_cpu(args, found) -> int:
     rows, seconds = harness.timed_numerics(found)
     print(harness.format_numerics(rows), flush=True)
     print(harness.format_numerics_times(seconds, harness.NUMERICS_BUDGET_S), flush=True)
+    print_reports(found, args.quick)
     if args.compile_report:
         print("\n== compiled kernels (sm_80, sm_90) ==", flush=True)
         try:
@@ -113,6 +121,7 @@ def run_cuda(args, found) -> int:
     rows, seconds = harness.timed_numerics(found)
     print(harness.format_numerics(rows), flush=True)
     print(harness.format_numerics_times(seconds), flush=True)
+    print_reports(found, args.quick)
     # How long each part took, in the results: what the GPU check's time budget is made of.
     env["seconds"] = {"numerics": {n: round(t, 1) for n, t in seconds.items()}, "specs": {}}
     ceilings = harness.measure_ceilings()
@@ -144,9 +153,9 @@ def run_cuda(args, found) -> int:
                     rate = f"{m.gbps:.0f} GB/s" if m.gbps is not None else (
                         f"{m.tflops:.1f} TFLOP/s" if m.tflops is not None else "")
                     print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: {m.ms:.4f} ms {rate}", flush=True)
-        env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
-        # Rewritten after each spec so a run cut short still leaves what it measured.
-        harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
+            env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
+            # Rewritten after each case so a run cut short still leaves what it measured.
+            harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
     try:
         paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick)
     except Exception as exc:  # noqa: BLE001 - e.g. matplotlib missing: keep the tables

@@ -4,30 +4,122 @@
 - CPU tensors run the same kernels through the Triton interpreter when ``TRITON_INTERPRET=1``
   was set before Triton was imported (the test suite does this on machines without a GPU).
 - Other CPU tensors run the reference in ``fused_block.reference``, so modules work anywhere.
+- Inside :func:`host_only`, every tensor takes the kernel path and the launches are skipped:
+  the host-overhead measurement (``python -m bench --only host``) on a machine without a GPU.
 """
 import contextlib
+import functools
+import threading
 
 import torch
 
+from fused_block.kernels import common
 from fused_block.kernels.common import interpreting
 
 INTERPRET = interpreting()
+# Set by host_only(): the kernel path for every device (launches stubbed, see below).
+FORCE_TRITON = False
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" or (t.device.type == "cpu" and INTERPRET)
+    if FORCE_TRITON:
+        return True
+    kind = t.device.type
+    return kind == "cuda" or (INTERPRET and kind == "cpu")
+
+
+@contextlib.contextmanager
+def host_only():
+    """Run everything of the kernel path but the kernels, on any device (CPU tensors included).
+
+    Validation, config lookup, allocation, ``torch.library`` dispatch, autograd and every
+    PyTorch op run as usual; ``common.launch`` counts each launch and returns without running
+    it (``common.STUB_LAUNCHES``), so outputs hold whatever their buffers held. Launchers see
+    ``common.arch(cpu) == 0`` and ``interpreting()`` unchanged, so they pick their interpreter
+    configs and never time candidates. For measuring host time and counting kernels on CPU
+    tensors only: on CUDA tensors the configs chosen untimed would stay in the config caches.
+    """
+    global FORCE_TRITON
+    before = FORCE_TRITON, common.STUB_LAUNCHES
+    FORCE_TRITON, common.STUB_LAUNCHES = True, True
+    try:
+        yield
+    finally:
+        FORCE_TRITON, common.STUB_LAUNCHES = before
+
+
+# One empty int64 tensor per device stands in for the seed when p == 0: no allocation per call.
+_NO_SEED = {}
+
+
+_LOCAL = threading.local()  # .seeds: [views of one drawn tensor, next index, device] inside seed_block
+
+
+@contextlib.contextmanager
+def seed_block(n: int, device):
+    """Draw the seeds of the next ``n`` dropouts on this thread at once: one ``randint`` of
+    ``n`` values (one kernel) instead of ``n``. A layer's forward opens one around its ops;
+    :func:`dropout_seed` hands the values out in call order, and draws as usual when the block
+    is used up, for another device, or absent. Under ``torch.compile`` it does nothing.
+    """
+    if n < 2 or torch.compiler.is_compiling():
+        yield
+        return
+    before = getattr(_LOCAL, "seeds", None)
+    drawn = torch.randint(0, 2**62, (n,), dtype=torch.int64, device=device)
+    _LOCAL.seeds = [drawn.split(1), 0, drawn.device]
+    try:
+        yield
+    finally:
+        _LOCAL.seeds = before
 
 
 def dropout_seed(p: float, device) -> torch.Tensor:
-    """A fresh int64 seed drawn from torch's generator (so ``torch.manual_seed`` fixes it).
+    """A fresh int64 seed (shape (1,)) drawn from torch's generator, so ``torch.manual_seed``
+    fixes it; kernels read it from device memory (``tl.load``), never on the host.
 
-    Returns an empty tensor when ``p == 0`` so no random number is consumed.
+    With ``p == 0`` no random number is drawn and the result is an empty tensor, in eager mode
+    the same one on every call for a device (kernels never read it; nothing is allocated).
+
+    Inside :func:`seed_block` the seed is the next of the values drawn there (a view).
+
+    CUDA graphs: drawn inside a captured region, ``torch.randint`` takes its Philox offset
+    from the graph's generator state, which ``CUDAGraph.replay`` advances, so each replay
+    draws a new seed (new dropout masks), and the backward reads the seed its forward drew.
     """
     if p == 0.0:
-        return torch.empty(0, dtype=torch.int64, device=device)
+        if torch.compiler.is_compiling():
+            # A fresh one per call: dynamo rejects a tensor passed twice to one autograd.Function
+            # (an op's two seeds), and a traced allocation costs nothing at run time.
+            return torch.empty(0, dtype=torch.int64, device=device)
+        seed = _NO_SEED.get(device)
+        if seed is None:
+            # Not an inference tensor even when first made under inference_mode: ops save it
+            # for backward, which inference tensors cannot be.
+            with torch.inference_mode(False):
+                seed = _NO_SEED[device] = torch.empty(0, dtype=torch.int64, device=device)
+        return seed
+    block = getattr(_LOCAL, "seeds", None)
+    if (block is not None and block[1] < len(block[0]) and block[2] == torch.device(device)
+            and not torch.compiler.is_compiling()):  # a traced graph draws its own seeds
+        block[1] += 1
+        return block[0][block[1] - 1]
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
+_NO_GUARD = contextlib.nullcontext()  # reentrant and stateless: one for every call
+
+
+@functools.cache
+def _one_gpu() -> bool:
+    return torch.cuda.device_count() <= 1
+
+
 def device_guard(t: torch.Tensor):
-    """Launch on the tensor's device (and that device's current stream), not the current one."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Launch on the tensor's device (and that device's current stream), not the current one.
+
+    Free where there is nothing to switch: CPU tensors, or a machine with one GPU.
+    """
+    if not t.is_cuda or _one_gpu():
+        return _NO_GUARD
+    return torch.cuda.device(t.device)

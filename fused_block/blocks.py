@@ -5,7 +5,8 @@ initialization and state dicts (``self_attn.in_proj_weight``, ``self_attn.out_pr
 ``linear1``, ``linear2``, ``norm1``..``norm3``, ``multihead_attn``), so either loads the
 other's weights. Added keywords: ``norm="layer" | "rms"``, ``num_kv_heads`` (GQA), ``rope``
 (rotary embeddings in self-attention, with ``rope_base`` and ``rope_interleaved``), and
-``activation="swiglu"`` (``linear1`` holds [gate; up], 2 x dim_feedforward rows): with
+``activation="swiglu"`` (``linear1`` holds [gate; up], 2 x dim_feedforward rows, and the FFN
+is ``mlp(..., activation="swiglu")``: SiLU-multiply in the first GEMM's epilogue): with
 ``norm="rms"``, ``bias=False`` and ``norm_first=True`` that is a LLaMA layer.
 
 Data flow of one encoder layer (x: (B, L, E) with ``batch_first``, else (L, B, E))::
@@ -21,7 +22,8 @@ FFN's residual add rides in the epilogue of its second matmul (``mlp(..., residu
 The FFN's dropouts are fused too: the inner one (``dropout``) in the first matmul's epilogue,
 drop2 in the second's (Pre-LN) or in the norm kernel on the FFN output (Post-LN).
 Attention is one QKV matmul whose (..., (H + 2 Hkv) * D) output is viewed, without copies,
-as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel.
+as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel (with ``rope=True`` one
+kernel first rotates q and k into a new packed tensor, copying v beside them).
 
 Masks: ``is_causal`` and a causal ``src_mask`` (``nn.Transformer.generate_square_subsequent_mask``
 or its bool form) run the causal kernel, a bool or 0/-inf float key padding mask runs the
@@ -31,20 +33,22 @@ per-head 3-D mask, head dims outside the kernel's range) runs attention through
 warning: slower, never a wrong answer. A query whose keys are all padding gives 0 here
 (torch's layers give NaN).
 """
+import contextlib
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fused_block import reference
+from fused_block import _backend, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
 from fused_block.norm import add_layer_norm, add_rms_norm
-from fused_block.rope import rope as _rope
+from fused_block.rope import rope_qkvpacked as _rope_qkvpacked
 
 NORMS = ("layer", "rms")
 # Head dims the attention kernel takes: multiples of 8 in [16, 256] (fp32: up to 128).
@@ -92,18 +96,14 @@ def _warn_once(key, message):
         warnings.warn(message, stacklevel=4)
 
 
-def _is_compiling():
-    return torch.compiler.is_compiling()
-
-
 # ---------------------------------------------------------------------------------------------
 # masks
 # ---------------------------------------------------------------------------------------------
 
 def _is_causal_mask(mask, L):
     """True when ``mask`` (L, L) is exactly the causal mask: float 0 / -inf above the diagonal
-    (``generate_square_subsequent_mask``) or bool True above the diagonal. Reads the mask, so
-    it is only called outside ``torch.compile``."""
+    (``generate_square_subsequent_mask``) or bool True above the diagonal. Reads the mask (a
+    host-device sync on CUDA): called through :func:`_verdict` only."""
     if mask.dim() != 2 or mask.shape != (L, L):
         return False
     upper = torch.ones(L, L, dtype=torch.bool, device=mask.device).triu(1)
@@ -111,6 +111,49 @@ def _is_causal_mask(mask, L):
         return bool(torch.equal(mask, upper))
     expected = torch.zeros(L, L, dtype=mask.dtype, device=mask.device).masked_fill(upper, float("-inf"))
     return bool(torch.equal(mask, expected))
+
+
+def _is_zero_mask(mask):
+    return not bool(mask.any())
+
+
+def _is_padding_float_mask(kpm):
+    """Only 0 and -inf: an additive form of a bool padding mask."""
+    return bool(((kpm == 0) | torch.isneginf(kpm)).all())
+
+
+# Verdicts on masks' values, by (check, id(mask)): (weak reference, version counter, verdict).
+# A model hands the same mask tensors to each of its layers, every step: the values are read
+# (a host-device sync) once, not once per layer and step. An in-place change bumps the
+# tensor's version, so it is read again; a new tensor with a reused id fails the identity check.
+_VERDICTS = {}
+_MAX_VERDICTS = 64
+
+
+def _verdict(check, mask, *args):
+    """``check(mask, *args)``, cached per mask tensor and version; None when the values cannot
+    be read here: under ``torch.compile`` (no data-dependent branches) or during CUDA graph
+    capture (no syncs) without an earlier verdict on the same tensor."""
+    if torch.compiler.is_compiling():
+        return None
+    if mask.is_inference():  # no version counter: read every time
+        return None if _capturing(mask) else check(mask, *args)
+    key = (check, id(mask), args)
+    hit = _VERDICTS.get(key)
+    version = mask._version
+    if hit is not None and hit[0]() is mask and hit[1] == version:
+        return hit[2]
+    if _capturing(mask):
+        return None
+    verdict = check(mask, *args)
+    if len(_VERDICTS) >= _MAX_VERDICTS:
+        _VERDICTS.clear()
+    _VERDICTS[key] = (weakref.ref(mask), version, verdict)
+    return verdict
+
+
+def _capturing(t):
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_mask_type(name, mask):
@@ -156,29 +199,41 @@ class _Masks:
 
 
 def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names):
-    """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason."""
+    """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason.
+
+    Values decide only where they can be read (see :func:`_verdict`): under ``torch.compile``,
+    or in a CUDA graph capture without a verdict from the warm-up, an unhinted causal mask or
+    a float padding mask is general, which is slower, never wrong.
+    """
+    if attn_mask is None and key_padding_mask is None:
+        return _Masks(causal=bool(is_causal))
     mask_name, kpm_name = names
-    compiling = _is_compiling()
     causal = bool(is_causal)
+    unread = " whose values cannot be read under torch.compile or CUDA graph capture"
+    mask_reason = f"a general (non-causal) {mask_name}"
     if attn_mask is not None and not causal:
-        # Data-dependent checks only in eager mode; under torch.compile an unhinted mask is general.
-        if not compiling and attn_mask.dim() == 2 and L == S and _is_causal_mask(attn_mask, L):
-            causal, attn_mask = True, None
-        elif not compiling and attn_mask.dim() == 2 and attn_mask.dtype != torch.bool and not attn_mask.any():
-            attn_mask = None  # an all-zero float mask masks nothing
+        if attn_mask.dim() == 2 and L == S:
+            is_causal_mask = _verdict(_is_causal_mask, attn_mask, L)
+            if is_causal_mask is None:
+                mask_reason = f"a {mask_name}{unread} (pass is_causal=True with a causal mask)"
+            elif is_causal_mask:
+                causal, attn_mask = True, None
+        if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.dtype != torch.bool:
+            if _verdict(_is_zero_mask, attn_mask):
+                attn_mask = None  # an all-zero float mask masks nothing
     elif causal:
         attn_mask = None  # torch trusts the is_causal hint as well
     kpm = key_padding_mask
     if kpm is not None and kpm.dtype != torch.bool:
-        neg_inf = torch.isneginf(kpm)
-        if not compiling and bool(((kpm == 0) | neg_inf).all()):
-            kpm = neg_inf
+        is_padding = _verdict(_is_padding_float_mask, kpm)
+        if is_padding:
+            kpm = torch.isneginf(kpm)
         else:
-            return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
-                          reason=f"a float {kpm_name} with values other than 0 and -inf")
+            reason = (f"a float {kpm_name} with values other than 0 and -inf" if is_padding is not None
+                      else f"a float {kpm_name}{unread} (pass a bool mask)")
+            return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=reason)
     if attn_mask is not None:
-        return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype),
-                      reason=f"a general (non-causal) {mask_name}")
+        return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=mask_reason)
     if causal and L != S:
         # torch's hinted causal mask is top-left aligned; the kernel's is bottom-right.
         return _Masks(general=_merge_masks(None, kpm, True, B, H, L, S, dtype),
@@ -228,7 +283,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     ``forward`` with ``need_weights=True`` (torch's default) runs torch's implementation.
     ``rope=True`` applies rotary embeddings (positions 0..L-1, ``inv_freq = rope_base **
     (-2i / head_dim)``, half-split pairs or ``rope_interleaved``) to q and k of self-attention
-    with :func:`fused_block.rope`; ``inv_freq`` is a non-persistent buffer (no state-dict entry).
+    with :func:`fused_block.rope_qkvpacked` on the packed QKV projection, which then goes to
+    :func:`fused_block.attention_qkvpacked` like any other; ``inv_freq`` is a non-persistent
+    buffer (no state-dict entry).
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
@@ -249,16 +306,24 @@ class MultiheadAttention(nn.MultiheadAttention):
                 self.in_proj_bias = nn.Parameter(torch.zeros(rows, **factory))
         self.rope, self.rope_interleaved = bool(rope), bool(rope_interleaved)
         if self.rope:
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-            self.register_buffer("inv_freq", 1.0 / (float(rope_base) ** exponents), persistent=False)
+            self.rope_base = float(rope_base)
+            self.register_buffer("inv_freq", _inv_freq(self.head_dim, self.rope_base, device), persistent=False)
 
-    def _rotate(self, q, k):
-        """RoPE on q (B, H, L, D) and k (B, Hkv, L, D) at positions 0..L-1; same layout out."""
-        positions = torch.arange(q.shape[2], device=q.device)[None]
-        fn = _rope if q.dtype in _KERNEL_DTYPES else reference.rope
-        q, k = fn(q.transpose(1, 2), k.transpose(1, 2), positions, self.inv_freq.float(),
-                  interleaved=self.rope_interleaved)
-        return q.transpose(1, 2), k.transpose(1, 2)
+    def _apply(self, fn, *args, **kwargs):
+        """``to``/``half``/``cuda``/``to_empty`` also reach the frequencies buffer: recompute it
+        in fp32 from ``rope_base`` on its new device (cast frequencies would shift every angle;
+        ``to_empty`` would leave garbage), once per move rather than per call."""
+        out = super()._apply(fn, *args, **kwargs)
+        if self.rope:
+            self.inv_freq = _inv_freq(self.head_dim, self.rope_base, self.inv_freq.device)
+        return out
+
+    def _rotate(self, qkv, ops):
+        """RoPE at positions 0..L-1 on the packed QKV projection (x's layout): one packed tensor,
+        q and k rotated, v copied."""
+        fn = _rope_qkvpacked if ops is _FUSED else reference.rope_qkvpacked
+        return fn(qkv, self.num_heads, self.num_kv_heads, inv_freq=self.inv_freq, interleaved=self.rope_interleaved,
+                  batch_first=self.batch_first)
 
     def extra_repr(self):
         return f"num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -270,8 +335,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         x: (B, L, E) if batch_first else (L, B, E); memory: the same layout with S for L, or
         None for self-attention. Masks as torch's (already shape-checked). On the kernel path
         self-attention hands the packed QKV projection to ``attention_qkvpacked`` (q, k, v read
-        in place; its output is the out-projection's input; one packed gradient), and
-        cross-attention gets q and k/v as views whose output's head merge is a view too.
+        in place; its output is the out-projection's input; one packed gradient; RoPE layers
+        rotate that packed tensor first, in one launch), and cross-attention gets q and k/v as
+        views whose output's head merge is a view too.
         """
         bf = self.batch_first
         B, L = (x.shape[0], x.shape[1]) if bf else (x.shape[1], x.shape[0])
@@ -295,8 +361,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             if masks.key_padding is not None or masks.causal:
                 masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
         if memory is None:
-            # RoPE rotates q and k before attention: those layers take the split path.
-            if reason is None and ops is _FUSED and not self.rope:
+            if self.rope:
+                qkv = self._rotate(qkv, ops)
+            if reason is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
                 return ops.linear(o, self.out_proj.weight, self.out_proj.bias)
@@ -304,8 +371,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
-        if self.rope and memory is None:
-            q, k = self._rotate(q, k)
         if reason is None:
             o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
         else:
@@ -375,7 +440,7 @@ def _activation_name(activation):
     if isinstance(activation, str):
         if activation not in ("relu", "gelu", "gelu_tanh", "swiglu"):
             raise RuntimeError(f"activation should be relu/gelu/gelu_tanh/swiglu, not {activation}")
-        return None if activation == "swiglu" else activation
+        return activation
     if activation is F.relu or isinstance(activation, nn.ReLU):
         return "relu"
     if activation is F.gelu:
@@ -385,22 +450,20 @@ def _activation_name(activation):
     return None
 
 
-def swiglu(h):
-    """SwiGLU's gating on linear1's output [gate; up] (..., 2F): ``silu(gate) * up`` (..., F).
-
-    It runs between the two GEMMs as a custom activation (PyTorch ops) until a fused SwiGLU
-    epilogue exists."""
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _torch_activation(name):
-    return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": swiglu}[name]
+    """The callable torch's layers store for ``name``; SwiGLU is no elementwise function (it
+    gates linear1's two halves) and stays the name, which ``_ffn`` hands to ``mlp``."""
+    return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": "swiglu"}[name]
 
 
 def _ffn_width(activation, dim_feedforward):
     """linear1's width: SwiGLU's gate and up projections are its two halves."""
-    return 2 * dim_feedforward if activation == "swiglu" or activation is swiglu else dim_feedforward
+    return 2 * dim_feedforward if activation == "swiglu" else dim_feedforward
+
+
+def _inv_freq(head_dim, base, device):
+    """RoPE's fp32 frequencies ``base ** (-2i / head_dim)``."""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
 
 
 class _LayerMixin:
@@ -423,7 +486,7 @@ class _LayerMixin:
         # layer nested tensors when its math is not torch's (RMSNorm, GQA).
         name = _activation_name(activation)
         torch_compatible = (norm == "layer" and self.self_attn.num_kv_heads == self.self_attn.num_heads
-                            and not self.self_attn.rope and activation is not swiglu)
+                            and not self.self_attn.rope and name != "swiglu")
         self.activation_relu_or_gelu = {"relu": 1, "gelu": 2}.get(name, 0) if torch_compatible else 0
 
     def _add_norm(self, module, x, residual=None, dropout_p=0.0):
@@ -444,7 +507,7 @@ class _LayerMixin:
         leaves dropout2 out (Post-LN fuses it, with the add, into the next norm's kernel)."""
         p_in = self.dropout.p if self.training else 0.0
         p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
-        name = _activation_name(self.activation)
+        name = self._activation()
         l1, l2 = self.linear1, self.linear2
         ops = _ops(x)
         if name is not None:
@@ -454,8 +517,30 @@ class _LayerMixin:
         hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
         return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
 
+    def _activation(self):
+        """The fused epilogue's name for ``self.activation``, looked up once per activation
+        object (the attribute may be reassigned; the name follows it)."""
+        act = self.activation
+        cached = self.__dict__.get("_activation_cache")
+        if cached is None or cached[0] is not act:
+            cached = self.__dict__["_activation_cache"] = (act, _activation_name(act))
+        return cached[1]
+
+    def _seed_block(self, x, *ps):
+        """Training: the seeds of the layer's dropouts (probabilities ``ps``) drawn in one
+        kernel, see ``_backend.seed_block``."""
+        n = 0
+        for p in ps:
+            n += p > 0
+        if n < 2 or not self.training or _ops(x) is not _FUSED or not _backend.use_triton(x):
+            return _NO_SEED_BLOCK  # the reference's dropouts draw from torch's generator themselves
+        return _backend.seed_block(n, x.device)
+
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
+
+
+_NO_SEED_BLOCK = contextlib.nullcontext()
 
 
 def _like(a, x):
@@ -539,14 +624,15 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         def sa(inp):
             return attn._attend(inp, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
 
-        if self.norm_first:
-            n1, _ = self._add_norm(self.norm1, x)
-            n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
-            y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
-        else:
-            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
-            f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
-            y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
+        with self._seed_block(x, p1, self.dropout2.p, self.dropout.p, attn.dropout):
+            if self.norm_first:
+                n1, _ = self._add_norm(self.norm1, x)
+                n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
+                y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
+            else:
+                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
+                f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
+                y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
 
     @classmethod
@@ -620,16 +706,18 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
             return ca_mod._attend(inp, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
                                   self._attn_dropout(ca_mod), ("memory_mask", "memory_key_padding_mask"))
 
-        if self.norm_first:
-            n1, _ = self._add_norm(self.norm1, x)
-            n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
-            n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
-            y = self._ffn(n3, residual=h)
-        else:
-            h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
-            h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
-            f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
-            y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
+        with self._seed_block(x, self.dropout1.p, self.dropout2.p, self.dropout3.p, self.dropout.p, sa_mod.dropout,
+                              ca_mod.dropout):
+            if self.norm_first:
+                n1, _ = self._add_norm(self.norm1, x)
+                n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
+                n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
+                y = self._ffn(n3, residual=h)
+            else:
+                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
+                h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
+                f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
+                y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
         return _unbatch(y, batched, bf)
 
     @classmethod

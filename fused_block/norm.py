@@ -2,86 +2,124 @@
 
 ``add_layer_norm`` / ``add_rms_norm`` return ``(out, residual_out)``: the Pre-LN block passes
 ``residual_out`` (the residual stream) on to the next block, so the add fuses into the norm.
+
+Two ops, ``fused_block::add_norm_fwd`` and ``add_norm_bwd``, registered with
+``fused_block._library.op`` (define + impl + fake; eager calls skip the dispatcher), and a
+``torch.autograd.Function`` around them. Each op returns a list holding only the tensors that
+exist for its flags (no empty placeholders). The Function saves residual_out (or x), the
+weight, the fp32 mean/rstd and the dropout seed; mean and rstd are not outputs of the Function,
+so they never get gradients, and gradients that do not arrive (an unused ``residual_out``) are
+not materialized.
 """
 import math
 
 import torch
 from torch import Tensor
 
-from fused_block import _backend, _validate, reference
+from fused_block import _backend, _library, _validate, reference
 from fused_block.kernels import norm as _k
 
 MAX_HIDDEN = _k.MAX_HIDDEN
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library ops on 2-D (rows, hidden) tensors
+# torch.library ops on 2-D (rows, hidden) tensors with a unit last stride
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("fused_block::add_norm_fwd", mutates_args=())
+
+def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
+    M, N = x.shape
+    outs = [x.new_empty((M, N))]
+    if store_residual:
+        outs.append(x.new_empty((M, N), dtype=residual_dtype))
+    if not is_rms:
+        outs.append(x.new_empty((M,), dtype=torch.float32))
+    outs.append(x.new_empty((M,), dtype=torch.float32))
+    return outs
+
+
+@_library.op("add_norm_fwd", fake=_fwd_fake)
 def _add_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
-                  seed: Tensor, eps: float, dropout_p: float, is_rms: bool,
-                  residual_dtype: torch.dtype, store_residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  seed: Tensor | None, eps: float, dropout_p: float, is_rms: bool,
+                  residual_dtype: torch.dtype, store_residual: bool) -> list[Tensor]:
+    """``[out, residual_out (if store_residual), mean (LayerNorm), rstd]``; see kernels.norm.add_norm_fwd."""
     with _backend.device_guard(x):
         return _k.add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms,
                                residual_dtype, store_residual)
 
 
-@_add_norm_fwd.register_fake
-def _(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
-    M, N = x.shape
-    return (x.new_empty((M, N)), x.new_empty((M, N) if store_residual else (0,), dtype=residual_dtype),
-            x.new_empty((0,) if is_rms else (M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32))
-
-
-@torch.library.custom_op("fused_block::add_norm_bwd", mutates_args=())
-def _add_norm_bwd(dout: Tensor, dresidual_out: Tensor | None, h: Tensor, weight: Tensor | None,
-                  has_bias: bool, mean: Tensor, rstd: Tensor, seed: Tensor, dropout_p: float,
-                  is_rms: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype,
-                  store_dresidual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    with _backend.device_guard(h):
-        return _k.add_norm_bwd(dout, dresidual_out, h, weight, has_bias, mean, rstd, seed, dropout_p,
-                               is_rms, x_dtype, residual_dtype, store_dresidual)
-
-
-@_add_norm_bwd.register_fake
-def _(dout, dresidual_out, h, weight, has_bias, mean, rstd, seed, dropout_p, is_rms, x_dtype,
-      residual_dtype, store_dresidual):
+def _bwd_fake(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
+              dres_dtype, dw_dtype, db_dtype):
     M, N = h.shape
-    return (h.new_empty((M, N), dtype=x_dtype),
-            h.new_empty((M, N) if store_dresidual else (0,), dtype=residual_dtype),
-            h.new_empty((N,) if weight is not None else (0,), dtype=torch.float32),
-            h.new_empty((N,) if has_bias else (0,), dtype=torch.float32))
+    outs = [h.new_empty((M, N), dtype=x_dtype)]
+    if dres_dtype is not None:
+        outs.append(h.new_empty((M, N), dtype=dres_dtype))
+    for dtype in (dw_dtype, db_dtype):
+        if dtype is not None:
+            outs.append(h.new_empty((N,), dtype=dtype))
+    return outs
 
 
-def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual = inputs
-    _, rout, mean, rstd = output
-    ctx.save_for_backward(rout if store_residual else x, weight, mean, rstd, seed)
-    ctx.has_residual = residual is not None
-    ctx.has_bias = bias is not None
-    ctx.dropout_p, ctx.is_rms = dropout_p, is_rms
-    ctx.x_dtype, ctx.residual_dtype, ctx.store_residual = x.dtype, residual_dtype, store_residual
-    ctx.weight_dtype = None if weight is None else weight.dtype
-    ctx.bias_dtype = None if bias is None else bias.dtype
+@_library.op("add_norm_bwd", fake=_bwd_fake)
+def _add_norm_bwd(dout: Tensor | None, dresidual_out: Tensor | None, h: Tensor, weight: Tensor | None,
+                  mean: Tensor | None, rstd: Tensor, seed: Tensor | None, dropout_p: float, is_rms: bool,
+                  x_dtype: torch.dtype, dres_dtype: torch.dtype | None, dw_dtype: torch.dtype | None,
+                  db_dtype: torch.dtype | None) -> list[Tensor]:
+    """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``; see kernels.norm.add_norm_bwd."""
+    with _backend.device_guard(h):
+        return _k.add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms,
+                               x_dtype, dres_dtype, dw_dtype, db_dtype)
 
 
-def _backward(ctx, dout, drout, dmean, drstd):
-    h, weight, mean, rstd, seed = ctx.saved_tensors
-    # dresidual equals the gradient reaching residual_out; store it separately only when it
-    # cannot share dx's buffer (dropout between them, or different dtypes).
-    separate = ctx.has_residual and (ctx.dropout_p > 0 or ctx.residual_dtype != ctx.x_dtype)
-    dx, dres, dw, db = _add_norm_bwd(
-        dout.contiguous(), drout.contiguous() if ctx.store_residual and drout is not None else None,
-        h, weight, ctx.has_bias, mean, rstd, seed, ctx.dropout_p, ctx.is_rms, ctx.x_dtype,
-        ctx.residual_dtype, separate)
-    dresidual = (dres if separate else dx) if ctx.has_residual else None
-    dweight = dw.to(ctx.weight_dtype) if weight is not None else None
-    dbias = db.to(ctx.bias_dtype) if ctx.has_bias else None
-    return dx, dresidual, dweight, dbias, None, None, None, None, None, None
+def _unit_last_stride(t):
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-_add_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+class _AddNorm(torch.autograd.Function):
+    """Autograd of the forward op; returns ``(out, residual_out)`` when residual_out is stored, else ``out``."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
+        outs = _add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
+                             store_residual)
+        out, rstd = outs[0], outs[-1]
+        rout = outs[1] if store_residual else None
+        mean = None if is_rms else outs[-2]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(rout if store_residual else x, weight, mean, rstd, seed)
+        ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.dropout_p, ctx.is_rms, ctx.x_dtype, ctx.residual_dtype = dropout_p, is_rms, x.dtype, residual_dtype
+        return (out, rout) if store_residual else out
+
+    @staticmethod
+    def backward(ctx, dout, drout=None):
+        h, weight, mean, rstd, seed = ctx.saved_tensors
+        need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
+        if dout is None and drout is None:
+            return (None,) * 10
+        # dresidual equals the gradient reaching residual_out: a tensor of its own only when
+        # dropout or a dtype change lies between it and dx.
+        separate = ctx.has_residual and need_res and (ctx.dropout_p > 0 or ctx.residual_dtype != ctx.x_dtype)
+        with_dout = dout is not None
+        dw_dtype = weight.dtype if weight is not None and need_w and with_dout else None
+        db_dtype = ctx.bias_dtype if need_b and with_dout else None
+        grads = _add_norm_bwd(_unit_last_stride(dout), _unit_last_stride(drout), h, weight, mean, rstd, seed,
+                              ctx.dropout_p, ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None,
+                              dw_dtype, db_dtype)
+        dx = grads[0]
+        i = 1
+        dres = None
+        if separate:
+            dres, i = grads[1], 2
+        elif ctx.has_residual and need_res:
+            dres = dx
+        dweight = dbias = None
+        if dw_dtype is not None:
+            dweight, i = grads[i], i + 1
+        if db_dtype is not None:
+            dbias = grads[i]
+        return dx if need_x else None, dres, dweight, dbias, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,8 +146,7 @@ def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
 
 def _rows(t):
     """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    return None if t is None else _unit_last_stride(t.reshape(-1, t.shape[-1]))
 
 
 def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, is_rms):
@@ -119,10 +156,19 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, is_rm
         residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
     # Without a residual, dropout or dtype change, residual_out is x itself: nothing to store.
     store_residual = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
-    seed = _backend.dropout_seed(dropout_p, x.device)
-    out, rout, _, _ = _add_norm_fwd(_rows(x), None if residual is None else _rows(residual), weight, bias,
-                                    seed, float(eps), float(dropout_p), is_rms, residual_dtype, store_residual)
-    return out.view(x.shape), (rout.view(x.shape) if store_residual else x)
+    seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
+    args = (_rows(x), _rows(residual), _unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps),
+            float(dropout_p), is_rms, residual_dtype, store_residual)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight, bias)):
+        res = _AddNorm.apply(*args)
+        out, rout = res if store_residual else (res, None)
+    else:  # nothing to differentiate: the op alone, without the Function's bookkeeping
+        outs = _add_norm_fwd(*args)
+        out, rout = outs[0], outs[1] if store_residual else None
+    if x.dim() != 2:
+        out = out.view(x.shape)
+        rout = None if rout is None else rout.view(x.shape)
+    return out, (rout if store_residual else x)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | None = None,

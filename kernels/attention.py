@@ -10,11 +10,13 @@ with no visible key outputs 0 and has LSE = -inf; its gradients are 0.
 Two data paths, one kernel body each (constexpr ``USE_TMA``):
 
 - **TMA** (Hopper, and the interpreter): every program builds device-side tensor descriptors
-  (``tl.make_tensor_descriptor``) over its (batch, head)'s (L, D) matrices, so ragged L and
-  D < BLOCK_D are zero-padded by the hardware and strided views need no copy. Needs 16-byte
-  aligned bases and strides (true for every head dim multiple of 8 in a dense or packed
-  buffer); launches set ``triton.set_allocator`` for the descriptors' scratch (per thread,
-  so forward and backward both do).
+  (``tl.make_tensor_descriptor``) over its (batch, head)'s (L, D) matrices (the dK/dV
+  programs: over the batch's (H, L, D) queries, to walk the group's heads in one loop), so
+  ragged L and D < BLOCK_D are zero-padded by the hardware and strided views need no copy.
+  Needs 16-byte aligned bases and strides (true for every head dim multiple of 8 in a dense
+  or packed buffer); launches set ``triton.set_allocator`` for the descriptors' scratch (per
+  thread, so forward and backward both do). Hopper's IEEE fp32 products (FMA units, operands
+  from registers) take the pointer path.
 - **pointers** (Ampere, and unaligned layouts anywhere): masked ``tl.load``; loads inside the
   unmasked part of a loop carry only the head-dim mask, and none when D is a power of two.
 
@@ -31,9 +33,12 @@ Kernels:
   output differentiable: d lse_i / d s_ij = P_ij.
 - ``_attn_bwd``: one kernel for dK/dV and dQ (flex_attention's split): per (batch, kv head),
   programs [0, kv_blocks) accumulate dK/dV of one key block over the group's query heads
-  and query blocks (GQA reduced in registers: deterministic, no atomics); programs
-  [kv_blocks, kv_blocks + q_blocks * group) compute dQ of one query block. Causally invisible
-  blocks are skipped and only the diagonal ones masked, in both halves.
+  and query blocks, in one flat loop over (head, block) pairs (GQA reduced in registers:
+  deterministic, no atomics); programs [kv_blocks, kv_blocks + q_blocks * group) compute dQ
+  of one query block. Causally invisible blocks are skipped and only the diagonal ones
+  masked, in both halves. Where dK's and dV's fp32 accumulators cannot share the registers
+  (``SPLIT_KV`` configs: D = 256, some fp32 and dropout classes), each key block gets a dV
+  program and a dK program (which recomputes P).
 - ``_dropout_keep``: keep = uniform(seed, (j, i, batch * Hq + h)) >= p: Philox counters are the
   key index, query index and flattened head, so every kernel (and ``dropout_keep_mask``, a test
   helper) regenerates the same mask without storing it.
@@ -50,8 +55,6 @@ import triton
 import triton.language as tl
 
 from fused_block.kernels import common
-
-LOG2E = 1.4426950408889634
 
 # Tests set this to "pointer" to run the pointer path where TMA would be taken (the interpreter
 # runs the TMA path by default wherever the layout allows it, as Hopper does).
@@ -525,6 +528,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, MASK, SEED,
         seed = tl.load(SEED)
     inv_keep = 1.0 / (1.0 - dropout_p)
     qk_scale = scale * 1.4426950408889634
+    # One call per (SPLIT_KV, role): folding the calls into fewer (a computed key block, a
+    # constexpr part) moved several configs sitting at 255 registers into spills.
     if SPLIT_KV:
         # dK and dV accumulators do not fit in registers together: a dV program and a dK
         # program per key block (the dK one recomputes P).
@@ -780,11 +785,6 @@ def _candidates(tables, interpret_cfg, arch, key, use_tma):
     return cands if use_tma or arch != 90 else cands[:1]
 
 
-def _run(kernel, grid, args, constexprs, cfg):
-    """A launch outside the counter: ConfigCache's timing runs."""
-    kernel[grid](*args, **constexprs, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def _mask_arg(key_padding_mask, dummy):
     if key_padding_mask is None:
         return dummy, 0
@@ -824,7 +824,7 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
            _bucket(Lq), _bucket(Lk))
     cfg = _FWD_CACHE.get(key, _candidates(FWD_CONFIGS, INTERPRET_FWD, arch, key[1], use_tma),
-                         lambda c: _run(_attn_fwd, grid(c), args, constexprs, c))
+                         lambda c: common.launch("attention_fwd", _attn_fwd, grid(c), args, constexprs, c))
     if use_tma:
         common.count_launch("attention_tma")
     common.launch("attention_fwd", _attn_fwd, grid(cfg), args, constexprs, cfg)
@@ -879,7 +879,7 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
            _bucket(Lq), _bucket(Lk))
     cfg = _BWD_CACHE.get(key, _candidates(BWD_CONFIGS, INTERPRET_BWD, arch, key[1], use_tma),
-                         lambda c: _run(_attn_bwd, grid(c), args, constexprs, c))
+                         lambda c: common.launch("attention_bwd", _attn_bwd, grid(c), args, constexprs, c))
     if use_tma:
         common.count_launch("attention_tma")
     common.launch("attention_bwd", _attn_bwd, grid(cfg), args, constexprs, cfg)

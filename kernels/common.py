@@ -204,12 +204,17 @@ class ConfigCache:
         from triton.testing import do_bench
 
         timed = []
-        for cfg in candidates:
-            try:
-                timed.append((do_bench(lambda: run(cfg), warmup=5, rep=25), cfg))
-            except Exception as exc:  # noqa: BLE001 - out of resources etc.: not a candidate
-                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
-                    raise
+        counts = LAUNCHES.copy()  # timing launches are not the caller's: keep exact counts
+        try:
+            for cfg in candidates:
+                try:
+                    timed.append((do_bench(lambda: run(cfg), warmup=5, rep=25), cfg))
+                except Exception as exc:  # noqa: BLE001 - out of resources etc.: not a candidate
+                    if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                        raise
+        finally:
+            LAUNCHES.clear()
+            LAUNCHES.update(counts)
         if not timed:
             raise RuntimeError(f"{self.name}: no candidate config runs for {key}")
         if os.environ.get("FUSED_BLOCK_PRINT_TUNING"):

@@ -1,25 +1,32 @@
 """Residual add + dropout + LayerNorm/RMSNorm in one pass over memory, forward and backward.
 
-Forward, per row (one program per row)::
+Forward, per row (``ROWS`` rows per program; one when the row is wide)::
 
     h            = dropout(x) + residual        # fp32 in registers, rounded to the residual dtype
     residual_out = h                            # stored in the residual dtype (optional)
     out          = (h - mean) * rstd * w + b    # RMSNorm: h * rstd * w
 
-Mean and rstd are stored in fp32. The dropout mask is never stored: it is ``tl.rand(seed,
-row * N + col) >= p``, regenerated in backward.
+x and residual are read once, out and residual_out written once; mean and rstd are stored in
+fp32. The dropout mask is never stored: it is ``tl.rand(seed, row * N + col) >= p``,
+regenerated in backward.
 
-Backward: one kernel computes dx and dresidual (adding the gradient that arrives on
-``residual_out``), with each program walking a strided set of rows and keeping fp32 partial
-sums of dweight/dbias; the partials (``num_programs x N``, bounded by a multiple of the SM
-count) are then summed in a second, deterministic step. No atomics.
+Backward (after flash-attention's and quack's): a grid of a multiple of the SM count chosen by
+the hidden size; each program walks a contiguous run of rows (a runtime count, never a
+constexpr) with the next rows prefetched (``tl.range(num_stages=...)``: cp.async into shared
+memory), computes dx and dresidual (the gradient arriving on ``residual_out`` is added in the
+same pass) and keeps fp32 partial sums of dweight/dbias, one row of partials per program. A
+second small kernel sums the partials in a fixed order (deterministic, no atomics) and writes
+dweight/dbias in the parameters' dtype.
 
-A row that fits the register budget (``N <= SINGLE_PASS_MAX``) is held in registers; wider
-rows (up to ``MAX_HIDDEN``) are processed in chunks: the forward merges per-chunk mean and M2
-(Chan et al.) and re-reads the row, mostly from L2, to normalize; the backward takes two
-passes: the per-row reductions first, then column chunk by column chunk over all its rows,
-so the dweight/dbias partials of a chunk stay in registers.
+A row that fits the register budget (``next_pow2(N) <= FWD_REG_MAX`` / ``BWD_REG_MAX``) is
+held in registers; wider rows (up to ``MAX_HIDDEN``) go through the chunked path: the forward
+merges per-chunk mean and M2 (Chan et al.) and re-reads the row, from L2, to normalize; the
+backward takes two passes over each group of ``ROWS`` rows (the row reductions, then dx and
+the dweight/dbias partials chunk by chunk; the second pass re-reads the group from L2) and
+accumulates the partials in the program's own partial row (L2-resident).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,365 +34,722 @@ import triton.language as tl
 from fused_block.kernels import common
 
 MAX_HIDDEN = 65536
-# Widest row kept entirely in registers, forward and backward (checked for spills on sm_80/90).
-FWD_SINGLE_PASS_MAX = 8192
-BWD_SINGLE_PASS_MAX = 4096
-# Chunk widths of the wide-row path.
+# Widest row (as a power of two) held in registers: the forward keeps h, w and b per element,
+# the backward h, dy, w, the incoming residual gradient and the two partial accumulators.
+# Both are held to "no spills" on sm_80 and sm_90 by the compile check.
+FWD_REG_MAX = 16384
+BWD_REG_MAX = 8192
+# Dropout's random numbers and 32-bit x or residual_out need more registers: such rows stay in
+# registers up to 8192 only.
+FWD_REG_MAX_HEAVY = 8192
+# Chunk widths of the wide-row paths.
 FWD_CHUNK = 4096
-BWD_CHUNK = 2048
+BWD_CHUNK = 1024
+
+_INTERPRET = common.interpreting()
 
 
-def _num_warps(block_n: int) -> int:
-    # About 8 elements of a row per thread, up to 32 warps: the backward keeps six row-sized
-    # fp32 arrays live (xhat, dy, w*dy, dh and the dweight/dbias partials).
-    return min(max(block_n // 256, 1), 32)
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dropout_state(SEED, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(seed, 1 / (1 - p)) of the dropout mask; (0, 1) without dropout."""
+    seed = 0
+    keep_scale = 1.0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+    return seed, keep_scale
 
 
 @triton.jit
-def _load_h(X, R, ROUT, SEED, row, cols, mask, N, dropout_p,
+def _sum_in(X, R, ROUT, x_offs, r_offs, mask, rand_offs, seed, keep_scale, dropout_p,
             HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_ROUT: tl.constexpr,
             INTERPRET: tl.constexpr):
-    """dropout(x) + residual for one row (chunk), in fp32; 0 outside ``mask``.
+    """dropout(x) + residual of a tile, in fp32; 0 outside ``mask``.
 
     The sum is rounded to residual_out's dtype before it is normalized, so the backward, which
     reads the stored residual_out, recomputes exactly the xhat the forward used.
     """
-    h = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = tl.rand(tl.load(SEED) + row, cols) >= dropout_p
-        h = tl.where(keep, h / (1.0 - dropout_p), 0.0)
+        keep = tl.rand(seed, rand_offs) >= dropout_p
+        h = tl.where(keep, h * keep_scale, 0.0)
     if HAS_RES:
-        h += tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(R + r_offs, mask=mask, other=0.0).to(tl.float32)
     if STORE_ROUT:
         h = common.cast(h, ROUT.dtype.element_ty, INTERPRET).to(tl.float32)
     return h
 
 
 @triton.jit
-def _add_norm_fwd_kernel(
-    X, R, W, B, OUT, ROUT, MEAN, RSTD, SEED,
-    stride_x, stride_r, stride_out, stride_rout,
-    N, eps, dropout_p,
-    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, STORE_ROUT: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    X += row * stride_x
-    R += row * stride_r
-    OUT += row * stride_out
-    ROUT += row * stride_rout
-    if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        h = _load_h(X, R, ROUT, SEED, row, cols, mask, N, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
-        if STORE_ROUT:
-            tl.store(ROUT + cols, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
-        if IS_RMS:
-            mean = 0.0
-            var = tl.sum(h * h, axis=0) / N
-        else:
-            mean = tl.sum(h, axis=0) / N
-            d = tl.where(mask, h - mean, 0.0)
-            var = tl.sum(d * d, axis=0) / N
-        rstd = 1.0 / tl.sqrt(var + eps)
-        y = (h - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(W + cols, mask=mask).to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(B + cols, mask=mask).to(tl.float32)
-        tl.store(OUT + cols, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
-    else:
-        # Pass 1: residual_out and the statistics, merging chunk (mean, M2) pairs.
-        mean = tl.zeros((), tl.float32)
-        m2 = tl.zeros((), tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            h = _load_h(X, R, ROUT, SEED, row, cols, mask, N, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
-            if STORE_ROUT:
-                tl.store(ROUT + cols, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
-            if IS_RMS:
-                m2 += tl.sum(h * h, axis=0)
-            else:
-                n_b = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-                mean_b = tl.sum(h, axis=0) / n_b
-                d = tl.where(mask, h - mean_b, 0.0)
-                total = start + n_b
-                delta = mean_b - mean
-                mean += delta * (n_b / total)
-                m2 += tl.sum(d * d, axis=0) + delta * delta * (start * n_b / total)
-        rstd = 1.0 / tl.sqrt(m2 / N + eps)
-        if IS_RMS:
-            mean = 0.0
-        # Pass 2: recompute h exactly (same loads, same dropout mask) and normalize.
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            h = _load_h(X, R, ROUT, SEED, row, cols, mask, N, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
-            y = (h - mean) * rstd
-            if HAS_W:
-                y = y * tl.load(W + cols, mask=mask).to(tl.float32)
-            if HAS_B:
-                y = y + tl.load(B + cols, mask=mask).to(tl.float32)
-            tl.store(OUT + cols, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
-    if not IS_RMS:
-        tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
-def _bwd_row_chunk(H, W, DOUT, cols, mask, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
-    """xhat, dout and w * dout of one row (chunk), fp32, 0 outside ``mask``."""
-    h = tl.load(H + cols, mask=mask, other=0.0).to(tl.float32)
-    xhat = tl.where(mask, (h - mean) * rstd, 0.0)
-    dy = tl.load(DOUT + cols, mask=mask, other=0.0).to(tl.float32)
+def _add_norm_fwd_kernel(
+    X, R, W, B, OUT, ROUT, MEAN, RSTD, SEED,
+    stride_x, stride_r, M, N, eps, dropout_p,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_ROUT: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
+    r2 = rows[:, None]
+    seed, keep_scale = _dropout_state(SEED, dropout_p, HAS_DROPOUT)
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        c2 = cols[None, :]
+        mask = row_mask[:, None] & (c2 < N)
+        # Tiles up to 8192 elements load the parameters first, so that their latency overlaps the
+        # row's; wider ones load them after the reductions, when they are needed, so that only h
+        # is live across the reductions (quack's delay_w_load): no spills at 16384.
+        if ROWS * BLOCK_N <= 8192:
+            if HAS_W:
+                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        h = _sum_in(X, R, ROUT, r2 * stride_x + c2, r2 * stride_r + c2, mask, r2 * N + c2, seed,
+                    keep_scale, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
+        if STORE_ROUT:
+            tl.store(ROUT + r2 * N + c2, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
+        if IS_RMS:
+            xc = h
+            var = tl.sum(h * h, axis=1) / N
+        else:
+            # Corrected two-pass: the rounding error of the first mean (~N ulps of |mean|, large
+            # against a tiny spread) comes back exactly in sum(d), in the same reduction as sum(d^2).
+            mean = tl.sum(h, axis=1) / N
+            d = tl.where(mask, h - mean[:, None], 0.0)
+            sd, sdd = tl.reduce((d, d * d), 1, _add_pair)
+            dm = sd / N
+            mean += dm
+            xc = d - dm[:, None]
+            var = tl.maximum(sdd / N - dm * dm, 0.0)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y = xc * rstd[:, None]
+        if ROWS * BLOCK_N > 8192:
+            if HAS_W:
+                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        tl.store(OUT + r2 * N + c2, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
+    else:
+        # Pass 1: residual_out and the statistics: sums of (h - shift) and its square, the shift
+        # being the mean of the first chunk (always full here: N > FWD_REG_MAX >= BLOCK_N). Its
+        # distance to the row mean is at most sqrt(N / BLOCK_N) standard deviations, so the
+        # subtraction var = E[d^2] - E[d]^2 loses at most ~N / BLOCK_N ulps; and the loop has no
+        # division (on sm_80 a division in this loop made ptxas use a stack frame).
+        shift = tl.zeros((ROWS,), tl.float32)
+        s1 = tl.zeros((ROWS,), tl.float32)
+        s2 = tl.zeros((ROWS,), tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c2 = start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask[:, None] & (c2 < N)
+            h = _sum_in(X, R, ROUT, r2 * stride_x + c2, r2 * stride_r + c2, mask, r2 * N + c2, seed,
+                        keep_scale, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
+            if STORE_ROUT:
+                tl.store(ROUT + r2 * N + c2, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
+            if IS_RMS:
+                s2 += tl.sum(h * h, axis=1)
+            else:
+                if start == 0:
+                    shift = tl.sum(h, axis=1) * (1.0 / BLOCK_N)
+                d = tl.where(mask, h - shift[:, None], 0.0)
+                s1 += tl.sum(d, axis=1)
+                s2 += tl.sum(d * d, axis=1)
+        if IS_RMS:
+            rstd = 1.0 / tl.sqrt(s2 / N + eps)
+        else:
+            d_mean = s1 / N
+            mean = shift + d_mean
+            rstd = 1.0 / tl.sqrt(tl.maximum(s2 / N - d_mean * d_mean, 0.0) + eps)
+        # Pass 2: recompute h exactly (same loads, same dropout mask; mostly L2 hits), normalize.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            c2 = cols[None, :]
+            mask = row_mask[:, None] & (c2 < N)
+            h = _sum_in(X, R, ROUT, r2 * stride_x + c2, r2 * stride_r + c2, mask, r2 * N + c2, seed,
+                        keep_scale, dropout_p, HAS_RES, HAS_DROPOUT, STORE_ROUT, INTERPRET)
+            if IS_RMS:
+                y = h * rstd[:, None]
+            else:
+                y = (h - mean[:, None]) * rstd[:, None]
+            if HAS_W:
+                y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            if HAS_B:
+                y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(OUT + r2 * N + c2, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
+    if not IS_RMS:
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _xhat_dy(H, DOUT, h_offs, dout_offs, mask, mean, rstd, w, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
+    """xhat, dy and w * dy of a tile, fp32, 0 outside ``mask``."""
+    h = tl.load(H + h_offs, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xhat = h * rstd[:, None]
+    else:
+        xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+    dy = tl.load(DOUT + dout_offs, mask=mask, other=0.0).to(tl.float32)
     wdy = dy
     if HAS_W:
-        wdy = dy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        wdy = dy * w[None, :]
     return xhat, dy, wdy
 
 
 @triton.jit
-def _row_stats(MEAN, RSTD, row, IS_RMS: tl.constexpr):
-    """The forward's saved (mean, rstd) of ``row`` (mean 0 for RMSNorm)."""
-    mean = 0.0
+def _row_stats(MEAN, RSTD, rows, row_mask, IS_RMS: tl.constexpr):
+    """The forward's saved (mean, rstd) of ``rows`` (mean 0 for RMSNorm)."""
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    mean = rstd * 0.0
     if not IS_RMS:
-        mean = tl.load(MEAN + row)
-    return mean, tl.load(RSTD + row)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    return mean, rstd
 
 
 @triton.jit
 def _dh(xhat, wdy, c1, c2, rstd, IS_RMS: tl.constexpr):
     """Gradient reaching residual_out through the norm: (w*dy - xhat*c1 - c2) * rstd."""
     if IS_RMS:
-        return (wdy - xhat * c1) * rstd
+        return (wdy - xhat * c1[:, None]) * rstd[:, None]
     else:
-        return (wdy - (xhat * c1 + c2)) * rstd
+        return (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
 
 
 @triton.jit
-def _bwd_store_grads(DX, DRES, DROUT, SEED, row, cols, mask, N, dropout_p, dh,
-                     HAS_DROUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """dh (+ incoming grad on residual_out) -> dresidual, and through dropout -> dx."""
-    if HAS_DROUT:
-        dh += tl.load(DROUT + cols, mask=mask, other=0.0).to(tl.float32)
+def _store_grads(DX, DRES, offs, mask, seed, keep_scale, dropout_p, dh,
+                 STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """dh (the gradient of residual_out, incoming part included) -> dresidual, and through dropout -> dx.
+
+    ``offs`` = row * N + col: the offset in the (contiguous) outputs and the dropout counter.
+    """
     if STORE_DRES:
-        tl.store(DRES + cols, common.cast(dh, DRES.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(DRES + offs, common.cast(dh, DRES.dtype.element_ty, INTERPRET), mask=mask)
     if HAS_DROPOUT:
-        keep = tl.rand(tl.load(SEED) + row, cols) >= dropout_p
-        dh = tl.where(keep, dh / (1.0 - dropout_p), 0.0)
-    tl.store(DX + cols, common.cast(dh, DX.dtype.element_ty, INTERPRET), mask=mask)
+        keep = tl.rand(seed, offs) >= dropout_p
+        dh = tl.where(keep, dh * keep_scale, 0.0)
+    tl.store(DX + offs, common.cast(dh, DX.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit
 def _add_norm_bwd_kernel(
-    H, W, DOUT, DROUT, MEAN, RSTD, SEED, DX, DRES, DW_PART, DB_PART, C1, C2,
-    stride_h, stride_dout, stride_drout, stride_dx, stride_dres,
-    M, N, dropout_p, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DROUT: tl.constexpr,
-    STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    H, W, DOUT, DROUT, MEAN, RSTD, SEED, DX, DRES, DW_PART, DB_PART,
+    stride_h, stride_dout, stride_drout, M, N, dropout_p, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr, HAS_DROUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
+    pid = tl.program_id(0).to(tl.int64)
+    row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    DW_PART += pid.to(tl.int64) * N
-    DB_PART += pid.to(tl.int64) * N
+    DW_PART += pid * N
+    DB_PART += pid * N
+    seed, keep_scale = _dropout_state(SEED, dropout_p, HAS_DROPOUT)
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        dw = tl.zeros((BLOCK_N,), tl.float32)
-        db = tl.zeros((BLOCK_N,), tl.float32)
-        for row in range(row_start, row_end):
-            mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS)
-            xhat, dy, wdy = _bwd_row_chunk(H + row * stride_h, W, DOUT + row * stride_dout, cols, mask,
-                                           mean, rstd, IS_RMS, HAS_W)
-            if HAS_W:
-                dw += dy * xhat
-            if HAS_B:
-                db += dy
-            c2 = 0.0
-            if not IS_RMS:
-                c2 = tl.sum(wdy, axis=0) / N
-            dh = _dh(xhat, wdy, tl.sum(xhat * wdy, axis=0) / N, c2, rstd, IS_RMS)
-            _bwd_store_grads(DX + row * stride_dx, DRES + row * stride_dres, DROUT + row * stride_drout,
-                             SEED, row, cols, mask, N, dropout_p, dh, HAS_DROUT, STORE_DRES, HAS_DROPOUT, INTERPRET)
+        col_mask = cols < N
+        c2 = cols[None, :]
+        w = 0.0
         if HAS_W:
-            tl.store(DW_PART + cols, dw, mask=mask)
-        if HAS_B:
-            tl.store(DB_PART + cols, db, mask=mask)
-    else:
-        # Wide rows. Phase 1: the row reductions c1 = mean(xhat * w * dy), c2 = mean(w * dy),
-        # kept in the C1/C2 scratch. Phase 2: column chunk by column chunk, every row's dx and
-        # the chunk's dweight/dbias partials in registers (no read-modify-write of partials).
-        for row in range(row_start, row_end):
-            mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS)
-            s1 = tl.zeros((), tl.float32)
-            s2 = tl.zeros((), tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask = cols < N
-                xhat, dy, wdy = _bwd_row_chunk(H + row * stride_h, W, DOUT + row * stride_dout, cols, mask,
-                                               mean, rstd, IS_RMS, HAS_W)
-                s1 += tl.sum(xhat * wdy, axis=0)
-                s2 += tl.sum(wdy, axis=0)
-            tl.store(C1 + row, s1 / N)
-            tl.store(C2 + row, s2 / N)
-        tl.debug_barrier()
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            dw = tl.zeros((BLOCK_N,), tl.float32)
-            db = tl.zeros((BLOCK_N,), tl.float32)
-            for row in range(row_start, row_end):
-                mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS)
-                xhat, dy, wdy = _bwd_row_chunk(H + row * stride_h, W, DOUT + row * stride_dout, cols, mask,
-                                               mean, rstd, IS_RMS, HAS_W)
-                if HAS_W:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        db = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        # num_stages > 1: the loads of the next rows are issued (cp.async) before this row's math.
+        for r0 in tl.range(row_start, row_end, ROWS, num_stages=NUM_STAGES):
+            rows = r0 + tl.arange(0, ROWS)
+            row_mask = rows < row_end
+            r2 = rows[:, None]
+            mask = row_mask[:, None] & (c2 < N)
+            dh = tl.zeros((ROWS, BLOCK_N), tl.float32)
+            if HAS_DROUT:
+                dh = tl.load(DROUT + r2 * stride_drout + c2, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DOUT:
+                mean, rstd = _row_stats(MEAN, RSTD, rows, row_mask, IS_RMS)
+                xhat, dy, wdy = _xhat_dy(H, DOUT, r2 * stride_h + c2, r2 * stride_dout + c2, mask,
+                                         mean, rstd, w, IS_RMS, HAS_W)
+                if HAS_DW:
                     dw += dy * xhat
-                if HAS_B:
+                if HAS_DB:
                     db += dy
-                dh = _dh(xhat, wdy, tl.load(C1 + row), tl.load(C2 + row), rstd, IS_RMS)
-                _bwd_store_grads(DX + row * stride_dx, DRES + row * stride_dres, DROUT + row * stride_drout,
-                                 SEED, row, cols, mask, N, dropout_p, dh, HAS_DROUT, STORE_DRES, HAS_DROPOUT, INTERPRET)
-            if HAS_W:
-                tl.store(DW_PART + cols, dw, mask=mask)
-            if HAS_B:
-                tl.store(DB_PART + cols, db, mask=mask)
+                m1 = tl.sum(xhat * wdy, axis=1) / N
+                m2 = m1
+                if not IS_RMS:
+                    m2 = tl.sum(wdy, axis=1) / N
+                dh += _dh(xhat, wdy, m1, m2, rstd, IS_RMS)
+            _store_grads(DX, DRES, r2 * N + c2, mask, seed,
+                         keep_scale, dropout_p, dh, STORE_DRES, HAS_DROPOUT, INTERPRET)
+        if HAS_DW:
+            tl.store(DW_PART + cols, tl.sum(dw, axis=0), mask=col_mask)
+        if HAS_DB:
+            tl.store(DB_PART + cols, tl.sum(db, axis=0), mask=col_mask)
+    else:
+        # Wide rows, a group of ROWS rows at a time. Pass 1: the row reductions
+        # c1 = mean(xhat * w * dy), c2 = mean(w * dy). Pass 2 (the group re-read from L2): dx,
+        # and the chunk's dweight/dbias partials added into this program's partial row (the
+        # first group writes it, so it needs no zero-fill). Both passes prefetch the next chunk
+        # when NUM_STAGES > 1.
+        for r0 in range(row_start, row_end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            row_mask = rows < row_end
+            r2 = rows[:, None]
+            mean, rstd = _row_stats(MEAN, RSTD, rows, row_mask, IS_RMS)
+            s1 = tl.zeros((ROWS,), tl.float32)
+            s2 = tl.zeros((ROWS,), tl.float32)
+            if HAS_DOUT:
+                for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+                    cols = start + tl.arange(0, BLOCK_N)
+                    c2 = cols[None, :]
+                    mask = row_mask[:, None] & (c2 < N)
+                    wc = 0.0
+                    if HAS_W:
+                        wc = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+                    xhat, dy, wdy = _xhat_dy(H, DOUT, r2 * stride_h + c2, r2 * stride_dout + c2, mask,
+                                             mean, rstd, wc, IS_RMS, HAS_W)
+                    s1 += tl.sum(xhat * wdy, axis=1)
+                    s2 += tl.sum(wdy, axis=1)
+            not_first = r0 > row_start
+            for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                c2 = cols[None, :]
+                mask = row_mask[:, None] & (c2 < N)
+                dh = tl.zeros((ROWS, BLOCK_N), tl.float32)
+                if HAS_DROUT:
+                    dh = tl.load(DROUT + r2 * stride_drout + c2, mask=mask, other=0.0).to(tl.float32)
+                if HAS_DOUT:
+                    wc = 0.0
+                    if HAS_W:
+                        wc = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+                    xhat, dy, wdy = _xhat_dy(H, DOUT, r2 * stride_h + c2, r2 * stride_dout + c2, mask,
+                                             mean, rstd, wc, IS_RMS, HAS_W)
+                    dh += _dh(xhat, wdy, s1 / N, s2 / N, rstd, IS_RMS)
+                    if HAS_DW:
+                        dw = tl.sum(dy * xhat, axis=0)
+                        dw += tl.load(DW_PART + cols, mask=col_mask & not_first, other=0.0)
+                        tl.store(DW_PART + cols, dw, mask=col_mask)
+                    if HAS_DB:
+                        db = tl.sum(dy, axis=0)
+                        db += tl.load(DB_PART + cols, mask=col_mask & not_first, other=0.0)
+                        tl.store(DB_PART + cols, db, mask=col_mask)
+                _store_grads(DX, DRES, r2 * N + c2, mask, seed,
+                             keep_scale, dropout_p, dh, STORE_DRES, HAS_DROPOUT, INTERPRET)
+            # The next group reads the partials this one wrote, possibly from other threads
+            # (a reduced vector is replicated across the threads of the row dimension).
+            tl.debug_barrier()
 
 
-def _block(n: int, single_max: int, chunk: int):
+@triton.jit
+def _reduce_partials_kernel(
+    DW_PART, DB_PART, DW, DB, n_part, N,
+    HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """dweight/dbias = column sums of the (n_part, N) fp32 partials, in a fixed order.
+
+    Written in the parameters' dtype; with no partial rows (no rows at all) they are zeros.
+    """
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < N
+    dw = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    db = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    for r0 in tl.range(0, n_part, BLOCK_R, num_stages=NUM_STAGES):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < n_part)[:, None] & col_mask[None, :]
+        if HAS_DW:
+            dw += tl.load(DW_PART + offs, mask=mask, other=0.0)
+        if HAS_DB:
+            db += tl.load(DB_PART + offs, mask=mask, other=0.0)
+    if HAS_DW:
+        tl.store(DW + cols, common.cast(tl.sum(dw, axis=0), DW.dtype.element_ty, INTERPRET), mask=col_mask)
+    if HAS_DB:
+        tl.store(DB + cols, common.cast(tl.sum(db, axis=0), DB.dtype.element_ty, INTERPRET), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# config tables, per architecture
+#
+# Each entry: (largest BLOCK_N it covers, ((ROWS, num_warps[, NUM_STAGES]), ...)); the first
+# candidate is the default (taken with FUSED_BLOCK_TUNE=0 and on the interpreter), the others
+# are timed once per key by common.ConfigCache on CUDA. None of these has been timed on a GPU
+# yet (no GPU was available when they were written): the defaults follow the anchors below.
+# A forward candidate marked LIGHT is offered only to 16-bit x and residual_out without dropout:
+# in the heavier variants it spills (the compile check holds every offered config to no spills).
+# ---------------------------------------------------------------------------------------------
+
+LIGHT = "light"
+
+# sm_90, forward. quack's Hopper forward (rmsnorm_config._for_hopper_fwd) gives each thread
+# 16-64 elements of a row (threads_per_row 32 for N <= 3K, 64 <= 6K, 128 <= 16K) and packs several
+# rows into a block for small N; here each thread gets about 16 elements (two 16-byte vectors of
+# bf16 per tensor) and a program about 2048 elements or one row.
+_FWD_SM90 = (
+    (512, ((None, 4), (None, 2), (None, 8))),  # ROWS None: 2048 // BLOCK_N rows (at most 64)
+    (1024, ((2, 4), (1, 4), (4, 8))),
+    (2048, ((1, 4), (1, 8), (2, 8))),
+    (4096, ((1, 8), (1, 16), (1, 4))),
+    (8192, ((1, 16), (1, 8))),
+    (16384, ((1, 16), (1, 32, LIGHT))),
+    (MAX_HIDDEN, ((1, 8), (1, 16, LIGHT))),  # chunked (FWD_CHUNK wide)
+)
+# sm_80, forward. One row per program from 1024 up with Liger's warp ladder (calculate_settings:
+# 4 warps, 8 from 2048, 16 from 8192, 32 from 32768), several rows below (its RMSNorm block
+# kernel packs 16 rows of BLOCK <= 256).
+_FWD_SM80 = (
+    (512, ((None, 4), (None, 8))),
+    (1024, ((1, 4), (2, 4), (1, 8))),
+    (2048, ((1, 8), (1, 4))),
+    (4096, ((1, 8), (1, 16))),
+    (8192, ((1, 16), (1, 8))),
+    (16384, ((1, 16), (1, 32, LIGHT))),
+    (MAX_HIDDEN, ((1, 16), (1, 8))),
+)
+# sm_90, backward (ROWS, num_warps, NUM_STAGES). quack's Hopper backward
+# (rmsnorm_config._for_hopper_bwd): 128 threads for N <= 4096 and 256 above, threads_per_row
+# 8/16/32/64 for N <= 64/128/256/512 (so 16/8/4/2 rows per block), one row of 128 threads up
+# to 4096, the next row double-buffered (2 smem stages). Warp counts from 1 for the tuner
+# (flash-attention tunes 1..32).
+_BWD_SM90 = (
+    (64, ((16, 4, 2), (16, 2, 2), (16, 1, 2))),
+    (128, ((8, 4, 2), (8, 2, 2), (8, 1, 2))),
+    (256, ((4, 4, 2), (4, 2, 2), (4, 1, 2))),
+    (512, ((2, 4, 2), (2, 2, 2), (1, 1, 2))),
+    (1024, ((1, 4, 2), (1, 2, 2), (1, 8, 2))),
+    (2048, ((1, 4, 2), (1, 8, 2))),
+    (4096, ((1, 4, 2), (1, 8, 2), (1, 16, 2))),
+    (8192, ((1, 8, 2),)),
+    (MAX_HIDDEN, ((4, 8, 2), (4, 8, 1), (2, 8, 2))),  # chunked (BWD_CHUNK wide), group of ROWS rows
+)
+# sm_80, backward. flash-attention's kernel (one row at a time, BLOCK_N = next_pow2(N)) with
+# Liger's warp ladder, plus quack's row packing for small N and a 2-stage prefetch.
+_BWD_SM80 = (
+    (64, ((16, 4, 2), (16, 2, 2), (16, 1, 2))),
+    (128, ((8, 4, 2), (8, 2, 2), (8, 1, 2))),
+    (256, ((4, 4, 2), (4, 2, 2), (4, 1, 2))),
+    (512, ((2, 4, 2), (2, 2, 2), (1, 1, 2))),
+    (1024, ((1, 4, 2), (1, 2, 2), (1, 8, 2))),
+    (2048, ((1, 8, 2), (1, 4, 2))),
+    (4096, ((1, 8, 2), (1, 16, 2), (1, 4, 2))),
+    (8192, ((1, 8, 2),)),
+    (MAX_HIDDEN, ((4, 8, 1), (2, 8, 2))),  # 4 rows with prefetch spill on sm_80
+)
+_FWD_TABLES = {80: _FWD_SM80, 90: _FWD_SM90}
+_BWD_TABLES = {80: _BWD_SM80, 90: _BWD_SM90}
+# The partials reduction: a (BLOCK_R, BLOCK_C) tile of fp32 per step (16-byte loads along a
+# 128-byte row segment), 4 warps, 3 stages of prefetch; BLOCK_C = 32 gives N / 32 programs.
+# The interpreter runs programs one after another (tens of ms each), so it takes wide columns.
+_REDUCE_CONFIGS = {80: common.Config.of(num_warps=4, BLOCK_R=64, BLOCK_C=32, NUM_STAGES=3),
+                   90: common.Config.of(num_warps=4, BLOCK_R=64, BLOCK_C=32, NUM_STAGES=3),
+                   0: common.Config.of(num_warps=4, BLOCK_R=16, BLOCK_C=1024, NUM_STAGES=3)}
+
+
+def bwd_programs(n: int, sms: int) -> int:
+    """Backward grid size for hidden ``n`` (before clipping to the row count).
+
+    quack's Hopper table (rmsnorm_config._get_sm_count_hopper) up to 8192: more programs than
+    SMs hide the latency of the row loads when rows are short (flash-attention uses 8 x SMs for
+    every N, commit 2afa43cd); for wide rows fewer programs keep the (programs x N) partials
+    small. Above 8192 quack splits each row over a cluster of CTAs (SMs / 2 clusters of two at
+    16K, 2 x SMs beyond); our chunked path runs one program per row group, so it takes 2 x SMs
+    (two programs per SM) there. The same table serves sm_80 (not separately measured).
+    """
+    if n <= 256:
+        return 16 * sms
+    if n <= 1024:
+        return 8 * sms
+    if n <= 2048:
+        return 4 * sms
+    if n <= 4096:
+        return 2 * sms
+    if n <= 8192:
+        return sms
+    return 2 * sms
+
+
+def _block(n: int, reg_max: int, chunk: int):
     """(BLOCK_N, SINGLE_PASS) for a row of ``n`` elements."""
-    block = triton.next_power_of_2(n)
-    if block <= single_max:
+    block = common.next_pow2(n)
+    if block <= reg_max:
         return block, True
     return chunk, False
 
 
-def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
-    """Launch the forward on 2-D row-major-in-the-last-dim inputs (M, N).
+def _table_arch(arch: int) -> int:
+    # The interpreter (arch 0) runs the sm_90 defaults, so the tests exercise shipped configs.
+    return arch if arch in _FWD_TABLES else 90
 
-    Returns ``(out, residual_out, mean, rstd)``: out in x's dtype, residual_out (M, N) in
-    ``residual_dtype`` (an empty tensor when not ``store_residual``), mean (M,) fp32 (empty
-    for RMSNorm), rstd (M,) fp32.
+
+@functools.lru_cache(maxsize=None)
+def fwd_candidates(arch: int, block_n: int, single: bool, light: bool) -> tuple:
+    """The forward configs to choose from for a row of ``block_n`` (a power of two or the chunk).
+
+    ``light``: 16-bit x and residual_out and no dropout (fewer registers than the other variants).
+    """
+    n = block_n if single else MAX_HIDDEN
+    for limit, cands in _FWD_TABLES[_table_arch(arch)]:
+        if n <= limit:
+            return tuple(common.Config.of(num_warps=c[1], ROWS=c[0] if c[0] is not None else min(64, 2048 // block_n))
+                         for c in cands if light or LIGHT not in c)
+    raise AssertionError(block_n)
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_candidates(arch: int, block_n: int, single: bool) -> tuple:
+    """The backward configs to choose from for a row of ``block_n``."""
+    n = block_n if single else MAX_HIDDEN
+    for limit, cands in _BWD_TABLES[_table_arch(arch)]:
+        if n <= limit:
+            return tuple(common.Config.of(num_warps=w, ROWS=r, NUM_STAGES=s) for r, w, s in cands)
+    raise AssertionError(block_n)
+
+
+_FWD_CACHE = common.ConfigCache("add_norm_fwd")
+_BWD_CACHE = common.ConfigCache("add_norm_bwd")
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
+    """Launch the forward on (M, N) inputs whose last dim has unit stride.
+
+    ``seed`` is an int64 tensor of one element, or None when ``dropout_p == 0``. Returns a list:
+    ``out`` (x's dtype), then ``residual_out`` ((M, N), ``residual_dtype``) when
+    ``store_residual``, then ``mean`` ((M,) fp32) unless ``is_rms``, then ``rstd`` ((M,) fp32).
     """
     M, N = x.shape
     dev = x.device
     out = common.empty((M, N), x.dtype, dev)
-    rout = common.empty((M, N) if store_residual else (0,), residual_dtype, dev)
-    mean = common.empty((0,) if is_rms else (M,), torch.float32, dev)
+    outs = [out]
+    rout = mean = None
+    if store_residual:
+        rout = common.empty((M, N), residual_dtype, dev)
+        outs.append(rout)
+    if not is_rms:
+        mean = common.empty((M,), torch.float32, dev)
+        outs.append(mean)
     rstd = common.empty((M,), torch.float32, dev)
+    outs.append(rstd)
     if M == 0:
-        return out, rout, mean, rstd
-    block, single = _block(N, FWD_SINGLE_PASS_MAX, FWD_CHUNK)
-    dummy = out  # stands in for absent pointers; never dereferenced (constexpr-guarded)
-    common.count_launch("add_norm_fwd")
-    _add_norm_fwd_kernel[(M,)](
-        x, residual if residual is not None else dummy, weight if weight is not None else dummy,
-        bias if bias is not None else dummy, out, rout if store_residual else dummy,
-        mean if not is_rms else rstd, rstd, seed if dropout_p > 0 else dummy,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        rout.stride(0) if store_residual else 0,
-        N, eps, dropout_p,
-        IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None,
-        HAS_B=bias is not None, HAS_DROPOUT=dropout_p > 0, STORE_ROUT=store_residual,
-        SINGLE_PASS=single, BLOCK_N=block, INTERPRET=common.interpreting(), num_warps=_num_warps(block),
-    )
-    return out, rout, mean, rstd
+        return outs
+    has_res, has_w, has_b, has_drop = residual is not None, weight is not None, bias is not None, dropout_p > 0
+    light = not has_drop and x.element_size() == 2 and (residual_dtype.itemsize == 2 or not store_residual)
+    block, single = _block(N, FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK)
+    arch = common.arch(dev)
+    key = (arch, block, single, is_rms, has_res, has_w, has_b, has_drop, store_residual,
+           x.dtype, residual_dtype, None if weight is None else weight.dtype)
+    # Absent pointers get x (never dereferenced: their use is constexpr-guarded).
+    args = (x, residual if has_res else x, weight if has_w else x, bias if has_b else x, out,
+            rout if store_residual else x, mean if mean is not None else rstd, rstd, seed if has_drop else x,
+            x.stride(0), residual.stride(0) if has_res else 0, M, N, eps, dropout_p)
+    cfg = _FWD_CACHE.chosen.get(key)
+    if cfg is None:
+        cfg = _FWD_CACHE.get(key, fwd_candidates(arch, block, single, light),
+                             lambda c: _fwd_launch(c, M, args, key))
+    _fwd_launch(cfg, M, args, key)
+    return outs
 
 
-def add_norm_bwd(dout, dresidual_out, h, weight, has_bias, mean, rstd, seed, dropout_p, is_rms,
-                 x_dtype, residual_dtype, store_dresidual):
+@functools.lru_cache(maxsize=None)
+def _fwd_constexprs(key):
+    _, block, single, is_rms, has_res, has_w, has_b, has_drop, store_residual = key[:9]
+    return dict(IS_RMS=is_rms, HAS_RES=has_res, HAS_W=has_w, HAS_B=has_b, HAS_DROPOUT=has_drop,
+                STORE_ROUT=store_residual, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=_INTERPRET)
+
+
+def _fwd_launch(cfg, M, args, key):
+    rows = cfg["ROWS"]
+    common.launch("add_norm_fwd", _add_norm_fwd_kernel, (-(-M // rows),), args, _fwd_constexprs(key), cfg)
+
+
+def add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
+                 dres_dtype, dw_dtype, db_dtype):
     """Launch the backward. ``h`` is the saved residual_out (or x when it was not stored).
 
-    Returns ``(dx, dresidual, dweight, dbias)``; dresidual is empty unless
-    ``store_dresidual``; dweight/dbias are fp32 sums of the per-program partials (empty when
-    absent).
+    ``dout`` (the gradient of out) and ``dresidual_out`` may each be None; both have unit stride
+    in the last dim. Returns a list: ``dx`` (``x_dtype``), then ``dresidual`` when
+    ``dres_dtype`` is not None (a separate tensor: dropout or a dtype change between them; else
+    dresidual is dx), then ``dweight`` in ``dw_dtype`` and ``dbias`` in ``db_dtype`` when those
+    are not None (they need ``dout``).
     """
     M, N = h.shape
     dev = h.device
+    has_dout = dout is not None
+    has_dw, has_db = dw_dtype is not None, db_dtype is not None
+    if (has_dw or has_db) and not has_dout:
+        raise ValueError("add_norm_bwd: dweight/dbias need the gradient of out")
     dx = common.empty((M, N), x_dtype, dev)
-    dres = common.empty((M, N) if store_dresidual else (0,), residual_dtype, dev)
-    has_w = weight is not None
-    n_prog = max(1, min(M, 4 * common.sm_count(dev)))
-    rows_per_program = triton.cdiv(M, n_prog) if M else 0
-    n_prog = triton.cdiv(M, rows_per_program) if M else 0
-    dw_part = common.empty((n_prog, N) if has_w else (0,), torch.float32, dev)
-    db_part = common.empty((n_prog, N) if has_bias else (0,), torch.float32, dev)
+    outs = [dx]
+    dres = dw = db = None
+    if dres_dtype is not None:
+        dres = common.empty((M, N), dres_dtype, dev)
+        outs.append(dres)
+    if has_dw:
+        dw = common.empty((N,), dw_dtype, dev)
+        outs.append(dw)
+    if has_db:
+        db = common.empty((N,), db_dtype, dev)
+        outs.append(db)
+    arch = common.arch(dev)
+    n_part, part_w, part_b = 0, dx, dx  # stand-ins, never dereferenced without HAS_DW / HAS_DB
     if M > 0:
-        block, single = _block(N, BWD_SINGLE_PASS_MAX, BWD_CHUNK)
-        dummy = dx
-        c1, c2 = (dummy, dummy) if single else torch.empty((2, M), dtype=torch.float32, device=dev).unbind(0)
-        common.count_launch("add_norm_bwd")
-        _add_norm_bwd_kernel[(n_prog,)](
-            h, weight if has_w else dummy, dout, dresidual_out if dresidual_out is not None else dummy,
-            mean if not is_rms else rstd, rstd, seed if dropout_p > 0 else dummy, dx,
-            dres if store_dresidual else dummy, dw_part if has_w else dummy, db_part if has_bias else dummy,
-            c1, c2,
-            h.stride(0), dout.stride(0), dresidual_out.stride(0) if dresidual_out is not None else 0,
-            dx.stride(0), dres.stride(0) if store_dresidual else 0,
-            M, N, dropout_p, rows_per_program,
-            IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_bias, HAS_DROUT=dresidual_out is not None,
-            STORE_DRES=store_dresidual, HAS_DROPOUT=dropout_p > 0, SINGLE_PASS=single,
-            BLOCK_N=block, INTERPRET=common.interpreting(), num_warps=_num_warps(block),
-        )
-    dw = dw_part.sum(0) if has_w else dw_part
-    db = db_part.sum(0) if has_bias else db_part
-    if M == 0:
-        dw = torch.zeros((N,), dtype=torch.float32, device=dev) if has_w else dw
-        db = torch.zeros((N,), dtype=torch.float32, device=dev) if has_bias else db
-    return dx, dres, dw, db
+        block, single = _block(N, BWD_REG_MAX, BWD_CHUNK)
+        has_drout, has_drop = dresidual_out is not None, dropout_p > 0
+        has_w = weight is not None and has_dout
+        key = (arch, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, dres is not None,
+               has_drop, x_dtype, h.dtype, None if weight is None else weight.dtype)
+        # Absent pointers get h (never dereferenced: their use is constexpr-guarded).
+        ptrs = (h, weight if has_w else h, dout if has_dout else h, dresidual_out if has_drout else h,
+                mean if mean is not None else rstd, rstd, seed if has_drop else h, dx,
+                dres if dres is not None else dx)
+        strides = (h.stride(0), dout.stride(0) if has_dout else 0, dresidual_out.stride(0) if has_drout else 0,
+                   M, N, dropout_p)
+        target = bwd_programs(N, common.sm_count(dev))
+        cfg = _BWD_CACHE.chosen.get(key)
+        if cfg is None:
+            cfg = _BWD_CACHE.get(key, bwd_candidates(arch, block, single),
+                                 lambda c: _bwd_launch(c, M, N, target, ptrs, strides, key, dev))
+        n_part, part_w, part_b = _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev)
+    if has_dw or has_db:
+        cfg = _REDUCE_CONFIGS[arch if arch in _REDUCE_CONFIGS else 90]
+        common.launch("add_norm_bwd_reduce", _reduce_partials_kernel, (-(-N // cfg["BLOCK_C"]),),
+                      (part_w, part_b, dw if has_dw else dx, db if has_db else dx, n_part, N),
+                      _reduce_constexprs(has_dw, has_db), cfg)
+    return outs
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_constexprs(key):
+    _, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, store_dres, has_drop = key[:11]
+    return dict(IS_RMS=is_rms, HAS_DOUT=has_dout, HAS_W=has_w, HAS_DW=has_dw, HAS_DB=has_db,
+                HAS_DROUT=has_drout, STORE_DRES=store_dres, HAS_DROPOUT=has_drop, SINGLE_PASS=single,
+                BLOCK_N=block, INTERPRET=_INTERPRET)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_constexprs(has_dw, has_db):
+    return dict(HAS_DW=has_dw, HAS_DB=has_db, INTERPRET=_INTERPRET)
+
+
+def _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev):
+    """Launch the backward with ``cfg``; returns (number of partial rows, dweight partials, dbias partials).
+
+    The grid is about ``target`` programs of ``rows_per_program`` rows (a multiple of ROWS),
+    each with at least one row, so each writes its row of partials (sized for this grid).
+    """
+    rows = cfg["ROWS"]
+    groups = -(-M // rows)
+    per_program = -(-groups // min(target, groups)) * rows
+    n_prog = -(-M // per_program)
+    has_dw, has_db = key[6], key[7]
+    # One allocation for both (n_prog, N) partials; every row is written by its program
+    # (poisoned in the tests).
+    part_w = part_b = ptrs[7]
+    if has_dw or has_db:
+        parts = common.empty((has_dw + has_db, n_prog, N), torch.float32, dev)
+        part_w = parts[0] if has_dw else part_w
+        part_b = parts[-1] if has_db else part_b
+    common.launch("add_norm_bwd", _add_norm_bwd_kernel, (n_prog,), ptrs + (part_w, part_b) + strides + (per_program,),
+                  _bwd_constexprs(key), cfg)
+    return n_prog, part_w, part_b
 
 
 # ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile specs: every BLOCK_N the launchers can pick, both passes, LayerNorm and
-# RMSNorm, with every feature on; fp32 and a mixed bf16-activation / fp32-residual-and-weight
-# variant (the autocast case).
+# Ahead-of-time compile specs: every config of both architectures' tables on its own
+# architecture, at every BLOCK_N the launchers can pick. Every candidate compiles in the
+# heaviest variant (LayerNorm, all fp32, every feature on: dropout, residual, bias, the incoming
+# residual gradient), and the LIGHT-only ones in the light LayerNorm variant; the default
+# candidates also in the autocast variant (bf16 activations, fp32 residual stream and
+# parameters, every feature) and in the benchmarked bf16 variants (LayerNorm and RMSNorm with a
+# residual, no dropout), whose register counts are the ones that matter for speed.
 # ---------------------------------------------------------------------------------------------
 
 def _fwd_sig(xt, rt, wt):
     return {"X": f"*{xt}", "R": f"*{rt}", "W": f"*{wt}", "B": f"*{wt}", "OUT": f"*{xt}",
             "ROUT": f"*{rt}", "MEAN": "*fp32", "RSTD": "*fp32", "SEED": "*i64",
-            "stride_x": "i64", "stride_r": "i64", "stride_out": "i64", "stride_rout": "i64",
-            "N": "i32", "eps": "fp32", "dropout_p": "fp32",
+            "stride_x": "i64", "stride_r": "i64", "M": "i32", "N": "i32", "eps": "fp32", "dropout_p": "fp32",
             "IS_RMS": "constexpr", "HAS_RES": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr",
             "HAS_DROPOUT": "constexpr", "STORE_ROUT": "constexpr", "SINGLE_PASS": "constexpr",
-            "BLOCK_N": "constexpr", "INTERPRET": "constexpr"}
+            "BLOCK_N": "constexpr", "ROWS": "constexpr", "INTERPRET": "constexpr"}
 
 
 def _bwd_sig(xt, rt, wt):
     return {"H": f"*{rt}", "W": f"*{wt}", "DOUT": f"*{xt}", "DROUT": f"*{rt}", "MEAN": "*fp32",
             "RSTD": "*fp32", "SEED": "*i64", "DX": f"*{xt}", "DRES": f"*{rt}", "DW_PART": "*fp32",
-            "DB_PART": "*fp32", "C1": "*fp32", "C2": "*fp32", "stride_h": "i64", "stride_dout": "i64", "stride_drout": "i64",
-            "stride_dx": "i64", "stride_dres": "i64", "M": "i32", "N": "i32", "dropout_p": "fp32",
+            "DB_PART": "*fp32", "stride_h": "i64", "stride_dout": "i64", "stride_drout": "i64",
+            "M": "i32", "N": "i32", "dropout_p": "fp32",
             "rows_per_program": "i32",
-            "IS_RMS": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr", "HAS_DROUT": "constexpr",
-            "STORE_DRES": "constexpr", "HAS_DROPOUT": "constexpr", "SINGLE_PASS": "constexpr",
-            "BLOCK_N": "constexpr", "INTERPRET": "constexpr"}
+            "IS_RMS": "constexpr", "HAS_DOUT": "constexpr", "HAS_W": "constexpr", "HAS_DW": "constexpr",
+            "HAS_DB": "constexpr", "HAS_DROUT": "constexpr", "STORE_DRES": "constexpr",
+            "HAS_DROPOUT": "constexpr", "SINGLE_PASS": "constexpr", "BLOCK_N": "constexpr",
+            "ROWS": "constexpr", "NUM_STAGES": "constexpr", "INTERPRET": "constexpr"}
+
+
+def _reduce_sig(wt):
+    return {"DW_PART": "*fp32", "DB_PART": "*fp32", "DW": f"*{wt}", "DB": f"*{wt}", "n_part": "i32", "N": "i32",
+            "HAS_DW": "constexpr", "HAS_DB": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr",
+            "NUM_STAGES": "constexpr", "INTERPRET": "constexpr"}
+
+
+def _blocks(reg_max, chunk):
+    return [(1 << i, True) for i in range(0, reg_max.bit_length())] + [(chunk, False)]
 
 
 def aot_specs():
     from fused_block.kernels import aot  # only the compile check needs it
 
+    fwd_aligned = ("stride_x", "stride_r", "N")
+    bwd_aligned = ("stride_h", "stride_dout", "stride_drout", "N")
+    # (x, residual, params, RMSNorm, dropout, every candidate)
+    variants = (("fp32", "fp32", "fp32", False, True, True), ("bf16", "fp32", "fp32", False, True, False),
+                ("bf16", "bf16", "bf16", False, False, False), ("bf16", "bf16", "bf16", True, False, False))
     specs = []
-    blocks = [(1 << i, True) for i in range(0, 14)] + [(FWD_CHUNK, False), (BWD_CHUNK, False)]
-    for xt, rt, wt in (("fp32", "fp32", "fp32"), ("bf16", "fp32", "fp32")):
-        for is_rms in (False, True):
-            flags = {"IS_RMS": is_rms, "HAS_B": not is_rms, "HAS_W": True, "HAS_DROPOUT": True}
-            norm = "rms" if is_rms else "ln"
-            for block, single in blocks:
-                tag = f"BLOCK_N={block},{'single' if single else 'chunked'},{norm},x={xt},res={rt},w={wt}"
-                if block <= FWD_SINGLE_PASS_MAX if single else block == FWD_CHUNK:
+    for arch in common.ARCHS:
+        for xt, rt, wt, is_rms, dropout, every in variants:
+            norm = ("rms" if is_rms else "ln") + (",dropout" if dropout else "")
+            flags = {"IS_RMS": is_rms, "HAS_W": True, "HAS_DROPOUT": dropout}
+            light = xt == rt == "bf16" and not dropout
+            for block, single in _blocks(FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK):
+                cands = fwd_candidates(arch, block, single, light)
+                if not every:
+                    heavy = fwd_candidates(arch, block, single, False) if block <= FWD_REG_MAX_HEAVY or not single else ()
+                    only_light = [c for c in cands[1:] if c not in heavy] if light and not is_rms else []
+                    cands = cands[:1] + tuple(only_light)
+                for cfg in cands:
+                    tag = f"sm{arch},N={block},{'reg' if single else 'chunked'},rows={cfg['ROWS']},{norm},{xt}/{rt}/{wt}"
                     specs.append(aot.KernelSpec(
                         f"add_norm_fwd[{tag}]", _add_norm_fwd_kernel, _fwd_sig(xt, rt, wt),
-                        dict(flags, HAS_RES=True, STORE_ROUT=True, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=False),
-                        num_warps=_num_warps(block), aligned=("stride_x", "stride_r", "stride_out", "stride_rout")))
-                if block <= BWD_SINGLE_PASS_MAX if single else block == BWD_CHUNK:
+                        dict(flags, HAS_B=not is_rms, HAS_RES=True, STORE_ROUT=True, SINGLE_PASS=single, BLOCK_N=block,
+                             INTERPRET=False, **cfg.meta()),
+                        num_warps=cfg.num_warps, aligned=fwd_aligned, archs=(arch,)))
+            for block, single in _blocks(BWD_REG_MAX, BWD_CHUNK):
+                cands = bwd_candidates(arch, block, single)
+                for cfg in cands if every else cands[:1]:
+                    tag = (f"sm{arch},N={block},{'reg' if single else 'chunked'},rows={cfg['ROWS']},"
+                           f"stages={cfg['NUM_STAGES']},{norm},{xt}/{rt}/{wt}")
                     specs.append(aot.KernelSpec(
                         f"add_norm_bwd[{tag}]", _add_norm_bwd_kernel, _bwd_sig(xt, rt, wt),
-                        dict(flags, HAS_DROUT=True, STORE_DRES=True, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=False),
-                        num_warps=_num_warps(block),
-                        aligned=("stride_h", "stride_dout", "stride_drout", "stride_dx", "stride_dres")))
+                        dict(flags, HAS_DOUT=True, HAS_DW=True, HAS_DB=not is_rms, HAS_DROUT=True,
+                             STORE_DRES=True, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=False, **cfg.meta()),
+                        num_warps=cfg.num_warps, aligned=bwd_aligned, archs=(arch,)))
+        for wt in ("fp32", "bf16"):
+            cfg = _REDUCE_CONFIGS[arch]
+            specs.append(aot.KernelSpec(
+                f"add_norm_bwd_reduce[sm{arch},{wt}]", _reduce_partials_kernel, _reduce_sig(wt),
+                dict(HAS_DW=True, HAS_DB=True, INTERPRET=False, **cfg.meta()),
+                num_warps=cfg.num_warps, aligned=("N",), archs=(arch,)))
     return specs

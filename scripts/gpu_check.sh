@@ -13,9 +13,10 @@
 #               parameter value at least once; tests/conftest.py) with pytest-xdist -n 14,
 #               FUSED_BLOCK_TUNE=0 (first config, no config timing) and FUSED_BLOCK_FUZZ=quick;
 #               the AOT compile check (tests/test_compile.py) needs no GPU and is left to CI
-#   bench       python -m bench --quick: every spec (norm, attention, matmul, block) with
-#               torch.compile's default mode, in the time left; --spec-budget shares it out
-#               so every spec gets its turn (cases not started in time are recorded as not run)
+#   bench       python -m bench --quick: every spec (norm, attention, matmul, block, and any
+#               other in bench/specs/) with torch.compile's default mode, in the time left;
+#               --spec-budget shares it out so every spec gets its turn (cases not started in
+#               time are recorded as not run)
 # Everything lands in $OUT (the folder the device tool brings back; /tmp/gpu-check-out when
 # unset): 7 files, 2 folders deep at most (the tool brings back 8):
 #   gpu_check.log                    all output, step by step; the last line is the summary
@@ -44,9 +45,10 @@ step quick 170 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick "$PY" -m pytest -q 
     --durations=25 --junitxml="$OUT/junit-quick.xml" $(xdist_args "$WORKERS") -m gpu_quick tests \
     --ignore=tests/test_gpu.py --ignore=tests/test_compile.py
 # What is left goes to the benchmark: about 60 s of numerics and ceilings, the rest shared
-# among the four specs with a fifth kept for the case running when a spec's share ends.
+# among the specs with one share kept for the case running when a spec's share ends.
+specs=$(find bench/specs -name '[!_]*.py' | wc -l)
 bench_limit=$(left)
-spec_budget=$(( (bench_limit - 60) / 5 ))
+spec_budget=$(( (bench_limit - 60) / (specs + 1) ))
 [ "$spec_budget" -lt 10 ] && spec_budget=10
 step bench "$bench_limit" "$PY" -m bench --quick --spec-budget "$spec_budget" --out "$RESULTS"
 

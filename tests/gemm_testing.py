@@ -1,11 +1,12 @@
-"""Shared by the GEMM tests: fp32 precision modes and the float64 comparison of every gradient.
+"""Shared by the GEMM (and attention) tests: fp32 precision modes and the float64 comparison of
+every gradient.
 
 fp32 precision: the kernels follow torch's setting at call time (``common.fp32_precision()``):
-IEEE products under torch's default "highest", TF32 under "high". A test runs the op inside
-``numerics.fp32_matmul_precision(mode)`` and measures PyTorch's own error under
-:func:`baseline_mode`, which under "high" also rounds every fp32 product's operands to TF32
-(``numerics.tf32_round``): TF32's error on every shape and device, where cuBLAS itself skips
-TF32 on some shapes (e.g. a one-row GEMV) and would hold the kernels to IEEE accuracy there.
+"ieee" products under torch's default "highest", "tf32" under "high". A test runs the op inside
+:func:`fp32_mode` and measures PyTorch's own error under :func:`baseline_mode`, which in "tf32"
+mode also rounds every fp32 product's operands to TF32 (:func:`round_to_tf32`): TF32's error
+on every shape and device, where cuBLAS itself skips TF32 on some shapes (e.g. a one-row GEMV)
+and would hold the kernels to IEEE accuracy there.
 """
 import contextlib
 
@@ -15,14 +16,31 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_block
 import fused_block.kernels.matmul as kmatmul
-from numerics import FP32_PRECISIONS, assert_close, fp32_matmul_precision, randn, tf32_round
+from numerics import assert_close, fp32_matmul_precision, randn
 
-# (dtype, fp32 precision) pairs for parametrized tests; the precision is irrelevant to fp16/bf16.
-DTYPE_MODES = [pytest.param((torch.float32, "highest"), id="fp32"),
-               pytest.param((torch.float32, "high"), id="fp32-tf32"),
-               pytest.param((torch.float16, "highest"), id="fp16"),
-               pytest.param((torch.bfloat16, "highest"), id="bf16")]
-MODES = FP32_PRECISIONS
+# The kernels' fp32 modes (``common.fp32_precision()``) and torch's precision setting for each.
+MODES = ("ieee", "tf32")
+_TORCH_PRECISION = {"ieee": "highest", "tf32": "high"}
+# (dtype, fp32 mode) pairs for parametrized tests; the mode is irrelevant to fp16/bf16.
+DTYPE_MODES = [pytest.param((torch.float32, "ieee"), id="fp32"),
+               pytest.param((torch.float32, "tf32"), id="fp32-tf32"),
+               pytest.param((torch.float16, "ieee"), id="fp16"),
+               pytest.param((torch.bfloat16, "ieee"), id="bf16")]
+
+
+def fp32_mode(mode):
+    """Inside the block, torch's fp32 matmul precision selects the kernels' ``mode``."""
+    return fp32_matmul_precision(_TORCH_PRECISION[mode])
+
+
+def round_to_tf32(t):
+    """fp32 ``t`` rounded to TF32's 10-bit mantissa (nearest, ties away from zero, as
+    ``cvt.rna.tf32.f32``); NaN and Inf unchanged. Products of TF32 values are exact in fp32."""
+    bits = t.contiguous().view(torch.int32)
+    # Sign and magnitude: adding half of the 13 dropped bits rounds the magnitude, ties away.
+    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32).view(t.shape)
+    return torch.where(torch.isfinite(t), rounded, t)
+
 
 _aten = torch.ops.aten
 # Product ops and the positions of their two matrix operands.
@@ -37,15 +55,15 @@ class _TF32Products(TorchDispatchMode):
             args = list(args)
             for i in operands:
                 if args[i].dtype == torch.float32:
-                    args[i] = tf32_round(args[i])
+                    args[i] = round_to_tf32(args[i])
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def baseline_mode(dtype, mode):
-    """PyTorch's same-dtype baseline under fp32 precision ``mode``: products in TF32 for "high"."""
-    with fp32_matmul_precision(mode):
-        if dtype != torch.float32 or mode == "highest":
+    """PyTorch's same-dtype baseline in fp32 ``mode``: products in TF32 for "tf32"."""
+    with fp32_mode(mode):
+        if dtype != torch.float32 or mode == "ieee":
             yield
         else:
             with _TF32Products():
@@ -61,11 +79,11 @@ def leaves(tensors, dtype=None):
             for t in tensors]
 
 
-def check(name, ours, ref_fn, inputs, dtype, device, mode="highest"):
+def check(name, ours, ref_fn, inputs, dtype, device, mode="ieee"):
     """Run ``ours(*inputs)`` forward and backward in fp32 ``mode``; compare output and every
     input's gradient with ``ref_fn`` in float64, against PyTorch's own error in ``dtype`` and
     ``mode``. The incoming gradient must not be modified."""
-    with fp32_matmul_precision(mode):
+    with fp32_mode(mode):
         out = ours(*inputs)
         g = randn(*out.shape, dtype=out.dtype, device=device)
         g_before = g.clone()

@@ -9,8 +9,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # torch's fp32 matmul precisions the kernels follow: "highest" (torch's default) -> IEEE fp32
 # products, "high" -> TF32 ("medium" is TF32 too for the kernels).
 FP32_PRECISIONS = ("highest", "high")
-__all__ = ["ATOL", "DTYPES", "FP32_PRECISIONS", "assert_close", "fp32_matmul_precision", "randn",
-           "tf32_round", "torch_precision_of_kernels"]
+__all__ = ["ATOL", "DTYPES", "FP32_PRECISIONS", "assert_close", "fp32_matmul_precision", "randn"]
 
 
 def randn(*shape, dtype, device, scale=1.0, requires_grad=False, generator=None):
@@ -44,39 +43,3 @@ def fp32_matmul_precision(precision):
         yield
     finally:
         torch.set_float32_matmul_precision(old)
-
-
-def tf32_round(t):
-    """fp32 ``t`` rounded to TF32 (10 mantissa bits; to nearest, ties away from zero, as
-    ``cvt.rna.tf32.f32``); NaN and Inf unchanged.
-
-    A baseline for TF32 products that does not depend on cuBLAS: with TF32 allowed, cuBLAS
-    still runs some shapes in full fp32 (GEMV for one row, small or odd shapes), so PyTorch's
-    own error there is fp32's and says nothing of TF32's. Computing the reference from
-    TF32-rounded operands in fp32 gives TF32's error on every shape (the products of two TF32
-    values are exact in fp32).
-    """
-    if t.dtype != torch.float32:
-        raise TypeError(f"tf32_round takes fp32, got {t.dtype}")
-    bits = t.contiguous().view(torch.int32)
-    # Sign and magnitude: adding half of the dropped 13 bits rounds the magnitude, ties away.
-    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32).view(t.shape)
-    return torch.where(torch.isfinite(t), rounded, t)
-
-
-@contextlib.contextmanager
-def torch_precision_of_kernels(dtype, device):
-    """Our fp32 GEMMs use TF32 on the GPU: measure PyTorch's fp32 error with TF32 as well.
-
-    Superseded by :func:`fp32_matmul_precision` now that the kernels follow torch's setting;
-    kept until the tests that use it move to it.
-    """
-    if dtype != torch.float32 or device.type != "cuda":
-        yield
-        return
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old

@@ -8,7 +8,6 @@ so long sequences and D = 256 appear in a few cases with B * H small. Interprete
 descriptors; the interpreter's default wherever the layout is 16-byte aligned, as on Hopper)
 and the pointer path (``FORCE_PATH = "pointer"``, Ampere's and unaligned layouts').
 """
-import contextlib
 import math
 
 import pytest
@@ -20,6 +19,7 @@ from fused_block import _backend, reference
 from fused_block.attention import attention, attention_qkvpacked
 from fused_block.kernels import attention as kernels
 from fused_block.kernels import common
+from gemm_testing import baseline_mode, fp32_mode
 from numerics import ATOL, DTYPES, assert_close, randn
 
 ON_CUDA = torch.cuda.is_available()
@@ -52,18 +52,24 @@ def _leaves(tensors, dtype=None):
 
 
 def _compare(q, k, v, causal=False, mask=None, dropout_p=0.0, dropout_mask=None, scale=None, out=None, lse=None,
-             grads=True):
+             grads=True, mode="ieee"):
     """Check ``attention(q, k, v, ...)`` (or the given ``out``/``lse``) and its gradients against
-    the float64 reference, with PyTorch's own error in q's dtype (fp32: in torch's current
-    matmul precision, which the kernels follow) as the baseline."""
+    the float64 reference, with PyTorch's own error in q's dtype as the baseline; fp32 runs
+    the kernels and the baseline in torch's fp32 matmul ``mode`` ("ieee" or "tf32")."""
     dtype = q.dtype
-    if out is None:
-        out, lse = attention(q, k, v, causal, scale, mask, dropout_p, return_lse=True)
+    dout = randn(*q.shape[:3], v.shape[3], dtype=dtype, device=q.device)
+    with fp32_mode(mode):
+        if out is None:
+            out, lse = attention(q, k, v, causal, scale, mask, dropout_p, return_lse=True)
+        got = torch.autograd.grad(out, (q, k, v), dout) if grads else None
     ref_kw = dict(dropout_mask=dropout_mask, return_lse=True)
     leaves64 = _leaves((q, k, v), torch.float64)
     ref64, lse64 = reference.attention(*leaves64, causal, scale, mask, dropout_p, **ref_kw)
     leaves_lp = _leaves((q, k, v))
-    base, base_lse = reference.attention(*leaves_lp, causal, scale, mask, dropout_p, compute_dtype=dtype, **ref_kw)
+    with baseline_mode(dtype, mode):
+        base, base_lse = reference.attention(*leaves_lp, causal, scale, mask, dropout_p, compute_dtype=dtype,
+                                             **ref_kw)
+        want_lp = torch.autograd.grad(base, leaves_lp, dout) if grads else None
     assert out.dtype == dtype
     assert_close("out", out, ref64, base)
     if lse is not None:
@@ -71,10 +77,8 @@ def _compare(q, k, v, causal=False, mask=None, dropout_p=0.0, dropout_mask=None,
         assert_close("lse", lse, lse64, base_lse, atol=ATOL[dtype])
     if not grads:
         return
-    dout = randn(*out.shape, dtype=dtype, device=out.device)
-    for name, g, g64, gb in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
-                                torch.autograd.grad(ref64, leaves64, dout.double()),
-                                torch.autograd.grad(base, leaves_lp, dout)):
+    for name, g, g64, gb in zip(("dq", "dk", "dv"), got, torch.autograd.grad(ref64, leaves64, dout.double()),
+                                want_lp):
         assert g.dtype == dtype
         assert_close(name, g, g64, gb)
 
@@ -241,26 +245,17 @@ def test_empty_inputs(shape, device, launches):
 # fp32 precision: the kernels follow torch's matmul setting at call time
 # ---------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _tf32(enabled):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 @pytest.mark.parametrize("mode", ["ieee", "tf32"])
 def test_fp32_follows_torch_matmul_precision(mode, device, launches, monkeypatch):
     """fp32 runs IEEE products under torch's default and TF32 once torch allows TF32 for
-    matmuls (the mode is in the config key); each is held to PyTorch's error in that mode."""
+    matmuls (the mode is in the config key); each is held to PyTorch's error in that mode
+    (TF32: products of TF32-rounded operands, as cuBLAS would on every shape)."""
     monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
     monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
     q, k, v = _qkv(1, 2, 1, 40, 50, 64, torch.float32, device)
-    with _tf32(mode == "tf32"):
+    with fp32_mode(mode):
         assert common.fp32_precision() == mode
-        _compare(q, k, v, True, _padding(1, 50, device, full_row=False))
+    _compare(q, k, v, True, _padding(1, 50, device, full_row=False), mode=mode)
     for cache in (kernels._FWD_CACHE, kernels._BWD_CACHE):
         assert [key[1][1] for key in cache.chosen] == [mode]
     _launched_once(launches)
@@ -624,3 +619,47 @@ def test_bad_input_device(device, launches):
 
 def test_public_names():
     assert fused_block.attention is attention and fused_block.attention_qkvpacked is attention_qkvpacked
+
+
+# ---------------------------------------------------------------------------------------------
+# every shipped config, on the GPU (the interpreter runs one config per kernel)
+# ---------------------------------------------------------------------------------------------
+
+def _shipped_configs():
+    """(kernel, class key, index, path) of every config this GPU's tables can launch."""
+    if not ON_CUDA:
+        return []
+    arch = common.arch(torch.device("cuda"))
+    out = []
+    for kname, tables in (("fwd", kernels.FWD_CONFIGS), ("bwd", kernels.BWD_CONFIGS)):
+        for key, cfgs in tables[arch].items():
+            for i in range(len(cfgs)):
+                tma_paths = ("tma", "pointer") if i == 0 else ("tma",)
+                for path in tma_paths if arch == 90 and key[1] != "ieee" else ("pointer",):
+                    out.append(pytest.param(kname, key, i, path, id=f"{kname}-D{key[0]}-{key[1]}"
+                                            f"{'-dropout' if key[2] else ''}-{i}-{path}"))
+    return out
+
+
+@pytest.mark.parametrize("kname,key,index,path_", _shipped_configs())
+def test_every_shipped_config(kname, key, index, path_, device, launches, monkeypatch):
+    """Each config of this GPU's tables (forced as the only candidate), on each path it ships
+    for: causal with padding, GQA 2:1, L = 300 (partial blocks), dropout where its class has it."""
+    arch = common.arch(device)
+    tables = kernels.FWD_CONFIGS if kname == "fwd" else kernels.BWD_CONFIGS
+    monkeypatch.setitem(tables[arch], key, [tables[arch][key][index]])
+    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer" if path_ == "pointer" else None)
+    block_d, kind, dropout = key
+    dtype = torch.bfloat16 if kind == "16" else torch.float32
+    mode = "tf32" if kind == "tf32" else "ieee"
+    B, Hq, Hkv, L, p = 2, 4, 2, 300, 0.2 if dropout else 0.0
+    q, k, v = _qkv(B, Hq, Hkv, L, L, block_d, dtype, device)
+    mask = _padding(B, L, device, full_row=False)
+    keep = kernels.dropout_keep_mask(_seeded(9, p, device), B, Hq, L, L, p, device) if dropout else None
+    torch.manual_seed(9)
+    with fp32_mode(mode):
+        out, lse = attention(q, k, v, True, None, mask, p, return_lse=True)
+    _compare(q, k, v, True, mask, p, dropout_mask=keep, out=out, lse=lse, mode=mode)
+    assert (launches["attention_tma"] > 0) == (path_ == "tma")

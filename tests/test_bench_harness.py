@@ -335,11 +335,13 @@ def test_spec_budget_records_later_cases_as_not_run(fake_cuda, tmp_path, monkeyp
         (env, list(ms))) or [])
     assert main.run_cuda(args, {"fake": spec}) == 0
     env, ms = written[-1]
-    # The first case starts 10 s into the spec (within 15 s), the second at 20 s: not run.
+    # The clock is read at the spec's start (0 s), before each case (10 s: run; 30 s: past the
+    # 15 s budget, not run) and after each case (20 s, 40 s: the spec's time so far).
     assert [m.ms for m in ms] == [2.0, None, None, None, None, None]
     assert all(m.unavailable == "not run: spec fake used its 15 s budget (--spec-budget)" for m in ms[3:])
     assert [m.provider for m in ms[3:]] == ["fused_block", "sdpa-flash", "broken"]
-    assert env["seconds"]["specs"] == {"fake": 30}
+    assert env["seconds"]["specs"] == {"fake": 40}
+    assert len(written) == 3  # after each case, then once more with the plots
 
 
 def test_results_carry_versions_date_and_compile_mode(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Property-based fuzzing of add_layer_norm / add_rms_norm against the float64 reference.
 
-Shapes (edge sizes: 1, primes, around the single-pass/chunk boundaries), dtypes, flags,
+Shapes (edge sizes: 1, primes, around the register/chunked boundaries), dtypes, flags,
 strides and value regimes (large magnitudes, tiny variances, constant rows) are drawn by
 hypothesis; forward and backward must satisfy the per-dtype tolerance rule. The CI profile
 is bounded; ``FUSED_BLOCK_FUZZ=long`` selects the long one (see tests/fuzzing.py).
@@ -15,7 +15,9 @@ from fuzzing import DTYPE, LAYOUTS, layout, settings_for
 from numerics import assert_close
 
 HIDDEN = st.one_of(
-    st.sampled_from([1, 2, 3, 7, 31, 127, 128, 129, 1000, 4095, 4096, 4097, 8191, 8192, 8193]),
+    # Edge sizes, and each side of the register/chunked boundaries (backward 8192; forward 8192
+    # with 32-bit data, 16384 with 16-bit data).
+    st.sampled_from([1, 2, 3, 7, 31, 127, 128, 129, 1000, 4095, 4096, 4097, 8191, 8192, 8193, 16384, 16385]),
     st.integers(1, 3000),
 )
 REGIMES = ("normal", "large", "tiny_variance", "constant")
@@ -50,6 +52,11 @@ def _values(regime, shape, dtype, device, gen):
 # output rounding dominates and three elements can round luckily for PyTorch.
 @example(norm="layer", rows=1, n=3, dtype=torch.float16, has_res=False, has_w=False, has_b=True,
          fp32_params=False, x_layout="contiguous", r_layout="contiguous", regime="constant", seed=2)
+# Found by the CI profile: an fp32 row of 7 values 3 +- 0.01: the rounding error of the sum for
+# the mean (~N ulps of 3) is large against the spread (the forward now corrects the mean with
+# the sum of the deviations).
+@example(norm="layer", rows=1, n=7, dtype=torch.float32, has_res=False, has_w=False, has_b=False,
+         fp32_params=False, x_layout="contiguous", r_layout="contiguous", regime="tiny_variance", seed=15)
 def test_add_norm_fuzz(device, norm, rows, n, dtype, has_res, has_w, has_b, fp32_params,
                        x_layout, r_layout, regime, seed):
     gen = torch.Generator().manual_seed(seed)

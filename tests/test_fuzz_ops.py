@@ -19,11 +19,15 @@ from hypothesis import strategies as st
 
 from fused_block import reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, attention
+from fused_block.kernels import attention as attention_kernels
+from fused_block.kernels import common
 from fused_block.linear import linear, mlp
 from fuzzing import DTYPE, LAYOUTS, layout, settings_for
+from gemm_testing import baseline_mode, fp32_mode
 from numerics import ATOL, assert_close
 
 ON_CUDA = torch.cuda.is_available()
+HOPPER = ON_CUDA and torch.cuda.get_device_capability()[0] >= 9
 ACTS = st.sampled_from((None, "gelu", "gelu_tanh", "relu"))
 REGIMES = st.sampled_from(("normal", "large", "tiny"))
 
@@ -83,24 +87,19 @@ def _attn_view(vals, kind, slot, slots):
     raise ValueError(kind)
 
 
-def _attn_baseline_dtype(dtype):
-    # fp32 runs its products in TF32 on the GPU (documented): bound it by the fp16 reference.
-    return torch.float16 if dtype == torch.float32 and ON_CUDA else dtype
-
-
-def _attn_atol(dtype):
-    return ATOL[torch.float16] if dtype == torch.float32 and ON_CUDA else ATOL[dtype]
-
-
 @settings_for(examples=16)
 @given(heads=HEADS, Lq=SEQ, Lk=SEQ, D=HEAD_DIM, dtype=DTYPE, causal=st.booleans(), padding=PADDING,
        q_layout=QKV_LAYOUTS, kv_layout=QKV_LAYOUTS, regime=REGIMES, explicit_scale=st.booleans(),
-       seed=st.integers(0, 2**31))
+       path=st.sampled_from(("tma", "pointer")), tf32=st.booleans(), seed=st.integers(0, 2**31))
 @example(heads=(2, 1, 2), Lq=1, Lk=1, D=16, dtype=torch.bfloat16, causal=True, padding="full_row",
-         q_layout="fused", kv_layout="fused", regime="normal", explicit_scale=False, seed=0)
-def test_attention_fuzz(device, launches, heads, Lq, Lk, D, dtype, causal, padding, q_layout,
-                        kv_layout, regime, explicit_scale, seed):
+         q_layout="fused", kv_layout="fused", regime="normal", explicit_scale=False, path="tma", tf32=False, seed=0)
+def test_attention_fuzz(device, monkeypatch, heads, Lq, Lk, D, dtype, causal, padding, q_layout,
+                        kv_layout, regime, explicit_scale, path, tf32, seed):
+    """``path``: the TMA path (the default where layouts allow, Hopper and the interpreter) or
+    the pointer path forced; ``tf32``: fp32 under torch's TF32 matmul setting (else IEEE),
+    held to PyTorch's error in the same mode."""
     assume(dtype != torch.float32 or D <= MAX_FP32_HEAD_DIM)  # fp32 kernels stop at D = 128
+    monkeypatch.setattr(attention_kernels, "FORCE_PATH", "pointer" if path == "pointer" else None)
     B, Hkv, group = heads
     Hq = Hkv * group
     gen = torch.Generator().manual_seed(seed)
@@ -118,28 +117,34 @@ def test_attention_fuzz(device, launches, heads, Lq, Lk, D, dtype, causal, paddi
             mask[0] = True  # batch 0 has no visible key: out 0, LSE -inf, zero gradients
         mask = mask.to(device)
     scale = 0.3 / math.sqrt(D) if explicit_scale else None
+    dout = (v_scale ** -1 * _values("normal", (B, Hq, Lq, D), gen)).to(device, dtype)
+    dlse = _values("normal", (B, Hq, Lq), gen).to(device, torch.float32)
 
-    out, lse = attention(q, k, v, causal, scale, mask, return_lse=True)
+    mode = "tf32" if tf32 and dtype == torch.float32 else "ieee"
+    before = common.LAUNCHES.copy()  # the fixture counts over all examples of the test
+    with fp32_mode(mode):
+        out, lse = attention(q, k, v, causal, scale, mask, return_lse=True)
+        # Gradients of out and of the LSE (dLSE is nonzero on fully masked rows too).
+        got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    leaves_lp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with baseline_mode(dtype, mode):
+        base, base_lse = reference.attention(*leaves_lp, causal, scale, mask, return_lse=True, compute_dtype=dtype)
+        base_g = torch.autograd.grad((base, base_lse), leaves_lp, (dout, dlse.to(base_lse.dtype)))
+    ran = {name: common.LAUNCHES[name] - before[name] for name in ("attention_fwd", "attention_bwd", "attention_tma")}
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref64, lse64 = reference.attention(*leaves64, causal, scale, mask, return_lse=True)
-    leaves_lp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    base, base_lse = reference.attention(*leaves_lp, causal, scale, mask, return_lse=True,
-                                         compute_dtype=_attn_baseline_dtype(dtype))
-    atol = _attn_atol(dtype)
-    assert out.dtype == dtype and lse.dtype == torch.float32
-    assert_close("out", out, ref64, base, atol=atol)
-    assert_close("lse", lse, lse64, base_lse, atol=atol)
-
-    # Gradients of out and of the LSE (dLSE is nonzero on fully masked rows too).
-    dout = (v_scale ** -1 * _values("normal", tuple(out.shape), gen)).to(device, dtype)
-    dlse = _values("normal", tuple(lse.shape), gen).to(device, torch.float32)
-    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     want = torch.autograd.grad((ref64, lse64), leaves64, (dout.double(), dlse.double()))
-    base_g = torch.autograd.grad((base, base_lse), leaves_lp, (dout, dlse.to(base_lse.dtype)))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close("out", out, ref64, base)
+    assert_close("lse", lse, lse64, base_lse, atol=ATOL[dtype])
     for name, a, w, b in zip(("dq", "dk", "dv"), got, want, base_g):
         assert a.dtype == dtype
-        assert_close(name, a, w, b, atol=atol)
-    assert launches["attention_fwd"] >= 1 and launches["attention_bwd"] >= 1
+        assert_close(name, a, w, b)
+    assert ran["attention_fwd"] == 1 and ran["attention_bwd"] == 1
+    # The TMA path runs wherever the layout allows it ("strided_d" is copied, then aligned too):
+    # in the interpreter and on Hopper, where IEEE fp32 (FMA products) takes pointers.
+    ieee = dtype == torch.float32 and mode == "ieee"
+    assert (ran["attention_tma"] > 0) == (path == "tma" and (not ON_CUDA or (HOPPER and not ieee)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,13 +103,12 @@ def test_selection_rule():
                       "t.py::other[f32]", "t.py::other[f16]"]
 
 
-@pytest.mark.parametrize("deadline_in, exit_code", [(-60, 1), (3600, 0)], ids=["passed", "ahead"])
-def test_deadline_stops_starting_tests_and_fails_the_run(tmp_path, deadline_in, exit_code):
-    env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() + deadline_in))
+def test_a_passed_deadline_stops_starting_tests_and_fails_the_run(tmp_path):
+    env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() - 60))
     junit = tmp_path / "junit.xml"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                            "tests/test_gpu_quick.py::test_selection_rule"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert ("1 tests not run: FUSED_BLOCK_DEADLINE passed" in proc.stdout) == (exit_code == 1)
-    assert ('skipped="1"' in junit.read_text()) == (exit_code == 1)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 tests not run: FUSED_BLOCK_DEADLINE passed: the run is incomplete" in proc.stdout
+    assert 'skipped="1"' in junit.read_text()

@@ -19,8 +19,9 @@ from fused_block import reference
 from fused_block.kernels import common
 from fused_block.linear import MLP, Linear, linear, mlp
 
-from gemm_testing import DTYPE_MODES, MODES, check, kernel_masks, leaves, saved_numels, seeded
-from numerics import ATOL, assert_close, fp32_matmul_precision, randn
+from gemm_testing import (DTYPE_MODES, MODES, check, fp32_mode, kernel_masks, leaves, round_to_tf32, saved_numels,
+                          seeded)
+from numerics import ATOL, assert_close, randn
 
 ACTS = (None, "gelu", "gelu_tanh", "relu")
 
@@ -31,6 +32,14 @@ def _linear_inputs(M, K, N, has_bias, has_res, dtype, device, lead=()):
     b = randn(N, dtype=dtype, device=device, requires_grad=True) if has_bias else None
     r = randn(*lead, M, N, dtype=dtype, device=device, requires_grad=True) if has_res else None
     return x, w, b, r
+
+
+def test_tf32_rounding_emulation():
+    # The TF32 baseline's operand rounding: 10 mantissa bits, nearest, specials kept.
+    x = torch.tensor([1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, -(1.0 + 2.0**-11), float("inf"), float("nan")])
+    r = round_to_tf32(x)
+    assert r[:3].tolist() == [1.0 + 2.0**-10, 1.0 + 2 * 2.0**-10, -(1.0 + 2.0**-10)]
+    assert r[3] == float("inf") and r[4].isnan()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -46,10 +55,10 @@ def test_fp32_precision_follows_torch_at_call_time(mode, device, monkeypatch):
 
     monkeypatch.setattr(common, "launch", spy)
     x, w, _, _ = _linear_inputs(4, 8, 8, False, False, torch.float32, device)
-    with fp32_matmul_precision(mode):
+    with fp32_mode(mode):
         linear(x.detach(), w.detach())
         linear(x.detach().half(), w.detach().half())
-    assert seen == [{"highest": "ieee", "high": "tf32"}[mode], "tf32"]
+    assert seen == [mode, "tf32"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +246,7 @@ def _mlp_inputs(M, D, F_, has_bias, has_res, dtype, device):
     return x, w1, b1, w2, b2, r
 
 
-def _run_mlp(shape, activation, bias_res, dtype, device, mode="highest"):
+def _run_mlp(shape, activation, bias_res, dtype, device, mode="ieee"):
     inputs = _mlp_inputs(*shape, *bias_res, dtype, device)
 
     def ours(x, w1, b1, w2, b2, r):

@@ -1,9 +1,20 @@
-"""Fused residual add + dropout + LayerNorm/RMSNorm against the float64 reference."""
+"""Fused residual add + dropout + LayerNorm/RMSNorm against the float64 reference.
+
+Every kernel path runs through the interpreter on small shapes: the register path (several
+rows per program for small hiddens, one row for wide ones), the chunked forward and backward
+(at their real widths once, and with the thresholds lowered so that small shapes take them),
+the backward's multi-row programs and the dweight/dbias reduction kernel.
+"""
+import collections
+
 import pytest
 import torch
+import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_block
 from fused_block import _backend, reference
+from fused_block.kernels import common
 from fused_block.kernels import norm as knorm
 from numerics import DTYPES, assert_close, randn
 
@@ -24,18 +35,14 @@ def _call(fn, norm, x, residual, weight, bias, **kw):
     return fn(x, residual, weight, **kw)
 
 
-# (leading shape, hidden, has_residual, has_weight, has_bias, why)
-CASES = [
-    ((37,), 768, True, True, True, "GPT-2 hidden, odd row count"),
-    ((1,), 1, True, True, True, "hidden of one: zero variance"),
-    ((37,), 7, False, True, False, "tiny non-power-of-two hidden, no residual"),
-    ((0,), 768, True, True, True, "no rows at all"),
-    ((5,), 1000, True, False, False, "non-power-of-two hidden without affine parameters"),
-    ((2, 5), 768, True, True, True, "3-D input"),
-    ((3,), 4099, True, True, True, "just above a power of two: masked tail, chunked backward"),
-    ((3,), 8192, False, True, True, "widest single-pass forward"),
-    ((1,), knorm.MAX_HIDDEN, True, True, True, "largest supported hidden: chunked forward and backward"),
-]
+def _inputs(shape, dtype, device, has_res=True, has_w=True, has_b=True, param_dtype=None):
+    n = shape[-1]
+    pdtype = param_dtype or dtype
+    x = randn(*shape, dtype=dtype, device=device, requires_grad=True)
+    residual = randn(*shape, dtype=dtype, device=device, requires_grad=True) if has_res else None
+    weight = (1 + 0.1 * randn(n, dtype=pdtype, device=device)).requires_grad_() if has_w else None
+    bias = randn(n, dtype=pdtype, device=device, scale=0.1, requires_grad=True) if has_b else None
+    return [x, residual, weight, bias]
 
 
 def _grads(outs, inputs, gouts):
@@ -43,65 +50,109 @@ def _grads(outs, inputs, gouts):
     return torch.autograd.grad(loss, [t for t in inputs if t is not None])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("lead,n,has_res,has_w,has_b,why", CASES, ids=[c[-1] for c in CASES])
-def test_matches_reference(device, launches, dtype, norm, lead, n, has_res, has_w, has_b, why):
-    has_b = has_b and norm == "layer"
-    shape = (*lead, n)
-    x = randn(*shape, dtype=dtype, device=device, requires_grad=True)
-    residual = randn(*shape, dtype=dtype, device=device, requires_grad=True) if has_res else None
-    weight = (1 + 0.1 * randn(n, dtype=dtype, device=device)).requires_grad_() if has_w else None
-    bias = randn(n, dtype=dtype, device=device, scale=0.1, requires_grad=True) if has_b else None
-    inputs = [x, residual, weight, bias]
-
-    out, rout = _call(_op(norm), norm, x, residual, weight, bias)
-    assert launches["add_norm_fwd"] == (1 if x.numel() else 0)
-    assert out.dtype == dtype and rout.dtype == dtype and out.shape == shape
-
+def _check_fwd_bwd(norm, inputs, dtype, device, **kw):
+    """Forward and the gradient of every present input against the float64 reference, with
+    gradients arriving on both outputs (the Pre-LN residual stream is used downstream)."""
+    out, rout = _call(_op(norm), norm, *inputs, **kw)
     as64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
-    ref_out, ref_rout = _call(_ref(norm), norm, *as64)
-    base_out, base_rout = _call(_ref(norm), norm, *inputs, compute_dtype=dtype)
+    ref_out, ref_rout = _call(_ref(norm), norm, *as64, **kw)
+    base_out, base_rout = _call(_ref(norm), norm, *inputs, compute_dtype=dtype, **kw)
     assert_close("out", out, ref_out, base_out)
     assert_close("residual_out", rout, ref_rout, base_rout)
-
-    # Gradients arrive on both outputs (the Pre-LN residual stream is used downstream).
-    gouts = [torch.randn(shape, dtype=torch.float64, device=device) for _ in range(2)]
+    gouts = [torch.randn(out.shape, dtype=torch.float64, device=device) for _ in range(2)]
     got = _grads((out, rout), inputs, gouts)
     want = _grads((ref_out, ref_rout), as64, gouts)
     base = _grads((base_out, base_rout), inputs, gouts)
     names = [nm for nm, t in zip(("dx", "dresidual", "dweight", "dbias"), inputs) if t is not None]
-    for name, g, w, b in zip(names, got, want, base):
-        # dweight/dbias sum over rows: allow the accumulation error of that many terms.
-        assert_close(name, g, w, b)
-    assert launches["add_norm_bwd"] == (1 if x.numel() else 0)
+    for name, g, w, b, t in zip(names, got, want, base, [t for t in inputs if t is not None]):
+        assert g.dtype == t.dtype, name
+        assert_close(name, g, w, b, dtype=dtype)
+    return out, rout
+
+
+# (leading shape, hidden, has_residual, has_weight, has_bias, why)
+CASES = [
+    ((37,), 768, True, True, True, "GPT-2 hidden, odd row count: two rows per forward program (the last "
+                                   "masked), several rows per backward program"),
+    ((1,), 1, True, True, True, "hidden of one: zero variance"),
+    ((37,), 7, False, True, False, "tiny hidden, no residual: 64 rows per forward program and groups of "
+                                   "16 rows in backward, mostly masked"),
+    ((0,), 768, True, True, True, "no rows: dweight/dbias are zeros written by the reduction kernel"),
+    ((5,), 1000, True, False, False, "non-power-of-two hidden without affine parameters: no reduction"),
+    ((2, 5), 300, True, True, True, "3-D input; 4 rows per forward program, 2 per backward group"),
+    ((3,), 4099, True, True, True, "just above a power of two: masked tail of an 8192-wide register row"),
+    ((2,), 9000, True, True, True, "chunked backward (wider than BWD_REG_MAX); register forward in 16-bit, "
+                                   "chunked in fp32 (wider than FWD_REG_MAX_HEAVY)"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("lead,n,has_res,has_w,has_b,why", CASES, ids=[c[-1].split(":")[0] for c in CASES])
+def test_matches_reference(device, launches, dtype, norm, lead, n, has_res, has_w, has_b, why):
+    inputs = _inputs((*lead, n), dtype, device, has_res, has_w, has_b and norm == "layer")
+    out, rout = _check_fwd_bwd(norm, inputs, dtype, device)
+    assert out.dtype == dtype and rout.dtype == dtype and out.shape == (*lead, n)
+    rows = out.numel() // n
+    assert launches["add_norm_fwd"] == (1 if rows else 0)
+    assert launches["add_norm_bwd"] == (1 if rows else 0)
+    assert launches["add_norm_bwd_reduce"] == (1 if has_w or (has_b and norm == "layer") else 0)
+
+
+@pytest.mark.parametrize("norm,dtype", [("layer", torch.bfloat16), ("rms", torch.float32)], ids=str)
+def test_largest_hidden(device, launches, norm, dtype):
+    """65536: the chunked forward and backward at their shipped widths (one row: the interpreter is slow)."""
+    _check_fwd_bwd(norm, _inputs((1, knorm.MAX_HIDDEN), dtype, device, has_b=norm == "layer"), dtype, device)
+    assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunked paths on small rows: 64-wide register limit, 32-wide chunks, three backward
+    programs (so each walks several groups of rows and accumulates its partial row)."""
+    monkeypatch.setattr(knorm, "FWD_REG_MAX", 64)
+    monkeypatch.setattr(knorm, "BWD_REG_MAX", 64)
+    monkeypatch.setattr(knorm, "FWD_CHUNK", 32)
+    monkeypatch.setattr(knorm, "BWD_CHUNK", 32)
+    monkeypatch.setattr(knorm, "bwd_programs", lambda n, sms: 3)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_chunked_paths(device, launches, small_chunks, norm, dtype):
+    # 13 rows: 4 groups of 4 (the last masked) over 3 programs of 2, 2 and 1 groups; 100 = 3 full
+    # chunks of 32 and a masked one.
+    inputs = _inputs((13, 100), dtype, device, has_b=norm == "layer", param_dtype=torch.float32)
+    _check_fwd_bwd(norm, inputs, dtype, device)
+    assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
+    assert launches["add_norm_bwd_reduce"] == 1
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 def test_fp32_weight_and_residual_stream(device, launches, dtype, norm):
     """Autocast layout: low-precision activations, fp32 parameters, fp32 residual stream."""
-    x = randn(37, 1000, dtype=dtype, device=device, requires_grad=True)
-    weight = (1 + 0.1 * randn(1000, dtype=torch.float32, device=device)).requires_grad_()
-    bias = randn(1000, dtype=torch.float32, device=device, scale=0.1, requires_grad=True) if norm == "layer" else None
+    x, _, weight, bias = _inputs((37, 1000), dtype, device, has_b=norm == "layer", param_dtype=torch.float32)
     out, rout = _call(_op(norm), norm, x, None, weight, bias, residual_in_fp32=True)
     assert out.dtype == dtype and rout.dtype == torch.float32
     residual = randn(37, 1000, dtype=torch.float32, device=device, requires_grad=True)
-    out2, rout2 = _call(_op(norm), norm, x, residual, weight, bias)
-    assert rout2.dtype == torch.float32
     inputs = [x, residual, weight, bias]
+    out2, rout2 = _call(_op(norm), norm, *inputs)
+    assert rout2.dtype == torch.float32
     as64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
     ref_out, ref_rout = _call(_ref(norm), norm, *as64)
-    assert_close("out", out2, ref_out, _call(_ref(norm), norm, *inputs, compute_dtype=dtype)[0])
+    base_out = _call(_ref(norm), norm, *inputs, compute_dtype=dtype)[0]
+    assert_close("out", out2, ref_out, base_out)
     assert_close("residual_out", rout2, ref_rout, ref_rout.float())
     g = torch.randn(37, 1000, dtype=torch.float64, device=device)
     got = _grads((out2,), inputs, (g,))
     want = _grads((ref_out,), as64, (g,))
-    base = _grads((_call(_ref(norm), norm, *inputs, compute_dtype=dtype)[0],), inputs, (g,))
+    base = _grads((base_out,), inputs, (g,))
     for name, a, w, b in zip(("dx", "dresidual", "dweight", "dbias"), got, want, base):
         assert a.dtype == (dtype if name == "dx" else torch.float32)
         assert_close(name, a, w, b, dtype=dtype)
     assert launches["add_norm_fwd"] == 2 and launches["add_norm_bwd"] == 1
+    assert launches["add_norm_bwd_reduce"] == 1
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -109,32 +160,49 @@ def test_non_contiguous_inputs(device, launches, norm):
     base = randn(12, 2 * 768, dtype=torch.float32, device=device)
     x = base[:, ::2].detach().requires_grad_()  # last-dim stride 2: copied
     residual = randn(768, 12, dtype=torch.float32, device=device).t().detach().requires_grad_()  # transposed
-    weight = randn(768, dtype=torch.float32, device=device, requires_grad=True)
+    weight = randn(2 * 768, dtype=torch.float32, device=device)[::2].detach().requires_grad_()  # strided
     out, rout = _call(_op(norm), norm, x, residual, weight, None)
     ref_out, ref_rout = _call(_ref(norm), norm, x.double(), residual.double(), weight.double(), None)
     assert_close("out", out, ref_out, _call(_ref(norm), norm, x, residual, weight, None, compute_dtype=torch.float32)[0])
     (out.sum() + rout.sum()).backward()
-    assert x.grad.shape == x.shape and residual.grad.shape == residual.shape
+    assert x.grad.shape == x.shape and residual.grad.shape == residual.shape and weight.grad.shape == weight.shape
     assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_row_strided_views_run_in_place(device, launches, norm):
+    """Rows of a wider buffer (row stride > hidden) are read and their gradients computed
+    without a copy; the incoming gradients may be row-padded views too."""
+    buf = randn(9, 800, dtype=torch.bfloat16, device=device)
+    inputs = [buf[:, :768].detach().requires_grad_(), buf[:, 16:784].detach().requires_grad_(),
+              None, None]
+    _check_fwd_bwd(norm, inputs, torch.bfloat16, device)
+    assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
+
+
+def _kept_mask(norm, x, p, seed):
+    """The kernel's dropout mask for ``seed``: residual_out of dropout(x) alone is 0 where dropped."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        _, rout = _call(_op(norm), norm, x, None, None, None, dropout_p=p)
+    return rout != 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 def test_dropout(device, launches, dtype, norm):
     p, shape = 0.3, (16, 1000)
-    x = randn(*shape, dtype=dtype, device=device, requires_grad=True)
-    weight = randn(1000, dtype=dtype, device=device, requires_grad=True)
-    torch.manual_seed(7)
-    _, rout_a = _call(_op(norm), norm, x, None, weight, None, dropout_p=p)
-    kept = rout_a != 0
+    x, residual, weight, _ = _inputs(shape, dtype, device, has_b=False)
+    kept = _kept_mask(norm, x, p, 7)
     frac = kept.double().mean().item()
     sigma = (p * (1 - p) / kept.numel()) ** 0.5
     assert abs(frac - (1 - p)) < 5 * sigma, f"kept fraction {frac} vs {1 - p}"
+    torch.manual_seed(7)
+    _, rout_a = _call(_op(norm), norm, x, None, weight, None, dropout_p=p)
     # Kept values are scaled by 1/(1-p).
     torch.testing.assert_close(rout_a[kept].double(), (x.detach()[kept].double() / (1 - p)).to(dtype).double())
 
     # Same seed, same mask; the residual does not change which elements are dropped.
-    residual = randn(*shape, dtype=dtype, device=device, requires_grad=True)
     torch.manual_seed(7)
     out, rout = _call(_op(norm), norm, x, residual, weight, None, dropout_p=p)
     torch.manual_seed(7)
@@ -154,25 +222,159 @@ def test_dropout(device, launches, dtype, norm):
     for name, g, w, b in zip(("dx", "dresidual", "dweight"), _grads((out, rout), inputs, gouts),
                              _grads((ref_out, ref_rout), as64, gouts), _grads((base_out, base_rout), inputs, gouts)):
         assert_close(name, g, w, b)
-    assert launches["add_norm_fwd"] == 4 and launches["add_norm_bwd"] == 1
+    assert launches["add_norm_fwd"] == 5 and launches["add_norm_bwd"] == 1
 
 
 @pytest.mark.parametrize("norm", NORMS)
-def test_opcheck(device, norm):
-    x = randn(9, 40, dtype=torch.float32, device=device, requires_grad=True)
-    residual = randn(9, 40, dtype=torch.bfloat16, device=device, requires_grad=True)
-    weight = randn(40, dtype=torch.float32, device=device, requires_grad=True)
-    bias = None if norm == "rms" else randn(40, dtype=torch.float32, device=device, requires_grad=True)
-    seed = torch.tensor([3], dtype=torch.int64, device=device)
-    args = (x, residual, weight, bias, seed, 1e-5, 0.1, norm == "rms", torch.bfloat16, True)
+def test_dropout_chunked(device, launches, small_chunks, norm):
+    """The chunked paths regenerate the same mask in both passes and in backward."""
+    p, shape = 0.2, (13, 100)
+    x, residual, weight, _ = _inputs(shape, torch.float32, device, has_b=False)
+    kept = _kept_mask(norm, x, p, 3)
+    torch.manual_seed(3)
+    out, rout = _call(_op(norm), norm, x, residual, weight, None, dropout_p=p)
+    inputs = [x, residual, weight]
+    as64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref_out, ref_rout = _call(_ref(norm), norm, *as64, None, dropout_p=p, dropout_mask=kept)
+    base_out, base_rout = _call(_ref(norm), norm, *inputs, None, dropout_p=p, dropout_mask=kept,
+                                compute_dtype=torch.float32)
+    assert_close("out", out, ref_out, base_out)
+    gouts = [torch.randn(shape, dtype=torch.float64, device=device) for _ in range(2)]
+    for name, g, w, b in zip(("dx", "dresidual", "dweight"), _grads((out, rout), inputs, gouts),
+                             _grads((ref_out, ref_rout), as64, gouts), _grads((base_out, base_rout), inputs, gouts)):
+        assert_close(name, g, w, b)
+    assert launches["add_norm_bwd"] == 1
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_gradient_of_one_output(device, launches, norm):
+    """A gradient on only one output: the other is not materialized (no zeros), and with only
+    residual_out used the kernel passes its gradient through dropout alone."""
+    p = 0.25
+    x, residual, weight, bias = _inputs((11, 96), torch.float32, device, has_b=norm == "layer")
+    kept = _kept_mask(norm, x, p, 5)
+    torch.manual_seed(5)
+    out, rout = _call(_op(norm), norm, x, residual, weight, bias, dropout_p=p)
+    g = torch.randn_like(rout)
+    rout.backward(g)
+    torch.testing.assert_close(residual.grad, g)
+    torch.testing.assert_close(x.grad, torch.where(kept, g / (1 - p), 0.0))
+    assert weight.grad is None and (bias is None or bias.grad is None)  # as in eager: out's branch never ran
+    assert launches["add_norm_bwd"] == 1 and launches["add_norm_bwd_reduce"] == 0
+
+    x.grad = residual.grad = None
+    inputs = [x, residual, weight, bias]
+    out, rout = _call(_op(norm), norm, *inputs)
+    as64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    ref_out, _ = _call(_ref(norm), norm, *as64)
+    base_out, _ = _call(_ref(norm), norm, *inputs, compute_dtype=torch.float32)
+    g = torch.randn(out.shape, dtype=torch.float64, device=device)
+    for name, a, w, b in zip(("dx", "dresidual", "dweight", "dbias"), _grads((out,), inputs, (g,)),
+                             _grads((ref_out,), as64, (g,)), _grads((base_out,), inputs, (g,))):
+        assert_close(name, a, w, b)
+    assert launches["add_norm_bwd"] == 2 and launches["add_norm_bwd_reduce"] == 1
+
+
+def test_frozen_parameters_skip_the_reduction(device, launches):
+    x, residual, weight, bias = _inputs((9, 128), torch.float32, device)
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+    out, rout = fused_block.add_layer_norm(x, residual, weight, bias)
+    (out.sum() + rout.sum()).backward()
+    assert x.grad is not None and residual.grad is not None
+    assert launches["add_norm_bwd"] == 1 and launches["add_norm_bwd_reduce"] == 0
+
+
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_no_torch_kernels_besides_allocations(device, launches, monkeypatch, norm):
+    """Forward: one Triton kernel; backward: the kernel and the reduction. PyTorch only
+    allocates the outputs (and the partials): no zero-fills, sums, casts, copies or an empty
+    dropout seed. The kernels are stubbed: the interpreter's own tensor copies are not counted."""
+    monkeypatch.setattr(common, "POISON_OUTPUTS", False)  # the poison is a fill_
+    monkeypatch.setattr(common, "STUB_LAUNCHES", True)
+    x, residual, weight, bias = _inputs((6, 64), torch.bfloat16, device, has_b=norm == "layer",
+                                        param_dtype=torch.float32)
+    g = torch.randn(6, 64, dtype=torch.bfloat16, device=device)
+    with _AtenOps() as fwd:
+        out, rout = _call(_op(norm), norm, x, residual, weight, bias)
+    with _AtenOps() as bwd:
+        torch.autograd.grad((out, rout), [t for t in (x, residual, weight, bias) if t is not None], (g, g))
+    allocs = "aten.empty.memory_format"
+    no_kernel = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.detach.default"}
+    assert set(fwd.ops) - no_kernel == {allocs}, fwd.ops
+    assert fwd.ops[allocs] == (4 if norm == "layer" else 3)  # out, residual_out, (mean,) rstd
+    # dx (also dresidual), dweight (+ dbias) and one buffer for their fp32 partials.
+    assert set(bwd.ops) - no_kernel - {"aten.select.int"} == {allocs}, bwd.ops
+    assert bwd.ops[allocs] == (4 if norm == "layer" else 3)
+    assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
+    assert launches["add_norm_bwd_reduce"] == 1
+
+
+def test_host_path_has_no_triton_helpers(device, monkeypatch):
+    """Host integer math is plain Python: Triton's cdiv/next_power_of_2 (~4 us each) are not called."""
+    def forbidden(*args):
+        raise AssertionError("Triton host helper on the hot path")
+
+    monkeypatch.setattr(triton, "cdiv", forbidden)
+    monkeypatch.setattr(triton, "next_power_of_2", forbidden)
+    x, residual, weight, bias = _inputs((5, 1000), torch.float32, device)
+    out, rout = fused_block.add_layer_norm(x, residual, weight, bias, dropout_p=0.1)
+    (out.sum() + rout.sum()).backward()
+
+
+def test_backward_is_deterministic(device):
+    x, residual, weight, bias = _inputs((37, 300), torch.float32, device)
+    out, rout = fused_block.add_layer_norm(x, residual, weight, bias)
+    g = torch.randn_like(out)
+    first = torch.autograd.grad((out, rout), (x, weight, bias), (g, g), retain_graph=True)
+    second = torch.autograd.grad((out, rout), (x, weight, bias), (g, g))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_config_tables_cover_every_hidden():
+    for arch in common.ARCHS + (0,):
+        for block in [1 << i for i in range(17)]:
+            for light in (False, True):
+                if block <= knorm.FWD_REG_MAX:
+                    assert knorm.fwd_candidates(arch, block, True, light)
+            if block <= knorm.BWD_REG_MAX:
+                assert knorm.bwd_candidates(arch, block, True)
+        assert knorm.fwd_candidates(arch, knorm.FWD_CHUNK, False, False)
+        assert knorm.bwd_candidates(arch, knorm.BWD_CHUNK, False)
+    # quack's Hopper grid table up to 8192: a multiple of the SM count falling with the hidden
+    # size; then two programs per SM for the chunked path.
+    assert [knorm.bwd_programs(n, 132) for n in (256, 1024, 2048, 4096, 8192, 16384)] == \
+        [2112, 1056, 528, 264, 132, 264]
+
+
+@pytest.mark.parametrize("norm,dropout,rout", [("layer", 0.1, True), ("rms", 0.0, True), ("layer", 0.0, False)])
+def test_opcheck(device, norm, dropout, rout):
+    x = randn(9, 40, dtype=torch.bfloat16, device=device)
+    residual = randn(9, 40, dtype=torch.float32, device=device) if rout else None
+    weight = randn(40, dtype=torch.float32, device=device)
+    bias = None if norm == "rms" else randn(40, dtype=torch.float32, device=device)
+    seed = torch.tensor([3], dtype=torch.int64, device=device) if dropout else None
+    rdtype = torch.float32 if rout else torch.bfloat16
+    args = (x, residual, weight, bias, seed, 1e-5, dropout, norm == "rms", rdtype, rout)
     torch.library.opcheck(torch.ops.fused_block.add_norm_fwd.default, args)
-    with torch.no_grad():
-        _, rout, mean, rstd = torch.ops.fused_block.add_norm_fwd(*args)
-    dout, drout = torch.randn_like(x), torch.randn_like(rout)
-    bwd_args = (dout, drout, rout, weight, bias is not None, mean, rstd, seed, 0.1, norm == "rms",
-                torch.float32, torch.bfloat16, True)
-    torch.library.opcheck(torch.ops.fused_block.add_norm_bwd.default, bwd_args,
-                          test_utils=("test_schema", "test_faketensor"))
+    outs = torch.ops.fused_block.add_norm_fwd(*args)
+    h = outs[1] if rout else x
+    mean = None if norm == "rms" else outs[-2]
+    bwd_args = (torch.randn_like(x), torch.randn_like(h) if rout else None, h, weight, mean, outs[-1], seed,
+                dropout, norm == "rms", torch.bfloat16, rdtype if rout else None, torch.float32,
+                None if bias is None else torch.float32)
+    torch.library.opcheck(torch.ops.fused_block.add_norm_bwd.default, bwd_args)
 
 
 @pytest.mark.parametrize("norm", NORMS)

@@ -8,7 +8,7 @@ import torch
 
 import fuzzing
 from fused_block.kernels import common
-from numerics import FP32_PRECISIONS, fp32_matmul_precision, tf32_round
+from numerics import FP32_PRECISIONS, fp32_matmul_precision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,16 +55,3 @@ def test_unknown_fuzz_profile_is_refused():
                           timeout=300)
     assert proc.returncode != 0 and "FUSED_BLOCK_FUZZ must be" in proc.stderr
 
-
-def test_tf32_round_keeps_ten_mantissa_bits_rounding_ties_away():
-    ulp = 2.0 ** -10  # TF32's spacing at 1
-    x = torch.tensor([1 + ulp, 1 + ulp / 2, 1 + ulp / 4, 1 + 3 * ulp / 4, 3.0, 2.0 ** -130, 0.0, float("inf"),
-                      float("nan")], dtype=torch.float32)
-    want = torch.tensor([1 + ulp, 1 + ulp, 1.0, 1 + ulp, 3.0, 2.0 ** -130, 0.0, float("inf"), float("nan")])
-    for sign in (1, -1):
-        got = tf32_round(sign * x)
-        assert torch.equal(got[:-1], sign * want[:-1]) and got[-1].isnan()
-    r = tf32_round(torch.randn(64, 33).t())  # any layout, same shape
-    assert r.shape == (33, 64) and not (r.view(torch.int32) & 0x1FFF).any()
-    with pytest.raises(TypeError, match="fp32"):
-        tf32_round(torch.ones(2, dtype=torch.float16))
