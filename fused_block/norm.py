@@ -76,6 +76,22 @@ def _unit_last_stride(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def _rows(t):
+    """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride."""
+    return None if t is None else _unit_last_stride(t.reshape(-1, t.shape[-1]))
+
+
+def _forward(x, residual, args):
+    """The forward op on x and residual of any shape; ``(out, residual_out or None)`` in x's
+    shape, and the op's outputs."""
+    outs = _add_norm_fwd(_rows(x), _rows(residual), *args)
+    out, rout = outs[0], outs[1] if args[-1] else None
+    if x.dim() != 2:
+        out = out.view(x.shape)
+        rout = None if rout is None else rout.view(x.shape)
+    return out, rout, outs
+
+
 class _AddNorm(torch.autograd.Function):
     """Autograd of the forward op; returns ``(out, second)``, or ``out`` alone when ``second`` is None.
 
@@ -84,18 +100,21 @@ class _AddNorm(torch.autograd.Function):
     on it is added to dx in the backward kernel instead of by autograd); ``"out"`` (Post-LN,
     where out is also the next residual stream: an alias of out whose gradient the backward
     kernel adds to out's, again instead of autograd).
+
+    x and residual keep their shapes: the (rows, hidden) views are taken in here and in the
+    backward, where autograd does not record them (each recorded view is a node of its own,
+    forward and backward, a few us of host time).
     """
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
                 second):
-        outs = _add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
-                             store_residual)
-        out, rstd = outs[0], outs[-1]
-        rout = outs[1] if store_residual else None
-        mean = None if is_rms else outs[-2]
+        out, rout, outs = _forward(x, residual, (weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
+                                                 store_residual))
+        mean, rstd = None if is_rms else outs[-2], outs[-1]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(rout if store_residual else x, weight, mean, rstd, seed)
+        ctx.save_for_backward(outs[1] if store_residual else _rows(x), weight, mean, rstd, seed)
+        ctx.shape = x.shape
         ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.dropout_p, ctx.is_rms, ctx.x_dtype, ctx.residual_dtype = dropout_p, is_rms, x.dtype, residual_dtype
@@ -126,14 +145,13 @@ class _AddNorm(torch.autograd.Function):
         with_dout = dout is not None
         dw_dtype = weight.dtype if weight is not None and need_w and with_dout else None
         db_dtype = ctx.bias_dtype if need_b and with_dout else None
-        grads = _add_norm_bwd(_unit_last_stride(dout), _unit_last_stride(dout2), _unit_last_stride(drout), h,
-                              weight, mean, rstd, seed, ctx.dropout_p, ctx.is_rms, ctx.x_dtype,
-                              ctx.residual_dtype if separate else None, dw_dtype, db_dtype)
-        dx = grads[0]
+        grads = _add_norm_bwd(_rows(dout), _rows(dout2), _rows(drout), h, weight, mean, rstd, seed, ctx.dropout_p,
+                              ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None, dw_dtype, db_dtype)
+        dx = grads[0].view(ctx.shape)
         i = 1
         dres = None
         if separate:
-            dres, i = grads[1], 2
+            dres, i = grads[1].view(ctx.shape), 2
         elif ctx.has_residual and need_res:
             dres = dx
         dweight = dbias = None
@@ -168,11 +186,6 @@ def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_r
         raise TypeError(f"out_is_residual must be a bool, got {type(out_is_residual).__name__}")
 
 
-def _rows(t):
-    """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride."""
-    return None if t is None else _unit_last_stride(t.reshape(-1, t.shape[-1]))
-
-
 def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms):
     if residual is not None:
         residual_dtype = residual.dtype
@@ -181,8 +194,8 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_i
     # Without a residual, dropout or dtype change, residual_out is x itself: nothing to store.
     store_residual = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    args = (_rows(x), _rows(residual), _unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps),
-            float(dropout_p), is_rms, residual_dtype, store_residual)
+    args = (_unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps), float(dropout_p), is_rms,
+            residual_dtype, store_residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight, bias)):
         if out_is_residual:
             second = "out"
@@ -190,16 +203,11 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_i
             second = "residual_out"
         else:  # x itself, through the Function only when its gradient is wanted
             second = "x" if x.requires_grad else None
-        res = _AddNorm.apply(*args, second)
-        out, rout = res if second is not None else (res, None)
-    else:  # nothing to differentiate: the op alone, without the Function's bookkeeping
-        outs = _add_norm_fwd(*args)
-        out = outs[0]
-        rout = out if out_is_residual else outs[1] if store_residual else None
-    if x.dim() != 2:
-        out = out.view(x.shape)
-        rout = None if rout is None else rout.view(x.shape)
-    return out, x if rout is None else rout
+        res = _AddNorm.apply(x, residual, *args, second)
+        return res if second is not None else (res, x)
+    # Nothing to differentiate: the op alone, without the Function's bookkeeping.
+    out, rout, _ = _forward(x, residual, args)
+    return out, out if out_is_residual else x if rout is None else rout
 
 
 def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | None = None,

@@ -317,6 +317,16 @@ def test_one_tensor_feeding_two_places(device, launches, monkeypatch, norm, seco
     assert sum(n for op, n in bwd.ops.items() if "add" in op) == (second == "out_fp32_residual"), bwd.ops
 
 
+def test_batched_inputs_add_no_view_nodes(device, launches):
+    """(B, L, N) inputs are flattened inside the autograd Function: the graph holds its node
+    alone, not a view node (host time, forward and backward) per input and output."""
+    x, residual, weight, _ = _inputs((2, 3, 64), torch.bfloat16, device, has_b=False)
+    for res in (residual, None):
+        out, rout = fused_block.add_rms_norm(x, res, weight)
+        assert out.grad_fn.name() == rout.grad_fn.name() == "_AddNormBackward"
+        assert {f.name() for f, _ in out.grad_fn.next_functions if f is not None} == {"torch::autograd::AccumulateGrad"}
+
+
 def test_residual_out_of_a_frozen_x_is_x(device, launches):
     """x that needs no gradient is returned as it is (not through the autograd Function)."""
     x, _, weight, bias = _inputs((5, 64), torch.float32, device)
