@@ -5,7 +5,8 @@ initialization and state dicts (``self_attn.in_proj_weight``, ``self_attn.out_pr
 ``linear1``, ``linear2``, ``norm1``..``norm3``, ``multihead_attn``), so either loads the
 other's weights. Added keywords: ``norm="layer" | "rms"``, ``num_kv_heads`` (GQA), ``rope``
 (rotary embeddings in self-attention, with ``rope_base`` and ``rope_interleaved``), and
-``activation="swiglu"`` (``linear1`` holds [gate; up], 2 x dim_feedforward rows): with
+``activation="swiglu"`` (``linear1`` holds [gate; up], 2 x dim_feedforward rows, and the FFN
+is ``mlp(..., activation="swiglu")``: SiLU-multiply in the first GEMM's epilogue): with
 ``norm="rms"``, ``bias=False`` and ``norm_first=True`` that is a LLaMA layer.
 
 Data flow of one encoder layer (x: (B, L, E) with ``batch_first``, else (L, B, E))::
@@ -24,7 +25,8 @@ backward kernel of that norm sums its two gradients (no separate PyTorch add).
 The FFN's dropouts are fused too: the inner one (``dropout``) in the first matmul's epilogue,
 drop2 in the second's (Pre-LN) or in the norm kernel on the FFN output (Post-LN).
 Attention is one QKV matmul whose (..., (H + 2 Hkv) * D) output is viewed, without copies,
-as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel.
+as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel (with ``rope=True`` one
+kernel first rotates q and k into a new packed tensor, copying v beside them).
 
 Masks: ``is_causal`` and a causal ``src_mask`` (``nn.Transformer.generate_square_subsequent_mask``
 or its bool form) run the causal kernel, a bool or 0/-inf float key padding mask runs the
@@ -49,7 +51,7 @@ from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
 from fused_block.norm import add_layer_norm, add_rms_norm
-from fused_block.rope import rope as _rope
+from fused_block.rope import rope_qkvpacked as _rope_qkvpacked
 
 NORMS = ("layer", "rms")
 # Head dims the attention kernel takes: multiples of 8 in [16, 256] (fp32: up to 128).
@@ -284,7 +286,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     ``forward`` with ``need_weights=True`` (torch's default) runs torch's implementation.
     ``rope=True`` applies rotary embeddings (positions 0..L-1, ``inv_freq = rope_base **
     (-2i / head_dim)``, half-split pairs or ``rope_interleaved``) to q and k of self-attention
-    with :func:`fused_block.rope`; ``inv_freq`` is a non-persistent buffer (no state-dict entry).
+    with :func:`fused_block.rope_qkvpacked` on the packed QKV projection, which then goes to
+    :func:`fused_block.attention_qkvpacked` like any other; ``inv_freq`` is a non-persistent
+    buffer (no state-dict entry).
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
@@ -305,16 +309,24 @@ class MultiheadAttention(nn.MultiheadAttention):
                 self.in_proj_bias = nn.Parameter(torch.zeros(rows, **factory))
         self.rope, self.rope_interleaved = bool(rope), bool(rope_interleaved)
         if self.rope:
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-            self.register_buffer("inv_freq", 1.0 / (float(rope_base) ** exponents), persistent=False)
+            self.rope_base = float(rope_base)
+            self.register_buffer("inv_freq", _inv_freq(self.head_dim, self.rope_base, device), persistent=False)
 
-    def _rotate(self, q, k):
-        """RoPE on q (B, H, L, D) and k (B, Hkv, L, D) at positions 0..L-1; same layout out."""
-        positions = torch.arange(q.shape[2], device=q.device)[None]
-        fn = _rope if q.dtype in _KERNEL_DTYPES else reference.rope
-        q, k = fn(q.transpose(1, 2), k.transpose(1, 2), positions, self.inv_freq.float(),
-                  interleaved=self.rope_interleaved)
-        return q.transpose(1, 2), k.transpose(1, 2)
+    def _apply(self, fn, *args, **kwargs):
+        """``to``/``half``/``cuda``/``to_empty`` also reach the frequencies buffer: recompute it
+        in fp32 from ``rope_base`` on its new device (cast frequencies would shift every angle;
+        ``to_empty`` would leave garbage), once per move rather than per call."""
+        out = super()._apply(fn, *args, **kwargs)
+        if self.rope:
+            self.inv_freq = _inv_freq(self.head_dim, self.rope_base, self.inv_freq.device)
+        return out
+
+    def _rotate(self, qkv, ops):
+        """RoPE at positions 0..L-1 on the packed QKV projection (x's layout): one packed tensor,
+        q and k rotated, v copied."""
+        fn = _rope_qkvpacked if ops is _FUSED else reference.rope_qkvpacked
+        return fn(qkv, self.num_heads, self.num_kv_heads, inv_freq=self.inv_freq, interleaved=self.rope_interleaved,
+                  batch_first=self.batch_first)
 
     def extra_repr(self):
         return f"num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -326,8 +338,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         x: (B, L, E) if batch_first else (L, B, E); memory: the same layout with S for L, or
         None for self-attention. Masks as torch's (already shape-checked). On the kernel path
         self-attention hands the packed QKV projection to ``attention_qkvpacked`` (q, k, v read
-        in place; its output is the out-projection's input; one packed gradient), and
-        cross-attention gets q and k/v as views whose output's head merge is a view too.
+        in place; its output is the out-projection's input; one packed gradient; RoPE layers
+        rotate that packed tensor first, in one launch), and cross-attention gets q and k/v as
+        views whose output's head merge is a view too.
         """
         bf = self.batch_first
         B, L = (x.shape[0], x.shape[1]) if bf else (x.shape[1], x.shape[0])
@@ -351,8 +364,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             if masks.key_padding is not None or masks.causal:
                 masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
         if memory is None:
-            # RoPE rotates q and k before attention: those layers take the split path.
-            if reason is None and ops is _FUSED and not self.rope:
+            if self.rope:
+                qkv = self._rotate(qkv, ops)
+            if reason is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
                 return ops.linear(o, self.out_proj.weight, self.out_proj.bias)
@@ -360,8 +374,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
-        if self.rope and memory is None:
-            q, k = self._rotate(q, k)
         if reason is None:
             o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
         else:
@@ -431,7 +443,7 @@ def _activation_name(activation):
     if isinstance(activation, str):
         if activation not in ("relu", "gelu", "gelu_tanh", "swiglu"):
             raise RuntimeError(f"activation should be relu/gelu/gelu_tanh/swiglu, not {activation}")
-        return None if activation == "swiglu" else activation
+        return activation
     if activation is F.relu or isinstance(activation, nn.ReLU):
         return "relu"
     if activation is F.gelu:
@@ -441,22 +453,20 @@ def _activation_name(activation):
     return None
 
 
-def swiglu(h):
-    """SwiGLU's gating on linear1's output [gate; up] (..., 2F): ``silu(gate) * up`` (..., F).
-
-    It runs between the two GEMMs as a custom activation (PyTorch ops) until a fused SwiGLU
-    epilogue exists."""
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _torch_activation(name):
-    return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": swiglu}[name]
+    """The callable torch's layers store for ``name``; SwiGLU is no elementwise function (it
+    gates linear1's two halves) and stays the name, which ``_ffn`` hands to ``mlp``."""
+    return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": "swiglu"}[name]
 
 
 def _ffn_width(activation, dim_feedforward):
     """linear1's width: SwiGLU's gate and up projections are its two halves."""
-    return 2 * dim_feedforward if activation == "swiglu" or activation is swiglu else dim_feedforward
+    return 2 * dim_feedforward if activation == "swiglu" else dim_feedforward
+
+
+def _inv_freq(head_dim, base, device):
+    """RoPE's fp32 frequencies ``base ** (-2i / head_dim)``."""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
 
 
 class _LayerMixin:
@@ -479,7 +489,7 @@ class _LayerMixin:
         # layer nested tensors when its math is not torch's (RMSNorm, GQA).
         name = _activation_name(activation)
         torch_compatible = (norm == "layer" and self.self_attn.num_kv_heads == self.self_attn.num_heads
-                            and not self.self_attn.rope and activation is not swiglu)
+                            and not self.self_attn.rope and name != "swiglu")
         self.activation_relu_or_gelu = {"relu": 1, "gelu": 2}.get(name, 0) if torch_compatible else 0
 
     def _add_norm(self, module, x, residual=None, dropout_p=0.0, out_is_residual=False):

@@ -11,16 +11,24 @@ gets an instance-level ``forward`` that runs the fused ops:
 
 - LLaMA family: ``add_rms_norm`` for both norms (the attention's residual add fused into the
   second), one QKV GEMM (q/k/v weights concatenated, the copy cached while the weights do not
-  change and no gradient is taken), fused RoPE on the QKV output (angles in fp32 from
-  ``position_ids`` and the model's rotary ``inv_freq``/``attention_scaling``, else from the
-  layer's ``position_embeddings``), the KV cache's ``update``, the attention kernel (GQA,
-  bottom-right causal for decoding with a cache, key padding), the output GEMM. The MLP runs
-  Hugging Face's module (see the README: SwiGLU is wired in when the fused op exists).
+  change and no gradient is taken), ``rope_qkvpacked`` on the packed QKV output (q and k
+  rotated, v copied, one launch; angles in fp32 from ``position_ids`` and the model's rotary
+  ``inv_freq``/``attention_scaling``, else from the layer's ``position_embeddings``), the KV
+  cache's ``update``, the attention kernel (GQA, bottom-right causal for decoding with a cache,
+  key padding), the output GEMM, and the SiLU-gated MLP as ``swiglu`` (gate and up in one GEMM
+  with the SiLU-multiply in its epilogue, the weights read in place; the residual add in the
+  down projection's epilogue). An MLP with another ``hidden_act`` runs Hugging Face's module.
 - GPT-2: ``add_layer_norm`` for ``ln_1`` and ``ln_2`` (attention residual and its dropout
   fused), ``linear`` on the Conv1D weights as transposed views (no copies), the attention
   kernel, ``mlp`` with tanh GELU, output dropout and the residual in its epilogues.
 - BERT: one QKV GEMM, the attention kernel with the padding mask, then the two Post-LN
   ``add_layer_norm`` with the dense outputs' dropout fused, and ``mlp`` for the FFN.
+
+Self-attention reads the packed QKV output in place (``attention_qkvpacked``: the output in the
+out-projection's layout, one packed gradient, no split, merge, copy or cat) whenever the keys
+are this call's own: no cache, or a cache that held nothing before (training, prefill). With
+cached keys (decoding) q, k and v are views of the packed tensor and the cache returns the
+keys to attend.
 
 Masks: the layer reads the mask the model built for its attention implementation (None, a
 4-D bool or additive mask, or flash-attention's 2-D padding mask), checks once per mask
@@ -50,16 +58,20 @@ from torch import nn
 from fused_block import reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
+from fused_block.attention import attention_qkvpacked
 from fused_block.blocks import _like
-from fused_block.linear import linear, mlp
+from fused_block.linear import linear, mlp, swiglu
 from fused_block.norm import add_layer_norm, add_rms_norm
-from fused_block.rope import rope
+from fused_block.rope import rope_qkvpacked
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Hugging Face activation names (ACT2FN keys) and the GEMM epilogue's equivalent.
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 _ROTARY_CLASSES = ("LlamaRotaryEmbedding", "MistralRotaryEmbedding", "Qwen2RotaryEmbedding")
+# Their MLPs: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; SwiGLU when act_fn is SiLU.
+_GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+_SILU = ("silu", "swish")
 _CAPTURE_MODULE = "transformers.utils.output_capturing"
 _WARNED = set()
 
@@ -98,17 +110,20 @@ def convert_modules(model: nn.Module) -> list:
                        f"{type(m).__name__} is left unconverted: {reason}")
             continue
         _patch(m, family, rotary)
+        family.prepare(m)
         converted.append(m)
     return converted
 
 
 class _Family:
     """A layer class's conversion: ``check(layer)`` at conversion and ``check_call(layer, call)``
-    per call return a reason to keep the original forward (or None); ``run(layer, call, x)``
-    computes the output; ``called(layer)`` lists the submodules ``run`` still calls."""
+    per call return a reason to keep the original forward (or None); ``prepare(layer)`` records
+    what the layer's conversion decided; ``run(layer, call, x)`` computes the output;
+    ``called(layer)`` lists the submodules ``run`` still calls."""
 
-    def __init__(self, check, check_call, run, called=lambda layer: ()):
+    def __init__(self, check, check_call, run, called=lambda layer: (), prepare=lambda layer: None):
         self.check, self.check_call, self.run, self.called = check, check_call, run, called
+        self.prepare = prepare
 
 
 class _State:
@@ -118,7 +133,8 @@ class _State:
         self.family, self.original, self.positional = family, original, positional
         self.returns_tensor = returns_tensor
         self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
-        self.packed = {}  # name -> (key, concatenated weight) cache
+        self.packed = {}  # name -> (key, value) cache of _cached
+        self.fused_mlp = False  # LLaMA family: the MLP runs as swiglu
 
 
 def _patch(module, family, rotary):
@@ -209,18 +225,21 @@ def _records_outputs(layer, called):
     return None
 
 
-def _packed(state, name, tensors):
-    """``torch.cat(tensors)``; cached across calls while the tensors are unchanged and no
-    gradient flows through them (generation), recomputed otherwise (training, compile)."""
-    if tensors[0] is None:
-        return None
+def _cached(state, name, tensors, make):
+    """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
+    flows through them (generation; buffers), recomputed otherwise (training, compile)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return torch.cat(tensors)
+        return make(tensors)
     key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
     hit = state.packed.get(name)
     if hit is None or hit[0] != key:
-        hit = state.packed[name] = (key, torch.cat(tensors))
+        hit = state.packed[name] = (key, make(tensors))
     return hit[1]
+
+
+def _packed(state, name, tensors):
+    """``torch.cat(tensors)`` (None for absent biases), cached as :func:`_cached`."""
+    return None if tensors[0] is None else _cached(state, name, tensors, torch.cat)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,11 +321,32 @@ def _padding(key_padding, B):
     return key_padding.expand(B, -1) if key_padding.shape[0] != B else key_padding
 
 
+def _kernel_head_dim(D, dtype):
+    return D % 8 == 0 and MIN_HEAD_DIM <= D <= (MAX_FP32_HEAD_DIM if dtype == torch.float32 else MAX_HEAD_DIM)
+
+
+def _self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, flash, scale, dropout_p, name):
+    """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
+    out-projection's input. The cache (if any) stores k and v (views) and returns the keys to
+    attend; when those are this call's own (L of them: nothing was cached before, as in
+    training and prefill; every cache layer of transformers returns past + new keys, or its
+    whole static buffer), the packed kernel reads qkv in place and writes one packed gradient."""
+    B, L, _ = qkv.shape
+    D = qkv.shape[2] // (H + 2 * Hkv)
+    heads = qkv.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)  # (B, H + 2 Hkv, L, D) view
+    q, k, v = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+    if cache is not None:
+        k, v = cache.update(k, v, layer_idx)
+    plan = _plan(mask, B, L, k.shape[2], causal, flash)
+    if plan.kernel and plan.n_keys is None and k.shape[2] == L and _kernel_head_dim(D, qkv.dtype):
+        return attention_qkvpacked(qkv, H, Hkv, plan.causal, scale, plan.key_padding, dropout_p)
+    return _attend(q, k, v, plan, scale, dropout_p, name).transpose(1, 2).reshape(B, L, H * D)
+
+
 def _attend(q, k, v, plan, scale, dropout_p, name):
     """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D)."""
     D = q.shape[-1]
-    if plan.kernel and (D % 8 or not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM
-                        or (q.dtype == torch.float32 and D > MAX_FP32_HEAD_DIM)):
+    if plan.kernel and not _kernel_head_dim(D, q.dtype):
         plan = _Plan(False, sdpa_mask=_dense(plan, q.shape[2], k.shape[2], q.device),
                      reason=f"head dim {D} in {q.dtype} (outside the attention kernel's range)")
     if plan.kernel:
@@ -387,24 +427,47 @@ def _rotary_positions(layer, call, B, L):
     return None
 
 
-def _llama_rope(layer, q, k, call):
-    """RoPE on the (B, L, H, D) views: fp32 angles from position_ids and the rotary module's
+def _llama_rope(layer, qkv, H, Hkv, call):
+    """RoPE on the packed QKV output: fp32 angles from position_ids and the rotary module's
     inv_freq when the model has one standard rotary module, else HF's cos/sin tables."""
-    B, L = q.shape[:2]
+    B, L = qkv.shape[:2]
     positions = _rotary_positions(layer, call, B, L)
     if positions is not None:
-        rotary = layer._fused_block.rotary
-        inv_freq = rotary.inv_freq.to(device=q.device, dtype=torch.float32)
-        return rope(q, k, positions, inv_freq, scale=float(rotary.attention_scaling))
+        state = layer._fused_block
+        # The model's frequencies as its rotary module uses them (rounded if the model was cast),
+        # in fp32 on qkv's device: a conversion kernel once, not per call.
+        inv_freq = _cached(state, ("inv_freq", qkv.device), (state.rotary.inv_freq,),
+                           lambda t: t[0].to(device=qkv.device, dtype=torch.float32))
+        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(state.rotary.attention_scaling))
     cos, sin = call["position_embeddings"]
-    return rope(q, k, cos=cos.expand(B, -1, -1) if cos.shape[0] != B else cos,
-                sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin)
+    return rope_qkvpacked(qkv, H, Hkv, cos=cos.expand(B, -1, -1) if cos.shape[0] != B else cos,
+                          sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin)
+
+
+def _swiglu_reason(mlp_mod):
+    """Why the layer's MLP cannot run as ``swiglu`` (None if it can)."""
+    kind = type(mlp_mod)
+    if kind.__name__ not in _GATED_MLPS or not kind.__module__.startswith("transformers.models."):
+        return f"{kind.__name__} is not one of the gated MLPs {_GATED_MLPS}"
+    act = getattr(getattr(mlp_mod, "config", None), "hidden_act", None)
+    if act not in _SILU or type(getattr(mlp_mod, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"hidden_act {act!r} (the fused SwiGLU gates with SiLU)"
+    if not all(isinstance(getattr(mlp_mod, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "gate_proj, up_proj and down_proj are not all nn.Linear"
+    return None
+
+
+def _llama_prepare(layer):
+    reason = _swiglu_reason(layer.mlp)
+    layer._fused_block.fused_mlp = reason is None
+    if reason is not None:
+        _warn_once(("mlp", type(layer).__name__, reason),
+                   f"{type(layer).__name__}'s MLP runs Hugging Face's module (unfused): {reason}")
 
 
 def _llama_run(layer, call, x):
     attn, state = layer.self_attn, layer._fused_block
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    B, L, _ = x.shape
     D = attn.head_dim
     H = attn.q_proj.out_features // D
     Hkv = attn.k_proj.out_features // D
@@ -412,18 +475,17 @@ def _llama_run(layer, call, x):
     w = _packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     b = _packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
     qkv = linear(n1, w, b)  # (B, L, (H + 2 Hkv) D): one GEMM
-    q, k, v = (t.unflatten(-1, (-1, D)) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
-    q, k = _llama_rope(layer, q, k, call)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n, L, D) views
-    cache = _cache(call)
-    if cache is not None:
-        k, v = cache.update(k, v, attn.layer_idx)
-    plan = _plan(call.get("attention_mask"), B, L, k.shape[2], True, _is_flash(attn.config))
+    qkv = _llama_rope(layer, qkv, H, Hkv, call)  # q, k rotated and v copied into one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
-    o = _attend(q, k, v, plan, attn.scaling, p, type(layer).__name__)
-    o = linear(o.transpose(1, 2).reshape(B, L, H * D), attn.o_proj.weight, attn.o_proj.bias)
+    o = _self_attention(qkv, H, Hkv, _cache(call), attn.layer_idx, call.get("attention_mask"), True,
+                        _is_flash(attn.config), attn.scaling, p, type(layer).__name__)
+    o = linear(o, attn.o_proj.weight, attn.o_proj.bias)
     n2, h = add_rms_norm(_like(o, x), x, ln2.weight, _rms_eps(ln2))
-    return h + layer.mlp(n2)
+    if not state.fused_mlp:
+        return h + layer.mlp(n2)
+    m = layer.mlp
+    return swiglu(n2, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, h, b_gate=m.gate_proj.bias,
+                  b_up=m.up_proj.bias, b_down=m.down_proj.bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,19 +521,15 @@ def _gpt2_check_call(block, call):
 
 def _gpt2_run(block, call, x):
     attn, m = block.attn, block.mlp
-    B, L, E = x.shape
-    H, D = attn.num_heads, attn.head_dim
+    H = attn.num_heads
     p_resid = attn.resid_dropout.p if block.training else 0.0
     n1, _ = add_layer_norm(x, None, block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
     # Conv1D stores (in, out): its transpose is nn.Linear's layout as a view, no copy.
-    qkv = linear(n1, attn.c_attn.weight.t(), attn.c_attn.bias)
-    q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv.split(E, dim=-1))
-    cache = _cache(call)
-    if cache is not None:
-        k, v = cache.update(k, v, attn.layer_idx)
-    plan = _plan(call.get("attention_mask"), B, L, k.shape[2], True, _is_flash(attn.config))
-    o = _attend(q, k, v, plan, _gpt2_scale(attn), attn.attn_dropout.p if block.training else 0.0, "GPT2Block")
-    o = linear(o.transpose(1, 2).reshape(B, L, E), attn.c_proj.weight.t(), attn.c_proj.bias)
+    qkv = linear(n1, attn.c_attn.weight.t(), attn.c_attn.bias)  # [q; k; v], H heads each
+    o = _self_attention(qkv, H, H, _cache(call), attn.layer_idx, call.get("attention_mask"), True,
+                        _is_flash(attn.config), _gpt2_scale(attn), attn.attn_dropout.p if block.training else 0.0,
+                        "GPT2Block")
+    o = linear(o, attn.c_proj.weight.t(), attn.c_proj.bias)
     n2, h = add_layer_norm(_like(o, x), x, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, p_resid)
     act = _ACTIVATIONS[attn.config.activation_function]
     p_mlp = m.dropout.p if block.training else 0.0
@@ -504,17 +562,15 @@ def _bert_check_call(layer, call):
 
 def _bert_run(layer, call, x):
     s, so, inter, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
-    B, L, E = x.shape
     H = s.num_attention_heads
     D = s.attention_head_size
     state = layer._fused_block
     w = _packed(state, "qkv_weight", (s.query.weight, s.key.weight, s.value.weight))
     b = _packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias))
-    q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in linear(x, w, b).split(H * D, dim=-1))
-    plan = _plan(call.get("attention_mask"), B, L, L, False, _is_flash(s.config))
     scale = float(getattr(s, "scaling", D ** -0.5))
-    o = _attend(q, k, v, plan, scale, s.dropout.p if layer.training else 0.0, "BertLayer")
-    a = linear(o.transpose(1, 2).reshape(B, L, H * D), so.dense.weight, so.dense.bias)
+    o = _self_attention(linear(x, w, b), H, H, None, None, call.get("attention_mask"), False, _is_flash(s.config),
+                        scale, s.dropout.p if layer.training else 0.0, "BertLayer")
+    a = linear(o, so.dense.weight, so.dense.bias)
     p1 = so.dropout.p if layer.training else 0.0
     h, _ = add_layer_norm(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)
     f = mlp(h, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias,
@@ -524,7 +580,8 @@ def _bert_run(layer, call, x):
     return y
 
 
-_LLAMA = _Family(_llama_check, _llama_check_call, _llama_run, called=lambda layer: (layer.mlp,))
+_LLAMA = _Family(_llama_check, _llama_check_call, _llama_run, prepare=_llama_prepare,
+                 called=lambda layer: () if layer._fused_block.fused_mlp else (layer.mlp,))
 _FAMILIES = {name: _LLAMA for name in _LLAMA_LAYERS}
 _FAMILIES["GPT2Block"] = _Family(_gpt2_check, _gpt2_check_call, _gpt2_run)
 _FAMILIES["BertLayer"] = _Family(_bert_check, _bert_check_call, _bert_run)

@@ -1,11 +1,17 @@
-"""Fused rotary position embeddings (RoPE) on q and k: validation, op, autograd, public API.
+"""Fused rotary position embeddings (RoPE) on q and k: validation, ops, autograd, public API.
 
-``rope(q, k, positions, inv_freq)`` rotates q (B, L, Hq, D) and k (B, L, Hk, D) (the layout of
-a QKV projection's output viewed per head; any strides) in one kernel launch and returns new
-contiguous (B, L, H, D) tensors; ``.transpose(1, 2)`` gives SDPA's (B, H, L, D) layout
-without a copy. The backward is the same kernel with the inverse rotation; nothing is saved
-but the angle inputs. See :mod:`fused_block.kernels.rope` for the layouts and the fp32 angle
-computation.
+- ``rope(q, k, positions, inv_freq)`` rotates q (B, L, Hq, D) and k (B, L, Hk, D) (the layout
+  of a QKV projection's output viewed per head; any strides) in one kernel launch and returns
+  new contiguous (B, L, H, D) tensors; ``.transpose(1, 2)`` gives SDPA's (B, H, L, D) layout
+  without a copy.
+- ``rope_qkvpacked(qkv, num_heads, num_kv_heads, ...)`` takes the packed QKV projection output
+  (B, L, (H + 2 Hkv) * D) (or (L, B, ...)) and returns one packed tensor of the same layout,
+  q and k rotated and v copied in the same launch: the input of
+  :func:`fused_block.attention_qkvpacked`, whose one packed gradient comes back through one
+  launch too (no split, copy or cat on either side).
+
+The backward is the same kernel with the inverse rotation; nothing is saved but the angle
+inputs. See :mod:`fused_block.kernels.rope` for the layouts and the fp32 angle computation.
 """
 import math
 from typing import Optional
@@ -66,6 +72,13 @@ def _check(q, k, positions, inv_freq, cos, sin, scale, interleaved):
     if k.shape[0] != B or k.shape[1] != L or k.shape[3] != D:
         raise ValueError(f"k must have shape (B={B}, L={L}, Hk, D={D}) to match q {tuple(q.shape)}, "
                          f"got {tuple(k.shape)}")
+    _validate.same_device("q", q, k=k)
+    return _check_angles("q", q, B, L, D, positions, inv_freq, cos, sin, scale, interleaved, False)
+
+
+def _check_angles(ref_name, ref, B, L, D, positions, inv_freq, cos, sin, scale, interleaved, default_positions):
+    """The angle arguments for B sequences of L tokens with head dim D; returns the rotary dim.
+    ``default_positions``: positions may be None with inv_freq (0..L-1)."""
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
     _validate.positive("scale", scale)
@@ -74,16 +87,18 @@ def _check(q, k, positions, inv_freq, cos, sin, scale, interleaved):
     from_positions = positions is not None or inv_freq is not None
     from_table = cos is not None or sin is not None
     if from_positions == from_table:
-        raise ValueError("pass either positions and inv_freq, or cos and sin (exactly one pair)")
+        raise ValueError("pass either positions and inv_freq, or cos and sin (exactly one pair)"
+                         if not default_positions else
+                         "pass either inv_freq (with positions, or none for 0..L-1), or cos and sin")
     if from_positions:
-        _validate.tensor("positions", positions, dtypes=_INT_DTYPES, ndim=2)
+        _validate.tensor("positions", positions, dtypes=_INT_DTYPES, ndim=2, optional=default_positions)
         _validate.tensor("inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
-        if positions.shape[0] not in (1, B) or positions.shape[1] != L:
+        if positions is not None and (positions.shape[0] not in (1, B) or positions.shape[1] != L):
             raise ValueError(f"positions must have shape ({B} or 1, {L}), got {tuple(positions.shape)}")
         rot_dim = 2 * inv_freq.shape[0]
         if not 2 <= rot_dim <= D:
             raise ValueError(f"inv_freq must have between 1 and D/2 = {D // 2} entries, got {inv_freq.shape[0]}")
-        _validate.same_device("q", q, k=k, positions=positions, inv_freq=inv_freq)
+        _validate.same_device(ref_name, ref, positions=positions, inv_freq=inv_freq)
         if inv_freq.requires_grad and torch.is_grad_enabled():
             raise ValueError("inv_freq: no gradient flows to the frequencies; pass inv_freq.detach()")
         return rot_dim
@@ -95,7 +110,7 @@ def _check(q, k, positions, inv_freq, cos, sin, scale, interleaved):
     rot_dim = cos.shape[2]
     if rot_dim % 2 or not 2 <= rot_dim <= D:
         raise ValueError(f"cos: the rotary dim (last dim) must be even and in [2, D={D}], got {rot_dim}")
-    _validate.same_device("q", q, k=k, cos=cos, sin=sin)
+    _validate.same_device(ref_name, ref, cos=cos, sin=sin)
     if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         raise ValueError("cos/sin: no gradient flows to the tables; pass cos.detach() and sin.detach()")
     return rot_dim
@@ -128,3 +143,91 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
         cos, sin = _unit_last(cos), _unit_last(sin)
     return _RoPE.apply(_unit_last(q), _unit_last(k), positions, inv_freq, cos, sin, float(scale), rot_dim,
                        interleaved)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed QKV
+# ---------------------------------------------------------------------------------------------
+
+def _packed_fake(qkv, positions, inv_freq, cos, sin, n_rot, n_heads, batch_first, scale, rot_dim, interleaved,
+                 conj):
+    return qkv.new_empty(qkv.shape)
+
+
+@_library.op("rope_qkvpacked", fake=_packed_fake)
+def _rope_packed_op(qkv: Tensor, positions: Optional[Tensor], inv_freq: Optional[Tensor], cos: Optional[Tensor],
+                    sin: Optional[Tensor], n_rot: int, n_heads: int, batch_first: bool, scale: float, rot_dim: int,
+                    interleaved: bool, conj: bool) -> Tensor:
+    """qkv (B, L, n_heads * D) (or (L, B, ...)), unit last stride -> a contiguous copy with its
+    first ``n_rot`` heads rotated."""
+    with _backend.device_guard(qkv):
+        return _k.rope_packed(qkv, (0, 1) if batch_first else (1, 0), n_rot, n_heads, positions, inv_freq, cos, sin,
+                              scale, rot_dim, interleaved, conj)
+
+
+class _RoPEPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, positions, inv_freq, cos, sin, n_rot, n_heads, batch_first, scale, rot_dim, interleaved):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(positions, inv_freq, cos, sin)
+        ctx.args = (n_rot, n_heads, batch_first, scale, rot_dim, interleaved)
+        return _rope_packed_op(qkv, positions, inv_freq, cos, sin, *ctx.args, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * 11
+        positions, inv_freq, cos, sin = ctx.saved_tensors
+        dqkv = _rope_packed_op(_unit_last(grad), positions, inv_freq, cos, sin, *ctx.args, True)
+        return (dqkv,) + (None,) * 10
+
+
+def _count(name, n):
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n <= 0:
+        raise ValueError(f"{name} must be positive, got {n}")
+
+
+def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = None, positions: Optional[Tensor] = None,
+                   inv_freq: Optional[Tensor] = None, *, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+                   scale: float = 1.0, interleaved: bool = False, batch_first: bool = True) -> Tensor:
+    """Rotary position embeddings on a packed QKV projection, q, k and v in one kernel.
+
+    Args:
+        qkv: (B, L, (H + 2 Hkv) * D) with ``batch_first`` (else (L, B, ...)), the output of one
+            matmul with rows [q; k; v] (heads contiguous within each), as
+            :func:`fused_block.attention_qkvpacked` takes it; fp32, fp16 or bf16; any batch and
+            sequence strides with a contiguous last dim.
+        num_heads: H; num_kv_heads: Hkv (default H).
+        positions: (B or 1, L) int32/int64 absolute positions, or None for 0..L-1; with
+            ``inv_freq`` (D_rot / 2,) fp32. cos, sin: instead, (B or 1, L, D_rot) tables.
+            ``scale`` and ``interleaved`` as :func:`rope`.
+    Returns a new contiguous tensor of qkv's shape and dtype: q's and k's heads rotated (dims
+    past D_rot copied), v's copied, for :func:`fused_block.attention_qkvpacked` with the same
+    ``batch_first``. Its gradient is one packed tensor (dq and dk rotated back, dv passed on)
+    written by one launch. Gradients flow to qkv (not to the angle inputs).
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _count("num_heads", num_heads)
+    _count("num_kv_heads", num_kv_heads)
+    if not isinstance(batch_first, bool):
+        raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
+    _validate.tensor("qkv", qkv, ndim=3)
+    heads = num_heads + 2 * num_kv_heads
+    if qkv.shape[2] % heads != 0 or qkv.shape[2] == 0:
+        raise ValueError(f"qkv's last dim ({qkv.shape[2]}) must be (num_heads + 2 * num_kv_heads) = {heads} "
+                         "times the head dim")
+    B, L = (qkv.shape[0], qkv.shape[1]) if batch_first else (qkv.shape[1], qkv.shape[0])
+    rot_dim = _check_angles("qkv", qkv, B, L, qkv.shape[2] // heads, positions, inv_freq, cos, sin, scale,
+                            interleaved, True)
+    if not _backend.use_triton(qkv):
+        return reference.rope_qkvpacked(qkv, num_heads, num_kv_heads, positions, inv_freq, cos=cos, sin=sin,
+                                        scale=scale, interleaved=interleaved, batch_first=batch_first)
+    if cos is not None:
+        cos, sin = _unit_last(cos), _unit_last(sin)
+    args = (positions, inv_freq, cos, sin, num_heads + num_kv_heads, heads, batch_first, float(scale), rot_dim,
+            interleaved)
+    if torch.is_grad_enabled() and qkv.requires_grad:
+        return _RoPEPacked.apply(_unit_last(qkv), *args)
+    return _rope_packed_op(_unit_last(qkv), *args, False)

@@ -1,10 +1,19 @@
 """Rotary position embeddings (RoPE) applied to q and k in one kernel, forward and backward.
 
-Layout: q (B, L, Hq, D) and k (B, L, Hk, D) with any strides and a unit last stride, e.g.
-views of one fused QKV projection output (B, L, (Hq + 2 Hk) * D). The outputs are new
-contiguous (B, L, H, D) tensors. One program rotates BLOCK_H heads of one token: the angles
-of the token's D_rot / 2 frequency pairs are computed (or loaded) once in fp32 and applied to
-every head of the block, so q and k of a token share them.
+Two kernels:
+- ``_rope_kernel``: q (B, L, Hq, D) and k (B, L, Hk, D) with any strides and a unit last
+  stride (e.g. views of one fused QKV projection output); the outputs are new contiguous
+  (B, L, H, D) tensors.
+- ``_rope_packed_kernel``: one packed QKV projection output, a token's row holding
+  (Hq + 2 Hk) heads [q; k; v] of D contiguous elements (token rows at any batch and sequence
+  strides, e.g. (B, L, ...) or (L, B, ...)), into a new packed tensor of the same layout:
+  the first Hq + Hk heads (q and k) rotated, v's heads copied in the same launch. The
+  attention kernel reads that tensor in place (``attention_qkvpacked``) and its one packed
+  gradient comes back through the same kernel (the inverse rotation; dv copied).
+
+One program rotates BLOCK_H heads of one token: the angles of the token's D_rot / 2 frequency
+pairs are computed (or loaded) once in fp32 and applied to every head of the block, so q and
+k of a token share them.
 
 Pairs (the two layouts of the literature, named as flash-attn's ``apply_rotary_emb``):
 - half-split (``INTERLEAVED=False``): element i rotates with element i + D_rot / 2. GPT-NeoX's
@@ -17,7 +26,8 @@ transpose (``CONJ``, sin -> -sin) is the backward: the gradient of an orthogonal
 Dimensions past D_rot (partial rotary, GPT-NeoX's ``rotary_pct``) are copied unchanged.
 
 Angles, in fp32:
-- from positions (``FROM_TABLE=False``): t = pos * inv_freq[p] rounded to fp32, then
+- from positions (``FROM_TABLE=False``; the token's index in its sequence when there is no
+  positions tensor, ``HAS_POS=False``): t = pos * inv_freq[p] rounded to fp32, then
   ``cos(t) * scale`` and ``sin(t) * scale``: exactly Hugging Face's rotary modules
   (``position_ids.float() * inv_freq`` in fp32; ``attention_scaling`` as ``scale``);
 - from cos/sin tables (``FROM_TABLE=True``), (B or 1, L, D_rot) in any float dtype, read at
@@ -58,6 +68,29 @@ def _sincos(angle):
     sin = tl.where(quadrant >= 2, -sin, sin)
     cos = tl.where((quadrant == 1) | (quadrant == 2), -cos, cos)
     return sin, cos
+
+
+@triton.jit
+def _angles(POS, FREQ, COS, SIN, b, t, stride_pb, stride_pl, stride_cb, stride_cl, scale, pairs, pair_ok,
+            INTERLEAVED: tl.constexpr, FROM_TABLE: tl.constexpr, HAS_POS: tl.constexpr, CONJ: tl.constexpr):
+    """fp32 (cos, sin) of token (b, t)'s frequency pairs; sin negated for the inverse rotation."""
+    if FROM_TABLE:
+        first = 2 * pairs if INTERLEAVED else pairs
+        row = b * stride_cb + t * stride_cl
+        cos = tl.load(COS + row + first, mask=pair_ok, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + row + first, mask=pair_ok, other=0.0).to(tl.float32)
+    else:
+        if HAS_POS:
+            pos = tl.load(POS + b * stride_pb + t * stride_pl).to(tl.float32)
+        else:
+            pos = t.to(tl.float32)
+        freq = tl.load(FREQ + pairs, mask=pair_ok, other=0.0)
+        sin, cos = _sincos(pos * freq)
+        cos = cos * scale
+        sin = sin * scale
+    if CONJ:
+        sin = -sin
+    return cos, sin
 
 
 @triton.jit
@@ -105,19 +138,8 @@ def _rope_kernel(Q, K, QO, KO, POS, FREQ, COS, SIN,
     t = token % L
     pairs = tl.arange(0, BLOCK_P)
     pair_ok = pairs < ROT_HALF
-    if FROM_TABLE:
-        first = 2 * pairs if INTERLEAVED else pairs
-        row = b * stride_cb + t * stride_cl
-        cos = tl.load(COS + row + first, mask=pair_ok, other=0.0).to(tl.float32)
-        sin = tl.load(SIN + row + first, mask=pair_ok, other=0.0).to(tl.float32)
-    else:
-        pos = tl.load(POS + b * stride_pb + t * stride_pl).to(tl.float32)
-        freq = tl.load(FREQ + pairs, mask=pair_ok, other=0.0)
-        sin, cos = _sincos(pos * freq)
-        cos = cos * scale
-        sin = sin * scale
-    if CONJ:
-        sin = -sin
+    cos, sin = _angles(POS, FREQ, COS, SIN, b, t, stride_pb, stride_pl, stride_cb, stride_cl, scale, pairs,
+                       pair_ok, INTERLEAVED, FROM_TABLE, True, CONJ)
     rest = 2 * ROT_HALF + tl.arange(0, BLOCK_R)
     rest_ok = rest < D
     if hb < head_blocks_q:
@@ -128,6 +150,39 @@ def _rope_kernel(Q, K, QO, KO, POS, FREQ, COS, SIN,
         _rotate_heads(K + b * stride_kb + t * stride_kl, KO + b * stride_kob + t * stride_kol,
                       (hb - head_blocks_q) * BLOCK_H, HK, stride_kh, stride_koh, cos, sin, pairs, pair_ok,
                       rest, rest_ok, ROT_HALF, INTERLEAVED, HAS_REST, BLOCK_H, INTERPRET)
+
+
+@triton.jit
+def _rope_packed_kernel(X, O, POS, FREQ, COS, SIN,
+                        L, NROT, D, rot_blocks, copy_len,
+                        stride_xb, stride_xl, stride_ob, stride_ol,
+                        stride_pb, stride_pl, stride_cb, stride_cl, scale,
+                        ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, FROM_TABLE: tl.constexpr,
+                        HAS_POS: tl.constexpr, CONJ: tl.constexpr, HAS_REST: tl.constexpr, BLOCK_P: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    """grid = (B * L, rot_blocks + cdiv(copy_len, BLOCK_C)). Per token: programs below
+    ``rot_blocks`` rotate BLOCK_H of the first NROT heads (q, then k), the others copy a
+    BLOCK_C chunk of the ``copy_len`` elements after them (v's heads) unchanged."""
+    token = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    b = token // L
+    t = token % L
+    x = X + b * stride_xb + t * stride_xl
+    o = O + b * stride_ob + t * stride_ol
+    if hb < rot_blocks:
+        pairs = tl.arange(0, BLOCK_P)
+        pair_ok = pairs < ROT_HALF
+        cos, sin = _angles(POS, FREQ, COS, SIN, b, t, stride_pb, stride_pl, stride_cb, stride_cl, scale, pairs,
+                           pair_ok, INTERLEAVED, FROM_TABLE, HAS_POS, CONJ)
+        rest = 2 * ROT_HALF + tl.arange(0, BLOCK_R)
+        _rotate_heads(x, o, hb * BLOCK_H, NROT, D, D, cos, sin, pairs, pair_ok, rest, rest < D,
+                      ROT_HALF, INTERLEAVED, HAS_REST, BLOCK_H, INTERPRET)
+    else:
+        offs = (hb - rot_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = offs < copy_len
+        first = NROT * D  # within one token's row: int32 suffices
+        tl.store(o + first + offs, tl.load(x + first + offs, mask=ok), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +199,14 @@ def _config(D, H):
     block_h = max(1, min(common.next_pow2(H), _TILE // common.next_pow2(D)))
     warps = 4 if block_h * D >= 2048 else (2 if block_h * D >= 512 else 1)
     return common.Config.of(num_warps=warps, BLOCK_H=block_h)
+
+
+def _packed_config(D, n_rot, n_copy):
+    """BLOCK_H of the rotated heads as ``_config``; the copy programs move up to one tile of
+    v's elements each, with the warps the rotating programs use."""
+    cfg = _config(D, n_rot)
+    block_c = min(common.next_pow2(max(n_copy * D, 1)), _TILE)
+    return common.Config.of(num_warps=cfg.num_warps, BLOCK_H=cfg["BLOCK_H"], BLOCK_C=block_c)
 
 
 def rope(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj):
@@ -185,10 +248,52 @@ def rope(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj)
     return qo, ko
 
 
+_PACKED_CONFIGS = common.ConfigCache("rope_qkvpacked")
+
+
+def rope_packed(x, rows, n_rot, n_heads, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj):
+    """Rotate the first ``n_rot`` of the ``n_heads`` heads of every token of the packed ``x``
+    (3-D, unit last stride, last dim ``n_heads * D``), copy the rest; returns a new contiguous
+    tensor of x's shape. ``rows = (B, L)`` names x's batch and sequence dims: (0, 1) when
+    batch-first, (1, 0) sequence-first; positions (B or 1, L) index the sequence dim (None:
+    0..L-1). Angles and ``conj`` as :func:`rope`. Inputs are checked by the caller.
+    """
+    dim_b, dim_l = rows
+    B, L = x.shape[dim_b], x.shape[dim_l]
+    D = x.shape[2] // n_heads
+    out = common.empty(x.shape, x.dtype, x.device)
+    if B * L == 0:
+        return out
+    from_table = cos is not None
+    n_copy = n_heads - n_rot
+    cfg = _PACKED_CONFIGS.get((common.next_pow2(D), min(common.next_pow2(n_rot), 64),
+                               min(common.next_pow2(max(n_copy * D, 1)), _TILE)),
+                              [_packed_config(D, n_rot, n_copy)], None)
+    rot_blocks = common.cdiv(n_rot, cfg["BLOCK_H"])
+    grid = (B * L, rot_blocks + common.cdiv(n_copy * D, cfg["BLOCK_C"]))
+    stride_pb, stride_pl = (0, 0) if positions is None else (positions.stride(0) if positions.shape[0] > 1 else 0,
+                                                              positions.stride(1))
+    stride_cb, stride_cl = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)) if from_table else (0, 0)
+    rot_half = rot_dim // 2
+    args = (x, out, positions if positions is not None else x, inv_freq if inv_freq is not None else x,
+            cos if from_table else x, sin if from_table else x,
+            L, n_rot, D, rot_blocks, n_copy * D,
+            x.stride(dim_b), x.stride(dim_l), out.stride(dim_b), out.stride(dim_l),
+            stride_pb, stride_pl, stride_cb, stride_cl, float(scale))
+    constexprs = dict(ROT_HALF=rot_half, INTERLEAVED=interleaved, FROM_TABLE=from_table,
+                      HAS_POS=positions is not None, CONJ=conj, HAS_REST=rot_dim < D,
+                      BLOCK_P=common.next_pow2(rot_half), BLOCK_R=common.next_pow2(max(D - rot_dim, 1)),
+                      INTERPRET=common.interpreting())
+    common.launch("rope_qkvpacked", _rope_packed_kernel, grid, args, constexprs, cfg)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compile specs: the head dims of the models we convert (64, 80 with a partial
 # rotary of 64 as in GPT-NeoX's rotary_pct, 128, 256), both layouts, both angle sources,
-# forward and backward, bf16 and fp32.
+# forward and backward, bf16 and fp32. The packed kernel: the same head dims at their models'
+# head counts (LLaMA-7B 32 + 32 KV heads of 128, TinyLlama 32 + 4 of 64, GPT-NeoX 32 of 80,
+# an MQA model 8 + 1 of 256), each angle source (the token index, positions, tables).
 # ---------------------------------------------------------------------------------------------
 
 def _sig(xt, table_t):
@@ -222,5 +327,40 @@ def aot_specs():
                                       **cfg.meta())
                         specs.append(aot.KernelSpec(f"rope[{tag}]", _rope_kernel, _sig(xt, xt), consts,
                                                     num_warps=cfg.num_warps))
+    return specs + _packed_specs(aot)
+
+
+def _packed_sig(xt):
+    sig = {"X": f"*{xt}", "O": f"*{xt}", "POS": "*i64", "FREQ": "*fp32", "COS": f"*{xt}", "SIN": f"*{xt}"}
+    sig.update({n: "i32" for n in ("L", "NROT", "D", "rot_blocks", "copy_len")})
+    sig.update({n: "i64" for n in ("stride_xb", "stride_xl", "stride_ob", "stride_ol", "stride_pb", "stride_pl",
+                                   "stride_cb", "stride_cl")})
+    sig["scale"] = "fp32"
+    sig.update({n: "constexpr" for n in ("ROT_HALF", "INTERLEAVED", "FROM_TABLE", "HAS_POS", "CONJ", "HAS_REST",
+                                         "BLOCK_P", "BLOCK_R", "BLOCK_H", "BLOCK_C", "INTERPRET")})
+    return sig
+
+
+# Integers these models' shapes make multiples of 16, which the launcher's JIT specializes as
+# such (so v's copy moves 16-byte vectors): the head dim, v's width and the row strides.
+_PACKED_ALIGNED = ("D", "copy_len", "stride_xb", "stride_xl", "stride_ob", "stride_ol")
+
+
+def _packed_specs(aot):
+    specs = []
+    for xt in ("bf16", "fp32"):
+        for D, rot, H, HKV in ((64, 64, 32, 4), (80, 64, 32, 32), (128, 128, 32, 32), (256, 256, 8, 1)):
+            cfg = _packed_config(D, H + HKV, HKV)
+            for interleaved in (False, True):
+                for source in ("index", "positions", "table"):
+                    for conj in (False, True):
+                        tag = (f"D={D},rot={rot},H={H},Hkv={HKV},{xt},{'interleaved' if interleaved else 'half'},"
+                               f"{source}{',bwd' if conj else ''}")
+                        consts = dict(ROT_HALF=rot // 2, INTERLEAVED=interleaved, FROM_TABLE=source == "table",
+                                      HAS_POS=source == "positions", CONJ=conj, HAS_REST=rot < D,
+                                      BLOCK_P=triton.next_power_of_2(rot // 2),
+                                      BLOCK_R=triton.next_power_of_2(max(D - rot, 1)), INTERPRET=False, **cfg.meta())
+                        specs.append(aot.KernelSpec(f"rope_qkvpacked[{tag}]", _rope_packed_kernel, _packed_sig(xt),
+                                                    consts, num_warps=cfg.num_warps, aligned=_PACKED_ALIGNED))
     return specs
 

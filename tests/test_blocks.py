@@ -12,6 +12,7 @@ Shapes: d_model 32 with 2 heads gives head dim 16, the kernel's smallest; L = 9 
 not multiples of any block size, so every masked edge runs; batch 2 so that padding differs
 per sequence. Everything is tiny because the suite runs through the Triton interpreter.
 """
+import contextlib
 import copy
 import warnings
 import zlib
@@ -21,8 +22,10 @@ import torch
 from torch import nn
 
 import fused_block
-from fused_block import blocks
+from fused_block import _backend, blocks
+from fused_block.kernels import common
 import numerics
+import op_counting
 
 BLOCK_FACTOR = 4.0
 TF32_ATOL = 5e-3
@@ -368,6 +371,131 @@ def test_gqa_equals_mha_with_repeated_kv_weights(kind, device, launches):
     with torch.no_grad():
         torch.testing.assert_close(f(*x, **kwargs), t(*x, **kwargs), atol=_atol(torch.float32, device) * 4, rtol=0)
     assert launches["attention_fwd"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA-style layers: RMSNorm, RoPE, GQA, SwiGLU, no biases (torch has no such layer: the oracle
+# is the same layer in float64, which runs fused_block.reference; PyTorch's own error is that
+# reference run in the test dtype)
+# ---------------------------------------------------------------------------------------------
+
+def _llama_layer(kind, batch_first, interleaved=False):
+    cls = fused_block.TransformerEncoderLayer if kind == "encoder" else fused_block.TransformerDecoderLayer
+    torch.manual_seed(0)
+    layer = cls(D, H, FF, dropout=0.0, activation="swiglu", batch_first=batch_first, norm_first=True, bias=False,
+                norm="rms", num_kv_heads=1, rope=True, rope_interleaved=interleaved)
+    _randomize(layer)
+    return layer
+
+
+def _against_reference(layer, inputs, kwargs, dtype, device, monkeypatch):
+    """The layer (dtype) against itself in float64 on the reference ops, with the reference
+    ops in dtype as the baseline: output, input gradients and every parameter gradient."""
+    layer = layer.to(device)
+    grad_out = numerics.randn(*inputs[0].shape, dtype=torch.float64, device=device)
+    out64, g64 = _run(copy.deepcopy(layer).double(), [t.double() for t in inputs], kwargs, grad_out)
+    out_f, g_f = _run(copy.deepcopy(layer).to(dtype), [t.to(dtype) for t in inputs], kwargs, grad_out)
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "_ops", lambda x: blocks._REFERENCE)
+        out_b, g_b = _run(copy.deepcopy(layer).to(dtype), [t.to(dtype) for t in inputs], kwargs, grad_out)
+    assert out_f.dtype == dtype
+    _assert_close("output", out_f, out64, out_b, dtype, device)
+    assert g_f.keys() == g64.keys()
+    for name in g64:
+        _assert_close(name, g_f[name], g64[name], g_b[name], dtype, device)
+
+
+# Each kind in both layouts; fp32 and bf16 each meet both kinds and both RoPE layouts.
+LLAMA_CASES = [("encoder", True, torch.float32, False), ("encoder", False, torch.bfloat16, True),
+               ("decoder", False, torch.float32, True), ("decoder", True, torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("kind, batch_first, dtype, interleaved", LLAMA_CASES)
+def test_llama_layer_matches_float64(kind, batch_first, dtype, interleaved, device, launches, monkeypatch):
+    """Causal self-attention with key padding: RoPE on the packed projection (sequence-first
+    too), the packed attention kernel, SwiGLU in the FFN's GEMMs; gradients of everything."""
+    layer = _llama_layer(kind, batch_first, interleaved)
+    x = _x(batch_first, L, device)
+    if kind == "encoder":
+        inputs, kwargs = [x], {"src_key_padding_mask": _padding(B, L, device), "is_causal": True}
+    else:
+        inputs = [x, _x(batch_first, S, device)]
+        kwargs = {"tgt_key_padding_mask": _padding(B, L, device), "tgt_is_causal": True,
+                  "memory_key_padding_mask": _padding(B, S, device)}
+    kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    _against_reference(layer, inputs, kwargs, dtype, device, monkeypatch)
+    # Self-attention only is rotated (forward, backward); the decoder adds cross-attention.
+    n_attn = 1 if kind == "encoder" else 2
+    assert launches["rope_qkvpacked"] == 2 and launches["rope"] == 0
+    assert launches["attention_fwd"] == launches["attention_bwd"] == n_attn
+    # Each linear: 1 GEMM forward, 2 backward (dX, dW): QKV and out, plus the decoder's
+    # cross-attention q, kv and out; SwiGLU: 2 forward, 4 backward.
+    assert launches["matmul"] == 3 * (2 if kind == "encoder" else 5) + 6
+
+
+# Kernels per bf16 training step of the LLaMA-style layer (no biases, dropout 0, key padding):
+# 21 Triton (12 GEMMs: QKV and out 3 each, SwiGLU 6; 2 + 2 norm; 2 RoPE; 3 attention) and 7
+# PyTorch: the norm op's weight-gradient sums and casts and the zero-filled gradients of its
+# mean/rstd outputs (2 each, the norm branch's work), and one gradient add for x, which feeds
+# norm1 and, as the residual, norm2. RoPE adds 2 kernels to a layer without it, SwiGLU none.
+MAX_LLAMA_KERNELS = 28
+
+
+def test_llama_layer_step_runs_no_unfused_pytorch_ops(device, monkeypatch):
+    """A training step of the LLaMA-style encoder layer runs no PyTorch matmul, SiLU or
+    multiply (SwiGLU is in the GEMM epilogues) and no cat or copy (RoPE and attention read and
+    write the packed QKV tensor and its one packed gradient); its kernels are counted."""
+    monkeypatch.setattr(common, "POISON_OUTPUTS", False)  # the suite's NaN fills are not the step's
+    layer = _llama_layer("encoder", True).to(device=device, dtype=torch.bfloat16)
+    x = _x(True, L, device).to(torch.bfloat16).requires_grad_(True)
+    dy = numerics.randn(B, L, D, dtype=torch.bfloat16, device=device)  # not sum()'s stride-0 gradient
+    inputs, padding = (x, *layer.parameters()), _padding(B, L, device)
+
+    def step():
+        return torch.autograd.grad(layer(x, src_key_padding_mask=padding, is_causal=True), inputs, dy)
+
+    if device.type == "cuda":
+        step()  # a first call may time config candidates: count a steady step
+    with _backend.host_only() if device.type == "cpu" else contextlib.nullcontext():
+        unfused, counts = op_counting.unfused(step)
+    assert unfused == {}, counts.table()
+    assert counts.total <= MAX_LLAMA_KERNELS and counts.syncs == {}, counts.table()
+    assert counts.triton["rope_qkvpacked"] == 2 and counts.triton["matmul"] == 12, counts.table()
+
+
+def test_rope_layer_with_a_general_mask_falls_back_rotated(device, launches, monkeypatch):
+    """A mask the kernel cannot express sends a RoPE layer to SDPA on views of the rotated
+    packed tensor: still rotated, still right, after the one-time warning."""
+    monkeypatch.setattr(blocks, "_WARNED", set())
+    layer = _llama_layer("encoder", False)
+    mask = numerics.randn(L, L, dtype=torch.float32, device=device)  # a general additive mask
+    with pytest.warns(UserWarning, match="scaled_dot_product_attention"):
+        _against_reference(layer, [_x(False, L, device)], {"src_mask": mask}, torch.float32, device, monkeypatch)
+    assert launches["rope_qkvpacked"] == 2 and launches["attention_fwd"] == 0
+
+
+def test_swiglu_layer_keywords_and_rope_frequencies_after_moves(device):
+    """activation="swiglu" doubles linear1 (gate rows, then up rows) and stores the name (no
+    PyTorch SiLU-multiply callable). RoPE's frequencies stay fp32 and exact through a cast to
+    bf16 (rounded ones would shift every angle) and through meta-device construction plus
+    to_empty (which leaves buffers uninitialized)."""
+    layer = _llama_layer("encoder", True)
+    assert layer.linear1.weight.shape == (2 * FF, D) and layer.activation == "swiglu"
+    assert layer.activation_relu_or_gelu == 0  # never torch's nested-tensor fast path
+    assert not hasattr(blocks, "swiglu")
+    hd = D // H
+    exact = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    half = copy.deepcopy(layer).to(device=device, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        meta = _llama_layer("encoder", True)
+    for m in (half, meta.to_empty(device=device)):
+        assert m.self_attn.inv_freq.dtype == torch.float32
+        torch.testing.assert_close(m.self_attn.inv_freq.cpu(), exact, atol=0, rtol=0)
+    x = _x(True, L, device)
+    with torch.no_grad():
+        got = half(x.to(torch.bfloat16), is_causal=True).float()
+        want = layer.to(device)(x, is_causal=True)
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
 
 
 def test_dropout_in_training_is_seeded_and_differentiable(device):

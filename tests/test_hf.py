@@ -22,7 +22,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fused_block  # noqa: E402
+from fused_block.attention import attention_qkvpacked  # noqa: E402
 import numerics  # noqa: E402
+import op_counting  # noqa: E402
+from fused_block import hf  # noqa: E402
 
 BLOCK_FACTOR = 4.0
 TF32_ATOL = 5e-3
@@ -121,9 +124,13 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
         g = outs["fused"][1][pname].grad
         assert g is not None, pname
         _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
-    assert launches["attention_fwd"] == 2 and launches["add_norm_bwd"] >= 4  # per layer: 1 and 2
-    assert launches["add_norm_fwd"] >= 4
-    assert launches["rope"] == (4 if arch not in ("gpt2", "bert") else 0)  # forward and backward per layer
+    assert launches["attention_fwd"] == launches["attention_bwd"] == 2 and launches["add_norm_bwd"] >= 4
+    assert launches["add_norm_fwd"] >= 4  # per layer: attention 1, norms 2
+    # RoPE on the packed QKV output, forward and backward per layer
+    assert launches["rope_qkvpacked"] == (4 if arch not in ("gpt2", "bert") else 0) and launches["rope"] == 0
+    # per layer: QKV and out projections 1 GEMM forward and 2 backward each; the FFN (SwiGLU in
+    # the LLaMA family) 2 forward and 4 backward: the MLP runs fused in every architecture
+    assert launches["matmul"] == 2 * 12 and launches["act_grad"] == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -141,7 +148,7 @@ def test_bf16_logits(arch, device, launches):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
-def test_greedy_generation_matches(arch, device, launches):
+def test_greedy_generation_matches(arch, device, launches, monkeypatch):
     """16 greedy tokens with the KV cache (prefill, then one query against the cached keys).
     One layer: each token is a full interpreted forward. GPT-2's one layer needs larger
     weights than std 0.2 not to repeat one token."""
@@ -150,10 +157,15 @@ def test_greedy_generation_matches(arch, device, launches):
     ids, _ = _inputs(arch, device)
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
     want = model.generate(ids[:1], **kw)
+    packed = []
+    monkeypatch.setattr(hf, "attention_qkvpacked", lambda *a, **k: packed.append(1) or attention_qkvpacked(*a, **k))
     got = fused.generate(ids[:1], **kw)
     assert want.shape[1] == L + 16 and len(set(want[0, L:].tolist())) > 3  # a real sequence, not one token
     assert torch.equal(got, want)
     assert launches["attention_fwd"] == 16
+    assert len(packed) == 1  # the prefill reads the packed QKV tensor; decoding attends to the cache
+    assert launches["rope_qkvpacked"] == (16 if arch != "gpt2" else 0)
+    assert launches["matmul"] == 16 * 4  # QKV, out, and the MLP's two GEMMs per forward
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
@@ -264,10 +276,10 @@ def test_gradient_checkpointing_and_torch_compile(device, launches):
     getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
     model.zero_grad()
     torch._dynamo.reset()
-    before = launches["rope"]
+    before = launches["rope_qkvpacked"]
     compiled_loss = torch.compile(model, backend="aot_eager")(ids, labels=ids).loss
     compiled_loss.backward()
-    assert launches["rope"] - before == 2
+    assert launches["rope_qkvpacked"] - before == 2
     torch.testing.assert_close(compiled_loss, loss, atol=1e-6, rtol=0)
     for p, g in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
@@ -286,7 +298,7 @@ def test_rope_tables_and_unknown_mask_conventions(device, launches):
         want = model(ids, attention_mask=mask).logits
     keep = mask[..., None] == 1
     torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
-    assert launches["rope"] == 1
+    assert launches["rope_qkvpacked"] == 1
     layer, plain = fused.model.layers[0], model.model.layers[0]
     x = numerics.randn(B, L, 64, dtype=torch.float32, device=device)
     pos = torch.arange(L, device=device)[None]
@@ -297,3 +309,54 @@ def test_rope_tables_and_unknown_mask_conventions(device, launches):
         out = layer(x, attention_mask=padding_only, position_ids=pos, position_embeddings=emb)
         ref = plain(x, attention_mask=padding_only, position_ids=pos, position_embeddings=emb)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_llama_layer_step_runs_no_unfused_pytorch_ops(device, launches):
+    """A converted LlamaDecoderLayer's training step: no PyTorch matmul, SiLU or multiply (the
+    MLP is the fused SwiGLU, its residual add in the down projection's epilogue) and no split,
+    copy or cat of activations or their gradients (RoPE and attention on the packed QKV
+    tensor). The one cat is the q/k/v weights' concatenation for the QKV GEMM, which the
+    converted model must redo while the weights train (they stay separate Parameters)."""
+    model = _converted(_model("llama", device, layers=1).train())
+    layer = model.model.layers[0]
+    x = numerics.randn(B, L, 64, dtype=torch.float32, device=device, requires_grad=True)
+    pos = torch.arange(L, device=device)[None]
+    emb = model.model.rotary_emb(x, pos)
+    grad = numerics.randn(B, L, 64, dtype=torch.float32, device=device)
+    unfused, counts = op_counting.unfused(
+        lambda: layer(x, attention_mask=None, position_ids=pos, position_embeddings=emb).backward(grad))
+    assert unfused == {"cat": 1}, counts.table()
+    assert counts.triton["matmul"] == 12 and counts.triton["rope_qkvpacked"] == 2, counts.table()
+    assert launches["attention_bwd"] == 1
+    assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_mlp_without_silu_runs_hugging_faces_module(device, launches):
+    """hidden_act other than SiLU (the fused op is SiLU-gated): one warning at conversion, the
+    MLP runs Hugging Face's module, everything else stays fused, the answer is the original's."""
+    model = _model("llama", device, layers=1, hidden_act="gelu").eval()
+    with pytest.warns(UserWarning, match="MLP runs Hugging Face's module.*hidden_act 'gelu'"):
+        fused = fused_block.convert(copy.deepcopy(model))
+    ids, mask = _inputs("llama", device)
+    with torch.no_grad():
+        got = fused(ids, attention_mask=mask).logits
+        want = model(ids, attention_mask=mask).logits
+    keep = mask[..., None] == 1
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    assert launches["matmul"] == 2 and launches["attention_fwd"] == 1  # QKV and out only
+
+
+def test_cast_model_rotary_frequencies_are_converted_once(device, launches):
+    """A model cast to bf16 has bf16 rotary frequencies, which the fused RoPE uses as the
+    model's rotary module does (in fp32): converted on the first call, reused while unchanged."""
+    model = _converted(_model("llama", device, layers=1).eval().to(torch.bfloat16))
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    ids, _ = _inputs("llama", device)
+    pos = torch.arange(L, device=device)[None]
+    with torch.no_grad():
+        model(ids)
+        x = model.model.embed_tokens(ids)
+        emb = model.model.rotary_emb(x, pos)
+        unfused, counts = op_counting.unfused(model.model.layers[0], x, position_ids=pos, position_embeddings=emb)
+    assert unfused == {} and "_to_copy" not in counts.torch, counts.table()  # frequencies, QKV weights cached
+    assert launches["rope_qkvpacked"] == 2

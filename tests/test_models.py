@@ -418,4 +418,9 @@ def test_llama_like_matches_transformers_llama(interleaved, device, launches):
             g_scale = max(1.0, ref.abs().max().item())
             numerics.assert_close(f"block{i}.grad{j}", got, ref, want(outs[1][1]), atol=FP32_ATOL * g_scale,
                                   factor=4.0)
-    assert launches["rope"] == 2 * cfg.n_layer and launches["attention_fwd"] == cfg.n_layer
+    # RoPE on the packed projection and the packed attention, forward and backward per layer;
+    # per layer 4 matmuls forward (QKV, out, SwiGLU's gate/up and down) and 8 backward (dX and
+    # dW of QKV and out; SwiGLU's dH with dGate/dUp in its epilogue, dW_down, dW_gate/up, dX).
+    assert launches["rope_qkvpacked"] == 2 * cfg.n_layer and launches["rope"] == 0
+    assert launches["attention_fwd"] == launches["attention_bwd"] == cfg.n_layer
+    assert launches["matmul"] == 12 * cfg.n_layer and launches["act_grad"] == 0

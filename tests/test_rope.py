@@ -156,3 +156,122 @@ def test_bad_inputs_name_the_argument(device, launches):
         with pytest.raises(exc, match=match):
             fused_block.rope(kw.pop("q"), kw.pop("k"), **kw)
     assert launches["rope"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# rope_qkvpacked: the packed QKV projection output in, one packed tensor out
+# ---------------------------------------------------------------------------------------------
+
+def _packed(D, dtype, device, layout):
+    """qkv (B, L, (HQ + 2 HK) * D) in one of the layouts the layers hand over: "batch_first"
+    (a projection's contiguous output), "seq_first" ((L, B, ...), batch_first=False), or
+    "strided" (batch-first rows of a wider buffer: batch and sequence strides that are not
+    the row length)."""
+    width = (HQ + 2 * HK) * D
+    if layout == "seq_first":
+        return randn(L, B, width, dtype=dtype, device=device), False
+    if layout == "strided":
+        return randn(L, B, width + 8, dtype=dtype, device=device).transpose(0, 1)[..., 4:4 + width], True
+    return randn(B, L, width, dtype=dtype, device=device), True
+
+
+def _angle_kwargs(source, rot, interleaved, dtype, device):
+    inv_freq, scale = _inv_freq(rot).to(device), 1.25
+    positions = (torch.arange(L)[None] + torch.tensor([[3], [40]])).to(device)
+    if source == "index":  # positions 0..L-1, as the layers' own RoPE
+        return dict(inv_freq=inv_freq, scale=scale)
+    if source == "positions":
+        return dict(positions=positions, inv_freq=inv_freq, scale=scale)
+    cos, sin = _tables(positions, inv_freq, scale, interleaved, dtype)
+    return dict(cos=cos, sin=sin)
+
+
+# Every dtype meets every angle source and every layout; the interleaved layout and the
+# partial rotary (D 40, rotary 24: 16 copied dims, 12 pairs, not a power of two) alternate
+# so that each meets every source and layout too.
+PACKED_CASES = [(dtype, source, layout, (i % 2 == 1), ((40, 24) if i % 3 == 0 else (32, 32)))
+                for i, (dtype, source, layout) in enumerate(
+                    (d, s, lay) for d in DTYPES for s in ("index", "positions", "table")
+                    for lay in ("batch_first", "seq_first", "strided"))]
+
+
+@pytest.mark.parametrize("dtype, source, layout, interleaved, dims", PACKED_CASES)
+def test_rope_qkvpacked_matches_float64(dtype, source, layout, interleaved, dims, device, launches):
+    D, rot = dims
+    qkv, batch_first = _packed(D, dtype, device, layout)
+    qkv = qkv.detach().requires_grad_()
+    kw = dict(_angle_kwargs(source, rot, interleaved, dtype, device), interleaved=interleaved,
+              batch_first=batch_first)
+    out = fused_block.rope_qkvpacked(qkv, HQ, HK, **kw)
+    assert out.shape == qkv.shape and out.is_contiguous() and out.dtype == dtype
+    x64 = qkv.detach().double().requires_grad_()
+    r64 = reference.rope_qkvpacked(x64, HQ, HK, **kw)
+    xb = qkv.detach().clone().requires_grad_()
+    base = reference.rope_qkvpacked(xb, HQ, HK, **kw, compute_dtype=dtype)
+    assert_close("out", out, r64, base)
+    v = slice((HQ + HK) * D, None)
+    assert torch.equal(out[..., v], qkv[..., v])  # v is copied bit for bit
+    g = randn(*out.shape, dtype=dtype, device=device)
+    (got,) = torch.autograd.grad(out, qkv, g)
+    (want,) = torch.autograd.grad(r64, x64, g.double())
+    (base_g,) = torch.autograd.grad(base, xb, g)
+    assert_close("dqkv", got, want, base_g)
+    assert torch.equal(got[..., v], g[..., v])
+    assert launches["rope_qkvpacked"] == 2 and launches["rope"] == 0  # one launch each way
+
+
+def test_rope_qkvpacked_equals_rope_on_views(device):
+    """The packed kernel and the split one rotate q and k identically (GQA heads, partial
+    rotary), so either path gives the attention kernel the same inputs."""
+    qkv, _ = _packed(40, torch.float32, device, "batch_first")
+    pos, inv = (torch.arange(L)[None] + 7).to(device), _inv_freq(24).to(device)
+    out = fused_block.rope_qkvpacked(qkv, HQ, HK, pos, inv).unflatten(-1, (HQ + 2 * HK, 40))
+    q, k = fused_block.rope(qkv[..., :HQ * 40].unflatten(-1, (HQ, 40)),
+                            qkv[..., HQ * 40:(HQ + HK) * 40].unflatten(-1, (HK, 40)), pos, inv)
+    torch.testing.assert_close(out[:, :, :HQ], q, atol=0, rtol=0)
+    torch.testing.assert_close(out[:, :, HQ:HQ + HK], k, atol=0, rtol=0)
+
+
+def test_rope_qkvpacked_opcheck_and_compile(device, launches):
+    qkv, _ = _packed(32, torch.float32, device, "batch_first")
+    inv = _inv_freq(32).to(device)
+    op = torch.ops.fused_block.rope_qkvpacked.default
+    torch.library.opcheck(op, (qkv, None, inv, None, None, HQ + HK, HQ + 2 * HK, True, 1.0, 32, False, False))
+    cos, sin = _tables(torch.arange(L, device=device)[None], inv, 1.0, True, torch.float32)
+    torch.library.opcheck(op, (qkv.transpose(0, 1).contiguous(), None, None, cos, sin, HQ + HK, HQ + 2 * HK, False,
+                               1.0, 32, True, True))
+    x = qkv.detach().requires_grad_()
+
+    def step(x):
+        return fused_block.rope_qkvpacked(x, HQ, HK, inv_freq=inv).square().sum()
+
+    eager = torch.autograd.grad(step(x), x)[0]
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(x), x)[0]
+    torch.testing.assert_close(compiled, eager)
+    assert launches["rope_qkvpacked"] >= 4
+
+
+def test_rope_qkvpacked_bad_inputs_name_the_argument(device, launches):
+    qkv, _ = _packed(32, torch.float32, device, "batch_first")
+    inv = _inv_freq(32).to(device)
+    pos = torch.arange(L, device=device)[None]
+    cases = [
+        (dict(qkv=qkv[0]), ValueError, "qkv must be 3-D"),
+        (dict(qkv=qkv.double()), TypeError, "qkv must have dtype"),
+        (dict(qkv=qkv[..., :-1]), ValueError, r"qkv's last dim \(223\)"),
+        (dict(num_heads=2.0), TypeError, "num_heads must be an int"),
+        (dict(num_kv_heads=0), ValueError, "num_kv_heads must be positive"),
+        (dict(batch_first=1), TypeError, "batch_first must be a bool"),
+        (dict(positions=pos[:, :3]), ValueError, "positions must have shape"),
+        (dict(batch_first=False, positions=pos), ValueError, r"positions must have shape \(5 or 1, 2\)"),
+        (dict(inv_freq=None), ValueError, "pass either inv_freq"),
+        (dict(inv_freq=torch.cat((inv, inv))), ValueError, "inv_freq must have between"),
+        (dict(scale=float("inf")), ValueError, "scale must be finite"),
+    ]
+    for override, exc, match in cases:
+        kw = dict(qkv=qkv, num_heads=HQ, num_kv_heads=HK, inv_freq=inv)
+        kw.update(override)
+        with pytest.raises(exc, match=match):
+            fused_block.rope_qkvpacked(kw.pop("qkv"), kw.pop("num_heads"), kw.pop("num_kv_heads"), **kw)
+    assert launches["rope_qkvpacked"] == 0
