@@ -19,6 +19,9 @@ Data flow of one encoder layer (x: (B, L, E) with ``batch_first``, else (L, B, E
 
 In Pre-LN, ``add_layer_norm`` returns the residual stream ``h`` beside ``LN2(h)``, and the
 FFN's residual add rides in the epilogue of its second matmul (``mlp(..., residual=h)``).
+Where one tensor feeds two places (Pre-LN's x: LN1 and, as the residual, LN2; Post-LN's h: the
+next sublayer and the next norm's residual) a norm hands it on as its second output, and the
+backward kernel of that norm sums its two gradients (no separate PyTorch add).
 The FFN's dropouts are fused too: the inner one (``dropout``) in the first matmul's epilogue,
 drop2 in the second's (Pre-LN) or in the norm kernel on the FFN output (Post-LN).
 Attention is one QKV matmul whose (..., (H + 2 Hkv) * D) output is viewed, without copies,
@@ -489,8 +492,9 @@ class _LayerMixin:
                             and not self.self_attn.rope and name != "swiglu")
         self.activation_relu_or_gelu = {"relu": 1, "gelu": 2}.get(name, 0) if torch_compatible else 0
 
-    def _add_norm(self, module, x, residual=None, dropout_p=0.0):
-        """``(norm(dropout(x) + residual), dropout(x) + residual)`` in one kernel.
+    def _add_norm(self, module, x, residual=None, dropout_p=0.0, out_is_residual=False):
+        """``(norm(dropout(x) + residual), dropout(x) + residual)`` in one kernel; with
+        ``out_is_residual`` (Post-LN) the second is the norm's output again, for the next add.
 
         The outputs take x's and residual's dtypes. Under autocast x (a matmul's output) is
         low precision while the residual stream stays fp32, as in torch's layers; where the
@@ -498,8 +502,9 @@ class _LayerMixin:
         """
         ops = _ops(x)
         if self.norm == "layer":
-            return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p)
-        return ops.add_rms_norm(x, residual, module.weight, module.eps, dropout_p)
+            return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p, False,
+                                      out_is_residual)
+        return ops.add_rms_norm(x, residual, module.weight, module.eps, dropout_p, False, out_is_residual)
 
     def _ffn(self, x, residual=None, output_dropout=True):
         """``residual + dropout2(linear2(dropout(act(linear1(x)))))``: one ``mlp`` with both
@@ -626,13 +631,13 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
 
         with self._seed_block(x, p1, self.dropout2.p, self.dropout.p, attn.dropout):
             if self.norm_first:
-                n1, _ = self._add_norm(self.norm1, x)
+                n1, x = self._add_norm(self.norm1, x)              # x's two gradients summed in norm1's kernel
                 n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
                 y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
             else:
-                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p1)
+                h, r = self._add_norm(self.norm1, _like(sa(x), x), x, p1, True)  # r: h for the next add
                 f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
-                y, _ = self._add_norm(self.norm2, _like(f, h), h, self.dropout2.p if self.training else 0.0)
+                y, _ = self._add_norm(self.norm2, _like(f, h), r, self.dropout2.p if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
 
     @classmethod
@@ -709,15 +714,15 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         with self._seed_block(x, self.dropout1.p, self.dropout2.p, self.dropout3.p, self.dropout.p, sa_mod.dropout,
                               ca_mod.dropout):
             if self.norm_first:
-                n1, _ = self._add_norm(self.norm1, x)
+                n1, x = self._add_norm(self.norm1, x)
                 n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
                 n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
                 y = self._ffn(n3, residual=h)
             else:
-                h, _ = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1))
-                h, _ = self._add_norm(self.norm2, _like(ca(h), h), h, p(self.dropout2))
+                h, r = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1), True)
+                h, r = self._add_norm(self.norm2, _like(ca(h), h), r, p(self.dropout2), True)
                 f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
-                y, _ = self._add_norm(self.norm3, _like(f, h), h, p(self.dropout3))
+                y, _ = self._add_norm(self.norm3, _like(f, h), r, p(self.dropout3))
         return _unbatch(y, batched, bf)
 
     @classmethod

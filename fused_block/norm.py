@@ -48,7 +48,7 @@ def _add_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, bia
                                residual_dtype, store_residual)
 
 
-def _bwd_fake(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
+def _bwd_fake(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
               dres_dtype, dw_dtype, db_dtype):
     M, N = h.shape
     outs = [h.new_empty((M, N), dtype=x_dtype)]
@@ -61,13 +61,14 @@ def _bwd_fake(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rm
 
 
 @_library.op("add_norm_bwd", fake=_bwd_fake)
-def _add_norm_bwd(dout: Tensor | None, dresidual_out: Tensor | None, h: Tensor, weight: Tensor | None,
-                  mean: Tensor | None, rstd: Tensor, seed: Tensor | None, dropout_p: float, is_rms: bool,
-                  x_dtype: torch.dtype, dres_dtype: torch.dtype | None, dw_dtype: torch.dtype | None,
+def _add_norm_bwd(dout: Tensor | None, dout2: Tensor | None, dresidual_out: Tensor | None, h: Tensor,
+                  weight: Tensor | None, mean: Tensor | None, rstd: Tensor, seed: Tensor | None, dropout_p: float,
+                  is_rms: bool, x_dtype: torch.dtype, dres_dtype: torch.dtype | None, dw_dtype: torch.dtype | None,
                   db_dtype: torch.dtype | None) -> list[Tensor]:
-    """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``; see kernels.norm.add_norm_bwd."""
+    """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``; see
+    kernels.norm.add_norm_bwd."""
     with _backend.device_guard(h):
-        return _k.add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms,
+        return _k.add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms,
                                x_dtype, dres_dtype, dw_dtype, db_dtype)
 
 
@@ -75,43 +76,82 @@ def _unit_last_stride(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def _rows(t):
+    """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride."""
+    return None if t is None else _unit_last_stride(t.reshape(-1, t.shape[-1]))
+
+
+def _forward(x, residual, args):
+    """The forward op on x and residual of any shape; ``(out, residual_out or None)`` in x's
+    shape, and the op's outputs."""
+    outs = _add_norm_fwd(_rows(x), _rows(residual), *args)
+    out, rout = outs[0], outs[1] if args[-1] else None
+    if x.dim() != 2:
+        out = out.view(x.shape)
+        rout = None if rout is None else rout.view(x.shape)
+    return out, rout, outs
+
+
 class _AddNorm(torch.autograd.Function):
-    """Autograd of the forward op; returns ``(out, residual_out)`` when residual_out is stored, else ``out``."""
+    """Autograd of the forward op; returns ``(out, second)``, or ``out`` alone when ``second`` is None.
+
+    ``second`` names the second output: ``"residual_out"`` (stored by the kernel); ``"x"``
+    (residual_out is x itself: x returned as an output, no copy, so that the gradient arriving
+    on it is added to dx in the backward kernel instead of by autograd); ``"out"`` (Post-LN,
+    where out is also the next residual stream: an alias of out whose gradient the backward
+    kernel adds to out's, again instead of autograd).
+
+    x and residual keep their shapes: the (rows, hidden) views are taken in here and in the
+    backward, where autograd does not record them (each recorded view is a node of its own,
+    forward and backward, a few us of host time).
+    """
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
-        outs = _add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
-                             store_residual)
-        out, rstd = outs[0], outs[-1]
-        rout = outs[1] if store_residual else None
-        mean = None if is_rms else outs[-2]
+    def forward(ctx, x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
+                second):
+        out, rout, outs = _forward(x, residual, (weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
+                                                 store_residual))
+        mean, rstd = None if is_rms else outs[-2], outs[-1]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(rout if store_residual else x, weight, mean, rstd, seed)
+        ctx.save_for_backward(outs[1] if store_residual else _rows(x), weight, mean, rstd, seed)
+        ctx.shape = x.shape
         ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.dropout_p, ctx.is_rms, ctx.x_dtype, ctx.residual_dtype = dropout_p, is_rms, x.dtype, residual_dtype
-        return (out, rout) if store_residual else out
+        ctx.second_is_out = second == "out"
+        if second is None:
+            return out
+        if second == "out":
+            return out, out.view_as(out)  # a view: the same tensor twice would have autograd sum the two
+        return out, rout if store_residual else x
 
     @staticmethod
-    def backward(ctx, dout, drout=None):
+    def backward(ctx, dout, dsecond=None):
         h, weight, mean, rstd, seed = ctx.saved_tensors
         need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]
+        dout2, drout = (dsecond, None) if ctx.second_is_out else (None, dsecond)
+        if dout is None:
+            dout, dout2 = dout2, None
+        elif dout2 is not None and ctx.residual_dtype != ctx.x_dtype:
+            # The kernel's variant for a second gradient of out spills with 16-bit x and an fp32
+            # residual stream (the layers never ask for it: Post-LN's norm output is the stream
+            # itself, of the residual's dtype), so this mix sums the two here.
+            dout, dout2 = dout + dout2, None
         if dout is None and drout is None:
-            return (None,) * 10
+            return (None,) * 11
         # dresidual equals the gradient reaching residual_out: a tensor of its own only when
         # dropout or a dtype change lies between it and dx.
         separate = ctx.has_residual and need_res and (ctx.dropout_p > 0 or ctx.residual_dtype != ctx.x_dtype)
         with_dout = dout is not None
         dw_dtype = weight.dtype if weight is not None and need_w and with_dout else None
         db_dtype = ctx.bias_dtype if need_b and with_dout else None
-        grads = _add_norm_bwd(_unit_last_stride(dout), _unit_last_stride(drout), h, weight, mean, rstd, seed,
-                              ctx.dropout_p, ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None,
-                              dw_dtype, db_dtype)
-        dx = grads[0]
+        grads = _add_norm_bwd(_rows(dout), _rows(dout2), _rows(drout), h, weight, mean, rstd, seed, ctx.dropout_p,
+                              ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None, dw_dtype, db_dtype)
+        dx = grads[0].view(ctx.shape)
         i = 1
         dres = None
         if separate:
-            dres, i = grads[1], 2
+            dres, i = grads[1].view(ctx.shape), 2
         elif ctx.has_residual and need_res:
             dres = dx
         dweight = dbias = None
@@ -119,14 +159,14 @@ class _AddNorm(torch.autograd.Function):
             dweight, i = grads[i], i + 1
         if db_dtype is not None:
             dbias = grads[i]
-        return dx if need_x else None, dres, dweight, dbias, None, None, None, None, None, None
+        return dx if need_x else None, dres, dweight, dbias, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
 # public functions
 # ---------------------------------------------------------------------------------------------
 
-def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual):
     _validate.tensor("x", x, min_ndim=1)
     _validate.tensor("residual", residual, optional=True)
     _validate.tensor("weight", weight, optional=True)
@@ -142,14 +182,11 @@ def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
     _validate.probability("dropout_p", dropout_p)
     if not isinstance(residual_in_fp32, bool):
         raise TypeError(f"residual_in_fp32 must be a bool, got {type(residual_in_fp32).__name__}")
+    if not isinstance(out_is_residual, bool):
+        raise TypeError(f"out_is_residual must be a bool, got {type(out_is_residual).__name__}")
 
 
-def _rows(t):
-    """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride."""
-    return None if t is None else _unit_last_stride(t.reshape(-1, t.shape[-1]))
-
-
-def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, is_rms):
+def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms):
     if residual is not None:
         residual_dtype = residual.dtype
     else:
@@ -157,23 +194,25 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, is_rm
     # Without a residual, dropout or dtype change, residual_out is x itself: nothing to store.
     store_residual = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    args = (_rows(x), _rows(residual), _unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps),
-            float(dropout_p), is_rms, residual_dtype, store_residual)
+    args = (_unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps), float(dropout_p), is_rms,
+            residual_dtype, store_residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight, bias)):
-        res = _AddNorm.apply(*args)
-        out, rout = res if store_residual else (res, None)
-    else:  # nothing to differentiate: the op alone, without the Function's bookkeeping
-        outs = _add_norm_fwd(*args)
-        out, rout = outs[0], outs[1] if store_residual else None
-    if x.dim() != 2:
-        out = out.view(x.shape)
-        rout = None if rout is None else rout.view(x.shape)
-    return out, (rout if store_residual else x)
+        if out_is_residual:
+            second = "out"
+        elif store_residual:
+            second = "residual_out"
+        else:  # x itself, through the Function only when its gradient is wanted
+            second = "x" if x.requires_grad else None
+        res = _AddNorm.apply(x, residual, *args, second)
+        return res if second is not None else (res, x)
+    # Nothing to differentiate: the op alone, without the Function's bookkeeping.
+    out, rout, _ = _forward(x, residual, args)
+    return out, out if out_is_residual else x if rout is None else rout
 
 
 def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | None = None,
                    bias: Tensor | None = None, eps: float = 1e-5, dropout_p: float = 0.0,
-                   residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
+                   residual_in_fp32: bool = False, out_is_residual: bool = False) -> tuple[Tensor, Tensor]:
     """``residual_out = dropout(x) + residual``; ``out = layer_norm(residual_out) * weight + bias``.
 
     Args:
@@ -182,31 +221,36 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
         weight, bias: (N,) or None; may be fp32 while x is fp16/bf16 (autocast).
         eps: added to the variance. dropout_p: dropout on x before the add, in [0, 1).
         residual_in_fp32: with residual None, keep residual_out in fp32.
+        out_is_residual: Post-LN, where the normalized output is also the next residual stream:
+            return ``(out, out)`` (the second an alias of out; the sum itself is not returned).
     Returns:
         ``(out, residual_out)``: out in x's dtype; residual_out in residual's dtype (fp32 when
-        ``residual_in_fp32``, else x's). ``out`` normalizes residual_out as stored.
-        Backward saves residual_out (or x) and the fp32 mean and rstd; the dropout mask is
-        regenerated from its seed.
+        ``residual_in_fp32``, else x's). ``out`` normalizes residual_out as stored. Without a
+        residual, dropout or dtype change, residual_out is x itself (no copy). Gradients arriving
+        on both outputs (the residual stream feeds two places: the next sublayer through out,
+        the next add through residual_out) are summed inside the backward kernel, not by a
+        separate PyTorch add. Backward saves residual_out (or x) and the fp32 mean and rstd; the
+        dropout mask is regenerated from its seed.
     """
-    _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32)
+    _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
     if not _backend.use_triton(x):
-        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32)
-    return _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, is_rms=False)
+        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
+    return _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=False)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | None = None,
                  eps: float | None = None, dropout_p: float = 0.0,
-                 residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
+                 residual_in_fp32: bool = False, out_is_residual: bool = False) -> tuple[Tensor, Tensor]:
     """As :func:`add_layer_norm` with RMSNorm: ``out = residual_out * rsqrt(mean(residual_out^2) + eps) * weight``.
 
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``torch.nn.RMSNorm``.
     """
     if eps is None and isinstance(x, Tensor) and x.is_floating_point():
         eps = torch.finfo(x.dtype).eps
-    _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32)
+    _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual)
     if not _backend.use_triton(x):
-        return reference.add_rms_norm(x, residual, weight, eps, dropout_p, residual_in_fp32)
-    return _add_norm(x, residual, weight, None, eps, dropout_p, residual_in_fp32, is_rms=True)
+        return reference.add_rms_norm(x, residual, weight, eps, dropout_p, residual_in_fp32, out_is_residual)
+    return _add_norm(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,22 +43,22 @@ def _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt):
 
 
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p=0.0,
-                   residual_in_fp32=False, *, dropout_mask=None, compute_dtype=None):
+                   residual_in_fp32=False, out_is_residual=False, *, dropout_mask=None, compute_dtype=None):
     """``residual_out = dropout(x) + residual``; ``out = layer_norm(residual_out) * weight + bias``.
 
     Returns ``(out, residual_out)``; ``out`` has x's dtype, ``residual_out`` has residual's
     dtype (fp32 when ``residual_in_fp32`` and residual is None, else x's). ``out`` normalizes
     residual_out (the sum rounded to its dtype). ``dropout_mask`` (bool, x's shape) replaces
-    the random mask.
+    the random mask. ``out_is_residual``: return ``(out, out)`` (Post-LN's residual stream).
     """
     cdt = _compute_dtype(x.dtype, compute_dtype)
     h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)
-    out = F.layer_norm(h, h.shape[-1:], _cast(weight, cdt), _cast(bias, cdt), eps)
-    return out.to(x.dtype), h.to(residual_dtype)
+    out = F.layer_norm(h, h.shape[-1:], _cast(weight, cdt), _cast(bias, cdt), eps).to(x.dtype)
+    return out, out if out_is_residual else h.to(residual_dtype)
 
 
 def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
-                 residual_in_fp32=False, *, dropout_mask=None, compute_dtype=None):
+                 residual_in_fp32=False, out_is_residual=False, *, dropout_mask=None, compute_dtype=None):
     """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
@@ -67,7 +67,8 @@ def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         out = out * weight.to(cdt)
-    return out.to(x.dtype), h.to(residual_dtype)
+    out = out.to(x.dtype)
+    return out, out if out_is_residual else h.to(residual_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

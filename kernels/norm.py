@@ -14,16 +14,20 @@ Backward (after flash-attention's and quack's): a grid of a multiple of the SM c
 the hidden size; each program walks a contiguous run of rows (a runtime count, never a
 constexpr) with the next rows prefetched (``tl.range(num_stages=...)``: cp.async into shared
 memory), computes dx and dresidual (the gradient arriving on ``residual_out`` is added in the
-same pass) and keeps fp32 partial sums of dweight/dbias, one row of partials per program. A
-second small kernel sums the partials in a fixed order (deterministic, no atomics) and writes
-dweight/dbias in the parameters' dtype.
+same pass, and so is a second gradient of ``out`` where out is also the next residual stream,
+as in Post-LN: no separate PyTorch add of two gradients) and keeps fp32 partial sums of
+dweight/dbias, one row of partials per program. A second small kernel sums the partials in a
+fixed order (deterministic, no atomics) and writes dweight/dbias in the parameters' dtype.
+
+The row means are correctly rounded on the GPU as in the interpreter, and rstd nearly so (see
+``_div_n`` and ``_rstd``): rstd, up to 1/sqrt(eps), multiplies every error of the means.
 
 A row that fits the register budget (``next_pow2(N) <= FWD_REG_MAX`` / ``BWD_REG_MAX``) is
 held in registers; wider rows (up to ``MAX_HIDDEN``) go through the chunked path: the forward
-merges per-chunk mean and M2 (Chan et al.) and re-reads the row, from L2, to normalize; the
-backward takes two passes over each group of ``ROWS`` rows (the row reductions, then dx and
-the dweight/dbias partials chunk by chunk; the second pass re-reads the group from L2) and
-accumulates the partials in the program's own partial row (L2-resident).
+sums h - shift and its square (shift: the first chunk's mean) and re-reads the row, from L2, to
+normalize; the backward takes two passes over each group of ``ROWS`` rows (the row reductions,
+then dx and the dweight/dbias partials chunk by chunk; the second pass re-reads the group from
+L2) and accumulates the partials in the program's own partial row (L2-resident).
 """
 import functools
 
@@ -54,14 +58,65 @@ _INTERPRET = common.interpreting()
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dropout_state(SEED, dropout_p, HAS_DROPOUT: tl.constexpr):
-    """(seed, 1 / (1 - p)) of the dropout mask; (0, 1) without dropout."""
+def _div_n(s, N, inv_n, INTERPRET: tl.constexpr):
+    """``s / N`` correctly rounded, for a vector of row sums; ``inv_n`` is RN(1 / N) from the host.
+
+    The statistics are where rounding is amplified: rstd reaches 1/sqrt(eps) ~ 316 on constant
+    rows and nearly that on tiny-variance ones, and multiplies every error of the mean or of
+    the backward's row means (1 ulp of 0.75 times 316 is 2e-5, twice fp32's atol, where
+    PyTorch may be exact). On the GPU Triton's fp32 ``/`` is ``div.full.f32`` (up to 2 ulps
+    off), and ``tl.math.div_rn`` has a slow path that ptxas calls as a subroutine: at the
+    backward's register budget that call spills. So the GPU divides by Markstein's correction
+    (P. Markstein, IBM J. Res. Dev. 34(1), 1990; Muller et al., Handbook of Floating-Point
+    Arithmetic): q = RN(s * inv_n), r = s - q * N (exact in an fma), RN(q + r * inv_n) is
+    RN(s / N) when inv_n = RN(1 / N) and N < 2^24 (checked against numpy's division, the fma
+    emulated in exact rational arithmetic, on 200000 random (N <= MAX_HIDDEN, s) pairs). Three
+    fp32 operations and a select a row, no branch; an infinite sum (overflowing squares) keeps
+    q, where the correction would be NaN. The interpreter divides: numpy's division rounds correctly, its fma
+    rounds twice.
+    """
+    if INTERPRET:
+        return s / N
+    q = s * inv_n
+    d = tl.fma(tl.fma(-q, tl.zeros_like(s) + N, s), inv_n, q)
+    return tl.where(d == d, d, q)
+
+
+@triton.jit
+def _rstd(var, eps, INTERPRET: tl.constexpr):
+    """``1 / sqrt(var + eps)``: on the GPU the nearest float but for about 1 in 10^6 (then 1 ulp off).
+
+    rstd's own error is relative (it scales a row), so it is not amplified like the mean's;
+    still, the GPU's ``tl.sqrt`` (``sqrt.approx``) and ``/`` give ~3 ulps, and
+    ``tl.math.sqrt_rn`` costs the forward 12-16 registers (its slow path: 40 -> 52 at hidden
+    1024, 48 -> 63 at 4096, sm_90 bf16), one fewer 8-warp program per SM. One Newton step,
+    r + r/2 (1 - v r^2), with the residual 1 - v r^2 formed exactly (r^2 split into p + p_lo by
+    an fma), brings the approximation to 0.5 ulp (checked in exact emulation on 2e6 random v
+    from 1e-6 to 1e6: no result off by more, 1 in 10^6 not the nearest float) in 5 fp32
+    operations and no extra registers; where the step is NaN (v infinite, or 0 after the GPU
+    flushed a denormal) r stays as it was (0 or inf, as before the step). The interpreter's
+    square root and division round correctly (within 1 ulp together) and its fma rounds twice,
+    so it stops there.
+    """
+    v = var + eps
+    r = 1.0 / tl.sqrt(v)
+    if not INTERPRET:
+        p = r * r
+        p_lo = tl.fma(r, r, -p)
+        e = tl.fma(-v, p_lo, tl.fma(-v, p, 1.0))
+        refined = tl.fma(0.5 * r, e, r)
+        r = tl.where(refined == refined, refined, r)
+    return r
+
+
+@triton.jit
+def _dropout_seed(SEED, HAS_DROPOUT: tl.constexpr):
+    """The dropout mask's seed; 0 without dropout. (Its scale 1 / (1 - p) comes from the host,
+    correctly rounded: a ``div.rn`` here made ptxas give some sm_80 configs a stack frame.)"""
     seed = 0
-    keep_scale = 1.0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
-        keep_scale = 1.0 / (1.0 - dropout_p)
-    return seed, keep_scale
+    return seed
 
 
 @triton.jit
@@ -92,7 +147,7 @@ def _add_pair(a0, a1, b0, b1):
 @triton.jit
 def _add_norm_fwd_kernel(
     X, R, W, B, OUT, ROUT, MEAN, RSTD, SEED,
-    stride_x, stride_r, M, N, eps, dropout_p,
+    stride_x, stride_r, M, N, inv_n, eps, dropout_p, keep_scale,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_ROUT: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -100,7 +155,7 @@ def _add_norm_fwd_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     r2 = rows[:, None]
-    seed, keep_scale = _dropout_state(SEED, dropout_p, HAS_DROPOUT)
+    seed = _dropout_seed(SEED, HAS_DROPOUT)
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -120,18 +175,18 @@ def _add_norm_fwd_kernel(
             tl.store(ROUT + r2 * N + c2, common.cast(h, ROUT.dtype.element_ty, INTERPRET), mask=mask)
         if IS_RMS:
             xc = h
-            var = tl.sum(h * h, axis=1) / N
+            var = _div_n(tl.sum(h * h, axis=1), N, inv_n, INTERPRET)
         else:
             # Corrected two-pass: the rounding error of the first mean (~N ulps of |mean|, large
             # against a tiny spread) comes back exactly in sum(d), in the same reduction as sum(d^2).
-            mean = tl.sum(h, axis=1) / N
+            mean = _div_n(tl.sum(h, axis=1), N, inv_n, INTERPRET)
             d = tl.where(mask, h - mean[:, None], 0.0)
             sd, sdd = tl.reduce((d, d * d), 1, _add_pair)
-            dm = sd / N
+            dm = _div_n(sd, N, inv_n, INTERPRET)
             mean += dm
             xc = d - dm[:, None]
-            var = tl.maximum(sdd / N - dm * dm, 0.0)
-        rstd = 1.0 / tl.sqrt(var + eps)
+            var = tl.maximum(_div_n(sdd, N, inv_n, INTERPRET) - dm * dm, 0.0)
+        rstd = _rstd(var, eps, INTERPRET)
         y = xc * rstd[:, None]
         if ROWS * BLOCK_N > 8192:
             if HAS_W:
@@ -168,11 +223,11 @@ def _add_norm_fwd_kernel(
                 s1 += tl.sum(d, axis=1)
                 s2 += tl.sum(d * d, axis=1)
         if IS_RMS:
-            rstd = 1.0 / tl.sqrt(s2 / N + eps)
+            rstd = _rstd(_div_n(s2, N, inv_n, INTERPRET), eps, INTERPRET)
         else:
-            d_mean = s1 / N
+            d_mean = _div_n(s1, N, inv_n, INTERPRET)
             mean = shift + d_mean
-            rstd = 1.0 / tl.sqrt(tl.maximum(s2 / N - d_mean * d_mean, 0.0) + eps)
+            rstd = _rstd(tl.maximum(_div_n(s2, N, inv_n, INTERPRET) - d_mean * d_mean, 0.0), eps, INTERPRET)
         # Pass 2: recompute h exactly (same loads, same dropout mask; mostly L2 hits), normalize.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
@@ -195,14 +250,17 @@ def _add_norm_fwd_kernel(
 
 
 @triton.jit
-def _xhat_dy(H, DOUT, h_offs, dout_offs, mask, mean, rstd, w, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
-    """xhat, dy and w * dy of a tile, fp32, 0 outside ``mask``."""
+def _xhat_dy(H, DOUT, DOUT2, h_offs, dout_offs, dout2_offs, mask, mean, rstd, w, IS_RMS: tl.constexpr,
+             HAS_W: tl.constexpr, HAS_DOUT2: tl.constexpr):
+    """xhat, dy and w * dy of a tile, fp32, 0 outside ``mask``; dy sums out's two gradients with HAS_DOUT2."""
     h = tl.load(H + h_offs, mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
         xhat = h * rstd[:, None]
     else:
         xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
     dy = tl.load(DOUT + dout_offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DOUT2:
+        dy += tl.load(DOUT2 + dout2_offs, mask=mask, other=0.0).to(tl.float32)
     wdy = dy
     if HAS_W:
         wdy = dy * w[None, :]
@@ -245,10 +303,12 @@ def _store_grads(DX, DRES, offs, mask, seed, keep_scale, dropout_p, dh,
 
 @triton.jit
 def _add_norm_bwd_kernel(
-    H, W, DOUT, DROUT, MEAN, RSTD, SEED, DX, DRES, DW_PART, DB_PART,
-    stride_h, stride_dout, stride_drout, M, N, dropout_p, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr,
-    HAS_DB: tl.constexpr, HAS_DROUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    H, W, DOUT, DOUT2, DROUT, MEAN, RSTD, SEED, DX, DRES, DW_PART, DB_PART,
+    stride_h, stride_dout, stride_dout2, stride_drout, M, N, inv_n, dropout_p, keep_scale,
+    rows_per_program,
+    IS_RMS: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_DOUT2: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_DROUT: tl.constexpr, STORE_DRES: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -257,7 +317,7 @@ def _add_norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     DW_PART += pid * N
     DB_PART += pid * N
-    seed, keep_scale = _dropout_state(SEED, dropout_p, HAS_DROPOUT)
+    seed = _dropout_seed(SEED, HAS_DROPOUT)
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -278,16 +338,16 @@ def _add_norm_bwd_kernel(
                 dh = tl.load(DROUT + r2 * stride_drout + c2, mask=mask, other=0.0).to(tl.float32)
             if HAS_DOUT:
                 mean, rstd = _row_stats(MEAN, RSTD, rows, row_mask, IS_RMS)
-                xhat, dy, wdy = _xhat_dy(H, DOUT, r2 * stride_h + c2, r2 * stride_dout + c2, mask,
-                                         mean, rstd, w, IS_RMS, HAS_W)
+                xhat, dy, wdy = _xhat_dy(H, DOUT, DOUT2, r2 * stride_h + c2, r2 * stride_dout + c2,
+                                         r2 * stride_dout2 + c2, mask, mean, rstd, w, IS_RMS, HAS_W, HAS_DOUT2)
                 if HAS_DW:
                     dw += dy * xhat
                 if HAS_DB:
                     db += dy
-                m1 = tl.sum(xhat * wdy, axis=1) / N
+                m1 = _div_n(tl.sum(xhat * wdy, axis=1), N, inv_n, INTERPRET)
                 m2 = m1
                 if not IS_RMS:
-                    m2 = tl.sum(wdy, axis=1) / N
+                    m2 = _div_n(tl.sum(wdy, axis=1), N, inv_n, INTERPRET)
                 dh += _dh(xhat, wdy, m1, m2, rstd, IS_RMS)
             _store_grads(DX, DRES, r2 * N + c2, mask, seed,
                          keep_scale, dropout_p, dh, STORE_DRES, HAS_DROPOUT, INTERPRET)
@@ -297,7 +357,7 @@ def _add_norm_bwd_kernel(
             tl.store(DB_PART + cols, tl.sum(db, axis=0), mask=col_mask)
     else:
         # Wide rows, a group of ROWS rows at a time. Pass 1: the row reductions
-        # c1 = mean(xhat * w * dy), c2 = mean(w * dy). Pass 2 (the group re-read from L2): dx,
+        # m1 = mean(xhat * w * dy), m2 = mean(w * dy). Pass 2 (the group re-read from L2): dx,
         # and the chunk's dweight/dbias partials added into this program's partial row (the
         # first group writes it, so it needs no zero-fill). Both passes prefetch the next chunk
         # when NUM_STAGES > 1.
@@ -316,10 +376,13 @@ def _add_norm_bwd_kernel(
                     wc = 0.0
                     if HAS_W:
                         wc = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-                    xhat, dy, wdy = _xhat_dy(H, DOUT, r2 * stride_h + c2, r2 * stride_dout + c2, mask,
-                                             mean, rstd, wc, IS_RMS, HAS_W)
+                    xhat, dy, wdy = _xhat_dy(H, DOUT, DOUT2, r2 * stride_h + c2, r2 * stride_dout + c2,
+                                             r2 * stride_dout2 + c2, mask, mean, rstd, wc, IS_RMS, HAS_W,
+                                             HAS_DOUT2)
                     s1 += tl.sum(xhat * wdy, axis=1)
                     s2 += tl.sum(wdy, axis=1)
+            m1 = _div_n(s1, N, inv_n, INTERPRET)
+            m2 = _div_n(s2, N, inv_n, INTERPRET)
             not_first = r0 > row_start
             for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_N)
@@ -333,9 +396,10 @@ def _add_norm_bwd_kernel(
                     wc = 0.0
                     if HAS_W:
                         wc = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    xhat, dy, wdy = _xhat_dy(H, DOUT, r2 * stride_h + c2, r2 * stride_dout + c2, mask,
-                                             mean, rstd, wc, IS_RMS, HAS_W)
-                    dh += _dh(xhat, wdy, s1 / N, s2 / N, rstd, IS_RMS)
+                    xhat, dy, wdy = _xhat_dy(H, DOUT, DOUT2, r2 * stride_h + c2, r2 * stride_dout + c2,
+                                             r2 * stride_dout2 + c2, mask, mean, rstd, wc, IS_RMS, HAS_W,
+                                             HAS_DOUT2)
+                    dh += _dh(xhat, wdy, m1, m2, rstd, IS_RMS)
                     if HAS_DW:
                         dw = tl.sum(dy * xhat, axis=0)
                         dw += tl.load(DW_PART + cols, mask=col_mask & not_first, other=0.0)
@@ -524,6 +588,11 @@ _BWD_CACHE = common.ConfigCache("add_norm_bwd")
 # launchers
 # ---------------------------------------------------------------------------------------------
 
+def _keep_scale(dropout_p):
+    """1 / (1 - p), rounded once (to fp32, as the launcher passes it)."""
+    return 1.0 / (1.0 - dropout_p)
+
+
 def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
     """Launch the forward on (M, N) inputs whose last dim has unit stride.
 
@@ -555,7 +624,8 @@ def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residu
     # Absent pointers get x (never dereferenced: their use is constexpr-guarded).
     args = (x, residual if has_res else x, weight if has_w else x, bias if has_b else x, out,
             rout if store_residual else x, mean if mean is not None else rstd, rstd, seed if has_drop else x,
-            x.stride(0), residual.stride(0) if has_res else 0, M, N, eps, dropout_p)
+            x.stride(0), residual.stride(0) if has_res else 0, M, N, 1.0 / N, eps, dropout_p,
+            _keep_scale(dropout_p))
     cfg = _FWD_CACHE.chosen.get(key)
     if cfg is None:
         cfg = _FWD_CACHE.get(key, fwd_candidates(arch, block, single, light),
@@ -576,22 +646,26 @@ def _fwd_launch(cfg, M, args, key):
     common.launch("add_norm_fwd", _add_norm_fwd_kernel, (-(-M // rows),), args, _fwd_constexprs(key), cfg)
 
 
-def add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
+def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
                  dres_dtype, dw_dtype, db_dtype):
     """Launch the backward. ``h`` is the saved residual_out (or x when it was not stored).
 
-    ``dout`` (the gradient of out) and ``dresidual_out`` may each be None; both have unit stride
-    in the last dim. Returns a list: ``dx`` (``x_dtype``), then ``dresidual`` when
-    ``dres_dtype`` is not None (a separate tensor: dropout or a dtype change between them; else
-    dresidual is dx), then ``dweight`` in ``dw_dtype`` and ``dbias`` in ``db_dtype`` when those
-    are not None (they need ``dout``).
+    ``dout`` (the gradient of out), ``dout2`` (a second gradient of out, summed with the first in
+    the kernel; only with ``dout``, never with ``dresidual_out``: the compile check covers each
+    alone) and ``dresidual_out`` may each be None; all have unit stride in the last dim.
+    Returns a list: ``dx`` (``x_dtype``), then ``dresidual`` when ``dres_dtype`` is not None (a
+    separate tensor: dropout or a dtype change between them; else dresidual is dx), then
+    ``dweight`` in ``dw_dtype`` and ``dbias`` in ``db_dtype`` when those are not None (they need
+    ``dout``).
     """
     M, N = h.shape
     dev = h.device
     has_dout = dout is not None
     has_dw, has_db = dw_dtype is not None, db_dtype is not None
-    if (has_dw or has_db) and not has_dout:
-        raise ValueError("add_norm_bwd: dweight/dbias need the gradient of out")
+    if (has_dw or has_db or dout2 is not None) and not has_dout:
+        raise ValueError("add_norm_bwd: dweight/dbias and dout2 need the gradient of out")
+    if dout2 is not None and dresidual_out is not None:
+        raise ValueError("add_norm_bwd: dout2 and dresidual_out are exclusive")
     dx = common.empty((M, N), x_dtype, dev)
     outs = [dx]
     dres = dw = db = None
@@ -608,16 +682,17 @@ def add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is
     n_part, part_w, part_b = 0, dx, dx  # stand-ins, never dereferenced without HAS_DW / HAS_DB
     if M > 0:
         block, single = _block(N, BWD_REG_MAX, BWD_CHUNK)
-        has_drout, has_drop = dresidual_out is not None, dropout_p > 0
+        has_dout2, has_drout, has_drop = dout2 is not None, dresidual_out is not None, dropout_p > 0
         has_w = weight is not None and has_dout
         key = (arch, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, dres is not None,
-               has_drop, x_dtype, h.dtype, None if weight is None else weight.dtype)
+               has_drop, has_dout2, x_dtype, h.dtype, None if weight is None else weight.dtype)
         # Absent pointers get h (never dereferenced: their use is constexpr-guarded).
-        ptrs = (h, weight if has_w else h, dout if has_dout else h, dresidual_out if has_drout else h,
-                mean if mean is not None else rstd, rstd, seed if has_drop else h, dx,
-                dres if dres is not None else dx)
-        strides = (h.stride(0), dout.stride(0) if has_dout else 0, dresidual_out.stride(0) if has_drout else 0,
-                   M, N, dropout_p)
+        ptrs = (h, weight if has_w else h, dout if has_dout else h, dout2 if has_dout2 else h,
+                dresidual_out if has_drout else h, mean if mean is not None else rstd, rstd,
+                seed if has_drop else h, dx, dres if dres is not None else dx)
+        strides = (h.stride(0), dout.stride(0) if has_dout else 0, dout2.stride(0) if has_dout2 else 0,
+                   dresidual_out.stride(0) if has_drout else 0, M, N, 1.0 / N, dropout_p,
+                   _keep_scale(dropout_p))
         target = bwd_programs(N, common.sm_count(dev))
         cfg = _BWD_CACHE.chosen.get(key)
         if cfg is None:
@@ -634,9 +709,10 @@ def add_norm_bwd(dout, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is
 
 @functools.lru_cache(maxsize=None)
 def _bwd_constexprs(key):
-    _, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, store_dres, has_drop = key[:11]
-    return dict(IS_RMS=is_rms, HAS_DOUT=has_dout, HAS_W=has_w, HAS_DW=has_dw, HAS_DB=has_db,
-                HAS_DROUT=has_drout, STORE_DRES=store_dres, HAS_DROPOUT=has_drop, SINGLE_PASS=single,
+    _, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, store_dres, has_drop, has_dout2 = \
+        key[:12]
+    return dict(IS_RMS=is_rms, HAS_DOUT=has_dout, HAS_DOUT2=has_dout2, HAS_W=has_w, HAS_DW=has_dw,
+                HAS_DB=has_db, HAS_DROUT=has_drout, STORE_DRES=store_dres, HAS_DROPOUT=has_drop, SINGLE_PASS=single,
                 BLOCK_N=block, INTERPRET=_INTERPRET)
 
 
@@ -658,7 +734,7 @@ def _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev):
     has_dw, has_db = key[6], key[7]
     # One allocation for both (n_prog, N) partials; every row is written by its program
     # (poisoned in the tests).
-    part_w = part_b = ptrs[7]
+    part_w = part_b = ptrs[8]  # dx
     if has_dw or has_db:
         parts = common.empty((has_dw + has_db, n_prog, N), torch.float32, dev)
         part_w = parts[0] if has_dw else part_w
@@ -671,30 +747,34 @@ def _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev):
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compile specs: every config of both architectures' tables on its own
 # architecture, at every BLOCK_N the launchers can pick. Every candidate compiles in the
-# heaviest variant (LayerNorm, all fp32, every feature on: dropout, residual, bias, the incoming
-# residual gradient), and the LIGHT-only ones in the light LayerNorm variant; the default
-# candidates also in the autocast variant (bf16 activations, fp32 residual stream and
-# parameters, every feature) and in the benchmarked bf16 variants (LayerNorm and RMSNorm with a
-# residual, no dropout), whose register counts are the ones that matter for speed.
+# heaviest variants (LayerNorm, all fp32, every feature on: dropout, residual, bias, and one
+# extra incoming gradient: residual_out's, or in the backward a second one of out, never both),
+# and the LIGHT-only ones in the light LayerNorm variant; the default candidates also in the
+# autocast variant (bf16 activations, fp32 residual stream and parameters, every feature) and
+# in the benchmarked bf16 variants (Pre-LN's LayerNorm and RMSNorm with a residual and
+# residual_out's gradient, no dropout; the backward of Post-LN's LayerNorm with dropout and out's
+# second gradient), whose register counts are the ones that matter for speed.
 # ---------------------------------------------------------------------------------------------
 
 def _fwd_sig(xt, rt, wt):
     return {"X": f"*{xt}", "R": f"*{rt}", "W": f"*{wt}", "B": f"*{wt}", "OUT": f"*{xt}",
             "ROUT": f"*{rt}", "MEAN": "*fp32", "RSTD": "*fp32", "SEED": "*i64",
-            "stride_x": "i64", "stride_r": "i64", "M": "i32", "N": "i32", "eps": "fp32", "dropout_p": "fp32",
+            "stride_x": "i64", "stride_r": "i64", "M": "i32", "N": "i32", "inv_n": "fp32", "eps": "fp32",
+            "dropout_p": "fp32", "keep_scale": "fp32",
             "IS_RMS": "constexpr", "HAS_RES": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr",
             "HAS_DROPOUT": "constexpr", "STORE_ROUT": "constexpr", "SINGLE_PASS": "constexpr",
             "BLOCK_N": "constexpr", "ROWS": "constexpr", "INTERPRET": "constexpr"}
 
 
 def _bwd_sig(xt, rt, wt):
-    return {"H": f"*{rt}", "W": f"*{wt}", "DOUT": f"*{xt}", "DROUT": f"*{rt}", "MEAN": "*fp32",
-            "RSTD": "*fp32", "SEED": "*i64", "DX": f"*{xt}", "DRES": f"*{rt}", "DW_PART": "*fp32",
-            "DB_PART": "*fp32", "stride_h": "i64", "stride_dout": "i64", "stride_drout": "i64",
-            "M": "i32", "N": "i32", "dropout_p": "fp32",
+    return {"H": f"*{rt}", "W": f"*{wt}", "DOUT": f"*{xt}", "DOUT2": f"*{xt}", "DROUT": f"*{rt}",
+            "MEAN": "*fp32", "RSTD": "*fp32", "SEED": "*i64", "DX": f"*{xt}", "DRES": f"*{rt}",
+            "DW_PART": "*fp32", "DB_PART": "*fp32",
+            "stride_h": "i64", "stride_dout": "i64", "stride_dout2": "i64", "stride_drout": "i64",
+            "M": "i32", "N": "i32", "inv_n": "fp32", "dropout_p": "fp32", "keep_scale": "fp32",
             "rows_per_program": "i32",
-            "IS_RMS": "constexpr", "HAS_DOUT": "constexpr", "HAS_W": "constexpr", "HAS_DW": "constexpr",
-            "HAS_DB": "constexpr", "HAS_DROUT": "constexpr", "STORE_DRES": "constexpr",
+            "IS_RMS": "constexpr", "HAS_DOUT": "constexpr", "HAS_DOUT2": "constexpr", "HAS_W": "constexpr",
+            "HAS_DW": "constexpr", "HAS_DB": "constexpr", "HAS_DROUT": "constexpr", "STORE_DRES": "constexpr",
             "HAS_DROPOUT": "constexpr", "SINGLE_PASS": "constexpr", "BLOCK_N": "constexpr",
             "ROWS": "constexpr", "NUM_STAGES": "constexpr", "INTERPRET": "constexpr"}
 
@@ -713,17 +793,23 @@ def aot_specs():
     from fused_block.kernels import aot  # only the compile check needs it
 
     fwd_aligned = ("stride_x", "stride_r", "N")
-    bwd_aligned = ("stride_h", "stride_dout", "stride_drout", "N")
-    # (x, residual, params, RMSNorm, dropout, every candidate)
-    variants = (("fp32", "fp32", "fp32", False, True, True), ("bf16", "fp32", "fp32", False, True, False),
-                ("bf16", "bf16", "bf16", False, False, False), ("bf16", "bf16", "bf16", True, False, False))
+    bwd_aligned = ("stride_h", "stride_dout", "stride_dout2", "stride_drout", "N")
+    # (x, residual, params, RMSNorm, dropout, every candidate, forward too, the backward's
+    # incoming gradient: "drout" of residual_out, "dout2" a second one of out; the kernel never
+    # gets both: see add_norm_bwd)
+    variants = (("fp32", "fp32", "fp32", False, True, True, True, "drout"),
+                ("fp32", "fp32", "fp32", False, True, True, False, "dout2"),
+                ("bf16", "fp32", "fp32", False, True, False, True, "drout"),
+                ("bf16", "bf16", "bf16", False, False, False, True, "drout"),
+                ("bf16", "bf16", "bf16", True, False, False, True, "drout"),
+                ("bf16", "bf16", "bf16", False, True, False, False, "dout2"))
     specs = []
     for arch in common.ARCHS:
-        for xt, rt, wt, is_rms, dropout, every in variants:
+        for xt, rt, wt, is_rms, dropout, every, fwd, incoming in variants:
             norm = ("rms" if is_rms else "ln") + (",dropout" if dropout else "")
             flags = {"IS_RMS": is_rms, "HAS_W": True, "HAS_DROPOUT": dropout}
             light = xt == rt == "bf16" and not dropout
-            for block, single in _blocks(FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK):
+            for block, single in _blocks(FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK) if fwd else ():
                 cands = fwd_candidates(arch, block, single, light)
                 if not every:
                     heavy = fwd_candidates(arch, block, single, False) if block <= FWD_REG_MAX_HEAVY or not single else ()
@@ -740,11 +826,12 @@ def aot_specs():
                 cands = bwd_candidates(arch, block, single)
                 for cfg in cands if every else cands[:1]:
                     tag = (f"sm{arch},N={block},{'reg' if single else 'chunked'},rows={cfg['ROWS']},"
-                           f"stages={cfg['NUM_STAGES']},{norm},{xt}/{rt}/{wt}")
+                           f"stages={cfg['NUM_STAGES']},{norm},{incoming},{xt}/{rt}/{wt}")
                     specs.append(aot.KernelSpec(
                         f"add_norm_bwd[{tag}]", _add_norm_bwd_kernel, _bwd_sig(xt, rt, wt),
-                        dict(flags, HAS_DOUT=True, HAS_DW=True, HAS_DB=not is_rms, HAS_DROUT=True,
-                             STORE_DRES=True, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=False, **cfg.meta()),
+                        dict(flags, HAS_DOUT=True, HAS_DOUT2=incoming == "dout2", HAS_DW=True, HAS_DB=not is_rms,
+                             HAS_DROUT=incoming == "drout", STORE_DRES=True, SINGLE_PASS=single, BLOCK_N=block,
+                             INTERPRET=False, **cfg.meta()),
                         num_warps=cfg.num_warps, aligned=bwd_aligned, archs=(arch,)))
         for wt in ("fp32", "bf16"):
             cfg = _REDUCE_CONFIGS[arch]

@@ -117,13 +117,14 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(knorm, "bwd_programs", lambda n, sms: 3)
 
 
+@pytest.mark.parametrize("out_is_residual", [False, True], ids=["residual_out", "out_twice"])
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-def test_chunked_paths(device, launches, small_chunks, norm, dtype):
+def test_chunked_paths(device, launches, small_chunks, norm, dtype, out_is_residual):
     # 13 rows: 4 groups of 4 (the last masked) over 3 programs of 2, 2 and 1 groups; 100 = 3 full
-    # chunks of 32 and a masked one.
+    # chunks of 32 and a masked one. out_twice: out's second gradient read in both passes.
     inputs = _inputs((13, 100), dtype, device, has_b=norm == "layer", param_dtype=torch.float32)
-    _check_fwd_bwd(norm, inputs, dtype, device)
+    _check_fwd_bwd(norm, inputs, dtype, device, out_is_residual=out_is_residual)
     assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
     assert launches["add_norm_bwd_reduce"] == 1
 
@@ -275,6 +276,68 @@ def test_gradient_of_one_output(device, launches, norm):
     assert launches["add_norm_bwd"] == 2 and launches["add_norm_bwd_reduce"] == 1
 
 
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("second", ["x", "out", "out_fp32_residual"])
+def test_one_tensor_feeding_two_places(device, launches, monkeypatch, norm, second):
+    """The residual stream feeds the next sublayer and the next add: both results of the norm
+    are outputs of its autograd Function, and the backward kernel sums their gradients (no
+    PyTorch add). ``x``: without a residual, residual_out is x itself (Pre-LN's first norm);
+    ``out``: ``out_is_residual`` returns out twice (Post-LN, here with a residual and dropout);
+    ``out_fp32_residual``: the same with a wider residual, whose two gradients PyTorch sums
+    (the kernel variant would spill; the layers never ask for it)."""
+    dtype = torch.bfloat16
+    has_res = second != "x"
+    inputs = _inputs((7, 96), dtype, device, has_res=has_res, has_b=norm == "layer")
+    if second == "out_fp32_residual":
+        inputs[1] = inputs[1].detach().float().requires_grad_()
+    kw = {"out_is_residual": True} if has_res else {}
+    p = 0.2 if has_res else 0.0
+    x = inputs[0]
+    kept = _kept_mask(norm, x, p, 3) if p else None
+    torch.manual_seed(3)
+    out, rout = _call(_op(norm), norm, *inputs, dropout_p=p, **kw)
+    assert rout.data_ptr() == (x if second == "x" else out).data_ptr() and rout.grad_fn is not None
+    as64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    ref_out, ref_rout = _call(_ref(norm), norm, *as64, dropout_p=p, dropout_mask=kept, **kw)
+    base_out, base_rout = _call(_ref(norm), norm, *inputs, dropout_p=p, dropout_mask=kept, compute_dtype=dtype, **kw)
+    assert_close("out", out, ref_out, base_out)
+    gouts = [torch.randn(out.shape, dtype=torch.float64, device=device) for _ in range(2)]
+    names = [nm for nm, t in zip(("dx", "dresidual", "dweight", "dbias"), inputs) if t is not None]
+    for name, g, w, b in zip(names, _grads((out, rout), inputs, gouts), _grads((ref_out, ref_rout), as64, gouts),
+                             _grads((base_out, base_rout), inputs, gouts)):
+        assert_close(name, g, w, b, dtype=dtype)
+    assert launches["add_norm_bwd"] == 1
+
+    monkeypatch.setattr(common, "POISON_OUTPUTS", False)  # the poison is a fill_
+    monkeypatch.setattr(common, "STUB_LAUNCHES", True)
+    out, rout = _call(_op(norm), norm, *inputs, dropout_p=p, **kw)
+    g = [torch.randn_like(out) for _ in range(2)]
+    with _AtenOps() as bwd:
+        torch.autograd.grad((out, rout), [t for t in inputs if t is not None], g)
+    assert sum(n for op, n in bwd.ops.items() if "add" in op) == (second == "out_fp32_residual"), bwd.ops
+
+
+def test_batched_inputs_add_no_view_nodes(device, launches):
+    """(B, L, N) inputs are flattened inside the autograd Function: the graph holds its node
+    alone, not a view node (host time, forward and backward) per input and output."""
+    x, residual, weight, _ = _inputs((2, 3, 64), torch.bfloat16, device, has_b=False)
+    for res in (residual, None):
+        out, rout = fused_block.add_rms_norm(x, res, weight)
+        assert out.grad_fn.name() == rout.grad_fn.name() == "_AddNormBackward"
+        assert {f.name() for f, _ in out.grad_fn.next_functions if f is not None} == {"torch::autograd::AccumulateGrad"}
+
+
+def test_residual_out_of_a_frozen_x_is_x(device, launches):
+    """x that needs no gradient is returned as it is (not through the autograd Function)."""
+    x, _, weight, bias = _inputs((5, 64), torch.float32, device)
+    x.requires_grad_(False)
+    out, rout = fused_block.add_layer_norm(x, None, weight, bias)
+    assert rout is x and out.requires_grad
+    with torch.no_grad():
+        out, rout = fused_block.add_rms_norm(x, None, weight, out_is_residual=True)
+    assert rout is out
+
+
 def test_frozen_parameters_skip_the_reduction(device, launches):
     x, residual, weight, bias = _inputs((9, 128), torch.float32, device)
     weight.requires_grad_(False)
@@ -371,21 +434,24 @@ def test_opcheck(device, norm, dropout, rout):
     outs = torch.ops.fused_block.add_norm_fwd(*args)
     h = outs[1] if rout else x
     mean = None if norm == "rms" else outs[-2]
-    bwd_args = (torch.randn_like(x), torch.randn_like(h) if rout else None, h, weight, mean, outs[-1], seed,
+    dout2 = None if rout else torch.randn_like(x)  # a second gradient of out (never with residual_out's)
+    bwd_args = (torch.randn_like(x), dout2, torch.randn_like(h) if rout else None, h, weight, mean, outs[-1], seed,
                 dropout, norm == "rms", torch.bfloat16, rdtype if rout else None, torch.float32,
                 None if bias is None else torch.float32)
     torch.library.opcheck(torch.ops.fused_block.add_norm_bwd.default, bwd_args)
 
 
+@pytest.mark.parametrize("second", ["residual_out", "x", "out"])
 @pytest.mark.parametrize("norm", NORMS)
-def test_torch_compile_fullgraph(device, launches, norm):
+def test_torch_compile_fullgraph(device, launches, norm, second):
+    """Each kind of second output (residual_out, x returned as itself, out twice) traces."""
     x = randn(6, 64, dtype=torch.float32, device=device, requires_grad=True)
-    residual = randn(6, 64, dtype=torch.float32, device=device)
+    residual = None if second == "x" else randn(6, 64, dtype=torch.float32, device=device)
     weight = randn(64, dtype=torch.float32, device=device, requires_grad=True)
 
     def step(x, residual, weight):
-        out, rout = _call(_op(norm), norm, x, residual, weight, None)
-        return (out * rout).sum()
+        out, rout = _call(_op(norm), norm, x, residual, weight, None, out_is_residual=second == "out")
+        return (out * rout.flip(-1)).sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     loss = compiled(x, residual, weight)
@@ -440,3 +506,12 @@ def test_autocast(device, launches):
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), torch.nn.functional.layer_norm(x.float(), (64,)), atol=2e-2, rtol=1e-2)
     assert launches["add_norm_fwd"] == 1
+
+
+def test_backward_launcher_takes_one_extra_gradient(device):
+    """A second gradient of out and the gradient of residual_out never go to one launch (the
+    compile check covers each alone; the autograd Function passes at most one)."""
+    h = randn(3, 16, dtype=torch.float32, device=device)
+    rstd = torch.ones(3, device=device)
+    with pytest.raises(ValueError, match="exclusive"):
+        knorm.add_norm_bwd(h, h, h, h, None, None, rstd, None, 0.0, True, torch.float32, None, None, None)
