@@ -42,7 +42,8 @@ def parse_args(argv):
                         "for sm_80 and sm_90; the same as make compile-report)")
     p.add_argument("--spec-budget", type=float, default=None, metavar="SECONDS",
                    help="on a GPU: start no further case of a spec after this many seconds in it "
-                        "(those cases are recorded as not run), so every spec gets its turn")
+                        "(those cases are recorded as not run), so every spec gets its turn; what a "
+                        "spec leaves unused goes to the next")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     if args.only:
@@ -128,6 +129,7 @@ def run_cuda(args, found) -> int:
     print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, cuBLAS bf16 "
           f"{ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
     measurements = []
+    carry = 0.0  # --spec-budget seconds earlier specs left unused: the next spec may use them
     for name, mod in found.items():
         if isinstance(mod, str):
             print(f"spec {name}: unavailable ({mod})", flush=True)
@@ -138,10 +140,11 @@ def run_cuda(args, found) -> int:
             print(f"spec {name}: cases() failed: {harness.describe_error(exc)}", flush=True)
             continue
         start = time.monotonic()
+        budget = None if args.spec_budget is None else args.spec_budget + carry
         for case in cases:
-            if args.spec_budget is not None and time.monotonic() - start > args.spec_budget:
-                results = harness.not_run(case, f"not run: spec {name} used its {args.spec_budget:.0f} s "
-                                                "budget (--spec-budget)")
+            if budget is not None and time.monotonic() - start > budget:
+                results = harness.not_run(case, f"not run: spec {name} used its {budget:.0f} s "
+                                                "budget (--spec-budget and what earlier specs left)")
             else:
                 results = harness.run_case(case, ceilings)
             for m in results:
@@ -156,6 +159,8 @@ def run_cuda(args, found) -> int:
             env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
             # Rewritten after each case so a run cut short still leaves what it measured.
             harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
+        if budget is not None:
+            carry = max(0.0, budget - (time.monotonic() - start))
     try:
         paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick)
     except Exception as exc:  # noqa: BLE001 - e.g. matplotlib missing: keep the tables

@@ -12,7 +12,8 @@ not exist yet: import ``fused_block`` (and anything optional) inside the factori
     ``scripts/gpu_check.sh`` and by ``pytest bench --benchmark-only``: a few shapes, so that
     every spec together stays within a couple of minutes (torch.compile's compile time counts;
     :func:`compiled` uses torch.compile's default mode there). The GPU check also passes
-    ``--spec-budget``: cases of a spec not started within it are recorded as not run.
+    ``--spec-budget``: cases of a spec not started within it (plus what earlier specs left
+    unused) are recorded as not run.
     Building the list must not touch CUDA: the work happens in the factories.
 
 ``numerics() -> list[dict]``

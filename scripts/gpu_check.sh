@@ -15,8 +15,8 @@
 #               the AOT compile check (tests/test_compile.py) needs no GPU and is left to CI
 #   bench       python -m bench --quick: every spec (norm, attention, matmul, block, and any
 #               other in bench/specs/) with torch.compile's default mode, in the time left;
-#               --spec-budget shares it out so every spec gets its turn (cases not started in
-#               time are recorded as not run)
+#               --spec-budget shares it out so every spec gets its turn, a spec's unused
+#               share going to the next (cases not started in time are recorded as not run)
 # Everything lands in $OUT (the folder the device tool brings back; /tmp/gpu-check-out when
 # unset): 7 files, 2 folders deep at most (the tool brings back 8):
 #   gpu_check.log                    all output, step by step; the last line is the summary

@@ -338,7 +338,8 @@ def test_spec_budget_records_later_cases_as_not_run(fake_cuda, tmp_path, monkeyp
     # The clock is read at the spec's start (0 s), before each case (10 s: run; 30 s: past the
     # 15 s budget, not run) and after each case (20 s, 40 s: the spec's time so far).
     assert [m.ms for m in ms] == [2.0, None, None, None, None, None]
-    assert all(m.unavailable == "not run: spec fake used its 15 s budget (--spec-budget)" for m in ms[3:])
+    assert all(m.unavailable == "not run: spec fake used its 15 s budget (--spec-budget and what earlier "
+               "specs left)" for m in ms[3:])
     assert [m.provider for m in ms[3:]] == ["fused_block", "sdpa-flash", "broken"]
     assert env["seconds"]["specs"] == {"fake": 40}
     assert len(written) == 3  # after each case, then once more with the plots
@@ -354,3 +355,25 @@ def test_results_carry_versions_date_and_compile_mode(tmp_path, monkeypatch):
     data = json.loads(pathlib.Path(paths[0]).read_text())
     assert data["environment"]["torch"] == torch.__version__ and data["quick"] is True
     assert pathlib.Path(paths[0]).name.startswith("nvidia-h200-") and paths[0].endswith("-quick.json")
+
+
+def test_spec_budget_left_unused_goes_to_the_next_spec(fake_cuda, tmp_path, monkeypatch):
+    import bench.__main__ as main
+
+    # Spec "empty" starts at 0 s and ends at 1 s, leaving 14 s of its 15; spec "two" starts at
+    # 100 s, its first case ends at 125 s and the second starts at 126 s: 26 s into the spec,
+    # past its own 15 s but within 15 + 14.
+    clock = iter([0, 1, 100, 101, 125, 126, 130, 131])
+    monkeypatch.setattr(main, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))
+    (case,) = _fake_spec().cases(True)
+    empty = type("Empty", (), {"cases": staticmethod(lambda quick: []), "numerics": staticmethod(lambda: [])})
+    two = type("TwoCases", (), {"cases": staticmethod(lambda quick: [case, case]),
+                                "numerics": staticmethod(lambda: [])})
+    args = main.parse_args(["--quick", "--out", str(tmp_path), "--spec-budget", "15"])
+    written = []
+    monkeypatch.setattr(harness, "write_results", lambda out, env, ceilings, ms, *a, **k: written.append(
+        (env, list(ms))) or [])
+    assert main.run_cuda(args, {"empty": empty, "two": two}) == 0
+    env, ms = written[-1]
+    assert [m.ms for m in ms] == [2.0, None, None, 2.0, None, None]
+    assert not any(m.unavailable and m.unavailable.startswith("not run") for m in ms)
