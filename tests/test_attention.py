@@ -9,6 +9,7 @@ descriptors; the interpreter's default wherever the layout is 16-byte aligned, a
 and the pointer path (``FORCE_PATH = "pointer"``, Ampere's and unaligned layouts').
 """
 import math
+import sys
 
 import pytest
 import torch
@@ -36,7 +37,24 @@ def path(request, monkeypatch):
     before = common.LAUNCHES["attention_tma"]
     yield request.param
     took_tma = common.LAUNCHES["attention_tma"] > before
-    assert took_tma == (request.param == "tma"), f"the {request.param} path did not run"
+    assert took_tma == _expects_tma(request.param, request.node), f"the {request.param} path did not run"
+
+
+def _expects_tma(path, node):
+    """Whether the kernels take TMA on ``path``. Hopper runs fp32 (these tests' IEEE products:
+    torch's default precision) from registers, on the pointer path (``kernels._use_tma``)."""
+    dtype = getattr(getattr(node, "callspec", None), "params", {}).get("dtype")
+    return path == "tma" and not (HOPPER and dtype == torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_path_check_agrees_with_the_kernels_on_hopper(dtype, monkeypatch):
+    """The ``path`` fixture's expectation on Hopper is the launcher's own choice for aligned
+    inputs at torch's default fp32 precision (TMA, except IEEE fp32 on pointers)."""
+    monkeypatch.setattr(sys.modules[__name__], "HOPPER", True)
+    node = type("Item", (), {"callspec": type("CallSpec", (), {"params": {"dtype": dtype}})()})()
+    assert _expects_tma("tma", node) == kernels._use_tma(90, kernels._kind(dtype), ())
+    assert not _expects_tma("pointer", node)
 
 
 def _padding(B, Lk, device, full_row=True, generator=None):
