@@ -74,6 +74,15 @@ def seed_block(n: int, device):
         _LOCAL.seeds = before
 
 
+def _indexed(device) -> torch.device:
+    """``device`` as a tensor on it reports it: ``"cuda"`` is the current CUDA device, with its
+    index (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    d = torch.device(device)
+    if d.index is None and d.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def dropout_seed(p: float, device) -> torch.Tensor:
     """A fresh int64 seed (shape (1,)) drawn from torch's generator, so ``torch.manual_seed``
     fixes it; kernels read it from device memory (``tl.load``), never on the host.
@@ -100,7 +109,7 @@ def dropout_seed(p: float, device) -> torch.Tensor:
                 seed = _NO_SEED[device] = torch.empty(0, dtype=torch.int64, device=device)
         return seed
     block = getattr(_LOCAL, "seeds", None)
-    if (block is not None and block[1] < len(block[0]) and block[2] == torch.device(device)
+    if (block is not None and block[1] < len(block[0]) and block[2] == _indexed(device)
             and not torch.compiler.is_compiling()):  # a traced graph draws its own seeds
         block[1] += 1
         return block[0][block[1] - 1]

@@ -128,6 +128,17 @@ def test_seed_block_draws_once_and_hands_out_in_order(device):
     assert counts.torch == {"randint": 2}  # outside a block, each seed is drawn
 
 
+def test_seed_block_serves_a_device_named_without_its_index(monkeypatch):
+    """A block drawn on cuda:0 (a tensor's device) serves ``dropout_seed(p, "cuda")``: they are
+    one device, though ``torch.device("cuda") != torch.device("cuda:0")``. (CPU stand-ins for
+    the values; the block is served without touching CUDA.)"""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    values = torch.arange(2, dtype=torch.int64).split(1)
+    monkeypatch.setattr(_backend._LOCAL, "seeds", [values, 0, torch.device("cuda", 0)], raising=False)
+    assert _backend.dropout_seed(0.1, torch.device("cuda")) is values[0]
+    assert _backend.dropout_seed(0.1, "cuda:0") is values[1]
+
+
 def test_seed_block_is_per_thread(device):
     import threading
 
