@@ -179,7 +179,8 @@ class ConfigCache:
     real arguments (so a launch must be idempotent: outputs overwritten, never accumulated),
     candidates that fail to compile or launch are skipped, and the fastest is kept. Later
     calls with the same key are a dict lookup. A single candidate, the interpreter,
-    ``STUB_LAUNCHES`` or ``FUSED_BLOCK_TUNE=0`` take the first candidate without timing.
+    ``STUB_LAUNCHES`` or ``FUSED_BLOCK_TUNE=0`` take the first candidate without timing; so
+    does a call during CUDA graph capture, without remembering it.
     """
 
     def __init__(self, name: str):
@@ -195,6 +196,10 @@ class ConfigCache:
             raise ValueError(f"{self.name}: no config candidate for {key}")
         if len(candidates) == 1 or not TUNE or STUB_LAUNCHES or _INTERPRET:
             cfg = candidates[0]
+        elif torch.cuda.is_current_stream_capturing():
+            # Timing synchronizes, which would invalidate the capture: the first candidate,
+            # for this call only (the next eager call times them).
+            return candidates[0]
         else:
             cfg = self._fastest(key, candidates, run)
         self.chosen[key] = cfg

@@ -237,6 +237,63 @@ def test_mask_verdicts_are_not_read_during_capture(device, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# config choice on CUDA (common.ConfigCache's timing branch, run on CPU with a stand-in do_bench)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cuda_tuning(monkeypatch):
+    """ConfigCache as on CUDA (timing on, no interpreter); ``times`` is what the stand-in
+    ``do_bench`` reports per config, ``runs`` the configs it launched."""
+    import triton.testing
+
+    monkeypatch.setattr(common, "_INTERPRET", False)
+    monkeypatch.setattr(common, "TUNE", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    state = {"times": {}, "runs": []}
+
+    def do_bench(fn, warmup, rep):
+        fn()
+        cfg = state["runs"][-1]
+        if isinstance(state["times"][cfg], Exception):
+            raise state["times"][cfg]
+        return state["times"][cfg]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    return state
+
+
+def test_config_cache_times_candidates_once_and_keeps_the_fastest(cuda_tuning):
+    from triton.runtime.errors import OutOfResources
+
+    a, b, c = (common.Config.of(num_warps=w, BLOCK=64) for w in (4, 8, 2))
+    cuda_tuning["times"] = {a: 2.0, b: 1.0, c: OutOfResources(300000, 232448, "shared memory")}
+    cache = common.ConfigCache("test")
+
+    def run(cfg):
+        cuda_tuning["runs"].append(cfg)
+        common.count_launch("test_kernel")
+
+    before = common.LAUNCHES["test_kernel"]
+    assert cache.get("k", [a, b, c], run) is b  # c does not fit: skipped
+    assert common.LAUNCHES["test_kernel"] == before  # timing launches are not the caller's
+    assert cache.get("k", [a, b, c], run) is b and len(cuda_tuning["runs"]) == 3  # chosen once
+
+
+def test_config_cache_does_not_time_during_graph_capture(cuda_tuning, monkeypatch):
+    """Timing synchronizes the device, which would invalidate a CUDA graph being captured: the
+    first candidate serves the captured call, and the next eager call times them."""
+    a, b = common.Config.of(num_warps=4), common.Config.of(num_warps=8)
+    cuda_tuning["times"] = {a: 2.0, b: 1.0}
+    cache = common.ConfigCache("test")
+    run = cuda_tuning["runs"].append
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert cache.get("k", [a, b], run) is a
+    assert cuda_tuning["runs"] == [] and "k" not in cache.chosen
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert cache.get("k", [a, b], run) is b
+
+
+# ---------------------------------------------------------------------------------------------
 # the host-time benchmark
 # ---------------------------------------------------------------------------------------------
 
