@@ -317,6 +317,9 @@ def test_main_sets_quick_from_the_flag(monkeypatch, capsys):
 
     monkeypatch.setattr(harness, "QUICK", False)
     monkeypatch.setattr(specs, "discover", lambda only: {"fake": _numerics_spec([])})
+    # The CPU path on a GPU machine too: the CUDA one would measure the ceilings and write
+    # empty results files into bench/results/.
+    monkeypatch.setattr(main, "CUDA", False)
     assert main.main(["--quick"]) == 0 and harness.QUICK is True
     assert main.main([]) == 0 and harness.QUICK is False
 
