@@ -293,6 +293,89 @@ def test_config_cache_does_not_time_during_graph_capture(cuda_tuning, monkeypatc
     assert cache.get("k", [a, b], run) is b
 
 
+def _cuda_branch_calls(dtype):
+    """Every op forward and backward, on shapes that take each launcher's aligned (TMA on
+    sm_90) and unaligned paths, with dropout, GQA and padding."""
+    def r(*shape):
+        return torch.randn(*shape).to(dtype).requires_grad_(True)
+
+    def grads(out, *inputs):
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.grad([o.float().sum() for o in outs], inputs)
+
+    for M, K, N in ((70, 64, 48), (5, 100, 36)):  # 16-byte aligned rows, and not
+        x, w, b = r(M, K), r(N, K), r(N)
+        grads(fused_block.linear(x, w, b, "gelu", residual=r(M, N), dropout_p=0.1), x, w, b)
+        w1, b1, w2, b2 = r(2 * N, K), r(2 * N), r(K, 2 * N), r(K)
+        grads(fused_block.mlp(x, w1, b1, w2, b2, "gelu", x, 0.1, 0.1), x, w1, b1, w2, b2)
+        grads(fused_block.swiglu(x, w1, r(2 * N, K), w2, x), x, w1, w2)
+        grads(fused_block.add_layer_norm(x, r(M, K), w[0], r(K), dropout_p=0.1), x)
+        grads(fused_block.add_rms_norm(x, r(M, K), w[0]), x)
+    if dtype != torch.float32:
+        q, k, v = r(2, 4, 40, 256), r(2, 2, 70, 256), r(2, 2, 70, 256)
+        grads(fused_block.attention(q, k, v, True, None, torch.rand(2, 70) < 0.3, 0.1), q, k, v)
+    for D in (16, 72):
+        q, k, v = r(2, 4, 40, D), r(2, 2, 70, D), r(2, 2, 70, D)
+        grads(fused_block.attention(q, k, v, True, None, torch.rand(2, 70) < 0.3, 0.1), q, k, v)
+        qkv = r(2, 33, 8 * D)
+        grads(fused_block.attention_qkvpacked(qkv, 4, 2, True), qkv)
+        q, k, inv_freq = r(2, 33, 4, D), r(2, 33, 2, D), 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+        grads(fused_block.rope(q, k, torch.arange(33)[None], inv_freq), q, k)
+        grads(fused_block.rope_qkvpacked(qkv, 4, 2, None, inv_freq), qkv)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
+    """The launchers' CUDA branches (this arch's config tables, every candidate, TMA choices,
+    persistent grids) run on CPU tensors with the launches recorded: each one binds every
+    parameter of its kernel exactly once and its grid is within CUDA's limits. (The
+    interpreter's runs check only the arch-0 branches.)"""
+    from triton.runtime import _allocation
+
+    from fused_block.kernels import attention, matmul, norm
+
+    launched = []
+
+    def record(name, kernel, grid, args, constexprs, config):
+        names = kernel.arg_names
+        keywords = {**constexprs, **config.meta()}
+        positional = [n for n in names if n not in keywords]
+        assert set(keywords) <= set(names), (name, set(keywords) - set(names))
+        assert len(args) == len(positional), (name, len(args), positional)
+        assert 0 < grid[0] < 2**31 and all(0 < g <= 65535 for g in grid[1:]), (name, grid)
+        launched.append((name, keywords.get("USE_TMA")))
+
+    def time_every_candidate(self, key, candidates, run):
+        for cfg in candidates:
+            run(cfg)
+        return candidates[0]
+
+    monkeypatch.setattr(_backend, "FORCE_TRITON", True)
+    monkeypatch.setattr(common, "launch", record)
+    monkeypatch.setattr(common, "arch", lambda device: arch)
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(common, "_INTERPRET", False)
+    monkeypatch.setattr(common, "TUNE", True)
+    monkeypatch.setattr(common.ConfigCache, "_fastest", time_every_candidate)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(matmul, "_smem_limit", lambda device: 232448 if arch == 90 else 166912)
+    for cache in (matmul._CACHE, attention._FWD_CACHE, attention._BWD_CACHE, norm._FWD_CACHE, norm._BWD_CACHE):
+        monkeypatch.setattr(cache, "chosen", {})
+    allocator = _allocation._allocator.get()  # the CUDA branches set one for the descriptors
+    try:
+        _cuda_branch_calls(dtype)
+    finally:
+        _allocation._allocator.set(allocator)
+    assert {"matmul", "act_grad", "bias_grad_reduce", "add_norm_fwd", "add_norm_bwd", "attention_fwd",
+            "attention_bwd", "rope", "rope_qkvpacked"} <= {name for name, _ in launched}
+    # sm_90: descriptors where aligned (GEMMs: also pointers, for the unaligned rows; attention:
+    # pointers for IEEE fp32); sm_80: pointers only.
+    tma = {name: {t for n, t in launched if n == name} for name in ("matmul", "attention_fwd")}
+    assert tma == ({"matmul": {True, False}, "attention_fwd": {dtype != torch.float32}} if arch == 90 else
+                   {"matmul": {False}, "attention_fwd": {False}})
+
+
 # ---------------------------------------------------------------------------------------------
 # the host-time benchmark
 # ---------------------------------------------------------------------------------------------
