@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import gpu_quick_selection
+from conftest import breadth_first, gpu_quick_selection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,6 +101,37 @@ def test_selection_rule():
     chosen = [i.nodeid for i in gpu_quick_selection(items)]
     assert chosen == ["t.py::plain", "t.py::op[a-f32-s]", "t.py::op[a-f16-s]", "t.py::op[b-f32-s]",
                       "t.py::other[f32]", "t.py::other[f16]"]
+
+
+def test_breadth_first_runs_every_function_once_before_any_twice():
+    f32, f16 = torch.float32, torch.float16
+    items = [_Item("a.py::op[a-f32]", act="a", dtype=f32), _Item("a.py::op[b-f32]", act="b", dtype=f32),
+             _Item("a.py::op[a-f16]", act="a", dtype=f16), _Item("b.py::late[f32]", dtype=f32),
+             _Item("b.py::late[f16]", dtype=f16), _Item("b.py::plain")]
+    chosen = gpu_quick_selection(items)
+    # op's chosen cases are a-f32, b-f32, a-f16 (all of them); late's f32 and f16.
+    order = [i.nodeid for i in breadth_first(items, chosen)]
+    assert order == ["a.py::op[a-f32]", "b.py::late[f32]", "b.py::plain", "a.py::op[b-f32]", "b.py::late[f16]",
+                     "a.py::op[a-f16]"]
+    # A case outside the quick subset comes after its function's quick cases.
+    assert [i.nodeid for i in breadth_first(items[:3], items[2:3])] == ["a.py::op[a-f16]", "a.py::op[a-f32]",
+                                                                          "a.py::op[b-f32]"]
+
+
+def test_a_deadline_run_collects_breadth_first():
+    env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() + 3600))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "gpu_quick", "tests/test_norm.py", "tests/test_rope.py"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    functions = [line.split("[", 1)[0] for line in proc.stdout.splitlines() if "::" in line]
+    seen = collections.Counter()
+    ranks = []
+    for f in functions:
+        ranks.append(seen[f])
+        seen[f] += 1
+    assert max(ranks) > 0 and ranks == sorted(ranks)  # every function's n-th case before any (n+1)-th
+    assert {f.split("::")[0] for f in functions[:len(seen)]} == {"tests/test_norm.py", "tests/test_rope.py"}
 
 
 def test_a_passed_deadline_stops_starting_tests_and_fails_the_run(tmp_path):
