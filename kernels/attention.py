@@ -207,7 +207,16 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_
     return acc, l_i, m_new
 
 
-@triton.jit
+# Shape arguments are not specialized: Triton would compile a value of 1 (one head, MHA's
+# group of 1, decoding's Lq = 1, the padding mask's row stride at Lk = 1) as a constant and a
+# multiple of 16 with a divisibility hint, and both moved the register allocation into spills
+# (16-divisible Lq/Lk/Hq: sm_90 IEEE fp32 forward 0 -> 16 B, D = 128 dropout forward 8 -> 40 B;
+# all of them 1: IEEE fp32 backward 64 B on sm_90, 208 B on sm_80). Unspecialized, each config
+# compiles to one body, the one the AOT check builds; they only index and bound loops.
+_SHAPE_ARGS = ("Hq", "Hkv", "GROUPS", "Lq", "Lk", "stride_mb")
+
+
+@triton.jit(do_not_specialize=[a for a in _SHAPE_ARGS if a != "Hkv"])
 def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
@@ -494,7 +503,7 @@ def _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, h, start
            BLOCK_M, BLOCK_D, USE_TMA)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, MASK, SEED,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
