@@ -132,7 +132,7 @@ def _halves(acc):
 @triton.jit
 def _pieces(acc, SPLIT: tl.constexpr):
     """``acc``'s columns as a tuple of SPLIT (1, 2 or 4) equal slices, left to right."""
-    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4)
+    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4 or SPLIT == 8)
     if SPLIT == 1:
         res = (acc,)
     else:
@@ -142,7 +142,14 @@ def _pieces(acc, SPLIT: tl.constexpr):
         else:
             q0, q1 = _halves(lo)
             q2, q3 = _halves(hi)
-            res = (q0, q1, q2, q3)
+            if SPLIT == 4:
+                res = (q0, q1, q2, q3)
+            else:
+                e0, e1 = _halves(q0)
+                e2, e3 = _halves(q1)
+                e4, e5 = _halves(q2)
+                e6, e7 = _halves(q3)
+                res = (e0, e1, e2, e3, e4, e5, e6, e7)
     return res
 
 
@@ -605,8 +612,9 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 #
 # sm_90, fp16/bf16: Triton's 09-persistent-matmul and inductor's persistent TMA configs
 # (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages), the epilogue on
-# 64-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
-# the accumulator's 128 per thread; 64-row tiles for small M (decoding).
+# 32-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
+# the accumulator's 128 per thread (64-column slices hit 255 registers and spilled 8 B with
+# a GELU epilogue: 32 leave 180-215); 64-row tiles for small M (decoding).
 # SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
 # 128x256 footprint.
 # fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
@@ -615,7 +623,7 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
 # pipelining of pointer loads.
 CONFIGS = {
-    (90, "16", False): ((128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 128, 64, 8, 4, 2),
+    (90, "16", False): ((128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 8, 4, 2),
                         (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 2),
                         (64, 64, 64, 4, 4, 1)),
     (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
@@ -640,7 +648,12 @@ INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
 # interpreter runs tensor descriptors); None chooses by architecture and alignment.
 FORCE_PATH = None
 ACT_GRAD_BLOCK_M = PARTIAL_ROWS
-REDUCE_BLOCK = (8, 256)  # (rows, columns) per step of the partial-sum reduction
+REDUCE_BLOCK = (8, 256)
+# sm_90's 16-bit pointer main loop, for operands a descriptor cannot read (rows not 16-byte
+# aligned): element-wise loads hold a 64-bit address per element, and the table's tiles
+# spilled 56-1560 B there (all of them, unaligned sizes and strides); one program per tile
+# (no flattened loop, which spilled even this tile), BLOCK_K 32 (BLOCK_K 16 spilled dact).
+_FALLBACK_90_CFG = (64, 64, 32, 4, 3, 1)  # (rows, columns) per step of the partial-sum reduction
 
 _CACHE = common.ConfigCache("matmul")
 _SMEM = {}
@@ -653,6 +666,7 @@ def _config(cfg):
 
 
 _TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
+_FALLBACK_90 = _config(_FALLBACK_90_CFG)
 
 
 def smem_bytes(cfg, arch, elem_size, dual_n=False):
@@ -681,16 +695,20 @@ def _light(cfg):
     return _acc_regs(cfg) <= 64
 
 
-def _heavy(act_grad, activation, dropout, tma_epi):
-    """Epilogues whose live values do not fit beside a 128-register accumulator: the backward's
-    with dropout or SwiGLU's two loads and three stores, and dropout with pointer stores."""
-    return act_grad and (dropout or activation == SWIGLU) or dropout and not tma_epi
+def _heavy(act_grad, activation, dropout):
+    """Epilogues whose live values do not fit beside a 128-register accumulator: dropout's
+    Philox words and masks (the 128x256 sm_90 forward spilled 64-240 B with STORE_PRE and an
+    activation), and SwiGLU's backward (two loads and three stores)."""
+    return dropout or act_grad and activation == SWIGLU
 
 
-def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device):
+def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
-    for N <= 128. Tables end with their smallest tile, the fallback."""
+    for N <= 128. Tables end with their smallest tile, the fallback. sm_90's 16-bit pointer
+    fallback (views a descriptor cannot read) runs its own small tile."""
+    if arch == 90 and not use_tma and dtype != torch.float32:
+        return [_FALLBACK_90]
     key = (arch, precision if dtype == torch.float32 else "16", dual_n)
     raw = CONFIGS[key]
     limit = _smem_limit(device)
@@ -821,7 +839,7 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             progs = tiles
         else:  # persistent; tiles below 128x128 fit two programs per SM
             progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-        flatten = arch == 90 and dual != 2 and not rowsum
+        flatten = arch == 90 and use_tma and dual != 2 and not rowsum
         even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
         even_mn = M % bm == 0 and N % bn == 0
         common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
@@ -834,8 +852,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
-        heavy = _heavy(act_grad, activation, has_dropout, tma_epi)
-        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device), run)
+        heavy = _heavy(act_grad, activation, has_dropout)
+        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device, use_tma), run)
     run(cfg)
 
 
@@ -919,11 +937,14 @@ _VARIANTS = {
     "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True)),
     "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True,
                             HAS_DROPOUT=True)),
-    "dact": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True)),
+    # tanh GELU: its gradient and recomputed activation are the heaviest (255 registers at
+    # 128x256, erf GELU 213).
+    "dact": ("NN", dict(ACT_GRAD=True, ACTIVATION=2, HAS_DBIAS=True, STORE_H=True)),
     "dact_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True, HAS_DROPOUT=True)),
     "dswiglu_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=SWIGLU, HAS_DBIAS=True, STORE_H=True,
                                 HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
+    "wgrad": ("TN", {}),
     "dgrad_dual": ("NN", dict(DUAL=2)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                HAS_DROPOUT=True)),
@@ -940,7 +961,14 @@ _TABLE_VARIANTS = {
 }
 
 
-def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
+def _even_mn_matters(flags, tma_epi):
+    """Whether EVEN_MN changes the code: pointer stores, or pointer loads of the residual or
+    the saved pre-activation (descriptor stores clip by themselves)."""
+    return not tma_epi or flags.get("HAS_RESIDUAL", False) or (flags.get("ACT_GRAD", False)
+                                                               and flags.get("ACTIVATION", 0) != 0)
+
+
+def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True, even_mn=False, aligned_ints=True):
     from fused_block.kernels import aot  # only the compile check needs it
 
     bm, bn, bk, warps, stages, split = cfg
@@ -961,45 +989,58 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
     sig.update(drop_thresh="i32", drop_scale="fp32")
     dual = flags.get("DUAL", 0)
     constexprs.update(_NO_FLAGS, **flags)
-    constexprs.update(USE_TMA=tma, TMA_EPI=tma, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=False, BLOCK_M=bm,
+    constexprs.update(USE_TMA=tma, TMA_EPI=tma, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
-                      FLATTEN=arch == 90 and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
+                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
-    aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh"))
+    aligned = tuple(s for s, t in sig.items()
+                    if t == "i32" and s not in ("num_progs", "drop_thresh")) if aligned_ints else ()
     path = "tma" if tma else "ptr"
+    tags = ("" if even_k else " mask_k") + (" even_mn" if even_mn else "") + ("" if aligned_ints else " unaligned")
     return aot.KernelSpec(
-        name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{'' if even_k else ' mask_k'} {kind}]",
+        name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{tags} {kind}]",
         fn=_gemm_kernel, signature=sig, constexprs=constexprs, num_warps=warps, num_stages=stages,
         aligned=aligned, wgmma=kind != "ieee", tma=tma, archs=(arch,))
 
 
 def aot_specs():
     """Every shipped GEMM config on its own architecture with its table's fused variants (sm_90:
-    TMA loads and stores; heavy epilogues on light configs only, as launched), plus the pointer
-    path with a masked K loop on each 16-bit config's forward (sm_90's fallback); the
-    elementwise kernels (activation gradient with and without dropout, the bias-gradient
-    reduction, the test-only dropout mask)."""
+    TMA loads and stores; heavy epilogues on light configs only, as launched), with EVEN_MN
+    (whole tiles) and without wherever it changes the code; sm_80's pointer path with a masked
+    K loop on each 16-bit config's forward; sm_90's 16-bit pointer fallback on its tile with
+    unaligned sizes and strides (why it is taken) and aligned ones; the elementwise kernels
+    (activation gradient with and without dropout, the bias-gradient reduction, the test-only
+    dropout mask)."""
     from fused_block.kernels import aot
+
+    def add(arch, kind, cfg, variant, tma=True, even_k=True, aligned_ints=True):
+        flags = _VARIANTS[variant][1]
+        heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0), flags.get("HAS_DROPOUT", False))
+        if heavy and not _light(cfg):
+            return
+        tma = tma and arch == 90
+        for even_mn in (False, True) if _even_mn_matters(flags, tma) else (False,):
+            specs.append(_gemm_spec(arch, kind, cfg, variant, tma=tma, even_k=even_k, even_mn=even_mn,
+                                    aligned_ints=aligned_ints))
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
         for cfg in cfgs:
-            runs = [(v, True, True) for v in _TABLE_VARIANTS[(kind, dual)]]
-            if kind == "16" and not dual:
-                # Pointer loads with a masked K loop (sm_80's path, sm_90's fallback for views a
-                # descriptor cannot read); descriptors zero-pad, so TMA launches never mask K.
-                runs.append(("fwd", False, False))
-                if arch == 90:
-                    runs += [("fwd", True, True), ("fwd_drop", False, False)]
-            for variant, tma, even_k in runs:
-                flags = _VARIANTS[variant][1]
-                heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0),
-                               flags.get("HAS_DROPOUT", False), tma and arch == 90)
-                if not heavy or _light(cfg):
-                    specs.append(_gemm_spec(arch, kind, cfg, variant, tma=tma, even_k=even_k))
+            for v in _TABLE_VARIANTS[(kind, dual)]:
+                add(arch, kind, cfg, v)
+            if kind == "16" and not dual and arch == 80:
+                # Pointer loads with a masked K loop (sm_80's path for K not a multiple of BLOCK_K).
+                add(arch, kind, cfg, "fwd", even_k=False)
+            if kind == "16" and not dual and arch == 90:
+                add(arch, kind, cfg, "fwd")  # dropout-free forward: fwd_drop is heavy here
+    # sm_90's pointer fallback: every 16-bit variant and the plain weight gradient (dW = dY.T @ X
+    # without a bias: the flattened-loop layout that spilled), masked K.
+    for variant in _TABLE_VARIANTS[("16", False)] + ("fwd", "wgrad", "swiglu_drop"):
+        for aligned_ints in (False, True):
+            add(90, "16", _FALLBACK_90_CFG, variant, tma=False, even_k=False, aligned_ints=aligned_ints)
     for act, drop in ((2, False), (2, True), (0, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
