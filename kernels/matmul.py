@@ -649,11 +649,12 @@ INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
 FORCE_PATH = None
 ACT_GRAD_BLOCK_M = PARTIAL_ROWS
 REDUCE_BLOCK = (8, 256)
-# sm_90's 16-bit pointer main loop, for operands a descriptor cannot read (rows not 16-byte
-# aligned): element-wise loads hold a 64-bit address per element, and the table's tiles
-# spilled 56-1560 B there (all of them, unaligned sizes and strides); one program per tile
-# (no flattened loop, which spilled even this tile), BLOCK_K 32 (BLOCK_K 16 spilled dact).
-_FALLBACK_90_CFG = (64, 64, 32, 4, 3, 1)  # (rows, columns) per step of the partial-sum reduction
+# sm_90's pointer main loop, for operands a descriptor cannot read (rows not 16-byte aligned),
+# per dtype class: element-wise loads hold a 64-bit address per element, and the 16-bit
+# table's tiles spilled 56-1560 B there (all of them, unaligned sizes and strides). One tile
+# per loop trip (no flattened loop, which spilled even these tiles); 16-bit BLOCK_K 32
+# (BLOCK_K 16 spilled dact 80 B); tf32 8 warps (4 warps spilled dropout 32 B).
+_FALLBACK_90_CFGS = {"16": (64, 64, 32, 4, 3, 1), "tf32": (64, 64, 32, 8, 3, 1), "ieee": (64, 64, 16, 8, 2, 1)}  # (rows, columns) per step of the partial-sum reduction
 
 _CACHE = common.ConfigCache("matmul")
 _SMEM = {}
@@ -666,7 +667,7 @@ def _config(cfg):
 
 
 _TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
-_FALLBACK_90 = _config(_FALLBACK_90_CFG)
+_FALLBACK_90 = {kind: _config(c) for kind, c in _FALLBACK_90_CFGS.items()}
 
 
 def smem_bytes(cfg, arch, elem_size, dual_n=False):
@@ -702,14 +703,19 @@ def _heavy(act_grad, activation, dropout):
     return dropout or act_grad and activation == SWIGLU
 
 
-def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True):
+def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
-    for N <= 128. Tables end with their smallest tile, the fallback. sm_90's 16-bit pointer
-    fallback (views a descriptor cannot read) runs its own small tile."""
-    if arch == 90 and not use_tma and dtype != torch.float32:
-        return [_FALLBACK_90]
-    key = (arch, precision if dtype == torch.float32 else "16", dual_n)
+    for N <= 128. Tables end with their smallest tile, the fallback.
+
+    sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
+    run their own tile (_FALLBACK_90_CFGS), TMA loads with pointer stores the table's
+    smallest. The pointer epilogue's element-wise stores spilled the larger tiles (128x128
+    dact 40 B, 64x128 dswiglu 72 B, 128x256 forward 8 B with N unaligned)."""
+    kind = precision if dtype == torch.float32 else "16"
+    key = (arch, kind, dual_n)
+    if arch == 90 and not (use_tma and tma_epi):
+        return [_FALLBACK_90[kind] if not use_tma else _TABLES[key][-1]]
     raw = CONFIGS[key]
     limit = _smem_limit(device)
     elem = 4 if dtype == torch.float32 else 2
@@ -853,7 +859,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
         heavy = _heavy(act_grad, activation, has_dropout)
-        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device, use_tma), run)
+        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
+                                                    use_tma, tma_epi), run)
     run(cfg)
 
 
@@ -968,7 +975,8 @@ def _even_mn_matters(flags, tma_epi):
                                                                and flags.get("ACTIVATION", 0) != 0)
 
 
-def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True, even_mn=False, aligned_ints=True):
+def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=()):
+    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names)."""
     from fused_block.kernels import aot  # only the compile check needs it
 
     bm, bn, bk, warps, stages, split = cfg
@@ -989,58 +997,72 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True, even_mn=False, a
     sig.update(drop_thresh="i32", drop_scale="fp32")
     dual = flags.get("DUAL", 0)
     constexprs.update(_NO_FLAGS, **flags)
-    constexprs.update(USE_TMA=tma, TMA_EPI=tma, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
+    tma_epi = tma if tma_epi is None else tma_epi and arch == 90
+    constexprs.update(USE_TMA=tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
                       FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
-    aligned = tuple(s for s, t in sig.items()
-                    if t == "i32" and s not in ("num_progs", "drop_thresh")) if aligned_ints else ()
-    path = "tma" if tma else "ptr"
-    tags = ("" if even_k else " mask_k") + (" even_mn" if even_mn else "") + ("" if aligned_ints else " unaligned")
+    aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh")
+                    and unaligned != "all" and s not in unaligned)
+    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi")
+    tags = ("" if even_k else " mask_k") + (" even_mn" if even_mn else "") + (" unaligned" if unaligned else "")
     return aot.KernelSpec(
         name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{tags} {kind}]",
         fn=_gemm_kernel, signature=sig, constexprs=constexprs, num_warps=warps, num_stages=stages,
         aligned=aligned, wgmma=kind != "ieee", tma=tma, archs=(arch,))
 
 
+# Integer arguments of a launch with epilogue tensors a descriptor cannot read: N odd, say.
+_EPI_UNALIGNED = ("N", "stride_cm", "stride_rm", "stride_xm", "stride_p")
+
+
 def aot_specs():
     """Every shipped GEMM config on its own architecture with its table's fused variants (sm_90:
     TMA loads and stores; heavy epilogues on light configs only, as launched), with EVEN_MN
     (whole tiles) and without wherever it changes the code; sm_80's pointer path with a masked
-    K loop on each 16-bit config's forward; sm_90's 16-bit pointer fallback on its tile with
-    unaligned sizes and strides (why it is taken) and aligned ones; the elementwise kernels
-    (activation gradient with and without dropout, the bias-gradient reduction, the test-only
-    dropout mask)."""
+    K loop on each 16-bit config's forward. sm_90's tiles for views a descriptor cannot read:
+    pointer loads (_FALLBACK_90_CFGS) with every size and stride unaligned, and TMA loads with
+    a pointer epilogue (the table's smallest tile) with N and the epilogue's strides unaligned. The elementwise kernels (activation gradient with and
+    without dropout, the bias-gradient reduction, the test-only dropout mask)."""
     from fused_block.kernels import aot
 
-    def add(arch, kind, cfg, variant, tma=True, even_k=True, aligned_ints=True):
+    def add(arch, kind, cfg, variant, **kw):
         flags = _VARIANTS[variant][1]
         heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0), flags.get("HAS_DROPOUT", False))
         if heavy and not _light(cfg):
             return
-        tma = tma and arch == 90
-        for even_mn in (False, True) if _even_mn_matters(flags, tma) else (False,):
-            specs.append(_gemm_spec(arch, kind, cfg, variant, tma=tma, even_k=even_k, even_mn=even_mn,
-                                    aligned_ints=aligned_ints))
+        tma = kw.get("tma", True) and arch == 90
+        tma_epi = kw.get("tma_epi", tma) and tma
+        for even_mn in (False, True) if _even_mn_matters(flags, tma_epi) else (False,):
+            specs.append(_gemm_spec(arch, kind, cfg, variant, even_mn=even_mn, **kw))
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
+        variants = _TABLE_VARIANTS[(kind, dual)]
         for cfg in cfgs:
-            for v in _TABLE_VARIANTS[(kind, dual)]:
+            for v in variants:
                 add(arch, kind, cfg, v)
             if kind == "16" and not dual and arch == 80:
                 # Pointer loads with a masked K loop (sm_80's path for K not a multiple of BLOCK_K).
                 add(arch, kind, cfg, "fwd", even_k=False)
             if kind == "16" and not dual and arch == 90:
                 add(arch, kind, cfg, "fwd")  # dropout-free forward: fwd_drop is heavy here
-    # sm_90's pointer fallback: every 16-bit variant and the plain weight gradient (dW = dY.T @ X
-    # without a bias: the flattened-loop layout that spilled), masked K.
+        if arch == 90:
+            smallest = cfgs[-1]
+            for v in variants + (("fwd",) if kind == "16" and not dual else ()):
+                add(arch, kind, smallest, v, tma_epi=False, unaligned=_EPI_UNALIGNED)
+            if kind != "16":
+                for v in variants:
+                    add(arch, kind, _FALLBACK_90_CFGS[kind], v, tma=False, even_k=False, unaligned="all")
+    # sm_90's 16-bit pointer fallback: every 16-bit variant and the plain weight gradient (dW =
+    # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
+    # aligned sizes (FORCE_PATH, an empty first K part).
     for variant in _TABLE_VARIANTS[("16", False)] + ("fwd", "wgrad", "swiglu_drop"):
-        for aligned_ints in (False, True):
-            add(90, "16", _FALLBACK_90_CFG, variant, tma=False, even_k=False, aligned_ints=aligned_ints)
+        add(90, "16", _FALLBACK_90_CFGS["16"], variant, tma=False, even_k=False, unaligned="all")
+    add(90, "16", _FALLBACK_90_CFGS["16"], "fwd", tma=False, even_k=False)
     for act, drop in ((2, False), (2, True), (0, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
