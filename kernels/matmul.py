@@ -6,15 +6,16 @@ accumulation, and constexpr switches for everything else:
 
 - Main loop. ``USE_TMA``: tensor-descriptor (TMA) loads, for operands with one unit stride and
   16-byte aligned base and leading stride; otherwise pointer loads (``cp.async`` pipelining on
-  sm_80, and the fallback for unaligned views on sm_90). Persistent grid on sm_90 (``min(SMs,
+  sm_80, and the fallback for unaligned views on sm_90, on a small tile of its own). Persistent
+  grid on sm_90 (``min(SMs,
   tiles)`` programs, twice as many for tiles below 128x128, walking the tiles in grouped order,
   GROUP_M row tiles per group for L2 reuse; each program builds its descriptors once) with the
-  tile loop flattened into the K loop so the next tile's loads overlap this tile's epilogue
-  (Triton's 09-persistent-matmul); one program per tile on sm_80.
+  TMA path's tile loop flattened into the K loop so the next tile's loads overlap this tile's
+  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80.
   ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
   gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
   a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
-- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 16 columns with
+- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 32 columns with
   dropout) so its temporaries do not cut into the pipeline's registers. Stores (and the
   residual / pre-activation loads) use tensor descriptors when ``TMA_EPI``.
   Forward: ``+ bias``; the pre-activation rounded to the input dtype (``ROUND_PRE``: an
