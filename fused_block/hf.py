@@ -59,7 +59,7 @@ from fused_block import reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked
-from fused_block.blocks import _like
+from fused_block.blocks import _capturing, _like
 from fused_block.linear import linear, mlp, swiglu
 from fused_block.norm import add_layer_norm, add_rms_norm
 from fused_block.rope import rope_qkvpacked
@@ -284,14 +284,21 @@ def _plan(mask, B, Lq, Lk, causal, flash):
             # SDPA's is_causal is top-left: query i sees keys j <= i, i.e. the first Lq keys bottom-right.
             return _Plan(True, causal=True, n_keys=Lq)
         return _Plan(False, sdpa_causal=True, reason=f"a top-left causal mask with more queries ({Lq}) than keys")
+    capturing = _capturing(mask)
     if mask.dim() == 2:  # flash-attention's (B, seen + L) padding mask, 1 = token
-        return _Plan(True, causal=causal, key_padding=_padding(~mask[:, -Lk:].bool(), B))
+        key_padding = ~mask[:, -Lk:].bool()
+        # Under CUDA graph capture no value is read (a sync would invalidate the capture): the
+        # kernels take the padding mask as it is, all-False or not.
+        return _Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not capturing))
     if torch.compiler.is_compiling():
         return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask under torch.compile (its values "
                      "cannot be read while tracing; pass attention_mask=None when there is no padding)")
     last_ref, last = _LAST_MASK
     if last_ref is not None and last_ref() is mask and last[0] == (B, Lq, Lk, causal):
         return last[1]
+    if capturing:
+        return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask first seen during CUDA graph capture "
+                     "(its values cannot be read without a sync; run the model once before capturing)")
     plan = _read_mask(mask, B, Lq, Lk, causal)
     _LAST_MASK[:] = [weakref.ref(mask), ((B, Lq, Lk, causal), plan)]
     return plan
@@ -315,8 +322,8 @@ def _read_mask(mask, B, Lq, Lk, causal):
     return _Plan(True, causal=causal, key_padding=_padding(key_padding, B))
 
 
-def _padding(key_padding, B):
-    if not bool(key_padding.any()):
+def _padding(key_padding, B, read=True):
+    if read and not bool(key_padding.any()):
         return None
     return key_padding.expand(B, -1) if key_padding.shape[0] != B else key_padding
 

@@ -177,7 +177,8 @@ class ConfigCache:
 
     On CUDA with several candidates, each is timed with ``triton.testing.do_bench`` on the
     real arguments (so a launch must be idempotent: outputs overwritten, never accumulated),
-    candidates that fail to compile or launch are skipped, and the fastest is kept. Later
+    candidates that run out of resources (shared memory, registers) are skipped (any other
+    error is raised), and the fastest is kept. Later
     calls with the same key are a dict lookup. A single candidate, the interpreter,
     ``STUB_LAUNCHES`` or ``FUSED_BLOCK_TUNE=0`` take the first candidate without timing; so
     does a call during CUDA graph capture, without remembering it.

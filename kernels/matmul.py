@@ -6,15 +6,16 @@ accumulation, and constexpr switches for everything else:
 
 - Main loop. ``USE_TMA``: tensor-descriptor (TMA) loads, for operands with one unit stride and
   16-byte aligned base and leading stride; otherwise pointer loads (``cp.async`` pipelining on
-  sm_80, and the fallback for unaligned views on sm_90). Persistent grid on sm_90 (``min(SMs,
+  sm_80, and the fallback for unaligned views on sm_90, on a small tile of its own). Persistent
+  grid on sm_90 (``min(SMs,
   tiles)`` programs, twice as many for tiles below 128x128, walking the tiles in grouped order,
   GROUP_M row tiles per group for L2 reuse; each program builds its descriptors once) with the
-  tile loop flattened into the K loop so the next tile's loads overlap this tile's epilogue
-  (Triton's 09-persistent-matmul); one program per tile on sm_80.
+  TMA path's tile loop flattened into the K loop so the next tile's loads overlap this tile's
+  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80.
   ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
   gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
   a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
-- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 16 columns with
+- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 32 columns with
   dropout) so its temporaries do not cut into the pipeline's registers. Stores (and the
   residual / pre-activation loads) use tensor descriptors when ``TMA_EPI``.
   Forward: ``+ bias``; the pre-activation rounded to the input dtype (``ROUND_PRE``: an
@@ -132,7 +133,7 @@ def _halves(acc):
 @triton.jit
 def _pieces(acc, SPLIT: tl.constexpr):
     """``acc``'s columns as a tuple of SPLIT (1, 2 or 4) equal slices, left to right."""
-    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4)
+    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4 or SPLIT == 8)
     if SPLIT == 1:
         res = (acc,)
     else:
@@ -142,7 +143,14 @@ def _pieces(acc, SPLIT: tl.constexpr):
         else:
             q0, q1 = _halves(lo)
             q2, q3 = _halves(hi)
-            res = (q0, q1, q2, q3)
+            if SPLIT == 4:
+                res = (q0, q1, q2, q3)
+            else:
+                e0, e1 = _halves(q0)
+                e2, e3 = _halves(q1)
+                e4, e5 = _halves(q2)
+                e6, e7 = _halves(q3)
+                res = (e0, e1, e2, e3, e4, e5, e6, e7)
     return res
 
 
@@ -370,7 +378,10 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+# num_progs is 1 for a one-tile problem: Triton would specialize it as the constant 1, which
+# compiles the persistent tile loop differently (spilling up to 1352 B at 64x128 / 4 warps on
+# sm_90); kept a plain i32, as the compile check builds it.
+@triton.jit(do_not_specialize=["num_progs"])
 def _gemm_kernel(
     A, A2, B, B2, C, C2, BIAS, BIAS2, RES, AUX, AUX2, HOUT, PART, SEED,
     M, N, K, K1, num_progs,
@@ -602,8 +613,9 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 #
 # sm_90, fp16/bf16: Triton's 09-persistent-matmul and inductor's persistent TMA configs
 # (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages), the epilogue on
-# 64-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
-# the accumulator's 128 per thread; 64-row tiles for small M (decoding).
+# 32-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
+# the accumulator's 128 per thread (64-column slices hit 255 registers and spilled 8 B with
+# a GELU epilogue: 32 leave 180-215); 64-row tiles for small M (decoding).
 # SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
 # 128x256 footprint.
 # fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
@@ -612,7 +624,7 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
 # pipelining of pointer loads.
 CONFIGS = {
-    (90, "16", False): ((128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 128, 64, 8, 4, 2),
+    (90, "16", False): ((128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 8, 4, 2),
                         (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 2),
                         (64, 64, 64, 4, 4, 1)),
     (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
@@ -637,7 +649,13 @@ INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
 # interpreter runs tensor descriptors); None chooses by architecture and alignment.
 FORCE_PATH = None
 ACT_GRAD_BLOCK_M = PARTIAL_ROWS
-REDUCE_BLOCK = (8, 256)  # (rows, columns) per step of the partial-sum reduction
+REDUCE_BLOCK = (8, 256)
+# sm_90's pointer main loop, for operands a descriptor cannot read (rows not 16-byte aligned),
+# per dtype class: element-wise loads hold a 64-bit address per element, and the 16-bit
+# table's tiles spilled 56-1560 B there (all of them, unaligned sizes and strides). One tile
+# per loop trip (no flattened loop, which spilled even these tiles); 16-bit BLOCK_K 32
+# (BLOCK_K 16 spilled dact 80 B); tf32 8 warps (4 warps spilled dropout 32 B).
+_FALLBACK_90_CFGS = {"16": (64, 64, 32, 4, 3, 1), "tf32": (64, 64, 32, 8, 3, 1), "ieee": (64, 64, 16, 8, 2, 1)}  # (rows, columns) per step of the partial-sum reduction
 
 _CACHE = common.ConfigCache("matmul")
 _SMEM = {}
@@ -650,6 +668,7 @@ def _config(cfg):
 
 
 _TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
+_FALLBACK_90 = {kind: _config(c) for kind, c in _FALLBACK_90_CFGS.items()}
 
 
 def smem_bytes(cfg, arch, elem_size, dual_n=False):
@@ -678,17 +697,26 @@ def _light(cfg):
     return _acc_regs(cfg) <= 64
 
 
-def _heavy(act_grad, activation, dropout, tma_epi):
-    """Epilogues whose live values do not fit beside a 128-register accumulator: the backward's
-    with dropout or SwiGLU's two loads and three stores, and dropout with pointer stores."""
-    return act_grad and (dropout or activation == SWIGLU) or dropout and not tma_epi
+def _heavy(act_grad, activation, dropout):
+    """Epilogues whose live values do not fit beside a 128-register accumulator: dropout's
+    Philox words and masks (the 128x256 sm_90 forward spilled 64-240 B with STORE_PRE and an
+    activation), and SwiGLU's backward (two loads and three stores)."""
+    return dropout or act_grad and activation == SWIGLU
 
 
-def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device):
+def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
-    for N <= 128. Tables end with their smallest tile, the fallback."""
-    key = (arch, precision if dtype == torch.float32 else "16", dual_n)
+    for N <= 128. Tables end with their smallest tile, the fallback.
+
+    sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
+    run their own tile (_FALLBACK_90_CFGS), TMA loads with pointer stores the table's
+    smallest. The pointer epilogue's element-wise stores spilled the larger tiles (128x128
+    dact 40 B, 64x128 dswiglu 72 B, 128x256 forward 8 B with N unaligned)."""
+    kind = precision if dtype == torch.float32 else "16"
+    key = (arch, kind, dual_n)
+    if arch == 90 and not (use_tma and tma_epi):
+        return [_FALLBACK_90[kind] if not use_tma else _TABLES[key][-1]]
     raw = CONFIGS[key]
     limit = _smem_limit(device)
     elem = 4 if dtype == torch.float32 else 2
@@ -818,7 +846,7 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             progs = tiles
         else:  # persistent; tiles below 128x128 fit two programs per SM
             progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-        flatten = arch == 90 and dual != 2 and not rowsum
+        flatten = arch == 90 and use_tma and dual != 2 and not rowsum
         even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
         even_mn = M % bm == 0 and N % bn == 0
         common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
@@ -831,8 +859,9 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
-        heavy = _heavy(act_grad, activation, has_dropout, tma_epi)
-        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device), run)
+        heavy = _heavy(act_grad, activation, has_dropout)
+        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
+                                                    use_tma, tma_epi), run)
     run(cfg)
 
 
@@ -916,11 +945,14 @@ _VARIANTS = {
     "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True)),
     "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True,
                             HAS_DROPOUT=True)),
-    "dact": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True)),
+    # tanh GELU: its gradient and recomputed activation are the heaviest (255 registers at
+    # 128x256, erf GELU 213).
+    "dact": ("NN", dict(ACT_GRAD=True, ACTIVATION=2, HAS_DBIAS=True, STORE_H=True)),
     "dact_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True, HAS_DROPOUT=True)),
     "dswiglu_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=SWIGLU, HAS_DBIAS=True, STORE_H=True,
                                 HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
+    "wgrad": ("TN", {}),
     "dgrad_dual": ("NN", dict(DUAL=2)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                HAS_DROPOUT=True)),
@@ -937,7 +969,15 @@ _TABLE_VARIANTS = {
 }
 
 
-def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
+def _even_mn_matters(flags, tma_epi):
+    """Whether EVEN_MN changes the code: pointer stores, or pointer loads of the residual or
+    the saved pre-activation (descriptor stores clip by themselves)."""
+    return not tma_epi or flags.get("HAS_RESIDUAL", False) or (flags.get("ACT_GRAD", False)
+                                                               and flags.get("ACTIVATION", 0) != 0)
+
+
+def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=()):
+    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names)."""
     from fused_block.kernels import aot  # only the compile check needs it
 
     bm, bn, bk, warps, stages, split = cfg
@@ -958,45 +998,72 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, even_k=True):
     sig.update(drop_thresh="i32", drop_scale="fp32")
     dual = flags.get("DUAL", 0)
     constexprs.update(_NO_FLAGS, **flags)
-    constexprs.update(USE_TMA=tma, TMA_EPI=tma, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=False, BLOCK_M=bm,
+    tma_epi = tma if tma_epi is None else tma_epi and arch == 90
+    constexprs.update(USE_TMA=tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
-                      FLATTEN=arch == 90 and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
+                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
-    aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh"))
-    path = "tma" if tma else "ptr"
+    aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh")
+                    and unaligned != "all" and s not in unaligned)
+    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi")
+    tags = ("" if even_k else " mask_k") + (" even_mn" if even_mn else "") + (" unaligned" if unaligned else "")
     return aot.KernelSpec(
-        name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{'' if even_k else ' mask_k'} {kind}]",
+        name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{tags} {kind}]",
         fn=_gemm_kernel, signature=sig, constexprs=constexprs, num_warps=warps, num_stages=stages,
         aligned=aligned, wgmma=kind != "ieee", tma=tma, archs=(arch,))
 
 
+# Integer arguments of a launch with epilogue tensors a descriptor cannot read: N odd, say.
+_EPI_UNALIGNED = ("N", "stride_cm", "stride_rm", "stride_xm", "stride_p")
+
+
 def aot_specs():
     """Every shipped GEMM config on its own architecture with its table's fused variants (sm_90:
-    TMA loads and stores; heavy epilogues on light configs only, as launched), plus the pointer
-    path with a masked K loop on each 16-bit config's forward (sm_90's fallback); the
-    elementwise kernels (activation gradient with and without dropout, the bias-gradient
-    reduction, the test-only dropout mask)."""
+    TMA loads and stores; heavy epilogues on light configs only, as launched), with EVEN_MN
+    (whole tiles) and without wherever it changes the code; sm_80's pointer path with a masked
+    K loop on each 16-bit config's forward. sm_90's tiles for views a descriptor cannot read:
+    pointer loads (_FALLBACK_90_CFGS) with every size and stride unaligned, and TMA loads with
+    a pointer epilogue (the table's smallest tile) with N and the epilogue's strides unaligned. The elementwise kernels (activation gradient with and
+    without dropout, the bias-gradient reduction, the test-only dropout mask)."""
     from fused_block.kernels import aot
+
+    def add(arch, kind, cfg, variant, **kw):
+        flags = _VARIANTS[variant][1]
+        heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0), flags.get("HAS_DROPOUT", False))
+        if heavy and not _light(cfg):
+            return
+        tma = kw.get("tma", True) and arch == 90
+        tma_epi = kw.get("tma_epi", tma) and tma
+        for even_mn in (False, True) if _even_mn_matters(flags, tma_epi) else (False,):
+            specs.append(_gemm_spec(arch, kind, cfg, variant, even_mn=even_mn, **kw))
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
+        variants = _TABLE_VARIANTS[(kind, dual)]
         for cfg in cfgs:
-            runs = [(v, True, True) for v in _TABLE_VARIANTS[(kind, dual)]]
-            if kind == "16" and not dual:
-                # Pointer loads with a masked K loop (sm_80's path, sm_90's fallback for views a
-                # descriptor cannot read); descriptors zero-pad, so TMA launches never mask K.
-                runs.append(("fwd", False, False))
-                if arch == 90:
-                    runs += [("fwd", True, True), ("fwd_drop", False, False)]
-            for variant, tma, even_k in runs:
-                flags = _VARIANTS[variant][1]
-                heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0),
-                               flags.get("HAS_DROPOUT", False), tma and arch == 90)
-                if not heavy or _light(cfg):
-                    specs.append(_gemm_spec(arch, kind, cfg, variant, tma=tma, even_k=even_k))
+            for v in variants:
+                add(arch, kind, cfg, v)
+            if kind == "16" and not dual and arch == 80:
+                # Pointer loads with a masked K loop (sm_80's path for K not a multiple of BLOCK_K).
+                add(arch, kind, cfg, "fwd", even_k=False)
+            if kind == "16" and not dual and arch == 90:
+                add(arch, kind, cfg, "fwd")  # dropout-free forward: fwd_drop is heavy here
+        if arch == 90:
+            smallest = cfgs[-1]
+            for v in variants + (("fwd",) if kind == "16" and not dual else ()):
+                add(arch, kind, smallest, v, tma_epi=False, unaligned=_EPI_UNALIGNED)
+            if kind != "16":
+                for v in variants:
+                    add(arch, kind, _FALLBACK_90_CFGS[kind], v, tma=False, even_k=False, unaligned="all")
+    # sm_90's 16-bit pointer fallback: every 16-bit variant and the plain weight gradient (dW =
+    # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
+    # aligned sizes (FORCE_PATH, an empty first K part).
+    for variant in _TABLE_VARIANTS[("16", False)] + ("fwd", "wgrad", "swiglu_drop"):
+        add(90, "16", _FALLBACK_90_CFGS["16"], variant, tma=False, even_k=False, unaligned="all")
+    add(90, "16", _FALLBACK_90_CFGS["16"], "fwd", tma=False, even_k=False)
     for act, drop in ((2, False), (2, True), (0, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,

@@ -4,9 +4,9 @@
 #     bash scripts/gpu_full_suite.sh [PYTEST ARGS...]      (device tool: timeout_s=600)
 # Installs offline, prints the versions, then runs every test but the AOT compile check
 # (tests/test_compile.py needs no GPU; CI runs it) with pytest-xdist -n 14, within BUDGET=560
-# s. FUSED_BLOCK_TUNE=0 by default (each kernel's first config, no timing): the tests that
-# count launches exactly would count the timing launches too. FUSED_BLOCK_TUNE=1 times the
-# candidates as users run them. The whole suite may not fit in one call: pass a part of it,
+# s. FUSED_BLOCK_TUNE=0 by default (each kernel's first config, no timing: a third of the
+# compiles, and no timing of large cases). FUSED_BLOCK_TUNE=1 times the candidates as users
+# run them. The whole suite may not fit in one call: pass a part of it,
 # e.g. `tests/test_linear.py tests/test_fuzz_ops.py` or `-k fp32`, and run the rest in another
 # call. Output under $OUT: gpu_check.log, steps.tsv, junit-suite.xml.
 set -uo pipefail

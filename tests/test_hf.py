@@ -360,3 +360,24 @@ def test_cast_model_rotary_frequencies_are_converted_once(device, launches):
         unfused, counts = op_counting.unfused(model.model.layers[0], x, position_ids=pos, position_embeddings=emb)
     assert unfused == {} and "_to_copy" not in counts.torch, counts.table()  # frequencies, QKV weights cached
     assert launches["rope_qkvpacked"] == 2
+
+
+def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
+    """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
+    unread (all-False included), a 4-D mask not seen before runs through SDPA; outside capture
+    the same masks are read (no padding -> no padding mask; causal 4-D -> the kernels)."""
+    B, L = 2, 5
+    pad = torch.ones(B, L, dtype=torch.long)
+    causal4d = torch.full((B, 1, L, L), torch.finfo(torch.float32).min).triu(1)
+    monkeypatch.setattr(torch.Tensor, "any", lambda *a, **k: pytest.fail("a mask value was read"))
+    monkeypatch.setattr(torch.Tensor, "all", lambda *a, **k: pytest.fail("a mask value was read"))
+    monkeypatch.setattr(torch, "equal", lambda *a, **k: pytest.fail("a mask value was read"))
+    monkeypatch.setattr(hf, "_capturing", lambda t: True)
+    plan = hf._plan(pad, B, L, L, True, False)
+    assert plan.kernel and plan.causal and plan.key_padding is not None
+    plan = hf._plan(causal4d, B, L, L, True, False)
+    assert not plan.kernel and plan.sdpa_mask is causal4d and "capture" in plan.reason
+    monkeypatch.undo()
+    assert hf._plan(pad, B, L, L, True, False).key_padding is None
+    read = hf._plan(causal4d, B, L, L, True, False)
+    assert read.kernel and read.causal and read.key_padding is None

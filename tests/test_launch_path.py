@@ -336,6 +336,7 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     from fused_block.kernels import attention, matmul, norm
 
     launched = []
+    gemms = []
 
     def record(name, kernel, grid, args, constexprs, config):
         names = kernel.arg_names
@@ -345,6 +346,8 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
         assert len(args) == len(positional), (name, len(args), positional)
         assert 0 < grid[0] < 2**31 and all(0 < g <= 65535 for g in grid[1:]), (name, grid)
         launched.append((name, keywords.get("USE_TMA")))
+        if name == "matmul":
+            gemms.append((keywords, config.num_warps, config.num_stages))
 
     def time_every_candidate(self, key, candidates, run):
         for cfg in candidates:
@@ -374,6 +377,16 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     tma = {name: {t for n, t in launched if n == name} for name in ("matmul", "attention_fwd")}
     assert tma == ({"matmul": {True, False}, "attention_fwd": {dtype != torch.float32}} if arch == 90 else
                    {"matmul": {False}, "attention_fwd": {False}})
+    # sm_90 GEMMs over unaligned rows run the tiles the compile check holds spill-free there:
+    # pointer loads the fallback tile, one tile per loop trip; pointer stores the smallest tile.
+    if arch == 90:
+        kind = "16" if dtype != torch.float32 else common.fp32_precision()
+        for kw, warps, stages in gemms:
+            tile = (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], warps, stages, kw["EPI_SPLIT"])
+            if not kw["USE_TMA"]:
+                assert tile == matmul._FALLBACK_90_CFGS[kind] and not kw["FLATTEN"], (tile, kw)
+            elif not kw["TMA_EPI"]:
+                assert tile == matmul.CONFIGS[(90, kind, kw["DUAL"] == 1)][-1], (tile, kw)
 
 
 # ---------------------------------------------------------------------------------------------
