@@ -284,19 +284,18 @@ def _plan(mask, B, Lq, Lk, causal, flash):
             # SDPA's is_causal is top-left: query i sees keys j <= i, i.e. the first Lq keys bottom-right.
             return _Plan(True, causal=True, n_keys=Lq)
         return _Plan(False, sdpa_causal=True, reason=f"a top-left causal mask with more queries ({Lq}) than keys")
-    capturing = _capturing(mask)
     if mask.dim() == 2:  # flash-attention's (B, seen + L) padding mask, 1 = token
         key_padding = ~mask[:, -Lk:].bool()
         # Under CUDA graph capture no value is read (a sync would invalidate the capture): the
         # kernels take the padding mask as it is, all-False or not.
-        return _Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not capturing))
+        return _Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not _capturing(mask)))
     if torch.compiler.is_compiling():
         return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask under torch.compile (its values "
                      "cannot be read while tracing; pass attention_mask=None when there is no padding)")
     last_ref, last = _LAST_MASK
     if last_ref is not None and last_ref() is mask and last[0] == (B, Lq, Lk, causal):
         return last[1]
-    if capturing:
+    if _capturing(mask):  # a mask already read above is reused during capture
         return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask first seen during CUDA graph capture "
                      "(its values cannot be read without a sync; run the model once before capturing)")
     plan = _read_mask(mask, B, Lq, Lk, causal)

@@ -324,19 +324,29 @@ def test_main_sets_quick_from_the_flag(monkeypatch, capsys):
     assert main.main([]) == 0 and harness.QUICK is False
 
 
-def test_spec_budget_records_later_cases_as_not_run(fake_cuda, tmp_path, monkeypatch):
+def _run_with_spec_budget(monkeypatch, tmp_path, clock, spec_cases):
+    """``run_cuda`` with ``--spec-budget 15``, the clock reading ``clock`` in turn, and specs
+    named as ``spec_cases`` with that many copies of the fake case each; every results write
+    recorded as (environment, measurements)."""
     import bench.__main__ as main
 
-    clock = iter(range(0, 1000, 10))  # every reading of the clock: 10 s later
-    monkeypatch.setattr(main, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))
+    readings = iter(clock)
+    monkeypatch.setattr(main, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(readings))}))
     (case,) = _fake_spec().cases(True)
-    spec = type("TwoCases", (), {"cases": staticmethod(lambda quick: [case, case]),
-                                 "numerics": staticmethod(lambda: [])})
+    found = {name: type(name, (), {"cases": staticmethod(lambda quick, n=n: [case] * n),
+                                   "numerics": staticmethod(lambda: [])})
+             for name, n in spec_cases.items()}
     args = main.parse_args(["--quick", "--out", str(tmp_path), "--spec-budget", "15"])
     written = []
     monkeypatch.setattr(harness, "write_results", lambda out, env, ceilings, ms, *a, **k: written.append(
         (env, list(ms))) or [])
-    assert main.run_cuda(args, {"fake": spec}) == 0
+    assert main.run_cuda(args, found) == 0
+    return written
+
+
+def test_spec_budget_records_later_cases_as_not_run(fake_cuda, tmp_path, monkeypatch):
+    # Every reading of the clock: 10 s later.
+    written = _run_with_spec_budget(monkeypatch, tmp_path, range(0, 1000, 10), {"fake": 2})
     env, ms = written[-1]
     # The clock is read at the spec's start (0 s), before each case (10 s: run; 30 s: past the
     # 15 s budget, not run) and after each case (20 s, 40 s: the spec's time so far).
@@ -361,22 +371,11 @@ def test_results_carry_versions_date_and_compile_mode(tmp_path, monkeypatch):
 
 
 def test_spec_budget_left_unused_goes_to_the_next_spec(fake_cuda, tmp_path, monkeypatch):
-    import bench.__main__ as main
-
     # Spec "empty" starts at 0 s and ends at 1 s, leaving 14 s of its 15; spec "two" starts at
     # 100 s, its first case ends at 125 s and the second starts at 126 s: 26 s into the spec,
     # past its own 15 s but within 15 + 14.
-    clock = iter([0, 1, 100, 101, 125, 126, 130, 131])
-    monkeypatch.setattr(main, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))
-    (case,) = _fake_spec().cases(True)
-    empty = type("Empty", (), {"cases": staticmethod(lambda quick: []), "numerics": staticmethod(lambda: [])})
-    two = type("TwoCases", (), {"cases": staticmethod(lambda quick: [case, case]),
-                                "numerics": staticmethod(lambda: [])})
-    args = main.parse_args(["--quick", "--out", str(tmp_path), "--spec-budget", "15"])
-    written = []
-    monkeypatch.setattr(harness, "write_results", lambda out, env, ceilings, ms, *a, **k: written.append(
-        (env, list(ms))) or [])
-    assert main.run_cuda(args, {"empty": empty, "two": two}) == 0
+    written = _run_with_spec_budget(monkeypatch, tmp_path, [0, 1, 100, 101, 125, 126, 130, 131],
+                                    {"empty": 0, "two": 2})
     env, ms = written[-1]
     assert [m.ms for m in ms] == [2.0, None, None, 2.0, None, None]
     assert not any(m.unavailable and m.unavailable.startswith("not run") for m in ms)
