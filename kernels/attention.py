@@ -68,19 +68,6 @@ FORCE_PATH = None
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """``acc + a @ b`` (fp32 accumulation). ``IEEE``: fp32 operands in full fp32 precision
-    (else TF32 for fp32; fp16/bf16 are exact products either way). The interpreter upcasts
-    (its bf16 arithmetic is not bf16) and computes exactly."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _load(desc, base, row0, L, stride, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
           CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
     """Rows [row0, row0 + BLOCK) x columns [0, BLOCK_D) of an (L, D) matrix, zero outside.
@@ -176,8 +163,9 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_
               USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     """One key block of the online softmax; ``MASKED`` blocks check bounds and causality."""
+    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
-    qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERPRET)
+    qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         visible = (offs_n < Lk)[None, :]
@@ -203,7 +191,7 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_
         cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         p = tl.where(_dropout_keep(seed, bh, rows, cols, dropout_p), p, 0.0)
     v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
-    acc = _dot(common.cast(p, v.dtype, INTERPRET), v, acc, IEEE, INTERPRET)
+    acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET, PRECISION)
     # l last: fewer live registers across the products (the tutorial's ordering).
     l_i = l_i * alpha + l_ij
     return acc, l_i, m_new
@@ -325,6 +313,7 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, bh, h, star
     Keys past Lk need no mask: their rows of dK/dV are never stored. Queries past Lq get
     LSE = +inf, hence P = 0, as do rows with no visible key (LSE = -inf).
     """
+    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Lq
     if USE_TMA:
@@ -338,7 +327,7 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, bh, h, star
     row_base = bh.to(tl.int64) * Lq
     lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    qkT = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE, INTERPRET)
+    qkT = common.dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
     pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
     if MASKED and IS_CAUSAL:
         pT = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), pT, 0.0)
@@ -351,14 +340,14 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, bh, h, star
             pdT = tl.where(keep, pT * inv_keep, 0.0)
         else:
             pdT = pT
-        dv = _dot(common.cast(pdT, do.dtype, INTERPRET), do, dv, IEEE, INTERPRET)
+        dv = common.dot(common.cast(pdT, do.dtype, INTERPRET), do, dv, INTERPRET, PRECISION)
     if PART != 1:
-        dpT = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE, INTERPRET)
+        dpT = common.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
         if HAS_DROPOUT:
             dpT = tl.where(keep, dpT * inv_keep, 0.0)
         delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
         dsT = pT * (dpT - delta[None, :])
-        dk = _dot(common.cast(dsT, q.dtype, INTERPRET), q, dk, IEEE, INTERPRET)
+        dk = common.dot(common.cast(dsT, q.dtype, INTERPRET), q, dk, INTERPRET, PRECISION)
     return dk, dv
 
 
@@ -369,9 +358,10 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     """One key block's contribution to a query block's dQ."""
+    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
-    qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERPRET)
+    qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASKED:
         visible = (offs_n < Lk)[None, :]
@@ -382,13 +372,13 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
         pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
         p = tl.where((pad == 0)[None, :], p, 0.0)
     v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
-    dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, INTERPRET)
+    dp = common.dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     if HAS_DROPOUT:
         rows = offs_m[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         dp = tl.where(_dropout_keep(seed, bh, rows, cols, dropout_p), dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
-    dq = _dot(common.cast(ds, k.dtype, INTERPRET), k, dq, IEEE, INTERPRET)
+    dq = common.dot(common.cast(ds, k.dtype, INTERPRET), k, dq, INTERPRET, PRECISION)
     return dq
 
 

@@ -91,12 +91,15 @@ def sm_count(device) -> int:
 
 
 @triton.jit
-def dot(a, b, acc, INTERPRET: tl.constexpr):
-    """``acc + a @ b`` with fp32 accumulation; upcasts fp16/bf16 operands only in the interpreter."""
+def dot(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr = "tf32"):
+    """``acc + a @ b`` with fp32 accumulation. ``PRECISION`` applies to fp32 operands: "tf32"
+    (TF32 tensor cores) or "ieee" (full fp32, as torch's default "highest"); fp16/bf16 products
+    are exact either way. The interpreter keeps bf16 as raw bits, so it upcasts and computes
+    exactly; on the GPU bf16 stays bf16."""
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 # Tests set this so that every buffer a launcher allocates starts as NaN: a kernel that

@@ -155,16 +155,6 @@ def _pieces(acc, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _mma(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """``acc + a @ b``; fp32 operands at ``PRECISION``; the interpreter computes exactly in fp32
-    (it keeps bf16 as raw bits, so low-precision operands are upcast there)."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
 def _io_load(src, row0, rm, rn, mask, stride_m, stride_n, EVEN: tl.constexpr):
     """The fp32 (rm, rn) piece at row row0 of ``src`` (a pointer). Epilogue inputs use pointer
     loads even when the outputs use descriptors: a descriptor load waits for its data where it
@@ -317,13 +307,13 @@ def _loop_ptr(acc, acc2, A, B, B2, row0, col0, M, N, K, stride_am, stride_ak, st
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = _mma(a, b, acc, PRECISION, INTERPRET)
+        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
         if DUAL_N:
             if EVEN_K:
                 b2 = tl.load(b2_ptrs)
             else:
                 b2 = tl.load(b2_ptrs, mask=rk[:, None] < K - k * BLOCK_K, other=0.0)
-            acc2 = _mma(a, b2, acc2, PRECISION, INTERPRET)
+            acc2 = common.dot(a, b2, acc2, INTERPRET, PRECISION)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -346,13 +336,13 @@ def _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, K, A_T: tl.constex
             b = b_desc.load([col0, k]).T
         else:
             b = b_desc.load([k, col0])
-        acc = _mma(a, b, acc, PRECISION, INTERPRET)
+        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
         if DUAL_N:
             if B_T:
                 b2 = b2_desc.load([col0, k]).T
             else:
                 b2 = b2_desc.load([k, col0])
-            acc2 = _mma(a, b2, acc2, PRECISION, INTERPRET)
+            acc2 = common.dot(a, b2, acc2, INTERPRET, PRECISION)
     return acc, acc2
 
 
