@@ -44,13 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fused_block import _backend, reference
+from fused_block import _backend, _guard, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
-from fused_block.norm import add_layer_norm, add_rms_norm
+from fused_block.norm import LayerNorm, RMSNorm, add_layer_norm, add_rms_norm
 from fused_block.rope import rope_qkvpacked as _rope_qkvpacked
 
 NORMS = ("layer", "rms")
@@ -332,7 +332,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         return f"num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
 
     # -- the fused path ------------------------------------------------------------------------
-    def _attend(self, x, memory, attn_mask, key_padding_mask, is_causal, dropout_p, names):
+    def _attend(self, x, memory, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None):
         """Projected attention output (before out_proj dropout) in x's layout.
 
         x: (B, L, E) if batch_first else (L, B, E); memory: the same layout with S for L, or
@@ -346,7 +346,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         B, L = (x.shape[0], x.shape[1]) if bf else (x.shape[1], x.shape[0])
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         w, b = self.in_proj_weight, self.in_proj_bias
-        ops = _ops(x)
+        ops = _ops(x) if ops is None else ops
         if memory is None:
             S = L
             qkv = ops.linear(x, w, b)  # (.., (H + 2 Hkv) * D): one matmul
@@ -395,6 +395,17 @@ class MultiheadAttention(nn.MultiheadAttention):
                                  "not supported with num_kv_heads != num_heads")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
+        ops = None
+        reason = _guard.reason(self, _describe_mha)
+        if reason is not None:
+            if not self._extended():
+                _warn_once(("MultiheadAttention", reason), f"fused_block: MultiheadAttention runs torch's "
+                           f"forward: {reason}")
+                return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                       average_attn_weights, is_causal)
+            _warn_once(("MultiheadAttention", reason), f"fused_block: MultiheadAttention (GQA or RoPE) runs "
+                       f"plain PyTorch ops on its tensors: {reason}")
+            ops = _REFERENCE
         _check_input("query", query, self.embed_dim)
         _check_input("key", key, self.embed_dim)
         if key.dim() != query.dim():
@@ -408,8 +419,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         if not batched and key_padding_mask is not None:
             key_padding_mask = key_padding_mask[None]
         out = self._attend(q_in, None if key is query else kv_in, attn_mask, key_padding_mask, is_causal,
-                           self.dropout if self.training else 0.0, ("attn_mask", "key_padding_mask"))
+                           self.dropout if self.training else 0.0, ("attn_mask", "key_padding_mask"), ops)
         return _unbatch(out, batched, self.batch_first), None
+
+    def _extended(self):
+        """GQA or RoPE: what torch's MultiheadAttention cannot compute."""
+        return self.num_kv_heads != self.num_heads or self.rope
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,6 +559,23 @@ class _LayerMixin:
     def _attn_dropout(self, attn):
         return attn.dropout if self.training else 0.0
 
+    def _ff_block(self, x):
+        """torch's FFN block, calling the submodules (the unfused path); SwiGLU gates linear1's halves."""
+        if isinstance(self.activation, str):  # "swiglu"
+            gate, up = self.linear1(x).chunk(2, dim=-1)
+            hid = F.silu(gate) * up
+        else:
+            hid = self.activation(self.linear1(x))
+        return self._ffn_dropout()(self.linear2(self.dropout(hid)))
+
+    def _unfused(self, reason, forward, *args):
+        """torch's forward (its submodules called: hooks, adapters and subclasses act as in torch's
+        layer), after a one-time warning naming the reason."""
+        name = type(self).__name__
+        _warn_once((name, reason), f"fused_block: {name} runs torch's forward, calling its submodules "
+                   f"(slower, same answer as torch's layer): {reason}")
+        return forward(self, *args)
+
 
 _NO_SEED_BLOCK = contextlib.nullcontext()
 
@@ -608,6 +640,8 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
+    _ATTENTIONS, _NORMS, _DROPOUTS = ("self_attn",), ("norm1", "norm2"), ("dropout", "dropout1", "dropout2")
+
     def _ffn_dropout(self):
         return self.dropout2
 
@@ -616,6 +650,13 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
             if not self.activation_relu_or_gelu:
                 raise ValueError("src: nested tensors need norm='layer', no num_kv_heads and relu/gelu")
             return nn.TransformerEncoderLayer.forward(self, src, src_mask, src_key_padding_mask, is_causal)
+        reason = _guard.reason(self, _describe_layer)
+        if reason is not None:
+            if is_causal and src_mask is None and isinstance(src, Tensor):  # torch's MHA wants the mask
+                src_mask = _causal_mask(src.shape[-2 if src.dim() == 2 or not self.self_attn.batch_first else 1],
+                                        src)
+            return self._unfused(reason, nn.TransformerEncoderLayer.forward, src, src_mask, src_key_padding_mask,
+                                 is_causal)
         attn = self.self_attn
         _check_input("src", src, attn.embed_dim)
         x, batched = _batch(src, attn.batch_first)
@@ -676,11 +717,22 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         self.dropout2 = nn.Dropout(dropout)
         self.dropout3 = nn.Dropout(dropout)
 
+    _ATTENTIONS = ("self_attn", "multihead_attn")
+    _NORMS = ("norm1", "norm2", "norm3")
+    _DROPOUTS = ("dropout", "dropout1", "dropout2", "dropout3")
+
     def _ffn_dropout(self):
         return self.dropout3
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
+        reason = _guard.reason(self, _describe_layer)
+        if reason is not None:
+            if tgt_is_causal and tgt_mask is None and isinstance(tgt, Tensor):  # torch's MHA wants the mask
+                tgt_mask = _causal_mask(tgt.shape[-2 if tgt.dim() == 2 or not self.self_attn.batch_first else 1],
+                                        tgt)
+            return self._unfused(reason, nn.TransformerDecoderLayer.forward, tgt, memory, tgt_mask, memory_mask,
+                                 tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
         sa_mod, ca_mod = self.self_attn, self.multihead_attn
         bf = sa_mod.batch_first
         _check_input("tgt", tgt, sa_mod.embed_dim)
@@ -730,6 +782,49 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         """A fused layer sharing ``layer``'s parameter tensors, modules and train/eval mode."""
         return _from_torch(cls, layer, ("self_attn", "multihead_attn", "linear1", "dropout", "linear2",
                                         "norm1", "norm2", "norm3", "dropout1", "dropout2", "dropout3"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the call-time guard (fused_block._guard): what the fused forward bypasses
+# ---------------------------------------------------------------------------------------------
+
+_LINEAR, _DROPOUT, _ACTIVATION_MODULES = (nn.Linear,), (nn.Dropout,), (nn.ReLU, nn.GELU)
+_NORM_CLASSES = {"layer": (nn.LayerNorm, LayerNorm), "rms": (nn.RMSNorm, RMSNorm)}
+
+
+def _describe_mha(mha):
+    """The fused MultiheadAttention calls no submodule (neither does torch's: it reads
+    out_proj's weight too); it only needs plain tensors."""
+    why = (_guard.tensors_reason("", mha, ("in_proj_weight", "in_proj_bias"))
+           or _guard.tensors_reason("out_proj", mha.out_proj, ("weight", "bias")))
+    return why, (), None
+
+
+def _describe_layer(layer):
+    """Every submodule torch's forward calls and the fused one reads instead: linear1/2, the
+    norms, the dropouts, the attention modules (whose out_proj torch's attention reads as well)
+    and a ReLU/GELU activation module."""
+    norms = _NORM_CLASSES[layer.norm]
+    spec = {"linear1": _LINEAR, "linear2": _LINEAR}
+    spec.update((name, _DROPOUT) for name in layer._DROPOUTS)
+    spec.update((name, norms) for name in layer._NORMS)
+    skip = []
+    for name in layer._ATTENTIONS:
+        spec[name] = (MultiheadAttention,)
+        skip.append(name + ".out_proj")
+    if isinstance(layer.activation, nn.Module):
+        if _activation_name(layer.activation) is None:
+            skip.append("activation")  # a custom activation module: the fused path calls it too
+        else:
+            spec["activation"] = _ACTIVATION_MODULES
+    why, watched = _guard.scan(layer, spec, skip)
+    for name in layer._ATTENTIONS:
+        why = why or _guard.tensors_reason(name + ".out_proj", getattr(layer, name).out_proj, ("weight", "bias"))
+    return why, watched, None
+
+
+def _causal_mask(L, like):
+    return nn.Transformer.generate_square_subsequent_mask(L, device=like.device, dtype=like.dtype)
 
 
 def _from_torch(cls, layer, children):

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fused_block import reference
+from fused_block import _guard, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked
@@ -111,19 +111,77 @@ def convert_modules(model: nn.Module) -> list:
             continue
         _patch(m, family, rotary)
         family.prepare(m)
+        reason = _tree_reason(m, family)  # the MLP may have joined the tree
+        if reason is not None:
+            _unpatch(m)
+            _warn_once(("convert", type(m).__name__, reason), f"{type(m).__name__} is left unconverted: {reason}")
+            continue
+        m._fused_block.spec = _spec(m, family)
         converted.append(m)
     return converted
+
+
+# In a family's tree: the submodule's class as found at conversion (checked by the family).
+SAME = "same"
 
 
 class _Family:
     """A layer class's conversion: ``check(layer)`` at conversion and ``check_call(layer, call)``
     per call return a reason to keep the original forward (or None); ``prepare(layer)`` records
     what the layer's conversion decided; ``run(layer, call, x)`` computes the output;
-    ``called(layer)`` lists the submodules ``run`` still calls."""
+    ``tree(layer)`` maps the path of every submodule the original forward calls and ``run``
+    does not to its allowed classes (a tuple, or ``SAME``: its class at conversion); ``called``
+    lists the paths of the submodules ``run`` calls itself (their subtrees are not checked).
+    The tree is the call-time guard's spec (:mod:`fused_block._guard`): a submodule outside it,
+    of another class, wrapped (PEFT, quantization), hooked or with its own ``forward`` makes the
+    layer run its original forward."""
 
-    def __init__(self, check, check_call, run, called=lambda layer: (), prepare=lambda layer: None):
+    def __init__(self, check, check_call, run, tree, called=lambda layer: (), prepare=lambda layer: None):
         self.check, self.check_call, self.run, self.called = check, check_call, run, called
-        self.prepare = prepare
+        self.tree, self.prepare = tree, prepare
+
+
+def _tree_reason(layer, family):
+    """At conversion: a submodule the family does not know, or of a class it does not fuse."""
+    tree, skip = family.tree(layer), tuple(family.called(layer))
+    found = {}
+    for path, m in layer.named_modules():
+        if not path or path in skip or path.startswith(tuple(p + "." for p in skip)):
+            continue
+        allowed = tree.get(path)
+        if allowed is None:
+            return f"{path} ({type(m).__name__}) is a submodule the fused path does not know"
+        if allowed is not SAME and type(m) not in allowed:
+            return f"{path} is a {type(m).__module__}.{type(m).__qualname__}, not one of {[c.__name__ for c in allowed]}"
+        found[path] = allowed
+    missing = [p for p in tree if p not in found]
+    return f"{missing[0]} is missing" if missing else None
+
+
+def _spec(layer, family):
+    """The guard's spec: the tree with ``SAME`` resolved to the classes found now (at conversion)."""
+    return {path: (type(layer.get_submodule(path)),) if allowed is SAME else allowed
+            for path, allowed in family.tree(layer).items()}
+
+
+def _is_capture_hook(fn):
+    """transformers' output-capturing hooks: installed once, inert unless a collector asks."""
+    return getattr(fn, "__module__", None) == _CAPTURE_MODULE
+
+
+def _capture_reason():
+    collector = sys.modules[_CAPTURE_MODULE]._active_collector.get()
+    if collector and any(k != "hidden_states" and not k.startswith("_") for k in collector):
+        return "output capturing of attention weights (output_attentions=True)"
+    return None
+
+
+def _describe(layer):
+    """For :func:`fused_block._guard.reason`: the layer's spec checked against its submodules."""
+    state = layer._fused_block
+    why, watched = _guard.scan(layer, state.spec, state.family.called(layer), _is_capture_hook)
+    capture = any(_is_capture_hook(getattr(h, "func", h)) for m in watched for h in m._forward_hooks.values())
+    return why, watched, _capture_reason if capture else None
 
 
 class _State:
@@ -135,6 +193,7 @@ class _State:
         self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
         self.packed = {}  # name -> (key, value) cache of _cached
         self.fused_mlp = False  # LLaMA family: the MLP runs as swiglu
+        self.spec = {}  # the call-time guard's spec (_spec), set once the family prepared the layer
 
 
 def _patch(module, family, rotary):
@@ -144,6 +203,10 @@ def _patch(module, family, rotary):
     state = _State(family, forward, positional, _returns_tensor(forward), rotary)
     module.__dict__["_fused_block"] = state  # a plain attribute: no submodule, no state-dict entry
     module.forward = types.MethodType(_fused_forward, module)
+
+
+def _unpatch(module):
+    del module.__dict__["_fused_block"], module.__dict__["forward"]
 
 
 def _returns_tensor(forward):
@@ -162,8 +225,7 @@ def _fused_forward(self, *args, **kwargs):
     call = dict(zip(state.positional, args))
     call.update(kwargs)
     hidden = call.get("hidden_states")
-    reason = _common_reason(call, hidden) or _records_outputs(self, state.family.called(self)) \
-        or state.family.check_call(self, call)
+    reason = _common_reason(call, hidden) or _guard.reason(self, _describe) or state.family.check_call(self, call)
     if reason is not None:
         _warn_once((type(self).__name__, reason), f"{type(self).__name__} runs its original forward: {reason}")
         return state.original(self, *args, **kwargs)
@@ -205,23 +267,6 @@ def _cache(call):
     for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
         if call.get(name) is not None:
             return call[name]
-    return None
-
-
-def _records_outputs(layer, called):
-    """A submodule the fused path skips (any but ``called`` and their children) has a hook that
-    would see nothing: user hooks, or transformers' output capturing of attention weights."""
-    skip = {id(c) for m in called for c in m.modules()}
-    for m in layer.modules():
-        if m is layer or id(m) in skip:
-            continue
-        for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()):
-            fn = getattr(hook, "func", hook)
-            if getattr(fn, "__module__", None) != _CAPTURE_MODULE:
-                return "a forward hook on a submodule that the fused path does not call"
-            collector = sys.modules[_CAPTURE_MODULE]._active_collector.get()
-            if collector and any(k != "hidden_states" and not k.startswith("_") for k in collector):
-                return "output capturing of attention weights (output_attentions=True)"
     return None
 
 
@@ -393,8 +438,8 @@ def _implementation_reason(config):
 def _llama_check(layer):
     attn = getattr(layer, "self_attn", None)
     parts = ("q_proj", "k_proj", "v_proj", "o_proj")
-    if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in parts):
-        return "self_attn does not have q_proj/k_proj/v_proj/o_proj linears"
+    if attn is None or not all(type(getattr(attn, p, None)) is nn.Linear for p in parts):
+        return "self_attn's q_proj/k_proj/v_proj/o_proj are not all torch.nn.Linear"
     for norm in ("input_layernorm", "post_attention_layernorm"):
         n = getattr(layer, norm, None)
         if n is None or not hasattr(n, "weight") or _rms_eps(n) is None:
@@ -458,8 +503,8 @@ def _swiglu_reason(mlp_mod):
     act = getattr(getattr(mlp_mod, "config", None), "hidden_act", None)
     if act not in _SILU or type(getattr(mlp_mod, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
         return f"hidden_act {act!r} (the fused SwiGLU gates with SiLU)"
-    if not all(isinstance(getattr(mlp_mod, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-        return "gate_proj, up_proj and down_proj are not all nn.Linear"
+    if not all(type(getattr(mlp_mod, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
+        return "gate_proj, up_proj and down_proj are not all torch.nn.Linear"
     return None
 
 
@@ -502,9 +547,13 @@ def _gpt2_check(block):
     attn, mlp_mod = getattr(block, "attn", None), getattr(block, "mlp", None)
     if attn is None or mlp_mod is None or getattr(attn, "is_cross_attention", False):
         return "not a GPT-2 self-attention block"
-    for name in ("c_attn", "c_proj"):
-        if getattr(getattr(attn, name, None), "weight", None) is None:
-            return f"attn.{name} has no weight"
+    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        try:
+            conv = block.get_submodule(name)
+        except AttributeError:
+            conv = None
+        if type(conv).__name__ != "Conv1D" or type(conv).__module__ != "transformers.pytorch_utils":
+            return f"{name} is not transformers' Conv1D"
     act = getattr(attn.config, "activation_function", None)
     if act not in _ACTIVATIONS:
         return f"activation_function {act!r} has no fused epilogue"
@@ -548,8 +597,8 @@ def _gpt2_run(block, call, x):
 
 def _bert_check(layer):
     attn = getattr(getattr(layer, "attention", None), "self", None)
-    if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("query", "key", "value")):
-        return "attention.self does not have query/key/value linears"
+    if attn is None or not all(type(getattr(attn, p, None)) is nn.Linear for p in ("query", "key", "value")):
+        return "attention.self's query/key/value are not all torch.nn.Linear"
     if getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention", False):
         return "BERT as a decoder (causal self-attention, cross-attention) is not converted"
     act = getattr(attn.config, "hidden_act", None)
@@ -586,8 +635,41 @@ def _bert_run(layer, call, x):
     return y
 
 
-_LLAMA = _Family(_llama_check, _llama_check_call, _llama_run, prepare=_llama_prepare,
-                 called=lambda layer: () if layer._fused_block.fused_mlp else (layer.mlp,))
+# ---------------------------------------------------------------------------------------------
+# what each family's fused forward reads instead of calling (the call-time guard's spec)
+# ---------------------------------------------------------------------------------------------
+
+_LINEAR, _DROPOUT, _LAYER_NORM = (nn.Linear,), (nn.Dropout,), (nn.LayerNorm,)
+
+
+def _llama_tree(layer):
+    tree = {"self_attn": SAME, "input_layernorm": SAME, "post_attention_layernorm": SAME}
+    tree.update((f"self_attn.{p}_proj", _LINEAR) for p in "qkvo")
+    if layer._fused_block.fused_mlp:
+        tree.update({"mlp": SAME, "mlp.act_fn": SAME})
+        tree.update((f"mlp.{p}_proj", _LINEAR) for p in ("gate", "up", "down"))
+    return tree
+
+
+def _gpt2_tree(block):
+    return {"ln_1": _LAYER_NORM, "ln_2": _LAYER_NORM, "attn": SAME, "attn.c_attn": SAME, "attn.c_proj": SAME,
+            "attn.attn_dropout": _DROPOUT, "attn.resid_dropout": _DROPOUT, "mlp": SAME, "mlp.c_fc": SAME,
+            "mlp.c_proj": SAME, "mlp.act": SAME, "mlp.dropout": _DROPOUT}
+
+
+def _bert_tree(layer):
+    tree = {"attention": SAME, "attention.self": SAME, "attention.self.dropout": _DROPOUT,
+            "attention.output": SAME, "intermediate": SAME, "intermediate.intermediate_act_fn": SAME,
+            "output": SAME}
+    tree.update((f"attention.self.{p}", _LINEAR) for p in ("query", "key", "value"))
+    for part in ("attention.output", "output"):
+        tree.update({f"{part}.dense": _LINEAR, f"{part}.LayerNorm": _LAYER_NORM, f"{part}.dropout": _DROPOUT})
+    tree["intermediate.dense"] = _LINEAR
+    return tree
+
+
+_LLAMA = _Family(_llama_check, _llama_check_call, _llama_run, _llama_tree, prepare=_llama_prepare,
+                 called=lambda layer: () if layer._fused_block.fused_mlp else ("mlp",))
 _FAMILIES = {name: _LLAMA for name in _LLAMA_LAYERS}
-_FAMILIES["GPT2Block"] = _Family(_gpt2_check, _gpt2_check_call, _gpt2_run)
-_FAMILIES["BertLayer"] = _Family(_bert_check, _bert_check_call, _bert_run)
+_FAMILIES["GPT2Block"] = _Family(_gpt2_check, _gpt2_check_call, _gpt2_run, _gpt2_tree)
+_FAMILIES["BertLayer"] = _Family(_bert_check, _bert_check_call, _bert_run, _bert_tree)

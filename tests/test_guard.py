@@ -1,0 +1,357 @@
+"""The call-time guard (fused_block._guard): a fused layer whose submodules are no longer what it
+fuses (hooks, adapters, subclasses, tensor-subclass weights, patched forwards) gives the
+original's answer with a one-time warning, and goes back to the kernels once they are again.
+
+Everything is compared in fp32 with the original module on the same weights and inputs; where
+the original path runs, the answer is torch's (or Hugging Face's) own, so the tolerance is the
+summation-order noise of the same ops. d_model 32 with 2 heads: head dim 16, the kernel's
+smallest; L = 5: tiny, for the interpreter.
+"""
+import contextlib
+import copy
+import warnings
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+import fused_block
+from fused_block import _guard, blocks
+
+D, H, FF, B, L = 32, 2, 64, 2, 5
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    """Each test sees its own one-time warnings."""
+    saved = set(blocks._WARNED)
+    blocks._WARNED.clear()
+    yield
+    blocks._WARNED.clear()
+    blocks._WARNED.update(saved)
+
+
+@contextlib.contextmanager
+def _no_fallback():
+    """A fallback warning fails (the interpreter's own numpy DeprecationWarnings do not)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=UserWarning)
+        yield
+
+
+def _pair(device, decoder=False, **kw):
+    cls = nn.TransformerDecoderLayer if decoder else nn.TransformerEncoderLayer
+    ref = cls(D, H, FF, dropout=0.0, batch_first=True, device=device, **kw).train()
+    return ref, fused_block.convert(copy.deepcopy(ref))
+
+
+def _run(layer, x, mem=None):
+    return layer(x) if mem is None else layer(x, mem)
+
+
+def _kernel_launches(launches):
+    return launches["add_norm_fwd"] + launches["matmul"]
+
+
+class _Rounding(nn.Linear):
+    """A bitsandbytes-like nn.Linear subclass: its own forward computes something else."""
+
+    def forward(self, x):
+        return super().forward(x).round()
+
+
+def _swap(layer, name, cls=_Rounding):
+    old = layer.get_submodule(name)
+    new = cls(old.in_features, old.out_features, bias=old.bias is not None, device=old.weight.device)
+    new.load_state_dict(old.state_dict())
+    parent, _, leaf = name.rpartition(".")
+    setattr(layer.get_submodule(parent) if parent else layer, leaf, new)
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_hooks_on_sublayers_run_torchs_forward(device, launches, decoder):
+    """The issue's case: a hook doubling linear1's output and one adding 1 to norm1's, added
+    after the layer already ran fused (so the cached verdict must notice them)."""
+    ref, fused = _pair(device, decoder)
+    x = torch.randn(B, L, D, device=device)
+    mem = torch.randn(B, L + 2, D, device=device) if decoder else None
+    torch.testing.assert_close(_run(fused, x, mem), _run(ref, x, mem), **TOL)
+    handles = []
+    for layer in (ref, fused):
+        handles.append(layer.linear1.register_forward_hook(lambda m, i, o: o * 2))
+        handles.append(layer.norm1.register_forward_pre_hook(lambda m, i: (i[0] + 1,)))
+    with pytest.warns(UserWarning, match="linear1 has a forward hook"):
+        got = _run(fused, x, mem)
+    torch.testing.assert_close(got, _run(ref, x, mem), **TOL)
+    for h in handles:
+        h.remove()
+    before = _kernel_launches(launches)
+    with _no_fallback():
+        torch.testing.assert_close(_run(fused, x, mem), _run(ref, x, mem), **TOL)
+    assert _kernel_launches(launches) > before  # fused again once the hooks are gone
+
+
+@pytest.mark.parametrize("where", ["linear1", "linear2", "self_attn", "norm2"])
+def test_hook_kinds_and_places(device, where):
+    """Forward, pre and backward hooks on every kind of bypassed submodule are seen."""
+    ref, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device, requires_grad=True)
+    fused(x)
+    seen = []
+    fused.get_submodule(where).register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    with pytest.warns(UserWarning, match=f"{where} has a backward hook"):
+        fused(x).sum().backward()
+    assert seen
+
+
+def test_subclass_swapped_in_after_construction(device):
+    """The issue's case: an nn.Linear subclass with its own forward put into linear1."""
+    ref, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    fused(x)
+    for layer in (ref, fused):
+        _swap(layer, "linear1")
+    with pytest.warns(UserWarning, match="linear1 is a .*_Rounding, not torch.nn.modules.linear.Linear"):
+        got = fused(x)
+    torch.testing.assert_close(got, ref(x), **TOL)
+
+
+def test_instance_forward_and_global_hooks(device):
+    """What torch announces nowhere: a patched instance forward (accelerate's hooks do this)
+    and a global module hook are checked on every call."""
+    ref, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    fused(x)
+    for layer in (ref, fused):
+        lin = layer.linear2
+        lin.forward = lambda t, lin=lin: nn.Linear.forward(lin, t) * 3
+    with pytest.warns(UserWarning, match="linear2 has an instance-level forward"):
+        got = fused(x)
+    torch.testing.assert_close(got, ref(x), **TOL)
+    for layer in (ref, fused):
+        del layer.linear2.forward
+    torch.testing.assert_close(fused(x), ref(x), **TOL)
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o + 1 if isinstance(m, nn.Dropout) else None)
+    try:
+        with pytest.warns(UserWarning, match="global module hook"):
+            got = fused(x)
+        torch.testing.assert_close(got, ref(x), **TOL)
+    finally:
+        handle.remove()
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass standing in for torchao's quantized weights or a DTensor."""
+
+
+def test_tensor_subclass_weight(device):
+    ref, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    fused(x)
+    fused.linear1.weight = nn.Parameter(fused.linear1.weight.detach().clone().as_subclass(_Tagged))
+    with pytest.warns(UserWarning, match="linear1.weight is a _Tagged"):
+        got = fused(x)
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), ref(x), **TOL)
+
+
+def test_swiglu_rms_gqa_layer_falls_back_to_its_own_math(device):
+    """Layers torch's forward cannot compute (SwiGLU, RMSNorm, GQA, RoPE) still run it, with the
+    FFN block written for SwiGLU; a hook then sees the same tensor the fused math computes."""
+    torch.manual_seed(0)
+    layer = fused_block.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation="swiglu", batch_first=True,
+                                                norm_first=True, bias=False, norm="rms", num_kv_heads=1,
+                                                rope=True, device=device)
+    x = torch.randn(B, L, D, device=device)
+    want = layer(x)
+    seen = []
+    handle = layer.linear2.register_forward_hook(lambda m, i, o: seen.append(o))
+    with pytest.warns(UserWarning, match="linear2 has a forward hook"):
+        got = layer(x)
+    handle.remove()
+    assert len(seen) == 1
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_verdict_is_cached_until_something_changes(device, monkeypatch):
+    """The full check runs once, not per call; a registration anywhere, a hook on a watched
+    submodule or an assignment makes it run again."""
+    _, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    calls = []
+    real = blocks._describe_layer
+    monkeypatch.setattr(blocks, "_describe_layer", lambda layer: calls.append(1) or real(layer))
+    with torch.no_grad():
+        fused(x)
+        fused(x)
+        assert len(calls) == 1
+        handle = fused.dropout1.register_forward_hook(lambda *a: None)
+        with pytest.warns(UserWarning, match="dropout1 has a forward hook"):
+            fused(x)
+        handle.remove()
+        fused(x)
+        fused(x)
+        n = len(calls)
+        fused.norm1 = copy.deepcopy(fused.norm1)  # an assignment bumps the epoch
+        fused(x)
+        assert len(calls) == n + 1
+        fused(x)
+        assert len(calls) == n + 1
+
+
+def test_copies_have_their_own_verdict(device):
+    """deepcopy keeps the counting hook dicts; a hook on the copy is seen, the original stays fused."""
+    _, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    fused(x)
+    twin = copy.deepcopy(fused)
+    twin(x)
+    twin.linear1.register_forward_hook(lambda m, i, o: o * 0)
+    with pytest.warns(UserWarning, match="linear1 has a forward hook"):
+        twin(x)
+    with _no_fallback():
+        fused(x)
+
+
+def test_mha_with_a_subclass_weight_runs_torchs_attention(device):
+    mha = blocks.MultiheadAttention(D, H, batch_first=True, device=device)
+    ref = nn.MultiheadAttention(D, H, batch_first=True, device=device)
+    ref.load_state_dict(mha.state_dict())
+    x = torch.randn(B, L, D, device=device)
+    mha.in_proj_weight = nn.Parameter(mha.in_proj_weight.detach().clone().as_subclass(_Tagged))
+    with pytest.warns(UserWarning, match="in_proj_weight is a _Tagged"):
+        got = mha(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), ref(x, x, x, need_weights=False)[0], **TOL)
+
+
+def test_describe_scans_every_submodule():
+    """An unknown submodule (added to a bypassed one) is a reason, not ignored."""
+    layer = fused_block.TransformerEncoderLayer(D, H, FF, batch_first=True)
+    layer.linear1.extra = nn.Identity()
+    why, watched, _ = blocks._describe_layer(layer)
+    assert why == "linear1.extra (torch.nn.modules.linear.Identity) is a submodule the fused path does not know"
+    assert watched == ()
+    del layer.linear1.extra
+    why, watched, _ = blocks._describe_layer(layer)
+    assert why is None and layer.linear1 in watched
+
+
+def test_hook_dicts_keep_their_handles(device):
+    """Replacing an empty hook dict keeps torch's hook machinery working: handles made after the
+    swap remove their hooks, and the hook fires through torch's forward."""
+    _, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    fused(x)
+    assert type(fused.linear1._forward_hooks) is _guard._HookDict
+    seen = []
+    handle = fused.linear1.register_forward_hook(lambda m, i, o: seen.append(1), prepend=True)
+    with pytest.warns(UserWarning):
+        fused(x)
+    assert seen == [1]
+    handle.remove()
+    assert not fused.linear1._forward_hooks
+    fused(x)
+    assert seen == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face layers converted in place
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def hf_warnings():
+    from fused_block import hf
+
+    saved = set(hf._WARNED)
+    hf._WARNED.clear()
+    yield
+    hf._WARNED.clear()
+    hf._WARNED.update(saved)
+
+
+def _hf_pair(arch, device):
+    hf_testing = pytest.importorskip("hf_testing")
+    model = hf_testing.model(arch, device).eval()
+    return model, fused_block.convert(copy.deepcopy(model)), hf_testing.inputs(arch, device)[0]
+
+
+@pytest.mark.parametrize("order", ["convert_then_adapt", "adapt_then_convert"])
+def test_peft_lora_on_a_converted_llama(device, hf_warnings, order):
+    """The issue's case: PEFT LoRA (q_proj, v_proj, down_proj, non-zero B) attached after
+    ``convert`` gives PEFT's own logits, with a warning naming the wrapped submodule."""
+    peft = pytest.importorskip("peft")
+    model, fused, ids = _hf_pair("llama", device)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    want_model = peft.get_peft_model(copy.deepcopy(model), lora)
+    torch.manual_seed(1)
+    if order == "convert_then_adapt":
+        got_model = peft.get_peft_model(fused, lora)
+        with torch.no_grad(), pytest.warns(UserWarning, match="self_attn.q_proj is a peft.tuners.lora.layer.Linear"):
+            got = got_model(ids).logits
+    else:
+        with pytest.warns(UserWarning, match="left unconverted: self_attn's q_proj"):
+            got_model = fused_block.convert(peft.get_peft_model(copy.deepcopy(model), lora))
+        with torch.no_grad():
+            got = got_model(ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(got, want_model(ids).logits, **TOL)
+
+
+@pytest.mark.parametrize("arch,where", [("llama", "self_attn.o_proj"), ("bert", "intermediate.dense")])
+def test_hf_linear_subclass_after_conversion(device, hf_warnings, arch, where):
+    model, fused, ids = _hf_pair(arch, device)
+    layer = fused.model.layers[0] if arch == "llama" else fused.bert.encoder.layer[0]
+    with torch.no_grad():
+        fused(ids)
+        _swap(layer, where)
+        _swap(model.model.layers[0] if arch == "llama" else model.bert.encoder.layer[0], where)
+        with pytest.warns(UserWarning, match=f"{where} is a .*_Rounding"):
+            got = fused(ids).logits
+        torch.testing.assert_close(got, model(ids).logits, **TOL)
+
+
+def test_hf_hooks_and_instance_forwards(device, hf_warnings, launches):
+    """GPT-2: a hook on attn.c_attn (a Conv1D the fused path reads as a transposed weight)
+    fires, and the answer is the original's; once removed, the kernels run again."""
+    model, fused, ids = _hf_pair("gpt2", device)
+    block = fused.transformer.h[1]
+    seen = []
+    with torch.no_grad():
+        want = model(ids).logits
+        handle = block.attn.c_attn.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        with pytest.warns(UserWarning, match="attn.c_attn has a forward hook"):
+            got = fused(ids).logits
+        assert len(seen) == 1
+        torch.testing.assert_close(got, want, **TOL)
+        handle.remove()
+        block.mlp.act.forward = lambda t: t  # an identity activation: the original's forward uses it
+        model.transformer.h[1].mlp.act.forward = lambda t: t
+        with pytest.warns(UserWarning, match="mlp.act has an instance-level forward"):
+            got = fused(ids).logits
+        torch.testing.assert_close(got, model(ids).logits, **TOL)
+        del block.mlp.act.forward, model.transformer.h[1].mlp.act.forward
+        before = launches["matmul"]
+        torch.testing.assert_close(fused(ids).logits, want, **TOL)
+        assert launches["matmul"] > before
+
+
+@pytest.mark.parametrize("where,match", [("self_attn.k_proj", "left unconverted"),
+                                         ("mlp.up_proj", "MLP runs Hugging Face's module")])
+def test_hf_quantized_subclass_before_conversion(device, hf_warnings, where, match):
+    """A quantization library that swapped linears before ``convert`` (bitsandbytes'
+    Linear8bitLt is an nn.Linear subclass): that part stays unconverted, with a warning."""
+    model, _, ids = _hf_pair("llama", device)
+    for layer in model.model.layers:
+        _swap(layer, where)
+    with pytest.warns(UserWarning, match=match):
+        fused = fused_block.convert(copy.deepcopy(model))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, model(ids).logits, **TOL)
