@@ -10,6 +10,7 @@
 import contextlib
 import functools
 import threading
+import warnings
 
 import torch
 
@@ -46,6 +47,40 @@ def host_only():
         yield
     finally:
         FORCE_TRITON, common.STUB_LAUNCHES = before
+
+
+def needs_autograd(*tensors) -> bool:
+    """Whether autograd will differentiate an op on ``tensors`` (else the op runs without its
+    autograd Function, saving nothing). Never while ``torch.jit.trace`` records: a trace holds
+    the ops themselves (an inference graph), not Python autograd Functions, which it could
+    neither replay consistently nor save."""
+    if not torch.is_grad_enabled() or torch._C._get_tracing_state() is not None:
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+# Keys of the one-time warnings already given (tests reset it per test: tests/conftest.py).
+WARNED = set()
+
+
+def warn_once(key, message, stacklevel=2):
+    """``warnings.warn(message)`` the first time ``key`` is seen (never while torch.compile
+    traces: a warning there would break the graph). ``stacklevel`` as for warnings.warn, counted
+    from warn_once's caller."""
+    if key not in WARNED and not torch.compiler.is_compiling():
+        WARNED.add(key)
+        warnings.warn(message, stacklevel=stacklevel + 1)
+
+
+def not_scriptable(module):
+    """``__prepare_scriptable__`` of the library's modules: ``torch.jit.script`` cannot compile a
+    forward that launches Triton kernels from Python; say what works instead."""
+    raise TypeError(f"torch.jit.script cannot compile fused_block's {type(module).__name__}: its forward "
+                    "launches Triton kernels from Python. Use torch.jit.trace(module, example_inputs) or "
+                    "torch.export.export(module, example_args) instead (both record the fused ops).")
 
 
 # One empty int64 tensor per device stands in for the seed when p == 0: no allocation per call.

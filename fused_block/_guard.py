@@ -96,7 +96,17 @@ def _qualname(cls):
 
 
 def _plain_tensor(t):
-    return t is None or type(t) in (nn.Parameter, torch.Tensor)
+    if t is None or type(t) in (nn.Parameter, torch.Tensor):
+        return True
+    # While torch.compile / torch.export trace, parameters are fake stand-ins of plain tensors.
+    return torch.compiler.is_compiling() and type(t) in _tracing_types()
+
+
+def _tracing_types():
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return FakeTensor, FunctionalTensor
 
 
 def tensors_reason(path, owner, names):

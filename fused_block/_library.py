@@ -11,8 +11,9 @@ So each op is defined with an explicit schema (inferred from the type hints, as 
 does), implemented for every backend, given a fake (meta) implementation, and wrapped in a
 ``torch.autograd.Function`` by the caller. :func:`op` returns a function that calls the
 registered ``OpOverload`` while ``torch.compile`` traces (so the graph holds one opaque op
-with its fake implementation, and ``fullgraph=True`` works) and the Python implementation
-directly otherwise (eager mode pays neither the dispatcher nor argument parsing). Its
+with its fake implementation, and ``fullgraph=True`` works) or ``torch.jit.trace`` records
+(the trace holds the op, whose implementation then sees sizes as ints, not traced tensors),
+and the Python implementation directly otherwise (eager mode pays neither the dispatcher nor argument parsing). Its
 ``.default`` attribute is the ``OpOverload``, for ``torch.library.opcheck``.
 """
 import torch
@@ -33,9 +34,10 @@ def op(name: str, fake):
         torch.library.register_fake(f"fused_block::{name}", fake, lib=_LIB)
         overload = getattr(torch.ops.fused_block, name).default
         is_compiling = torch.compiler.is_compiling
+        tracing = torch._C._get_tracing_state
 
         def call(*args):
-            if is_compiling():
+            if is_compiling() or tracing():
                 return overload(*args)
             return fn(*args)
 

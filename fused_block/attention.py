@@ -279,7 +279,11 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
         return reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, return_lse=return_lse)
     _check_fp32_width("q", q, q.shape[-1])
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    out, lse = _Attention.apply(q, k, v, key_padding_mask, _seed(dropout_p, q.device), causal, scale, dropout_p)
+    seed = _seed(dropout_p, q.device)
+    if _backend.needs_autograd(q, k, v):
+        out, lse = _Attention.apply(q, k, v, key_padding_mask, seed, causal, scale, dropout_p)
+    else:
+        out, lse = attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p)
     return (out, lse) if return_lse else out
 
 
@@ -328,6 +332,10 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
         out = (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
         return (out, lse) if return_lse else out
     _check_fp32_width("qkv", qkv, D)
-    out, lse = _PackedAttention.apply(_unit_last_stride(qkv), num_heads, num_kv_heads, batch_first,
-                                      key_padding_mask, _seed(dropout_p, qkv.device), causal, scale, dropout_p)
+    args = (_unit_last_stride(qkv), num_heads, num_kv_heads, batch_first, key_padding_mask,
+            _seed(dropout_p, qkv.device), causal, scale, dropout_p)
+    if _backend.needs_autograd(qkv):
+        out, lse = _PackedAttention.apply(*args)
+    else:
+        out, lse = attention_packed_fwd(*args)
     return (out, lse) if return_lse else out

@@ -372,15 +372,12 @@ def _autocast(x, *tensors):
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in (x, *tensors))
 
 
-def _needs_grad(*tensors):
-    """Whether autograd will differentiate the op (else it runs without the autograd Function,
-    saving nothing)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _rows(t, n):
-    """(rows, n) view of (..., n) ``t`` (also when n or the rows are 0)."""
-    return None if t is None else t.reshape(t.shape[:-1].numel(), n)
+    """(rows, n) view of (..., n) ``t`` (also when n or the rows are 0). No Python arithmetic
+    on the sizes, so a ``torch.jit.trace`` of it follows the input's shape."""
+    if t is None:
+        return None
+    return t.unsqueeze(0) if t.dim() == 1 else t.flatten(0, -2)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
@@ -403,7 +400,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
         return reference.linear(x, weight, bias, activation, residual, dropout_p)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none")
-    if _needs_grad(x, weight, bias, residual):
+    if _backend.needs_autograd(x, weight, bias, residual):
         out = _LinearFn.apply(*args, seed, float(dropout_p))
     else:
         out = _linear_fwd(*args, False, seed, float(dropout_p))[0]
@@ -417,7 +414,7 @@ def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, outpu
     output_seed = _backend.dropout_seed(output_dropout_p, x.device) if output_dropout_p > 0 else None
     x2, residual = _rows(x, x.shape[-1]), _rows(residual, n)
     activation = activation or "none"
-    if _needs_grad(x, w1, w1_up, b1, b1_up, w2, b2, residual):
+    if _backend.needs_autograd(x, w1, w1_up, b1, b1_up, w2, b2, residual):
         out = _FFNFn.apply(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
                            output_seed, float(output_dropout_p), split_w1)
     else:
@@ -497,11 +494,19 @@ def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Op
 # modules
 # ---------------------------------------------------------------------------------------------
 
+def _torch_dtype(x) -> bool:
+    """A floating-point dtype the kernels do not take (float64): the modules run the plain
+    PyTorch reference, as torch's modules would compute it."""
+    return isinstance(x, Tensor) and x.is_floating_point() and x.dtype not in _validate.FLOAT_DTYPES
+
+
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` with a fused activation (and an optional residual in ``forward``).
 
     Same constructor (plus ``activation``), parameters and state dict as ``torch.nn.Linear``.
     """
+
+    __prepare_scriptable__ = _backend.not_scriptable
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, activation: Optional[str] = None):
@@ -510,6 +515,8 @@ class Linear(torch.nn.Linear):
         self.activation = activation
 
     def forward(self, input: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+        if _torch_dtype(input):
+            return reference.linear(input, self.weight, self.bias, self.activation, residual)
         return linear(input, self.weight, self.bias, self.activation, residual)
 
     def extra_repr(self) -> str:
@@ -526,6 +533,8 @@ class MLP(torch.nn.Module):
     (before the residual add), both fused into the GEMM epilogues; only in training mode.
     """
 
+    __prepare_scriptable__ = _backend.not_scriptable
+
     def __init__(self, d_model: int, dim_feedforward: int, activation: Optional[str] = "gelu",
                  bias: bool = True, dropout: float = 0.0, device=None, dtype=None):
         super().__init__()
@@ -539,8 +548,9 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
         p = self.dropout if self.training else 0.0
-        return mlp(x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
-                   self.activation, residual, p, p)
+        fn = reference.mlp if _torch_dtype(x) else mlp
+        return fn(x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
+                  self.activation, residual, p, p)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, dropout={self.dropout}"

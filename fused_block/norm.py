@@ -196,7 +196,7 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_i
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     args = (_unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps), float(dropout_p), is_rms,
             residual_dtype, store_residual)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight, bias)):
+    if _backend.needs_autograd(x, residual, weight, bias):
         if out_is_residual:
             second = "out"
         elif store_residual:
@@ -216,7 +216,7 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
     """``residual_out = dropout(x) + residual``; ``out = layer_norm(residual_out) * weight + bias``.
 
     Args:
-        x: (..., N) fp32/fp16/bf16, any strides; N in [1, 65536].
+        x: (..., N) fp32/fp16/bf16, any strides; N in [1, 2^24 - 1] (``MAX_HIDDEN``).
         residual: same shape as x, any float dtype, or None (then residual_out = dropout(x)).
         weight, bias: (N,) or None; may be fp32 while x is fp16/bf16 (autocast).
         eps: added to the variance. dropout_p: dropout on x before the add, in [0, 1).
@@ -272,14 +272,38 @@ def _flatten_normalized(module, x, residual):
     return flat(x), flat(residual), w, None if b is None else b.reshape(n)
 
 
+def _torch_forward(module, base, x, residual):
+    """What the kernels do not take, torch's own module computes: dtypes other than
+    fp32/fp16/bf16 (float64 runs torch's math; other dtypes get torch's error) and rows wider
+    than ``MAX_HIDDEN`` (after a one-time warning). None when the kernels take ``x``."""
+    if not isinstance(x, Tensor) or (residual is not None and not isinstance(residual, Tensor)):
+        return None  # the op's own TypeError
+    n = math.prod(module.normalized_shape)
+    if x.dtype in _validate.FLOAT_DTYPES and n <= MAX_HIDDEN:
+        return None
+    if n > MAX_HIDDEN:
+        _backend.warn_once(("norm width", n), f"fused_block: {type(module).__name__} over {n} elements per row "
+                           f"(more than the kernels' {MAX_HIDDEN}) runs torch's {base.__name__}", stacklevel=3)
+    h = x if residual is None else x + residual
+    out = base.forward(module, h)
+    return out if residual is None else (out, h)
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` on the fused kernel; same constructor, defaults and state dict.
 
     ``forward(x)`` returns the normalized tensor; ``forward(x, residual)`` returns
-    ``(out, residual_out)`` with ``residual_out = x + residual``.
+    ``(out, residual_out)`` with ``residual_out = x + residual``. float64 (and any dtype but
+    fp32/fp16/bf16) runs torch's ``LayerNorm``, as do rows over ``MAX_HIDDEN`` (2^24 - 1)
+    elements, after a one-time warning.
     """
 
+    __prepare_scriptable__ = _backend.not_scriptable
+
     def forward(self, x: Tensor, residual: Tensor | None = None):
+        res = _torch_forward(self, torch.nn.LayerNorm, x, residual)
+        if res is not None:
+            return res
         xf, rf, w, b = _flatten_normalized(self, x, residual)
         out, rout = add_layer_norm(xf, rf, w, b, self.eps)
         if residual is None:
@@ -291,10 +315,16 @@ class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` on the fused kernel; same constructor, defaults and state dict.
 
     ``forward(x)`` returns the normalized tensor; ``forward(x, residual)`` returns
-    ``(out, residual_out)`` with ``residual_out = x + residual``.
+    ``(out, residual_out)`` with ``residual_out = x + residual``. Other dtypes and widths as
+    :class:`LayerNorm` (torch's ``RMSNorm``).
     """
 
+    __prepare_scriptable__ = _backend.not_scriptable
+
     def forward(self, x: Tensor, residual: Tensor | None = None):
+        res = _torch_forward(self, torch.nn.RMSNorm, x, residual)
+        if res is not None:
+            return res
         xf, rf, w, _ = _flatten_normalized(self, x, residual)
         out, rout = add_rms_norm(xf, rf, w, self.eps)
         if residual is None:

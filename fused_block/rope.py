@@ -141,8 +141,10 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
         return reference.rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved)
     if cos is not None:
         cos, sin = _unit_last(cos), _unit_last(sin)
-    return _RoPE.apply(_unit_last(q), _unit_last(k), positions, inv_freq, cos, sin, float(scale), rot_dim,
-                       interleaved)
+    q, k = _unit_last(q), _unit_last(k)
+    if not _backend.needs_autograd(q, k):
+        return _rope_op(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved, False)
+    return _RoPE.apply(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +230,6 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
         cos, sin = _unit_last(cos), _unit_last(sin)
     args = (positions, inv_freq, cos, sin, num_heads + num_kv_heads, heads, batch_first, float(scale), rot_dim,
             interleaved)
-    if torch.is_grad_enabled() and qkv.requires_grad:
+    if _backend.needs_autograd(qkv):
         return _RoPEPacked.apply(_unit_last(qkv), *args)
     return _rope_packed_op(_unit_last(qkv), *args, False)

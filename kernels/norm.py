@@ -37,7 +37,11 @@ import triton.language as tl
 
 from fused_block.kernels import common
 
-MAX_HIDDEN = 65536
+# The widest row: the means' correctly rounded division (_div_n) needs N < 2^24. The chunked
+# paths loop over any width; the backward caps its programs so the partials stay bounded.
+MAX_HIDDEN = (1 << 24) - 1
+# The backward's (programs, N) fp32 partial sums stay within this many elements (256 MB).
+MAX_PARTIALS = 1 << 26
 # Widest row (as a power of two) held in registers: the forward keeps h, w and b per element,
 # the backward h, dy, w, the incoming residual gradient and the two partial accumulators.
 # Both are held to "no spills" on sm_80 and sm_90 by the compile check.
@@ -70,7 +74,8 @@ def _div_n(s, N, inv_n, INTERPRET: tl.constexpr):
     (P. Markstein, IBM J. Res. Dev. 34(1), 1990; Muller et al., Handbook of Floating-Point
     Arithmetic): q = RN(s * inv_n), r = s - q * N (exact in an fma), RN(q + r * inv_n) is
     RN(s / N) when inv_n = RN(1 / N) and N < 2^24 (checked against numpy's division, the fma
-    emulated in exact rational arithmetic, on 200000 random (N <= MAX_HIDDEN, s) pairs). Three
+    emulated in exact rational arithmetic, on 200000 random (N <= 65536, s) pairs and 20000 with
+    65536 < N < 2^24). Three
     fp32 operations and a select a row, no branch; an infinite sum (overflowing squares) keeps
     q, where the correction would be NaN. The interpreter divides: numpy's division rounds correctly, its fma
     rounds twice.
@@ -528,7 +533,9 @@ def bwd_programs(n: int, sms: int) -> int:
     every N, commit 2afa43cd); for wide rows fewer programs keep the (programs x N) partials
     small. Above 8192 quack splits each row over a cluster of CTAs (SMs / 2 clusters of two at
     16K, 2 x SMs beyond); our chunked path runs one program per row group, so it takes 2 x SMs
-    (two programs per SM) there. The same table serves sm_80 (not separately measured).
+    (two programs per SM) there, fewer for rows so wide that the (programs, N) fp32 partials
+    would pass ``MAX_PARTIALS`` (N > 131072 on 132 SMs). The same table serves sm_80 (not
+    separately measured).
     """
     if n <= 256:
         return 16 * sms
@@ -540,7 +547,7 @@ def bwd_programs(n: int, sms: int) -> int:
         return 2 * sms
     if n <= 8192:
         return sms
-    return 2 * sms
+    return max(1, min(2 * sms, MAX_PARTIALS // n))
 
 
 def _block(n: int, reg_max: int, chunk: int):

@@ -490,6 +490,22 @@ def test_linear_module_is_a_drop_in_nn_linear(device, launches):
         Linear(4, 4, activation="swiglu")  # a gated FFN, not an elementwise activation
 
 
+def test_modules_run_float64_as_torch_does(device, launches):
+    """float64 (which the kernels do not take) runs the plain PyTorch computation, gradients
+    included, without a launch; torch's Linear accepts it, so ours does too."""
+    theirs = torch.nn.Linear(40, 24, device=device, dtype=torch.float64)
+    ours = Linear(40, 24, device=device, dtype=torch.float64)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 40, dtype=torch.float64, device=device, requires_grad=True)
+    got, want = ours(x), theirs(x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
+    block = MLP(40, 24, activation="gelu", device=device, dtype=torch.float64)
+    want = block.linear2(F.gelu(block.linear1(x)))
+    torch.testing.assert_close(block(x), want)
+    assert launches["matmul"] == 0
+
+
 def test_mlp_module_matches_transformer_layer_names(device):
     layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, activation="gelu",
                                              device=device)

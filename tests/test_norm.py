@@ -100,9 +100,10 @@ def test_matches_reference(device, launches, dtype, norm, lead, n, has_res, has_
 
 
 @pytest.mark.parametrize("norm,dtype", [("layer", torch.bfloat16), ("rms", torch.float32)], ids=str)
-def test_largest_hidden(device, launches, norm, dtype):
-    """65536: the chunked forward and backward at their shipped widths (one row: the interpreter is slow)."""
-    _check_fwd_bwd(norm, _inputs((1, knorm.MAX_HIDDEN), dtype, device, has_b=norm == "layer"), dtype, device)
+def test_wide_hidden(device, launches, norm, dtype):
+    """70001 (past 65536, prime, so every chunk loop ends ragged): the chunked forward and
+    backward at their shipped widths (one row: the interpreter is slow)."""
+    _check_fwd_bwd(norm, _inputs((1, 70001), dtype, device, has_b=norm == "layer"), dtype, device)
     assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
 
 
@@ -419,6 +420,9 @@ def test_config_tables_cover_every_hidden():
     # size; then two programs per SM for the chunked path.
     assert [knorm.bwd_programs(n, 132) for n in (256, 1024, 2048, 4096, 8192, 16384)] == \
         [2112, 1056, 528, 264, 132, 264]
+    # Wider rows: fewer programs, so the (programs, N) fp32 partials stay within MAX_PARTIALS.
+    for n in (131072, 262144, 1 << 20, knorm.MAX_HIDDEN):
+        assert 1 <= knorm.bwd_programs(n, 132) * n <= knorm.MAX_PARTIALS
 
 
 @pytest.mark.parametrize("norm,dropout,rout", [("layer", 0.1, True), ("rms", 0.0, True), ("layer", 0.0, False)])
@@ -486,6 +490,35 @@ def test_modules_are_drop_in(device, launches, cls, torch_cls, kw, normalized_sh
     torch.testing.assert_close(rout, x + res)
     torch.testing.assert_close(out, theirs(x + res), atol=2e-5, rtol=1e-5)
     assert launches["add_norm_fwd"] == 2
+
+
+@pytest.mark.parametrize("cls,torch_cls", [(fused_block.LayerNorm, torch.nn.LayerNorm),
+                                           (fused_block.RMSNorm, torch.nn.RMSNorm)], ids=["layer", "rms"])
+def test_modules_take_what_torch_takes(device, launches, monkeypatch, cls, torch_cls):
+    """float64 runs torch's module (no launch, no warning); rows wider than the kernels take
+    (MAX_HIDDEN lowered to 64 here: the real limit, 2^24 - 1, would need 64 MB rows) too, after
+    a one-time warning; integer input gets torch's own error."""
+    ours, theirs = cls(96).to(device), torch_cls(96).to(device)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p))
+    ours.load_state_dict(theirs.state_dict())
+    x = randn(3, 96, dtype=torch.float64, device=device)
+    torch.testing.assert_close(ours.double()(x), theirs.double()(x))
+    out, rout = ours(x, x)
+    torch.testing.assert_close(out, theirs(2 * x))
+    assert launches["add_norm_fwd"] == 0
+    monkeypatch.setattr(fused_block.norm, "MAX_HIDDEN", 64)
+    x = randn(3, 96, dtype=torch.float32, device=device, requires_grad=True)
+    with pytest.warns(UserWarning, match="more than the kernels' 64"):
+        got = ours.float()(x)
+    want = theirs.float()(x)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
+    assert launches["add_norm_fwd"] == 0
+    with pytest.raises(RuntimeError):
+        ours(torch.ones(3, 96, dtype=torch.int64, device=device))
 
 
 def test_reference_fallback_without_interpreter(monkeypatch, launches):
