@@ -2,5 +2,6 @@
 from fused_block.norm import LayerNorm, RMSNorm, add_layer_norm, add_rms_norm  # noqa: F401
 from fused_block.linear import MLP, Linear, linear, mlp, swiglu  # noqa: F401
 from fused_block.convert import TransformerDecoderLayer, TransformerEncoderLayer, convert  # noqa: F401
+from fused_block.blocks import MultiheadAttention  # noqa: F401
 from fused_block.attention import attention, attention_qkvpacked  # noqa: F401
 from fused_block.rope import rope, rope_qkvpacked  # noqa: F401

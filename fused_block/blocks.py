@@ -37,7 +37,6 @@ warning: slower, never a wrong answer. A query whose keys are all padding gives 
 (torch's layers give NaN).
 """
 import contextlib
-import warnings
 import weakref
 
 import torch
@@ -90,13 +89,8 @@ def _ops(x):
     return _FUSED if x.dtype in _KERNEL_DTYPES else _REFERENCE
 
 
-_WARNED = set()
-
-
 def _warn_once(key, message):
-    if key not in _WARNED and not torch.compiler.is_compiling():
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=4)
+    _backend.warn_once(key, message, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,25 +273,34 @@ def _merge_heads(o, batch_first):
 class MultiheadAttention(nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` with fused projections and attention kernel.
 
-    Same constructor, parameters and state dict; ``num_kv_heads`` (keyword, default
-    ``num_heads``) makes it grouped-query attention: ``in_proj_weight`` is then
-    ((num_heads + 2 * num_kv_heads) * head_dim, embed_dim), rows [q; k; v]. Only the
-    ``_qkv_same_embed_dim`` layout without ``add_bias_kv``/``add_zero_attn`` is supported.
-    ``forward`` with ``need_weights=True`` (torch's default) runs torch's implementation.
-    ``rope=True`` applies rotary embeddings (positions 0..L-1, ``inv_freq = rope_base **
-    (-2i / head_dim)``, half-split pairs or ``rope_interleaved``) to q and k of self-attention
-    with :func:`fused_block.rope_qkvpacked` on the packed QKV projection, which then goes to
-    :func:`fused_block.attention_qkvpacked` like any other; ``inv_freq`` is a non-persistent
-    buffer (no state-dict entry).
+    Same constructor (every option: ``kdim``/``vdim``, ``add_bias_kv``, ``add_zero_attn``),
+    parameters and state dict. ``num_kv_heads`` (keyword, default ``num_heads``) makes it
+    grouped-query attention: ``in_proj_weight`` is then ((num_heads + 2 * num_kv_heads) *
+    head_dim, embed_dim), rows [q; k; v]. ``rope=True`` applies rotary embeddings (positions
+    0..L-1, ``inv_freq = rope_base ** (-2i / head_dim)``, half-split pairs or
+    ``rope_interleaved``) to q and k of self-attention with :func:`fused_block.rope_qkvpacked`
+    on the packed QKV projection, which then goes to :func:`fused_block.attention_qkvpacked`
+    like any other; ``inv_freq`` is a non-persistent buffer (no state-dict entry). GQA and RoPE
+    go without ``kdim``/``vdim``/``add_bias_kv``/``add_zero_attn`` (torch has neither).
+
+    ``forward`` runs the kernels for self-attention (query, key and value one tensor: one packed
+    QKV GEMM) and any other query/key/value (one GEMM each, one for key and value when they are
+    the same tensor); ``add_bias_kv``/``add_zero_attn`` append their key/value rows to the
+    projections and pad the masks as torch does. ``need_weights=True`` (torch's default) and
+    nested inputs run torch's implementation (not available with GQA or RoPE).
     """
+
+    __prepare_scriptable__ = _backend.not_scriptable
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
                  add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
                  dtype=None, *, num_kv_heads=None, rope=False, rope_base=10000.0, rope_interleaved=False):
         _check_heads(embed_dim, num_heads, num_kv_heads)
-        if add_bias_kv or add_zero_attn or (kdim not in (None, embed_dim)) or (vdim not in (None, embed_dim)):
-            raise ValueError("add_bias_kv, add_zero_attn, kdim and vdim are not supported")
-        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, batch_first=batch_first,
+        torch_options = add_bias_kv or add_zero_attn or kdim not in (None, embed_dim) or vdim not in (None, embed_dim)
+        if torch_options and (num_kv_heads not in (None, num_heads) or rope):
+            raise ValueError("add_bias_kv, add_zero_attn, kdim and vdim need num_kv_heads == num_heads and rope=False")
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
+                         add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if self.num_kv_heads != num_heads:
@@ -331,31 +334,86 @@ class MultiheadAttention(nn.MultiheadAttention):
     def extra_repr(self):
         return f"num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
 
+    def _extended(self):
+        """GQA or RoPE: what torch's MultiheadAttention cannot compute."""
+        return self.num_kv_heads != self.num_heads or self.rope
+
     # -- the fused path ------------------------------------------------------------------------
-    def _attend(self, x, memory, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None):
+    def _project(self, x, key, value, ops):
+        """q, k, v projections in x's layout, (.., H * D) and (.., Hkv * D): one GEMM for the
+        key and value when they are one tensor with the packed weight."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else b.split([H * D, Hkv * D, Hkv * D])
+        if not self._qkv_same_embed_dim:
+            return (ops.linear(x, self.q_proj_weight, bq), ops.linear(key, self.k_proj_weight, bk),
+                    ops.linear(value, self.v_proj_weight, bv))
+        w = self.in_proj_weight
+        q = ops.linear(x, w[:H * D], bq)
+        if key is value:
+            kv = ops.linear(key, w[H * D:], None if b is None else b[H * D:])  # one GEMM for k and v
+            k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
+            return q, k, v
+        return q, ops.linear(key, w[H * D:(H + Hkv) * D], bk), ops.linear(value, w[(H + Hkv) * D:], bv)
+
+    def _extra_keys(self, k, v, attn_mask, key_padding_mask, is_causal, L, S):
+        """torch's ``add_bias_kv`` (the learned bias_k/bias_v row) and ``add_zero_attn`` (a zero
+        row) appended to the keys and values, and the masks padded with a visible column each."""
+        bf = self.batch_first
+        seq = 1 if bf else 0
+        B = k.shape[1 - seq]
+        n = 0
+        if self.bias_k is not None:
+            shape = (B, 1, -1) if bf else (1, B, -1)
+            k = torch.cat([k, self.bias_k.reshape(1, 1, -1).expand(shape).to(k.dtype)], dim=seq)
+            v = torch.cat([v, self.bias_v.reshape(1, 1, -1).expand(shape).to(v.dtype)], dim=seq)
+            n += 1
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(k.shape[:seq] + (1,) + k.shape[seq + 1:])], dim=seq)
+            v = torch.cat([v, v.new_zeros(v.shape[:seq] + (1,) + v.shape[seq + 1:])], dim=seq)
+            n += 1
+        if is_causal and attn_mask is None:  # the hint's mask (top-left, as torch's), before padding
+            attn_mask = torch.ones(L, S, dtype=torch.bool, device=k.device).triu(1)
+        if attn_mask is not None:
+            attn_mask = F.pad(attn_mask, (0, n), value=False if attn_mask.dtype == torch.bool else 0.0)
+        if key_padding_mask is not None:
+            key_padding_mask = F.pad(key_padding_mask, (0, n),
+                                     value=False if key_padding_mask.dtype == torch.bool else 0.0)
+        return k, v, attn_mask, key_padding_mask, S + n
+
+    def _attend(self, x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None):
         """Projected attention output (before out_proj dropout) in x's layout.
 
-        x: (B, L, E) if batch_first else (L, B, E); memory: the same layout with S for L, or
-        None for self-attention. Masks as torch's (already shape-checked). On the kernel path
-        self-attention hands the packed QKV projection to ``attention_qkvpacked`` (q, k, v read
-        in place; its output is the out-projection's input; one packed gradient; RoPE layers
-        rotate that packed tensor first, in one launch), and cross-attention gets q and k/v as
-        views whose output's head merge is a view too.
+        x: (B, L, E) if batch_first else (L, B, E); key, value: the same layout with S for L
+        (kdim/vdim for E), or None for self-attention. Masks as torch's (already shape-checked).
+        On the kernel path self-attention hands the packed QKV projection to
+        ``attention_qkvpacked`` (q, k, v read in place; its output is the out-projection's
+        input; one packed gradient; RoPE layers rotate that packed tensor first, in one launch),
+        and other attention gets q and k/v as views whose output's head merge is a view too.
         """
         bf = self.batch_first
         B, L = (x.shape[0], x.shape[1]) if bf else (x.shape[1], x.shape[0])
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        w, b = self.in_proj_weight, self.in_proj_bias
         ops = _ops(x) if ops is None else ops
-        if memory is None:
+        extra = self.bias_k is not None or self.add_zero_attn
+        packed = key is None and self._qkv_same_embed_dim
+        if packed:
             S = L
-            qkv = ops.linear(x, w, b)  # (.., (H + 2 Hkv) * D): one matmul
+            qkv = ops.linear(x, self.in_proj_weight, self.in_proj_bias)  # (.., (H + 2 Hkv) * D): one matmul
+            if self.rope:
+                qkv = self._rotate(qkv, ops)
             dtype = qkv.dtype
         else:
-            S = memory.shape[0 if not bf else 1]
-            q = ops.linear(x, w[:H * D], None if b is None else b[:H * D])
-            kv = ops.linear(memory, w[H * D:], None if b is None else b[H * D:])  # one matmul for k, v
+            key, value = (x, x) if key is None else (key, value)
+            S = key.shape[1 if bf else 0]
+            q, k, v = self._project(x, key, value, ops)
             dtype = q.dtype
+        if extra:
+            if packed:
+                q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+                packed = False
+            k, v, attn_mask, key_padding_mask, S = self._extra_keys(k, v, attn_mask, key_padding_mask, is_causal, L, S)
+            is_causal = False  # now in attn_mask
         masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names)
         reason = masks.reason
         if reason is None and (D not in _KERNEL_HEAD_DIMS or (dtype == torch.float32 and D > MAX_FP32_HEAD_DIM)):
@@ -363,16 +421,12 @@ class MultiheadAttention(nn.MultiheadAttention):
                       f"{MAX_HEAD_DIM}], up to {MAX_FP32_HEAD_DIM} in fp32)")
             if masks.key_padding is not None or masks.causal:
                 masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
-        if memory is None:
-            if self.rope:
-                qkv = self._rotate(qkv, ops)
+        if packed:
             if reason is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
                 return ops.linear(o, self.out_proj.weight, self.out_proj.bias)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        else:
-            k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
         if reason is None:
             o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
@@ -386,13 +440,13 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        """As ``torch.nn.MultiheadAttention.forward``. Fused for self-attention (query, key and
-        value the same tensor) and cross-attention (key and value the same tensor) without
-        ``need_weights``; otherwise torch's implementation runs (not available with GQA)."""
-        if need_weights or key is not value or (isinstance(query, Tensor) and query.is_nested):
-            if self.num_kv_heads != self.num_heads:
-                raise ValueError("need_weights=True, key is not value, or nested query: "
-                                 "not supported with num_kv_heads != num_heads")
+        """As ``torch.nn.MultiheadAttention.forward``. Fused without ``need_weights`` (for any
+        query, key and value); otherwise torch's implementation runs (not available with GQA or
+        RoPE)."""
+        if need_weights or any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+            if self._extended():
+                raise ValueError("need_weights=True or nested inputs: not supported with num_kv_heads != num_heads "
+                                 "or rope=True")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         ops = None
@@ -407,24 +461,30 @@ class MultiheadAttention(nn.MultiheadAttention):
                        f"plain PyTorch ops on its tensors: {reason}")
             ops = _REFERENCE
         _check_input("query", query, self.embed_dim)
-        _check_input("key", key, self.embed_dim)
-        if key.dim() != query.dim():
-            raise ShapeError(f"key must be {query.dim()}-D like query, got shape {tuple(key.shape)}")
+        _check_input("key", key, self.kdim)
+        _check_input("value", value, self.vdim)
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != query.dim():
+                raise ShapeError(f"{name} must be {query.dim()}-D like query, got shape {tuple(t.shape)}")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ShapeError(f"key and value must have the same leading dims, got {tuple(key.shape)} and "
+                             f"{tuple(value.shape)}")
         q_in, batched = _batch(query, self.batch_first)
-        kv_in, _ = _batch(key, self.batch_first)
+        k_in, _ = _batch(key, self.batch_first)
+        v_in, _ = _batch(value, self.batch_first)
         B, L = _dims(q_in, self.batch_first)
-        S = _dims(kv_in, self.batch_first)[1]
+        Bk, S = _dims(k_in, self.batch_first)
+        if Bk != B:
+            raise ShapeError(f"key: batch size {Bk} does not match query's {B}")
         _check_mask("attn_mask", attn_mask, B, self.num_heads, L, S)
         _check_padding_mask("key_padding_mask", key_padding_mask, B, S, batched)
         if not batched and key_padding_mask is not None:
             key_padding_mask = key_padding_mask[None]
-        out = self._attend(q_in, None if key is query else kv_in, attn_mask, key_padding_mask, is_causal,
-                           self.dropout if self.training else 0.0, ("attn_mask", "key_padding_mask"), ops)
+        self_attention = query is key and key is value
+        out = self._attend(q_in, None if self_attention else k_in, None if self_attention else v_in, attn_mask,
+                           key_padding_mask, is_causal, self.dropout if self.training else 0.0,
+                           ("attn_mask", "key_padding_mask"), ops)
         return _unbatch(out, batched, self.batch_first), None
-
-    def _extended(self):
-        """GQA or RoPE: what torch's MultiheadAttention cannot compute."""
-        return self.num_kv_heads != self.num_heads or self.rope
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +546,8 @@ def _inv_freq(head_dim, base, device):
 
 class _LayerMixin:
     """Norm, FFN and input plumbing shared by the encoder and decoder layers."""
+
+    __prepare_scriptable__ = _backend.not_scriptable
 
     def _setup(self, d_model, activation, layer_norm_eps, bias, norm, norm_names, factory):
         if norm not in NORMS:
@@ -616,9 +678,10 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
 
     ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)``: src is
     (B, L, E) with ``batch_first``, else (L, B, E), or unbatched (L, E); fp32, fp16 or bf16.
-    Unlike torch, ``is_causal=True`` also works without a ``src_mask``. Nested tensors (which
-    ``nn.TransformerEncoder``'s inference fast path creates from a padding mask) run torch's
-    own forward; :func:`fused_block.convert` switches that path off so the kernels run.
+    Unlike torch, ``is_causal=True`` also works without a ``src_mask``. A nested src (strided,
+    as ``nn.TransformerEncoder``'s inference fast path creates from a padding mask, or jagged)
+    runs the kernels on the padded batch with its lengths as key padding and returns a nested
+    tensor of the same layout, as torch's fast path does (``batch_first=True``).
     """
 
     def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation=F.relu,
@@ -646,17 +709,16 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         return self.dropout2
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
-        if isinstance(src, Tensor) and src.is_nested:
-            if not self.activation_relu_or_gelu:
-                raise ValueError("src: nested tensors need norm='layer', no num_kv_heads and relu/gelu")
-            return nn.TransformerEncoderLayer.forward(self, src, src_mask, src_key_padding_mask, is_causal)
+        nested = isinstance(src, Tensor) and src.is_nested
         reason = _guard.reason(self, _describe_layer)
         if reason is not None:
-            if is_causal and src_mask is None and isinstance(src, Tensor):  # torch's MHA wants the mask
+            if is_causal and src_mask is None and isinstance(src, Tensor) and not nested:  # torch's MHA wants it
                 src_mask = _causal_mask(src.shape[-2 if src.dim() == 2 or not self.self_attn.batch_first else 1],
                                         src)
             return self._unfused(reason, nn.TransformerEncoderLayer.forward, src, src_mask, src_key_padding_mask,
                                  is_causal)
+        if nested:
+            return self._forward_nested(src, src_mask, src_key_padding_mask, is_causal)
         attn = self.self_attn
         _check_input("src", src, attn.embed_dim)
         x, batched = _batch(src, attn.batch_first)
@@ -668,7 +730,7 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         p1 = self.dropout1.p if self.training else 0.0
 
         def sa(inp):
-            return attn._attend(inp, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
+            return attn._attend(inp, None, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
 
         with self._seed_block(x, p1, self.dropout2.p, self.dropout.p, attn.dropout):
             if self.norm_first:
@@ -680,6 +742,24 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
                 f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
                 y, _ = self._add_norm(self.norm2, _like(f, h), r, self.dropout2.p if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
+
+    def _forward_nested(self, src, src_mask, src_key_padding_mask, is_causal):
+        """A nested (B, ragged L, E) src, as ``nn.TransformerEncoder``'s inference fast path hands
+        its layers: the kernels run on the padded batch with the lengths as key padding, and the
+        valid rows go back into a nested tensor of src's layout (what torch's fast path returns;
+        the encoder then pads with zeros)."""
+        if not self.self_attn.batch_first:
+            raise ValueError("src: nested tensors need batch_first=True (as torch's layers)")
+        if src_key_padding_mask is not None:
+            raise ValueError("src_key_padding_mask: not supported with a nested src (its lengths are the padding)")
+        padded = torch.nested.to_padded_tensor(src, 0.0)
+        lengths = torch.tensor([t.shape[0] for t in src.unbind()], device=padded.device)
+        valid = torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
+        y = self.forward(padded, src_mask, ~valid, is_causal)
+        if src.layout == torch.jagged:
+            offsets = F.pad(lengths.cumsum(0), (1, 0))
+            return torch.nested.nested_tensor_from_jagged(y[valid], offsets)
+        return torch._nested_tensor_from_mask(y, valid, mask_check=False)
 
     @classmethod
     def from_torch(cls, layer):
@@ -756,11 +836,11 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         p = (lambda d: d.p if self.training else 0.0)  # noqa: E731
 
         def sa(inp):
-            return sa_mod._attend(inp, None, tgt_mask, tgt_key_padding_mask, tgt_is_causal,
+            return sa_mod._attend(inp, None, None, tgt_mask, tgt_key_padding_mask, tgt_is_causal,
                                   self._attn_dropout(sa_mod), ("tgt_mask", "tgt_key_padding_mask"))
 
         def ca(inp):
-            return ca_mod._attend(inp, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
+            return ca_mod._attend(inp, mem, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
                                   self._attn_dropout(ca_mod), ("memory_mask", "memory_key_padding_mask"))
 
         with self._seed_block(x, self.dropout1.p, self.dropout2.p, self.dropout3.p, self.dropout.p, sa_mod.dropout,
@@ -795,7 +875,8 @@ _NORM_CLASSES = {"layer": (nn.LayerNorm, LayerNorm), "rms": (nn.RMSNorm, RMSNorm
 def _describe_mha(mha):
     """The fused MultiheadAttention calls no submodule (neither does torch's: it reads
     out_proj's weight too); it only needs plain tensors."""
-    why = (_guard.tensors_reason("", mha, ("in_proj_weight", "in_proj_bias"))
+    why = (_guard.tensors_reason("", mha, ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight",
+                                           "v_proj_weight", "bias_k", "bias_v"))
            or _guard.tensors_reason("out_proj", mha.out_proj, ("weight", "bias")))
     return why, (), None
 
@@ -830,9 +911,6 @@ def _causal_mask(L, like):
 def _from_torch(cls, layer, children):
     """Build ``cls`` around ``layer``'s own submodules: the same Parameter objects (so an
     optimizer created before conversion keeps working), device, dtype and mode."""
-    attn = layer.self_attn
-    if not attn._qkv_same_embed_dim or attn.bias_k is not None or attn.add_zero_attn:
-        raise ValueError(f"{type(layer).__name__}: only the standard self_attn layout can be converted")
     new = cls.__new__(cls)
     nn.Module.__init__(new)
     for name in children:

@@ -36,10 +36,9 @@ def convert(model: nn.Module) -> nn.Module:
             cls = _CONVERSIONS.get(type(child))
             if cls is not None:
                 setattr(parent, name, cls.from_torch(child))
-        if isinstance(parent, nn.TransformerEncoder):
-            # The encoder's inference fast path hands nested tensors to its layers; the fused
-            # layers run padded tensors with a padding mask instead.
-            parent.use_nested_tensor = False
+    # nn.TransformerEncoder keeps its inference fast path: its nested tensors reach the fused
+    # layers, which run them on the kernels, and the encoder pads the output with zeros as
+    # torch's does (a decoder reading that memory then sees torch's values).
     if "transformers" in sys.modules:
         from fused_block import hf
 

@@ -48,14 +48,13 @@ import functools
 import inspect
 import sys
 import types
-import warnings
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fused_block import _guard, reference
+from fused_block import _backend, _guard, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked
@@ -73,13 +72,8 @@ _ROTARY_CLASSES = ("LlamaRotaryEmbedding", "MistralRotaryEmbedding", "Qwen2Rotar
 _GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 _SILU = ("silu", "swish")
 _CAPTURE_MODULE = "transformers.utils.output_capturing"
-_WARNED = set()
-
-
 def _warn_once(key, message):
-    if key not in _WARNED and not torch.compiler.is_compiling():
-        _WARNED.add(key)
-        warnings.warn(f"fused_block: {message}", stacklevel=3)
+    _backend.warn_once(key, f"fused_block: {message}", stacklevel=3)
 
 
 def is_transformers_model(model: nn.Module) -> bool:

@@ -3,7 +3,8 @@
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, so it happens here, before any
 test module imports fused_block. With a GPU the same tests run on CUDA tensors unchanged.
 Also here: output poisoning and the launch counter (fixtures), the ``gpu_quick`` marker the
-GPU check selects, and ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run).
+GPU check selects, the ``heavy`` marker (left out unless ``FUSED_BLOCK_HEAVY=1`` or ``-m
+heavy``), and ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run).
 """
 import os
 import sys
@@ -32,6 +33,14 @@ def device():
 def poison_outputs(monkeypatch):
     """Every buffer a launcher allocates starts as NaN, so unwritten elements fail the test."""
     monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test sees its own one-time warnings (fused_block's fallbacks warn once per reason)."""
+    from fused_block import _backend
+
+    monkeypatch.setattr(_backend, "WARNED", set())
 
 
 @pytest.fixture
@@ -94,8 +103,24 @@ def breadth_first(items, chosen) -> list:
     return sorted(items, key=lambda item: rank[id(item)])
 
 
+# ---------------------------------------------------------------------------------------------
+# heavy: long cases (torch's full module catalogue, ...) that the default run leaves out
+# ---------------------------------------------------------------------------------------------
+
+HEAVY = os.environ.get("FUSED_BLOCK_HEAVY") == "1"
+
+
+def _runs_heavy(config) -> bool:
+    return HEAVY or "heavy" in (config.getoption("markexpr", "") or "")
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    if not _runs_heavy(config):  # deselected, not skipped: they neither pass nor hide a failure
+        heavy = [item for item in items if item.get_closest_marker("heavy")]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if not item.get_closest_marker("heavy")]
     chosen = gpu_quick_selection(items)
     for item in chosen:
         item.add_marker(pytest.mark.gpu_quick)

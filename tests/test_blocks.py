@@ -115,8 +115,8 @@ def _randomize(layer):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
 
 
-def _x(batch_first, n, device, batch=B):
-    shape = (batch, n, D) if batch_first else (n, batch, D)
+def _x(batch_first, n, device, width=D, batch=B):
+    shape = (batch, n, width) if batch_first else (n, batch, width)
     return numerics.randn(*shape, dtype=torch.float32, device=device)
 
 
@@ -252,7 +252,7 @@ def test_is_causal_without_mask(device):
 
 @pytest.mark.parametrize("kind", ["random_float", "per_head_3d_bool", "float_padding"])
 def test_general_masks_fall_back_with_one_time_warning(kind, device, launches, monkeypatch):
-    monkeypatch.setattr(blocks, "_WARNED", set())
+    monkeypatch.setattr(_backend, "WARNED", set())
     t, f = _layers("encoder", norm_first=True, batch_first=True)
     if kind == "random_float":
         kwargs = {"src_mask": torch.randn(L, L, device=device)}
@@ -281,7 +281,7 @@ def test_float_padding_mask_of_zeros_and_neg_inf_uses_kernel(device, launches):
 
 
 def test_head_dim_outside_kernel_range_falls_back(device, launches, monkeypatch):
-    monkeypatch.setattr(blocks, "_WARNED", set())
+    monkeypatch.setattr(_backend, "WARNED", set())
     t = nn.TransformerEncoderLayer(D, 4, FF, 0.0, batch_first=True)  # head dim 8
     f = fused_block.TransformerEncoderLayer(D, 4, FF, 0.0, batch_first=True)
     with pytest.warns(UserWarning, match="head dim 8"):
@@ -292,7 +292,7 @@ def test_head_dim_outside_kernel_range_falls_back(device, launches, monkeypatch)
 
 def test_fp32_head_dim_beyond_the_fp32_kernels_falls_back(device, launches, monkeypatch):
     """fp32 attention kernels take head dims up to 128: a 136-wide fp32 head runs SDPA."""
-    monkeypatch.setattr(blocks, "_WARNED", set())
+    monkeypatch.setattr(_backend, "WARNED", set())
     t = nn.TransformerEncoderLayer(136, 1, FF, 0.0, batch_first=True)
     f = fused_block.TransformerEncoderLayer(136, 1, FF, 0.0, batch_first=True)
     x = numerics.randn(B, L, 136, dtype=torch.float32, device=device)
@@ -466,7 +466,7 @@ def test_llama_layer_step_runs_no_unfused_pytorch_ops(device, monkeypatch):
 def test_rope_layer_with_a_general_mask_falls_back_rotated(device, launches, monkeypatch):
     """A mask the kernel cannot express sends a RoPE layer to SDPA on views of the rotated
     packed tensor: still rotated, still right, after the one-time warning."""
-    monkeypatch.setattr(blocks, "_WARNED", set())
+    monkeypatch.setattr(_backend, "WARNED", set())
     layer = _llama_layer("encoder", False)
     mask = numerics.randn(L, L, dtype=torch.float32, device=device)  # a general additive mask
     with pytest.warns(UserWarning, match="scaled_dot_product_attention"):
@@ -528,6 +528,48 @@ def test_multihead_attention_module(device):
         want = t(x, mem, mem, key_padding_mask=kpm, need_weights=False)[0]
         torch.testing.assert_close(got, want, atol=_atol(torch.float32, device) * 4, rtol=0)
         torch.testing.assert_close(f(x, x, x)[1], t(x, x, x)[1])  # need_weights: torch's path
+
+
+@pytest.mark.parametrize("bias_kv,zero_attn,kdim,inputs,batch_first", [
+    (True, True, None, "self", True),
+    (True, False, None, "cross", False),
+    (False, True, None, "distinct", True),
+    (False, False, 24, "distinct", False),  # kdim = vdim = 24: separate q/k/v projection weights
+    (True, True, 24, "cross", True),
+    (False, False, None, "distinct", True),  # key is not value, torch's standard layout
+], ids=str)
+def test_multihead_attention_torch_options(device, launches, bias_kv, zero_attn, kdim, inputs, batch_first):
+    """torch's MultiheadAttention options through the kernel: add_bias_kv and add_zero_attn
+    (rows appended to k and v, masks padded), kdim/vdim, key and value different tensors;
+    output and every gradient against torch's module on the same weights (fp32)."""
+    kw = dict(add_bias_kv=bias_kv, add_zero_attn=zero_attn, kdim=kdim, vdim=kdim, batch_first=batch_first)
+    t = nn.MultiheadAttention(D, H, device=device, **kw)
+    f = blocks.MultiheadAttention(D, H, device=device, **kw)
+    f.load_state_dict(t.state_dict())
+    x = _x(batch_first, L, device).requires_grad_()
+    k = _x(batch_first, S, device, kdim or D) if inputs != "self" else x
+    v = k if inputs != "distinct" else torch.randn_like(k)
+    kpm = _padding(B, S if inputs != "self" else L, device)
+    got = f(x, k, v, key_padding_mask=kpm, need_weights=False)[0]
+    want = t(x, k, v, key_padding_mask=kpm, need_weights=False)[0]
+    tol = dict(atol=_atol(torch.float32, device) * 4, rtol=0)
+    torch.testing.assert_close(got, want, **tol)
+    assert launches["attention_fwd"] == 1
+    g = torch.randn_like(got)
+    ours = torch.autograd.grad(got, (x, *f.parameters()), g, allow_unused=True)
+    theirs = torch.autograd.grad(want, (x, *t.parameters()), g, allow_unused=True)
+    for a, b in zip(ours, theirs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, **tol)
+
+
+def test_multihead_attention_options_need_standard_heads():
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        blocks.MultiheadAttention(D, H, add_bias_kv=True, num_kv_heads=1)
+    with pytest.raises(ValueError, match="kdim"):
+        blocks.MultiheadAttention(D, H, kdim=24, rope=True)
+    assert fused_block.MultiheadAttention is blocks.MultiheadAttention
 
 
 # ---------------------------------------------------------------------------------------------

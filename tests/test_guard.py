@@ -28,16 +28,6 @@ def seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-@pytest.fixture(autouse=True)
-def fresh_warnings():
-    """Each test sees its own one-time warnings."""
-    saved = set(blocks._WARNED)
-    blocks._WARNED.clear()
-    yield
-    blocks._WARNED.clear()
-    blocks._WARNED.update(saved)
-
-
 @contextlib.contextmanager
 def _no_fallback():
     """A fallback warning fails (the interpreter's own numpy DeprecationWarnings do not)."""
@@ -265,17 +255,6 @@ def test_hook_dicts_keep_their_handles(device):
 # Hugging Face layers converted in place
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def hf_warnings():
-    from fused_block import hf
-
-    saved = set(hf._WARNED)
-    hf._WARNED.clear()
-    yield
-    hf._WARNED.clear()
-    hf._WARNED.update(saved)
-
-
 def _hf_pair(arch, device):
     hf_testing = pytest.importorskip("hf_testing")
     model = hf_testing.model(arch, device).eval()
@@ -283,7 +262,7 @@ def _hf_pair(arch, device):
 
 
 @pytest.mark.parametrize("order", ["convert_then_adapt", "adapt_then_convert"])
-def test_peft_lora_on_a_converted_llama(device, hf_warnings, order):
+def test_peft_lora_on_a_converted_llama(device, order):
     """The issue's case: PEFT LoRA (q_proj, v_proj, down_proj, non-zero B) attached after
     ``convert`` gives PEFT's own logits, with a warning naming the wrapped submodule."""
     peft = pytest.importorskip("peft")
@@ -306,7 +285,7 @@ def test_peft_lora_on_a_converted_llama(device, hf_warnings, order):
 
 
 @pytest.mark.parametrize("arch,where", [("llama", "self_attn.o_proj"), ("bert", "intermediate.dense")])
-def test_hf_linear_subclass_after_conversion(device, hf_warnings, arch, where):
+def test_hf_linear_subclass_after_conversion(device, arch, where):
     model, fused, ids = _hf_pair(arch, device)
     layer = fused.model.layers[0] if arch == "llama" else fused.bert.encoder.layer[0]
     with torch.no_grad():
@@ -318,7 +297,7 @@ def test_hf_linear_subclass_after_conversion(device, hf_warnings, arch, where):
         torch.testing.assert_close(got, model(ids).logits, **TOL)
 
 
-def test_hf_hooks_and_instance_forwards(device, hf_warnings, launches):
+def test_hf_hooks_and_instance_forwards(device, launches):
     """GPT-2: a hook on attn.c_attn (a Conv1D the fused path reads as a transposed weight)
     fires, and the answer is the original's; once removed, the kernels run again."""
     model, fused, ids = _hf_pair("gpt2", device)
@@ -345,7 +324,7 @@ def test_hf_hooks_and_instance_forwards(device, hf_warnings, launches):
 
 @pytest.mark.parametrize("where,match", [("self_attn.k_proj", "left unconverted"),
                                          ("mlp.up_proj", "MLP runs Hugging Face's module")])
-def test_hf_quantized_subclass_before_conversion(device, hf_warnings, where, match):
+def test_hf_quantized_subclass_before_conversion(device, where, match):
     """A quantization library that swapped linears before ``convert`` (bitsandbytes'
     Linear8bitLt is an nn.Linear subclass): that part stays unconverted, with a warning."""
     model, _, ids = _hf_pair("llama", device)
