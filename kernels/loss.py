@@ -99,6 +99,51 @@ def _softcap(x, cap, HAS_SOFTCAP: tl.constexpr):
         return x, x
 
 
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _load_tile(row, c, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(row + c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return tl.load(row + c).to(tl.float32)
+
+
+@triton.jit
+def _lse_tile(row, c, mask, m, s, y_sum, cap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+              MASKED: tl.constexpr):
+    """Pass 1 over one tile: the running max m, s = sum exp(y - m) (as exp2 of one FMA per
+    element) and the sum of y, for y = softcap(x)."""
+    y, _ = _softcap(_load_tile(row, c, mask, MASKED), cap, HAS_SOFTCAP)
+    if MASKED:
+        y = tl.where(mask, y, float("-inf"))
+    m_new = tl.maximum(m, tl.max(y, axis=0))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp2(y * _LOG2E - m_new * _LOG2E), axis=0)
+    if HAS_SMOOTHING:
+        if MASKED:
+            y_sum += tl.sum(tl.where(mask, y, 0.0), axis=0)
+        else:
+            y_sum += tl.sum(y, axis=0)
+    return m_new, s, y_sum
+
+
+@triton.jit
+def _grad_tile(row, c, mask, t, lse, coef, hit, flat, cap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Pass 2 over one tile: dlogits = (softmax * coef - hit [at t] - flat) * softcap',
+    written over the logits."""
+    y, th = _softcap(_load_tile(row, c, mask, MASKED), cap, HAS_SOFTCAP)
+    d = tl.exp2(y * _LOG2E - lse * _LOG2E) * coef - tl.where(c == t, hit, 0.0) - flat
+    if HAS_SOFTCAP:
+        d = d * (1.0 - th * th)
+    d = common.cast(d, row.dtype.element_ty, INTERPRET)
+    if MASKED:
+        tl.store(row + c, d, mask=mask)
+    else:
+        tl.store(row + c, d)
+
+
 @triton.jit
 def _ce_kernel(
     LOGITS, TARGET, LOSS, LSE, SCALE, V, ld, ignore_index, smoothing, z_loss, cap, scale,
@@ -112,7 +157,8 @@ def _ce_kernel(
     an ignored token; NaN for a target outside [0, V) (no out-of-bounds read). LSE = lse.
     ``GRAD``: the row is overwritten with d(g * LOSS)/dx, g from ``SCALE_MODE``: ``scale``
     (SCALE_CONST), SCALE[pid] (SCALE_ROW: reduction "none"), 1 / max(SCALE[0], 1) (SCALE_MEAN,
-    SCALE[0] the count of non-ignored tokens); 0 on ignored rows.
+    SCALE[0] the count of non-ignored tokens); 0 on ignored rows. Whole tiles run unmasked,
+    the last partial one masked.
     """
     pid = tl.program_id(0)
     row = LOGITS + pid.to(tl.int64) * ld
@@ -120,20 +166,16 @@ def _ce_kernel(
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
     cols = tl.arange(0, BLOCK_V)
+    v_full = V - V % BLOCK_V
     # Pass 1: running max m and sum s of exp(y - m), per tile (one exp per element).
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.full([], 0.0, tl.float32)
     y_sum = tl.full([], 0.0, tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        mask = v0 + cols < V
-        x = tl.load(row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
-        y, _ = _softcap(x, cap, HAS_SOFTCAP)
-        y = tl.where(mask, y, float("-inf"))
-        m_new = tl.maximum(m, tl.max(y, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), axis=0)
-        m = m_new
-        if HAS_SMOOTHING:
-            y_sum += tl.sum(tl.where(mask, y, 0.0), axis=0)
+    for v0 in range(0, v_full, BLOCK_V):
+        m, s, y_sum = _lse_tile(row, v0 + cols, cols, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, False)
+    if v_full < V:
+        m, s, y_sum = _lse_tile(row, v_full + cols, v_full + cols < V, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING,
+                                True)
     lse = m + tl.log(s)
     x_t = tl.load(row + tl.minimum(tl.maximum(t, 0), V - 1)).to(tl.float32)
     y_t, _ = _softcap(x_t, cap, HAS_SOFTCAP)
@@ -156,15 +198,11 @@ def _ce_kernel(
         hit = g * (1.0 - smoothing)
         flat = g * smoothing / V
         # Pass 2 (the row again, mostly from L2): the gradient, written over the logits.
-        for v0 in range(0, V, BLOCK_V):
-            c = v0 + cols
-            mask = c < V
-            x = tl.load(row + c, mask=mask, other=0.0).to(tl.float32)
-            y, th = _softcap(x, cap, HAS_SOFTCAP)
-            d = tl.exp(y - lse) * coef - tl.where(c == t, hit, 0.0) - flat
-            if HAS_SOFTCAP:
-                d = d * (1.0 - th * th)
-            tl.store(row + c, common.cast(d, LOGITS.dtype.element_ty, INTERPRET), mask=mask)
+        for v0 in range(0, v_full, BLOCK_V):
+            _grad_tile(row, v0 + cols, cols, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, False, INTERPRET)
+        if v_full < V:
+            _grad_tile(row, v_full + cols, v_full + cols < V, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, True,
+                       INTERPRET)
 
 
 @triton.jit
@@ -185,7 +223,7 @@ def _dw_kernel(
     rv = tl.arange(0, BLOCK_V)
     rh = tl.arange(0, BLOCK_H)
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = A + v0 + (rk[:, None] * lda + (rv % (V - v0))[None, :])  # (BLOCK_K, BLOCK_V)
+    a_ptrs = A + v0 + ((rv % (lda - v0))[:, None] + rk[None, :] * lda)  # (BLOCK_V, BLOCK_K), V-major
     b_ptrs = B + h0 + (rk[:, None] * ldb + (rh % (H - h0))[None, :])  # (BLOCK_K, BLOCK_H)
     acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -194,9 +232,9 @@ def _dw_kernel(
             b = tl.load(b_ptrs)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = common.dot(tl.trans(a), b, acc, INTERPRET, PRECISION)
+        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
         a_ptrs += BLOCK_K * lda
         b_ptrs += BLOCK_K * ldb
     mask = (rv < V - v0)[:, None] & (rh < H - h0)[None, :]
