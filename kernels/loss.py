@@ -214,8 +214,10 @@ def _dw_kernel(
     """OUT = (ACC if LOAD_ACC) + A.T @ B on one (BLOCK_V, BLOCK_H) tile: A (K, V) the chunk's
     dlogits (row stride lda), B (K, H) its hidden rows (row stride ldb); ACC fp32 (V, H), OUT
     (V, H) in its own dtype, both contiguous; ACC and OUT may be the same tensor (each element
-    is read, then written, by one program). fp32 accumulation; only K is masked: rows and
-    columns past V and H wrap around to valid ones and are never stored."""
+    is read, then written, by one program). fp32 accumulation; only K is masked: the tile's
+    entries past H wrap around to valid columns, those past V within A's row stride lda (the
+    chunk buffer's padding columns, 16-aligned: the A tile is loaded V-major with cp.async and
+    read by wgmma from shared memory as it is); neither is stored."""
     pid_v = tl.program_id(0)
     pid_h = tl.program_id(1)
     v0 = pid_v * BLOCK_V
