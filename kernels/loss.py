@@ -67,7 +67,8 @@ def chunk_rows(n: int, v: int, h: int, elem: int) -> int:
     raised to TARGET_CHUNK_ROWS, and capped so that the chunk buffer (C, padded_stride(v)) in
     the hidden dtype is at most 1/MAX_LOGITS_FRACTION of the fp32 (n, v) logits: about n / 4
     rows for 16-bit inputs, n / 8 for fp32. The cap holds from SMALL_N tokens up; below, where
-    the logits are small anyway, chunks keep MIN_CHUNK_ROWS rows. A multiple of 64 when larger.
+    the logits are small anyway, chunks keep MIN_CHUNK_ROWS rows. A multiple of 64 (whole K
+    steps of the dW kernel) from 128 rows up.
     """
     if FORCE_CHUNK_ROWS is not None:
         return max(1, min(n, FORCE_CHUNK_ROWS))
@@ -75,7 +76,7 @@ def chunk_rows(n: int, v: int, h: int, elem: int) -> int:
     if n < SMALL_N:
         cap = max(cap, MIN_CHUNK_ROWS)
     c = min(n, cap, max(TARGET_CHUNK_ROWS, common.cdiv(n * h, max(v, 1))))
-    return c - c % 64 if c > 64 else c
+    return c - c % 64 if c >= 128 else c
 
 
 def padded_stride(v: int, elem: int) -> int:

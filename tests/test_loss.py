@@ -266,14 +266,14 @@ def _assert_rule(rec, n, v, h):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_memory_rule_with_the_kernels(dtype, device):
-    # 512 tokens (where the rule starts): the chunk rule's own choice (8 or 9 chunks), the
-    # kernels running, the loss right.
+    # 512 tokens (where the rule starts): the chunk rule's own choice (5 chunks of 127 rows in
+    # bf16, 9 of 63 in fp32: masked K steps), the kernels running, the loss right.
     n, v, h = 512, 1000, 32
     hidden, weight, bias, target = _inputs(n, v, h, dtype, device)
     rec, loss = _record(hidden, weight, bias, target)
     largest = _assert_rule(rec, n, v, h)
     rows = kloss.chunk_rows(n, v, h, hidden.element_size())
-    assert largest.shape == (rows, kloss.padded_stride(v, hidden.element_size())) and rows <= n // 8
+    assert largest.shape == (rows, kloss.padded_stride(v, hidden.element_size())) and rows < n // 4
     want = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double())
     assert abs(loss.item() - want.item()) < 1e-2
 
