@@ -252,8 +252,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
                                               reduction=reduction, return_lse=return_lse)
     H = x.shape[-1]
     x2 = x.reshape(-1, H)
-    t = target.reshape(-1)
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()  # the dW kernel reads rows with unit stride
+    t = target.reshape(-1).contiguous()
     t = t if t.dtype == torch.int64 else t.long()
+    bias = bias.contiguous() if bias is not None else None
     args = (x2, weight, bias, t, int(ignore_index), float(label_smoothing), float(z_loss),
             float(softcap) if softcap is not None else 0.0, reduction)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x2, weight, bias)):

@@ -168,6 +168,24 @@ def test_leading_dims_return_lse_and_no_grad(device, launches):
     assert launches["lce_dw"] == 0
 
 
+def test_strided_inputs(device, monkeypatch):
+    # hidden with a non-unit column stride (a transposed view), a strided bias and target: read
+    # (or copied) as such; the weight a slice with a longer row stride (the GEMMs take strides).
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 16)
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device)
+    h_t = hidden.detach().t().contiguous().t().requires_grad_()  # (N, H) with strides (1, N)
+    w_wide = torch.cat((weight.detach(), weight.detach()), 1)[:, :H].requires_grad_()  # row stride 2H
+    b_strided = torch.stack((bias.detach(), bias.detach()), 1)[:, 0].requires_grad_()
+    t_strided = torch.stack((target, target), 1)[:, 0]
+    loss = fused_block.linear_cross_entropy(h_t, w_wide, t_strided, b_strided)
+    grads = torch.autograd.grad(loss, (h_t, w_wide, b_strided))
+    want = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double())
+    want_grads = torch.autograd.grad(want, (hidden, weight, bias))
+    torch.testing.assert_close(loss.double(), want, atol=1e-5, rtol=0)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-4)
+
+
 def test_backward_twice_and_partial_gradients(device, launches, monkeypatch):
     # The forward's gradients are scaled into new tensors: a retained graph's second backward
     # gets the same answer. Frozen parameters are not differentiated (no dW, db kernels).
