@@ -260,3 +260,37 @@ def rope_qkvpacked(qkv, num_heads, num_kv_heads, positions=None, inv_freq=None, 
                 sin=sin, scale=scale, interleaved=interleaved, compute_dtype=compute_dtype)
     out = torch.cat((q, k, t[:, :, num_heads + num_kv_heads:]), dim=2).flatten(2)
     return out if batch_first else out.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear + cross-entropy (the LM head's loss)
+# ---------------------------------------------------------------------------------------------
+
+def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                         softcap=None, reduction="mean", return_lse=False, compute_dtype=None):
+    """``F.cross_entropy(softcap(hidden @ weight.T + bias), target)`` plus ``z_loss * lse^2``
+    per token; see :func:`fused_block.linear_cross_entropy`.
+
+    The logits are rounded to hidden's dtype (the kernels' chunk buffer, as eager ``F.linear``
+    rounds its output), then everything runs in ``compute_dtype``. A mean divides by the number
+    of non-ignored tokens, and is 0 when there is none. Returns the loss in fp32 (or wider) and,
+    with ``return_lse``, the per-token log-sum-exp of the softcapped logits.
+    """
+    cdt = _compute_dtype(hidden.dtype, compute_dtype)
+    out_dtype = torch.promote_types(cdt, torch.float32)
+    logits = F.linear(hidden.to(cdt), weight.to(cdt), _cast(bias, cdt)).to(hidden.dtype).to(cdt)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat = logits.reshape(-1, logits.shape[-1])
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    lse = torch.logsumexp(flat, dim=-1)
+    rows = F.cross_entropy(flat, torch.where(valid, t, 0), reduction="none", label_smoothing=label_smoothing)
+    rows = torch.where(valid, rows + z_loss * lse * lse, 0.0).to(out_dtype)
+    if reduction == "none":
+        loss = rows.reshape(target.shape)
+    else:
+        loss = rows.sum()
+        if reduction == "mean":
+            loss = loss / valid.sum().clamp(min=1)
+    return (loss, lse.to(out_dtype).reshape(target.shape)) if return_lse else loss

@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 # Kernel modules that ship configs; each defines aot_specs() -> list[KernelSpec].
-MODULES = ("norm", "attention", "matmul", "rope")
+MODULES = ("norm", "attention", "matmul", "rope", "loss")
 ARCHS = (80, 90)
 
 

@@ -322,6 +322,13 @@ def _cuda_branch_calls(dtype):
         q, k, inv_freq = r(2, 33, 4, D), r(2, 33, 2, D), 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
         grads(fused_block.rope(q, k, torch.arange(33)[None], inv_freq), q, k)
         grads(fused_block.rope_qkvpacked(qkv, 4, 2, None, inv_freq), qkv)
+    # linear + cross-entropy: 2100 tokens (several chunks), vocabularies of one CE tile and of
+    # two (1031 > 1024: the 4096-wide tile), with a bias; mean, and "none" (recomputed backward).
+    for vocab, reduction in ((1000, "mean"), (1031, "none")):
+        x, w, b = r(2100, 64), r(vocab, 64), r(vocab)
+        target = torch.randint(0, vocab, (2100,))
+        grads(fused_block.linear_cross_entropy(x, w, target, b, label_smoothing=0.1, softcap=5.0, reduction=reduction),
+              x, w, b)
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -371,7 +378,8 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     finally:
         _allocation._allocator.set(allocator)
     assert {"matmul", "act_grad", "bias_grad_reduce", "add_norm_fwd", "add_norm_bwd", "attention_fwd",
-            "attention_bwd", "rope", "rope_qkvpacked"} <= {name for name, _ in launched}
+            "attention_bwd", "rope", "rope_qkvpacked", "lce_count", "lce_ce", "lce_dw", "lce_colsum", "lce_sum",
+            "lce_scale"} <= {name for name, _ in launched}
     # sm_90: descriptors where aligned (GEMMs: also pointers, for the unaligned rows; attention:
     # pointers for IEEE fp32); sm_80: pointers only.
     tma = {name: {t for n, t in launched if n == name} for name in ("matmul", "attention_fwd")}
