@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_block.kernels import launch as _direct
+
 # Launch counts per kernel name. Tests read it to prove the Triton path ran.
 LAUNCHES = collections.Counter()
 # Host-overhead measurement without a GPU: when set, :func:`launch` counts the launch and
@@ -161,10 +163,16 @@ def launch(name: str, kernel, grid, args, constexprs: dict, config: Config) -> N
     """Count and launch ``kernel[grid](*args, **constexprs, **config)``.
 
     The one place every kernel goes through: tests read the counts, and the host-overhead
-    benchmark sets ``STUB_LAUNCHES`` to time everything but the kernels.
+    benchmark sets ``STUB_LAUNCHES`` to time everything but the kernels. Compiled kernels go
+    through the direct launch path (``launch.py``: the compiled kernel Triton chose for these
+    argument specializations, launched without Triton's per-call binding); the interpreter
+    runs ``kernel[grid]`` as it always did.
     """
     LAUNCHES[name] += 1
     if STUB_LAUNCHES:
+        return
+    if _direct.ENABLED and not _INTERPRET:
+        _direct.launch(kernel, grid, args, constexprs, config)
         return
     kernel[grid](*args, **constexprs, **dict(config.kwargs), num_warps=config.num_warps,
                  num_stages=config.num_stages)
