@@ -233,6 +233,24 @@ def installed(arch=90, record=True, check=True):
         launch.clear()
 
 
+@contextlib.contextmanager
+def launcher_branches(arch=90):
+    """The library's launchers take their sm_``arch`` branches on CPU tensors (config tables,
+    TMA descriptors, persistent GEMM grids), as they would on an H100: ``common.arch`` says
+    ``arch``, ``common.sm_count`` 132 and the GEMM's shared-memory limit 227 KB. Nothing is
+    timed where ``FUSED_BLOCK_TUNE=0`` (there is no GPU to time on)."""
+    from fused_block.kernels import common, matmul
+
+    saved = common.arch, common.sm_count, matmul._smem_limit
+    common.arch = lambda device: arch
+    common.sm_count = lambda device: 132
+    matmul._smem_limit = lambda device: 232448
+    try:
+        yield
+    finally:
+        common.arch, common.sm_count, matmul._smem_limit = saved
+
+
 def run_without_interpreter(argv, cwd, env=None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python *argv`` in ``cwd`` with ``TRITON_INTERPRET=0`` (and ``env``'s variables), ``cwd``
     on ``sys.path``: where the shipped kernels are ``JITFunction``s, which :func:`installed`

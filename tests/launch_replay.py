@@ -14,6 +14,7 @@ compared by kernel name, the mismatches, and the launches of the later steps tha
 path did not serve itself (these must be none: the first step filled its cache).
 """
 import collections
+import contextlib
 import json
 import sys
 
@@ -21,7 +22,7 @@ import torch
 
 import fused_block
 from fused_block import _backend
-from fused_block.kernels import common, fake_driver, launch, matmul
+from fused_block.kernels import common, fake_driver, launch
 
 D, H, FF, B, L = 32, 2, 64, 2, 8  # head dim 16, the kernel's smallest: nothing depends on sizes
 
@@ -54,16 +55,6 @@ def _same_args(a, b) -> bool:
         x is y if isinstance(x, torch.Tensor) else (type(x) is type(y) and x == y) for x, y in zip(a, b))
 
 
-def _sm90(monkey):
-    """The launchers' sm_90 branches on CPU tensors (nothing is timed: FUSED_BLOCK_TUNE=0)."""
-    monkey.append((common, "arch", common.arch))
-    monkey.append((common, "sm_count", common.sm_count))
-    monkey.append((matmul, "_smem_limit", matmul._smem_limit))
-    common.arch = lambda device: 90
-    common.sm_count = lambda device: 132
-    matmul._smem_limit = lambda device: 232448
-
-
 def replay(fake, arch) -> dict:
     compared, mismatches, undirect = collections.Counter(), [], collections.Counter()
     direct_launch = launch.launch
@@ -89,12 +80,10 @@ def replay(fake, arch) -> dict:
             mismatches.append(f"{name}: {', '.join(problems)} differ")
         fake.launches.clear()
 
-    monkey = []
-    if arch == 90:
-        _sm90(monkey)
     launch.launch = both
     try:
-        with _backend.host_only(stub=False):
+        branches = fake_driver.launcher_branches(arch) if arch else contextlib.nullcontext()
+        with _backend.host_only(stub=False), branches:
             for _, layer, decoder in _layers():
                 for i in range(3):
                     state["late"] = i > 0
@@ -102,8 +91,6 @@ def replay(fake, arch) -> dict:
                     _step(layer, decoder)
     finally:
         launch.launch = direct_launch
-        for module, name, value in monkey:
-            setattr(module, name, value)
     return {"compared": dict(compared), "mismatches": mismatches, "not_direct": dict(undirect),
             "specializations": len(fake.compiled)}
 

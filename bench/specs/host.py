@@ -21,8 +21,11 @@ Method (the same for both layers, on CPU tensors, one CPU thread):
   - ``direct``: the library's launch path (``fused_block.kernels.launch``: the compiled
     kernel cached per config and specialization key), through the same fake driver.
   Not counted in any: the C launcher itself (argument parsing, ``cuLaunchKernelEx``), the
-  same for both launch paths. Launchers see ``common.arch(cpu) == 0`` and take their
-  interpreter configs (one candidate each: nothing is timed).
+  same for both launch paths. The launchers take their sm_90 branches, as on an H100 or
+  H200 (``fake_driver.launcher_branches``: config tables, TMA descriptors, persistent GEMM
+  grids; each table's first config, nothing is timed), not the interpreter's configs, which
+  no GPU runs (``run(arch=0)`` measures those: about 0.15x torch's step more, mostly the
+  interpreter branches building their configs on every call).
 - Torch's layer runs its CPU kernels for real, on shapes so small (2 x 8 tokens, d_model 32)
   that the step is mostly dispatch: at d_model 16 it is within about 10% of this. It runs in
   fp32, where the CPU kernels do the least work (bf16 on CPU adds conversions a GPU does not
@@ -142,7 +145,7 @@ def _rounds(ours, theirs, rounds, per_round):
     return best
 
 
-def _measure_here(quick) -> dict:
+def _measure_here(quick, arch) -> dict:
     """The measurement itself (the child process): rows and profiles as plain data."""
     from fused_block import profiling
     from fused_block.kernels import common, fake_driver, launch
@@ -150,7 +153,8 @@ def _measure_here(quick) -> dict:
     if common.interpreting() or common.TUNE:
         raise RuntimeError("the host measurement runs with TRITON_INTERPRET=0 and FUSED_BLOCK_TUNE=0 (see run())")
     rows, profs = [], {}
-    with _one_thread(), fake_driver.installed(record=False, check=False):
+    branches = fake_driver.launcher_branches(arch) if arch else contextlib.nullcontext()
+    with _one_thread(), fake_driver.installed(record=False, check=False), branches:
         for norm_first, p in CONFIGS:
             ours, theirs = _steps(norm_first, p)
             times = _rounds(ours, theirs, rounds=8 if quick else 30, per_round=3)
@@ -173,7 +177,7 @@ def _measure_here(quick) -> dict:
     return {"rows": rows, "profiles": profs}
 
 
-def run(quick=False):
+def run(quick=False, arch=90):
     """``(rows, profiles)``: one row per configuration (host us per step in each mode, kernels
     per step, how a steady step's launches went: direct, fallback, unkeyed), and
     ``{config: fused_block.profiling.HostProfile}`` of our step with the direct launch path.
@@ -183,7 +187,7 @@ def run(quick=False):
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "host.json")
-        argv = ["-m", "bench.specs.host", "--json", path] + (["--quick"] if quick else [])
+        argv = ["-m", "bench.specs.host", "--json", path, "--arch", str(arch)] + (["--quick"] if quick else [])
         # No config is timed (no GPU): each launcher's first candidate, as with stubbed launches.
         proc = fake_driver.run_without_interpreter(argv, cwd=ROOT, env={"FUSED_BLOCK_TUNE": "0"})
         if proc.returncode != 0 or not os.path.exists(path):
@@ -243,7 +247,8 @@ def report(quick: bool = False) -> str:
         return f"host time unavailable: {harness.describe_error(exc)}"
     first = rows[0]["config"]
     return "\n".join([
-        f"== host time per training step (this CPU, no GPU; {SHAPE}) ==", format_rows(rows), "",
+        f"== host time per training step (this CPU, no GPU; sm_90 launcher branches; {SHAPE}) ==",
+        format_rows(rows), "",
         f"== kernels per step: {first} ==", rows[0]["kernels"].table(), "",
         "== where our host time goes (direct launch path): own time per component, us per step under "
         "cProfile (which inflates short calls: read the shares) ==", format_profiles(profs), "",
@@ -254,8 +259,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="the host measurement (the child process of report())")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--arch", type=int, choices=(0, 80, 90), default=90,
+                        help="the launchers' branches: sm_90 (default), sm_80, or 0 (the interpreter's)")
     args = parser.parse_args(argv)
-    data = _measure_here(args.quick)
+    data = _measure_here(args.quick, args.arch)
     with open(args.json, "w") as f:
         json.dump(data, f)
     return 0
