@@ -144,19 +144,21 @@ class Config:
     kwargs: tuple  # sorted (name, value) pairs, hashable
     num_warps: int = 4
     num_stages: int = 1
+    # The pairs as a dict, for launchers' lookups on every launch (not part of eq/hash).
+    _meta: dict = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_meta", dict(self.kwargs))
 
     @staticmethod
     def of(num_warps=4, num_stages=1, **kwargs) -> "Config":
         return Config(tuple(sorted(kwargs.items())), num_warps, num_stages)
 
     def __getitem__(self, name):
-        for k, v in self.kwargs:
-            if k == name:
-                return v
-        raise KeyError(name)
+        return self._meta[name]
 
     def meta(self) -> dict:
-        return dict(self.kwargs)
+        return dict(self._meta)
 
 
 def launch(name: str, kernel, grid, args, constexprs: dict, config: Config) -> None:
@@ -174,7 +176,7 @@ def launch(name: str, kernel, grid, args, constexprs: dict, config: Config) -> N
     if _direct.ENABLED and not _INTERPRET:
         _direct.launch(kernel, grid, args, constexprs, config)
         return
-    kernel[grid](*args, **constexprs, **dict(config.kwargs), num_warps=config.num_warps,
+    kernel[grid](*args, **constexprs, **config._meta, num_warps=config.num_warps,
                  num_stages=config.num_stages)
 
 

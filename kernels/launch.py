@@ -8,11 +8,11 @@ launcher: several microseconds of Python per launch, growing with the argument c
 training step launches a few dozen kernels. As inductor's generated launchers do,
 :func:`launch` keeps the compiled kernel and calls its launcher itself:
 
-- **What is cached**: per (kernel, config, constexprs) an :class:`_Entry` with the values of
-  the trailing constexpr parameters (the C launcher takes every parameter) and, per tuple of
-  argument types, a :class:`_Layout`: a key function generated for those types (as Triton
-  generates its binder) and, per key, the ``CompiledKernel`` that Triton's own ``run``
-  returned for arguments with that key (its launcher, handle and packed metadata).
+- **What is cached**: per (kernel, config, constexprs, tuple of argument types) a
+  :class:`_Layout`: the values of the trailing constexpr parameters (the C launcher takes
+  every parameter), a key function generated for those types (as Triton generates its
+  binder) and, per key, the ``CompiledKernel`` that Triton's own ``run`` returned for
+  arguments with that key (its launcher, handle and packed metadata).
 - **The key** is at least as fine as Triton's specialization, so a cached kernel is only ever
   launched with arguments Triton would have launched it with: the current device; the
   arguments' Python types (tensor, int, bool, float, None: the layout); each tensor's dtype
@@ -56,35 +56,23 @@ _SCALARS = (int, float, bool, type(None))  # with tensors, the argument types ke
 _OPTIONS = ("num_warps", "num_stages")
 
 
-class _Entry:
-    """One (kernel, config, constexprs): the keyword arguments (for Triton's path), the values
-    of the trailing constexpr parameters (None when the call has another shape) and a
-    :class:`_Layout` per tuple of argument types (None for types keys do not describe)."""
-
-    __slots__ = ("kernel", "kwargs", "tail", "layouts")
-
-    def __init__(self, kernel, nargs: int, kwargs: dict):
-        self.kernel = kernel  # held: its id() is part of the entry's key
-        self.kwargs = kwargs
-        self.tail = _tail(kernel, nargs, kwargs)
-        self.layouts = {}
-
-    def layout(self, types):
-        keyed = all(issubclass(t, torch.Tensor) or t in _SCALARS for t in types)
-        lay = self.layouts[types] = _Layout(types) if keyed else None
-        return lay
-
-
 class _Layout:
-    """Launches with one tuple of argument types: ``key(args, device)`` and the compiled
-    kernels (launcher, handle, packed metadata) by key."""
+    """Launches of one (kernel, config, constexprs) whose arguments have one tuple of types:
+    the keyword arguments (for Triton's path), the values of the trailing constexpr
+    parameters, ``key(args, device)`` and the compiled kernels (launcher, handle, packed
+    metadata) by key. ``key`` is None where keys cannot describe the call (then Triton's
+    launch serves every one)."""
 
-    __slots__ = ("types", "key", "exact", "compiled")
+    __slots__ = ("kernel", "kwargs", "tail", "types", "key", "exact", "compiled")
 
-    def __init__(self, types):
-        self.types = types
+    def __init__(self, kernel, args, constexprs, config):
+        self.kernel = kernel  # held: its id() is part of the layout's key
+        self.kwargs = {**constexprs, **config.meta(), "num_warps": config.num_warps, "num_stages": config.num_stages}
+        self.tail = _tail(kernel, len(args), self.kwargs)
+        self.types = tuple(map(type, args))
+        keyed = self.tail is not None and all(issubclass(t, torch.Tensor) or t in _SCALARS for t in self.types)
         self.exact = True
-        self.key = _key_function(types, exact_ints=True)
+        self.key = _key_function(self.types, exact_ints=True) if keyed else None
         self.compiled = {}
 
     def remember(self, key, compiled, args, device) -> None:
@@ -138,54 +126,44 @@ def _tail(kernel, nargs, kwargs):
     return tuple(tail)
 
 
-_ENTRIES = {}
+_LAYOUTS = {}
 
 
 def clear() -> None:
-    """Forget every entry (Triton's own cache keeps the compiled kernels)."""
-    _ENTRIES.clear()
-
-
-def _unkeyed(kernel, grid, args, kwargs) -> None:
-    STATS["unkeyed"] += 1
-    kernel[grid](*args, **kwargs)
+    """Forget every layout (Triton's own cache keeps the compiled kernels)."""
+    _LAYOUTS.clear()
 
 
 def launch(kernel, grid, args: tuple, constexprs: dict, config) -> None:
     """``kernel[grid](*args, **constexprs, **config)`` on the current device and stream:
     directly once Triton's own launch has chosen the compiled kernel for this key."""
-    entry = _ENTRIES.get((id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
-                          tuple(constexprs.values())))
-    if entry is None:
-        entry = _new_entry(kernel, args, constexprs, config)
-    rt = knobs.runtime
-    if (entry.tail is None or type(grid) is not tuple or rt.debug or knobs.compilation.instrumentation_mode
-            or rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or kernel.pre_run_hooks):
-        return _unkeyed(kernel, grid, args, entry.kwargs)
-    types = tuple(map(type, args))
-    lay = entry.layouts.get(types, False)
-    if lay is False:
-        lay = entry.layout(types)
+    lay = _LAYOUTS.get((id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
+                        tuple(constexprs.values()), tuple(map(type, args))))
     if lay is None:
-        return _unkeyed(kernel, grid, args, entry.kwargs)
+        lay = _new_layout(kernel, args, constexprs, config)
+    rt = knobs.runtime
+    if (lay.key is None or type(grid) is not tuple or rt.debug or knobs.compilation.instrumentation_mode
+            or rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or kernel.pre_run_hooks):
+        STATS["unkeyed"] += 1
+        kernel[grid](*args, **lay.kwargs)
+        return
     drv = driver.active
     device = drv.get_current_device()
     key = lay.key(args, device)
     hit = lay.compiled.get(key)
     if hit is None:
         STATS["fallback"] += 1
-        compiled = kernel[grid](*args, **entry.kwargs)
+        compiled = kernel[grid](*args, **lay.kwargs)
         if compiled is not None and not hasattr(compiled, "result"):  # not an async compile's future
             lay.remember(key, compiled, args, device)
         return
     run, function, packed = hit
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, drv.get_current_stream(device), function,
-        packed, None, None, None, *args, *entry.tail)
+        packed, None, None, None, *args, *lay.tail)
 
 
-def _new_entry(kernel, args, constexprs, config):
-    kwargs = {**constexprs, **config.meta(), "num_warps": config.num_warps, "num_stages": config.num_stages}
-    entry = _ENTRIES[(id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
-                      tuple(constexprs.values()))] = _Entry(kernel, len(args), kwargs)
-    return entry
+def _new_layout(kernel, args, constexprs, config):
+    lay = _LAYOUTS[(id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
+                    tuple(constexprs.values()), tuple(map(type, args)))] = _Layout(kernel, args, constexprs, config)
+    return lay

@@ -275,9 +275,9 @@ def test_installed_restores_triton():
     before = driver._active, JITFunction._do_compile
     with fake_driver.installed() as fake:
         _both(fake, SCALE, _args())
-        assert driver.active is fake and "fake0" in SCALE.device_caches and launch._ENTRIES
+        assert driver.active is fake and "fake0" in SCALE.device_caches and launch._LAYOUTS
     assert (driver._active, JITFunction._do_compile) == before
-    assert not any(isinstance(d, str) for d in SCALE.device_caches) and not launch._ENTRIES
+    assert not any(isinstance(d, str) for d in SCALE.device_caches) and not launch._LAYOUTS
 
 
 def test_replayed_training_steps_launch_what_triton_launches(tmp_path):
