@@ -24,8 +24,8 @@ Method (the same for both layers, on CPU tensors, one CPU thread):
   same for both launch paths. The launchers take their sm_90 branches, as on an H100 or
   H200 (``fake_driver.launcher_branches``: config tables, TMA descriptors, persistent GEMM
   grids; each table's first config, nothing is timed), not the interpreter's configs, which
-  no GPU runs (``run(arch=0)`` measures those: about 0.15x torch's step more, mostly the
-  interpreter branches building their configs on every call).
+  no GPU runs (``run(arch=0)`` measures those: a few percent more, the interpreter branches
+  building their configs on every call).
 - Torch's layer runs its CPU kernels for real, on shapes so small (2 x 8 tokens, d_model 32)
   that the step is mostly dispatch: at d_model 16 it is within about 10% of this. It runs in
   fp32, where the CPU kernels do the least work (bf16 on CPU adds conversions a GPU does not
