@@ -181,9 +181,12 @@ class FakeDriver:
                     raise SpecializationMismatch(f"{compiled.name}: {name}={arg!r}, compiled for "
                                                  f"{src.constants[(i,)]!r}")
                 continue
-            got, attr = native_specialize_impl(self.backend, arg, False, True, True)
+            param = src.fn.params[i]
+            got, attr = native_specialize_impl(self.backend, arg, param.is_const, True, True)
             if got == "constexpr":  # an int equal to 1, where the kernel was not specialized on it
-                got = native_specialize_impl(self.backend, arg, False, False, True)[0]
+                got = native_specialize_impl(self.backend, arg, param.is_const, False, True)[0]
+            if param.annotation_type:  # a typed parameter: the binder takes the annotation's type
+                got = param.annotation_type
             if got != ty:
                 raise SpecializationMismatch(f"{compiled.name}: {name} is {got}, compiled as {ty}")
             if ["tt.divisibility", 16] in src.attrs.get((i,), []) and attr != "D":
