@@ -55,6 +55,7 @@ MARGIN = 0.02  # budgets: today's figures plus this
 BUDGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "budgets.json")
 ARCH = 90
 
+# /*address*/ [@predicate] OPCODE operands ;
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
 _FUNCTION = re.compile(r"Function\s*:\s*(\S+)")
 _HEX = re.compile(r"0x[0-9a-f]+")
@@ -66,7 +67,6 @@ class Instr:
     addr: int
     op: str  # the opcode with its modifiers, e.g. HGMMA.64x128x16.F32.BF16
     args: str
-    predicated: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _parse(text: str) -> dict:
             continue
         m = _LINE.search(line)
         if m and current is not None:
-            current.append(Instr(int(m.group(1), 16), m.group(3), m.group(4).strip(), bool(m.group(2))))
+            current.append(Instr(int(m.group(1), 16), m.group(3), m.group(4).strip()))
     return functions
 
 
@@ -144,8 +144,8 @@ def _tensor_cycles(seq, num_warps: int) -> float:
     for x in seq:
         if x.op.startswith("HGMMA"):
             m, n, k = (int(v) for v in _SHAPE.search(x.op + ".").groups())
-            dtype = x.op.rsplit(".", 1)[-1]
-            cycles += 2 * m * n * k * (num_warps / 4) / FLOP_PER_CLK_SM[dtype]
+            rate = next(FLOP_PER_CLK_SM[t] for t in reversed(x.op.split(".")) if t in FLOP_PER_CLK_SM)
+            cycles += 2 * m * n * k * (num_warps / 4) / rate
     return cycles
 
 
