@@ -14,7 +14,6 @@ import pathlib
 
 import pytest
 import torch
-import triton
 import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
