@@ -404,13 +404,15 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
 def test_host_benchmark_reports_every_configuration():
     from bench.specs import host
 
-    rows = host.measure(quick=True)
+    rows, profs = host.run(quick=True)
     assert [r["config"] for r in rows] == [host._name(*c) for c in host.CONFIGS]
     for r in rows:
-        assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["kernels"].total > 0
+        assert all(r[f"{m}_us"] > 0 for m in host.MODES) and r["kernels"].total > 0
+        # A steady step: every Triton launch through the direct path, none left to Triton's.
+        assert r["launch_paths"] == {"direct": sum(r["kernels"].triton.values())}, r["launch_paths"]
+        assert r["outside_launch"] == []
     table = host.format_rows(rows)
     assert all(r["config"] in table for r in rows)
-    profs = host.profiles(quick=True)
     assert list(profs) == [r["config"] for r in rows]
     assert all(p.groups.get("fused_block/blocks.py", 0) > 0 for p in profs.values())
     breakdown = host.format_profiles(profs)
