@@ -416,7 +416,7 @@ def test_converted_llama_training_step_never_allocates_the_logits(device, launch
     assert launches["lce_ce"] == 5 and launches["lce_dw"] == 5 and launches["attention_bwd"] == 1
 
 
-def test_causal_lm_falls_back_with_a_warning(device, launches, hf_lm_warnings):
+def test_causal_lm_falls_back_with_a_warning(device, launches):
     """A hook on lm_head, logits_to_keep, or a custom loss_function: one warning each, the
     original's loss (from the logits); nothing wrong is returned."""
     model = _model("gpt2", device, layers=1).train()
@@ -439,10 +439,3 @@ def test_causal_lm_falls_back_with_a_warning(device, launches, hf_lm_warnings):
     assert launches["lce_ce"] == before + 1
 
 
-@pytest.fixture
-def hf_lm_warnings():
-    saved = set(hf._WARNED)
-    hf._WARNED.clear()
-    yield
-    hf._WARNED.clear()
-    hf._WARNED.update(saved)
