@@ -326,8 +326,13 @@ def _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, K, A_T: tl.constex
               INTERPRET: tl.constexpr):
     """acc += A[row0:, :K] @ B[:K, col0:] (and acc2 with B2 when DUAL_N), TMA loads (zero
     padding past every edge). ``A_T``/``B_T``: the operand is stored transposed (its first
-    stride is 1), so its descriptor covers the transpose and the tile is transposed back."""
-    for k in range(0, K, BLOCK_K):
+    stride is 1), so its descriptor covers the transpose and the tile is transposed back.
+
+    At least one step, whatever K (the launcher sends no empty K here; a step past the edge
+    reads zeros): Triton versions a flattened loop nest on whether its inner loop can be
+    empty, and a trip count it could not prove positive compiled a second, wgmma-free copy of
+    the tile loop (the epilogue alone, 4,536 instructions with bias + GELU) that never ran."""
+    for k in range(0, tl.maximum(K, 1), BLOCK_K):
         if A_T:
             a = a_desc.load([k, row0]).T
         else:
