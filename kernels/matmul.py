@@ -664,10 +664,12 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # first is taken without timing when FUSED_BLOCK_TUNE=0.
 #
 # sm_90, fp16/bf16: Triton's 09-persistent-matmul and inductor's persistent TMA configs
-# (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages), the epilogue on
-# 32-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
-# the accumulator's 128 per thread (64-column slices hit 255 registers and spilled 8 B with
-# a GELU epilogue: 32 leave 180-215); 64-row tiles for small M (decoding).
+# (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages); 64-row tiles for
+# small M (decoding). EPI_SPLIT is the split of epilogues with inputs or several outputs: 64-
+# column slices of the 128x256 accumulator (128x128: halves) keep their temporaries next to the
+# accumulator's 128 registers per thread (the residual + saved pre-activation forward: 178-215
+# registers; 128-column slices reach 252-255). A simple epilogue (see _epi_split) takes
+# 128-column slices, as the tutorial's EPILOGUE_SUBTILE.
 # SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
 # 128x256 footprint.
 # fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
@@ -676,7 +678,7 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
 # pipelining of pointer loads.
 CONFIGS = {
-    (90, "16", False): ((128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 8, 4, 2),
+    (90, "16", False): ((128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 128, 64, 8, 4, 2),
                         (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 2),
                         (64, 64, 64, 4, 4, 1)),
     (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
@@ -713,22 +715,43 @@ _CACHE = common.ConfigCache("matmul")
 _SMEM = {}
 
 
-def _config(cfg):
+def _simple_epilogue(act_grad, residual, store_pre, dropout, dual):
+    """An epilogue that reads nothing but the bias and stores one output: bias, activation,
+    the plain GEMMs (ROWSUM's row sums run after it)."""
+    return not (act_grad or residual or store_pre or dropout or dual == 1)
+
+
+def _epi_split(cfg, simple, tma_epi):
+    """The epilogue's column slices for a table config: the table's EPI_SPLIT, or for a simple
+    epilogue stored through descriptors slices of up to 128 columns (the slices' TMA stores
+    and barriers are serialized: a 128x256 tile stores twice, as Triton's persistent tutorial
+    does, instead of 4 or 8 times; a split it has already is kept)."""
     bm, bn, bk, warps, stages, split = cfg
+    return min(split, max(1, bn // 128)) if simple and tma_epi else split
+
+
+def _config(cfg, simple=False, tma_epi=False):
+    bm, bn, bk, warps, stages, _ = cfg
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            EPI_SPLIT=split)
+                            EPI_SPLIT=_epi_split(cfg, simple, tma_epi))
 
 
-_TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
+# (key, simple epilogue, descriptor stores) -> the table's Configs.
+_TABLES = {(key, simple, tma_epi): tuple(_config(c, simple, tma_epi) for c in cfgs)
+           for key, cfgs in CONFIGS.items() for simple in (False, True) for tma_epi in (False, True)}
 _FALLBACK_90 = {kind: _config(c) for kind, c in _FALLBACK_90_CFGS.items()}
 
 
-def smem_bytes(cfg, arch, elem_size, dual_n=False):
+def smem_bytes(cfg, arch, elem_size, dual_n=False, outputs=1, simple=False):
     """Shared memory a config needs, as the compile check reports it: sm_90 keeps ``stages``
-    operand buffers (TMA) plus the epilogue's staging, sm_80 ``stages - 1`` (cp.async)."""
+    operand buffers (TMA) plus the staging of the epilogue's ``outputs`` TMA stores (one slice
+    each, see _epi_split; 1 KB of barriers), sm_80 ``stages - 1`` (cp.async)."""
     bm, bn, bk, _, stages, _ = cfg
     per_stage = (bm * bk + (2 if dual_n else 1) * bk * bn) * elem_size
-    return stages * per_stage + 33 * 1024 if arch == 90 else (stages - 1) * per_stage
+    if arch != 90:
+        return (stages - 1) * per_stage
+    staging = outputs * bm * (bn // _epi_split(cfg, simple, True)) * elem_size
+    return stages * per_stage + staging + 1024
 
 
 def _smem_limit(device):
@@ -756,10 +779,12 @@ def _heavy(act_grad, activation, dropout):
     return dropout or act_grad and activation == SWIGLU
 
 
-def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True):
+def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True, simple=False,
+                outputs=1):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
-    for N <= 128. Tables end with their smallest tile, the fallback.
+    for N <= 128. Tables end with their smallest tile, the fallback. ``simple``: the epilogue's
+    slices (_epi_split); ``outputs``: its TMA stores per slice.
 
     sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
     run their own tile (_FALLBACK_90_CFGS), TMA loads with pointer stores the table's
@@ -768,14 +793,20 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
     kind = precision if dtype == torch.float32 else "16"
     key = (arch, kind, dual_n)
     if arch == 90 and not (use_tma and tma_epi):
-        return [_FALLBACK_90[kind] if not use_tma else _TABLES[key][-1]]
+        return [_FALLBACK_90[kind] if not use_tma else _TABLES[(key, simple, False)][-1]]
+    table = _TABLES[(key, simple, tma_epi)]
     raw = CONFIGS[key]
     limit = _smem_limit(device)
     elem = 4 if dtype == torch.float32 else 2
-    usable = [i for i, c in enumerate(raw)
-              if (not heavy or _light(c)) and smem_bytes(c, arch, elem, dual_n) <= limit] or [len(raw) - 1]
-    sized = [i for i in usable if not (M <= 64 and raw[i][0] > 64) and not (N <= 128 and raw[i][1] > 128)]
-    return [_TABLES[key][i] for i in (sized or usable[-1:])]
+
+    def fits(c):
+        return smem_bytes(c, arch, elem, dual_n, outputs, simple) <= limit
+
+    def sized(c):
+        return not (M <= 64 and c[0] > 64) and not (N <= 128 and c[1] > 128)
+
+    usable = [i for i, c in enumerate(raw) if (not heavy or _light(c)) and fits(c)] or [len(raw) - 1]
+    return [table[i] for i in ([i for i in usable if sized(raw[i])] or usable[-1:])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -906,14 +937,16 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
 
     if use_tma or tma_epi:
         triton.set_allocator(_alloc)
+    simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
     if arch == 0:
-        run(_config(INTERPRETER_CONFIG))
+        run(_config(INTERPRETER_CONFIG, simple, tma_epi))
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
         heavy = _heavy(act_grad, activation, has_dropout)
+        outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
         cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
-                                                    use_tma, tma_epi), run)
+                                          use_tma, tma_epi, simple, outputs), run)
     run(cfg)
 
 
@@ -995,6 +1028,8 @@ _NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=Fals
 # family (a variant without dropout or without an output has fewer live registers).
 _VARIANTS = {
     "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True)),
+    # A simple epilogue (_epi_split: wider slices): bias + erf GELU, the costliest activation.
+    "fwd_act": ("NT", dict(HAS_BIAS=True, ACTIVATION=1)),
     "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True,
                             HAS_DROPOUT=True)),
     # tanh GELU: its gradient and recomputed activation are the heaviest (255 registers at
@@ -1051,6 +1086,8 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, ev
     dual = flags.get("DUAL", 0)
     constexprs.update(_NO_FLAGS, **flags)
     tma_epi = tma if tma_epi is None else tma_epi and arch == 90
+    split = _epi_split(cfg, _simple_epilogue(constexprs["ACT_GRAD"], constexprs["HAS_RESIDUAL"],
+                                             constexprs["STORE_PRE"], constexprs["HAS_DROPOUT"], dual), tma_epi)
     constexprs.update(USE_TMA=tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
@@ -1103,6 +1140,8 @@ def aot_specs():
                 add(arch, kind, cfg, "fwd", even_k=False)
             if kind == "16" and not dual and arch == 90:
                 add(arch, kind, cfg, "fwd")  # dropout-free forward: fwd_drop is heavy here
+            if arch == 90 and not dual and _epi_split(cfg, True, True) != cfg[5]:
+                add(arch, kind, cfg, "fwd_act")  # a simple epilogue's wider slices
         if arch == 90:
             smallest = cfgs[-1]
             for v in variants + (("fwd",) if kind == "16" and not dual else ()):
