@@ -444,6 +444,7 @@ def _gemm_kernel(
     A_T: tl.constexpr, B_T: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Tiles of C = epilogue(A @ B) (+ A2 @ B2 when DUAL == 2), ``num_progs`` programs walking
@@ -504,7 +505,7 @@ def _gemm_kernel(
     # The epilogue recomputes its tile from its own counter: no value lives from the
     # prologue to the epilogue of the flattened loop (as in Triton's persistent tutorial).
     tile_c = start - num_progs
-    for tile_id in tl.range(start, num_tiles, num_progs, flatten=FLATTEN):
+    for tile_id in tl.range(start, num_tiles, num_progs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
@@ -695,10 +696,23 @@ CONFIGS = {
     (80, "ieee", False): ((64, 64, 16, 8, 2, 1),),
     (80, "ieee", True): ((64, 64, 16, 8, 2, 1),),
 }
+# sm_90 warp-specialized candidates, tried right after their table's first config (the
+# CUDA tuner keeps them where they time faster; FUSED_BLOCK_TUNE=0 never takes them): the
+# unflattened tile loop with ``tl.range(..., warp_specialize=True)`` on device descriptors, as
+# Triton 3.6's 09-persistent-matmul pairs them on Hopper. Its Hopper pass applies at 4 warps
+# (one warpgroup, 8 warps compile unspecialized): a producer warpgroup issues the TMA loads,
+# two consumer warpgroups split the tile's rows. Its data partition rejects the epilogue's
+# column slices (EPI_SPLIT 1), the bias-gradient sums, a second K loop, and spilled the residual
+# + pre-activation forward (544 B), so only simple epilogues with one K loop take them
+# (_ws_eligible). Shared memory: stages + the unsliced output tile (128x256x64: 3 stages fit).
+WS_CONFIGS = {(90, "16"): ((128, 256, 64, 4, 3, 1), (128, 128, 64, 4, 4, 1)),
+              (90, "tf32"): ((128, 128, 32, 4, 3, 1),)}
 # The interpreter runs one config. Its cost is per program and per op (nested jit calls
 # included) rather than per element, so a large tile with an unsliced epilogue is quickest;
 # tests swap in other tiles to cover the sliced epilogue and multi-tile persistent grids.
 INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
+# Tests set this to run INTERPRETER_CONFIG warp-specialized where a launch is eligible.
+INTERPRETER_WS = False
 # Tests set this to "tma" or "pointer" to force the main loop and epilogue path (the
 # interpreter runs tensor descriptors); None chooses by architecture and alignment.
 FORCE_PATH = None
@@ -730,15 +744,22 @@ def _epi_split(cfg, simple, tma_epi):
     return min(split, max(1, bn // 128)) if simple and tma_epi else split
 
 
-def _config(cfg, simple=False, tma_epi=False):
+def _ws_eligible(simple, dual, use_tma, tma_epi, fp32, a_t, b_t):
+    """Launches the warp-specialized candidates can run (see WS_CONFIGS); fp32 (TF32) only with
+    both operands K-major (x @ W.T): other layouts compiled to a wgmma ptxas rejects."""
+    return simple and dual == 0 and use_tma and tma_epi and (not fp32 or (not a_t and b_t))
+
+
+def _config(cfg, simple=False, tma_epi=False, ws=False):
     bm, bn, bk, warps, stages, _ = cfg
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            EPI_SPLIT=_epi_split(cfg, simple, tma_epi))
+                            EPI_SPLIT=_epi_split(cfg, simple, tma_epi), WARP_SPECIALIZE=ws)
 
 
 # (key, simple epilogue, descriptor stores) -> the table's Configs.
 _TABLES = {(key, simple, tma_epi): tuple(_config(c, simple, tma_epi) for c in cfgs)
            for key, cfgs in CONFIGS.items() for simple in (False, True) for tma_epi in (False, True)}
+_WS_TABLES = {kind: tuple(_config(c, True, True, ws=True) for c in cfgs) for (_, kind), cfgs in WS_CONFIGS.items()}
 _FALLBACK_90 = {kind: _config(c) for kind, c in _FALLBACK_90_CFGS.items()}
 
 
@@ -780,11 +801,12 @@ def _heavy(act_grad, activation, dropout):
 
 
 def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True, simple=False,
-                outputs=1):
+                outputs=1, ws=False):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
     for N <= 128. Tables end with their smallest tile, the fallback. ``simple``: the epilogue's
-    slices (_epi_split); ``outputs``: its TMA stores per slice.
+    slices (_epi_split); ``outputs``: its TMA stores per slice; ``ws``: the launch may run the
+    warp-specialized candidates (second and on, after the table's first).
 
     sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
     run their own tile (_FALLBACK_90_CFGS), TMA loads with pointer stores the table's
@@ -806,7 +828,10 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
         return not (M <= 64 and c[0] > 64) and not (N <= 128 and c[1] > 128)
 
     usable = [i for i, c in enumerate(raw) if (not heavy or _light(c)) and fits(c)] or [len(raw) - 1]
-    return [table[i] for i in ([i for i in usable if sized(raw[i])] or usable[-1:])]
+    chosen = [table[i] for i in ([i for i in usable if sized(raw[i])] or usable[-1:])]
+    if ws and (arch, kind) in WS_CONFIGS:
+        chosen[1:1] = [cfg for c, cfg in zip(WS_CONFIGS[(arch, kind)], _WS_TABLES[kind]) if fits(c) and sized(c)]
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -929,7 +954,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             progs = tiles
         else:  # persistent; tiles below 128x128 fit two programs per SM
             progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-        flatten = arch == 90 and use_tma and dual != 2 and not rowsum
+        # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul).
+        flatten = arch == 90 and use_tma and dual != 2 and not rowsum and not cfg["WARP_SPECIALIZE"]
         even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
         even_mn = M % bm == 0 and N % bn == 0
         common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
@@ -938,15 +964,16 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     if use_tma or tma_epi:
         triton.set_allocator(_alloc)
     simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
+    ws = _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
     if arch == 0:
-        run(_config(INTERPRETER_CONFIG, simple, tma_epi))
+        run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws))
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
         heavy = _heavy(act_grad, activation, has_dropout)
         outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
         cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
-                                          use_tma, tma_epi, simple, outputs), run)
+                                          use_tma, tma_epi, simple, outputs, ws), run)
     run(cfg)
 
 
@@ -1040,6 +1067,7 @@ _VARIANTS = {
                                 HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
     "wgrad": ("TN", {}),
+    "dgrad": ("NN", {}),
     "dgrad_dual": ("NN", dict(DUAL=2)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                HAS_DROPOUT=True)),
@@ -1063,8 +1091,9 @@ def _even_mn_matters(flags, tma_epi):
                                                                and flags.get("ACTIVATION", 0) != 0)
 
 
-def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=()):
-    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names)."""
+def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=(), ws=False):
+    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names);
+    ``ws``: warp-specialized (WS_CONFIGS)."""
     from fused_block.kernels import aot  # only the compile check needs it
 
     bm, bn, bk, warps, stages, split = cfg
@@ -1091,13 +1120,14 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, ev
     constexprs.update(USE_TMA=tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
-                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
+                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False) and not ws,
+                      WARP_SPECIALIZE=ws, INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
     aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh")
                     and unaligned != "all" and s not in unaligned)
-    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi")
+    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi") + (" ws" if ws else "")
     tags = ("" if even_k else " mask_k") + (" even_mn" if even_mn else "") + (" unaligned" if unaligned else "")
     return aot.KernelSpec(
         name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{tags} {kind}]",
@@ -1149,6 +1179,13 @@ def aot_specs():
             if kind != "16":
                 for v in variants:
                     add(arch, kind, _FALLBACK_90_CFGS[kind], v, tma=False, even_k=False, unaligned="all")
+    # The warp-specialized candidates with the variants they run (_ws_eligible): the simple
+    # epilogues on one K loop, i.e. the bias + GELU forward, the input gradient, the weight
+    # gradient with and without its row sums; TF32 the forward (x @ W.T) only.
+    for (arch, kind), cfgs in WS_CONFIGS.items():
+        for cfg in cfgs:
+            for v in ("fwd_act", "dgrad", "wgrad_rowsum", "wgrad") if kind == "16" else ("fwd_act",):
+                add(arch, kind, cfg, v, ws=True)
     # sm_90's 16-bit pointer fallback: every 16-bit variant and the plain weight gradient (dW =
     # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
     # aligned sizes (FORCE_PATH, an empty first K part).

@@ -21,8 +21,8 @@ from fused_block import reference
 from fused_block.kernels import common
 from fused_block.linear import MLP, Linear, linear, mlp
 
-from gemm_testing import (DTYPE_MODES, MODES, check, fp32_mode, kernel_masks, leaves, round_to_tf32, saved_numels,
-                          seeded)
+from gemm_testing import (DTYPE_MODES, MODES, baseline_mode, check, fp32_mode, kernel_masks, leaves, round_to_tf32,
+                          saved_numels, seeded)
 from numerics import ATOL, assert_close, randn
 
 ACTS = (None, "gelu", "gelu_tanh", "relu")
@@ -215,6 +215,43 @@ def test_linear_leading_dims_strided_weight_and_partial_grads(dtype_mode, device
 
     check("linear", lambda x, w, b, r: linear(x, w, b, "gelu_tanh", r), ref, (x, w, b, r), dtype, device, mode)
     assert launches["matmul"] == 2  # forward and dW only
+
+
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[1], DTYPE_MODES[3]])
+def test_linear_warp_specialized_tile_loop(dtype_mode, device, launches, monkeypatch):
+    # sm_90's warp-specialized candidates (WS_CONFIGS) run the unflattened tile loop with
+    # tl.range(warp_specialize=True) on one of their tiles: 300x136 outputs make 6 tiles of
+    # 128x128 for the interpreter's 4 persistent programs. Eligible: simple epilogues on one K
+    # loop, here the backward's GEMMs (dx, dW with its row sums for dB) and a forward that
+    # saves nothing; TF32 only with x @ W.T's K-major operands.
+    dtype, mode = dtype_mode
+    monkeypatch.setattr(kmatmul, "INTERPRETER_CONFIG", kmatmul.WS_CONFIGS[(90, "16")][1][:4] + (1, 1))
+    monkeypatch.setattr(kmatmul, "INTERPRETER_WS", True)
+    seen = []
+    launch = common.launch
+
+    def spy(name, kernel, grid, args, constexprs, config):
+        if name == "matmul":
+            seen.append((config["WARP_SPECIALIZE"], constexprs["FLATTEN"]))
+        return launch(name, kernel, grid, args, constexprs, config)
+
+    monkeypatch.setattr(common, "launch", spy)
+    x, w, b, _ = _linear_inputs(300, 48, 136, True, False, dtype, device)
+
+    def ref(x, w, b, compute_dtype=None):
+        return reference.linear(x, w, b, "gelu", compute_dtype=compute_dtype)
+
+    check("linear ws", lambda x, w, b: linear(x, w, b, "gelu"), ref, (x, w, b), dtype, device, mode)
+    with fp32_mode(mode), torch.no_grad():
+        out = linear(x, w, b, "gelu")
+    with baseline_mode(dtype, mode):
+        base = ref(*leaves((x, w, b)), compute_dtype=dtype)
+    assert_close("linear ws no grad", out, ref(*leaves((x, w, b), torch.float64)), base)
+    # forward saving pre, dx = dPre @ W, dW = dPre.T @ x, forward without grad
+    fp32 = dtype == torch.float32
+    assert [ws for ws, _ in seen] == [False, not fp32, not fp32, True]
+    assert all(not (ws and flatten) for ws, flatten in seen)
+    assert launches["matmul"] == 4
 
 
 def test_linear_one_dim_input_and_no_grad(device, launches):
