@@ -11,12 +11,14 @@ accumulation, and constexpr switches for everything else:
   tiles)`` programs, twice as many for tiles below 128x128, walking the tiles in grouped order,
   GROUP_M row tiles per group for L2 reuse; each program builds its descriptors once) with the
   TMA path's tile loop flattened into the K loop so the next tile's loads overlap this tile's
-  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80.
+  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80. ``WARP_SPECIALIZE``
+  (sm_90 candidates, WS_CONFIGS): the tile loop unflattened and warp-specialized instead.
   ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
   gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
   a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
-- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 32 columns with
-  dropout) so its temporaries do not cut into the pipeline's registers. Stores (and the
+- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``, see _epi_split;
+  32 columns with dropout) so its temporaries do not cut into the pipeline's registers. With
+  16-bit outputs the activations take short fp32 forms (``FAST``, see _phi). Stores (and the
   residual / pre-activation loads) use tensor descriptors when ``TMA_EPI``.
   Forward: ``+ bias``; the pre-activation rounded to the input dtype (``ROUND_PRE``: an
   FFN's first layer, as eager PyTorch rounds a linear's output before its activation) and
@@ -74,10 +76,10 @@ _PHI_T5 = tl.constexpr(0.0005025395657867193)
 # ---------------------------------------------------------------------------------------------
 # elementwise pieces of the epilogues
 # ---------------------------------------------------------------------------------------------
-# FAST (the epilogue's outputs are fp16/bf16): shorter forms whose fp32 error, below 1e-6,
-# vanishes in the output's rounding (half an ulp: 4.9e-4 at 1.0 in fp16, 3.9e-3 in bf16), each a
-# few FFMAs and one or two MUFU ops (tl.exp2, tl.math.rsqrt: one instruction each). fp32
-# outputs keep libdevice's erf and tl.sigmoid.
+# FAST (the epilogue's outputs are fp16/bf16): shorter forms whose fp32 error (below 1e-6; the
+# tanh GELU's derivative 5.4e-6) vanishes in the output's rounding (half an ulp: 4.9e-4 at 1.0
+# in fp16, 3.9e-3 in bf16), each a few FFMAs and one or two MUFU ops (tl.exp2, tl.math.rsqrt:
+# one instruction each). fp32 outputs keep libdevice's erf and tl.sigmoid.
 
 @triton.jit
 def _phi(x, FAST: tl.constexpr):
