@@ -143,11 +143,11 @@ def _act_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
             s_neg = 1.0 - s
         else:
             s_neg = tl.sigmoid(-u2)
-        # d = s + x s sigmoid(-2u) d(2u)/dx, with d(2u)/dx = 2 K0 (1 + 3 K1 x^2); x s first
-        # (the activation): for large |x| one of s, sigmoid(-2u) is 0 while x^3 overflows.
-        y = x * s
+        # d = s + s sigmoid(-2u) x d(2u)/dx, with d(2u)/dx = 2 K0 (1 + 3 K1 x^2), multiplied
+        # left to right: for large |x| one of s, sigmoid(-2u) is 0 while x^3 overflows.
         du2 = 2.0 * _TANH_K0 + (6.0 * _TANH_K0 * _TANH_K1) * x2
-        d = s + y * s_neg * du2
+        d = s + s * s_neg * x * du2
+        y = x * s
     elif ACTIVATION == 3:
         d = tl.where(x > 0.0, 1.0, 0.0)
         y = tl.where(x < 0.0, 0.0, x)
