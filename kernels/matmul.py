@@ -1057,8 +1057,10 @@ _NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=Fals
 # family (a variant without dropout or without an output has fewer live registers).
 _VARIANTS = {
     "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True)),
-    # A simple epilogue (_epi_split: wider slices): bias + erf GELU, the costliest activation.
+    # Simple epilogues (_epi_split: wider slices): bias + erf GELU (the most instructions) and
+    # bias + tanh GELU (the most registers: 231 at 128x256 against 170).
     "fwd_act": ("NT", dict(HAS_BIAS=True, ACTIVATION=1)),
+    "fwd_act_tanh": ("NT", dict(HAS_BIAS=True, ACTIVATION=2)),
     "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True,
                             HAS_DROPOUT=True)),
     # tanh GELU: its gradient and recomputed activation are the heaviest (255 registers at
@@ -1173,7 +1175,8 @@ def aot_specs():
             if kind == "16" and not dual and arch == 90:
                 add(arch, kind, cfg, "fwd")  # dropout-free forward: fwd_drop is heavy here
             if arch == 90 and not dual and _epi_split(cfg, True, True) != cfg[5]:
-                add(arch, kind, cfg, "fwd_act")  # a simple epilogue's wider slices
+                for v in ("fwd_act", "fwd_act_tanh"):  # a simple epilogue's wider slices
+                    add(arch, kind, cfg, v)
         if arch == 90:
             smallest = cfgs[-1]
             for v in variants + (("fwd",) if kind == "16" and not dual else ()):
@@ -1182,11 +1185,11 @@ def aot_specs():
                 for v in variants:
                     add(arch, kind, _FALLBACK_90_CFGS[kind], v, tma=False, even_k=False, unaligned="all")
     # The warp-specialized candidates with the variants they run (_ws_eligible): the simple
-    # epilogues on one K loop, i.e. the bias + GELU forward, the input gradient, the weight
-    # gradient with and without its row sums; TF32 the forward (x @ W.T) only.
+    # epilogues on one K loop, i.e. the bias + GELU forwards, the input gradient, the weight
+    # gradient with and without its row sums; TF32 the forwards (x @ W.T) only.
     for (arch, kind), cfgs in WS_CONFIGS.items():
         for cfg in cfgs:
-            for v in ("fwd_act", "dgrad", "wgrad_rowsum", "wgrad") if kind == "16" else ("fwd_act",):
+            for v in ("fwd_act", "fwd_act_tanh") + (("dgrad", "wgrad_rowsum", "wgrad") if kind == "16" else ()):
                 add(arch, kind, cfg, v, ws=True)
     # sm_90's 16-bit pointer fallback: every 16-bit variant and the plain weight gradient (dW =
     # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
