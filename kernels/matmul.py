@@ -106,16 +106,9 @@ def _sigmoid(z, FAST: tl.constexpr):
 
 @triton.jit
 def _act(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
-    """The activation on an fp32 tile: 0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU."""
-    y = x
-    if ACTIVATION == 1:
-        y = x * _phi(x, FAST)
-    elif ACTIVATION == 2:
-        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation for large |u|.
-        y = x * _sigmoid(2.0 * _TANH_K0 * (x + _TANH_K1 * x * x * x), FAST)
-    elif ACTIVATION == 3:
-        y = tl.where(x < 0.0, 0.0, x)  # keeps NaN, like torch.relu
-    return y
+    """The activation on an fp32 tile: 0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU. The forward's
+    and the backward's recomputed one are the same code (_act_grad's, its derivative unused)."""
+    return _act_grad(x, ACTIVATION, FAST)[1]
 
 
 @triton.jit
