@@ -11,12 +11,14 @@ accumulation, and constexpr switches for everything else:
   tiles)`` programs, twice as many for tiles below 128x128, walking the tiles in grouped order,
   GROUP_M row tiles per group for L2 reuse; each program builds its descriptors once) with the
   TMA path's tile loop flattened into the K loop so the next tile's loads overlap this tile's
-  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80.
+  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80. ``WARP_SPECIALIZE``
+  (sm_90 candidates, WS_CONFIGS): the tile loop unflattened and warp-specialized instead.
   ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
   gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
   a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
-- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 32 columns with
-  dropout) so its temporaries do not cut into the pipeline's registers. Stores (and the
+- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``, see _epi_split;
+  32 columns with dropout) so its temporaries do not cut into the pipeline's registers. With
+  16-bit outputs the activations take short fp32 forms (``FAST``, see _phi). Stores (and the
   residual / pre-activation loads) use tensor descriptors when ``TMA_EPI``.
   Forward: ``+ bias``; the pre-activation rounded to the input dtype (``ROUND_PRE``: an
   FFN's first layer, as eager PyTorch rounds a linear's output before its activation) and
@@ -55,45 +57,94 @@ GROUP_M = 8
 
 _SQRT_1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_LOG2E = tl.constexpr(1.4426950408889634)
 _TANH_K0 = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 _TANH_K1 = tl.constexpr(0.044715)
+# Phi(-a) = 0.5 * erfc(a / sqrt(2)) ~ 2^-T(a) for a >= 0, T(a) = 1 + c1 a + ... + c5 a^5: the
+# weighted minimax fit (linear program on [0, 5]; weight max(1, a) * Phi(-a), i.e. the absolute
+# error of Phi and of the GELU x * Phi(x)), coefficients rounded to fp32. T(0) = 1 keeps Phi
+# continuous at 0; T increases past the fit's range, so 2^-T keeps falling to 0. Measured
+# against float64 (tests/test_linear.py::test_fast_gelu_against_float64): |error| < 1e-6 in
+# Phi, the GELU and its derivative over all fp32 inputs.
+_PHI_T1 = tl.constexpr(1.1510708332061768)
+_PHI_T2 = tl.constexpr(0.4593662917613983)
+_PHI_T3 = tl.constexpr(0.05238773301243782)
+_PHI_T4 = tl.constexpr(-0.007299393881112337)
+_PHI_T5 = tl.constexpr(0.0005025395657867193)
 
 
 # ---------------------------------------------------------------------------------------------
 # elementwise pieces of the epilogues
 # ---------------------------------------------------------------------------------------------
+# FAST (the epilogue's outputs are fp16/bf16): shorter forms whose fp32 error (below 1e-6; the
+# tanh GELU's derivative 5.4e-6) vanishes in the output's rounding (half an ulp: 4.9e-4 at 1.0
+# in fp16, 3.9e-3 in bf16), each a few FFMAs and one or two MUFU ops (tl.exp2, tl.math.rsqrt:
+# one instruction each). fp32 outputs keep libdevice's erf and tl.sigmoid.
 
 @triton.jit
-def _act(x, ACTIVATION: tl.constexpr):
-    """The activation on an fp32 tile: 0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU."""
+def _phi(x, FAST: tl.constexpr):
+    """The standard normal CDF 0.5 * (1 + erf(x / sqrt(2))) on an fp32 tile (NaN stays NaN)."""
+    if FAST:
+        a = tl.abs(x)
+        t = ((((_PHI_T5 * a + _PHI_T4) * a + _PHI_T3) * a + _PHI_T2) * a + _PHI_T1) * a + 1.0
+        h = tl.exp2(-t)  # Phi(-|x|)
+        return tl.where(x >= 0.0, 1.0 - h, h)
+    else:
+        return 0.5 * (1.0 + tl.erf(x * _SQRT_1_2))
+
+
+@triton.jit
+def _sigmoid(z, FAST: tl.constexpr):
+    """1 / (1 + exp(-z)) on an fp32 tile; FAST as rsqrt(1 + 2^(-z log2 e))^2 (relative error
+    ~3e-7; 0 where the exponential overflows)."""
+    if FAST:
+        r = tl.math.rsqrt(1.0 + tl.exp2(z * -_LOG2E))
+        return r * r
+    else:
+        return tl.sigmoid(z)
+
+
+@triton.jit
+def _act(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """The activation on an fp32 tile: 0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU. The forward's
+    and the backward's recomputed one are the same code (_act_grad's, its derivative unused)."""
+    return _act_grad(x, ACTIVATION, FAST)[1]
+
+
+@triton.jit
+def _act_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """``(d act(x) / dx, act(x))`` on an fp32 tile (ReLU: 0 at x == 0, like torch), sharing
+    their intermediates (an unused act(x) costs nothing)."""
+    d = tl.full(x.shape, 1.0, tl.float32)
     y = x
     if ACTIVATION == 1:
-        y = 0.5 * x * (1.0 + tl.erf(x * _SQRT_1_2))
-    elif ACTIVATION == 2:
-        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation for large |u|.
-        y = x * tl.sigmoid(2.0 * _TANH_K0 * (x + _TANH_K1 * x * x * x))
-    elif ACTIVATION == 3:
-        y = tl.where(x < 0.0, 0.0, x)  # keeps NaN, like torch.relu
-    return y
-
-
-@triton.jit
-def _act_grad(x, ACTIVATION: tl.constexpr):
-    """d act(x) / dx on an fp32 tile (ReLU: 0 at x == 0, like torch)."""
-    d = tl.full(x.shape, 1.0, tl.float32)
-    if ACTIVATION == 1:
-        cdf = 0.5 * (1.0 + tl.erf(x * _SQRT_1_2))
-        d = cdf + x * _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+        if FAST:
+            pdf = tl.exp2(x * x * (-0.5 * _LOG2E))
+        else:
+            pdf = tl.exp(-0.5 * x * x)
+        cdf = _phi(x, FAST)
+        d = cdf + x * _INV_SQRT_2PI * pdf
+        y = x * cdf
     elif ACTIVATION == 2:
         # With s = sigmoid(2u): 0.5 * (1 + tanh(u)) = s and 1 - tanh(u)^2 = 4 s sigmoid(-2u),
-        # which does not cancel where tanh(u) is near +-1.
+        # which does not cancel where tanh(u) is near +-1 (FAST: 1 - s, whose absolute error
+        # there is an ulp of 1).
         x2 = x * x
-        u2 = 2.0 * _TANH_K0 * (x + _TANH_K1 * x2 * x)
-        s = tl.sigmoid(u2)
-        d = s + 2.0 * x * s * tl.sigmoid(-u2) * _TANH_K0 * (1.0 + 3.0 * _TANH_K1 * x2)
+        u2 = x * (2.0 * _TANH_K0 + (2.0 * _TANH_K0 * _TANH_K1) * x2)
+        s = _sigmoid(u2, FAST)
+        if FAST:
+            s_neg = 1.0 - s
+        else:
+            s_neg = tl.sigmoid(-u2)
+        # d = s + s sigmoid(-2u) x d(2u)/dx, with d(2u)/dx = 2 K0 (1 + 3 K1 x^2), multiplied
+        # left to right: for large |x| one of s, sigmoid(-2u) is 0 while x^3 overflows.
+        du2 = 2.0 * _TANH_K0 + (6.0 * _TANH_K0 * _TANH_K1) * x2
+        d = s + s * s_neg * x * du2
+        y = x * s
     elif ACTIVATION == 3:
         d = tl.where(x > 0.0, 1.0, 0.0)
-    return d
+        y = tl.where(x < 0.0, 0.0, x)
+    return d, y
 
 
 @triton.jit
@@ -204,12 +255,12 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
           IN_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr,
           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr,
           ROUND_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-          TMA_EPI: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
+          TMA_EPI: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr, FAST: tl.constexpr,
           INTERPRET: tl.constexpr):
     """The epilogue on one column slice ``acc`` (rows row0.., columns col..) of the tile;
     ``acc2`` is the up projection's slice for SwiGLU, ``keep`` the slice's dropout mask. Inputs
     (RES, AUX, AUX2 in backward) are pointers; outputs (C, C2, AUX_OUT, AUX2_OUT, HOUT) are
-    descriptors when ``TMA_EPI``."""
+    descriptors when ``TMA_EPI``. ``FAST``: the activations' short forms (16-bit outputs)."""
     BM: tl.constexpr = acc.shape[0]
     W: tl.constexpr = acc.shape[1]
     rm = tl.arange(0, BM)
@@ -223,7 +274,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
         if ACTIVATION == 4:
             g = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
             u = _io_load(AUX2, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
-            s = tl.sigmoid(g)
+            s = _sigmoid(g, FAST)
             silu = g * s
             dg = acc * u * (s * (1.0 + g * (1.0 - s)))
             du = acc * silu
@@ -240,9 +291,9 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
         else:
             if ACTIVATION != 0:
                 pre = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
-                acc = acc * _act_grad(pre, ACTIVATION)
+                d, h = _act_grad(pre, ACTIVATION, FAST)
+                acc = acc * d
                 if STORE_H:
-                    h = _act(pre, ACTIVATION)
                     if HAS_DROPOUT:
                         h = tl.where(keep, h * drop_scale, 0.0)
                     _io_store(HOUT, h, row0, col, rm, rn, mask, N, TMA_EPI, EVEN_MN, INTERPRET)
@@ -265,9 +316,9 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
             if ACTIVATION == 4:
                 _io_store(AUX2_OUT, acc2, row0, col, rm, rn, mask, stride_xm, TMA_EPI, EVEN_MN, INTERPRET)
         if ACTIVATION == 4:
-            y = acc * tl.sigmoid(acc) * acc2
+            y = acc * _sigmoid(acc, FAST) * acc2
         else:
-            y = _act(acc, ACTIVATION)
+            y = _act(acc, ACTIVATION, FAST)
         if HAS_DROPOUT:
             y = tl.where(keep, y * drop_scale, 0.0)
         if HAS_RESIDUAL:
@@ -326,8 +377,13 @@ def _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, K, A_T: tl.constex
               INTERPRET: tl.constexpr):
     """acc += A[row0:, :K] @ B[:K, col0:] (and acc2 with B2 when DUAL_N), TMA loads (zero
     padding past every edge). ``A_T``/``B_T``: the operand is stored transposed (its first
-    stride is 1), so its descriptor covers the transpose and the tile is transposed back."""
-    for k in range(0, K, BLOCK_K):
+    stride is 1), so its descriptor covers the transpose and the tile is transposed back.
+
+    At least one step, whatever K (the launcher sends no empty K here; a step past the edge
+    reads zeros): Triton versions a flattened loop nest on whether its inner loop can be
+    empty, and a trip count it could not prove positive compiled a second, wgmma-free copy of
+    the tile loop (the epilogue alone, 4,536 instructions with bias + GELU) that never ran."""
+    for k in range(0, tl.maximum(K, 1), BLOCK_K):
         if A_T:
             a = a_desc.load([k, row0]).T
         else:
@@ -383,6 +439,7 @@ def _gemm_kernel(
     A_T: tl.constexpr, B_T: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Tiles of C = epilogue(A @ B) (+ A2 @ B2 when DUAL == 2), ``num_progs`` programs walking
@@ -438,11 +495,12 @@ def _gemm_kernel(
     if HAS_DROPOUT:
         seed = tl.load(SEED)
     in_dtype = A.dtype.element_ty
+    FAST: tl.constexpr = C.dtype.element_ty != tl.float32
 
     # The epilogue recomputes its tile from its own counter: no value lives from the
     # prologue to the epilogue of the flattened loop (as in Triton's persistent tutorial).
     tile_c = start - num_progs
-    for tile_id in tl.range(start, num_tiles, num_progs, flatten=FLATTEN):
+    for tile_id in tl.range(start, num_tiles, num_progs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
@@ -487,7 +545,7 @@ def _gemm_kernel(
                           c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
                           stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
                           in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, ROUND_PRE, STORE_H,
-                          HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+                          HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, FAST, INTERPRET)
         else:
             pieces = _pieces(acc, EPI_SPLIT)
             pieces2 = _pieces(acc2, EPI_SPLIT)
@@ -496,7 +554,7 @@ def _gemm_kernel(
                       c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
                       stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
                       in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, ROUND_PRE, STORE_H,
-                      HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+                      HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, FAST, INTERPRET)
         if ROWSUM:
             # Row sums of A per PARTIAL_ROWS columns (the bias gradient of dW = dY.T @ X): the
             # tiles of one row block share its column chunks, one in num_pid_n each.
@@ -547,7 +605,7 @@ def _act_grad_kernel(
             d = tl.where(_keep(words[j], drop_thresh), d * drop_scale, 0.0)
         if ACTIVATION != 0:
             pre = tl.load(PRE + rm[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
-            d = d * _act_grad(pre.to(tl.float32), ACTIVATION)
+            d = d * _act_grad(pre.to(tl.float32), ACTIVATION, DPRE.dtype.element_ty != tl.float32)[0]
         if STORE_DPRE:
             tl.store(DPRE + rm[:, None] * N + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
                      mask=mask)
@@ -602,10 +660,12 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # first is taken without timing when FUSED_BLOCK_TUNE=0.
 #
 # sm_90, fp16/bf16: Triton's 09-persistent-matmul and inductor's persistent TMA configs
-# (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages), the epilogue on
-# 32-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
-# the accumulator's 128 per thread (64-column slices hit 255 registers and spilled 8 B with
-# a GELU epilogue: 32 leave 180-215); 64-row tiles for small M (decoding).
+# (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages); 64-row tiles for
+# small M (decoding). EPI_SPLIT is the split of epilogues with inputs or several outputs: 64-
+# column slices of the 128x256 accumulator (128x128: halves) keep their temporaries next to the
+# accumulator's 128 registers per thread (the residual + saved pre-activation forward: 178-215
+# registers; 128-column slices reach 252-255). A simple epilogue (see _epi_split) takes
+# 128-column slices, as the tutorial's EPILOGUE_SUBTILE.
 # SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
 # 128x256 footprint.
 # fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
@@ -614,7 +674,7 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
 # pipelining of pointer loads.
 CONFIGS = {
-    (90, "16", False): ((128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 8, 4, 2),
+    (90, "16", False): ((128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 128, 64, 8, 4, 2),
                         (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 2),
                         (64, 64, 64, 4, 4, 1)),
     (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
@@ -631,10 +691,23 @@ CONFIGS = {
     (80, "ieee", False): ((64, 64, 16, 8, 2, 1),),
     (80, "ieee", True): ((64, 64, 16, 8, 2, 1),),
 }
+# sm_90 warp-specialized candidates, tried right after their table's first config (the
+# CUDA tuner keeps them where they time faster; FUSED_BLOCK_TUNE=0 never takes them): the
+# unflattened tile loop with ``tl.range(..., warp_specialize=True)`` on device descriptors, as
+# Triton 3.6's 09-persistent-matmul pairs them on Hopper. Its Hopper pass applies at 4 warps
+# (one warpgroup, 8 warps compile unspecialized): a producer warpgroup issues the TMA loads,
+# two consumer warpgroups split the tile's rows. Its data partition rejects the epilogue's
+# column slices (EPI_SPLIT 1), the bias-gradient sums, a second K loop, and spilled the residual
+# + pre-activation forward (544 B), so only simple epilogues with one K loop take them
+# (_ws_eligible). Shared memory: stages + the unsliced output tile (128x256x64: 3 stages fit).
+WS_CONFIGS = {(90, "16"): ((128, 256, 64, 4, 3, 1), (128, 128, 64, 4, 4, 1)),
+              (90, "tf32"): ((128, 128, 32, 4, 3, 1),)}
 # The interpreter runs one config. Its cost is per program and per op (nested jit calls
 # included) rather than per element, so a large tile with an unsliced epilogue is quickest;
 # tests swap in other tiles to cover the sliced epilogue and multi-tile persistent grids.
 INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
+# Tests set this to run INTERPRETER_CONFIG warp-specialized where a launch is eligible.
+INTERPRETER_WS = False
 # Tests set this to "tma" or "pointer" to force the main loop and epilogue path (the
 # interpreter runs tensor descriptors); None chooses by architecture and alignment.
 FORCE_PATH = None
@@ -651,22 +724,50 @@ _CACHE = common.ConfigCache("matmul")
 _SMEM = {}
 
 
-def _config(cfg):
+def _simple_epilogue(act_grad, residual, store_pre, dropout, dual):
+    """An epilogue that reads nothing but the bias and stores one output: bias, activation,
+    the plain GEMMs (ROWSUM's row sums run after it)."""
+    return not (act_grad or residual or store_pre or dropout or dual == 1)
+
+
+def _epi_split(cfg, simple, tma_epi):
+    """The epilogue's column slices for a table config: the table's EPI_SPLIT, or for a simple
+    epilogue stored through descriptors slices of up to 128 columns (the slices' TMA stores
+    and barriers are serialized: a 128x256 tile stores twice, as Triton's persistent tutorial
+    does, instead of 4 or 8 times; a split it has already is kept)."""
     bm, bn, bk, warps, stages, split = cfg
+    return min(split, max(1, bn // 128)) if simple and tma_epi else split
+
+
+def _ws_eligible(simple, dual, use_tma, tma_epi, fp32, a_t, b_t):
+    """Launches the warp-specialized candidates can run (see WS_CONFIGS); fp32 (TF32) only with
+    both operands K-major (x @ W.T): other layouts compiled to a wgmma ptxas rejects."""
+    return simple and dual == 0 and use_tma and tma_epi and (not fp32 or (not a_t and b_t))
+
+
+def _config(cfg, simple=False, tma_epi=False, ws=False):
+    bm, bn, bk, warps, stages, _ = cfg
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            EPI_SPLIT=split)
+                            EPI_SPLIT=_epi_split(cfg, simple, tma_epi), WARP_SPECIALIZE=ws)
 
 
-_TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
+# (key, simple epilogue, descriptor stores) -> the table's Configs.
+_TABLES = {(key, simple, tma_epi): tuple(_config(c, simple, tma_epi) for c in cfgs)
+           for key, cfgs in CONFIGS.items() for simple in (False, True) for tma_epi in (False, True)}
+_WS_TABLES = {kind: tuple(_config(c, True, True, ws=True) for c in cfgs) for (_, kind), cfgs in WS_CONFIGS.items()}
 _FALLBACK_90 = {kind: _config(c) for kind, c in _FALLBACK_90_CFGS.items()}
 
 
-def smem_bytes(cfg, arch, elem_size, dual_n=False):
+def smem_bytes(cfg, arch, elem_size, dual_n=False, outputs=1, simple=False):
     """Shared memory a config needs, as the compile check reports it: sm_90 keeps ``stages``
-    operand buffers (TMA) plus the epilogue's staging, sm_80 ``stages - 1`` (cp.async)."""
+    operand buffers (TMA) plus the staging of the epilogue's ``outputs`` TMA stores (one slice
+    each, see _epi_split; 1 KB of barriers), sm_80 ``stages - 1`` (cp.async)."""
     bm, bn, bk, _, stages, _ = cfg
     per_stage = (bm * bk + (2 if dual_n else 1) * bk * bn) * elem_size
-    return stages * per_stage + 33 * 1024 if arch == 90 else (stages - 1) * per_stage
+    if arch != 90:
+        return (stages - 1) * per_stage
+    staging = outputs * bm * (bn // _epi_split(cfg, simple, True)) * elem_size
+    return stages * per_stage + staging + 1024
 
 
 def _smem_limit(device):
@@ -694,10 +795,13 @@ def _heavy(act_grad, activation, dropout):
     return dropout or act_grad and activation == SWIGLU
 
 
-def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True):
+def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True, simple=False,
+                outputs=1, ws=False):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
-    for N <= 128. Tables end with their smallest tile, the fallback.
+    for N <= 128. Tables end with their smallest tile, the fallback. ``simple``: the epilogue's
+    slices (_epi_split); ``outputs``: its TMA stores per slice; ``ws``: the launch may run the
+    warp-specialized candidates (second and on, after the table's first).
 
     sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
     run their own tile (_FALLBACK_90_CFGS), TMA loads with pointer stores the table's
@@ -706,14 +810,23 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
     kind = precision if dtype == torch.float32 else "16"
     key = (arch, kind, dual_n)
     if arch == 90 and not (use_tma and tma_epi):
-        return [_FALLBACK_90[kind] if not use_tma else _TABLES[key][-1]]
+        return [_FALLBACK_90[kind] if not use_tma else _TABLES[(key, simple, False)][-1]]
+    table = _TABLES[(key, simple, tma_epi)]
     raw = CONFIGS[key]
     limit = _smem_limit(device)
     elem = 4 if dtype == torch.float32 else 2
-    usable = [i for i, c in enumerate(raw)
-              if (not heavy or _light(c)) and smem_bytes(c, arch, elem, dual_n) <= limit] or [len(raw) - 1]
-    sized = [i for i in usable if not (M <= 64 and raw[i][0] > 64) and not (N <= 128 and raw[i][1] > 128)]
-    return [_TABLES[key][i] for i in (sized or usable[-1:])]
+
+    def fits(c):
+        return smem_bytes(c, arch, elem, dual_n, outputs, simple) <= limit
+
+    def sized(c):
+        return not (M <= 64 and c[0] > 64) and not (N <= 128 and c[1] > 128)
+
+    usable = [i for i, c in enumerate(raw) if (not heavy or _light(c)) and fits(c)] or [len(raw) - 1]
+    chosen = [table[i] for i in ([i for i in usable if sized(raw[i])] or usable[-1:])]
+    if ws and (arch, kind) in WS_CONFIGS:
+        chosen[1:1] = [cfg for c, cfg in zip(WS_CONFIGS[(arch, kind)], _WS_TABLES[kind]) if fits(c) and sized(c)]
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -836,7 +949,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             progs = tiles
         else:  # persistent; tiles below 128x128 fit two programs per SM
             progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-        flatten = arch == 90 and use_tma and dual != 2 and not rowsum
+        # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul).
+        flatten = arch == 90 and use_tma and dual != 2 and not rowsum and not cfg["WARP_SPECIALIZE"]
         even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
         even_mn = M % bm == 0 and N % bn == 0
         common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
@@ -844,14 +958,17 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
 
     if use_tma or tma_epi:
         triton.set_allocator(_alloc)
+    simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
+    ws = _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
     if arch == 0:
-        run(_config(INTERPRETER_CONFIG))
+        run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws))
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
         heavy = _heavy(act_grad, activation, has_dropout)
+        outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
         cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
-                                                    use_tma, tma_epi), run)
+                                          use_tma, tma_epi, simple, outputs, ws), run)
     run(cfg)
 
 
@@ -933,6 +1050,10 @@ _NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=Fals
 # family (a variant without dropout or without an output has fewer live registers).
 _VARIANTS = {
     "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True)),
+    # Simple epilogues (_epi_split: wider slices): bias + erf GELU (the most instructions) and
+    # bias + tanh GELU (the most registers: 231 at 128x256 against 170).
+    "fwd_act": ("NT", dict(HAS_BIAS=True, ACTIVATION=1)),
+    "fwd_act_tanh": ("NT", dict(HAS_BIAS=True, ACTIVATION=2)),
     "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True,
                             HAS_DROPOUT=True)),
     # tanh GELU: its gradient and recomputed activation are the heaviest (255 registers at
@@ -943,6 +1064,7 @@ _VARIANTS = {
                                 HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
     "wgrad": ("TN", {}),
+    "dgrad": ("NN", {}),
     "dgrad_dual": ("NN", dict(DUAL=2)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                HAS_DROPOUT=True)),
@@ -966,8 +1088,9 @@ def _even_mn_matters(flags, tma_epi):
                                                                and flags.get("ACTIVATION", 0) != 0)
 
 
-def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=()):
-    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names)."""
+def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=(), ws=False):
+    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names);
+    ``ws``: warp-specialized (WS_CONFIGS)."""
     from fused_block.kernels import aot  # only the compile check needs it
 
     bm, bn, bk, warps, stages, split = cfg
@@ -989,16 +1112,19 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, ev
     dual = flags.get("DUAL", 0)
     constexprs.update(_NO_FLAGS, **flags)
     tma_epi = tma if tma_epi is None else tma_epi and arch == 90
+    split = _epi_split(cfg, _simple_epilogue(constexprs["ACT_GRAD"], constexprs["HAS_RESIDUAL"],
+                                             constexprs["STORE_PRE"], constexprs["HAS_DROPOUT"], dual), tma_epi)
     constexprs.update(USE_TMA=tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
-                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
+                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False) and not ws,
+                      WARP_SPECIALIZE=ws, INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
     aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh")
                     and unaligned != "all" and s not in unaligned)
-    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi")
+    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi") + (" ws" if ws else "")
     tags = ("" if even_k else " mask_k") + (" even_mn" if even_mn else "") + (" unaligned" if unaligned else "")
     return aot.KernelSpec(
         name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{tags} {kind}]",
@@ -1041,6 +1167,9 @@ def aot_specs():
                 add(arch, kind, cfg, "fwd", even_k=False)
             if kind == "16" and not dual and arch == 90:
                 add(arch, kind, cfg, "fwd")  # dropout-free forward: fwd_drop is heavy here
+            if arch == 90 and not dual and _epi_split(cfg, True, True) != cfg[5]:
+                for v in ("fwd_act", "fwd_act_tanh"):  # a simple epilogue's wider slices
+                    add(arch, kind, cfg, v)
         if arch == 90:
             smallest = cfgs[-1]
             for v in variants + (("fwd",) if kind == "16" and not dual else ()):
@@ -1048,6 +1177,13 @@ def aot_specs():
             if kind != "16":
                 for v in variants:
                     add(arch, kind, _FALLBACK_90_CFGS[kind], v, tma=False, even_k=False, unaligned="all")
+    # The warp-specialized candidates with the variants they run (_ws_eligible): the simple
+    # epilogues on one K loop, i.e. the bias + GELU forwards, the input gradient, the weight
+    # gradient with and without its row sums; TF32 the forwards (x @ W.T) only.
+    for (arch, kind), cfgs in WS_CONFIGS.items():
+        for cfg in cfgs:
+            for v in ("fwd_act", "fwd_act_tanh") + (("dgrad", "wgrad_rowsum", "wgrad") if kind == "16" else ()):
+                add(arch, kind, cfg, v, ws=True)
     # sm_90's 16-bit pointer fallback: every 16-bit variant and the plain weight gradient (dW =
     # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
     # aligned sizes (FORCE_PATH, an empty first K part).

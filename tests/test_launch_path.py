@@ -395,6 +395,11 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
                 assert tile == matmul._FALLBACK_90_CFGS[kind] and not kw["FLATTEN"], (tile, kw)
             elif not kw["TMA_EPI"]:
                 assert tile == matmul.CONFIGS[(90, kind, kw["DUAL"] == 1)][-1], (tile, kw)
+            if kw["WARP_SPECIALIZE"]:  # its own tiles, on the unflattened tile loop
+                assert tile in matmul.WS_CONFIGS[(90, kind)] and not kw["FLATTEN"], (tile, kw)
+        # The warp-specialized candidates are timed for the eligible launches (16-bit here;
+        # the default fp32 mode, IEEE, has none).
+        assert any(kw["WARP_SPECIALIZE"] for kw, _, _ in gemms) == (dtype != torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
