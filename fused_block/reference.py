@@ -150,14 +150,17 @@ def _dropout(y, p, mask, cdt):
 
 
 def linear(x, weight, bias=None, activation_name=None, residual=None, dropout_p=0.0, *,
-           dropout_mask=None, compute_dtype=None):
-    """``dropout(act(x @ weight.T + bias)) + residual``; weight in ``torch.nn.Linear`` layout
-    (out, in). ``dropout_mask`` (bool, the output's shape, True = kept) replaces the random mask.
+           dropout_mask=None, compute_dtype=None, lora=None):
+    """``dropout(act(x @ weight.T + bias + U @ B.T)) + residual``; weight in ``torch.nn.Linear``
+    layout (out, in); ``lora`` = (U (..., R), B (out, R)) or None. ``dropout_mask`` (bool, the
+    output's shape, True = kept) replaces the random mask.
 
     Returns x's dtype, promoted with residual's (an fp32 residual stream keeps fp32).
     """
     cdt = _compute_dtype(x.dtype, compute_dtype)
     y = F.linear(x.to(cdt), weight.to(cdt), _cast(bias, cdt))
+    if lora is not None:
+        y = y + F.linear(lora[0].to(cdt), lora[1].to(cdt))
     y = activation(y, activation_name)
     y = _dropout(y, dropout_p, dropout_mask, cdt)
     if residual is not None:
@@ -202,6 +205,22 @@ def swiglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_
     h = _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
     return linear(h, w_down, b_down, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
                   compute_dtype=compute_dtype)
+
+
+def gated(x, w_gate, w_up, b_gate=None, b_up=None, *, dropout_p=0.0, dropout_mask=None, lora=None,
+          compute_dtype=None):
+    """SwiGLU's first layer alone: ``dropout(silu(x @ w_gate.T + b_gate + U @ Bg.T) * (x @ w_up.T
+    + b_up + U @ Bu.T))``, gate and up rounded to x's dtype first (as :func:`swiglu`); ``lora`` =
+    (U (..., R), Bg (F, R), Bu (F, R)) or None. Returns x's dtype."""
+    cdt = _compute_dtype(x.dtype, compute_dtype)
+    xc = x.to(cdt)
+    gate = F.linear(xc, w_gate.to(cdt), _cast(b_gate, cdt))
+    up = F.linear(xc, w_up.to(cdt), _cast(b_up, cdt))
+    if lora is not None:
+        u = lora[0].to(cdt)
+        gate, up = gate + F.linear(u, lora[1].to(cdt)), up + F.linear(u, lora[2].to(cdt))
+    gate, up = gate.to(x.dtype).to(cdt), up.to(x.dtype).to(cdt)
+    return _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

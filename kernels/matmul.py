@@ -429,13 +429,15 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 # sm_90); kept a plain i32, as the compile check builds it.
 @triton.jit(do_not_specialize=["num_progs"])
 def _gemm_kernel(
-    A, A2, B, B2, C, C2, BIAS, BIAS2, RES, AUX, AUX2, HOUT, PART, SEED,
-    M, N, K, K1, num_progs,
+    A, A2, B, B2, C, C2, BIAS, BIAS2, RES, AUX, AUX2, HOUT, PART, SEED, LA, LB, LB2,
+    M, N, K, K1, R, num_progs,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_rm, stride_rn, stride_xm, stride_p,
+    stride_lam, stride_lak, stride_lbk, stride_lbn,
     drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, ROUND_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    ROWSUM: tl.constexpr, HAS_DROPOUT: tl.constexpr, DUAL: tl.constexpr, USE_TMA: tl.constexpr, TMA_EPI: tl.constexpr,
+    ROWSUM: tl.constexpr, HAS_DROPOUT: tl.constexpr, DUAL: tl.constexpr, LORA: tl.constexpr,
+    USE_TMA: tl.constexpr, TMA_EPI: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
@@ -446,7 +448,9 @@ def _gemm_kernel(
     the tiles (persistent when fewer than the tiles).
 
     Shapes: A (M, K1), B (K1, N) and, DUAL == 2, A2 (M, K - K1), B2 (K - K1, N); DUAL == 1:
-    B2 (K, N) into the second accumulator. C, C2, AUX, AUX2, RES (M, N), C/AUX/AUX2 with unit
+    B2 (K, N) into the second accumulator. LORA: a low-rank pair continuing the reduction
+    before the epilogue, ``+ LA @ LB`` with LA (M, R), LB (R, N) (and ``LA @ LB2`` into the
+    second accumulator when DUAL == 1), laid out as A and B (A_T, B_T) with strides of their own. C, C2, AUX, AUX2, RES (M, N), C/AUX/AUX2 with unit
     column stride (C2/AUX2: SwiGLU's up half, the row strides of C/AUX); HOUT (M, N)
     contiguous; PART: fp32 bias-gradient partials (``HAS_DBIAS``: (cdiv(M, PARTIAL_ROWS), N or
     2N); ``ROWSUM``: (cdiv(K, PARTIAL_ROWS), M)), row stride stride_p. See the module doc.
@@ -469,6 +473,12 @@ def _gemm_kernel(
         if DUAL == 2:
             a2_desc = _operand_desc(A2, M, K - K1, stride_am, stride_ak, A_T, BLOCK_M, BLOCK_K)
             b2_desc = _operand_desc(B2, K - K1, N, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+        if LORA:
+            la_desc = _operand_desc(LA, M, R, stride_lam, stride_lak, A_T, BLOCK_M, BLOCK_K)
+            lb_desc = _operand_desc(LB, R, N, stride_lbk, stride_lbn, B_T, BLOCK_K, BLOCK_N)
+            lb2_desc = lb_desc
+            if DUAL == 1:
+                lb2_desc = _operand_desc(LB2, R, N, stride_lbk, stride_lbn, B_T, BLOCK_K, BLOCK_N)
 
     # The epilogue's slices: with dropout 32 columns (half of one Philox call's 64 columns:
     # its words and mask stay live beside the slice), else EPI_SPLIT of the tile.
@@ -515,6 +525,9 @@ def _gemm_kernel(
             if DUAL == 2:
                 acc, acc2 = _loop_tma(acc, acc2, a2_desc, b2_desc, b2_desc, row0, col0, K - K1, A_T,
                                       B_T, False, BLOCK_K, PRECISION, INTERPRET)
+            if LORA:
+                acc, acc2 = _loop_tma(acc, acc2, la_desc, lb_desc, lb2_desc, row0, col0, R, A_T, B_T,
+                                      DUAL_N, BLOCK_K, PRECISION, INTERPRET)
         else:
             acc, acc2 = _loop_ptr(acc, acc2, A, B, B2, row0, col0, M, N, k_main, stride_am, stride_ak,
                                   stride_bk, stride_bn, DUAL_N, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -523,6 +536,10 @@ def _gemm_kernel(
                 acc, acc2 = _loop_ptr(acc, acc2, A2, B2, B2, row0, col0, M, N, K - K1, stride_am,
                                       stride_ak, stride_bk, stride_bn, False, EVEN_K, BLOCK_M, BLOCK_N,
                                       BLOCK_K, PRECISION, INTERPRET)
+            if LORA:  # R is padded to 16, not to BLOCK_K: masked K
+                acc, acc2 = _loop_ptr(acc, acc2, LA, LB, LB2, row0, col0, M, N, R, stride_lam, stride_lak,
+                                      stride_lbk, stride_lbn, DUAL_N, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      PRECISION, INTERPRET)
 
         # ---- epilogue, on the fp32 tile in registers ----------------------------------------
         tile_c += num_progs
@@ -577,8 +594,8 @@ def _gemm_kernel(
 
 @triton.jit
 def _act_grad_kernel(
-    G, PRE, DPRE, PART, SEED,
-    M, N, stride_gm, stride_gn, stride_pm, stride_pn, drop_thresh, drop_scale,
+    G, PRE, PRE2, DPRE, DPRE2, PART, SEED,
+    M, N, stride_gm, stride_gn, stride_pm, stride_pn, stride_dm, drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, STORE_DPRE: tl.constexpr, HAS_DBIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -586,6 +603,11 @@ def _act_grad_kernel(
     epilogue's regenerated dropout mask, only with ``HAS_DROPOUT``); PART row pid_m gets its
     column sums. With ``ACTIVATION == 0`` and ``STORE_DPRE`` off this is the bias gradient of
     G alone. BLOCK_M equals PARTIAL_ROWS, so PART has the GEMM epilogue's layout.
+
+    SwiGLU (``ACTIVATION == 4``; G the gradient of silu(gate) * up): PRE and PRE2 are the gate
+    and up pre-activations (PRE's strides), DPRE and DPRE2 get dGate and dUp (row stride
+    stride_dm, as dPre: the halves of one (M, 2N) buffer), PART
+    (cdiv(M, BLOCK_M), 2N) their column sums side by side, as the GEMM epilogue lays them out.
     """
     pid_m = tl.program_id(0)
     c64 = tl.program_id(1) * 64
@@ -594,7 +616,14 @@ def _act_grad_kernel(
     mask_m = rm < M - row0
     G += row0 * stride_gm
     PRE += row0 * stride_pm
-    DPRE += row0 * N
+    PRE2 += row0 * stride_pm
+    DPRE += row0 * stride_dm
+    DPRE2 += row0 * stride_dm
+    FAST: tl.constexpr = DPRE.dtype.element_ty != tl.float32
+    if ACTIVATION == 4:
+        PART_W = 2 * N
+    else:
+        PART_W = N
     if HAS_DROPOUT:
         words = _drop_words(tl.load(SEED), row0 + rm, c64)
     for j in tl.static_range(4):
@@ -603,14 +632,25 @@ def _act_grad_kernel(
         d = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
             d = tl.where(_keep(words[j], drop_thresh), d * drop_scale, 0.0)
-        if ACTIVATION != 0:
-            pre = tl.load(PRE + rm[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
-            d = d * _act_grad(pre.to(tl.float32), ACTIVATION, DPRE.dtype.element_ty != tl.float32)[0]
+        offs = rm[:, None] * stride_pm + rn[None, :] * stride_pn
+        if ACTIVATION == 4:
+            g = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(PRE2 + offs, mask=mask, other=0.0).to(tl.float32)
+            sg = _sigmoid(g, FAST)
+            du = d * g * sg
+            d = d * u * (sg * (1.0 + g * (1.0 - sg)))
+            tl.store(DPRE2 + rm[:, None] * stride_dm + rn[None, :], common.cast(du, DPRE2.dtype.element_ty,
+                                                                                  INTERPRET), mask=mask)
+            if HAS_DBIAS:
+                tl.store(PART + pid_m.to(tl.int64) * PART_W + N + rn, tl.sum(du, axis=0), mask=rn < N)
+        elif ACTIVATION != 0:
+            pre = tl.load(PRE + offs, mask=mask, other=0.0)
+            d = d * _act_grad(pre.to(tl.float32), ACTIVATION, FAST)[0]
         if STORE_DPRE:
-            tl.store(DPRE + rm[:, None] * N + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
+            tl.store(DPRE + rm[:, None] * stride_dm + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
                      mask=mask)
         if HAS_DBIAS:
-            tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(d, axis=0), mask=rn < N)
+            tl.store(PART + pid_m.to(tl.int64) * PART_W + rn, tl.sum(d, axis=0), mask=rn < N)
 
 
 @triton.jit
@@ -795,13 +835,19 @@ def _heavy(act_grad, activation, dropout):
     return dropout or act_grad and activation == SWIGLU
 
 
+def _lora_configs(arch, dual_n, n):
+    """The indices in a table of n configs a LoRA launch may take (see _LORA_VARIANTS)."""
+    return (n - 1,) if arch == 80 and dual_n else (0, n - 1)
+
+
 def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True, simple=False,
-                outputs=1, ws=False):
+                outputs=1, ws=False, lora=False):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
     for N <= 128. Tables end with their smallest tile, the fallback. ``simple``: the epilogue's
     slices (_epi_split); ``outputs``: its TMA stores per slice; ``ws``: the launch may run the
-    warp-specialized candidates (second and on, after the table's first).
+    warp-specialized candidates (second and on, after the table's first); ``lora``: a LoRA
+    launch, which takes the table's first and last configs only (what the compile check builds).
 
     sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
     run their own tile (_FALLBACK_90_CFGS), TMA loads with pointer stores the table's
@@ -822,7 +868,8 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
     def sized(c):
         return not (M <= 64 and c[0] > 64) and not (N <= 128 and c[1] > 128)
 
-    usable = [i for i, c in enumerate(raw) if (not heavy or _light(c)) and fits(c)] or [len(raw) - 1]
+    usable = [i for i, c in enumerate(raw) if (not heavy or _light(c)) and fits(c)
+              and (not lora or i in _lora_configs(arch, dual_n, len(raw)))] or [len(raw) - 1]
     chosen = [table[i] for i in ([i for i in usable if sized(raw[i])] or usable[-1:])]
     if ws and (arch, kind) in WS_CONFIGS:
         chosen[1:1] = [cfg for c, cfg in zip(WS_CONFIGS[(arch, kind)], _WS_TABLES[kind]) if fits(c) and sized(c)]
@@ -856,6 +903,15 @@ def _rows_ok(t):
     return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
+def _laid_out(t, transposed):
+    """``t`` (2-D) stored as a descriptor reads it: its first stride 1 when ``transposed``,
+    else its second; 16-byte aligned. A copy where it is not (the small LoRA operands)."""
+    ok, t_t = _desc_ok(t)
+    if ok and t_t == transposed:
+        return t
+    return t.t().contiguous().t() if transposed else t.contiguous()
+
+
 def drop_params(dropout_p):
     """The kernels' dropout arguments: the 31-bit keep threshold and the 1 / (1 - p) scale."""
     return min(int(dropout_p * 2.0**31), 2**31 - 1), 1.0 / (1.0 - dropout_p)
@@ -871,8 +927,12 @@ def _has_dropout(seed, dropout_p):
 
 def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=None, aux=None,
          aux2=None, hout=None, part=None, seed=None, dropout_p=0.0, activation=0, act_grad=False,
-         store_pre=False, round_pre=False, rowsum=False):
+         store_pre=False, round_pre=False, rowsum=False, lora_a=None, lora_b=None, lora_b2=None):
     """Launch ``c = epilogue(a @ b)``; see ``_gemm_kernel`` for the roles of the arguments.
+
+    ``lora_a`` (M, R) with ``lora_b`` (R, N) (and ``lora_b2`` for SwiGLU's up half): a LoRA
+    update ``lora_a @ lora_b`` joining the reduction before the epilogue (R a multiple of 16;
+    laid out as a and b here, copies of these small operands where they are not).
 
     ``b2`` with ``a2``: the dual-K product ``a @ b + a2 @ b2``; ``b2`` alone: SwiGLU's up
     projection (``activation == SWIGLU``, forward). Strides: a, b, a2, b2, residual any
@@ -896,6 +956,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     if dual == 2 and a2.stride() != a.stride():
         a, a2 = a.contiguous(), a2.contiguous()
     has_dropout = _has_dropout(seed, dropout_p)
+    lora = lora_a is not None
+    R = lora_a.shape[1] if lora else 0
     strides = (*a.stride(), *b.stride(), *(residual.stride() if residual is not None else (0, 0)))
     if max(max(strides), -min(strides), c.stride(0)) >= 2**31 // 256:
         raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
@@ -914,12 +976,17 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             ok_a2, a2_t = _desc_ok(a2) if a2 is not None else (True, a_t)
             ok_b2, b2_t = _desc_ok(b2)
             use_tma = use_tma and ok_a2 and ok_b2 and a2_t == a_t and b2_t == b_t
+        if lora and use_tma:  # the low-rank pair in a's and b's layouts, for descriptors
+            lora_a = _laid_out(lora_a, a_t)
+            lora_b, lora_b2 = _laid_out(lora_b, b_t), None if lora_b2 is None else _laid_out(lora_b2, b_t)
         epi = [c] + [t for t in (c2, aux, aux2, residual, hout) if t is not None]
         tma_epi = all(_rows_ok(t) for t in epi)
         if FORCE_PATH == "tma" and not (use_tma and tma_epi):
             raise ValueError("matmul: FORCE_PATH='tma' with operands a descriptor cannot read")
+    if lora and lora_b2 is not None and lora_b2.stride() != lora_b.stride():
+        lora_b, lora_b2 = lora_b.contiguous(), lora_b2.contiguous()
     flags = (activation, act_grad, bias is not None, residual is not None, store_pre, round_pre, hout is not None,
-             part is not None and act_grad, rowsum, has_dropout, dual, use_tma, tma_epi, a_t, b_t)
+             part is not None and act_grad, rowsum, has_dropout, dual, lora, use_tma, tma_epi, a_t, b_t)
     key = (arch, a.dtype, c.dtype, precision, min(common.next_pow2(M), 65536),
            N, K, flags)
     drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
@@ -929,14 +996,16 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             residual if residual is not None else dummy, aux if aux is not None else dummy,
             aux2 if aux2 is not None else dummy, hout if hout is not None else dummy,
             part if part is not None else dummy, seed if has_dropout else dummy,
-            M, N, K, K1)
+            lora_a if lora else a, lora_b if lora else b, lora_b2 if lora_b2 is not None else (lora_b if lora else b),
+            M, N, K, K1, R)
     tail = (strides[0], strides[1], strides[2], strides[3], c.stride(0), strides[4], strides[5],
             aux.stride(0) if aux is not None else 0, part.stride(0) if part is not None else 0,
+            *(lora_a.stride() if lora else (0, 0)), *(lora_b.stride() if lora else (0, 0)),
             drop_thresh, drop_scale)
     constexprs = dict(
         ACTIVATION=activation, ACT_GRAD=act_grad, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, ROUND_PRE=round_pre, STORE_H=hout is not None,
-        HAS_DBIAS=part is not None and act_grad, ROWSUM=rowsum, HAS_DROPOUT=has_dropout, DUAL=dual,
+        HAS_DBIAS=part is not None and act_grad, ROWSUM=rowsum, HAS_DROPOUT=has_dropout, DUAL=dual, LORA=lora,
         USE_TMA=use_tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
         PRECISION=precision, INTERPRET=arch == 0)
     n_sm = common.sm_count(device)
@@ -949,8 +1018,10 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             progs = tiles
         else:  # persistent; tiles below 128x128 fit two programs per SM
             progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-        # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul).
-        flatten = arch == 90 and use_tma and dual != 2 and not rowsum and not cfg["WARP_SPECIALIZE"]
+        # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul); a
+        # second K loop (dual-K, LoRA) keeps it unflattened too.
+        flatten = (arch == 90 and use_tma and dual != 2 and not lora and not rowsum
+                   and not cfg["WARP_SPECIALIZE"])
         even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
         even_mn = M % bm == 0 and N % bn == 0
         common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
@@ -959,7 +1030,7 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     if use_tma or tma_epi:
         triton.set_allocator(_alloc)
     simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
-    ws = _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+    ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
     if arch == 0:
         run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws))
         return
@@ -968,33 +1039,40 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         heavy = _heavy(act_grad, activation, has_dropout)
         outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
         cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
-                                          use_tma, tma_epi, simple, outputs, ws), run)
+                                          use_tma, tma_epi, simple, outputs, ws, lora), run)
     run(cfg)
 
 
-def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0):
+def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None):
     """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its fp32
     partial column sums (cdiv(M, PARTIAL_ROWS), N). The keep factor (``dropout_p > 0``) is
-    the mask the GEMM epilogue drew from ``seed``.
+    the mask the GEMM epilogue drew from ``seed``. SwiGLU (``activation == SWIGLU``): ``pre``
+    and ``pre2`` are the gate and up pre-activations (same strides); returns dGate and dUp
+    side by side, (M, 2N), with (cdiv(M, PARTIAL_ROWS), 2N) partials.
 
     g and pre (M, N), any strides (pre unused when ``activation`` is 0). Returns ``(dpre,
     part)``: dpre contiguous in g's dtype (None unless ``store_dpre``), part or None.
     """
     M, N = g.shape
-    dpre = common.empty((M, N), g.dtype, g.device) if store_dpre else None
-    part = common.empty((common.cdiv(M, PARTIAL_ROWS), N), torch.float32, g.device) if dbias else None
+    swiglu = activation == SWIGLU
+    width = 2 * N if swiglu else N
+    dpre = common.empty((M, width), g.dtype, g.device) if store_dpre or swiglu else None
+    part = common.empty((common.cdiv(M, PARTIAL_ROWS), width), torch.float32, g.device) if dbias else None
     if M == 0 or N == 0:
         return dpre, part
     pre_t = pre if pre is not None else g
     has_dropout = _has_dropout(seed, dropout_p)
     drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
     grid = (common.cdiv(M, ACT_GRAD_BLOCK_M), common.cdiv(N, 64))
+    out = dpre if dpre is not None else g
+    # dGate and dUp: the halves of one (M, 2N) buffer, each read as (M, N) with row stride 2N.
+    d1, d2 = (out[:, :N], out[:, N:]) if swiglu else (out, out)
     common.launch("act_grad", _act_grad_kernel, grid,
-                  (g, pre_t, dpre if dpre is not None else g, part if part is not None else g,
+                  (g, pre_t, pre2 if swiglu else pre_t, d1, d2, part if part is not None else g,
                    seed if has_dropout else g, M, N, g.stride(0), g.stride(1), pre_t.stride(0),
-                   pre_t.stride(1), drop_thresh, drop_scale),
-                  dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=has_dropout,
-                       BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=common.arch(g.device) == 0),
+                   pre_t.stride(1), width, drop_thresh, drop_scale),
+                  dict(ACTIVATION=activation, STORE_DPRE=store_dpre or swiglu, HAS_DBIAS=dbias,
+                       HAS_DROPOUT=has_dropout, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=common.arch(g.device) == 0),
                   _ELEMENTWISE)
     return dpre, part
 
@@ -1045,7 +1123,8 @@ _LAYOUTS = {"NT": (("stride_ak", "stride_bk"), (False, True)),
             "NN": (("stride_ak", "stride_bn"), (False, False)),
             "TN": (("stride_am", "stride_bn"), (True, False))}
 _NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=False, STORE_PRE=False,
-                 ROUND_PRE=False, STORE_H=False, HAS_DBIAS=False, ROWSUM=False, HAS_DROPOUT=False, DUAL=0)
+                 ROUND_PRE=False, STORE_H=False, HAS_DBIAS=False, ROWSUM=False, HAS_DROPOUT=False, DUAL=0,
+                 LORA=False)
 # name -> (layout, flags): the fused variants the layers launch, each the heaviest of its
 # family (a variant without dropout or without an output has fewer live registers).
 _VARIANTS = {
@@ -1068,6 +1147,13 @@ _VARIANTS = {
     "dgrad_dual": ("NN", dict(DUAL=2)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                HAS_DROPOUT=True)),
+    # PEFT LoRA's low-rank pair as a second K loop (forwards only: the backward's dU and dB are
+    # plain GEMMs).
+    "fwd_lora": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, LORA=True)),
+    "fwd_drop_lora": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, HAS_DROPOUT=True,
+                                 LORA=True)),
+    "swiglu_drop_lora": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
+                                    HAS_DROPOUT=True, LORA=True)),
 }
 # Per table kind (dtype class, dual): the variants compiled for every config of the table.
 # Heavy variants (see _heavy) are compiled, like launched, only on light configs.
@@ -1079,6 +1165,11 @@ _TABLE_VARIANTS = {
     ("ieee", False): ("fwd_drop", "dact_drop"),
     ("ieee", True): ("swiglu_drop",),
 }
+# LoRA launches choose among a table's first and last configs only (_candidates): the proven
+# tile and the fallback, so the compile check builds its variants for those two; sm_80's
+# SwiGLU + LoRA the last one only (the first, 128x128x32 with dropout, spilled 16 B).
+_LORA_VARIANTS = {(kind, dual): (("swiglu_drop_lora",) if dual else ("fwd_lora", "fwd_drop_lora"))
+                  for kind, dual in _TABLE_VARIANTS}
 
 
 def _even_mn_matters(flags, tma_epi):
@@ -1099,11 +1190,15 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, ev
     tma = tma and arch == 90
     dtype = {"16": "bf16", "tf32": "fp32", "ieee": "fp32"}[kind]
     ptr = f"*{dtype}"
-    sig = {name: ptr for name in ("A", "A2", "B", "B2", "C", "C2", "BIAS", "BIAS2", "RES", "AUX", "AUX2", "HOUT")}
-    sig.update(PART="*fp32", SEED="*i64", M="i32", N="i32", K="i32", K1="i32", num_progs="i32")
+    sig = {name: ptr for name in ("A", "A2", "B", "B2", "C", "C2", "BIAS", "BIAS2", "RES", "AUX", "AUX2", "HOUT",
+                                  "LA", "LB", "LB2")}
+    sig.update(PART="*fp32", SEED="*i64", M="i32", N="i32", K="i32", K1="i32", R="i32", num_progs="i32")
     constexprs = {}
+    lora_ones = {"stride_am": "stride_lam", "stride_ak": "stride_lak", "stride_bk": "stride_lbk",
+                 "stride_bn": "stride_lbn"}  # LA and LB are laid out as A and B
+    ones = tuple(ones) + tuple(lora_ones[o] for o in ones if o in lora_ones and flags.get("LORA", False))
     for s in ("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_rm", "stride_rn",
-              "stride_xm", "stride_p"):
+              "stride_xm", "stride_p", "stride_lam", "stride_lak", "stride_lbk", "stride_lbn"):
         if s in ones or s == "stride_rn":
             sig[s], constexprs[s] = "constexpr", 1
         else:
@@ -1117,7 +1212,8 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, ev
     constexprs.update(USE_TMA=tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
-                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False) and not ws,
+                      FLATTEN=(arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False) and not ws
+                               and not flags.get("LORA", False)),
                       WARP_SPECIALIZE=ws, INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
@@ -1153,14 +1249,17 @@ def aot_specs():
             return
         tma = kw.get("tma", True) and arch == 90
         tma_epi = kw.get("tma_epi", tma) and tma
-        for even_mn in (False, True) if _even_mn_matters(flags, tma_epi) else (False,):
+        # LoRA variants: masked edges only (whole tiles only drop masks; the non-LoRA variants
+        # build EVEN_MN on every config).
+        both = _even_mn_matters(flags, tma_epi) and not flags.get("LORA", False)
+        for even_mn in (False, True) if both else (False,):
             specs.append(_gemm_spec(arch, kind, cfg, variant, even_mn=even_mn, **kw))
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
         variants = _TABLE_VARIANTS[(kind, dual)]
-        for cfg in cfgs:
-            for v in variants:
+        for i, cfg in enumerate(cfgs):
+            for v in variants + (_LORA_VARIANTS[(kind, dual)] if i in _lora_configs(arch, dual, len(cfgs)) else ()):
                 add(arch, kind, cfg, v)
             if kind == "16" and not dual and arch == 80:
                 # Pointer loads with a masked K loop (sm_80's path for K not a multiple of BLOCK_K).
@@ -1172,10 +1271,11 @@ def aot_specs():
                     add(arch, kind, cfg, v)
         if arch == 90:
             smallest = cfgs[-1]
-            for v in variants + (("fwd",) if kind == "16" and not dual else ()):
+            lora = _LORA_VARIANTS[(kind, dual)]
+            for v in variants + lora + (("fwd",) if kind == "16" and not dual else ()):
                 add(arch, kind, smallest, v, tma_epi=False, unaligned=_EPI_UNALIGNED)
             if kind != "16":
-                for v in variants:
+                for v in variants + lora:
                     add(arch, kind, _FALLBACK_90_CFGS[kind], v, tma=False, even_k=False, unaligned="all")
     # The warp-specialized candidates with the variants they run (_ws_eligible): the simple
     # epilogues on one K loop, i.e. the bias + GELU forwards, the input gradient, the weight
@@ -1187,20 +1287,23 @@ def aot_specs():
     # sm_90's 16-bit pointer fallback: every 16-bit variant and the plain weight gradient (dW =
     # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
     # aligned sizes (FORCE_PATH, an empty first K part).
-    for variant in _TABLE_VARIANTS[("16", False)] + ("fwd", "wgrad", "swiglu_drop"):
+    for variant in (_TABLE_VARIANTS[("16", False)] + _LORA_VARIANTS[("16", False)]
+                    + ("fwd", "wgrad", "swiglu_drop", "swiglu_drop_lora")):
         add(90, "16", _FALLBACK_90_CFGS["16"], variant, tma=False, even_k=False, unaligned="all")
     add(90, "16", _FALLBACK_90_CFGS["16"], "fwd", tma=False, even_k=False)
-    for act, drop in ((2, False), (2, True), (0, True)):
+    for act, drop in ((2, False), (2, True), (0, True), (SWIGLU, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
-            signature={"G": "*bf16", "PRE": "*bf16", "DPRE": "*bf16", "PART": "*fp32", "SEED": "*i64",
+            signature={"G": "*bf16", "PRE": "*bf16", "PRE2": "*bf16", "DPRE": "*bf16", "DPRE2": "*bf16",
+                       "PART": "*fp32", "SEED": "*i64",
                        "M": "i32", "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr",
-                       "stride_pm": "i32", "stride_pn": "constexpr", "drop_thresh": "i32", "drop_scale": "fp32",
+                       "stride_pm": "i32", "stride_pn": "constexpr", "stride_dm": "i32", "drop_thresh": "i32",
+                       "drop_scale": "fp32",
                        "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr", "HAS_DBIAS": "constexpr",
                        "HAS_DROPOUT": "constexpr", "BLOCK_M": "constexpr", "INTERPRET": "constexpr"},
             constexprs=dict(stride_gn=1, stride_pn=1, ACTIVATION=act, STORE_DPRE=True, HAS_DBIAS=True,
                             HAS_DROPOUT=drop, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
-            num_warps=4, aligned=("N", "stride_gm", "stride_pm")))
+            num_warps=4, aligned=("N", "stride_gm", "stride_pm", "stride_dm")))
     specs.append(aot.KernelSpec(
         name="bias_grad_reduce", fn=_reduce_kernel,
         signature={"P1": "*fp32", "O1": "*bf16", "R1": "i32", "N1": "i32", "P2": "*fp32", "O2": "*bf16",
