@@ -42,6 +42,8 @@ accumulation, and constexpr switches for everything else:
   computes every product exactly in fp32.
 - Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -1002,45 +1004,79 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             aux.stride(0) if aux is not None else 0, part.stride(0) if part is not None else 0,
             *(lora_a.stride() if lora else (0, 0)), *(lora_b.stride() if lora else (0, 0)),
             drop_thresh, drop_scale)
-    constexprs = dict(
-        ACTIVATION=activation, ACT_GRAD=act_grad, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, ROUND_PRE=round_pre, STORE_H=hout is not None,
-        HAS_DBIAS=part is not None and act_grad, ROWSUM=rowsum, HAS_DROPOUT=has_dropout, DUAL=dual, LORA=lora,
-        USE_TMA=use_tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
-        PRECISION=precision, INTERPRET=arch == 0)
     n_sm = common.sm_count(device)
-    k_parts = (K1, K - K1) if dual == 2 else (K,)
-
-    def run(cfg):
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        tiles = common.cdiv(M, bm) * common.cdiv(N, bn)
-        if arch == 80:
-            progs = tiles
-        else:  # persistent; tiles below 128x128 fit two programs per SM
-            progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-        # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul); a
-        # second K loop (dual-K, LoRA) keeps it unflattened too.
-        flatten = (arch == 90 and use_tma and dual != 2 and not lora and not rowsum
-                   and not cfg["WARP_SPECIALIZE"])
-        even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
-        even_mn = M % bm == 0 and N % bn == 0
-        common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
-                      dict(constexprs, EVEN_K=even_k, EVEN_MN=even_mn, FLATTEN=flatten), cfg)
-
     if use_tma or tma_epi:
-        triton.set_allocator(_alloc)
-    simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
-    ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+        _set_allocator()
     if arch == 0:
-        run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws))
+        simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+        _run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws), key, args, tail, M, N, K, K1,
+             n_sm)
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
+        simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
         heavy = _heavy(act_grad, activation, has_dropout)
         outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
         cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
-                                          use_tma, tma_epi, simple, outputs, ws, lora), run)
-    run(cfg)
+                                          use_tma, tma_epi, simple, outputs, ws, lora),
+                         lambda c: _run(c, key, args, tail, M, N, K, K1, n_sm))
+    _run(cfg, key, args, tail, M, N, K, K1, n_sm)
+
+
+def _run(cfg, key, args, tail, M, N, K, K1, n_sm):
+    """Launch ``cfg`` for the launch ``key`` describes (gemm's arguments and their tail)."""
+    arch = key[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = -(-M // bm) * -(-N // bn)
+    if arch == 80:
+        progs = tiles
+    else:  # persistent; tiles below 128x128 fit two programs per SM
+        progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
+    even_mn = M % bm == 0 and N % bn == 0
+    dual = key[-1][10]
+    even_k = K % bk == 0 and (dual != 2 or K1 % bk == 0)
+    common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
+                  _constexprs(key, cfg, even_k, even_mn), cfg)
+
+
+_CONSTEXPRS = {}
+
+
+def _constexprs(key, cfg, even_k, even_mn):
+    """The launch's constexpr dict, built once per (launch key, config, evenness)."""
+    ck = (key, cfg, even_k, even_mn)
+    out = _CONSTEXPRS.get(ck)
+    if out is None:
+        arch, precision = key[0], key[3]
+        (activation, act_grad, has_bias, has_residual, store_pre, round_pre, store_h, has_dbias, rowsum, has_dropout,
+         dual, lora, use_tma, tma_epi, a_t, b_t) = key[-1]
+        # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul); a
+        # second K loop (dual-K, LoRA) keeps it unflattened too.
+        flatten = arch == 90 and use_tma and dual != 2 and not lora and not rowsum and not cfg["WARP_SPECIALIZE"]
+        out = dict(
+            ACTIVATION=activation, ACT_GRAD=act_grad, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual,
+            STORE_PRE=store_pre, ROUND_PRE=round_pre, STORE_H=store_h, HAS_DBIAS=has_dbias, ROWSUM=rowsum,
+            HAS_DROPOUT=has_dropout, DUAL=dual, LORA=lora, USE_TMA=use_tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t,
+            GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS, PRECISION=precision, INTERPRET=arch == 0,
+            EVEN_K=use_tma or even_k,  # descriptors zero-pad: no K masks
+            EVEN_MN=even_mn, FLATTEN=flatten)
+        if len(_CONSTEXPRS) > 4096:
+            _CONSTEXPRS.clear()
+        _CONSTEXPRS[ck] = out
+    return out
+
+
+_ALLOCATOR = threading.local()
+
+
+def _set_allocator():
+    """``triton.set_allocator`` for device-side descriptors, once per thread (it is a ContextVar:
+    autograd's backward thread needs its own)."""
+    if not getattr(_ALLOCATOR, "set", False):
+        triton.set_allocator(_alloc)
+        _ALLOCATOR.set = True
 
 
 def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None):
