@@ -29,16 +29,21 @@ Kernels:
   causal diagonal or the end of the keys pay for masking, and blocks above the diagonal are
   never visited. K/V loops are software pipelined (``tl.range``, the config's stages).
   Saves only O and the fp32 natural-log LSE (B, Hq, Lq).
-- ``_attn_bwd_preprocess``: delta = rowsum(dO * O) - dLSE (fp32). The dLSE term makes the LSE
-  output differentiable: d lse_i / d s_ij = P_ij.
+- ``_attn_bwd_preprocess``: the backward's row statistics, (B * Hq, 2, Lq rounded up to
+  ``STAT_ALIGN``) fp32: LSE * log2(e) (+inf where P must be 0: rows with no visible key,
+  padding rows) and delta = rowsum(dO * O) - dLSE (0 on padding rows). The dLSE term makes
+  the LSE output differentiable: d lse_i / d s_ij = P_ij. Padded and pre-scaled, they load
+  unmasked, vectorized (TMA on Hopper) and without selects in the backward's loops.
 - ``_attn_bwd``: one kernel for dK/dV and dQ (flex_attention's split): per (batch, kv head),
   programs [0, kv_blocks) accumulate dK/dV of one key block over the group's query heads
-  and query blocks, in one flat loop over (head, block) pairs (GQA reduced in registers:
-  deterministic, no atomics); programs [kv_blocks, kv_blocks + q_blocks * group) compute dQ
-  of one query block. Causally invisible blocks are skipped and only the diagonal ones
-  masked, in both halves. Where dK's and dV's fp32 accumulators cannot share the registers
-  (``SPLIT_KV`` configs: D = 256, some fp32 and dropout classes), each key block gets a dV
-  program and a dK program (which recomputes P).
+  and query blocks, in one flat loop per mask kind over (head, block) pairs walked with
+  counters, no division per step (GQA reduced in registers: deterministic, no atomics);
+  programs [kv_blocks, kv_blocks + q_blocks * group) compute dQ of one query block.
+  Causally invisible blocks are skipped and only the diagonal ones masked, in both halves
+  (on the TMA path the partial last query block needs no mask: its rows read as zero).
+  Where dK's and dV's fp32 accumulators cannot share the registers (``SPLIT_KV`` configs:
+  D = 256, some fp32 and dropout classes), each key block gets a dV program and a dK
+  program (which recomputes P).
 - ``_dropout_keep``: keep = uniform(seed, (j, i, batch * Hq + h)) >= p: Philox counters are the
   key index, query index and flattened head, so every kernel (and ``dropout_keep_mask``, a test
   helper) regenerates the same mask without storing it.
@@ -118,7 +123,7 @@ def _desc(base, L, D, stride, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, USE_TM
 @triton.jit
 def _desc3(base, H, L, D, stride_h, stride, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
     """A (1, BLOCK, BLOCK_D) descriptor over the (H, L, D) heads of one batch at ``base`` (or
-    ``base`` on the pointer path)."""
+    ``base`` on the pointer path). The backward's statistics use it with (L, D) = (2, rows)."""
     if USE_TMA:
         return tl.make_tensor_descriptor(base, [H, L, D], [stride_h, stride, 1], [1, BLOCK, BLOCK_D])
     else:
@@ -275,11 +280,16 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
+def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS,
                          stride_ob, stride_oh, stride_om,
                          stride_dob, stride_doh, stride_dom,
-                         Hq, Lq, D, num_m_blocks,
+                         Hq, Lq, D, num_m_blocks, stride_stat,
                          HAS_DLSE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The backward's per-row statistics ``STATS`` (B * Hq, 2, stride_stat) fp32, rows padded
+    to ``stride_stat`` (a multiple of every backward query block, so the backward loads them
+    unmasked): [:, 0] = LSE * log2(e) (+inf for rows with no visible key and for padding
+    rows: P = 0 there without a select in the backward's loops), [:, 1] = delta =
+    rowsum(dO * O) - dLSE (0 for padding rows)."""
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     b = bh // Hq
@@ -297,25 +307,30 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
     row_base = bh.to(tl.int64) * Lq
     if HAS_DLSE:
         delta -= tl.load(DLSE + row_base + offs_m, mask=m_ok, other=0.0)
-    tl.store(DELTA + row_base + offs_m, delta, mask=m_ok)
+    lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    stats = STATS + bh.to(tl.int64) * (2 * stride_stat)
+    tl.store(stats + offs_m, lse2)
+    tl.store(stats + stride_stat + offs_m, delta)
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, bh, h, start_m, offs_n,
+def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, bh, h, start_m, offs_n,
                Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep,
                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
                IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """Query block [start_m, start_m + BLOCK_M) of head ``h`` (flat ``bh``): its contribution to
-    a key block's dK and dV (scores computed transposed); ``PART`` 1 / 2: only dV / only dK. ``q_desc``/``do_desc`` are (H, L, D)
-    descriptors of the batch (TMA), ``Q_b``/``DO_b`` the batch's base pointers.
+    """Query block [start_m, start_m + BLOCK_M) of head ``h`` (flat ``bh``, statistics at
+    ``stats_h``: the head's rows of STATS): its contribution to a key block's dK and dV (scores
+    computed transposed); ``PART`` 1 / 2: only dV / only dK. ``q_desc``/``do_desc`` are
+    (H, L, D) descriptors of the batch (TMA), ``Q_b``/``DO_b`` the batch's base pointers.
 
-    Keys past Lk need no mask: their rows of dK/dV are never stored. Queries past Lq get
-    LSE = +inf, hence P = 0, as do rows with no visible key (LSE = -inf).
+    Keys past Lk need no mask: their rows of dK/dV are never stored. Queries past Lq (zero
+    rows of Q and dO) and rows with no visible key have LSE * log2(e) = +inf, hence P = 0: the
+    statistics need neither masks nor selects.
     """
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < Lq
     if USE_TMA:
         q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
         do = do_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
@@ -324,9 +339,13 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, bh, h, star
                   EVEN_D, False)
         do = _load(do_desc, DO_b + h.to(tl.int64) * stride_doh, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D,
                    MASKED, EVEN_D, False)
-    row_base = bh.to(tl.int64) * Lq
-    lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if USE_TMA:
+        # One (2, BLOCK_M) tile: this block's LSE * log2(e) and delta rows.
+        lse2, delta = tl.split(tl.trans(stats_desc.load([h, 0, start_m]).reshape([2, BLOCK_M])))
+    else:
+        # A scalar address + arange: constant offsets, no 64-bit add per element.
+        stats = stats_h + start_m + tl.arange(0, BLOCK_M)
+        lse2 = tl.load(stats)
     qkT = common.dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
     pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
     if MASKED and IS_CAUSAL:
@@ -345,7 +364,8 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, bh, h, star
         dpT = common.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
         if HAS_DROPOUT:
             dpT = tl.where(keep, dpT * inv_keep, 0.0)
-        delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
+        if not USE_TMA:
+            delta = tl.load(stats + stride_stat)
         dsT = pT * (dpT - delta[None, :])
         dk = common.dot(common.cast(dsT, q.dtype, INTERPRET), q, dk, INTERPRET, PRECISION)
     return dk, dv
@@ -383,9 +403,9 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
 
 
 @triton.jit
-def _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk, start_n,
+def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, start_n,
                       stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                      stride_dkb, stride_dkh, stride_dkn,
+                      stride_dkb, stride_dkh, stride_dkn, stride_stat,
                       Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
                       IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                       USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr,
@@ -399,10 +419,11 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad
     v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # Query blocks: [m_lo, head_end) straddle the causal diagonal (masked), [head_end, mid_end)
-    # see every key of the block and are in bounds (unmasked), [mid_end, Lq) is the partial
-    # last block (masked); queries before m_lo see none of these keys. Each loop runs over
-    # (group head, query block) pairs: one flat loop, not a loop nest (fewer live registers).
+    # Query blocks: [m_lo, head_end) straddle the causal diagonal (masked), [head_end,
+    # full_end) see every key of the block (unmasked); queries before m_lo see none of these
+    # keys. The partial last block [mid_end, m_ceil) needs no mask on the TMA path (zero rows,
+    # LSE = +inf: P = 0), so full_end = m_ceil there; the pointer path masks its rows
+    # (full_end = mid_end, the block joins the masked loop).
     m_ceil = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
     m_lo = 0
     head_end = 0
@@ -410,32 +431,57 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad
         m_lo = (tl.maximum(start_n - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
         head_end = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
         head_end = tl.minimum(tl.maximum(head_end, m_lo), m_ceil)
-    mid_end = tl.maximum(head_end, (Lq // BLOCK_M) * BLOCK_M)
+    if USE_TMA:
+        full_end = m_ceil
+    else:
+        full_end = tl.maximum(head_end, (Lq // BLOCK_M) * BLOCK_M)
     n_head = (head_end - m_lo) // BLOCK_M
-    n_masked = n_head + (m_ceil - mid_end) // BLOCK_M
-    n_full = (mid_end - head_end) // BLOCK_M
+    n_full = (full_end - head_end) // BLOCK_M
     Q_b = Q + b.to(tl.int64) * stride_qb
     DO_b = DO + b.to(tl.int64) * stride_dob
     q_desc = _desc3(Q_b, Hq, Lq, D, stride_qh, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
     do_desc = _desc3(DO_b, Hq, Lq, D, stride_doh, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
+    stats_desc = _desc3(STATS + (b * Hq).to(tl.int64) * (2 * stride_stat), Hq, 2, stride_stat, 2 * stride_stat,
+                        stride_stat, 2, BLOCK_M, USE_TMA)
+    # Each loop walks the (group head, query block) pairs with counters (no division per
+    # step): the block advances, and past its segment's end moves on to the next segment or
+    # wraps to the next head. One flat loop, not a nest: the pipeline runs across heads.
+    # The unmasked loop comes first (ptxas allocates the first loop's registers better).
     h0 = hk * GROUPS
-    for it in tl.range(0, GROUPS * n_masked):
-        i = it % n_masked
-        h = h0 + it // n_masked
-        start_m = tl.where(i < n_head, m_lo + i * BLOCK_M, mid_end + (i - n_head) * BLOCK_M)
-        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, b * Hq + h, h, start_m, offs_n,
-                            Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p,
-                            inv_keep, True, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N,
-                            BLOCK_D,
-                            INTERPRET)
-    for it in tl.range(0, GROUPS * n_full):
-        h = h0 + it // n_full
-        start_m = head_end + (it % n_full) * BLOCK_M
-        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, LSE, DELTA, b * Hq + h, h, start_m, offs_n,
-                            Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p,
-                            inv_keep, False, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N,
-                            BLOCK_D,
-                            INTERPRET)
+    stats0 = STATS + (b * Hq + h0).to(tl.int64) * (2 * stride_stat)  # the group's first head
+    h = h0
+    stats_h = stats0
+    start_m = head_end
+    for _ in tl.range(0, GROUPS * n_full):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, b * Hq + h,
+                            h, start_m, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale,
+                            seed, dropout_p, inv_keep, False, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, PART,
+                            BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+        start_m += BLOCK_M
+        wrap = start_m >= full_end
+        start_m = tl.where(wrap, head_end, start_m)
+        h += wrap.to(tl.int32)
+        stats_h += tl.where(wrap, 2 * stride_stat, 0)
+    if IS_CAUSAL or not USE_TMA:
+        # The masked blocks of each head: [m_lo, head_end), then [full_end, m_ceil).
+        n_masked = n_head + (m_ceil - full_end) // BLOCK_M
+        first = tl.where(n_head > 0, m_lo, full_end)
+        h = h0
+        stats_h = stats0
+        start_m = first
+        for _ in tl.range(0, GROUPS * n_masked):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat,
+                                b * Hq + h, h, start_m, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh,
+                                stride_dom, qk_scale, seed, dropout_p, inv_keep, True, IS_CAUSAL, HAS_DROPOUT,
+                                USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+            start_m += BLOCK_M
+            start_m = tl.where(start_m == head_end, full_end, start_m)
+            wrap = start_m >= m_ceil
+            start_m = tl.where(wrap, first, start_m)
+            h += wrap.to(tl.int32)
+            stats_h += tl.where(wrap, 2 * stride_stat, 0)
     dk = dk * scale
     if HAS_PAD:
         # A padded key is invisible to every query: its dK and dV are exactly 0.
@@ -455,9 +501,9 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad
 
 
 @triton.jit
-def _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, h, start_m,
+def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m,
                     stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                    stride_dqb, stride_dqh, stride_dqm,
+                    stride_dqb, stride_dqh, stride_dqm, stride_stat,
                     Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
                     IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -465,7 +511,6 @@ def _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, h, start
     """dQ of queries [start_m, start_m + BLOCK_M) of head ``h``."""
     bh = b * Hq + h
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < Lq
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
     dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
@@ -475,9 +520,9 @@ def _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, h, start
     v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
     q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
     do = _load(do_desc, do_base, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
-    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=m_ok, other=0.0)
+    stats = STATS + bh.to(tl.int64) * (2 * stride_stat) + start_m
+    lse2 = tl.load(stats + tl.arange(0, BLOCK_M))
+    delta = tl.load(stats + stride_stat + tl.arange(0, BLOCK_M))
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, hi = _causal_ranges(start_m, Lq, Lk, BLOCK_N, BLOCK_M, IS_CAUSAL)
     for start_n in tl.range(0, full_end, BLOCK_N):
@@ -496,14 +541,14 @@ def _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, h, start
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, MASK, SEED,
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
               stride_dob, stride_doh, stride_dom,
               stride_dqb, stride_dqh, stride_dqm,
               stride_dkb, stride_dkh, stride_dkn,
-              stride_mb,
+              stride_mb, stride_stat,
               Hq, Hkv, GROUPS, Lq, Lk, D,
               scale, dropout_p,
               IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -535,42 +580,42 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, MASK, SEED,
         # dK and dV accumulators do not fit in registers together: a dV program and a dK
         # program per key block (the dK one recomputes P).
         if r < num_n_blocks:
-            _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
                               stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                              stride_dom, stride_dkb, stride_dkh, stride_dkn,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                               Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
                               IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D, BLOCK_M1, BLOCK_N1,
                               INTERPRET)
         elif r < 2 * num_n_blocks:
-            _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk,
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk,
                               (r - num_n_blocks) * BLOCK_N1,
                               stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                              stride_dom, stride_dkb, stride_dkh, stride_dkn,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                               Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
                               IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D, BLOCK_M1, BLOCK_N1,
                               INTERPRET)
         else:
             r2 = r - 2 * num_n_blocks
-            _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+            _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
                             (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2,
                             stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                            stride_dqb, stride_dqh, stride_dqm,
+                            stride_dqb, stride_dqh, stride_dqm, stride_stat,
                             Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
                             IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2, BLOCK_N2,
                             INTERPRET)
     elif r < num_n_blocks:
-        _bwd_dkdv_program(Q, K, V, DO, DK, DV, LSE, DELTA, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
+        _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
                           stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                          stride_dkb, stride_dkh, stride_dkn,
+                          stride_dkb, stride_dkh, stride_dkn, stride_stat,
                           Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
                           IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D, BLOCK_M1, BLOCK_N1,
                           INTERPRET)
     else:
         r2 = r - num_n_blocks
-        _bwd_dq_program(Q, DO, DQ, LSE, DELTA, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+        _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
                         (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2,
                         stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                        stride_dqb, stride_dqh, stride_dqm,
+                        stride_dqb, stride_dqh, stride_dqm, stride_stat,
                         Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
                         IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2, BLOCK_N2,
                         INTERPRET)
@@ -701,6 +746,9 @@ del F, B
 INTERPRET_FWD = _fwd_cfg(64, 32, 1, 1)
 INTERPRET_BWD = _bwd_cfg(32, 64, 64, 32, 1, 1)
 PRE_BLOCK_M = 64
+# The backward's row statistics (STATS) are padded to a multiple of this: every query
+# block of the backward tables (BLOCK_M1, BLOCK_M2) and PRE_BLOCK_M divide it.
+STAT_ALIGN = 128
 MAX_FP32_BLOCK_D = 128  # fp32 tiles are twice as wide; wider fp32 heads are refused upstream
 
 
@@ -850,13 +898,16 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         return
     arch = common.arch(q.device)
     block_d = _block_d(D)
-    delta = common.empty((B, Hq, Lq), torch.float32, q.device)
-    n_pre = common.cdiv(Lq, PRE_BLOCK_M)
+    # Row statistics padded to a multiple of every backward query block (unmasked loads).
+    stride_stat = common.cdiv(Lq, STAT_ALIGN) * STAT_ALIGN
+    stats = common.empty((B * Hq, 2, stride_stat), torch.float32, q.device)
+    n_pre = stride_stat // PRE_BLOCK_M
     so, sdo = _strides(out), _strides(do)
     if dlse is not None and not dlse.is_contiguous():
         dlse = dlse.contiguous()  # e.g. the expanded gradient of lse.sum()
     common.launch("attention_bwd_preprocess", _attn_bwd_preprocess, (_grid_size(n_pre * B * Hq),),
-                  (out, do, dlse if dlse is not None else lse, delta, *so, *sdo, Hq, Lq, D, n_pre),
+                  (out, do, lse, dlse if dlse is not None else lse, stats, *so, *sdo, Hq, Lq, D, n_pre,
+                   stride_stat),
                   dict(HAS_DLSE=dlse is not None, BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M),
                   common.Config.of(num_warps=4))
 
@@ -866,8 +917,9 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     dropout = dropout_p > 0.0
     mask, stride_mb = _mask_arg(key_padding_mask, q)
     groups = Hq // Hkv
-    args = (q, k, v, do, dq, dk, dv, lse, delta, mask, seed if dropout else q,
-            *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, Hq, Hkv, groups, Lq, Lk, D, float(scale), float(dropout_p))
+    args = (q, k, v, do, dq, dk, dv, stats, mask, seed if dropout else q,
+            *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, Hq, Hkv, groups, Lq, Lk, D, float(scale),
+            float(dropout_p))
     constexprs = dict(IS_CAUSAL=bool(causal), HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout,
                       USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
                       INTERPRET=arch == 0)
@@ -923,7 +975,7 @@ def _aligned_args(fn):
 
 def _data_ptrs(fn, dt):
     ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") if p in fn.arg_names}
-    ptrs.update({p: "*fp32" for p in ("LSE", "DELTA") if p in fn.arg_names})
+    ptrs.update({p: "*fp32" for p in ("LSE", "STATS") if p in fn.arg_names})
     ptrs.update(MASK="*u8", SEED="*i64")
     return ptrs
 
@@ -996,8 +1048,8 @@ def aot_specs(exhaustive=None) -> list:
                             wgmma=kind != "ieee", tma=tma, archs=(arch,)))
     specs.append(aot.KernelSpec(
         name="attention_bwd_preprocess D128 bf16", fn=_attn_bwd_preprocess,
-        signature=_signature(_attn_bwd_preprocess, {"O": "*bf16", "DO": "*bf16", "DLSE": "*fp32",
-                                                    "DELTA": "*fp32"}),
+        signature=_signature(_attn_bwd_preprocess, {"O": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DLSE": "*fp32",
+                                                    "STATS": "*fp32"}),
         constexprs=dict(HAS_DLSE=True, BLOCK_D=128, BLOCK_M=PRE_BLOCK_M), num_warps=4,
         aligned=_aligned_args(_attn_bwd_preprocess)))
     specs.append(aot.KernelSpec(
