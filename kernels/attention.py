@@ -9,14 +9,16 @@ with no visible key outputs 0 and has LSE = -inf; its gradients are 0.
 
 Two data paths, one kernel body each (constexpr ``USE_TMA``):
 
-- **TMA** (Hopper, and the interpreter): every program builds device-side tensor descriptors
-  (``tl.make_tensor_descriptor``) over its (batch, head)'s (L, D) matrices (the dK/dV
-  programs: over the batch's (H, L, D) queries, to walk the group's heads in one loop), so
-  ragged L and D < BLOCK_D are zero-padded by the hardware and strided views need no copy.
-  Needs 16-byte aligned bases and strides (true for every head dim multiple of 8 in a dense
-  or packed buffer); launches set ``triton.set_allocator`` for the descriptors' scratch (per
-  thread, so forward and backward both do). Hopper's IEEE fp32 products (FMA units, operands
-  from registers) take the pointer path.
+- **TMA** (Hopper, and the interpreter): tensor descriptors, so ragged L and D < BLOCK_D are
+  zero-padded by the hardware and strided views need no copy. The forward takes host-side
+  descriptors over the whole (B, H, L, D) tensors (``TensorDescriptor``, built per launch:
+  no descriptor work in the kernel); its warp-specialized candidates and the backward build
+  device-side ones (``tl.make_tensor_descriptor``) over their (batch, head)'s (L, D)
+  matrices (the dK/dV programs: over the batch's (H, L, D) queries and statistics, to walk
+  the group's heads in one loop), with ``triton.set_allocator`` for the scratch (per thread,
+  so forward and backward both set it). Needs 16-byte aligned bases and strides (true for
+  every head dim multiple of 8 in a dense or packed buffer). Hopper's IEEE fp32 products
+  (FMA units, operands from registers) take the pointer path.
 - **pointers** (Ampere, and unaligned layouts anywhere): masked ``tl.load``; loads inside the
   unmasked part of a loop carry only the head-dim mask, and none when D is a power of two.
 
@@ -60,6 +62,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_block.kernels import common
 
@@ -131,6 +134,13 @@ def _desc3(base, H, L, D, stride_h, stride, BLOCK: tl.constexpr, BLOCK_D: tl.con
 
 
 @triton.jit
+def _tile(desc, b, h, row0, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [row0, row0 + BLOCK) of head ``h`` of batch ``b`` through a host-side
+    (B, H, L, D) descriptor with block (1, 1, BLOCK, BLOCK_D): zero outside the tensor."""
+    return desc.load([b, h, row0, 0]).reshape([BLOCK, BLOCK_D])
+
+
+@triton.jit
 def _dropout_keep(seed, bh, rows, cols, dropout_p):
     """Bool tile: True where the probability of (query ``rows``, key ``cols``) is kept.
 
@@ -162,14 +172,18 @@ def _causal_ranges(start, Lq, Lk, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n, offs_m,
               Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """One key block of the online softmax; ``MASKED`` blocks check bounds and causality."""
+              USE_TMA: tl.constexpr, HOST: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key block of the online softmax; ``MASKED`` blocks check bounds and causality.
+    ``HOST``: ``k_desc``/``v_desc`` are host-side (B, Hkv, Lk, D) descriptors."""
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
-    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    if HOST:
+        k = _tile(k_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -195,7 +209,10 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_
         rows = offs_m[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         p = tl.where(_dropout_keep(seed, bh, rows, cols, dropout_p), p, 0.0)
-    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    if HOST:
+        v = _tile(v_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET, PRECISION)
     # l last: fewer live registers across the products (the tutorial's ordering).
     l_i = l_i * alpha + l_ij
@@ -212,7 +229,7 @@ _SHAPE_ARGS = ("Hq", "Hkv", "GROUPS", "Lq", "Lk", "stride_mb")
 
 
 @triton.jit(do_not_specialize=[a for a in _SHAPE_ARGS if a != "Hkv"])
-def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
+def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, QD, KD, VD, OD,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
@@ -222,28 +239,45 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
               scale, dropout_p,
               IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
               INTERPRET: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m_blocks = tl.cdiv(Lq, BLOCK_M)
-    bh = pid // num_m_blocks
+    """TMA without ``WS``: ``QD``..``OD`` are the host's (B, H, L, D) descriptors of Q, K, V, O.
+    ``WS`` (warp-specialized K/V loops, Hopper): per-head descriptors built here (Triton's
+    Hopper warp specialization partitions device-side descriptors only)."""
+    HOST: tl.constexpr = USE_TMA if not WS else False
+    # Unsigned divisions (every operand is positive): shorter than signed ones.
+    pid = tl.program_id(0).to(tl.uint32)
+    num_m_blocks = tl.cdiv(Lq, BLOCK_M).to(tl.uint32)
+    bh_u = pid // num_m_blocks
     # Reverse the block order: under a causal mask the last query blocks do the most work.
-    start_m = (num_m_blocks - 1 - pid % num_m_blocks) * BLOCK_M
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // GROUPS
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    start_m = ((num_m_blocks - 1 - (pid - bh_u * num_m_blocks)) * BLOCK_M).to(tl.int32)
+    b_u = bh_u // Hq.to(tl.uint32)
+    h_u = bh_u - b_u * Hq.to(tl.uint32)
+    bh, b, h = bh_u.to(tl.int32), b_u.to(tl.int32), h_u.to(tl.int32)
+    hk = (h_u // GROUPS.to(tl.uint32)).to(tl.int32)
     pad_base = MASK + b.to(tl.int64) * stride_mb
-    q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
-    k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
-    v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
-    o_desc = _desc(o_base, Lq, D, stride_om, BLOCK_M, BLOCK_D, USE_TMA)
+    if HOST:
+        q_base, k_base, v_base, o_base = Q, K, V, O  # unused
+        q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
+        q = _tile(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+        if BLOCK_D <= 128 and BLOCK_N <= 64:
+            # An arithmetic op (value-preserving x + 0.0) takes Q out of shared memory into
+            # registers, the A operand of an RS wgmma: no per-trip shared-memory descriptors for
+            # Q, which frees the uniform registers ptxas otherwise spills in the loop (the host
+            # descriptors' addresses live in vector registers). 64 registers/thread at 128 x 128.
+            q = q + 0.0
+    else:
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+        o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+        k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+        v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+        o_desc = _desc(o_base, Lq, D, stride_om, BLOCK_M, BLOCK_D, USE_TMA)
+        q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -253,25 +287,38 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full_end, hi = _causal_ranges(start_m, Lq, Lk, BLOCK_N, BLOCK_M, IS_CAUSAL)
-    for start_n in tl.range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
-                                  Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
-                                  False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D,
-                                  BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
-    for start_n in tl.range(full_end, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
-                                  Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
-                                  True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D,
-                                  BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+    if WS:
+        # Triton 3.6's Hopper warp specialization (a TMA producer, Q's rows split between two
+        # consumer warpgroups) partitions a kernel with one K/V loop only (a second loop after
+        # it fails to compile, one before it gets no partitions): every block in one loop,
+        # masked under causality; without it the launcher guarantees Lk % BLOCK_N == 0.
+        for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n,
+                                      offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+                                      IS_CAUSAL, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, HOST, IEEE, EVEN_D,
+                                      BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+    else:
+        for start_n in tl.range(0, full_end, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n,
+                                      offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+                                      False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, HOST, IEEE, EVEN_D,
+                                      BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+        for start_n in tl.range(full_end, hi, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n,
+                                      offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+                                      True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, HOST, IEEE, EVEN_D,
+                                      BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
 
     empty = l_i == 0.0  # no visible key: output 0, LSE -inf
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
-    out = acc * inv_l[:, None]
+    out = common.cast(acc * inv_l[:, None], q.dtype, INTERPRET)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    _store(o_desc, o_base, start_m, Lq, stride_om, D, common.cast(out, O.dtype.element_ty, INTERPRET),
-           BLOCK_M, BLOCK_D, USE_TMA)
+    if HOST:
+        o_desc.store([b, h, start_m, 0], out.reshape([1, 1, BLOCK_M, BLOCK_D]))
+    else:
+        _store(o_desc, o_base, start_m, Lq, stride_om, D, out, BLOCK_M, BLOCK_D, USE_TMA)
     tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
 
 
@@ -651,13 +698,19 @@ def _dropout_mask_kernel(SEED, OUT, Hq, Lq, Lk, num_m_blocks, num_n_blocks, drop
 # D64 128x128/3 stages/4 warps, D128 128x64/3/8, D256 64x32/3/4 forward; sm90 backward
 # 64/128/128/64, 3 stages, 8 warps), Triton's 06-fused-attention tutorial (Hopper forward
 # 128x{64,128} with 8 warps only from 128x128; backward 32/128/128/32, 5 stages, 4 warps).
+# sm_90 forward: flex's D64 128x128 with 4 warps is not shipped (one warpgroup over 128 rows
+# serializes its wgmma: 24 waits per trip, 255 registers, 8 B of stack with host descriptors).
+# Warp-specialized candidates (``ws``, Triton's Hopper WS: a TMA producer and Q's rows split
+# between two consumer warpgroups, 4 warps requested) come after the proven first candidate,
+# for the timing to pick where faster; 128x128 WS tiles fail to compile with causality or
+# padding (Triton 3.6), so 128x64 only.
 # Dropout's Philox tile needs registers, so its lists are trimmed where a config spills in
 # any flag combination (causal, padding, D < BLOCK_D, BLOCK_D 16/32 in the 64 class): 128x64
 # (flex's D = 128 shape) spills 8-24 B on sm_90 with dropout without padding, 128x32 does not.
 # ---------------------------------------------------------------------------------------------
 
-def _fwd_cfg(bm, bn, warps, stages):
-    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn)
+def _fwd_cfg(bm, bn, warps, stages, ws=False):
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, WS=ws)
 
 
 def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False):
@@ -668,9 +721,9 @@ def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False):
 F, B = _fwd_cfg, _bwd_cfg
 FWD_CONFIGS = {
     90: {
-        (64, "16", False): [F(128, 128, 8, 3), F(128, 128, 4, 3), F(128, 64, 4, 3)],
+        (64, "16", False): [F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 64, 4, 3, True)],
         (64, "16", True): [F(128, 64, 8, 3)],
-        (128, "16", False): [F(128, 64, 8, 3), F(128, 128, 8, 2)],
+        (128, "16", False): [F(128, 64, 8, 3), F(128, 128, 8, 2), F(128, 64, 4, 3, True)],
         (128, "16", True): [F(128, 32, 8, 3)],
         (256, "16", False): [F(64, 32, 8, 3), F(64, 32, 4, 3), F(128, 64, 8, 2)],
         (256, "16", True): [F(64, 32, 8, 2), F(128, 32, 8, 2)],
@@ -792,13 +845,20 @@ def _allocator(device):
 
 def _strides(t):
     """(batch, head, row) strides of a (B, H, L, D) view. A size-1 dim's stride is never used to
-    move, so it gets a stand-in that never blocks TMA: 0 for the batch (only pointer math
-    uses it), an aligned nonzero value for the head and row (descriptor strides)."""
+    move, so it gets a stand-in that never blocks TMA: an aligned nonzero value (the next
+    inner dim's extent; descriptor strides)."""
     B, H, L = t.shape[:3]
     sb, sh, sl = t.stride()[:3]
     sl = sl if L > 1 else 16
     sh = sh if H > 1 else sl * L
-    return (sb if B > 1 else 0, sh, sl)
+    return (sb if B > 1 else sh * H, sh, sl)
+
+
+def _tma_desc(t, strides, block: int, block_d: int):
+    """Host-side TMA descriptor over the (B, H, L, D) view ``t`` (``strides`` from
+    :func:`_strides`), block (1, 1, block, block_d): rows past L and columns past D read as
+    zero and are not written."""
+    return TensorDescriptor(t, list(t.shape), [*strides, 1], [1, 1, block, block_d])
 
 
 def _aligned(t, strides) -> bool:
@@ -836,6 +896,17 @@ def _candidates(tables, interpret_cfg, arch, key, use_tma):
     return cands if use_tma or arch != 90 else cands[:1]
 
 
+def _fwd_candidates(arch, key, use_tma, causal, Lk):
+    """The forward's candidates; warp-specialized ones only where their single unmasked K/V
+    loop is exact (causal, or whole key blocks). The interpreter's one config runs without
+    warp specialization otherwise."""
+    cands = _candidates(FWD_CONFIGS, INTERPRET_FWD, arch, key, use_tma)
+    ok = [c for c in cands if not c["WS"] or causal or Lk % c["BLOCK_N"] == 0]
+    if ok:
+        return ok
+    return [_fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in cands]
+
+
 def _mask_arg(key_padding_mask, dummy):
     if key_padding_mask is None:
         return dummy, 0
@@ -861,24 +932,36 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     use_tma = _use_tma(arch, kind, ((q, sq), (k, sk), (v, sv), (out, so)))
     dropout = dropout_p > 0.0
     mask, stride_mb = _mask_arg(key_padding_mask, q)
-    args = (q, k, v, out, lse, mask, seed if dropout else q, *sq, *sk, *sv, *so, stride_mb,
-            Hq, Hq // Hkv, Lq, Lk, D, float(scale), float(dropout_p))
+    tail = (*sq, *sk, *sv, *so, stride_mb, Hq, Hq // Hkv, Lq, Lk, D, float(scale), float(dropout_p))
+    head = (q, k, v, out, lse, mask, seed if dropout else q)
     constexprs = dict(IS_CAUSAL=bool(causal), HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout,
                       USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
                       INTERPRET=arch == 0)
-    if use_tma and arch:
-        triton.set_allocator(_allocator(q.device))
+    # Lk's power-of-two factor (up to 128) is part of the key: it decides which warp-specialized
+    # candidates (whole key blocks only, without causality) may run.
+    key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
+           _bucket(Lq), _bucket(Lk), min(Lk & -Lk, 128))
+    cands = _fwd_candidates(arch, key[1], use_tma, bool(causal), Lk)
+    if use_tma and arch and any(c["WS"] for c in cands):
+        triton.set_allocator(_allocator(q.device))  # WS configs build their descriptors on the device
+
+    def args(cfg):
+        if use_tma and not cfg["WS"]:
+            bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+            descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
+                     _tma_desc(out, so, bm, block_d))
+        else:
+            descs = (q, k, v, out)  # unused
+        return head + descs + tail
 
     def grid(cfg):
         return (_grid_size(common.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq),)
 
-    key = (arch, _table_key(block_d, kind, dropout), bool(causal), key_padding_mask is not None, use_tma,
-           _bucket(Lq), _bucket(Lk))
-    cfg = _FWD_CACHE.get(key, _candidates(FWD_CONFIGS, INTERPRET_FWD, arch, key[1], use_tma),
-                         lambda c: common.launch("attention_fwd", _attn_fwd, grid(c), args, constexprs, c))
+    cfg = _FWD_CACHE.get(key, cands,
+                         lambda c: common.launch("attention_fwd", _attn_fwd, grid(c), args(c), constexprs, c))
     if use_tma:
         common.count_launch("attention_tma")
-    common.launch("attention_fwd", _attn_fwd, grid(cfg), args, constexprs, cfg)
+    common.launch("attention_fwd", _attn_fwd, grid(cfg), args(cfg), constexprs, cfg)
 
 
 def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, causal: bool, scale: float,
@@ -973,8 +1056,14 @@ def _aligned_args(fn):
     return tuple(n for n in fn.arg_names if n.startswith("stride_") and n != "stride_mb") + ("D",)
 
 
-def _data_ptrs(fn, dt):
-    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") if p in fn.arg_names}
+def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
+    """Argument types: data pointers, and the forward's descriptor arguments (host-side
+    descriptors on its TMA path without warp specialization, else the tensors)."""
+    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "QD", "KD", "VD", "OD")
+            if p in fn.arg_names}
+    if tma and meta is not None and "WS" in meta and not meta["WS"]:
+        for p, block in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
+            ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
     ptrs.update({p: "*fp32" for p in ("LSE", "STATS") if p in fn.arg_names})
     ptrs.update(MASK="*u8", SEED="*i64")
     return ptrs
@@ -1035,13 +1124,14 @@ def aot_specs(exhaustive=None) -> list:
                     blocks = (f"{m['BLOCK_M']}x{m['BLOCK_N']}" if kname == "fwd" else
                               f"{m['BLOCK_M1']}x{m['BLOCK_N1']}/{m['BLOCK_M2']}x{m['BLOCK_N2']}"
                               f"{' split' if m['SPLIT_KV'] else ''}")
+                    blocks += " ws" if m.get("WS") else ""
                     for causal, pad, bd, even in _aot_combos(block_d, tma, exhaustive):
                         specs.append(aot.KernelSpec(
                             name=(f"attention_{kname} D{block_d} {kind}{' dropout' if dropout else ''} {blocks} "
                                   f"{'tma' if tma else 'ptr'}: {'causal' if causal else 'full'}"
                                   f"{' pad' if pad else ''}{f' D{bd}' if bd != block_d else ''}"
                                   f"{'' if even else ' ragged'}"),
-                            fn=fn, signature=_signature(fn, _data_ptrs(fn, dt)),
+                            fn=fn, signature=_signature(fn, _data_ptrs(fn, dt, m, bd, tma)),
                             constexprs=dict(IS_CAUSAL=causal, HAS_PAD=pad, HAS_DROPOUT=dropout, USE_TMA=tma,
                                             IEEE=kind == "ieee", EVEN_D=even, BLOCK_D=bd, INTERPRET=False, **m),
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn),
