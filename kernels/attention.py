@@ -141,17 +141,64 @@ def _tile(desc, b, h, row0, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed, bh, rows, cols, dropout_p):
-    """Bool tile: True where the probability of (query ``rows``, key ``cols``) is kept.
+def _interleave8(a, b, AXIS: tl.constexpr):
+    """Tiles ``a`` and ``b`` of equal shape merged along ``AXIS`` (0 or 1) in blocks of 8: the
+    result's index 16 * i + j along it is ``a``'s 8 * i + j for j < 8, ``b``'s 8 * i + j - 8
+    for j >= 8 (the split of an MMA tile's rows or columns between r and r + 8)."""
+    R: tl.constexpr = a.shape[0]
+    C: tl.constexpr = a.shape[1]
+    if AXIS == 0:
+        ab = tl.join(a.reshape([R // 8, 8, C]), b.reshape([R // 8, 8, C]))
+        return tl.permute(ab, (0, 3, 1, 2)).reshape([2 * R, C])
+    else:
+        ab = tl.join(a.reshape([R, C // 8, 8]), b.reshape([R, C // 8, 8]))
+        return tl.permute(ab, (0, 1, 3, 2)).reshape([R, 2 * C])
 
-    ``rows`` and ``cols`` are int32 tiles of the same shape; ``bh`` = batch * Hq + head.
+
+@triton.jit
+def _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TRANSPOSED: tl.constexpr, PER_ELEMENT: tl.constexpr):
+    """Bool tile: True where the probability of (query start_m + i, key start_n + j) is kept,
+    (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) indexed [j, i] when ``TRANSPOSED``; ``bh`` =
+    batch * Hq + head, ``start_m`` and ``start_n`` multiples of 16.
+
+    One Philox call covers the 4 (query, key) pairs {q, q + 8} x {k, k + 8} (q and k with
+    index mod 16 below 8; counters (key group, query group, bh, 0)): a group every thread of
+    a Hopper or Ampere MMA accumulator holds whole, in either orientation (rows r and r + 8,
+    columns c + 8j), so the mask needs no layout conversion. An element is kept where its
+    32-bit draw is >= p * 2^32 (an integer compare). ``PER_ELEMENT`` (the FMA-unit IEEE fp32
+    kernels, whose layouts have no such groups): one call per element, picking its draw.
     """
-    c0 = cols.to(tl.uint32)
-    c1 = rows.to(tl.uint32)
+    thresh = tl.cast(dropout_p * 4294967296.0, tl.uint32)
+    if PER_ELEMENT:
+        q = start_m + tl.arange(0, BLOCK_M)
+        k = start_n + tl.arange(0, BLOCK_N)
+        gq, uq = ((q // 16) * 8 + q % 8).to(tl.uint32), (q % 16) >= 8  # group, upper half
+        gk, uk = ((k // 16) * 8 + k % 8).to(tl.uint32), (k % 16) >= 8
+        if TRANSPOSED:
+            zeros = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.uint32)
+            c0, c1, uq, uk = gk[:, None] + zeros, gq[None, :] + zeros, uq[None, :], uk[:, None]
+        else:
+            zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.uint32)
+            c0, c1, uq, uk = gk[None, :] + zeros, gq[:, None] + zeros, uq[:, None], uk[None, :]
+        r0, r1, r2, r3 = tl.philox(seed, c0, c1, zeros + bh.to(tl.uint32), zeros)
+        return tl.where(uq, tl.where(uk, r3, r2), tl.where(uk, r1, r0)) >= thresh
+    gm = start_m // 2 + tl.arange(0, BLOCK_M // 2)  # query groups: (q // 16) * 8 + q % 8
+    gn = start_n // 2 + tl.arange(0, BLOCK_N // 2)
+    if TRANSPOSED:
+        c0 = (gn[:, None] + tl.zeros([BLOCK_N // 2, BLOCK_M // 2], dtype=tl.int32)).to(tl.uint32)
+        c1 = (gm[None, :] + tl.zeros([BLOCK_N // 2, BLOCK_M // 2], dtype=tl.int32)).to(tl.uint32)
+    else:
+        c0 = (gn[None, :] + tl.zeros([BLOCK_M // 2, BLOCK_N // 2], dtype=tl.int32)).to(tl.uint32)
+        c1 = (gm[:, None] + tl.zeros([BLOCK_M // 2, BLOCK_N // 2], dtype=tl.int32)).to(tl.uint32)
     zero = c0 * 0
-    c2 = zero + bh.to(tl.uint32)
-    r, _, _, _ = tl.philox(seed, c0, c1, c2, zero)
-    return tl.uint_to_uniform_float(r) >= dropout_p
+    # r0: (q, k), r1: (q, k + 8), r2: (q + 8, k), r3: (q + 8, k + 8)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + bh.to(tl.uint32), zero)
+    k0, k1, k2, k3 = r0 >= thresh, r1 >= thresh, r2 >= thresh, r3 >= thresh
+    if TRANSPOSED:
+        return _interleave8(_interleave8(k0, k2, 1), _interleave8(k1, k3, 1), 0)
+    else:
+        return _interleave8(_interleave8(k0, k1, 1), _interleave8(k2, k3, 1), 0)
 
 
 @triton.jit
@@ -172,7 +219,7 @@ def _causal_ranges(start, Lq, Lk, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n, offs_m,
+def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m, start_n, offs_m,
               Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               USE_TMA: tl.constexpr, HOST: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
@@ -204,11 +251,11 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
     p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_ij = tl.sum(p, 1)
-    acc = acc * alpha[:, None]
     if HAS_DROPOUT:
-        rows = offs_m[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        p = tl.where(_dropout_keep(seed, bh, rows, cols, dropout_p), p, 0.0)
+        # Before the rescale of acc: ptxas serializes the wgmma when the Philox rounds sit
+        # between the rescale and the product (acc written by non-wgmma code in the stage).
+        p = tl.where(_dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, IEEE), p, 0.0)
+    acc = acc * alpha[:, None]
     if HOST:
         v = _tile(v_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
     else:
@@ -245,16 +292,27 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, QD, KD, VD, OD,
     ``WS`` (warp-specialized K/V loops, Hopper): per-head descriptors built here (Triton's
     Hopper warp specialization partitions device-side descriptors only)."""
     HOST: tl.constexpr = USE_TMA if not WS else False
-    # Unsigned divisions (every operand is positive): shorter than signed ones.
-    pid = tl.program_id(0).to(tl.uint32)
-    num_m_blocks = tl.cdiv(Lq, BLOCK_M).to(tl.uint32)
-    bh_u = pid // num_m_blocks
-    # Reverse the block order: under a causal mask the last query blocks do the most work.
-    start_m = ((num_m_blocks - 1 - (pid - bh_u * num_m_blocks)) * BLOCK_M).to(tl.int32)
-    b_u = bh_u // Hq.to(tl.uint32)
-    h_u = bh_u - b_u * Hq.to(tl.uint32)
-    bh, b, h = bh_u.to(tl.int32), b_u.to(tl.int32), h_u.to(tl.int32)
-    hk = (h_u // GROUPS.to(tl.uint32)).to(tl.int32)
+    # The query blocks of a head in reverse order: under a causal mask the last ones do the
+    # most work. TMA: unsigned divisions (every operand is positive), shorter than signed
+    # ones; the pointer build keeps these (with the others ptxas spills 8 B on sm_80 at D64
+    # 128x128 with causality and padding).
+    if USE_TMA:
+        pid_u = tl.program_id(0).to(tl.uint32)
+        num_m_u = tl.cdiv(Lq, BLOCK_M).to(tl.uint32)
+        bh_u = pid_u // num_m_u
+        start_m = ((num_m_u - 1 - (pid_u - bh_u * num_m_u)) * BLOCK_M).to(tl.int32)
+        b_u = bh_u // Hq.to(tl.uint32)
+        h_u = bh_u - b_u * Hq.to(tl.uint32)
+        bh, b, h = bh_u.to(tl.int32), b_u.to(tl.int32), h_u.to(tl.int32)
+        hk = (h_u // GROUPS.to(tl.uint32)).to(tl.int32)
+    else:
+        pid = tl.program_id(0)
+        num_m_blocks = tl.cdiv(Lq, BLOCK_M)
+        bh = pid // num_m_blocks
+        start_m = (num_m_blocks - 1 - pid % num_m_blocks) * BLOCK_M
+        b = bh // Hq
+        h = bh % Hq
+        hk = h // GROUPS
     pad_base = MASK + b.to(tl.int64) * stride_mb
     if HOST:
         q_base, k_base, v_base, o_base = Q, K, V, O  # unused
@@ -293,19 +351,19 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, QD, KD, VD, OD,
         # it fails to compile, one before it gets no partitions): every block in one loop,
         # masked under causality; without it the launcher guarantees Lk % BLOCK_N == 0.
         for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n,
-                                      offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+                                      start_n, offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
                                       IS_CAUSAL, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, HOST, IEEE, EVEN_D,
                                       BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
     else:
         for start_n in tl.range(0, full_end, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n,
-                                      offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+                                      start_n, offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
                                       False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, HOST, IEEE, EVEN_D,
                                       BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
         for start_n in tl.range(full_end, hi, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_n,
-                                      offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+                                      start_n, offs_m, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
                                       True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, HOST, IEEE, EVEN_D,
                                       BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
 
@@ -362,8 +420,8 @@ def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, bh, h, start_m, offs_n,
-               Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep,
+def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, bh, h, start_m, start_n,
+               offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep,
                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
                IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
@@ -398,9 +456,7 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, st
     if MASKED and IS_CAUSAL:
         pT = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), pT, 0.0)
     if HAS_DROPOUT:
-        rows_t = offs_m[None, :] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
-        cols_t = offs_n[:, None] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
-        keep = _dropout_keep(seed, bh, rows_t, cols_t, dropout_p)
+        keep = _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, True, IEEE)
     if PART != 2:
         if HAS_DROPOUT:
             pdT = tl.where(keep, pT * inv_keep, 0.0)
@@ -419,7 +475,7 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, st
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
              Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -441,9 +497,8 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
     v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     dp = common.dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     if HAS_DROPOUT:
-        rows = offs_m[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        dp = tl.where(_dropout_keep(seed, bh, rows, cols, dropout_p), dp * inv_keep, 0.0)
+        keep = _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, IEEE)
+        dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
     dq = common.dot(common.cast(ds, k.dtype, INTERPRET), k, dq, INTERPRET, PRECISION)
     return dq
@@ -502,9 +557,9 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
     for _ in tl.range(0, GROUPS * n_full):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, b * Hq + h,
-                            h, start_m, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale,
-                            seed, dropout_p, inv_keep, False, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, PART,
-                            BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                            h, start_m, start_n, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom,
+                            qk_scale, seed, dropout_p, inv_keep, False, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D,
+                            PART, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
         start_m += BLOCK_M
         wrap = start_m >= full_end
         start_m = tl.where(wrap, head_end, start_m)
@@ -520,7 +575,7 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
         for _ in tl.range(0, GROUPS * n_masked):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat,
-                                b * Hq + h, h, start_m, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh,
+                                b * Hq + h, h, start_m, start_n, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh,
                                 stride_dom, qk_scale, seed, dropout_p, inv_keep, True, IS_CAUSAL, HAS_DROPOUT,
                                 USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
             start_m += BLOCK_M
@@ -573,12 +628,12 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m,
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, hi = _causal_ranges(start_m, Lq, Lk, BLOCK_N, BLOCK_M, IS_CAUSAL)
     for start_n in tl.range(0, full_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
                       Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
                       False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
                       INTERPRET)
     for start_n in tl.range(full_end, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_n, offs_m,
+        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
                       Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
                       True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
                       INTERPRET)
@@ -675,11 +730,11 @@ def _dropout_mask_kernel(SEED, OUT, Hq, Lq, Lk, num_m_blocks, num_n_blocks, drop
     pid = tl.program_id(0)
     per_head = num_m_blocks * num_n_blocks
     bh = pid // per_head
-    offs_m = ((pid % per_head) // num_n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid % num_n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_m[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    cols = offs_n[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    keep = _dropout_keep(tl.load(SEED), bh, rows, cols, dropout_p)
+    start_m = ((pid % per_head) // num_n_blocks) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    start_n = (pid % num_n_blocks) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    keep = _dropout_keep(tl.load(SEED), bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, False)
     ptrs = OUT + bh.to(tl.int64) * Lq * Lk + offs_m[:, None].to(tl.int64) * Lk + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
 
@@ -704,9 +759,14 @@ def _dropout_mask_kernel(SEED, OUT, Hq, Lq, Lk, num_m_blocks, num_n_blocks, drop
 # between two consumer warpgroups, 4 warps requested) come after the proven first candidate,
 # for the timing to pick where faster; 128x128 WS tiles fail to compile with causality or
 # padding (Triton 3.6), so 128x64 only.
-# Dropout's Philox tile needs registers, so its lists are trimmed where a config spills in
-# any flag combination (causal, padding, D < BLOCK_D, BLOCK_D 16/32 in the 64 class): 128x64
-# (flex's D = 128 shape) spills 8-24 B on sm_90 with dropout without padding, 128x32 does not.
+# Dropout (one Philox call per 4 elements, in the MMA layouts' own groups: _dropout_keep)
+# runs the no-dropout tiles first on sm_90 (the former smaller tiles follow), except where a
+# flag combination spills: the D128 backward's dK/dV steps stay at 16 rows (32 rows: 16-56 B
+# with causality and padding; split dV/dK programs cost more), the D256 backward's 32x64
+# split tile is a TMA-only later candidate (its pointer build spills 24-64 B). The FMA-unit
+# IEEE kernels draw one call per element (no MMA groups); on sm_80 they take 8 warps (D64)
+# and 4 warps (D128 forward), and the D256 dropout backward 16x32 split steps, to stay
+# spill-free with it.
 # ---------------------------------------------------------------------------------------------
 
 def _fwd_cfg(bm, bn, warps, stages, ws=False):
@@ -722,11 +782,11 @@ F, B = _fwd_cfg, _bwd_cfg
 FWD_CONFIGS = {
     90: {
         (64, "16", False): [F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 64, 4, 3, True)],
-        (64, "16", True): [F(128, 64, 8, 3)],
+        (64, "16", True): [F(128, 128, 8, 3), F(128, 64, 8, 3)],
         (128, "16", False): [F(128, 64, 8, 3), F(128, 128, 8, 2), F(128, 64, 4, 3, True)],
-        (128, "16", True): [F(128, 32, 8, 3)],
+        (128, "16", True): [F(128, 64, 8, 3), F(128, 32, 8, 3)],
         (256, "16", False): [F(64, 32, 8, 3), F(64, 32, 4, 3), F(128, 64, 8, 2)],
-        (256, "16", True): [F(64, 32, 8, 2), F(128, 32, 8, 2)],
+        (256, "16", True): [F(64, 32, 8, 3), F(64, 32, 8, 2), F(128, 32, 8, 2)],
         (64, "tf32", False): [F(128, 32, 4, 3), F(128, 32, 8, 3)],
         (64, "tf32", True): [F(128, 32, 8, 3), F(64, 32, 4, 3)],
         (128, "tf32", False): [F(128, 32, 8, 3), F(64, 64, 4, 3)],
@@ -748,9 +808,9 @@ FWD_CONFIGS = {
         (128, "tf32", False): [F(128, 32, 8, 3)],
         (128, "tf32", True): [F(128, 32, 8, 3)],
         (64, "ieee", False): [F(32, 32, 4, 2)],
-        (64, "ieee", True): [F(32, 32, 4, 2)],
+        (64, "ieee", True): [F(32, 32, 8, 2)],
         (128, "ieee", False): [F(16, 16, 4, 2)],
-        (128, "ieee", True): [F(16, 16, 2, 2)],
+        (128, "ieee", True): [F(16, 16, 4, 2)],
     },
 }
 # Backward: BLOCK_M1 x BLOCK_N1 (dK/dV: queries per step x keys per program), BLOCK_M2 x
@@ -762,13 +822,14 @@ FWD_CONFIGS = {
 BWD_CONFIGS = {
     90: {
         (64, "16", False): [B(64, 128, 128, 64, 8, 3), B(32, 128, 128, 64, 8, 3)],
-        (64, "16", True): [B(32, 128, 128, 32, 8, 2), B(64, 128, 128, 64, 8, 3)],
+        (64, "16", True): [B(64, 128, 128, 64, 8, 3), B(32, 128, 128, 32, 8, 2)],
         (128, "16", False): [B(32, 128, 128, 64, 8, 3), B(32, 128, 128, 64, 8, 2)],
-        (128, "16", True): [B(16, 128, 128, 32, 8, 2)],
+        (128, "16", True): [B(16, 128, 128, 64, 8, 3), B(16, 128, 128, 32, 8, 2)],
         (256, "16", False): [B(32, 64, 64, 32, 8, 2, True), B(64, 64, 64, 64, 8, 2, True)],
-        (256, "16", True): [B(16, 64, 64, 16, 8, 3, True), B(16, 64, 64, 16, 8, 2, True)],
+        (256, "16", True): [B(16, 64, 64, 16, 8, 3, True), B(16, 64, 64, 16, 8, 2, True),
+                            B(32, 64, 64, 32, 8, 2, True)],
         (64, "tf32", False): [B(32, 128, 128, 64, 8, 3)],
-        (64, "tf32", True): [B(16, 128, 128, 32, 8, 2)],
+        (64, "tf32", True): [B(32, 128, 128, 64, 8, 3), B(16, 128, 128, 32, 8, 2)],
         (128, "tf32", False): [B(16, 128, 128, 16, 8, 2, True), B(16, 128, 128, 32, 8, 2)],
         (128, "tf32", True): [B(16, 128, 128, 16, 8, 2, True), B(16, 64, 64, 16, 8, 2, True)],
         (64, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
@@ -782,13 +843,13 @@ BWD_CONFIGS = {
         (128, "16", False): [B(32, 64, 64, 32, 8, 2)],
         (128, "16", True): [B(32, 64, 64, 32, 8, 2)],
         (256, "16", False): [B(32, 64, 64, 32, 8, 2, True)],
-        (256, "16", True): [B(16, 64, 64, 16, 8, 2, True)],
+        (256, "16", True): [B(16, 32, 32, 16, 8, 2, True)],
         (64, "tf32", False): [B(16, 64, 64, 16, 8, 2)],
         (64, "tf32", True): [B(16, 64, 64, 16, 8, 2)],
         (128, "tf32", False): [B(16, 64, 64, 16, 8, 2, True)],
         (128, "tf32", True): [B(16, 32, 32, 16, 8, 2, True)],
         (64, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
-        (64, "ieee", True): [B(16, 32, 32, 16, 4, 2)],
+        (64, "ieee", True): [B(16, 32, 32, 16, 8, 2)],
         (128, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
         (128, "ieee", True): [B(16, 16, 16, 16, 4, 2)],
     },
