@@ -759,13 +759,19 @@ def _dropout_mask_kernel(SEED, OUT, Hq, Lq, Lk, num_m_blocks, num_n_blocks, drop
 # between two consumer warpgroups, 4 warps requested) come after the proven first candidate,
 # for the timing to pick where faster; 128x128 WS tiles fail to compile with causality or
 # padding (Triton 3.6), so 128x64 only.
+# sm_80 (sass_loops --arch 80; non-MMA instructions per mma.sync in the unmasked K/V loop):
+# D64 128x128/8 warps first (3.9, against 5.4 at 128x32/4 warps). FlashAttention-2's A100
+# tiles do not fit Triton's register budget: D128 128x64/4 warps spills 6.4 KB, 128x64/8
+# warps (3.1 against 4.2 at 128x32/8 warps) 24-64 B with causality or ragged heads, D256
+# 128x64/8 warps 312-520 B, the D128 backward's 64/128/128/64 64-128 B; those stay.
 # Dropout (one Philox call per 4 elements, in the MMA layouts' own groups: _dropout_keep)
 # runs the no-dropout tiles first on sm_90 (the former smaller tiles follow), except where a
 # flag combination spills: the D128 backward's dK/dV steps stay at 16 rows (32 rows: 16-56 B
 # with causality and padding; split dV/dK programs cost more), the D256 backward's 32x64
 # split tile is a TMA-only later candidate (its pointer build spills 24-64 B). The FMA-unit
-# IEEE kernels draw one call per element (no MMA groups); on sm_80 they take 8 warps (D64)
-# and 4 warps (D128 forward), and the D256 dropout backward 16x32 split steps, to stay
+# IEEE kernels draw one call per element (no MMA groups); on sm_80 the IEEE forwards take 8
+# warps (D64 without dropout 32x32/4 warps spilled 16 B already; with dropout 1 stage), the
+# D64 IEEE dropout backward 8 warps and the D256 dropout backward 16x32 split steps, to stay
 # spill-free with it.
 # ---------------------------------------------------------------------------------------------
 
@@ -797,7 +803,7 @@ FWD_CONFIGS = {
         (128, "ieee", True): [F(16, 16, 8, 2)],
     },
     80: {
-        (64, "16", False): [F(128, 32, 4, 3), F(128, 128, 8, 3)],
+        (64, "16", False): [F(128, 128, 8, 3), F(128, 32, 4, 3)],
         (64, "16", True): [F(128, 64, 8, 3)],
         (128, "16", False): [F(128, 32, 8, 3)],
         (128, "16", True): [F(128, 32, 8, 3)],
@@ -807,10 +813,10 @@ FWD_CONFIGS = {
         (64, "tf32", True): [F(128, 32, 8, 3)],
         (128, "tf32", False): [F(128, 32, 8, 3)],
         (128, "tf32", True): [F(128, 32, 8, 3)],
-        (64, "ieee", False): [F(32, 32, 4, 2)],
-        (64, "ieee", True): [F(32, 32, 8, 2)],
+        (64, "ieee", False): [F(32, 32, 8, 2)],
+        (64, "ieee", True): [F(32, 32, 8, 1)],
         (128, "ieee", False): [F(16, 16, 4, 2)],
-        (128, "ieee", True): [F(16, 16, 4, 2)],
+        (128, "ieee", True): [F(16, 16, 8, 2)],
     },
 }
 # Backward: BLOCK_M1 x BLOCK_N1 (dK/dV: queries per step x keys per program), BLOCK_M2 x
