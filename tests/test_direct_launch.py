@@ -43,7 +43,12 @@ def _pair(ptrs, n, BLOCK: tl.constexpr):
     tl.store(ptrs[1] + i, tl.load(ptrs[0] + i, mask=i < n), mask=i < n)
 
 
+def _copy_tile(desc, y_ptr, BLOCK: tl.constexpr):
+    tl.store(y_ptr + tl.arange(0, BLOCK), desc.load([0]))
+
+
 SCALE = JITFunction(_scale)
+COPY_TILE = JITFunction(_copy_tile)
 SCALE_DNS = JITFunction(_scale_dns, do_not_specialize=["n", "stride"])  # the attention kernels' shape args
 PAIR = JITFunction(_pair)
 CFG = common.Config.of(num_warps=4, BLOCK=32)
@@ -123,6 +128,27 @@ def test_an_int_equal_to_one_takes_another_kernel(fake):
     # do_not_specialize: Triton compiles n == 1 as any i32; the direct path runs that kernel.
     one, other = _both(fake, SCALE_DNS, _args(n=1))[0], _both(fake, SCALE_DNS, _args(n=5))[0]
     assert one.compiled is other.compiled and one.compiled.src.signature["n"] == "i32"
+
+
+def test_host_tensor_descriptors_are_keyed_by_dtype_and_block(fake):
+    """A host-side TensorDescriptor (the attention forward's TMA path) specializes on its dtype
+    and block shape ("tensordesc<fp32[32]>"): another block shape is another kernel, another
+    base tensor of the same kind the same one, launched directly."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [block])
+
+    x, y = torch.randn(64), torch.empty(64)
+    cfg = common.Config.of(num_warps=4)
+    first = _both(fake, COPY_TILE, (desc(x, 32), y), {"BLOCK": 32}, config=cfg)[0]
+    before = _fallbacks()
+    ours, theirs = _both(fake, COPY_TILE, (desc(torch.randn(64), 32), y), {"BLOCK": 32}, config=cfg)
+    assert _fallbacks() == before and ours.compiled is first.compiled is theirs.compiled
+    other = _both(fake, COPY_TILE, (desc(x, 16), y), {"BLOCK": 16}, config=cfg)[0]
+    assert other.compiled is not first.compiled
+    halfs = _both(fake, COPY_TILE, (desc(x.half(), 32), y), {"BLOCK": 32}, config=cfg)[0]
+    assert halfs.compiled is not first.compiled
 
 
 def test_a_bool_where_an_int_was_is_another_kernel(fake):
