@@ -128,7 +128,8 @@ def test_greedy_generation_matches(arch, device, launches, monkeypatch):
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
     want = model.generate(ids[:1], **kw)
     packed = []
-    monkeypatch.setattr(hf, "attention_qkvpacked", lambda *a, **k: packed.append(1) or attention_qkvpacked(*a, **k))
+    monkeypatch.setattr(hf._attention, "attention_qkvpacked",
+                        lambda *a, **k: packed.append(1) or attention_qkvpacked(*a, **k))
     got = fused.generate(ids[:1], **kw)
     assert want.shape[1] == L + 16 and len(set(want[0, L:].tolist())) > 3  # a real sequence, not one token
     assert torch.equal(got, want)
@@ -342,14 +343,14 @@ def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "any", lambda *a, **k: pytest.fail("a mask value was read"))
     monkeypatch.setattr(torch.Tensor, "all", lambda *a, **k: pytest.fail("a mask value was read"))
     monkeypatch.setattr(torch, "equal", lambda *a, **k: pytest.fail("a mask value was read"))
-    monkeypatch.setattr(hf, "_capturing", lambda t: True)
-    plan = hf._plan(pad, B, L, L, True, False)
+    monkeypatch.setattr(hf._attention, "_capturing", lambda t: True)
+    plan = hf._attention.plan(pad, B, L, L, True, False)
     assert plan.kernel and plan.causal and plan.key_padding is not None
-    plan = hf._plan(causal4d, B, L, L, True, False)
+    plan = hf._attention.plan(causal4d, B, L, L, True, False)
     assert not plan.kernel and plan.sdpa_mask is causal4d and "capture" in plan.reason
     monkeypatch.undo()
-    assert hf._plan(pad, B, L, L, True, False).key_padding is None
-    read = hf._plan(causal4d, B, L, L, True, False)
+    assert hf._attention.plan(pad, B, L, L, True, False).key_padding is None
+    read = hf._attention.plan(causal4d, B, L, L, True, False)
     assert read.kernel and read.causal and read.key_padding is None
 
 

@@ -1,0 +1,50 @@
+"""Hugging Face ``transformers`` models converted in place by :func:`fused_block.convert`.
+
+Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+``BertForMaskedLM``, need nothing else) are the rows of :data:`FAMILIES`, one module per
+family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``:
+Pre-RMSNorm, RoPE, GQA, gated MLP), ``gpt2`` (``GPT2Block``: Pre-LN, Conv1D weights, fused
+``c_attn``, tanh GELU) and ``bert`` (``BertLayer``: Post-LN encoder). Each family module
+says what its fused forward runs.
+
+How: each recognised layer keeps its class, submodules, parameters (so state dicts,
+``save_pretrained``/``from_pretrained``, optimizers and train/eval mode are untouched) and
+gets an instance-level ``forward`` that runs the fused ops (:mod:`fused_block.hf._core`, the
+shared patching core). The causal LMs of :data:`CAUSAL_LMS` compute their training loss
+without the logits (:mod:`fused_block.hf._lm`).
+
+Self-attention reads the packed QKV output in place (``attention_qkvpacked``: the output in the
+out-projection's layout, one packed gradient, no split, merge, copy or cat) whenever the keys
+are this call's own: no cache, or a cache that held nothing before (training, prefill). With
+cached keys (decoding) q, k and v are views of the packed tensor and the cache returns the
+keys to attend. Masks: :mod:`fused_block.hf._attention`. Inputs the fused path does not
+express (output_attentions, head masks, cross-attention, hooks on the skipped submodules,
+unknown activations or signatures, float64) run the layer's original forward, with a one-time
+warning. Never a different answer, only a slower one.
+
+Adding a family: a module beside these with ``check``, ``check_call``, ``run`` and ``tree``
+(:class:`fused_block.hf._core.Family`), and its rows in :data:`FAMILIES`.
+
+This package never imports ``transformers``: it is only reached for models that already did.
+A converted model object cannot be pickled whole (``torch.save(model)``); save its state dict
+or use ``save_pretrained``.
+"""
+from fused_block.hf import _core, _lm, bert, gpt2, llama
+from fused_block.hf._core import is_transformers_model  # noqa: F401
+from fused_block.hf._lm import causal_lm_loss  # noqa: F401
+
+# Layer class name -> its family. One row per layer class.
+FAMILIES = {
+    "LlamaDecoderLayer": llama.FAMILY,
+    "MistralDecoderLayer": llama.FAMILY,
+    "Qwen2DecoderLayer": llama.FAMILY,
+    "GPT2Block": gpt2.FAMILY,
+    "BertLayer": bert.FAMILY,
+}
+# Causal LMs whose training loss runs the fused linear + cross-entropy.
+CAUSAL_LMS = llama.CAUSAL_LMS + gpt2.CAUSAL_LMS
+
+
+def convert_modules(model) -> list:
+    """Patch every recognised layer of ``model`` in place; returns the converted modules."""
+    return _core.convert_modules(model, FAMILIES, CAUSAL_LMS, _lm.patch, _lm.check)
