@@ -5,10 +5,36 @@ the residual stream crosses a layer boundary; vocabulary 96; sequences of 9 toke
 multiple of any block size). The LLaMA family uses 2 KV heads (GQA). Weights are drawn with
 std 0.2 (HF's 0.02 makes tiny models' logits nearly flat, so greedy tokens would tie).
 """
+import contextlib
+import warnings
+
 import torch
 import transformers
 
+import numerics
+
 V, B, L = 96, 2, 9
+# The rule for whole models (as tests/test_blocks.py): err <= 4 x err(original, same dtype)
+# + atol x max(1, |ref|), against the original model in float64.
+BLOCK_FACTOR = 4.0
+TF32_ATOL = 5e-3
+
+
+def atol(dtype, device):
+    return TF32_ATOL if dtype == torch.float32 and device.type == "cuda" else numerics.ATOL[dtype]
+
+
+def assert_close(name, actual, ref64, baseline, dtype, device):
+    scale = max(1.0, ref64.detach().abs().max().item())
+    numerics.assert_close(name, actual, ref64, baseline, atol=atol(dtype, device) * scale, factor=BLOCK_FACTOR)
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """Nothing falls back (no fused_block warning) in the covered configurations."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fused_block:")
+        yield
 
 
 def config(arch, layers=2, **overrides):
@@ -55,3 +81,67 @@ def inputs(arch, device):
     else:
         mask[1, :3] = 0  # left padding, as batched generation pads
     return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# attn_implementation="fused_block": tiny models of every family the interface tests cover
+# ---------------------------------------------------------------------------------------------
+
+_TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.2, bos_token_id=0,
+             eos_token_id=V - 1, pad_token_id=None)
+# name -> (model_type, config overrides): each the family's own features at the tiny shape.
+INTERFACE_MODELS = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),  # sliding_window 4096: the mask's window cuts no key
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),  # q/k RMSNorm
+    "gemma": ("gemma", {}),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5)),  # partial rotary
+    "starcoder2": ("starcoder2", {}),
+    "gemma3": ("gemma3_text", dict(layer_types=["sliding_attention", "full_attention"])),  # window 512
+    # a window of 4 over 9 tokens cuts keys: the sliding layers run SDPA, the full ones the kernel
+    "gemma3-window": ("gemma3_text", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("gemma2", dict(sliding_window=4)),  # softcap 50: the model's eager attention
+    "gpt_oss": ("gpt_oss", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                num_local_experts=4, num_experts_per_tok=2)),  # sinks: eager
+    # layer 0 global, layer 1 local (window 64 of 128: cuts nothing in 9 tokens)
+    "modernbert": ("modernbert", dict(global_attn_every_n_layers=2, pad_token_id=V - 2, bos_token_id=None,
+                                      eos_token_id=None, cls_token_id=1, sep_token_id=2)),
+    "modernbert-window": ("modernbert", dict(global_attn_every_n_layers=2, local_attention=4, pad_token_id=V - 2,
+                                             bos_token_id=None, eos_token_id=None, cls_token_id=1, sep_token_id=2)),
+}
+# Those whose transformers code has no SDPA path (softcap, sinks): their original is eager.
+EAGER_ONLY = ("gemma2", "gpt_oss")
+ENCODERS = ("modernbert", "modernbert-window")
+
+
+def interface_model(name, device, attn_implementation, **overrides):
+    """A tiny random model of ``INTERFACE_MODELS[name]`` with ``attn_implementation``; norm
+    weights and biases randomized as :func:`model` does."""
+    model_type, extra = INTERFACE_MODELS[name]
+    kw = {**_TINY, **extra, **overrides}
+    if "layer_types" in kw:  # the first layers' types when there are fewer layers
+        kw["layer_types"] = kw["layer_types"][:kw["num_hidden_layers"]]
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    cls = transformers.AutoModelForMaskedLM if name in ENCODERS else transformers.AutoModelForCausalLM
+    # gpt-oss's experts: the loop (transformers' default grouped_mm takes no float64 reference)
+    experts = dict(experts_implementation="eager") if model_type == "gpt_oss" else {}
+    torch.manual_seed(0)
+    model = cls.from_config(cfg, attn_implementation=attn_implementation, **experts).to(device)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname.lower() or pname.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if pname.endswith("weight") else 0.0))
+    return model
+
+
+def interface_inputs(name, device, generating=False):
+    """Token ids (B, L) and a padding mask: left padding for decoders (as batched generation
+    pads), right padding for encoders and for the eager-only models' numerics (their eager
+    attention in float64 gives NaN for a fully masked query row, which then leaks through the
+    values: softmax in fp32 of a float64 mask of finfo(float64).min, -inf there)."""
+    right = name in ENCODERS or (name in EAGER_ONLY and not generating)
+    return inputs("bert" if right else "llama", device)

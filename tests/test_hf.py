@@ -8,13 +8,11 @@ block size). The LLaMA family uses 2 KV heads (GQA). Weights are drawn with std 
 tests/test_blocks.py: err(converted) <= 4 x err(original, same dtype) + atol x max(1, |ref|)
 against the original model run in float64.
 """
-import contextlib
 import copy
 import os
 import subprocess
 import sys
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -28,28 +26,10 @@ import op_counting  # noqa: E402
 from fused_block import hf  # noqa: E402
 
 from hf_testing import B, L, V  # noqa: E402
+from hf_testing import assert_close as _assert_close  # noqa: E402
 from hf_testing import inputs as _inputs  # noqa: E402
 from hf_testing import model as _model  # noqa: E402
-
-BLOCK_FACTOR = 4.0
-TF32_ATOL = 5e-3
-
-
-def _atol(dtype, device):
-    return TF32_ATOL if dtype == torch.float32 and device.type == "cuda" else numerics.ATOL[dtype]
-
-
-def _assert_close(name, actual, ref64, baseline, dtype, device):
-    scale = max(1.0, ref64.detach().abs().max().item())
-    numerics.assert_close(name, actual, ref64, baseline, atol=_atol(dtype, device) * scale, factor=BLOCK_FACTOR)
-
-
-@contextlib.contextmanager
-def _no_fallback():
-    """Nothing falls back (no fused_block warning) in the covered configurations."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="fused_block:")
-        yield
+from hf_testing import no_fallback as _no_fallback  # noqa: E402
 
 
 def _converted(model):
@@ -344,13 +324,13 @@ def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "all", lambda *a, **k: pytest.fail("a mask value was read"))
     monkeypatch.setattr(torch, "equal", lambda *a, **k: pytest.fail("a mask value was read"))
     monkeypatch.setattr(hf._attention, "_capturing", lambda t: True)
-    plan = hf._attention.plan(pad, B, L, L, True, False)
+    plan = hf._attention.plan(pad, B, L, L, True, "sdpa")
     assert plan.kernel and plan.causal and plan.key_padding is not None
-    plan = hf._attention.plan(causal4d, B, L, L, True, False)
+    plan = hf._attention.plan(causal4d, B, L, L, True, "sdpa")
     assert not plan.kernel and plan.sdpa_mask is causal4d and "capture" in plan.reason
     monkeypatch.undo()
-    assert hf._attention.plan(pad, B, L, L, True, False).key_padding is None
-    read = hf._attention.plan(causal4d, B, L, L, True, False)
+    assert hf._attention.plan(pad, B, L, L, True, "sdpa").key_padding is None
+    read = hf._attention.plan(causal4d, B, L, L, True, "sdpa")
     assert read.kernel and read.causal and read.key_padding is None
 
 

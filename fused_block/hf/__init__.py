@@ -25,11 +25,20 @@ warning. Never a different answer, only a slower one.
 Adding a family: a module beside these with ``check``, ``check_call``, ``run`` and ``tree``
 (:class:`fused_block.hf._core.Family`), and its rows in :data:`FAMILIES`.
 
-This package never imports ``transformers``: it is only reached for models that already did.
-A converted model object cannot be pickled whole (``torch.save(model)``); save its state dict
-or use ``save_pretrained``.
+Attention only, for any model whose attention goes through transformers' ``AttentionInterface``:
+importing this package registers ``attn_implementation="fused_block"``
+(:mod:`fused_block.hf.interface`; :func:`register` does it again). ``import fused_block`` never
+imports ``transformers``; this package does (``fused_block.convert`` imports it only for models
+built with ``transformers``). A converted model object cannot be pickled whole
+(``torch.save(model)``); save its state dict or use ``save_pretrained``.
 """
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # the hf extra is not installed
+    raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
+
 from fused_block.hf import _core, _lm, bert, gpt2, llama
+from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
 
@@ -43,6 +52,9 @@ FAMILIES = {
 }
 # Causal LMs whose training loss runs the fused linear + cross-entropy.
 CAUSAL_LMS = llama.CAUSAL_LMS + gpt2.CAUSAL_LMS
+
+
+register()
 
 
 def convert_modules(model) -> list:

@@ -1,9 +1,12 @@
 """What every converted layer's attention shares: the mask plan (how a Hugging Face mask reaches
 the kernel), the KV cache's update, and the kernel / SDPA dispatch.
 
-Masks: the layer reads the mask the model built for its attention implementation (None, a
-4-D bool or additive mask, or flash-attention's 2-D padding mask), checks once per mask
-object that it is causal (bottom-right) and/or key padding, and hands the kernel ``causal``
+Masks: the layer reads the mask the model built for its attention implementation, in that
+implementation's convention (:func:`mask_convention`): eager's and sdpa's None or 4-D bool /
+additive masks, flash-attention's 2-D padding mask, or the light masks of the
+``"fused_block"`` mask interface (:mod:`fused_block.hf.interface`: None, (B, Lk) causal +
+padding, (B, 1, 1, Lk) padding), which are taken as they are. A 4-D mask is checked once per
+mask object for being causal (bottom-right) and/or key padding; the kernel gets ``causal``
 and a (B, Lk) padding mask. Anything else (sliding windows that cut keys, packed sequences,
 other custom patterns, a 4-D mask under ``torch.compile`` where its values cannot be read)
 runs ``scaled_dot_product_attention`` with that very mask after a one-time warning.
@@ -36,24 +39,38 @@ class Plan:
 _LAST_MASK = [None, None]  # (weakref to the last 4-D mask read, what it was read as)
 
 
-def mask_reason(mask, L, causal, flash):
-    """Masks whose convention the fused path knows: None, flash-attention's 2-D padding mask,
-    or a 4-D (B or 1, 1, Lq, Lk) mask; (B, 1, 1, Lk) only for bidirectional attention (older
-    transformers pass causal layers a padding-only mask and apply causality inside)."""
-    if mask is None or (mask.dim() == 2 and flash):
+def mask_convention(config):
+    """How the model's masks read: ``"flash"`` (a 2-D padding mask or None, causality from the
+    module), ``"fused_block"`` (the light masks of :mod:`fused_block.hf.interface`) or
+    ``"sdpa"`` (eager's and sdpa's None or 4-D masks)."""
+    impl = str(getattr(config, "_attn_implementation", ""))
+    return "flash" if impl.startswith("flash") else "fused_block" if impl == "fused_block" else "sdpa"
+
+
+def mask_reason(mask, L, causal, convention):
+    """Masks whose convention the fused path knows: None, flash-attention's and the fused_block
+    interface's 2-D masks, or a 4-D (B or 1, 1, Lq, Lk) mask; (B, 1, 1, Lk) only for
+    bidirectional attention or from the fused_block interface (older transformers pass causal
+    layers a padding-only mask and apply causality inside)."""
+    if mask is None or (mask.dim() == 2 and convention != "sdpa"):
         return None
-    if mask.dim() == 4 and mask.shape[1] == 1 and (mask.shape[2] == L or (mask.shape[2] == 1 and not causal)):
+    if mask.dim() == 4 and mask.shape[1] == 1 and (
+            mask.shape[2] == L or (mask.shape[2] == 1 and (not causal or convention == "fused_block"))):
         return None
     return f"an attention mask of shape {tuple(mask.shape)} for a {'causal' if causal else 'bidirectional'} layer"
 
 
-def plan(mask, B, Lq, Lk, causal, flash):
-    """Read a Hugging Face attention mask. ``causal``: the module is causal; ``flash``: the
-    model runs a flash-attention implementation (2-D masks, bottom-right causal when None)."""
+def plan(mask, B, Lq, Lk, causal, convention):
+    """Read a Hugging Face attention mask. ``causal``: the module is causal; ``convention``:
+    :func:`mask_convention` of the model (flash: 2-D masks, bottom-right causal when None)."""
+    if convention == "fused_block":
+        light = light_plan(mask, B, Lq, Lk, causal)
+        if light is not None:
+            return light
     if mask is None:
         if not causal or Lq == 1:
             return Plan(True, causal=False)
-        if Lq == Lk or flash:
+        if Lq == Lk or convention == "flash":
             return Plan(True, causal=True)
         if Lq < Lk:
             # SDPA's is_causal is top-left: query i sees keys j <= i, i.e. the first Lq keys bottom-right.
@@ -76,6 +93,22 @@ def plan(mask, B, Lq, Lk, causal, flash):
     read = _read_mask(mask, B, Lq, Lk, causal)
     _LAST_MASK[:] = [weakref.ref(mask), ((B, Lq, Lk, causal), read)]
     return read
+
+
+def light_plan(mask, B, Lq, Lk, causal):
+    """The plan of a mask from the ``"fused_block"`` mask interface, no value read; None for a
+    mask of another form (a general 4-D mask). The forms: None (SDPA's convention: ``causal``
+    from the module, top-left), (B, Lk) bool: causal (bottom-right) with the keys marked False
+    as padding, (B or 1, 1, 1, Lk) bool: every query sees the keys marked True."""
+    if mask is None:
+        return plan(None, B, Lq, Lk, causal, "sdpa")
+    if mask.dtype != torch.bool:
+        return None
+    if mask.dim() == 2 and tuple(mask.shape) == (B, Lk):
+        return Plan(True, causal=True, key_padding=~mask)
+    if mask.dim() == 4 and tuple(mask.shape[1:]) == (1, 1, Lk) and mask.shape[0] in (1, B):
+        return Plan(True, causal=False, key_padding=_padding(~mask[:, 0, 0], B, read=False))
+    return None
 
 
 def _read_mask(mask, B, Lq, Lk, causal):
@@ -106,7 +139,7 @@ def kernel_head_dim(D, dtype):
     return D % 8 == 0 and MIN_HEAD_DIM <= D <= (MAX_FP32_HEAD_DIM if dtype == torch.float32 else MAX_HEAD_DIM)
 
 
-def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, flash, scale, dropout_p, name):
+def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name):
     """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
     out-projection's input. The cache (if any) stores k and v (views) and returns the keys to
     attend; when those are this call's own (L of them: nothing was cached before, as in
@@ -118,7 +151,7 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, flash, scale, dr
     q, k, v = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
     if cache is not None:
         k, v = cache.update(k, v, layer_idx)
-    p = plan(mask, B, L, k.shape[2], causal, flash)
+    p = plan(mask, B, L, k.shape[2], causal, convention)
     if p.kernel and p.n_keys is None and k.shape[2] == L and kernel_head_dim(D, qkv.dtype):
         return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p)
     return attend(q, k, v, p, scale, dropout_p, name).transpose(1, 2).reshape(B, L, H * D)
@@ -155,6 +188,6 @@ def is_flash(config):
 
 def implementation_reason(config):
     impl = getattr(config, "_attn_implementation", None)
-    if impl in (None, "eager", "sdpa") or is_flash(config):
+    if impl in (None, "eager", "sdpa", "fused_block") or is_flash(config):
         return None
     return f"attention implementation {impl!r} (its masks are not read by the fused path)"

@@ -6,7 +6,7 @@ One QKV GEMM, the attention kernel with the padding mask, then the two Post-LN
 from torch import nn
 
 from fused_block.blocks import _like
-from fused_block.hf._attention import implementation_reason, is_flash, mask_reason, self_attention
+from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed
 from fused_block.linear import linear, mlp
 from fused_block.norm import add_layer_norm
@@ -30,8 +30,9 @@ def check(layer):
 
 def check_call(layer, call):
     s = layer.attention.self
+    L = call["hidden_states"].shape[1]
     return (implementation_reason(s.config)
-            or mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], False, is_flash(s.config)))
+            or mask_reason(call.get("attention_mask"), L, False, mask_convention(s.config)))
 
 
 def run(layer, call, x):
@@ -42,8 +43,8 @@ def run(layer, call, x):
     w = packed(state, "qkv_weight", (s.query.weight, s.key.weight, s.value.weight))
     b = packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias))
     scale = float(getattr(s, "scaling", D ** -0.5))
-    o = self_attention(linear(x, w, b), H, H, None, None, call.get("attention_mask"), False, is_flash(s.config),
-                       scale, s.dropout.p if layer.training else 0.0, "BertLayer")
+    o = self_attention(linear(x, w, b), H, H, None, None, call.get("attention_mask"), False,
+                       mask_convention(s.config), scale, s.dropout.p if layer.training else 0.0, "BertLayer")
     a = linear(o, so.dense.weight, so.dense.bias)
     p1 = so.dropout.p if layer.training else 0.0
     h, _ = add_layer_norm(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)

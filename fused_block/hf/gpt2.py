@@ -8,7 +8,7 @@ and the residual in its epilogues.
 from torch import nn
 
 from fused_block.blocks import _like
-from fused_block.hf._attention import implementation_reason, is_flash, mask_reason, self_attention
+from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache
 from fused_block.linear import linear, mlp
 from fused_block.norm import add_layer_norm
@@ -44,7 +44,7 @@ def _scale(attn):
 def check_call(block, call):
     cfg = block.attn.config
     return (implementation_reason(cfg)
-            or mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True, is_flash(cfg)))
+            or mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True, mask_convention(cfg)))
 
 
 def run(block, call, x):
@@ -55,7 +55,7 @@ def run(block, call, x):
     # Conv1D stores (in, out): its transpose is nn.Linear's layout as a view, no copy.
     qkv = linear(n1, attn.c_attn.weight.t(), attn.c_attn.bias)  # [q; k; v], H heads each
     o = self_attention(qkv, H, H, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                       is_flash(attn.config), _scale(attn), attn.attn_dropout.p if block.training else 0.0,
+                       mask_convention(attn.config), _scale(attn), attn.attn_dropout.p if block.training else 0.0,
                        "GPT2Block")
     o = linear(o, attn.c_proj.weight.t(), attn.c_proj.bias)
     n2, h = add_layer_norm(_like(o, x), x, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, p_resid)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from fused_block.blocks import _like
-from fused_block.hf._attention import implementation_reason, is_flash, mask_reason, self_attention
+from fused_block.hf._attention import (implementation_reason, is_flash, mask_convention, mask_reason,
+                                       self_attention)
 from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, warn_once
 from fused_block.linear import linear, swiglu
 from fused_block.norm import add_rms_norm
@@ -59,7 +60,7 @@ def check_call(layer, call):
     if window is not None and is_flash(attn.config):
         return "a sliding window with flash-attention masks"
     return (implementation_reason(attn.config)
-            or mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True, is_flash(attn.config)))
+            or mask_reason(call.get("attention_mask"), hidden.shape[1], True, mask_convention(attn.config)))
 
 
 def rotary_positions(layer, call, B, L):
@@ -122,7 +123,7 @@ def run(layer, call, x):
     qkv = rope(layer, qkv, H, Hkv, call)  # q, k rotated and v copied into one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                       is_flash(attn.config), attn.scaling, p, type(layer).__name__)
+                       mask_convention(attn.config), attn.scaling, p, type(layer).__name__)
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias)
     n2, h = add_rms_norm(_like(o, x), x, ln2.weight, rms_eps(ln2))
     if not state.fused_mlp:
