@@ -37,10 +37,10 @@ def _converted(model):
         return fused_block.convert(copy.deepcopy(model))
 
 
-ARCHS = ["llama", "mistral", "qwen2", "gpt2", "bert"]
+ARCHS = ["llama", "mistral", "qwen2", "phi3", "gpt2", "bert"]
 
 
-CAUSAL = ("llama", "mistral", "qwen2", "gpt2")
+CAUSAL = ("llama", "mistral", "qwen2", "phi3", "gpt2")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -97,7 +97,7 @@ def test_bf16_logits(arch, device, launches):
     assert launches["attention_fwd"] == 2
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "phi3", "gpt2"])
 def test_greedy_generation_matches(arch, device, launches, monkeypatch):
     """16 greedy tokens with the KV cache (prefill, then one query against the cached keys).
     One layer: each token is a full interpreted forward. GPT-2's one layer needs larger
@@ -133,7 +133,7 @@ def test_batched_generation_with_left_padding(implementation, device, launches):
     assert launches["attention_fwd"] == 3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
 def test_state_dict_and_save_pretrained_round_trip(arch, device):
     model = _model(arch, device).eval()
     keys = list(model.state_dict())

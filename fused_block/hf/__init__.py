@@ -3,7 +3,8 @@
 Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
 ``BertForMaskedLM``, need nothing else) are the rows of :data:`FAMILIES`, one module per
 family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``:
-Pre-RMSNorm, RoPE, GQA, gated MLP), ``gpt2`` (``GPT2Block``: Pre-LN, Conv1D weights, fused
+Pre-RMSNorm, RoPE, GQA, gated MLP), ``phi3`` (``Phi3DecoderLayer``: the same with fused
+``qkv_proj`` and ``gate_up_proj``), ``gpt2`` (``GPT2Block``: Pre-LN, Conv1D weights, fused
 ``c_attn``, tanh GELU) and ``bert`` (``BertLayer``: Post-LN encoder). Each family module
 says what its fused forward runs.
 
@@ -37,7 +38,7 @@ try:
 except ImportError as e:  # the hf extra is not installed
     raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
 
-from fused_block.hf import _core, _lm, bert, gpt2, llama
+from fused_block.hf import _core, _lm, bert, gpt2, llama, phi3
 from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
@@ -47,11 +48,12 @@ FAMILIES = {
     "LlamaDecoderLayer": llama.FAMILY,
     "MistralDecoderLayer": llama.FAMILY,
     "Qwen2DecoderLayer": llama.FAMILY,
+    "Phi3DecoderLayer": phi3.FAMILY,
     "GPT2Block": gpt2.FAMILY,
     "BertLayer": bert.FAMILY,
 }
 # Causal LMs whose training loss runs the fused linear + cross-entropy.
-CAUSAL_LMS = llama.CAUSAL_LMS + gpt2.CAUSAL_LMS
+CAUSAL_LMS = llama.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt2.CAUSAL_LMS
 
 
 register()
