@@ -48,9 +48,12 @@ def config(arch, layers=2, **overrides):
                                       attention_probs_dropout_prob=0.0, **common)
     else:
         cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config, "phi3": transformers.Phi3Config}[arch]
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "phi3": transformers.Phi3Config}[arch]
         if arch == "phi3":  # RoPE on half of each head (dims 8..15 pass through)
             common["partial_rotary_factor"] = 0.5
+        if arch == "qwen3":  # its config's head_dim is 128 whatever the hidden size
+            common["head_dim"] = 16
         cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=V - 1,
                   pad_token_id=None, **common)
@@ -63,7 +66,8 @@ def model(arch, device, attn_implementation=None, **overrides):
     torch.manual_seed(0)
     cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
            "llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM, "phi3": transformers.Phi3ForCausalLM}[arch]
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "phi3": transformers.Phi3ForCausalLM}[arch]
     model = cls(config(arch, **overrides)).to(device)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)

@@ -37,10 +37,10 @@ def _converted(model):
         return fused_block.convert(copy.deepcopy(model))
 
 
-ARCHS = ["llama", "mistral", "qwen2", "phi3", "gpt2", "bert"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "bert"]
 
 
-CAUSAL = ("llama", "mistral", "qwen2", "phi3", "gpt2")
+CAUSAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -68,8 +68,9 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
         _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
     assert launches["attention_fwd"] == launches["attention_bwd"] == 2 and launches["add_norm_bwd"] >= 4
     assert launches["add_norm_fwd"] >= 4  # per layer: attention 1, norms 2
-    # RoPE on the packed QKV output, forward and backward per layer
-    assert launches["rope_qkvpacked"] == (4 if arch not in ("gpt2", "bert") else 0) and launches["rope"] == 0
+    # RoPE on the packed QKV output, forward and backward per layer (Qwen3: with its q/k norms)
+    rope = "rope_qknorm" if arch == "qwen3" else "rope_qkvpacked"
+    assert launches[rope] == (4 if arch not in ("gpt2", "bert") else 0) and launches["rope"] == 0
     # per layer: QKV and out projections 1 GEMM forward and 2 backward each; the FFN (SwiGLU in
     # the LLaMA family) 2 forward and 4 backward: the MLP runs fused in every architecture. The
     # causal LMs' head: the logits GEMM and dhidden = dlogits @ W of one chunk (18 tokens).
@@ -97,7 +98,7 @@ def test_bf16_logits(arch, device, launches):
     assert launches["attention_fwd"] == 2
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "phi3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"])
 def test_greedy_generation_matches(arch, device, launches, monkeypatch):
     """16 greedy tokens with the KV cache (prefill, then one query against the cached keys).
     One layer: each token is a full interpreted forward. GPT-2's one layer needs larger
@@ -115,7 +116,7 @@ def test_greedy_generation_matches(arch, device, launches, monkeypatch):
     assert torch.equal(got, want)
     assert launches["attention_fwd"] == 16
     assert len(packed) == 1  # the prefill reads the packed QKV tensor; decoding attends to the cache
-    assert launches["rope_qkvpacked"] == (16 if arch != "gpt2" else 0)
+    assert launches["rope_qknorm" if arch == "qwen3" else "rope_qkvpacked"] == (16 if arch != "gpt2" else 0)
     assert launches["matmul"] == 16 * 4  # QKV, out, and the MLP's two GEMMs per forward
 
 
@@ -133,7 +134,7 @@ def test_batched_generation_with_left_padding(implementation, device, launches):
     assert launches["attention_fwd"] == 3
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt2"])
 def test_state_dict_and_save_pretrained_round_trip(arch, device):
     model = _model(arch, device).eval()
     keys = list(model.state_dict())

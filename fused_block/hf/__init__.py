@@ -2,8 +2,8 @@
 
 Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
 ``BertForMaskedLM``, need nothing else) are the rows of :data:`FAMILIES`, one module per
-family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``:
-Pre-RMSNorm, RoPE, GQA, gated MLP), ``phi3`` (``Phi3DecoderLayer``: the same with fused
+family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``,
+``Qwen3DecoderLayer``: Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3's per-head q/k norms), ``phi3`` (``Phi3DecoderLayer``: the same with fused
 ``qkv_proj`` and ``gate_up_proj``), ``gpt2`` (``GPT2Block``: Pre-LN, Conv1D weights, fused
 ``c_attn``, tanh GELU) and ``bert`` (``BertLayer``: Post-LN encoder). Each family module
 says what its fused forward runs.
@@ -48,6 +48,7 @@ FAMILIES = {
     "LlamaDecoderLayer": llama.FAMILY,
     "MistralDecoderLayer": llama.FAMILY,
     "Qwen2DecoderLayer": llama.FAMILY,
+    "Qwen3DecoderLayer": llama.FAMILY,
     "Phi3DecoderLayer": phi3.FAMILY,
     "GPT2Block": gpt2.FAMILY,
     "BertLayer": bert.FAMILY,

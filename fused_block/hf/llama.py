@@ -1,6 +1,9 @@
-"""LLaMA family: ``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``.
+"""LLaMA family: ``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``,
+``Qwen3DecoderLayer``.
 
-Pre-RMSNorm, RoPE, GQA, gated MLP. ``add_rms_norm`` for both norms (the attention's residual
+Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3 adds an RMSNorm of each q and k head before RoPE
+(``q_norm``/``k_norm``), which runs inside the RoPE launch (``rope_qkvpacked``'s
+``q_norm_weight``/``k_norm_weight``: fp32 statistics, one rounding per element). ``add_rms_norm`` for both norms (the attention's residual
 add fused into the second), one QKV GEMM (q/k/v weights concatenated, the copy cached while
 the weights do not change and no gradient is taken), ``rope_qkvpacked`` on the packed QKV
 output (q and k rotated, v copied, one launch; angles in fp32 from ``position_ids`` and the
@@ -22,10 +25,12 @@ from fused_block.linear import linear, swiglu
 from fused_block.norm import add_rms_norm
 from fused_block.rope import rope_qkvpacked
 
-CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-ROTARIES = ("LlamaRotaryEmbedding", "MistralRotaryEmbedding", "Qwen2RotaryEmbedding")
+CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROTARIES = ("LlamaRotaryEmbedding", "MistralRotaryEmbedding", "Qwen2RotaryEmbedding", "Qwen3RotaryEmbedding")
 # Their MLPs: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; SwiGLU when act_fn is SiLU.
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+# Per-head norms of q and k (over head_dim, before RoPE): x / sqrt(mean(x^2) + eps) * weight.
+QK_NORMS = ("Qwen3RMSNorm",)
 _SILU = ("silu", "swish")
 _LINEAR = (nn.Linear,)
 
@@ -48,6 +53,13 @@ def check(layer):
             return f"{norm} is not an RMSNorm with weight and eps"
     if not hasattr(layer, "mlp") or not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
         return "missing mlp, head_dim or scaling"
+    norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+    if any(n is not None for n in norms):
+        if not all(type(n).__name__ in QK_NORMS and rms_eps(n) is not None and getattr(n, "weight", None) is not None
+                   and tuple(n.weight.shape) == (attn.head_dim,) for n in norms):
+            return f"self_attn's q_norm/k_norm are not both a per-head RMSNorm of {QK_NORMS}"
+        if rms_eps(norms[0]) != rms_eps(norms[1]):
+            return "q_norm and k_norm have different eps"
     return None
 
 
@@ -74,8 +86,13 @@ def rotary_positions(layer, call, B, L):
 
 def rope(layer, qkv, H, Hkv, call):
     """RoPE on the packed QKV output: fp32 angles from position_ids and the rotary module's
-    inv_freq when the model has one standard rotary module, else HF's cos/sin tables."""
+    inv_freq when the model has one standard rotary module, else HF's cos/sin tables; with
+    the attention's q_norm/k_norm (Qwen3) each q and k head normalized first, in the launch."""
     B, L = qkv.shape[:2]
+    attn = layer.self_attn
+    norms = {}
+    if getattr(attn, "q_norm", None) is not None:
+        norms = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, norm_eps=rms_eps(attn.q_norm))
     positions = rotary_positions(layer, call, B, L)
     if positions is not None:
         state = layer._fused_block
@@ -83,10 +100,10 @@ def rope(layer, qkv, H, Hkv, call):
         # in fp32 on qkv's device: a conversion kernel once, not per call.
         inv_freq = cached(state, ("inv_freq", qkv.device), (state.rotary.inv_freq,),
                           lambda t: t[0].to(device=qkv.device, dtype=torch.float32))
-        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(state.rotary.attention_scaling))
+        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(state.rotary.attention_scaling), **norms)
     cos, sin = call["position_embeddings"]
     return rope_qkvpacked(qkv, H, Hkv, cos=cos.expand(B, -1, -1) if cos.shape[0] != B else cos,
-                          sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin)
+                          sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin, **norms)
 
 
 def swiglu_reason(mlp_mod):
@@ -136,6 +153,8 @@ def run(layer, call, x):
 def tree(layer):
     tree = {"self_attn": SAME, "input_layernorm": SAME, "post_attention_layernorm": SAME}
     tree.update((f"self_attn.{p}_proj", _LINEAR) for p in "qkvo")
+    if getattr(layer.self_attn, "q_norm", None) is not None:
+        tree.update({"self_attn.q_norm": SAME, "self_attn.k_norm": SAME})
     if layer._fused_block.fused_mlp:
         tree.update({"mlp": SAME, "mlp.act_fn": SAME})
         tree.update((f"mlp.{p}_proj", _LINEAR) for p in ("gate", "up", "down"))
