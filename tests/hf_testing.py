@@ -118,20 +118,25 @@ INTERFACE_MODELS = {
                                       eos_token_id=None, cls_token_id=1, sep_token_id=2)),
     "modernbert-window": ("modernbert", dict(global_attn_every_n_layers=2, local_attention=4, pad_token_id=V - 2,
                                              bos_token_id=None, eos_token_id=None, cls_token_id=1, sep_token_id=2)),
+    "gpt2": ("gpt2", {}),  # the configs of config() above
+    "bert": ("bert", {}),
 }
 # Those whose transformers code has no SDPA path (softcap, sinks): their original is eager.
 EAGER_ONLY = ("gemma2", "gpt_oss")
-ENCODERS = ("modernbert", "modernbert-window")
+ENCODERS = ("modernbert", "modernbert-window", "bert")
 
 
 def interface_model(name, device, attn_implementation, **overrides):
     """A tiny random model of ``INTERFACE_MODELS[name]`` with ``attn_implementation``; norm
     weights and biases randomized as :func:`model` does."""
     model_type, extra = INTERFACE_MODELS[name]
-    kw = {**_TINY, **extra, **overrides}
-    if "layer_types" in kw:  # the first layers' types when there are fewer layers
-        kw["layer_types"] = kw["layer_types"][:kw["num_hidden_layers"]]
-    cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    if model_type in ("gpt2", "bert"):
+        cfg = config(model_type, layers=overrides.pop("num_hidden_layers", 2), **overrides)
+    else:
+        kw = {**_TINY, **extra, **overrides}
+        if "layer_types" in kw:  # the first layers' types when there are fewer layers
+            kw["layer_types"] = kw["layer_types"][:kw["num_hidden_layers"]]
+        cfg = transformers.AutoConfig.for_model(model_type, **kw)
     cls = transformers.AutoModelForMaskedLM if name in ENCODERS else transformers.AutoModelForCausalLM
     # gpt-oss's experts: the loop (transformers' default grouped_mm takes no float64 reference)
     experts = dict(experts_implementation="eager") if model_type == "gpt_oss" else {}
@@ -151,3 +156,51 @@ def interface_inputs(name, device, generating=False):
     values: softmax in fp32 of a float64 mask of finfo(float64).min, -inf there)."""
     right = name in ENCODERS or (name in EAGER_ONLY and not generating)
     return inputs("bert" if right else "llama", device)
+
+
+# Encoder-decoders: BART (Post-LN, learned positions), Whisper (Pre-LN, a conv front end on
+# 8 mel bins x 16 frames, 8 encoder positions), T5 (relative position bias, gated GELU). d_model
+# 64 with 4 heads (head dim 16), 2 + 2 layers, 9 source tokens (one row right-padded), 5 targets.
+SEQ2SEQ = ("bart", "whisper", "t5")
+TARGET_LEN = 5
+
+
+def seq2seq_model(name, device, attn_implementation, layers=2, **overrides):
+    if name == "bart":
+        cfg = transformers.BartConfig(vocab_size=V, d_model=64, encoder_layers=layers, decoder_layers=layers,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+                                      decoder_ffn_dim=96, max_position_embeddings=64, init_std=0.2, pad_token_id=1,
+                                      bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                                      forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0)
+    elif name == "whisper":
+        cfg = transformers.WhisperConfig(vocab_size=V, d_model=64, encoder_layers=layers, decoder_layers=layers,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+                                         decoder_ffn_dim=96, num_mel_bins=8, max_source_positions=8,
+                                         max_target_positions=64, init_std=0.2, pad_token_id=1, bos_token_id=0,
+                                         eos_token_id=2, decoder_start_token_id=0, suppress_tokens=None,
+                                         begin_suppress_tokens=None, dropout=0.0)
+    else:
+        cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=layers, num_heads=4,
+                                    relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cls = transformers.AutoModelForSpeechSeq2Seq if name == "whisper" else transformers.AutoModelForSeq2SeqLM
+    torch.manual_seed(0)
+    model = cls.from_config(cfg, attn_implementation=attn_implementation).to(device)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname.lower() or pname.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if pname.endswith("weight") else 0.0))
+    return model
+
+
+def seq2seq_inputs(name, device):
+    """The encoder's inputs (token ids and a right-padded mask; Whisper: features, no mask) and
+    target ids (B, TARGET_LEN) for the labels."""
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(3, V, (B, TARGET_LEN), generator=g).to(device)
+    if name == "whisper":
+        return dict(input_features=torch.randn(B, 8, 16, generator=g).to(device)), targets
+    ids, mask = inputs("bert", device)
+    return dict(input_ids=ids.clamp(min=3), attention_mask=mask), targets

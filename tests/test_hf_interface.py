@@ -18,8 +18,9 @@ transformers = pytest.importorskip("transformers")
 import fused_block  # noqa: E402
 import fused_block.hf  # noqa: E402
 from fused_block.hf import interface  # noqa: E402
-from hf_testing import EAGER_ONLY, ENCODERS, INTERFACE_MODELS, V  # noqa: E402
+from hf_testing import EAGER_ONLY, ENCODERS, INTERFACE_MODELS, SEQ2SEQ, TARGET_LEN, V  # noqa: E402
 from hf_testing import assert_close, interface_inputs, interface_model, no_fallback  # noqa: E402
+from hf_testing import seq2seq_inputs, seq2seq_model  # noqa: E402
 
 # name -> (layers of 2 whose attention runs the kernel, the fallback warning or None)
 EXPECT = {name: (2, None) for name in INTERFACE_MODELS}
@@ -136,7 +137,7 @@ def test_models_outside_the_interface_run_their_eager_attention(device, launches
     torch.manual_seed(0)
     eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
     eager = eager.to(device).eval()
-    with pytest.warns(UserWarning, match="does not run its attention through transformers' AttentionInterface"):
+    with pytest.warns(UserWarning, match="do not declare that all their attention goes through"):
         ours = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="fused_block").to(device)
         ours.load_state_dict(eager.state_dict())
         ours.eval()
@@ -326,3 +327,76 @@ def test_mask_for_models_outside_the_interface_is_eagers():
     with pytest.warns(UserWarning, match="BloomConfig"):
         got = interface.mask(**args)
     torch.testing.assert_close(got, mu.eager_mask(**args), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# encoder-decoders: the encoder's self-attention, the decoder's causal self-attention and its
+# cross-attention to the encoder's (padded) output, all through the interface
+# ---------------------------------------------------------------------------------------------
+
+# name -> (kernel launches per forward of 2 + 2 layers, the fallback warning or None)
+SEQ2SEQ_EXPECT = {"bart": (6, None), "whisper": (6, None), "t5": (0, "a position bias")}
+
+
+def _seq2seq_expecting(name):
+    match = SEQ2SEQ_EXPECT[name][1]
+    return no_fallback() if match is None else pytest.warns(UserWarning, match=match)
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_logits_and_gradients_match_sdpa(name, device, launches):
+    model = seq2seq_model(name, device, "sdpa").train()
+    ref, ours = copy.deepcopy(model).double(), _ours(model)
+    enc, targets = seq2seq_inputs(name, device)
+    outs = {}
+    for key, m in (("ref", ref), ("base", model), ("ours", ours)):
+        args = {k: v.double() if v.is_floating_point() and key == "ref" else v for k, v in enc.items()}
+        with _seq2seq_expecting(name) if key == "ours" else no_fallback():
+            out = m(**args, labels=targets)
+            out.loss.backward()
+        outs[key] = (out, dict(m.named_parameters()))
+    assert_close("loss", outs["ours"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
+    assert_close("logits", outs["ours"][0].logits, outs["ref"][0].logits, outs["base"][0].logits, torch.float32,
+                 device)
+    for pname, p in outs["ref"][1].items():
+        if p.grad is None:  # the padding token's embedding row
+            continue
+        assert_close(f"{pname}.grad", outs["ours"][1][pname].grad, p.grad, outs["base"][1][pname].grad,
+                     torch.float32, device)
+    assert launches["attention_fwd"] == launches["attention_bwd"] == SEQ2SEQ_EXPECT[name][0]
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_bf16_logits(name, device, launches):
+    model = seq2seq_model(name, device, "sdpa").eval()
+    ref, base = copy.deepcopy(model).double(), copy.deepcopy(model).to(torch.bfloat16)
+    ours = _ours(base)
+    enc, targets = seq2seq_inputs(name, device)
+    with torch.no_grad():
+        want = ref(**{k: v.double() if v.is_floating_point() else v for k, v in enc.items()}, labels=targets).logits
+        base_logits = base(**{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in enc.items()},
+                           labels=targets).logits
+        with _seq2seq_expecting(name):
+            got = ours(**{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in enc.items()},
+                       labels=targets).logits
+    assert_close("logits", got, want, base_logits, torch.bfloat16, device)
+    assert launches["attention_fwd"] == SEQ2SEQ_EXPECT[name][0]
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_greedy_generation_matches(name, device, launches):
+    """generate() with the encoder's outputs and both caches (the decoder's self-attention
+    keys growing, the cross-attention keys computed once): 16 greedy tokens, the original's.
+    One layer each; weights of std 0.5, as the decoders' generation test."""
+    std = dict(init_std=0.5) if name != "t5" else dict(initializer_factor=3.0)
+    model = seq2seq_model(name, device, "sdpa", layers=1, **std).eval()
+    ours = _ours(model)
+    enc, _ = seq2seq_inputs(name, device)
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    want = model.generate(**enc, **kw)
+    with _seq2seq_expecting(name):
+        got = ours.generate(**enc, **kw)
+    assert len(set(want[0, -16:].tolist())) > 3
+    assert torch.equal(got, want)
+    if SEQ2SEQ_EXPECT[name][0]:  # the encoder once, then per token the self- and cross-attention
+        assert launches["attention_fwd"] == 1 + 2 * 16

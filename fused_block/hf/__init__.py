@@ -3,10 +3,12 @@
 Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
 ``BertForMaskedLM``, need nothing else) are the rows of :data:`FAMILIES`, one module per
 family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``,
-``Qwen3DecoderLayer``: Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3's per-head q/k norms), ``phi3`` (``Phi3DecoderLayer``: the same with fused
-``qkv_proj`` and ``gate_up_proj``), ``gpt2`` (``GPT2Block``: Pre-LN, Conv1D weights, fused
-``c_attn``, tanh GELU) and ``bert`` (``BertLayer``: Post-LN encoder). Each family module
-says what its fused forward runs.
+``Qwen3DecoderLayer``: Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3's per-head q/k norms), ``phi3``
+(``Phi3DecoderLayer``: the same with fused ``qkv_proj`` and ``gate_up_proj``), ``gpt2``
+(``GPT2Block``: Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU), ``bert`` (``BertLayer``:
+Post-LN encoder) and ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
+Pre-LN, causal self-attention with its cache, cross-attention with the cross-attention cache).
+Each family module says what its fused forward runs.
 
 How: each recognised layer keeps its class, submodules, parameters (so state dicts,
 ``save_pretrained``/``from_pretrained``, optimizers and train/eval mode are untouched) and
@@ -38,7 +40,7 @@ try:
 except ImportError as e:  # the hf extra is not installed
     raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
 
-from fused_block.hf import _core, _lm, bert, gpt2, llama, phi3
+from fused_block.hf import _core, _lm, bert, gpt2, llama, phi3, seq2seq
 from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
@@ -52,6 +54,10 @@ FAMILIES = {
     "Phi3DecoderLayer": phi3.FAMILY,
     "GPT2Block": gpt2.FAMILY,
     "BertLayer": bert.FAMILY,
+    "BartEncoderLayer": seq2seq.FAMILY,
+    "BartDecoderLayer": seq2seq.FAMILY,
+    "WhisperEncoderLayer": seq2seq.FAMILY,
+    "WhisperDecoderLayer": seq2seq.FAMILY,
 }
 # Causal LMs whose training loss runs the fused linear + cross-entropy.
 CAUSAL_LMS = llama.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt2.CAUSAL_LMS

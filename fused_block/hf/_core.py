@@ -6,7 +6,6 @@ A family module (``llama.py``, ``gpt2.py``, ...) supplies a :class:`Family`; the
 with the others lives here (patching, the guard, argument handling, cached weight packing) or
 in :mod:`fused_block.hf._attention` (mask plans, the KV cache, the attention dispatch).
 """
-import functools
 import inspect
 import sys
 import types
@@ -38,15 +37,16 @@ class Family:
     ``tree(layer)`` maps the path of every submodule the original forward calls and ``run``
     does not to its allowed classes (a tuple, or ``SAME``: its class at conversion); ``called``
     lists the paths of the submodules ``run`` calls itself (their subtrees are not checked);
-    ``rotaries``: the class names of the model-level rotary module the family's RoPE reads.
-    The tree is the call-time guard's spec (:mod:`fused_block._guard`): a submodule outside it,
+    ``rotaries``: the class names of the model-level rotary module the family's RoPE reads;
+    ``cross_attention``: ``run`` takes ``encoder_hidden_states`` (decoder layers of
+    encoder-decoders). The tree is the call-time guard's spec (:mod:`fused_block._guard`): a submodule outside it,
     of another class, wrapped (PEFT, quantization), hooked or with its own ``forward`` makes the
     layer run its original forward."""
 
     def __init__(self, check, check_call, run, tree, called=lambda layer: (), prepare=lambda layer: None,
-                 rotaries=()):
+                 rotaries=(), cross_attention=False):
         self.check, self.check_call, self.run, self.called = check, check_call, run, called
-        self.tree, self.prepare, self.rotaries = tree, prepare, rotaries
+        self.tree, self.prepare, self.rotaries, self.cross_attention = tree, prepare, rotaries, cross_attention
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,16 +180,16 @@ def _fused_forward(self, *args, **kwargs):
     call = dict(zip(state.positional, args))
     call.update(kwargs)
     hidden = call.get("hidden_states")
-    reason = _common_reason(call, hidden) or _guard.reason(self, _describe) or state.family.check_call(self, call)
+    reason = (_common_reason(call, hidden, state.family.cross_attention) or _guard.reason(self, _describe)
+              or state.family.check_call(self, call))
     if reason is not None:
         warn_once((type(self).__name__, reason), f"{type(self).__name__} runs its original forward: {reason}")
         return state.original(self, *args, **kwargs)
-    run = functools.partial(state.family.run, self, call)
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled() \
             and hasattr(self, "_gradient_checkpointing_func"):
-        out = self._gradient_checkpointing_func(run, hidden)
+        out = _checkpointed(self, call)
     else:
-        out = run(hidden)
+        out = state.family.run(self, call, hidden)
     if state.returns_tensor:
         return out
     # Older transformers: a tuple, whose models read the updated cache after the hidden states
@@ -197,7 +197,23 @@ def _fused_forward(self, *args, **kwargs):
     return (out, kv_cache(call)) if call.get("use_cache") and kv_cache(call) is not None else (out,)
 
 
-def _common_reason(call, hidden):
+def _checkpointed(layer, call):
+    """``run`` under the layer's activation checkpointing, as transformers' own layers run: no
+    cache (the recomputation would update it twice) unless the layer may keep it, and every
+    tensor argument passed positionally (a reentrant checkpoint gives gradients to those only,
+    e.g. the encoder's output of a cross-attention)."""
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        call = {k: None if k in _CACHE_NAMES else False if k == "use_cache" else v for k, v in call.items()}
+    names = [k for k, v in call.items() if isinstance(v, torch.Tensor)]
+
+    def run(*tensors):
+        args = dict(call, **dict(zip(names, tensors)))
+        return layer._fused_block.family.run(layer, args, args["hidden_states"])
+
+    return layer._gradient_checkpointing_func(run, *(call[k] for k in names))
+
+
+def _common_reason(call, hidden, cross_attention):
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         return "hidden_states is not a (batch, length, hidden) tensor"
     mask = call.get("attention_mask")
@@ -209,18 +225,21 @@ def _common_reason(call, hidden):
         return "output_attentions=True (the fused attention never forms the attention weights)"
     if call.get("head_mask") is not None:
         return "a head_mask"
-    if call.get("encoder_hidden_states") is not None:
+    if call.get("encoder_hidden_states") is not None and not cross_attention:
         return "cross-attention (encoder_hidden_states)"
-    for name in ("past_key_value", "past_key_values", "layer_past", "cache"):
+    for name in _CACHE_NAMES:
         cache = call.get(name)
         if cache is not None and not hasattr(cache, "update"):
             return f"a legacy (tuple) {name}"
     return None
 
 
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
 def kv_cache(call):
     """The call's KV cache (whichever name this transformers version passes it under), or None."""
-    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
+    for name in _CACHE_NAMES:
         if call.get(name) is not None:
             return call[name]
     return None
@@ -245,3 +264,21 @@ def cached(state, name, tensors, make):
 def packed(state, name, tensors):
     """``torch.cat(tensors)`` (None for absent biases), cached as :func:`cached`."""
     return None if tensors[0] is None else cached(state, name, tensors, torch.cat)
+
+
+def packed_bias(state, name, linears):
+    """The concatenated biases of ``linears`` (zeros for one without, e.g. Whisper's k_proj),
+    None when none has one; cached as :func:`cached`."""
+    biases = [m.bias for m in linears]
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None
+    if len(present) == len(biases):
+        return packed(state, name, tuple(biases))
+
+    def make(ts):
+        it = iter(ts)
+        return torch.cat([next(it) if b is not None else ts[0].new_zeros(m.out_features)
+                          for b, m in zip(biases, linears)])
+
+    return cached(state, name, tuple(present), make)

@@ -3,16 +3,16 @@
 
 Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3 adds an RMSNorm of each q and k head before RoPE
 (``q_norm``/``k_norm``), which runs inside the RoPE launch (``rope_qkvpacked``'s
-``q_norm_weight``/``k_norm_weight``: fp32 statistics, one rounding per element). ``add_rms_norm`` for both norms (the attention's residual
-add fused into the second), one QKV GEMM (q/k/v weights concatenated, the copy cached while
-the weights do not change and no gradient is taken), ``rope_qkvpacked`` on the packed QKV
-output (q and k rotated, v copied, one launch; angles in fp32 from ``position_ids`` and the
-model's rotary ``inv_freq``/``attention_scaling``, else from the layer's
-``position_embeddings``), the KV cache's ``update``, the attention kernel (GQA, bottom-right
-causal for decoding with a cache, key padding), the output GEMM, and the SiLU-gated MLP as
-``swiglu`` (gate and up in one GEMM with the SiLU-multiply in its epilogue, the weights read in
-place; the residual add in the down projection's epilogue). An MLP with another
-``hidden_act`` runs Hugging Face's module.
+``q_norm_weight``/``k_norm_weight``: fp32 statistics, one rounding per element).
+``add_rms_norm`` for both norms (the attention's residual add fused into the second), one QKV
+GEMM (q/k/v weights concatenated, the copy cached while the weights do not change and no
+gradient is taken), ``rope_qkvpacked`` on the packed QKV output (q and k rotated, v copied, one
+launch; angles in fp32 from ``position_ids`` and the model's rotary
+``inv_freq``/``attention_scaling``, else from the layer's ``position_embeddings``), the KV
+cache's ``update``, the attention kernel (GQA, bottom-right causal for decoding with a cache,
+key padding), the output GEMM, and the SiLU-gated MLP as ``swiglu`` (gate and up in one GEMM
+with the SiLU-multiply in its epilogue, the weights read in place; the residual add in the down
+projection's epilogue). An MLP with another ``hidden_act`` runs Hugging Face's module.
 """
 import torch
 from torch import nn
