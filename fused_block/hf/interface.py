@@ -12,9 +12,9 @@
   is the last query's position, and sliding windows that cut no key. Any other pattern
   (windows that cut keys, packed sequences, chunked or custom masks, static caches) gets
   transformers' own ``sdpa_mask``, a 4-D mask, which the attention runs through SDPA.
-  Models whose attention does not go through the interface (their class does not set
-  ``_supports_attention_backend``: BLOOM, Falcon, ...) get ``eager_mask``, so they run their
-  own eager attention, after a one-time warning.
+  Models not declared to run all their attention through the interface (their classes do not
+  set ``_supports_attention_backend`` and the family is not one verified here: BLOOM, T5, ...)
+  get ``eager_mask``, which any attention code reads correctly, after a one-time warning.
 - ``AttentionInterface``: :func:`attention` runs ``fused_block.attention`` (GQA, key
   padding, causal bottom-right, dropout, ``scaling``) on what the model passes, and returns
   the (B, Lq, H, D) output as ``sdpa_attention_forward`` does. What the kernel does not
@@ -23,10 +23,12 @@
   the equivalent mask, after a one-time warning naming the reason (:func:`kernel_reason`):
   logit soft-capping, attention sinks (``s_aux``), packed sequences (``cu_seq_lens_q/k``),
   a position bias, masks of another form, head dims or dtypes outside the kernel's range.
+  Packed sequences are kept apart by ``cu_seq_lens_q/k`` or restarting ``position_ids``.
 
-Nothing reads a mask value or synchronizes, so ``torch.compile(fullgraph=True)`` traces the
-model; while tracing, transformers builds sliding-window masks as a 4-D mask (their window
-cannot be read from the traced mask function), which run through SDPA.
+Nothing reads a mask value, and nothing synchronizes but the packed check of a one-row batch
+without a mask (its ``position_ids``, once per forward), so ``torch.compile(fullgraph=True)``
+traces the model; while tracing, transformers builds sliding-window masks as a 4-D mask (their
+window cannot be read from the traced mask function), which run through SDPA.
 
 ``import fused_block`` never imports transformers; importing ``fused_block.hf`` does.
 """
@@ -171,7 +173,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
     reason = kernel_reason(query, key, value, softcap, s_aux, kwargs)
-    if reason is None and attention_mask is None and _restarting(kwargs.get("position_ids"), Lq, Lk):
+    if reason is None and attention_mask is None and B == 1 and _restarting(kwargs.get("position_ids"), Lq, Lk):
         reason = "packed sequences (restarting position_ids)"
     plan = None
     if reason is None:
@@ -264,12 +266,13 @@ _LAST_POSITIONS = [None, None]  # (weakref to the last position_ids read, (versi
 
 
 def _restarting(position_ids, Lq, Lk):
-    """Whether (B, L) ``position_ids`` of a call without cached keys restart (packed sequences,
-    transformers' own test: a step other than 1), read once per tensor (one sync per forward,
-    as flash-attention's packed check); not read while torch.compile traces or a CUDA graph
+    """Whether the (1, L) ``position_ids`` of a one-row call without cached keys restart (a
+    packed batch, as DataCollatorWithFlattening makes; transformers' own test: a step other
+    than 1), read once per tensor: one sync per forward, for one-row batches only, as
+    flash-attention's packed check. Not read while torch.compile traces or a CUDA graph
     captures (then only cu_seq_lens_q/k or a packed mask from transformers say so)."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or Lq != Lk or Lq < 2 \
-            or position_ids.shape[1] != Lq or torch.compiler.is_compiling() or _capturing(position_ids):
+    if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, Lq) or Lq != Lk or Lq < 2 \
+            or torch.compiler.is_compiling() or _capturing(position_ids):
         return False
     ref, last = _LAST_POSITIONS
     if ref is not None and ref() is position_ids and last[0] == position_ids._version:
