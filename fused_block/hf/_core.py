@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from fused_block import _backend, _guard
+from fused_block import _backend, _guard, lora
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Hugging Face activation names (ACT2FN keys) and the GEMM epilogue's equivalent.
@@ -39,14 +39,17 @@ class Family:
     lists the paths of the submodules ``run`` calls itself (their subtrees are not checked);
     ``rotaries``: the class names of the model-level rotary module the family's RoPE reads;
     ``cross_attention``: ``run`` takes ``encoder_hidden_states`` (decoder layers of
-    encoder-decoders). The tree is the call-time guard's spec (:mod:`fused_block._guard`): a submodule outside it,
-    of another class, wrapped (PEFT, quantization), hooked or with its own ``forward`` makes the
-    layer run its original forward."""
+    encoder-decoders); ``lora_paths(layer)``: the linears whose PEFT LoRA wrappers ``run``
+    fuses into its GEMMs (:mod:`fused_block.lora`). The tree is the call-time guard's spec
+    (:mod:`fused_block._guard`): a submodule outside it, of another class, wrapped (PEFT but
+    at ``lora_paths``, quantization), hooked or with its own ``forward`` makes the layer run
+    its original forward."""
 
     def __init__(self, check, check_call, run, tree, called=lambda layer: (), prepare=lambda layer: None,
-                 rotaries=(), cross_attention=False):
+                 rotaries=(), cross_attention=False, lora_paths=lambda layer: ()):
         self.check, self.check_call, self.run, self.called = check, check_call, run, called
         self.tree, self.prepare, self.rotaries, self.cross_attention = tree, prepare, rotaries, cross_attention
+        self.lora_paths = lora_paths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,26 +100,50 @@ def convert_modules(model, families, causal_lms, patch_lm, lm_check):
 
 
 def _tree_reason(layer, family):
-    """At conversion: a submodule the family does not know, or of a class it does not fuse."""
-    tree, skip = family.tree(layer), tuple(family.called(layer))
+    """At conversion: a submodule the family does not know, or of a class it does not fuse (a
+    PEFT LoRA wrapper at one of the family's ``lora_paths`` is judged by its base layer; the
+    guard checks its parts at every call)."""
+    tree = family.tree(layer)
+    wrapped = tuple(p for p in family.lora_paths(layer) if p in tree and lora.is_lora(layer.get_submodule(p)))
+    called = tuple(family.called(layer))
+    prefixes = tuple(p + "." for p in called + wrapped)  # a wrapper's parts: the guard's, per call
     found = {}
     for path, m in layer.named_modules():
-        if not path or path in skip or path.startswith(tuple(p + "." for p in skip)):
+        if not path or path in called or path.startswith(prefixes):
             continue
         allowed = tree.get(path)
         if allowed is None:
             return f"{path} ({type(m).__name__}) is a submodule the fused path does not know"
-        if allowed is not SAME and type(m) not in allowed:
-            return f"{path} is a {type(m).__module__}.{type(m).__qualname__}, not one of {[c.__name__ for c in allowed]}"
+        base = type(lora.base(m)) if path in wrapped else type(m)
+        if allowed is not SAME and base not in allowed:
+            return f"{path} is a {base.__module__}.{base.__qualname__}, not one of {[c.__name__ for c in allowed]}"
         found[path] = allowed
     missing = [p for p in tree if p not in found]
     return f"{missing[0]} is missing" if missing else None
 
 
 def _spec(layer, family):
-    """The guard's spec: the tree with ``SAME`` resolved to the classes found now (at conversion)."""
-    return {path: (type(layer.get_submodule(path)),) if allowed is SAME else allowed
+    """The guard's spec: the tree with ``SAME`` resolved to the classes found now (at conversion;
+    a LoRA wrapper's base layer's class)."""
+    return {path: (type(lora.base(layer.get_submodule(path))),) if allowed is SAME else allowed
             for path, allowed in family.tree(layer).items()}
+
+
+def _lora_spec(layer, spec, family):
+    """``spec`` with each LoRA-wrapped linear at the family's ``lora_paths`` expanded into the
+    wrapper's parts (:func:`fused_block.lora.spec`, its base layer of the linear's classes);
+    returns (spec, paths to skip, wrapped paths)."""
+    out, skip, wrapped = spec, [], []
+    for path in family.lora_paths(layer):
+        m = layer.get_submodule(path) if path in spec else None
+        if m is not None and lora.is_lora(m):
+            if out is spec:
+                out = dict(spec)
+            entries, called = lora.spec(path, m, spec[path])
+            out.update(entries)
+            skip.extend(called)
+            wrapped.append(path)
+    return out, tuple(skip), tuple(wrapped)
 
 
 def _is_capture_hook(fn):
@@ -132,11 +159,17 @@ def _capture_reason():
 
 
 def _describe(layer):
-    """For :func:`fused_block._guard.reason`: the layer's spec checked against its submodules."""
+    """For :func:`fused_block._guard.reason`: the layer's spec (with its LoRA wrappers' parts)
+    checked against its submodules; per call, transformers' output capturing and the wrappers'
+    PEFT state."""
     state = layer._fused_block
-    why, watched = _guard.scan(layer, state.spec, state.family.called(layer), _is_capture_hook)
+    spec, skip, wrapped = _lora_spec(layer, state.spec, state.family)
+    why, watched = _guard.scan(layer, spec, tuple(state.family.called(layer)) + skip, _is_capture_hook)
     capture = any(_is_capture_hook(getattr(h, "func", h)) for m in watched for h in m._forward_hooks.values())
-    return why, watched, _capture_reason if capture else None
+    checks = ([_capture_reason] if capture else []) + ([lora.live(layer, wrapped)] if wrapped else [])
+    if len(checks) < 2:
+        return why, watched, checks[0] if checks else None
+    return why, watched, lambda: checks[0]() or checks[1]()
 
 
 class _State:

@@ -5,6 +5,7 @@ One QKV GEMM, the attention kernel with the padding mask, then the two Post-LN
 """
 from torch import nn
 
+from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed
@@ -16,7 +17,7 @@ _LINEAR, _DROPOUT, _LAYER_NORM = (nn.Linear,), (nn.Dropout,), (nn.LayerNorm,)
 
 def check(layer):
     attn = getattr(getattr(layer, "attention", None), "self", None)
-    if attn is None or not all(type(getattr(attn, p, None)) is nn.Linear for p in ("query", "key", "value")):
+    if attn is None or not all(type(lora.base(getattr(attn, p, None))) is nn.Linear for p in ("query", "key", "value")):
         return "attention.self's query/key/value are not all torch.nn.Linear"
     if getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention", False):
         return "BERT as a decoder (causal self-attention, cross-attention) is not converted"
@@ -43,13 +44,19 @@ def run(layer, call, x):
     w = packed(state, "qkv_weight", (s.query.weight, s.key.weight, s.value.weight))
     b = packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias))
     scale = float(getattr(s, "scaling", D ** -0.5))
-    o = self_attention(linear(x, w, b), H, H, None, None, call.get("attention_mask"), False,
+    qkv_lora = lora.stacked([(s.query, s.query.out_features), (s.key, s.key.out_features),
+                             (s.value, s.value.out_features)], x)  # PEFT LoRA: fused_block.lora
+    o = self_attention(linear(x, w, b, lora=qkv_lora), H, H, None, None, call.get("attention_mask"), False,
                        mask_convention(s.config), scale, s.dropout.p if layer.training else 0.0, "BertLayer")
-    a = linear(o, so.dense.weight, so.dense.bias)
+    a = linear(o, so.dense.weight, so.dense.bias, lora=lora.terms(so.dense, o))
     p1 = so.dropout.p if layer.training else 0.0
     h, _ = add_layer_norm(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)
-    f = mlp(h, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias,
-            ACTIVATIONS[s.config.hidden_act])
+    act = ACTIVATIONS[s.config.hidden_act]
+    if lora.is_lora(inter.dense) or lora.is_lora(out.dense):  # two GEMMs, the hidden activation between
+        hid = linear(h, inter.dense.weight, inter.dense.bias, act, lora=lora.terms(inter.dense, h))
+        f = linear(hid, out.dense.weight, out.dense.bias, lora=lora.terms(out.dense, hid))
+    else:
+        f = mlp(h, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias, act)
     p2 = out.dropout.p if layer.training else 0.0
     y, _ = add_layer_norm(_like(f, h), h, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps, p2)
     return y
@@ -66,4 +73,6 @@ def tree(layer):
     return tree
 
 
-FAMILY = Family(check, check_call, run, tree)
+FAMILY = Family(check, check_call, run, tree, lora_paths=lambda layer: (
+    "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+    "intermediate.dense", "output.dense"))

@@ -17,11 +17,12 @@ projection's epilogue). An MLP with another ``hidden_act`` runs Hugging Face's m
 import torch
 from torch import nn
 
+from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf._attention import (implementation_reason, is_flash, mask_convention, mask_reason,
                                        self_attention)
 from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, warn_once
-from fused_block.linear import linear, swiglu
+from fused_block.linear import gated_linear, linear, swiglu
 from fused_block.norm import add_rms_norm
 from fused_block.rope import rope_qkvpacked
 
@@ -45,7 +46,7 @@ def rms_eps(norm):
 def check(layer):
     attn = getattr(layer, "self_attn", None)
     parts = ("q_proj", "k_proj", "v_proj", "o_proj")
-    if attn is None or not all(type(getattr(attn, p, None)) is nn.Linear for p in parts):
+    if attn is None or not all(type(lora.base(getattr(attn, p, None))) is nn.Linear for p in parts):
         return "self_attn's q_proj/k_proj/v_proj/o_proj are not all torch.nn.Linear"
     for norm in ("input_layernorm", "post_attention_layernorm"):
         n = getattr(layer, norm, None)
@@ -114,7 +115,7 @@ def swiglu_reason(mlp_mod):
     act = getattr(getattr(mlp_mod, "config", None), "hidden_act", None)
     if act not in _SILU or type(getattr(mlp_mod, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
         return f"hidden_act {act!r} (the fused SwiGLU gates with SiLU)"
-    if not all(type(getattr(mlp_mod, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
+    if not all(type(lora.base(getattr(mlp_mod, n, None))) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
         return "gate_proj, up_proj and down_proj are not all torch.nn.Linear"
     return None
 
@@ -136,16 +137,24 @@ def run(layer, call, x):
     n1, _ = add_rms_norm(x, None, ln1.weight, rms_eps(ln1))
     w = packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
-    qkv = linear(n1, w, b)  # (B, L, (H + 2 Hkv) D): one GEMM
+    # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
+    # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
+    qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
+    qkv = linear(n1, w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
     qkv = rope(layer, qkv, H, Hkv, call)  # q, k rotated and v copied into one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                        mask_convention(attn.config), attn.scaling, p, type(layer).__name__)
-    o = linear(o, attn.o_proj.weight, attn.o_proj.bias)
+    o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
     n2, h = add_rms_norm(_like(o, x), x, ln2.weight, rms_eps(ln2))
     if not state.fused_mlp:
         return h + layer.mlp(n2)
     m = layer.mlp
+    if any(lora.is_lora(t) for t in (m.gate_proj, m.up_proj, m.down_proj)):
+        # Two GEMMs, the hidden activation between them (down_proj's adapters read it).
+        hid = gated_linear(n2, m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias,
+                           lora=lora.gate_up(m.gate_proj, m.up_proj, n2))
+        return linear(hid, m.down_proj.weight, m.down_proj.bias, None, h, lora=lora.terms(m.down_proj, hid))
     return swiglu(n2, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, h, b_gate=m.gate_proj.bias,
                   b_up=m.up_proj.bias, b_down=m.down_proj.bias)
 
@@ -161,5 +170,10 @@ def tree(layer):
     return tree
 
 
-FAMILY = Family(check, check_call, run, tree, prepare=prepare, rotaries=ROTARIES,
+def lora_paths(layer):
+    attn = tuple(f"self_attn.{p}_proj" for p in "qkvo")
+    return attn + (tuple(f"mlp.{p}_proj" for p in ("gate", "up", "down")) if layer._fused_block.fused_mlp else ())
+
+
+FAMILY = Family(check, check_call, run, tree, prepare=prepare, rotaries=ROTARIES, lora_paths=lora_paths,
                 called=lambda layer: () if layer._fused_block.fused_mlp else ("mlp",))

@@ -10,11 +10,12 @@ Hugging Face's module.
 """
 from torch import nn
 
+from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf import llama
 from fused_block.hf._attention import mask_convention, self_attention
 from fused_block.hf._core import SAME, Family, kv_cache, warn_once
-from fused_block.linear import linear, mlp
+from fused_block.linear import gated_linear, linear, mlp
 from fused_block.norm import add_rms_norm
 
 CAUSAL_LMS = ("Phi3ForCausalLM",)
@@ -24,7 +25,7 @@ _LINEAR, _DROPOUT = (nn.Linear,), (nn.Dropout,)
 
 def check(layer):
     attn = getattr(layer, "self_attn", None)
-    if attn is None or not all(type(getattr(attn, p, None)) is nn.Linear for p in ("qkv_proj", "o_proj")):
+    if attn is None or not all(type(lora.base(getattr(attn, p, None))) is nn.Linear for p in ("qkv_proj", "o_proj")):
         return "self_attn's qkv_proj/o_proj are not both torch.nn.Linear"
     for norm in ("input_layernorm", "post_attention_layernorm"):
         n = getattr(layer, norm, None)
@@ -47,7 +48,7 @@ def _swiglu_reason(mlp_mod):
     if act not in ("silu", "swish") or type(getattr(mlp_mod, "activation_fn", None)).__name__ not in (
             "SiLU", "SiLUActivation"):
         return f"hidden_act {act!r} (the fused SwiGLU gates with SiLU)"
-    if not all(type(getattr(mlp_mod, n, None)) is nn.Linear for n in ("gate_up_proj", "down_proj")):
+    if not all(type(lora.base(getattr(mlp_mod, n, None))) is nn.Linear for n in ("gate_up_proj", "down_proj")):
         return "gate_up_proj and down_proj are not both torch.nn.Linear"
     return None
 
@@ -67,18 +68,25 @@ def run(layer, call, x):
     H = attn.qkv_proj.out_features // D - 2 * Hkv
     training = layer.training
     n1, _ = add_rms_norm(x, None, ln1.weight, llama.rms_eps(ln1))
-    qkv = linear(n1, attn.qkv_proj.weight, attn.qkv_proj.bias)  # (B, L, (H + 2 Hkv) D), [q; k; v]
+    # PEFT LoRA on the projections: the adapters' updates inside the same GEMMs (fused_block.lora).
+    qkv = linear(n1, attn.qkv_proj.weight, attn.qkv_proj.bias, lora=lora.terms(attn.qkv_proj, n1))  # [q; k; v]
     qkv = llama.rope(layer, qkv, H, Hkv, call)
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                        mask_convention(attn.config), attn.scaling, attn.attention_dropout if training else 0.0,
                        type(layer).__name__)
-    o = linear(o, attn.o_proj.weight, attn.o_proj.bias)
+    o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
     p_attn = layer.resid_attn_dropout.p if training else 0.0
     n2, h = add_rms_norm(_like(o, x), x, ln2.weight, llama.rms_eps(ln2), p_attn)
     if not state.fused_mlp:
         return h + layer.resid_mlp_dropout(layer.mlp(n2))
     m = layer.mlp
     p_mlp = layer.resid_mlp_dropout.p if training else 0.0
+    if lora.is_lora(m.gate_up_proj) or lora.is_lora(m.down_proj):  # two GEMMs, the hidden activation between
+        w, b = m.gate_up_proj.weight, m.gate_up_proj.bias
+        f = w.shape[0] // 2
+        hid = gated_linear(n2, w[:f], w[f:], None if b is None else b[:f], None if b is None else b[f:],
+                           lora=lora.split_rows(lora.terms(m.gate_up_proj, n2), f))
+        return linear(hid, m.down_proj.weight, m.down_proj.bias, None, h, p_mlp, lora=lora.terms(m.down_proj, hid))
     return mlp(n2, m.gate_up_proj.weight, m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias, "swiglu", h,
                0.0, p_mlp)
 
@@ -92,5 +100,10 @@ def tree(layer):
     return tree
 
 
-FAMILY = Family(check, llama.check_call, run, tree, prepare=prepare, rotaries=ROTARIES,
+def lora_paths(layer):
+    fused_mlp = layer._fused_block.fused_mlp
+    return ("self_attn.qkv_proj", "self_attn.o_proj") + (("mlp.gate_up_proj", "mlp.down_proj") if fused_mlp else ())
+
+
+FAMILY = Family(check, llama.check_call, run, tree, prepare=prepare, rotaries=ROTARIES, lora_paths=lora_paths,
                 called=lambda layer: () if layer._fused_block.fused_mlp else ("mlp", "resid_mlp_dropout"))
