@@ -125,7 +125,18 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
 # ---------------------------------------------------------------------------------------------
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
-MLP_ACTIVATIONS = ACTIVATIONS + ("swiglu",)  # swiglu: a gated FFN, not an elementwise function
+# swiglu (silu(gate) * up) and geglu (gelu_tanh(gate) * up, Gemma's): gated FFNs, not elementwise functions
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+MLP_ACTIVATIONS = ACTIVATIONS + GATED_ACTIVATIONS
+
+
+def gate_activation(gate, name):
+    """The gated FFN's activation of its gate: SiLU (``"swiglu"``) or the tanh GELU (``"geglu"``)."""
+    if name == "swiglu":
+        return F.silu(gate)
+    if name == "geglu":
+        return F.gelu(gate, approximate="tanh")
+    raise ValueError(f"gated activation must be one of {GATED_ACTIVATIONS}, got {name!r}")
 
 
 def activation(x, name):
@@ -174,15 +185,16 @@ def mlp(x, w1, b1, w2, b2, activation_name="gelu", residual=None, dropout_p=0.0,
     """``dropout2(linear2(dropout(act(linear1(x))))) + residual``; the hidden activation (after
     its dropout) is rounded to x's dtype. ``dropout_mask`` (hidden's shape) and
     ``output_dropout_mask`` (the output's shape), bool with True = kept, replace the random masks.
-    ``activation_name="swiglu"``: w1 (2F, D) and b1 (2F,) hold the gate rows then the up rows
-    (see :func:`swiglu`).
+    ``activation_name="swiglu"`` or ``"geglu"``: w1 (2F, D) and b1 (2F,) hold the gate rows then
+    the up rows (see :func:`swiglu`, :func:`geglu`).
     """
-    if activation_name == "swiglu":
+    if activation_name in GATED_ACTIVATIONS:
         f = w1.shape[0] // 2
-        return swiglu(x, w1[:f], w1[f:], w2, residual, b_gate=None if b1 is None else b1[:f],
-                      b_up=None if b1 is None else b1[f:], b_down=b2, dropout_p=dropout_p,
-                      output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
-                      output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype)
+        return gated_ffn(x, w1[:f], w1[f:], w2, residual, b_gate=None if b1 is None else b1[:f],
+                         b_up=None if b1 is None else b1[f:], b_down=b2, dropout_p=dropout_p,
+                         output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
+                         output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype,
+                         activation=activation_name)
     h = linear(x, w1, b1, activation_name, None, dropout_p, dropout_mask=dropout_mask,
                compute_dtype=compute_dtype)
     return linear(h, w2, b2, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
@@ -198,20 +210,39 @@ def swiglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_
     hidden activation after it, as eager PyTorch (Hugging Face's ``LlamaMLP``) computes them.
     Masks as in :func:`mlp`.
     """
+    return gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
+                     dropout_p=dropout_p, output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
+                     output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype, activation="swiglu")
+
+
+def geglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None, dropout_p=0.0,
+          output_dropout_p=0.0, dropout_mask=None, output_dropout_mask=None, compute_dtype=None):
+    """Gemma's FFN: :func:`swiglu` with the tanh GELU of the gate instead of its SiLU (Hugging
+    Face's ``GemmaMLP`` with ``hidden_act="gelu_pytorch_tanh"``)."""
+    return gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
+                     dropout_p=dropout_p, output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
+                     output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype, activation="geglu")
+
+
+def gated_ffn(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None, dropout_p=0.0,
+              output_dropout_p=0.0, dropout_mask=None, output_dropout_mask=None, compute_dtype=None,
+              activation="swiglu"):
+    """:func:`swiglu` (``activation="swiglu"``) or :func:`geglu` (``"geglu"``)."""
     cdt = _compute_dtype(x.dtype, compute_dtype)
     xc = x.to(cdt)
     gate = F.linear(xc, w_gate.to(cdt), _cast(b_gate, cdt)).to(x.dtype).to(cdt)
     up = F.linear(xc, w_up.to(cdt), _cast(b_up, cdt)).to(x.dtype).to(cdt)
-    h = _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
+    h = _dropout(gate_activation(gate, activation) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
     return linear(h, w_down, b_down, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
                   compute_dtype=compute_dtype)
 
 
 def gated(x, w_gate, w_up, b_gate=None, b_up=None, *, dropout_p=0.0, dropout_mask=None, lora=None,
-          compute_dtype=None):
-    """SwiGLU's first layer alone: ``dropout(silu(x @ w_gate.T + b_gate + U @ Bg.T) * (x @ w_up.T
-    + b_up + U @ Bu.T))``, gate and up rounded to x's dtype first (as :func:`swiglu`); ``lora`` =
-    (U (..., R), Bg (F, R), Bu (F, R)) or None. Returns x's dtype."""
+          compute_dtype=None, activation="swiglu"):
+    """A gated FFN's first layer alone: ``dropout(act(x @ w_gate.T + b_gate + U @ Bg.T) * (x @
+    w_up.T + b_up + U @ Bu.T))`` with act SiLU (``activation="swiglu"``) or the tanh GELU
+    (``"geglu"``), gate and up rounded to x's dtype first (as :func:`swiglu`); ``lora`` = (U
+    (..., R), Bg (F, R), Bu (F, R)) or None. Returns x's dtype."""
     cdt = _compute_dtype(x.dtype, compute_dtype)
     xc = x.to(cdt)
     gate = F.linear(xc, w_gate.to(cdt), _cast(b_gate, cdt))
@@ -220,7 +251,7 @@ def gated(x, w_gate, w_up, b_gate=None, b_up=None, *, dropout_p=0.0, dropout_mas
         u = lora[0].to(cdt)
         gate, up = gate + F.linear(u, lora[1].to(cdt)), up + F.linear(u, lora[2].to(cdt))
     gate, up = gate.to(x.dtype).to(cdt), up.to(x.dtype).to(cdt)
-    return _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
+    return _dropout(gate_activation(gate, activation) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,8 +57,9 @@ def test_linear_with_lora(dtype_mode, activation, residual, device, launches):
     assert launches["matmul"] >= 1
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
-def test_gated_linear_with_lora(dtype_mode, device, launches):
+def test_gated_linear_with_lora(dtype_mode, activation, device, launches):
     dtype, mode = dtype_mode
     F = 24
     x = _t(M, K, dtype=dtype, device=device)
@@ -68,10 +69,11 @@ def test_gated_linear_with_lora(dtype_mode, device, launches):
     lbg, lbu = (_t(F, R, dtype=dtype, device=device, scale=0.3) for _ in range(2))
 
     def ours(x, wg, wu, bg, bu, u, lbg, lbu):
-        return gated_linear(x, wg, wu, bg, bu, lora=(u, lbg, lbu))
+        return gated_linear(x, wg, wu, bg, bu, lora=(u, lbg, lbu), activation=activation)
 
     def ref(x, wg, wu, bg, bu, u, lbg, lbu, compute_dtype=None):
-        return reference.gated(x, wg, wu, bg, bu, lora=(u, lbg, lbu), compute_dtype=compute_dtype)
+        return reference.gated(x, wg, wu, bg, bu, lora=(u, lbg, lbu), compute_dtype=compute_dtype,
+                               activation=activation)
 
     check("gated+lora", ours, ref, [x, wg, wu, bg, bu, u, lbg, lbu], dtype, device, mode)
     assert launches["act_grad"] >= 1 and launches["matmul"] >= 3
@@ -219,11 +221,12 @@ def test_opcheck(device):
     F = 24
     wg, wu = randn(F, K, dtype=dt, device=device), randn(F, K, dtype=dt, device=device)
     lbg, lbu = randn(F, R16, dtype=dt, device=device), randn(F, R16, dtype=dt, device=device)
-    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, u, lbg, lbu, True, seed, 0.1))
-    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, None, None, None, False, None, 0.0))
+    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, u, lbg, lbu, "swiglu", True, seed, 0.1))
+    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, None, None, None, "geglu", False, None,
+                                                  0.0))
     gh, pre2 = randn(M, F, dtype=dt, device=device), randn(M, 2 * F, dtype=dt, device=device)
-    torch.library.opcheck(ops.gated_bwd.default, (gh, x, wg, wu, pre2, seed, u, lbg, lbu, 0.1, True, True, True,
-                                                  True, True))
+    torch.library.opcheck(ops.gated_bwd.default, (gh, x, wg, wu, pre2, seed, u, lbg, lbu, "geglu", 0.1, True, True,
+                                                  True, True, True))
 
 
 # ---------------------------------------------------------------------------------------------
