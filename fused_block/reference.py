@@ -58,15 +58,17 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p
 
 
 def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
-                 residual_in_fp32=False, out_is_residual=False, *, dropout_mask=None, compute_dtype=None):
-    """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
+                 residual_in_fp32=False, out_is_residual=False, *, dropout_mask=None, compute_dtype=None,
+                 unit_offset=False):
+    """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means ``torch.finfo(x.dtype).eps``.
+    ``unit_offset``: scaled by ``1 + weight`` (Gemma's), formed in the compute dtype."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     cdt = _compute_dtype(x.dtype, compute_dtype)
     h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        out = out * weight.to(cdt)
+        out = out * (1.0 + weight.to(cdt) if unit_offset else weight.to(cdt))
     out = out.to(x.dtype)
     return out, out if out_is_residual else h.to(residual_dtype)
 
@@ -299,11 +301,12 @@ def rope(q, k, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0, 
 
 def rope_qkvpacked(qkv, num_heads, num_kv_heads, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0,
                    interleaved=False, batch_first=True, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
-                   compute_dtype=None):
+                   norm_unit_offset=False, compute_dtype=None):
     """RoPE on a packed QKV projection (B, L, (H + 2 Hkv) * D) (or (L, B, ...)); see
     :func:`fused_block.rope_qkvpacked`. q and k rotated, v unchanged, in qkv's layout;
     ``positions=None`` with ``inv_freq`` means 0..L-1. With the norm weights, each q (k) head
-    is first RMS-normalized over its D elements and scaled (in the compute dtype, unrounded)."""
+    is first RMS-normalized over its D elements and scaled (in the compute dtype, unrounded; by 1 +
+    the weight with ``norm_unit_offset``)."""
     t = qkv if batch_first else qkv.transpose(0, 1)
     t = t.unflatten(-1, (num_heads + 2 * num_kv_heads, -1))
     if positions is None and inv_freq is not None:
@@ -311,7 +314,8 @@ def rope_qkvpacked(qkv, num_heads, num_kv_heads, positions=None, inv_freq=None, 
     q, k = t[:, :, :num_heads], t[:, :, num_heads:num_heads + num_kv_heads]
     if q_norm_weight is not None:
         cdt = _compute_dtype(qkv.dtype, compute_dtype)
-        q, k = ((x.to(cdt) * torch.rsqrt(x.to(cdt).pow(2).mean(-1, keepdim=True) + norm_eps) * w.to(cdt))
+        off = 1.0 if norm_unit_offset else 0.0
+        q, k = ((x.to(cdt) * torch.rsqrt(x.to(cdt).pow(2).mean(-1, keepdim=True) + norm_eps) * (w.to(cdt) + off))
                 for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
     q, k = rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved,
                 compute_dtype=compute_dtype)
