@@ -232,18 +232,32 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
 # autograd
 # ---------------------------------------------------------------------------------------------
 
+def _output(out, lead):
+    """An op's (rows, N) output in the caller's leading dims, inside a Function's forward: a
+    tensor of its own over the same memory, not an autograd view of the 2-D buffer (FSDP2
+    warns when a module returns a view: an in-place change of one would bypass the hook FSDP
+    puts on the module's output)."""
+    return out if out.dim() == len(lead) + 1 and out.shape[:-1] == lead else out.view(*lead, out.shape[-1]).detach()
+
+
 class _LinearFn(torch.autograd.Function):
+    """x (..., K) and residual (..., N) keep their shapes: the (rows, K) views are taken in here
+    and in the backward, where autograd does not record them, and the output comes back in x's
+    leading dims (:func:`_output`)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, residual, activation, seed, dropout_p):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need = need_x or need_w or need_b
         save_pre = need and activation != "none"
-        out, pre = _linear_fwd(x, weight, bias, residual, activation, save_pre, seed, dropout_p)
+        n = weight.shape[0]
+        x2 = _rows(x, x.shape[-1])
+        out, pre = _linear_fwd(x2, weight, bias, _rows(residual, n), activation, save_pre, seed, dropout_p)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x if need_w else None, weight if need_x else None, pre if save_pre else None,
+        ctx.save_for_backward(x2 if need_w else None, weight if need_x else None, pre if save_pre else None,
                               seed if need and dropout_p > 0 else None)
-        ctx.activation, ctx.dropout_p, ctx.x_dtype = activation, dropout_p, x.dtype
-        return out
+        ctx.activation, ctx.dropout_p, ctx.x_dtype, ctx.x_shape = activation, dropout_p, x.dtype, x.shape
+        return _output(out, x.shape[:-1])
 
     @staticmethod
     def backward(ctx, dout):
@@ -251,10 +265,11 @@ class _LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if dout is not None and (need_x or need_w or need_b):
             x, weight, pre, seed = ctx.saved_tensors
-            g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)  # residual promoted out
+            g = _rows(dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype), dout.shape[-1])  # residual promoted out
             dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
                                      need_x, need_w, need_b)
-        return (dx if need_x else None, dw if need_w else None, db if need_b else None,
+            dx = dx.view(ctx.x_shape) if need_x else None
+        return (dx, dw if need_w else None, db if need_b else None,
                 dout if need_r else None, None, None, None)
 
 
@@ -267,7 +282,8 @@ def _gate_up_views(w1, b1):
 class _FFNFn(torch.autograd.Function):
     """Inputs (x, w1, w1_up, b1, b1_up, w2, b2, residual, ...). ``split_w1``: SwiGLU with w1
     (2F, D) and b1 (2F,) holding gate then up rows (mlp's layout), passed to the ops as views;
-    otherwise SwiGLU's gate and up come as separate tensors and get views of one gradient."""
+    otherwise SwiGLU's gate and up come as separate tensors and get views of one gradient.
+    x (..., D) and residual keep their shapes, as in :class:`_LinearFn`."""
 
     @staticmethod
     def forward(ctx, x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, dropout_p, output_seed,
@@ -281,8 +297,9 @@ class _FFNFn(torch.autograd.Function):
             save = SAVE_H if need_w2 else SAVE_NONE
         if split_w1:
             w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
-        out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
-                              output_seed, output_dropout_p)
+        lead, x = x.shape[:-1], _rows(x, x.shape[-1])
+        out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, _rows(residual, w2.shape[0]), activation, save,
+                              seed, dropout_p, output_seed, output_dropout_p)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x if need_w1 else None, w1 if need_x else None, w1_up if need_x else None, w2,
                               saved if save != SAVE_NONE else None,
@@ -291,8 +308,8 @@ class _FFNFn(torch.autograd.Function):
                               else None)
         ctx.activation, ctx.save, ctx.split_w1 = activation, save, split_w1
         ctx.dropout_p, ctx.output_dropout_p = dropout_p, output_dropout_p
-        ctx.x_dtype, ctx.d_in = x.dtype, x.shape[1]
-        return out
+        ctx.x_dtype, ctx.d_in, ctx.lead = x.dtype, x.shape[1], lead
+        return _output(out, lead)
 
     @staticmethod
     def backward(ctx, dout):
@@ -303,11 +320,11 @@ class _FFNFn(torch.autograd.Function):
             return tuple(grads)
         if need_x or need_w1 or need_b1 or need_w2 or need_b2:
             x, w1, w1_up, w2, saved, seed, output_seed = ctx.saved_tensors
-            g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)
+            g = _rows(dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype), dout.shape[-1])
             dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1, w1_up, w2, saved, seed, output_seed, ctx.activation,
                                               ctx.dropout_p, ctx.output_dropout_p, ctx.save, ctx.d_in,
                                               need_x, need_w1, need_b1, need_w2, need_b2)
-            grads[0], grads[5], grads[6] = dx, dw2, db2
+            grads[0], grads[5], grads[6] = dx.view(*ctx.lead, ctx.d_in) if need_x else None, dw2, db2
             if ctx.activation == "swiglu" and not ctx.split_w1:
                 f = w2.shape[1]
                 grads[1], grads[2] = (dw1[:f], dw1[f:]) if need_w1 else (None, None)
@@ -399,11 +416,10 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none")
     if _backend.needs_autograd(x, weight, bias, residual):
-        out = _LinearFn.apply(*args, seed, float(dropout_p))
-    else:
-        out = _linear_fwd(*args, False, seed, float(dropout_p))[0]
+        return _LinearFn.apply(x, weight, bias, residual, activation or "none", seed, float(dropout_p))
+    out = _linear_fwd(_rows(x, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none", False, seed,
+                      float(dropout_p))[0]
     return out.view(*x.shape[:-1], n)
 
 
@@ -412,16 +428,14 @@ def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, outpu
     # The hidden dropout's seed is drawn first; no seed (no random number, no tensor) at p = 0.
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     output_seed = _backend.dropout_seed(output_dropout_p, x.device) if output_dropout_p > 0 else None
-    x2, residual = _rows(x, x.shape[-1]), _rows(residual, n)
     activation = activation or "none"
     if _backend.needs_autograd(x, w1, w1_up, b1, b1_up, w2, b2, residual):
-        out = _FFNFn.apply(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
-                           output_seed, float(output_dropout_p), split_w1)
-    else:
-        if split_w1:
-            w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
-        out = _ffn_fwd(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, SAVE_NONE, seed,
-                       float(dropout_p), output_seed, float(output_dropout_p))[0]
+        return _FFNFn.apply(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
+                            output_seed, float(output_dropout_p), split_w1)
+    if split_w1:
+        w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
+    out = _ffn_fwd(_rows(x, x.shape[-1]), w1, w1_up, b1, b1_up, w2, b2, _rows(residual, n), activation, SAVE_NONE,
+                   seed, float(dropout_p), output_seed, float(output_dropout_p))[0]
     return out.view(*x.shape[:-1], n)
 
 

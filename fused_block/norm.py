@@ -111,6 +111,11 @@ class _AddNorm(torch.autograd.Function):
                 second):
         out, rout, outs = _forward(x, residual, (weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
                                                  store_residual))
+        if out is not outs[0]:
+            # In x's shape as tensors of their own, not autograd views of the (rows, hidden)
+            # buffers: FSDP2 warns when a module returns a view (an in-place change of one would
+            # bypass the hook it puts on the module's output).
+            out, rout = out.detach(), None if rout is None else rout.detach()
         mean, rstd = None if is_rms else outs[-2], outs[-1]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(outs[1] if store_residual else _rows(x), weight, mean, rstd, seed)
