@@ -147,8 +147,33 @@ def dropout_seed(p: float, device) -> torch.Tensor:
     if (block is not None and block[1] < len(block[0]) and block[2] == _indexed(device)
             and not torch.compiler.is_compiling()):  # a traced graph draws its own seeds
         block[1] += 1
-        return block[0][block[1] - 1]
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+        seed = block[0][block[1] - 1]
+    else:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    shift = getattr(_LOCAL, "shift", None)
+    if shift is not None and shift[1] < len(shift[0]):
+        shift[1] += 1
+        if shift[0][shift[1] - 1]:
+            seed = seed + shift[0][shift[1] - 1]
+    return seed
+
+
+@contextlib.contextmanager
+def seed_shift(offsets):
+    """Add ``offsets[i]`` to the i-th seed :func:`dropout_seed` hands out inside the block.
+
+    Tensor parallelism: every rank of a group draws the same seeds (their generators agree); a
+    dropout on a rank's own shard of a sharded tensor (its heads, its FFN columns, its part of
+    the sequence) takes ``seed + rank``, a Philox stream of its own, while one on a tensor every
+    rank holds whole keeps ``seed``, the same mask everywhere. The caller lists one offset per
+    seed the ops inside will draw (dropouts with p > 0, in draw order).
+    """
+    before = getattr(_LOCAL, "shift", None)
+    _LOCAL.shift = [tuple(offsets), 0]
+    try:
+        yield
+    finally:
+        _LOCAL.shift = before
 
 
 _NO_GUARD = contextlib.nullcontext()  # reentrant and stateless: one for every call

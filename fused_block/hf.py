@@ -44,6 +44,7 @@ This module never imports ``transformers``: it is only reached for models that a
 A converted model object cannot be pickled whole (``torch.save(model)``); save its state dict
 or use ``save_pretrained``.
 """
+import contextlib
 import functools
 import inspect
 import sys
@@ -58,7 +59,7 @@ from fused_block import _backend, _guard, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked
-from fused_block.blocks import _capturing, _like
+from fused_block.blocks import _TP, _TP_RUN, _capturing, _like
 from fused_block.linear import linear, mlp, swiglu
 from fused_block.norm import add_layer_norm, add_rms_norm
 from fused_block.rope import rope_qkvpacked
@@ -72,6 +73,9 @@ _ROTARY_CLASSES = ("LlamaRotaryEmbedding", "MistralRotaryEmbedding", "Qwen2Rotar
 _GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 _SILU = ("silu", "swish")
 _CAPTURE_MODULE = "transformers.utils.output_capturing"
+_NO_SHIFT = contextlib.nullcontext()
+
+
 def _warn_once(key, message):
     _backend.warn_once(key, f"fused_block: {message}", stacklevel=3)
 
@@ -173,7 +177,9 @@ def _capture_reason():
 def _describe(layer):
     """For :func:`fused_block._guard.reason`: the layer's spec checked against its submodules."""
     state = layer._fused_block
-    why, watched = _guard.scan(layer, state.spec, state.family.called(layer), _is_capture_hook)
+    tp = layer.__dict__.get(_TP)
+    why, watched = _guard.scan(layer, state.spec, state.family.called(layer), _is_capture_hook,
+                               None if tp is None else tp.accepts)
     capture = any(_is_capture_hook(getattr(h, "func", h)) for m in watched for h in m._forward_hooks.values())
     return why, watched, _capture_reason if capture else None
 
@@ -220,10 +226,16 @@ def _fused_forward(self, *args, **kwargs):
     call.update(kwargs)
     hidden = call.get("hidden_states")
     reason = _common_reason(call, hidden) or _guard.reason(self, _describe) or state.family.check_call(self, call)
+    tp = self.__dict__.get(_TP)
     if reason is not None:
+        if tp is not None:
+            raise RuntimeError(f"fused_block: {type(self).__name__} is tensor parallel (fused_block.distributed."
+                               f"LayerParallel): it runs on its shards fused only, not its original forward: {reason}")
         _warn_once((type(self).__name__, reason), f"{type(self).__name__} runs its original forward: {reason}")
         return state.original(self, *args, **kwargs)
     run = functools.partial(state.family.run, self, call)
+    if tp is not None:  # this rank's shards, also when gradient checkpointing recomputes the layer
+        run = functools.partial(tp.call, self, run)
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled() \
             and hasattr(self, "_gradient_checkpointing_func"):
         out = self._gradient_checkpointing_func(run, hidden)
@@ -511,24 +523,35 @@ def _llama_prepare(layer):
 
 
 def _llama_run(layer, call, x):
+    """The fused layer. Tensor parallel (``fused_block.distributed``), the projections hold this
+    rank's heads and MLP columns: the norms' outputs enter whole (all-gathered along the
+    sequence under sequence parallelism), o_proj's and down_proj's partial sums leave reduced,
+    and the residual is added after the MLP's reduction."""
     attn, state = layer.self_attn, layer._fused_block
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    run = layer.__dict__.get(_TP_RUN)
     D = attn.head_dim
-    H = attn.q_proj.out_features // D
-    Hkv = attn.k_proj.out_features // D
+    H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
+    Hkv = attn.k_proj.weight.shape[0] // D
     n1, _ = add_rms_norm(x, None, ln1.weight, _rms_eps(ln1))
     w = _packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     b = _packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
-    qkv = linear(n1, w, b)  # (B, L, (H + 2 Hkv) D): one GEMM
+    qkv = linear(n1 if run is None else run.enter(n1), w, b)  # (B, L, (H + 2 Hkv) D): one GEMM
     qkv = _llama_rope(layer, qkv, H, Hkv, call)  # q, k rotated and v copied into one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
-    o = _self_attention(qkv, H, Hkv, _cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                        _is_flash(attn.config), attn.scaling, p, type(layer).__name__)
+    with _NO_SHIFT if run is None or p == 0 else run.seeds([run.rank]):  # each rank's heads, their own masks
+        o = _self_attention(qkv, H, Hkv, _cache(call), attn.layer_idx, call.get("attention_mask"), True,
+                            _is_flash(attn.config), attn.scaling, p, type(layer).__name__)
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias)
-    n2, h = add_rms_norm(_like(o, x), x, ln2.weight, _rms_eps(ln2))
+    n2, h = add_rms_norm(_like(o if run is None else run.leave(o), x), x, ln2.weight, _rms_eps(ln2))
+    m = layer.mlp
+    if run is not None:
+        f = layer.mlp(run.enter(n2)) if not state.fused_mlp else \
+            swiglu(run.enter(n2), m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, b_gate=m.gate_proj.bias,
+                   b_up=m.up_proj.bias, b_down=m.down_proj.bias)
+        return run.leave(f) + h
     if not state.fused_mlp:
         return h + layer.mlp(n2)
-    m = layer.mlp
     return swiglu(n2, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, h, b_gate=m.gate_proj.bias,
                   b_up=m.up_proj.bias, b_down=m.down_proj.bias)
 

@@ -1,0 +1,499 @@
+"""Distributed training on the fused layers: FSDP2, tensor and sequence parallelism,
+activation checkpointing, FSDP2 x TP and torch.compile, against single-process training.
+
+Every case spawns its ranks (tests/dist_testing.py: CPU processes on gloo, the kernels in the
+Triton interpreter, a file rendezvous, collective timeouts and a deadline) and one more
+process for the single-process run, and compares the loss, every gradient and the parameters
+after a few AdamW steps in fp32 (IEEE in the interpreter: what differs is the order of the
+ranks' sums), the ranks' kernel launches, and that nothing warned (no FSDP2 view warning, no
+fused_block fallback). Data parallel ranks take their rows of one global batch and seed their
+generator with (step, data-parallel rank) before each forward; the single-process run takes
+the same rows as micro-batches under the same seeds and averages their gradients, so the
+dropout masks are the ranks' own (and, with checkpointing, the recomputed forward's).
+
+CI runs 2 processes (one FSDP2 case with two models, one TP/SP case); 4 processes, the other
+models and layer kinds, FSDP2 x TP, torch.compile and the torchrun example are ``heavy``.
+
+Sizes: d_model 32 with 2 heads (head dim 16, the attention kernel's smallest; 2 heads split
+over 2 ranks), FFN 64 (48 for SwiGLU's 2 x 48 rows); tests/hf_testing.py's LLaMA (hidden 64,
+4 heads, 2 KV heads, 2 layers); 2 sequences of 8 tokens per data-parallel rank (8: a sequence
+that 2 and 4 ranks split evenly under sequence parallelism); 2 layers where a layer boundary
+matters (FSDP2 groups, sequence-parallel stacks), 1 elsewhere.
+"""
+import copy
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fused_block
+from fused_block import models
+import dist_testing
+
+FP32 = dict(atol=2e-5, rtol=1e-5)
+GPT = models.DecoderOnlyConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
+LLAMA_LIKE = models.LlamaLikeConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, num_kv_heads=2, d_model=64,
+                                    dim_feedforward=48)
+ROWS, T = 2, 8  # per data-parallel rank
+
+
+# ---------------------------------------------------------------------------------------------
+# models, data and the training step, shared by the ranks and the single-process run
+# ---------------------------------------------------------------------------------------------
+
+def _build(name):
+    """A model by name (the ranks and the single-process run build the same one from seed 0)."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        return models.DecoderOnly(GPT)
+    if name == "gpt_no_dropout":
+        return models.DecoderOnly(models.DecoderOnlyConfig(**{**GPT.__dict__, "dropout": 0.0}))
+    if name == "llama_like":
+        return models.LlamaLike(LLAMA_LIKE)
+    if name == "llama_like_mha":  # tensor parallel: the fused layers take MHA only
+        return models.LlamaLike(models.LlamaLikeConfig(**{**LLAMA_LIKE.__dict__, "num_kv_heads": None}))
+    import hf_testing
+    overrides = {"num_key_value_heads": 4} if name == "hf_llama_4kv" else {}
+    return fused_block.convert(hf_testing.model("llama", "cpu", **overrides))
+
+
+def _layers(model):
+    return model.model.layers if hasattr(model, "model") else model.blocks
+
+
+def _tokens(step, rows, vocab=64):
+    """The global batch of ``step``: rows counting up by a per-row stride (learnable)."""
+    g = torch.Generator().manual_seed(100 + step)
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    stride = torch.randint(1, 3, (rows, 1), generator=g)
+    return (start + stride * torch.arange(T + 1)) % vocab
+
+
+def _loss(model, tokens):
+    if hasattr(model, "model"):  # Hugging Face: labels are shifted inside
+        return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+    return model(tokens[:, :-1], targets=tokens[:, 1:])[1]
+
+
+def _plain(name):
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _grads(model):
+    return {_plain(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+
+
+def _params(model):
+    return {_plain(n): _full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _seed(step, dp_rank):
+    return 1000 * step + dp_rank
+
+
+def _reference(name, dp_size, steps, bf16=False):
+    """Single-process training: per step, each data-parallel rank's rows as a micro-batch under
+    its seed, the gradients averaged (FSDP2's reduce-scatter mean). ``bf16``: FSDP2's
+    MixedPrecisionPolicy(bf16 parameters, fp32 reduction): each micro-batch runs on a bf16
+    copy of the fp32 parameters and its gradient is summed in fp32."""
+    model = _build(name)
+    opt = _optimizer(model)
+    out = {"loss": [], "grads": []}
+    for step in range(steps):
+        tokens = _tokens(step, ROWS * dp_size)
+        low = model
+        if bf16:  # the parameters only, as FSDP2 casts them (buffers such as RoPE frequencies stay fp32)
+            low = copy.deepcopy(model)
+            for p in low.parameters():
+                p.data = p.data.to(torch.bfloat16)
+        losses, total = [], {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        for r in range(dp_size):
+            low.zero_grad(set_to_none=True)
+            torch.manual_seed(_seed(step, r))
+            loss = _loss(low, tokens[r * ROWS:(r + 1) * ROWS])
+            loss.backward()
+            losses.append(loss.item())
+            for (n, p), q in zip(model.named_parameters(), low.parameters()):
+                total[n] += q.grad.float() / dp_size
+        for n, p in model.named_parameters():
+            p.grad = total[n]
+        out["loss"].append(losses)
+        out["grads"].append(_grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = _params(model)
+    return out
+
+
+class _Watch:
+    """In a rank: every warning (FSDP2's view warning, fused_block's fallbacks) and the kernels'
+    launch count over a block."""
+
+    def __enter__(self):
+        from fused_block.kernels import common
+        self._launches = sum(common.LAUNCHES.values())
+        self._catch = warnings.catch_warnings(record=True)
+        self.caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)  # the interpreter's numpy warnings
+        warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecations of its own APIs
+        return self
+
+    def __exit__(self, *exc):
+        from fused_block.kernels import common
+        self._catch.__exit__(*exc)
+        self.launches = sum(common.LAUNCHES.values()) - self._launches
+        self.warnings = [f"{w.category.__name__}: {w.message}" for w in self.caught]
+
+
+def _check_ranks(ranks, ref, steps, dp_rank=lambda r: r, **tol):
+    tol = tol or FP32
+    for r, out in enumerate(ranks):
+        assert out["warnings"] == [], out["warnings"]
+        assert out["launches"] > 0, "the kernels did not run"
+        for step in range(steps):
+            torch.testing.assert_close(out["loss"][step], ref["loss"][step][dp_rank(r)], **tol)
+            for n, g in ref["grads"][step].items():
+                torch.testing.assert_close(out["grads"][step][n], g, **tol, msg=lambda m: f"step {step} {n}: {m}")
+        for n, p in ref["params"].items():
+            torch.testing.assert_close(out["params"][n], p, **tol, msg=lambda m: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2
+# ---------------------------------------------------------------------------------------------
+
+def _fsdp_model(name, per_layer, bf16, reshard, checkpointed, mesh=None):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _build(name)
+    if checkpointed:  # the first layer recomputes its forward (and its dropout masks) in backward
+        first = _layers(model)[0]
+        apply_activation_checkpointing(model, check_fn=lambda m: m is first)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    kw = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if per_layer:
+        for layer in _layers(model):
+            fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _fsdp_train(rank, world, case, checkpoint_dir):
+    """Train ``case["name"]`` under FSDP2 for ``case["steps"]`` steps. With ``dcp_step``: after
+    that many steps, save model and optimizer with torch.distributed.checkpoint, load them into
+    a freshly built (differently initialized) model and optimizer, and continue there."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    build = dict(name=case["name"], per_layer=case["per_layer"], bf16=case["bf16"], reshard=case["reshard"],
+                 checkpointed=case["checkpointed"])
+    model = _fsdp_model(**build)
+    opt = _optimizer(model)
+    out = {"loss": [], "grads": []}
+    with _Watch() as watch:
+        for step in range(case["steps"]):
+            if step == case.get("dcp_step"):
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
+                model = _fsdp_model(**build)  # initial parameters, not the saved ones
+                opt = _optimizer(model)
+                msd, osd = get_state_dict(model, opt)
+                dcp.load({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
+                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            tokens = _tokens(step, ROWS * world)[rank * ROWS:(rank + 1) * ROWS]
+            torch.manual_seed(_seed(step, rank))
+            loss = _loss(model, tokens)
+            loss.backward()
+            out["loss"].append(loss.item())
+            out["grads"].append(_grads(model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    out["params"] = _params(model)
+    out["warnings"], out["launches"] = watch.warnings, watch.launches
+    return out
+
+
+FSDP_CASES = {
+    # per layer + root, fp32, resharded after forward, dropout 0.1 with the first layer
+    # checkpointed, a DCP save and load after step 1
+    "per_layer": dict(name="gpt", per_layer=True, bf16=False, reshard=True, checkpointed=True, dcp_step=1, steps=2),
+    # the whole model as one group, bf16 parameters with fp32 reduction, kept unsharded
+    "whole_bf16": dict(name="gpt", per_layer=False, bf16=True, reshard=False, checkpointed=False, steps=2),
+    # fused_block.models.LlamaLike (RoPE, GQA, SwiGLU, RMSNorm) and a converted HF LLaMA
+    "llama_like": dict(name="llama_like", per_layer=True, bf16=False, reshard=True, checkpointed=False, steps=2),
+    "hf_llama": dict(name="hf_llama", per_layer=True, bf16=True, reshard=False, checkpointed=True, steps=2),
+}
+
+
+def _fsdp_cases(rank, world, names, checkpoint_dir):
+    return {name: _fsdp_train(rank, world, FSDP_CASES[name], os.path.join(checkpoint_dir, name)) for name in names}
+
+
+def _fsdp_references(names, world):
+    return {n: _reference(FSDP_CASES[n]["name"], world, FSDP_CASES[n]["steps"], FSDP_CASES[n]["bf16"])
+            for n in names}
+
+
+def _run_fsdp(names, world, tmp_path):
+    ranks, ref = dist_testing.spawn(_fsdp_cases, world, names, str(tmp_path),
+                                    reference=(_fsdp_references, (names, world)))
+    for name in names:
+        _check_ranks([r[name] for r in ranks], ref[name], FSDP_CASES[name]["steps"])
+
+
+def test_fsdp2_two_processes(tmp_path):
+    """A 2-layer GPT (fused_block.models.DecoderOnly, tied embeddings, dropout 0.1): sharded
+    per layer and on the root, fp32, resharding after forward, the first layer under
+    checkpoint_wrapper, a distributed checkpoint saved and loaded after the first step; and
+    sharded as one group with bf16 parameters, fp32 reduction, no resharding."""
+    _run_fsdp(["per_layer", "whole_bf16"], 2, tmp_path)
+
+
+@pytest.mark.heavy
+def test_fsdp2_four_processes(tmp_path):
+    _run_fsdp(["per_layer", "whole_bf16"], 4, tmp_path)
+
+
+@pytest.mark.heavy
+def test_fsdp2_llama_like_and_converted_hf_llama(tmp_path):
+    pytest.importorskip("transformers")
+    _run_fsdp(["llama_like", "hf_llama"], 2, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor and sequence parallelism
+# ---------------------------------------------------------------------------------------------
+
+def _layer(kind, heads, dropout=0.0):
+    """A fused layer of ``heads`` heads of dim 16 (d_model 16 * heads)."""
+    torch.manual_seed(0)
+    d = 16 * heads
+    common = dict(dropout=dropout, batch_first=True, norm_first=True)
+    if kind == "llama":  # SwiGLU ([gate; up] in linear1), RMSNorm, RoPE, no biases
+        return fused_block.TransformerEncoderLayer(d, heads, 48, activation="swiglu", bias=False, norm="rms", rope=True,
+                                                   **common)
+    if kind == "post_ln":  # biases everywhere: packed QKV bias, colwise linear1 bias, rowwise biases
+        return fused_block.TransformerEncoderLayer(d, heads, 64, activation="gelu", **{**common, "norm_first": False})
+    if kind == "decoder":
+        return fused_block.TransformerDecoderLayer(d, heads, 64, **common)
+    if kind == "decoder_post_ln":
+        return fused_block.TransformerDecoderLayer(d, heads, 64, activation="relu", **{**common, "norm_first": False})
+    raise ValueError(kind)
+
+
+def _layer_inputs(kind, heads, length=T):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, length, 16 * heads, generator=g)
+    mem = torch.randn(ROWS, length - 2, 16 * heads, generator=g) if kind.startswith("decoder") else None
+    w = torch.randn(ROWS, length, 16 * heads, generator=g)  # the loss's weights: sum(y * w)
+    return x, mem, w
+
+
+def _layer_step(layer, kind, heads, checkpointed=False, length=T):
+    """Forward (causal) and backward of sum(y * w); y, the input gradients and the layer's."""
+    from torch.utils.checkpoint import checkpoint
+    x, mem, w = _layer_inputs(kind, heads, length)
+    x.requires_grad_(True)
+    args = (x,) if mem is None else (x, mem.requires_grad_(True))
+    kw = {"is_causal": True} if mem is None else {"tgt_is_causal": True}
+    y = checkpoint(layer, *args, use_reentrant=False, **kw) if checkpointed else layer(*args, **kw)
+    (y * w).sum().backward()
+    out = {"y": y.detach().clone(), "dx": x.grad, "grads": _grads(layer)}
+    if mem is not None:
+        out["dmem"] = mem.grad
+    layer.zero_grad(set_to_none=True)
+    return out
+
+
+def _model_step(model):
+    tokens = _tokens(0, ROWS)
+    loss = _loss(model, tokens)
+    loss.backward()
+    out = {"loss": loss.detach(), "grads": _grads(model)}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _style(sp):
+    """Sequence parallel: the layer splits the whole sequence it gets and gathers its output."""
+    from torch.distributed.tensor import Replicate
+    from fused_block.distributed import LayerParallel
+    return LayerParallel(sequence_parallel=sp, input_layouts=Replicate() if sp else None,
+                         output_layouts=Replicate() if sp else None)
+
+
+# Each raises a ValueError naming what the tensor-parallel degree does not divide or the plan
+# cannot shard (expected text beside it).
+def _odd_heads(mesh, world):
+    layer = fused_block.TransformerEncoderLayer(16 * (world + 1), world + 1, 64, dropout=0.0, batch_first=True)
+    _parallelize(layer, mesh, _style(False))
+
+
+def _odd_ffn(mesh, world):
+    _parallelize(fused_block.TransformerEncoderLayer(32, 2, 2 * world + 1, batch_first=True), mesh, _style(False))
+
+
+def _gqa(mesh, world):
+    layer = fused_block.TransformerEncoderLayer(64, 4, 64, batch_first=True, num_kv_heads=2)
+    _parallelize(layer, mesh, _style(False))
+
+
+def _odd_sequence(mesh, world):
+    layer = _parallelize(_layer("llama", world), mesh, _style(True))
+    _layer_step(layer, "llama", world, length=T + 1)
+
+
+def _parallelize(module, mesh, plan):
+    from torch.distributed.tensor.parallel import parallelize_module
+    return parallelize_module(module, mesh, plan)
+
+
+ERRORS = {"_odd_heads": "nhead ({h}) is not divisible by the tensor-parallel degree ({w})",
+          "_odd_ffn": "dim_feedforward ({f}) is not divisible by the tensor-parallel degree ({w})",
+          "_gqa": "num_kv_heads (2) != nhead (4)",
+          "_odd_sequence": "the sequence length (dim 1, split by sequence parallelism) ({t}) is not divisible by "
+                           "the tensor-parallel degree ({w})"}
+
+
+def _tp_run(rank, world, layer_cases, model_cases, dropout_cases, errors):
+    """Each case on a 1-D tensor-parallel mesh over all ranks, from the same seeds on every
+    rank. Layers take and return the whole sequence (sequence parallel: split and gathered at
+    the layer's boundary by its input/output layouts); models run tp_plan."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from fused_block.distributed import tp_plan
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {"layers": {}, "models": {}, "dropout": {}, "errors": {}}
+    with _Watch() as watch:
+        for kind, sp in layer_cases:
+            layer = _parallelize(_layer(kind, world), mesh, _style(sp))
+            out["layers"][kind, sp] = _layer_step(layer, kind, world)
+        for name, sp in model_cases:
+            model = _build(name)
+            _parallelize(model, mesh, tp_plan(model, sequence_parallel=sp))
+            out["models"][name, sp] = _model_step(model)
+        for kind, sp, which in dropout_cases:
+            layer = _parallelize(_dropout_layer(kind, world, which), mesh, _style(sp))
+            runs = []
+            for checkpointed in (False, False, True):  # twice plain (reproducible), then recomputed
+                torch.manual_seed(7)
+                runs.append(_layer_step(layer, kind, world, checkpointed))
+            out["dropout"][kind, sp, which] = runs
+        for name in errors:
+            try:
+                globals()[name](mesh, world)
+            except ValueError as e:
+                out["errors"][name] = str(e)
+    out["warnings"], out["launches"] = watch.warnings, watch.launches
+    return out
+
+
+def _dropout_layer(kind, heads, which):
+    """Dropout 0.25 in training; ``which="replicated"`` keeps only the dropouts of tensors every
+    rank holds whole under TP (the residual stream's, the FFN output's): their masks are the
+    single-process layer's. ``"all"``: also attention's and the FFN hidden activation's, drawn
+    per rank on its heads and columns."""
+    layer = _layer(kind, heads, dropout=0.25).train()
+    if which == "replicated":
+        layer.dropout.p = 0.0
+        for name in layer._ATTENTIONS:
+            getattr(layer, name).dropout = 0.0
+    return layer
+
+
+def _single_dropout_step(kind, heads, which):
+    layer = _dropout_layer(kind, heads, which)
+    torch.manual_seed(7)
+    return _layer_step(layer, kind, heads)
+
+
+def _tp_reference(layer_cases, model_cases, dropout_cases, world):
+    return {"layers": {(kind, sp): _layer_step(_layer(kind, world), kind, world) for kind, sp in layer_cases},
+            "models": {(name, sp): _model_step(_build(name)) for name, sp in model_cases},
+            "dropout": {(kind, sp, which): _single_dropout_step(kind, world, which)
+                        for kind, sp, which in dropout_cases if which == "replicated" and not sp}}
+
+
+def _run_tp(world, layer_cases, model_cases, dropout_cases=(), errors=tuple(ERRORS)):
+    ranks, ref = dist_testing.spawn(_tp_run, world, layer_cases, model_cases, dropout_cases, errors,
+                                    reference=(_tp_reference, (layer_cases, model_cases, dropout_cases, world)))
+    for out in ranks:
+        assert out["warnings"] == [], out["warnings"]
+        assert out["launches"] > 0, "the kernels did not run"
+        for case, r in ref["layers"].items():
+            torch.testing.assert_close(out["layers"][case], r, **FP32, msg=lambda m: f"{case}: {m}")
+        for case, r in ref["models"].items():
+            torch.testing.assert_close(out["models"][case], r, **FP32, msg=lambda m: f"{case}: {m}")
+        for case, (plain, again, recomputed) in out["dropout"].items():
+            # Seeded: a rerun draws the same masks, and checkpointing's recomputation too.
+            torch.testing.assert_close(again, plain, atol=0, rtol=0)
+            torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)
+            # One mask per tensor the ranks hold alike: every rank's whole output is the same,
+            # and where only such tensors drop (TP), the single-process layer's masks.
+            torch.testing.assert_close(plain["y"], ranks[0]["dropout"][case][0]["y"], atol=0, rtol=0)
+            if case in ref["dropout"]:
+                torch.testing.assert_close(plain, ref["dropout"][case], **FP32, msg=lambda m: f"{case}: {m}")
+        expected = {name: ERRORS[name].format(h=world + 1, f=2 * world + 1, t=T + 1, w=world) for name in errors}
+        assert set(out["errors"]) == set(errors), out["errors"]
+        for name, message in out["errors"].items():
+            assert expected[name] in message, (expected[name], message)
+
+
+def test_tensor_and_sequence_parallel_two_processes():
+    """TP and SP on 2 ranks: a LLaMA-style fused layer (packed [q; k; v] and [gate; up] split by
+    heads and columns, RoPE on local heads) under both, a Post-LN layer with every bias under
+    TP, a converted HF LLaMA (GQA, 2 layers) under SP through tp_plan; dropout masks seeded,
+    recomputed by checkpointing, shared by the ranks where they drop a replicated tensor (the
+    single-process layer's masks), under TP and SP; the ValueErrors."""
+    pytest.importorskip("transformers")
+    _run_tp(2, [("llama", False), ("llama", True), ("post_ln", False)], [("hf_llama", True)],
+            dropout_cases=[("llama", False, "replicated"), ("post_ln", True, "all")])
+
+
+@pytest.mark.heavy
+def test_tensor_and_sequence_parallel_more_layers():
+    """Decoder layers (cross-attention: the memory enters each rank's heads), Post-LN under SP,
+    the fused LLaMA-like model under SP and the converted HF LLaMA under TP."""
+    pytest.importorskip("transformers")
+    _run_tp(2, [("decoder", True), ("decoder_post_ln", False), ("post_ln", True)],
+            [("llama_like_mha", True), ("hf_llama", False)],
+            dropout_cases=[("post_ln", False, "replicated"), ("decoder", False, "all")], errors=())
+
+
+@pytest.mark.heavy
+def test_tensor_and_sequence_parallel_four_processes():
+    pytest.importorskip("transformers")
+    _run_tp(4, [("llama", True), ("post_ln", False)], [("hf_llama_4kv", True)], errors=("_odd_heads", "_odd_sequence"))
+
+
+def test_seed_shift_offsets_the_seeds_in_draw_order():
+    """What a tensor-parallel layer's dropouts draw (fused_block._backend.seed_shift): the i-th
+    seed drawn inside the block plus the i-th offset (a rank's own Philox stream where it drops
+    its shard), the drawn values otherwise; a dropout with p = 0 draws nothing."""
+    from fused_block import _backend
+    torch.manual_seed(3)
+    plain = [_backend.dropout_seed(0.5, "cpu") for _ in range(3)]
+    torch.manual_seed(3)
+    with _backend.seed_shift([5, 0]):
+        assert _backend.dropout_seed(0.0, "cpu").numel() == 0
+        shifted = [_backend.dropout_seed(0.5, "cpu") for _ in range(3)]
+    assert [s.item() for s in shifted] == [plain[0].item() + 5, plain[1].item(), plain[2].item()]
