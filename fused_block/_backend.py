@@ -9,6 +9,7 @@
 """
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 
@@ -60,6 +61,25 @@ def needs_autograd(*tensors) -> bool:
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+def is_dtensor(t) -> bool:
+    """``t`` is a ``torch.distributed.tensor.DTensor`` (never imports it: without the module
+    loaded there is none). Callers test ``type(t) is not torch.Tensor`` first."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def no_dtensor(name, *tensors):
+    """The fused ops take local tensors: a clear error for a DTensor (its storage is not the
+    tensor's data, which the kernels would read)."""
+    for t in tensors:
+        if type(t) is torch.Tensor or t is None or not is_dtensor(t):
+            continue
+        raise TypeError(f"fused_block.{name}: got a DTensor (placements {tuple(t.placements)}); the kernels take "
+                        "local tensors. Tensor-parallel layers run their ops on their shards "
+                        "(fused_block.distributed.LayerParallel); elsewhere pass DTensor.to_local() and combine the "
+                        "results yourself (the norms take row-sharded DTensors)")
 
 
 # Keys of the one-time warnings already given (tests reset it per test: tests/conftest.py).

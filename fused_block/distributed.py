@@ -228,6 +228,53 @@ def fsdp_shard_placement(param):
     return None
 
 
+def add_norm(fn, x, residual, params, eps, dropout_p, residual_in_fp32, out_is_residual):
+    """``fn`` (``add_layer_norm`` / ``add_rms_norm``) on a DTensor ``x``: each rank normalizes
+    its own rows with the kernel, and the outputs are DTensors placed like x (what a
+    ``SequenceParallel`` style on a fused norm module hands it and expects back).
+
+    x may be replicated or sharded on any dim but the normalized last one (not ``Partial``:
+    reduce it first); ``residual`` a DTensor placed alike or None; weight and bias replicated
+    DTensors on x's mesh, whose gradients are ``Partial`` over the mesh dims that shard x (a
+    plain parameter there would get a partial gradient nobody reduces, so it is refused). A
+    dropout draws its mask from the shared seed plus the rank's index among x's shards.
+    """
+    mesh, placements = x.device_mesh, tuple(x.placements)
+    last = x.dim() - 1
+    for p in placements:
+        if p.is_partial() or (isinstance(p, (Shard, _StridedShard)) and p.dim in (-1, last)):
+            raise ValueError(f"x: the norms take DTensors replicated or sharded along rows (not on the normalized "
+                             f"last dim, not partial), got placements {placements}")
+    if residual is not None and (not isinstance(residual, DTensor) or residual.device_mesh != mesh
+                                 or tuple(residual.placements) != placements):
+        raise ValueError(f"residual: must be a DTensor placed like x ({placements})")
+    sharded = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
+    grad = tuple(Partial() if i in sharded else Replicate() for i in range(mesh.ndim))
+    local = []
+    for name, w in zip(("weight", "bias"), params):
+        if isinstance(w, DTensor):
+            if w.device_mesh != mesh or not all(isinstance(p, Replicate) for p in w.placements):
+                raise ValueError(f"{name}: must be a DTensor replicated on x's mesh, got {tuple(w.placements)}")
+            w = w.to_local(grad_placements=grad)
+        elif w is not None and sharded and w.requires_grad:
+            raise ValueError(f"{name}: a plain tensor beside a sharded x would get each rank's partial gradient, "
+                             "which nothing reduces: make it a replicated DTensor (as torch's SequenceParallel does)")
+        local.append(w)
+    coordinate = mesh.get_coordinate()
+    shard = 0
+    for i in sharded:
+        shard = shard * mesh.size(i) + coordinate[i]
+    x_local = x.to_local()
+    with _backend.seed_shift([shard]) if dropout_p > 0 else _NO_SHIFT:
+        out, rout = fn(x_local, None if residual is None else residual.to_local(), *local, eps, dropout_p,
+                       residual_in_fp32, out_is_residual)
+
+    def wrap(t):
+        return DTensor.from_local(t, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+
+    return wrap(out), x if rout is x_local else wrap(rout)
+
+
 class _Plan:
     """What :class:`LayerParallel` set up on a layer; ``call`` runs one forward on the shards."""
 
@@ -281,9 +328,13 @@ class _Plan:
 
     def prepare_output(self, module, args, out):
         """The forward hook: the output in the layout the caller wants."""
+        def convert(y):
+            y = self._convert(y, self.internal, self.output)
+            return _Own.apply(y) if y._base is not None else y
+
         if isinstance(out, tuple):  # older transformers: (hidden_states, ...)
-            return (self._convert(out[0], self.internal, self.output), *out[1:])
-        return self._convert(out, self.internal, self.output)
+            return (convert(out[0]), *out[1:])
+        return convert(out)
 
     # -- one call -----------------------------------------------------------------------------
     def check_fsdp(self, layer):
@@ -374,6 +425,19 @@ class _Run:
 
     def seeds(self, offsets):
         return _backend.seed_shift(offsets) if offsets else _NO_SHIFT
+
+
+class _Own(torch.autograd.Function):
+    """A redistributed output (``to_local()`` returns a view) as a tensor of its own: FSDP2
+    warns when a module returns a view. The gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 _NO_SHIFT = contextlib.nullcontext()

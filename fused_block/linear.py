@@ -407,6 +407,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     with residual's). Under autocast x, weight and bias are cast like F.linear.
     """
     _validate.tensor("x", x, min_ndim=1)
+    _backend.no_dtensor("linear", x, weight)
     _check_activation(activation)
     _validate.probability("dropout_p", dropout_p)
     x, weight, bias = _autocast(x, weight, bias)
@@ -454,6 +455,7 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     activation is rounded to x's dtype, as in eager PyTorch. Returns (..., D').
     """
     _validate.tensor("x", x, min_ndim=1)
+    _backend.no_dtensor("mlp", x, w1, w2)
     _check_activation(activation, MLP_ACTIVATIONS)
     _validate.probability("dropout_p", dropout_p)
     _validate.probability("output_dropout_p", output_dropout_p)
@@ -488,6 +490,7 @@ def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Op
     then dW_gate/dW_up in one GEMM and dX reading both weights in place. Returns (..., D').
     """
     _validate.tensor("x", x, min_ndim=1)
+    _backend.no_dtensor("swiglu", x, w_gate, w_up, w_down)
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = _autocast(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
     _check_layer("x", x, "w_up", w_up, "b_up", b_up)

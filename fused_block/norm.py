@@ -238,6 +238,10 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
         dropout mask is regenerated from its seed.
     """
     _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
+    if type(x) is not Tensor and _backend.is_dtensor(x):
+        from fused_block import distributed
+        return distributed.add_norm(add_layer_norm, x, residual, (weight, bias), eps, dropout_p, residual_in_fp32,
+                                    out_is_residual)
     if not _backend.use_triton(x):
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
     return _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=False)
@@ -253,6 +257,10 @@ def add_rms_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | Non
     if eps is None and isinstance(x, Tensor) and x.is_floating_point():
         eps = torch.finfo(x.dtype).eps
     _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual)
+    if type(x) is not Tensor and _backend.is_dtensor(x):
+        from fused_block import distributed
+        return distributed.add_norm(add_rms_norm, x, residual, (weight,), eps, dropout_p, residual_in_fp32,
+                                    out_is_residual)
     if not _backend.use_triton(x):
         return reference.add_rms_norm(x, residual, weight, eps, dropout_p, residual_in_fp32, out_is_residual)
     return _add_norm(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=True)

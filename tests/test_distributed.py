@@ -76,7 +76,7 @@ def _tokens(step, rows, vocab=64):
 
 def _loss(model, tokens):
     if hasattr(model, "model"):  # Hugging Face: labels are shifted inside
-        return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+        return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1], use_cache=False).loss
     return model(tokens[:, :-1], targets=tokens[:, 1:])[1]
 
 
@@ -374,7 +374,7 @@ ERRORS = {"_odd_heads": "nhead ({h}) is not divisible by the tensor-parallel deg
                            "the tensor-parallel degree ({w})"}
 
 
-def _tp_run(rank, world, layer_cases, model_cases, dropout_cases, errors):
+def _tp_run(rank, world, layer_cases, model_cases, dropout_cases, errors, norms):
     """Each case on a 1-D tensor-parallel mesh over all ranks, from the same seeds on every
     rank. Layers take and return the whole sequence (sequence parallel: split and gathered at
     the layer's boundary by its input/output layouts); models run tp_plan."""
@@ -403,6 +403,8 @@ def _tp_run(rank, world, layer_cases, model_cases, dropout_cases, errors):
                 globals()[name](mesh, world)
             except ValueError as e:
                 out["errors"][name] = str(e)
+        if norms:
+            out["norms"] = _sequence_parallel_norms(mesh, rank, world)
     out["warnings"], out["launches"] = watch.warnings, watch.launches
     return out
 
@@ -426,17 +428,56 @@ def _single_dropout_step(kind, heads, which):
     return _layer_step(layer, kind, heads)
 
 
+def _norm_modules():
+    torch.manual_seed(0)
+    norms = {"layer": fused_block.LayerNorm(32), "rms": fused_block.RMSNorm(32)}
+    with torch.no_grad():
+        for n in norms.values():
+            for p in n.parameters():
+                p.normal_()
+    return norms
+
+
+def _norm_step(norm, x, w):
+    from torch.distributed.tensor import DTensor
+    y = norm(x)
+    ((y.to_local() if isinstance(y, DTensor) else y) * w).sum().backward()
+    return {"y": y, "dx": x.grad, "grads": {n: _full(p.grad) for n, p in norm.named_parameters()}}
+
+
+def _sequence_parallel_norms(mesh, rank, world):
+    """fused_block's norm modules under torch's SequenceParallel style (a final norm in a
+    user's plan): each rank's part of the sequence in, DTensors out; the kernels run on the
+    local rows, the weights' gradients are reduced. And the other ops refuse DTensors."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+    out = {}
+    x, _, w = _layer_inputs("norm", 2)
+    part = slice(rank * T // world, (rank + 1) * T // world)
+    for name, norm in _norm_modules().items():
+        _parallelize(norm, mesh, SequenceParallel())
+        got = _norm_step(norm, x[:, part].clone().requires_grad_(True), w[:, part])
+        out[name] = {"y": got["y"].full_tensor(), "dx": got["dx"], "grads": got["grads"]}
+    try:
+        fused_block.linear(DTensor.from_local(x[:, part], mesh, (Shard(1),)), torch.ones(4, 32))
+    except TypeError as e:
+        out["linear"] = str(e)
+    return out
+
+
 def _tp_reference(layer_cases, model_cases, dropout_cases, world):
     return {"layers": {(kind, sp): _layer_step(_layer(kind, world), kind, world) for kind, sp in layer_cases},
             "models": {(name, sp): _model_step(_build(name)) for name, sp in model_cases},
             "dropout": {(kind, sp, which): _single_dropout_step(kind, world, which)
-                        for kind, sp, which in dropout_cases if which == "replicated" and not sp}}
+                        for kind, sp, which in dropout_cases if which == "replicated" and not sp},
+            "norms": {name: _norm_step(norm, x.clone().requires_grad_(True), w) for name, norm in _norm_modules().items()
+                      for x, _, w in [_layer_inputs("norm", 2)]}}
 
 
-def _run_tp(world, layer_cases, model_cases, dropout_cases=(), errors=tuple(ERRORS)):
-    ranks, ref = dist_testing.spawn(_tp_run, world, layer_cases, model_cases, dropout_cases, errors,
+def _run_tp(world, layer_cases, model_cases, dropout_cases=(), errors=tuple(ERRORS), norms=False):
+    ranks, ref = dist_testing.spawn(_tp_run, world, layer_cases, model_cases, dropout_cases, errors, norms,
                                     reference=(_tp_reference, (layer_cases, model_cases, dropout_cases, world)))
-    for out in ranks:
+    for rank, out in enumerate(ranks):
         assert out["warnings"] == [], out["warnings"]
         assert out["launches"] > 0, "the kernels did not run"
         for case, r in ref["layers"].items():
@@ -456,6 +497,13 @@ def _run_tp(world, layer_cases, model_cases, dropout_cases=(), errors=tuple(ERRO
         assert set(out["errors"]) == set(errors), out["errors"]
         for name, message in out["errors"].items():
             assert expected[name] in message, (expected[name], message)
+        if norms:
+            part = slice(rank * T // world, (rank + 1) * T // world)
+            for name in ("layer", "rms"):
+                r = ref["norms"][name]
+                torch.testing.assert_close(out["norms"][name], {"y": r["y"], "dx": r["dx"][:, part], "grads": r["grads"]},
+                                           **FP32, msg=lambda m: f"{name} norm: {m}")
+            assert "fused_block.linear: got a DTensor" in out["norms"]["linear"]
 
 
 def test_tensor_and_sequence_parallel_two_processes():
@@ -463,10 +511,11 @@ def test_tensor_and_sequence_parallel_two_processes():
     heads and columns, RoPE on local heads) under both, a Post-LN layer with every bias under
     TP, a converted HF LLaMA (GQA, 2 layers) under SP through tp_plan; dropout masks seeded,
     recomputed by checkpointing, shared by the ranks where they drop a replicated tensor (the
-    single-process layer's masks), under TP and SP; the ValueErrors."""
+    single-process layer's masks), under TP and SP; the ValueErrors; fused_block's norm modules
+    under torch's SequenceParallel style (DTensors in and out, the kernels on local rows)."""
     pytest.importorskip("transformers")
     _run_tp(2, [("llama", False), ("llama", True), ("post_ln", False)], [("hf_llama", True)],
-            dropout_cases=[("llama", False, "replicated"), ("post_ln", True, "all")])
+            dropout_cases=[("llama", False, "replicated"), ("post_ln", True, "all")], norms=True)
 
 
 @pytest.mark.heavy
@@ -497,3 +546,107 @@ def test_seed_shift_offsets_the_seeds_in_draw_order():
         assert _backend.dropout_seed(0.0, "cpu").numel() == 0
         shifted = [_backend.dropout_seed(0.5, "cpu") for _ in range(3)]
     assert [s.item() for s in shifted] == [plain[0].item() + 5, plain[1].item(), plain[2].item()]
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 x TP on a 2-D mesh; torch.compile of an FSDP2 stack
+# ---------------------------------------------------------------------------------------------
+
+def _two_d_train(rank, world, sequence_parallel, steps):
+    """A 2-layer GPT (no dropout: TP's per-rank masks are not the single process's) on a
+    (dp 2, tp 2) mesh: tp_plan on the tp dim, then FSDP2 per layer and on the root over dp. The
+    tp ranks of a dp rank take the same rows under the same seed. Also: FSDP2 without
+    fsdp_shard_placement over a TP layer raises at its first call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from fused_block.distributed import fsdp_shard_placement, tp_plan
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = _build("gpt_no_dropout")
+    _parallelize(model, mesh["tp"], tp_plan(model, sequence_parallel=sequence_parallel))
+    for layer in model.blocks:
+        fully_shard(layer, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
+    fully_shard(model, mesh=mesh["dp"])
+    opt = _optimizer(model)
+    out = {"loss": [], "grads": []}
+    with _Watch() as watch:
+        for step in range(steps):
+            tokens = _tokens(step, ROWS * 2)[dp_rank * ROWS:(dp_rank + 1) * ROWS]
+            torch.manual_seed(_seed(step, dp_rank))
+            loss = _loss(model, tokens)
+            loss.backward()
+            out["loss"].append(loss.item())
+            out["grads"].append(_grads(model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    out["params"] = _params(model)
+    out["warnings"], out["launches"] = watch.warnings, watch.launches
+    wrong = _build("gpt_no_dropout")
+    _parallelize(wrong, mesh["tp"], tp_plan(wrong))
+    fully_shard(wrong.blocks[0], mesh=mesh["dp"])
+    try:
+        _loss(wrong, tokens)
+    except ValueError as e:
+        out["misplaced"] = str(e)
+    return out
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_fsdp2_x_tensor_parallel_on_a_2d_mesh(sequence_parallel):
+    ranks, ref = dist_testing.spawn(_two_d_train, 4, sequence_parallel, 2,
+                                    reference=(_reference, ("gpt_no_dropout", 2, 2)))
+    _check_ranks(ranks, ref, 2, dp_rank=lambda r: r // 2)
+    for out in ranks:
+        assert "shard_placement_fn=fused_block.distributed.fsdp_shard_placement" in out["misplaced"]
+
+
+def _compiled_train(rank, world, steps):
+    """The 2-layer GPT sharded per layer and on the root by FSDP2, then torch.compile'd."""
+    model = torch.compile(_fsdp_model("gpt_no_dropout", per_layer=True, bf16=False, reshard=True,
+                                      checkpointed=False))
+    opt = _optimizer(model)
+    out = {"loss": [], "grads": []}
+    with _Watch() as watch:
+        for step in range(steps):
+            tokens = _tokens(step, ROWS * world)[rank * ROWS:(rank + 1) * ROWS]
+            torch.manual_seed(_seed(step, rank))
+            loss = _loss(model, tokens)
+            loss.backward()
+            out["loss"].append(loss.item())
+            out["grads"].append(_grads(model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    out["params"] = _params(model)
+    out["warnings"], out["launches"] = watch.warnings, watch.launches
+    return out
+
+
+@pytest.mark.heavy
+def test_torch_compile_of_an_fsdp2_stack():
+    ranks, ref = dist_testing.spawn(_compiled_train, 2, 2, reference=(_reference, ("gpt_no_dropout", 2, 2)))
+    _check_ranks(ranks, ref, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the torchrun example
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.heavy
+def test_torchrun_example_trains_and_resumes(tmp_path):
+    """examples/train_gpt.py under torchrun (--standalone: a free port) on 4 CPU processes over
+    gloo, FSDP2 x TP with sequence parallelism, the kernels in the interpreter: it trains,
+    saves a distributed checkpoint, and a second run resumes from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(root, "examples", "train_gpt.py"), "--tp", "2", "--sp", "--tiny", "--batch", "2",
+           "--checkpoint", str(tmp_path / "ckpt")]
+    first = subprocess.run(cmd + ["--steps", "3"], env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = [float(line.rsplit(" ", 1)[1]) for line in first.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), first.stdout
+    second = subprocess.run(cmd + ["--steps", "1"], env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout, second.stdout
