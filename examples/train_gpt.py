@@ -16,7 +16,6 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -71,15 +70,16 @@ def main():
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
+    start = torch.zeros((), dtype=torch.int64)
     if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, ".metadata")):
-        msd, osd = get_state_dict(model, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=args.checkpoint)
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        msd, osd = distributed.get_state_dict(model, opt)  # torch's, DCP-savable with packed TP weights
+        dcp.load({"model": msd, "optim": osd, "step": start}, checkpoint_id=args.checkpoint)
+        distributed.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
         if rank == 0:
-            print(f"resumed from {args.checkpoint}")
+            print(f"resumed from {args.checkpoint} at step {start.item()}")
 
     dp_rank = mesh["dp"].get_local_rank()
-    for step in range(args.steps):
+    for step in range(start.item(), start.item() + args.steps):
         # The tp ranks of one dp rank take the same rows; each dp rank its own.
         rows = corpus(step, args.batch * mesh["dp"].size(), length, cfg.vocab_size)
         tokens = rows[dp_rank * args.batch:(dp_rank + 1) * args.batch].to(device)
@@ -91,8 +91,8 @@ def main():
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
 
     if args.checkpoint:
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=args.checkpoint)
+        msd, osd = distributed.get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd, "step": torch.tensor(step + 1)}, checkpoint_id=args.checkpoint)
         if rank == 0:
             print(f"saved {args.checkpoint}")
     dist.destroy_process_group()

@@ -228,6 +228,50 @@ def fsdp_shard_placement(param):
     return None
 
 
+def get_state_dict(model, optimizers, **kwargs):
+    """``torch.distributed.checkpoint.state_dict.get_state_dict`` with the packed tensor-parallel
+    weights (and their optimizer states) as ``Shard(0)`` DTensors of the same values.
+
+    torch.distributed.checkpoint saves each rank's part of a tensor as one block of it, and a
+    rank's [q_r; k_r; v_r] rows are three blocks (it refuses them: "overlapping chunks"). The
+    copy costs a redistribution of those weights (a gather of each, one at a time).
+    """
+    from torch.distributed.checkpoint import state_dict as sd
+    msd, osd = sd.get_state_dict(model, optimizers, **kwargs)
+    return _map(_unstrided, msd), _map(_unstrided, osd)
+
+
+def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, **kwargs):
+    """``torch.distributed.checkpoint.state_dict.set_state_dict`` for what :func:`get_state_dict`
+    returned (and ``torch.distributed.checkpoint.load`` filled): each DTensor goes back to the
+    placements of the model's own."""
+    from torch.distributed.checkpoint import state_dict as sd
+    own_m, own_o = sd.get_state_dict(model, optimizers, **kwargs)
+    sd.set_state_dict(model, optimizers, model_state_dict=_map(_placed_like, model_state_dict, own_m),
+                      optim_state_dict=_map(_placed_like, optim_state_dict, own_o), **kwargs)
+
+
+def _map(fn, tree, like=None):
+    if isinstance(tree, dict):
+        return {k: _map(fn, v, None if like is None else like.get(k)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map(fn, v, None if like is None else like[i]) for i, v in enumerate(tree)]
+    return fn(tree, like)
+
+
+def _unstrided(t, _like):
+    if isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements):
+        return t.redistribute(t.device_mesh, tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p
+                                                   for p in t.placements))
+    return t
+
+
+def _placed_like(t, like):
+    if isinstance(t, DTensor) and isinstance(like, DTensor) and t.placements != like.placements:
+        return t.redistribute(like.device_mesh, like.placements)
+    return t
+
+
 def add_norm(fn, x, residual, params, eps, dropout_p, residual_in_fp32, out_is_residual):
     """``fn`` (``add_layer_norm`` / ``add_rms_norm``) on a DTensor ``x``: each rank normalizes
     its own rows with the kernel, and the outputs are DTensors placed like x (what a
