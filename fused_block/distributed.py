@@ -403,6 +403,7 @@ class _Plan:
                                      "fsdp_shard_placement to fully_shard")
             self.fsdp_checked = True
 
+    @torch.compiler.disable  # swaps module state: runs eagerly under torch.compile (a graph break)
     def call(self, layer, fn, *args):
         """``fn(*args)`` (the layer's fused forward) with the layer's parameters replaced by
         this rank's local tensors and its attention modules holding their share of the heads."""

@@ -265,7 +265,8 @@ class _LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if dout is not None and (need_x or need_w or need_b):
             x, weight, pre, seed = ctx.saved_tensors
-            g = _rows(dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype), dout.shape[-1])  # residual promoted out
+            g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)  # residual promoted out
+            g = _rows(g, g.shape[-1])
             dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
                                      need_x, need_w, need_b)
             dx = dx.view(ctx.x_shape) if need_x else None
