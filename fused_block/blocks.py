@@ -686,10 +686,17 @@ _NO_SEED_BLOCK = contextlib.nullcontext()
 _TP, _TP_RUN = "_fused_block_tp", "_fused_block_tp_run"
 
 
-def _tp_length(layer, n, memory=False):
-    """The whole sequence's length where a sequence-parallel layer holds ``n`` of its tokens."""
+def _tp_length(layer, n, memory=False, masks=()):
+    """The whole sequence's length where a sequence-parallel layer holds ``n`` of its tokens.
+    Tensor parallel, a per-head (3-D) mask among ``masks`` (name, mask) raises: the layer's
+    attention modules hold only their rank's heads."""
     run = layer.__dict__.get(_TP_RUN)
-    return n if run is None else run.length(n, memory)
+    if run is None:
+        return n
+    for name, mask in masks:
+        if isinstance(mask, Tensor) and mask.dim() == 3:
+            raise ValueError(f"{name}: per-head (3-D) masks are not supported under tensor parallelism")
+    return run.length(n, memory)
 
 
 def _like(a, x):
@@ -779,7 +786,7 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         _check_input("src", src, attn.embed_dim)
         x, batched = _batch(src, attn.batch_first)
         B, L = _dims(x, attn.batch_first)
-        L = _tp_length(self, L)  # sequence parallel: x holds this rank's part of the sequence
+        L = _tp_length(self, L, masks=(("src_mask", src_mask),))  # SP: x holds this rank's part of the sequence
         _check_mask("src_mask", src_mask, B, attn.num_heads, L, L)
         _check_padding_mask("src_key_padding_mask", src_key_padding_mask, B, L, batched)
         kpm = src_key_padding_mask if batched or src_key_padding_mask is None else src_key_padding_mask[None]
@@ -889,7 +896,8 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         mem, _ = _batch(memory, bf)
         B, L = _dims(x, bf)
         Bm, S = _dims(mem, bf)
-        L, S = _tp_length(self, L), _tp_length(self, S, memory=True)
+        L, S = _tp_length(self, L, masks=(("tgt_mask", tgt_mask), ("memory_mask", memory_mask))), \
+            _tp_length(self, S, memory=True)
         if Bm != B:
             raise ShapeError(f"memory: batch size {Bm} does not match tgt's {B}")
         H = sa_mod.num_heads

@@ -271,7 +271,8 @@ def test_fsdp2_two_processes(tmp_path):
 
 @pytest.mark.heavy
 def test_fsdp2_four_processes(tmp_path):
-    _run_fsdp(["per_layer", "whole_bf16"], 4, tmp_path)
+    pytest.importorskip("transformers")
+    _run_fsdp(list(FSDP_CASES), 4, tmp_path)
 
 
 @pytest.mark.heavy
@@ -363,6 +364,12 @@ def _odd_sequence(mesh, world):
     _layer_step(layer, "llama", world, length=T + 1)
 
 
+def _per_head_mask(mesh, world):
+    layer = _parallelize(_layer("post_ln", world), mesh, _style(False))
+    x = _layer_inputs("post_ln", world)[0]
+    layer(x, src_mask=torch.zeros(ROWS * world, T, T))
+
+
 def _parallelize(module, mesh, plan):
     from torch.distributed.tensor.parallel import parallelize_module
     return parallelize_module(module, mesh, plan)
@@ -371,6 +378,7 @@ def _parallelize(module, mesh, plan):
 ERRORS = {"_odd_heads": "nhead ({h}) is not divisible by the tensor-parallel degree ({w})",
           "_odd_ffn": "dim_feedforward ({f}) is not divisible by the tensor-parallel degree ({w})",
           "_gqa": "num_kv_heads (2) != nhead (4)",
+          "_per_head_mask": "src_mask: per-head (3-D) masks are not supported under tensor parallelism",
           "_odd_sequence": "the sequence length (dim 1, split by sequence parallelism) ({t}) is not divisible by "
                            "the tensor-parallel degree ({w})"}
 
@@ -385,9 +393,11 @@ def _tp_run(rank, world, layer_cases, model_cases, dropout_cases, errors, norms)
     mesh = init_device_mesh("cpu", (world,))
     out = {"layers": {}, "models": {}, "dropout": {}, "errors": {}}
     with _Watch() as watch:
-        for kind, sp in layer_cases:
+        for kind, sp, *compiled in layer_cases:
             layer = _parallelize(_layer(kind, world), mesh, _style(sp))
-            out["layers"][kind, sp] = _layer_step(layer, kind, world)
+            if compiled:  # inside a compiled graph the TP layer's call runs eagerly
+                layer = torch.compile(layer)
+            out["layers"][(kind, sp, *compiled)] = _layer_step(layer, kind, world)
         for name, sp in model_cases:
             model = _build(name)
             _parallelize(model, mesh, tp_plan(model, sequence_parallel=sp))
@@ -467,7 +477,7 @@ def _sequence_parallel_norms(mesh, rank, world):
 
 
 def _tp_reference(layer_cases, model_cases, dropout_cases, world):
-    return {"layers": {(kind, sp): _layer_step(_layer(kind, world), kind, world) for kind, sp in layer_cases},
+    return {"layers": {case: _layer_step(_layer(case[0], world), case[0], world) for case in layer_cases},
             "models": {(name, sp): _model_step(_build(name)) for name, sp in model_cases},
             "dropout": {(kind, sp, which): _single_dropout_step(kind, world, which)
                         for kind, sp, which in dropout_cases if which == "replicated" and not sp},
@@ -522,9 +532,10 @@ def test_tensor_and_sequence_parallel_two_processes():
 @pytest.mark.heavy
 def test_tensor_and_sequence_parallel_more_layers():
     """Decoder layers (cross-attention: the memory enters each rank's heads), Post-LN under SP,
-    the fused LLaMA-like model under SP and the converted HF LLaMA under TP."""
+    a LLaMA-style layer under SP inside torch.compile, the fused LLaMA-like model under SP and
+    the converted HF LLaMA under TP."""
     pytest.importorskip("transformers")
-    _run_tp(2, [("decoder", True), ("decoder_post_ln", False), ("post_ln", True)],
+    _run_tp(2, [("decoder", True), ("decoder_post_ln", False), ("post_ln", True), ("llama", True, "compiled")],
             [("llama_like_mha", True), ("hf_llama", False)],
             dropout_cases=[("post_ln", False, "replicated"), ("decoder", False, "all")], errors=())
 
