@@ -3,7 +3,8 @@
 A fused layer reads its submodules' weights instead of calling them. That gives the original's
 answer only while every submodule the original forward would call is a plain module of a class
 the fused path reproduces: not a PEFT ``LoraLayer``, not a quantized ``nn.Linear`` subclass
-(bitsandbytes' ``Linear4bit``/``Linear8bitLt``) or a tensor-subclass weight (torchao, DTensor),
+(bitsandbytes' ``Linear4bit``/``Linear8bitLt``) or a tensor-subclass weight (torchao, DTensor:
+but a tensor-parallel layer reads the DTensors its own plan placed, ``accept`` below),
 no instance-level ``forward`` (accelerate's hooks), no forward, forward-pre or backward hooks,
 no parametrization the fused path cannot read through. A layer describes what it bypasses as a
 *spec*, ``{path: allowed classes}`` for every descendant its original forward would call;

@@ -28,6 +28,10 @@ Attention is one QKV matmul whose (..., (H + 2 Hkv) * D) output is viewed, witho
 as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel (with ``rope=True`` one
 kernel first rotates q and k into a new packed tensor, copying v beside them).
 
+Tensor parallelism (``fused_block.distributed.LayerParallel``): the same forward runs on the
+rank's shards; ``MultiheadAttention._attend`` and ``_LayerMixin._ffn`` take their inputs whole
+and reduce their partial sums, the norms run on the layer's layout.
+
 Masks: ``is_causal`` and a causal ``src_mask`` (``nn.Transformer.generate_square_subsequent_mask``
 or its bool form) run the causal kernel, a bool or 0/-inf float key padding mask runs the
 padding mask. Anything the kernel cannot express (a general float/bool ``src_mask``, a
