@@ -1,6 +1,7 @@
 # `make bench`: the main job (python -m bench). `make test`: the test suite.
 # Both create or reuse the virtual environment in $(VENV) and install what they need.
-# `make compile-report`: the compiled-kernel resource table (every config, sm_80 and sm_90).
+# `make compile-report`: the compiled-kernel resource table (every config, sm_80 and sm_90), then
+# each sm_90 config's SASS cost per loop (instructions, HGMMA, issue/tensor; kernels/sass.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fused-block-installed

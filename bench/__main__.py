@@ -27,7 +27,7 @@ from bench import harness, specs  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # Spec name -> the kernel module whose compiled configs belong to it.
-KERNEL_MODULES = {"norm": "norm", "attention": "attention", "matmul": "matmul"}
+KERNEL_MODULES = {"norm": "norm", "attention": "attention", "matmul": "matmul", "loss": "loss"}
 
 
 def parse_args(argv):

@@ -5,3 +5,4 @@ from fused_block.convert import TransformerDecoderLayer, TransformerEncoderLayer
 from fused_block.blocks import MultiheadAttention  # noqa: F401
 from fused_block.attention import attention, attention_qkvpacked  # noqa: F401
 from fused_block.rope import rope, rope_qkvpacked  # noqa: F401
+from fused_block.loss import LinearCrossEntropy, linear_cross_entropy  # noqa: F401

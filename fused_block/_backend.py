@@ -31,7 +31,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def host_only():
+def host_only(stub: bool = True):
     """Run everything of the kernel path but the kernels, on any device (CPU tensors included).
 
     Validation, config lookup, allocation, ``torch.library`` dispatch, autograd and every
@@ -40,10 +40,14 @@ def host_only():
     ``common.arch(cpu) == 0`` and ``interpreting()`` unchanged, so they pick their interpreter
     configs and never time candidates. For measuring host time and counting kernels on CPU
     tensors only: on CUDA tensors the configs chosen untimed would stay in the config caches.
+
+    ``stub=False`` keeps the launches: in a process without the interpreter, with
+    ``fused_block.kernels.fake_driver`` installed, Triton's launch path (or the direct one)
+    runs up to the fake C launcher (the host benchmark's measurement with launches included).
     """
     global FORCE_TRITON
     before = FORCE_TRITON, common.STUB_LAUNCHES
-    FORCE_TRITON, common.STUB_LAUNCHES = True, True
+    FORCE_TRITON, common.STUB_LAUNCHES = True, stub
     try:
         yield
     finally:

@@ -231,9 +231,9 @@ def reason(layer, describe):
                 m.__dict__[attr] = _HookDict()
     key = id(layer)
 
-    def forget(_ref, key=key):
-        if _VERDICTS.get(key) is verdict:
-            del _VERDICTS[key]
+    def forget(_ref, key=key, verdicts=_VERDICTS):  # bound now: at interpreter exit the global is gone
+        if verdicts.get(key) is verdict:
+            del verdicts[key]
 
     verdict = _Verdict(weakref.ref(layer, forget), _EPOCH, tuple((m, type(m)) for m in watched),
                        tuple(counted), live)

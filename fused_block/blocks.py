@@ -47,10 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fused_block import _backend, _guard, reference
+from fused_block import _backend, _guard, lora, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
+from fused_block.linear import gated_linear as _gated_linear
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
 from fused_block.norm import LayerNorm, RMSNorm, add_layer_norm, add_rms_norm
@@ -75,17 +76,17 @@ class MaskTypeError(TypeError, AssertionError):
 
 
 class _Ops:
-    """The five ops a layer calls, called positionally (the reference's names differ)."""
+    """The ops a layer calls, called positionally (the reference's names differ)."""
 
-    def __init__(self, add_layer_norm, add_rms_norm, attention, linear, mlp):
+    def __init__(self, add_layer_norm, add_rms_norm, attention, linear, mlp, gated):
         self.add_layer_norm, self.add_rms_norm = add_layer_norm, add_rms_norm
-        self.attention, self.linear, self.mlp = attention, linear, mlp
+        self.attention, self.linear, self.mlp, self.gated = attention, linear, mlp, gated
 
 
-_FUSED = _Ops(add_layer_norm, add_rms_norm, _attention, _linear, _mlp)
+_FUSED = _Ops(add_layer_norm, add_rms_norm, _attention, _linear, _mlp, _gated_linear)
 # float64 (which torch's layers accept and the kernels do not) runs the plain-PyTorch reference.
 _REFERENCE = _Ops(reference.add_layer_norm, reference.add_rms_norm, reference.attention,
-                  reference.linear, reference.mlp)
+                  reference.linear, reference.mlp, reference.gated)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -634,12 +635,34 @@ class _LayerMixin:
         name = self._activation()
         l1, l2 = self.linear1, self.linear2
         ops = _ops(x)
+        if lora.is_lora(l1) or lora.is_lora(l2):
+            return self._ffn_lora(x, residual, p_in, p_out, name, ops)
         if name is not None:
             return ops.mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, name, residual, p_in, p_out)
         # A custom activation callable runs between the GEMMs, so its dropout does too.
         hid = self.activation(ops.linear(x, l1.weight, l1.bias))
         hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
         return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
+
+    def _ffn_lora(self, x, residual, p_in, p_out, name, ops):
+        """The FFN with PEFT LoRA on linear1 and/or linear2 (fused_block.lora): each GEMM takes
+        its adapters' low-rank update in its reduction; the hidden activation is materialized
+        between them, since linear2's adapters (and their dropout) read it."""
+        l1, l2 = self.linear1, self.linear2
+        base1, base2 = lora.base(l1), lora.base(l2)
+        t1 = lora.terms(l1, x)
+        w1, b1 = base1.weight, base1.bias
+        if name == "swiglu":
+            f = w1.shape[0] // 2
+            t1 = None if t1 is None else (t1[0], t1[1][:f], t1[1][f:])
+            hid = ops.gated(x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
+                            dropout_p=p_in, lora=t1)
+        elif name is not None:
+            hid = ops.linear(x, w1, b1, name, None, p_in, lora=t1)
+        else:
+            hid = self.activation(ops.linear(x, w1, b1, lora=t1))
+            hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
+        return ops.linear(hid, base2.weight, base2.bias, None, residual, p_out, lora=lora.terms(l2, hid))
 
     def _activation(self):
         """The fused epilogue's name for ``self.activation``, looked up once per activation
@@ -965,10 +988,16 @@ def _describe_layer(layer):
     norms, the dropouts, the attention modules (whose out_proj torch's attention reads as well)
     and a ReLU/GELU activation module."""
     norms = _NORM_CLASSES[layer.norm]
-    spec = {"linear1": _LINEAR, "linear2": _LINEAR}
+    spec, skip = {}, []
+    wrapped = []
+    for name in ("linear1", "linear2"):
+        entries, called = lora.spec(name, getattr(layer, name), _LINEAR)
+        spec.update(entries)
+        skip.extend(called)
+        if lora.is_lora(getattr(layer, name)):
+            wrapped.append(name)
     spec.update((name, _DROPOUT) for name in layer._DROPOUTS)
     spec.update((name, norms) for name in layer._NORMS)
-    skip = []
     for name in layer._ATTENTIONS:
         spec[name] = (MultiheadAttention,)
         skip.append(name + ".out_proj")
@@ -983,7 +1012,21 @@ def _describe_layer(layer):
     for name in layer._ATTENTIONS:
         why = why or _guard.tensors_reason(name + ".out_proj", getattr(layer, name).out_proj, ("weight", "bias"),
                                            accept)
-    return why, watched, None
+    return why, watched, _lora_live(layer, wrapped) if wrapped else None
+
+
+def _lora_live(layer, names):
+    """The per-call check of PEFT state no registration announces (active adapters, merged or
+    disabled, variants): see fused_block.lora.reason."""
+    ref = weakref.ref(layer)  # the cached verdict must not keep its layer alive
+
+    def live():
+        for name in names:
+            why = lora.reason(name, getattr(ref(), name))
+            if why is not None:
+                return why
+        return None
+    return live
 
 
 def _causal_mask(L, like):

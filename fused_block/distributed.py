@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fused_block import _backend, blocks, hf
+from fused_block import _backend, blocks, hf, lora
 
 # How a layer's parameter is placed on the tensor-parallel mesh and read by its forward.
 COLWISE = "colwise"            # Shard(0): output rows by heads / FFN columns
@@ -129,6 +129,10 @@ def _llama_params(layer, size):
 
 
 def _describe(layer, size):
+    wrapped = [path for path, m in layer.named_modules() if lora.is_lora(m)]
+    if wrapped:
+        raise ValueError(f"{wrapped[0]}: PEFT LoRA on a tensor-parallel layer is not supported (its adapters would "
+                         "need the base weight's sharding)")
     if isinstance(layer, _FUSED_LAYERS):
         params, heads = _fused_params(layer, size)
         seq_dim = 1 if layer.self_attn.batch_first else 0

@@ -34,6 +34,7 @@ Each dropout draws one int64 seed from torch's generator (``_backend.dropout_see
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fused_block import _backend, _library, _validate, reference
@@ -70,18 +71,36 @@ def _linear_fwd_fake(x, weight, bias, residual, activation, save_pre, seed, drop
             x.new_empty(shape if save_pre and activation != "none" else (0,)))
 
 
-@_library.op("linear_fwd", fake=_linear_fwd_fake)
-def _linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
-                activation: str, save_pre: bool, seed: Optional[Tensor], dropout_p: float) -> tuple[Tensor, Tensor]:
-    """x (M, K), weight (N, K) -> (out (M, N), pre (M, N), or empty unless saved). seed: int64
-    (1,) when ``dropout_p > 0``, else None."""
+def _linear_forward(x, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed, dropout_p):
     store = save_pre and activation != "none"
     out = common.empty((x.shape[0], weight.shape[0]), _out_dtype(x, residual), x.device)
     pre = _empty(out.shape, x.dtype, x.device, store)
     with _backend.device_guard(x):
         _k.gemm(x, weight.t(), out, bias=bias, residual=residual, aux=pre if store else None,
-                store_pre=store, activation=_code(activation), seed=seed, dropout_p=dropout_p)
+                store_pre=store, activation=_code(activation), seed=seed, dropout_p=dropout_p,
+                lora_a=lora_u, lora_b=None if lora_b is None else lora_b.t())
     return out, pre
+
+
+@_library.op("linear_fwd", fake=_linear_fwd_fake)
+def _linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+                activation: str, save_pre: bool, seed: Optional[Tensor], dropout_p: float) -> tuple[Tensor, Tensor]:
+    """x (M, K), weight (N, K) -> (out (M, N), pre (M, N), or empty unless saved). seed: int64
+    (1,) when ``dropout_p > 0``, else None."""
+    return _linear_forward(x, weight, bias, residual, None, None, activation, save_pre, seed, dropout_p)
+
+
+def _linear_lora_fwd_fake(x, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed, dropout_p):
+    return _linear_fwd_fake(x, weight, bias, residual, activation, save_pre, seed, dropout_p)
+
+
+@_library.op("linear_lora_fwd", fake=_linear_lora_fwd_fake)
+def _linear_lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+                     lora_u: Tensor, lora_b: Tensor, activation: str, save_pre: bool, seed: Optional[Tensor],
+                     dropout_p: float) -> tuple[Tensor, Tensor]:
+    """As ``linear_fwd`` with a LoRA update inside the GEMM: ``x @ weight.T + lora_u @
+    lora_b.T`` before the epilogue; lora_u (M, R), lora_b (N, R), R a multiple of 16."""
+    return _linear_forward(x, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed, dropout_p)
 
 
 def _linear_bwd_fake(g, x, weight, pre, seed, activation, dropout_p, need_x, need_w, need_b):
@@ -91,25 +110,20 @@ def _linear_bwd_fake(g, x, weight, pre, seed, activation, dropout_p, need_x, nee
             g.new_empty((N,) if need_b else (0,)))
 
 
-@_library.op("linear_bwd", fake=_linear_bwd_fake)
-def _linear_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: Optional[Tensor],
-                seed: Optional[Tensor], activation: str, dropout_p: float, need_x: bool, need_w: bool,
-                need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``linear`` from g = dOut (M, N) in x's dtype: (dx (M, K), dw (N, K), db
-    (N,)), each empty unless needed. x is needed for dw, weight for dx, pre when there is an
-    activation, seed when ``dropout_p > 0``."""
+def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropout_p, need_x, need_w, need_b,
+                     need_u, need_lb):
     M, N = g.shape
     K = weight.shape[1] if weight is not None else (x.shape[1] if x is not None else 0)
     act = _code(activation)
     dx = _empty((M, K), g.dtype, g.device, need_x)
     dw = _empty((N, K), g.dtype, g.device, need_w)
-    db = None
+    du = dlb = db = None
     with _backend.device_guard(g):
         dpre, part = g, None
         if act or dropout_p > 0:
             # One pass: dropout's regenerated mask, act'(pre), dB's partial sums.
-            dpre, part = _k.act_grad(g, pre, act, dbias=need_b, store_dpre=need_x or need_w, seed=seed,
-                                     dropout_p=dropout_p)
+            dpre, part = _k.act_grad(g, pre, act, dbias=need_b, store_dpre=need_x or need_w or need_u or need_lb,
+                                     seed=seed, dropout_p=dropout_p)
         if need_x:
             _k.gemm(dpre, weight, dx)
         if need_w:
@@ -121,7 +135,115 @@ def _linear_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: O
             part = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_b:
             db = _k.reduce_partials(part, g.dtype)[0]
-    return dx, dw, db if need_b else g.new_empty(0)
+        if need_u:  # the low-rank pair's gradients: dU = dPre @ B, dB = dPre.T @ U (small GEMMs)
+            du = common.empty(lora_u.shape, g.dtype, g.device)
+            _k.gemm(dpre, lora_b, du)
+        if need_lb:
+            dlb = common.empty(lora_b.shape, g.dtype, g.device)
+            _k.gemm(dpre.t(), lora_u, dlb)
+    empty = g.new_empty(0)
+    return (dx, dw, db if need_b else empty, du if need_u else empty, dlb if need_lb else empty)
+
+
+@_library.op("linear_bwd", fake=_linear_bwd_fake)
+def _linear_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: Optional[Tensor],
+                seed: Optional[Tensor], activation: str, dropout_p: float, need_x: bool, need_w: bool,
+                need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``linear`` from g = dOut (M, N) in x's dtype: (dx (M, K), dw (N, K), db
+    (N,)), each empty unless needed. x is needed for dw, weight for dx, pre when there is an
+    activation, seed when ``dropout_p > 0``."""
+    return _linear_backward(g, x, weight, pre, seed, None, None, activation, dropout_p, need_x, need_w, need_b,
+                            False, False)[:3]
+
+
+def _linear_lora_bwd_fake(g, x, weight, pre, seed, lora_u, lora_b, activation, dropout_p, need_x, need_w,
+                          need_b, need_u, need_lb):
+    return (*_linear_bwd_fake(g, x, weight, pre, seed, activation, dropout_p, need_x, need_w, need_b),
+            g.new_empty(lora_u.shape if need_u else (0,)), g.new_empty(lora_b.shape if need_lb else (0,)))
+
+
+@_library.op("linear_lora_bwd", fake=_linear_lora_bwd_fake)
+def _linear_lora_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: Optional[Tensor],
+                     seed: Optional[Tensor], lora_u: Tensor, lora_b: Tensor, activation: str, dropout_p: float,
+                     need_x: bool, need_w: bool, need_b: bool, need_u: bool,
+                     need_lb: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``linear_bwd`` plus the LoRA pair's gradients (dU (M, R), dB (N, R)), each empty unless
+    needed. The input's gradient through the low-rank path is autograd's (dU into lora_A)."""
+    return _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropout_p, need_x, need_w,
+                            need_b, need_u, need_lb)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gated (SwiGLU) first layer on its own: hidden = dropout(silu(x Wg^T + bg) * (x Wu^T + bu))
+# ---------------------------------------------------------------------------------------------
+
+def _gated_fwd_fake(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, save_pre, seed, dropout_p):
+    M, F = x.shape[0], w_gate.shape[0]
+    return x.new_empty((M, F)), x.new_empty((M, 2 * F) if save_pre else (0,))
+
+
+@_library.op("gated_fwd", fake=_gated_fwd_fake)
+def _gated_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor],
+               lora_u: Optional[Tensor], lora_b_gate: Optional[Tensor], lora_b_up: Optional[Tensor],
+               save_pre: bool, seed: Optional[Tensor], dropout_p: float) -> tuple[Tensor, Tensor]:
+    """x (M, D), w_gate/w_up (F, D) -> (hidden (M, F), [gate | up] pre-activations (M, 2F) or
+    empty): one GEMM with two accumulators (SwiGLU in its epilogue), the LoRA pairs (lora_u
+    (M, R), lora_b_gate/lora_b_up (F, R), or None) in its reduction."""
+    M, F = x.shape[0], w_gate.shape[0]
+    h = common.empty((M, F), x.dtype, x.device)
+    pre = common.empty((M, 2 * F), x.dtype, x.device) if save_pre else None
+    lora = lora_u is not None
+    with _backend.device_guard(x):
+        _k.gemm(x, w_gate.t(), h, b2=w_up.t(), bias=b_gate, bias2=b_up, aux=pre,
+                aux2=pre[:, F:] if pre is not None else None, store_pre=save_pre, round_pre=True,
+                activation=_k.SWIGLU,
+                seed=seed, dropout_p=dropout_p, lora_a=lora_u, lora_b=lora_b_gate.t() if lora else None,
+                lora_b2=lora_b_up.t() if lora else None)
+    return h, pre if save_pre else x.new_empty(0)
+
+
+def _gated_bwd_fake(g, x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_up, dropout_p, need_x, need_w,
+                    need_b, need_u, need_lb):
+    M, F = g.shape
+    D = x.shape[1] if x is not None else w_gate.shape[1]
+    R = lora_u.shape[1] if lora_u is not None else 0
+    return (g.new_empty((M, D) if need_x else (0,)), g.new_empty((2 * F, D) if need_w else (0,)),
+            g.new_empty((2 * F,) if need_b else (0,)), g.new_empty((M, R) if need_u else (0,)),
+            g.new_empty((2 * F, R) if need_lb else (0,)))
+
+
+@_library.op("gated_bwd", fake=_gated_bwd_fake)
+def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: Optional[Tensor], pre: Tensor,
+               seed: Optional[Tensor], lora_u: Optional[Tensor], lora_b_gate: Optional[Tensor],
+               lora_b_up: Optional[Tensor], dropout_p: float, need_x: bool, need_w: bool, need_b: bool,
+               need_u: bool, need_lb: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``gated_fwd`` from g = dHidden (M, F): (dx (M, D), [dWg; dWu] (2F, D), [dbg;
+    dbu] (2F,), dU (M, R), [dBg; dBu] (2F, R)), each empty unless needed. One elementwise pass
+    gives dGate and dUp (dropout's mask, SwiGLU's derivative, the biases' partial sums); dx =
+    dGate @ Wg + dUp @ Wu is one GEMM continuing its reduction over both (and dU likewise)."""
+    M, F = g.shape
+    dt, dev = g.dtype, g.device
+    D = x.shape[1] if x is not None else w_gate.shape[1]
+    dx = _empty((M, D), dt, dev, need_x)
+    dw = _empty((2 * F, D), dt, dev, need_w)
+    du = _empty(lora_u.shape if lora_u is not None else (0,), dt, dev, need_u)
+    dlb = _empty((2 * F, lora_u.shape[1]) if lora_u is not None else (0,), dt, dev, need_lb)
+    db = None
+    with _backend.device_guard(g):
+        dpre, part = _k.act_grad(g, pre[:, :F], _k.SWIGLU, pre2=pre[:, F:], dbias=need_b, seed=seed,
+                                 dropout_p=dropout_p)
+        if need_x:
+            _k.gemm(dpre[:, :F], w_gate, dx, a2=dpre[:, F:], b2=w_up)
+        if need_w:
+            _k.gemm(dpre.t(), x, dw)  # [dWg; dWu] = [dGate | dUp].T @ x: one GEMM
+        if need_b:
+            db = _k.reduce_partials(part, dt)[0]
+        if need_u:
+            _k.gemm(dpre[:, :F], lora_b_gate, du, a2=dpre[:, F:], b2=lora_b_up)
+        if need_lb:
+            _k.gemm(dpre.t(), lora_u, dlb)
+    empty = g.new_empty(0)
+    return dx, dw, db if need_b else empty, du, dlb
 
 
 def _ffn_fwd_fake(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
@@ -246,32 +368,73 @@ class _LinearFn(torch.autograd.Function):
     leading dims (:func:`_output`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, activation, seed, dropout_p):
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        need = need_x or need_w or need_b
+    def forward(ctx, x, weight, bias, residual, lora_u, lora_b, activation, seed, dropout_p):
+        need_x, need_w, need_b, _, need_u, need_lb = ctx.needs_input_grad[:6]
+        need = need_x or need_w or need_b or need_u or need_lb
         save_pre = need and activation != "none"
         n = weight.shape[0]
-        x2 = _rows(x, x.shape[-1])
-        out, pre = _linear_fwd(x2, weight, bias, _rows(residual, n), activation, save_pre, seed, dropout_p)
+        x2, residual = _rows(x, x.shape[-1]), _rows(residual, n)
+        if lora_u is None:
+            out, pre = _linear_fwd(x2, weight, bias, residual, activation, save_pre, seed, dropout_p)
+        else:
+            out, pre = _linear_lora_fwd(x2, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed,
+                                        dropout_p)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x2 if need_w else None, weight if need_x else None, pre if save_pre else None,
-                              seed if need and dropout_p > 0 else None)
+                              seed if need and dropout_p > 0 else None, lora_u if need_lb else None,
+                              lora_b if need_u else None)
         ctx.activation, ctx.dropout_p, ctx.x_dtype, ctx.x_shape = activation, dropout_p, x.dtype, x.shape
+        ctx.lora = lora_u is not None
         return _output(out, x.shape[:-1])
 
     @staticmethod
     def backward(ctx, dout):
-        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
-        dx = dw = db = None
-        if dout is not None and (need_x or need_w or need_b):
-            x, weight, pre, seed = ctx.saved_tensors
+        need_x, need_w, need_b, need_r, need_u, need_lb = ctx.needs_input_grad[:6]
+        dx = dw = db = du = dlb = None
+        if dout is not None and (need_x or need_w or need_b or need_u or need_lb):
+            x, weight, pre, seed, lora_u, lora_b = ctx.saved_tensors
             g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)  # residual promoted out
             g = _rows(g, g.shape[-1])
-            dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
-                                     need_x, need_w, need_b)
+            if ctx.lora:
+                dx, dw, db, du, dlb = _linear_lora_bwd(g, x, weight, pre, seed, lora_u, lora_b, ctx.activation,
+                                                       ctx.dropout_p, need_x, need_w, need_b, need_u, need_lb)
+            else:
+                dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
+                                         need_x, need_w, need_b)
             dx = dx.view(ctx.x_shape) if need_x else None
         return (dx, dw if need_w else None, db if need_b else None,
-                dout if need_r else None, None, None, None)
+                dout if need_r else None, du if need_u else None, dlb if need_lb else None, None, None, None)
+
+
+class _GatedFn(torch.autograd.Function):
+    """``gated_fwd``/``gated_bwd``; the weights' and LoRA B's gradients come as one stacked
+    tensor each, split here into the gate and up parts."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, seed, dropout_p):
+        h, pre = _gated_fwd(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, True, seed, dropout_p)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_up)
+        ctx.dropout_p = dropout_p
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        need = ctx.needs_input_grad
+        if dh is None:
+            return (None,) * 10
+        x, w_gate, w_up, pre, seed, lora_u, lbg, lbu = ctx.saved_tensors
+        need_w, need_b, need_lb = need[1] or need[2], need[3] or need[4], need[6] or need[7]
+        dx, dw, db, du, dlb = _gated_bwd(dh, x, w_gate, w_up, pre, seed, lora_u, lbg, lbu, ctx.dropout_p,
+                                         need[0], need_w, need_b, need[5], need_lb)
+        F = dh.shape[1]
+        split = (lambda t: (t[:F], t[F:]))  # noqa: E731
+        dwg, dwu = split(dw) if need_w else (None, None)
+        dbg, dbu = split(db) if need_b else (None, None)
+        dlbg, dlbu = split(dlb) if need_lb else (None, None)
+        return (dx if need[0] else None, dwg if need[1] else None, dwu if need[2] else None,
+                dbg if need[3] else None, dbu if need[4] else None, du if need[5] else None,
+                dlbg if need[6] else None, dlbu if need[7] else None, None, None)
 
 
 def _gate_up_views(w1, b1):
@@ -398,14 +561,48 @@ def _rows(t, n):
     return t.unsqueeze(0) if t.dim() == 1 else t.flatten(0, -2)
 
 
+# LoRA ranks are padded to a multiple of this (zero columns): aligned rows for the GEMM's
+# tensor descriptors.
+LORA_RANK_ALIGN = 16
+
+
+def _check_lora(x, lora, outs):
+    """``lora`` = (U, B_1, ..., B_k) with U (..., R) on x's leading dims and each B (n_i, R),
+    x's dtype and device; returns them as 2-D rows with R padded to LORA_RANK_ALIGN."""
+    if not isinstance(lora, (tuple, list)) or len(lora) != 1 + len(outs):
+        raise TypeError(f"lora must be a tuple (U, {', '.join(f'B{i}' for i in range(len(outs)))}), got {lora!r}")
+    u, bs = lora[0], lora[1:]
+    _validate.tensor("lora U", u, min_ndim=1)
+    if u.dtype != x.dtype:
+        raise TypeError(f"lora U must have x's dtype {x.dtype}, got {u.dtype}")
+    R = u.shape[-1]
+    if tuple(u.shape[:-1]) != tuple(x.shape[:-1]) or R == 0:
+        raise ValueError(f"lora U must have shape (*{tuple(x.shape[:-1])}, R > 0), got {tuple(u.shape)}")
+    for i, (b, n) in enumerate(zip(bs, outs)):
+        _validate.tensor(f"lora B{i}", b, ndim=2)
+        if b.dtype != x.dtype:
+            raise TypeError(f"lora B{i} must have x's dtype {x.dtype}, got {b.dtype}")
+        _validate.shape(f"lora B{i}", b, (n, R))
+    _validate.same_device("x", x, lora_U=u, **{f"lora_B{i}": b for i, b in enumerate(bs)})
+    pad = -R % LORA_RANK_ALIGN
+    u = _rows(u, R)
+    if pad:
+        u, bs = F.pad(u, (0, pad)), tuple(F.pad(b, (0, pad)) for b in bs)
+    return (u, *bs)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
-           residual: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+           residual: Optional[Tensor] = None, dropout_p: float = 0.0, *, lora=None) -> Tensor:
     """``dropout(act(x @ weight.T + bias)) + residual`` in one GEMM with a fused epilogue.
 
     x (..., K); weight (N, K); bias (N,) or None; activation None, "gelu" (erf), "gelu_tanh" or
     "relu"; residual (..., N) or None, added after the activation and the dropout; dropout_p in
     [0, 1) (always applied when > 0: pass 0 in eval). Returns (..., N) in x's dtype (promoted
     with residual's). Under autocast x, weight and bias are cast like F.linear.
+
+    ``lora`` = (U (..., R), B (N, R)): a low-rank update ``U @ B.T`` (PEFT LoRA's ``scale *
+    lora_B(lora_A(dropout(x)))`` with U = scale * lora_A(dropout(x))) added inside the GEMM,
+    before the bias and activation (see :mod:`fused_block.lora`); U and B get gradients.
     """
     _validate.tensor("x", x, min_ndim=1)
     _backend.no_dtensor("linear", x, weight)
@@ -415,14 +612,56 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     _check_layer("x", x, "weight", weight, "bias", bias)
     n = weight.shape[0]
     _check_residual(x, residual, n)
+    u = lb = None
+    if lora is not None:
+        lora = _autocast(*lora)
+        u, lb = _check_lora(x, lora, (n,))
     if not _backend.use_triton(x):
-        return reference.linear(x, weight, bias, activation, residual, dropout_p)
+        return reference.linear(x, weight, bias, activation, residual, dropout_p, lora=lora)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    if _backend.needs_autograd(x, weight, bias, residual):
-        return _LinearFn.apply(x, weight, bias, residual, activation or "none", seed, float(dropout_p))
-    out = _linear_fwd(_rows(x, x.shape[-1]), weight, bias, _rows(residual, n), activation or "none", False, seed,
-                      float(dropout_p))[0]
+    act = activation or "none"
+    if _backend.needs_autograd(x, weight, bias, residual, u, lb):
+        return _LinearFn.apply(x, weight, bias, residual, u, lb, act, seed, float(dropout_p))
+    args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n))
+    if u is None:
+        out = _linear_fwd(*args, act, False, seed, float(dropout_p))[0]
+    else:
+        out = _linear_lora_fwd(*args, u, lb, act, False, seed, float(dropout_p))[0]
     return out.view(*x.shape[:-1], n)
+
+
+def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
+                 b_up: Optional[Tensor] = None, *, dropout_p: float = 0.0, lora=None) -> Tensor:
+    """SwiGLU's first layer on its own, ``dropout(silu(x @ w_gate.T + b_gate) * (x @ w_up.T +
+    b_up))``: one GEMM with two accumulators and the SiLU-multiply in its epilogue (the gate and
+    up pre-activations rounded to x's dtype first, as eager PyTorch computes them). x (..., D),
+    w_gate/w_up (F, D). ``lora`` = (U (..., R), B_gate (F, R), B_up (F, R)): LoRA updates of
+    both projections inside the GEMM (one U for both: stack the adapters' columns). Returns
+    (..., F). Saved for backward: x, the weights, the pre-activations (M, 2F), U and the B's.
+    ``swiglu`` fuses the whole FFN; this is its first half, for FFNs whose down projection must
+    see the hidden activation (PEFT LoRA with dropout on it).
+    """
+    _validate.tensor("x", x, min_ndim=1)
+    _backend.no_dtensor("gated_linear", x, w_gate, w_up)
+    _validate.probability("dropout_p", dropout_p)
+    x, w_gate, w_up, b_gate, b_up = _autocast(x, w_gate, w_up, b_gate, b_up)
+    _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
+    _check_layer("x", x, "w_up", w_up, "b_up", b_up)
+    f = w_gate.shape[0]
+    _validate.shape("w_up", w_up, w_gate.shape)
+    u = lbg = lbu = None
+    if lora is not None:
+        lora = _autocast(*lora)
+        u, lbg, lbu = _check_lora(x, lora, (f, f))
+    if not _backend.use_triton(x):
+        return reference.gated(x, w_gate, w_up, b_gate, b_up, dropout_p=dropout_p, lora=lora)
+    seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
+    x2 = _rows(x, x.shape[-1])
+    if _backend.needs_autograd(x, w_gate, w_up, b_gate, b_up, u, lbg, lbu):
+        h = _GatedFn.apply(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, seed, float(dropout_p))
+    else:
+        h = _gated_fwd(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, False, seed, float(dropout_p))[0]
+    return h.view(*x.shape[:-1], f)
 
 
 def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, output_dropout_p, split_w1):

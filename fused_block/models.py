@@ -11,7 +11,16 @@ a LLaMA-like decoder.
 
 Each takes a config dataclass and ``fused=True``; ``fused=False`` builds the same model on
 ``torch.nn``'s layers (same parameter names), which :func:`fused_block.convert` turns into the
-fused one. :func:`param_count` splits the parameters per block into attention (about
+fused one.
+
+Training loss: ``model(..., targets=targets)`` returns ``(logits, loss)``, the mean
+cross-entropy over the tokens whose target is not -100. On fused layers the head and the loss
+are :func:`fused_block.linear_cross_entropy` (the (N, V) logits are never built) and
+``logits`` is None unless ``return_logits=True`` asks for them (then the head also runs as a
+plain ``nn.Linear``); on torch's layers it is ``F.linear`` + ``F.cross_entropy`` (logits
+likewise returned only when asked for).
+
+:func:`param_count` splits the parameters per block into attention (about
 ``4 d^2``) and FFN (about ``8 d^2``), and checks them against the estimate ``12 N d^2`` plus
 embeddings: GPT-2 small (d=768, N=12) has about 85M parameters in blocks, 124M in all; the
 LLaMA-like default (TinyLlama-1.1B's shape) has 1.10B.
@@ -65,6 +74,21 @@ def _uses_hint_only(layer):
     return isinstance(layer, (blocks.TransformerEncoderLayer, blocks.TransformerDecoderLayer))
 
 
+def _head_and_loss(layers, head, x, targets, return_logits):
+    """``(logits or None, loss)`` of the LM head ``head`` on x (B, T, d) for targets (B, T).
+
+    Fused layers: the fused linear + cross-entropy (no logits unless ``return_logits``);
+    torch's layers: ``F.linear`` and ``F.cross_entropy`` on fp32 logits."""
+    if all(_uses_hint_only(layer) for layer in layers):
+        import fused_block
+
+        loss = fused_block.linear_cross_entropy(x, head.weight, targets, head.bias, ignore_index=-100)
+        return (head(x) if return_logits else None), loss
+    logits = head(x)  # (B, T, vocab)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    return (logits if return_logits else None), loss
+
+
 # ---------------------------------------------------------------------------------------------
 # decoder-only (GPT-like)
 # ---------------------------------------------------------------------------------------------
@@ -107,8 +131,9 @@ class DecoderOnly(nn.Module):
             for lin in (blk.self_attn.out_proj, blk.linear2):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * c.n_layer))
 
-    def forward(self, idx, targets=None):
-        """idx (B, T) int64 -> logits (B, T, vocab), and the mean cross-entropy if targets."""
+    def forward(self, idx, targets=None, return_logits=False):
+        """idx (B, T) int64 -> logits (B, T, vocab); with targets (B, T) ``(logits, loss)``
+        (logits None unless ``return_logits`` on fused layers: see the module doc)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"idx: sequence length {T} exceeds block_size {self.config.block_size}")
@@ -119,10 +144,10 @@ class DecoderOnly(nn.Module):
             if mask is None and not _uses_hint_only(blk):
                 mask = _causal_mask(T, idx.device)
             x = blk(x, src_mask=None if _uses_hint_only(blk) else mask, is_causal=True)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        x = self.ln_f(x)
         if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            return self.lm_head(x)  # (B, T, vocab)
+        return _head_and_loss(self.blocks, self.lm_head, x, targets, return_logits)
 
 
 def _gpt_init(m):
@@ -179,19 +204,19 @@ class EncoderOnly(nn.Module):
         self.mlm_decoder.weight = self.tok.weight  # tied
         self.apply(_gpt_init)
 
-    def forward(self, idx, key_padding_mask=None, token_type_ids=None, targets=None):
+    def forward(self, idx, key_padding_mask=None, token_type_ids=None, targets=None, return_logits=False):
         """idx (B, T) -> MLM logits (B, T, vocab); key_padding_mask (B, T) bool, True = padding;
-        targets (B, T) with -100 where no loss is taken."""
+        targets (B, T) with -100 where no loss is taken: ``(logits, loss)`` (module doc)."""
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         seg = self.seg(token_type_ids) if token_type_ids is not None else self.seg.weight[0]
         x = self.drop(self.emb_norm(self.tok(idx) + self.pos(pos) + seg))  # (B, T, d)
         for layer in self.layers:
             x = layer(x, src_key_padding_mask=key_padding_mask)
-        logits = self.mlm_decoder(self.mlm_norm(F.gelu(self.mlm_dense(x))))
+        x = self.mlm_norm(F.gelu(self.mlm_dense(x)))
         if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            return self.mlm_decoder(x)
+        return _head_and_loss(self.layers, self.mlm_decoder, x, targets, return_logits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,20 +275,25 @@ class EncoderDecoder(nn.Module):
 
     def decode(self, tgt, memory, tgt_key_padding_mask=None, memory_key_padding_mask=None):
         """tgt (B, T), memory (B, S, d) -> logits (B, T, vocab); causal over tgt."""
+        return self.generator(self._decode_hidden(tgt, memory, tgt_key_padding_mask, memory_key_padding_mask))
+
+    def _decode_hidden(self, tgt, memory, tgt_key_padding_mask, memory_key_padding_mask):
         x = self._embed(tgt)
         T = tgt.shape[1]
         for layer in self.decoder:
             mask = None if _uses_hint_only(layer) else _causal_mask(T, tgt.device)
             x = layer(x, memory, tgt_mask=mask, tgt_key_padding_mask=tgt_key_padding_mask,
                       memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=True)
-        return self.generator(x)
+        return x
 
-    def forward(self, src, tgt, src_key_padding_mask=None, tgt_key_padding_mask=None, targets=None):
+    def forward(self, src, tgt, src_key_padding_mask=None, tgt_key_padding_mask=None, targets=None,
+                return_logits=False):
+        """Logits (B, T, vocab) of tgt given src; with targets ``(logits, loss)`` (module doc)."""
         memory = self.encode(src, src_key_padding_mask)
-        logits = self.decode(tgt, memory, tgt_key_padding_mask, src_key_padding_mask)
+        x = self._decode_hidden(tgt, memory, tgt_key_padding_mask, src_key_padding_mask)
         if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            return self.generator(x)
+        return _head_and_loss(self.decoder, self.generator, x, targets, return_logits)
 
 
 def _sinusoidal(n, d):
@@ -391,18 +421,19 @@ class LlamaLike(nn.Module):
             for lin in (blk.self_attn.out_proj, blk.linear2):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * c.n_layer))
 
-    def forward(self, idx, targets=None):
-        """idx (B, T) int64 -> logits (B, T, vocab), and the mean cross-entropy if targets."""
+    def forward(self, idx, targets=None, return_logits=False):
+        """idx (B, T) int64 -> logits (B, T, vocab); with targets (B, T) ``(logits, loss)``,
+        the loss by the fused linear + cross-entropy (logits None unless ``return_logits``)."""
         T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"idx: sequence length {T} exceeds block_size {self.config.block_size}")
         x = self.embed(idx)  # (B, T, d); positions enter through RoPE in every block
         for blk in self.blocks:
             x = blk(x, is_causal=True)
-        logits = self.lm_head(self.norm(x))
+        x = self.norm(x)
         if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            return self.lm_head(x)
+        return _head_and_loss(self.blocks, self.lm_head, x, targets, return_logits)
 
 
 def estimate_params(d_model: int, n_layer: int, vocab_size: int = 0, n_positions: int = 0) -> int:

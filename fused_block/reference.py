@@ -150,14 +150,17 @@ def _dropout(y, p, mask, cdt):
 
 
 def linear(x, weight, bias=None, activation_name=None, residual=None, dropout_p=0.0, *,
-           dropout_mask=None, compute_dtype=None):
-    """``dropout(act(x @ weight.T + bias)) + residual``; weight in ``torch.nn.Linear`` layout
-    (out, in). ``dropout_mask`` (bool, the output's shape, True = kept) replaces the random mask.
+           dropout_mask=None, compute_dtype=None, lora=None):
+    """``dropout(act(x @ weight.T + bias + U @ B.T)) + residual``; weight in ``torch.nn.Linear``
+    layout (out, in); ``lora`` = (U (..., R), B (out, R)) or None. ``dropout_mask`` (bool, the
+    output's shape, True = kept) replaces the random mask.
 
     Returns x's dtype, promoted with residual's (an fp32 residual stream keeps fp32).
     """
     cdt = _compute_dtype(x.dtype, compute_dtype)
     y = F.linear(x.to(cdt), weight.to(cdt), _cast(bias, cdt))
+    if lora is not None:
+        y = y + F.linear(lora[0].to(cdt), lora[1].to(cdt))
     y = activation(y, activation_name)
     y = _dropout(y, dropout_p, dropout_mask, cdt)
     if residual is not None:
@@ -202,6 +205,22 @@ def swiglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_
     h = _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
     return linear(h, w_down, b_down, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
                   compute_dtype=compute_dtype)
+
+
+def gated(x, w_gate, w_up, b_gate=None, b_up=None, *, dropout_p=0.0, dropout_mask=None, lora=None,
+          compute_dtype=None):
+    """SwiGLU's first layer alone: ``dropout(silu(x @ w_gate.T + b_gate + U @ Bg.T) * (x @ w_up.T
+    + b_up + U @ Bu.T))``, gate and up rounded to x's dtype first (as :func:`swiglu`); ``lora`` =
+    (U (..., R), Bg (F, R), Bu (F, R)) or None. Returns x's dtype."""
+    cdt = _compute_dtype(x.dtype, compute_dtype)
+    xc = x.to(cdt)
+    gate = F.linear(xc, w_gate.to(cdt), _cast(b_gate, cdt))
+    up = F.linear(xc, w_up.to(cdt), _cast(b_up, cdt))
+    if lora is not None:
+        u = lora[0].to(cdt)
+        gate, up = gate + F.linear(u, lora[1].to(cdt)), up + F.linear(u, lora[2].to(cdt))
+    gate, up = gate.to(x.dtype).to(cdt), up.to(x.dtype).to(cdt)
+    return _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,3 +279,37 @@ def rope_qkvpacked(qkv, num_heads, num_kv_heads, positions=None, inv_freq=None, 
                 sin=sin, scale=scale, interleaved=interleaved, compute_dtype=compute_dtype)
     out = torch.cat((q, k, t[:, :, num_heads + num_kv_heads:]), dim=2).flatten(2)
     return out if batch_first else out.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear + cross-entropy (the LM head's loss)
+# ---------------------------------------------------------------------------------------------
+
+def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                         softcap=None, reduction="mean", return_lse=False, compute_dtype=None):
+    """``F.cross_entropy(softcap(hidden @ weight.T + bias), target)`` plus ``z_loss * lse^2``
+    per token; see :func:`fused_block.linear_cross_entropy`.
+
+    The logits are rounded to hidden's dtype (the kernels' chunk buffer, as eager ``F.linear``
+    rounds its output), then everything runs in ``compute_dtype``. A mean divides by the number
+    of non-ignored tokens, and is 0 when there is none. Returns the loss in fp32 (or wider) and,
+    with ``return_lse``, the per-token log-sum-exp of the softcapped logits.
+    """
+    cdt = _compute_dtype(hidden.dtype, compute_dtype)
+    out_dtype = torch.promote_types(cdt, torch.float32)
+    logits = F.linear(hidden.to(cdt), weight.to(cdt), _cast(bias, cdt)).to(hidden.dtype).to(cdt)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat = logits.reshape(-1, logits.shape[-1])
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    lse = torch.logsumexp(flat, dim=-1)
+    rows = F.cross_entropy(flat, torch.where(valid, t, 0), reduction="none", label_smoothing=label_smoothing)
+    rows = torch.where(valid, rows + z_loss * lse * lse, 0.0).to(out_dtype)
+    if reduction == "none":
+        loss = rows.reshape(target.shape)
+    else:
+        loss = rows.sum()
+        if reduction == "mean":
+            loss = loss / valid.sum().clamp(min=1)
+    return (loss, lse.to(out_dtype).reshape(target.shape)) if return_lse else loss

@@ -6,7 +6,9 @@ each of them with ``triton.compile(..., target=GPUTarget("cuda", cap, 32))``. ``
 ``cuobjdump`` ship in Triton's wheel; the resource usage (registers, shared memory, local
 memory and stack, i.e. spills) is read from the cubin.
 
-``python -m fused_block.kernels.aot`` prints the table of every kernel and config.
+``python -m fused_block.kernels.aot`` prints the table of every kernel and config, then, per
+sm_90 config, the static cost of its SASS (``sass.py``: per loop, instructions, HGMMA and the
+issue/tensor ratio); ``--resources-only`` skips that (the test suite's compile check).
 """
 import argparse
 import dataclasses
@@ -23,8 +25,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fused_block.kernels import sass
+
 # Kernel modules that ship configs; each defines aot_specs() -> list[KernelSpec].
-MODULES = ("norm", "attention", "matmul", "rope")
+MODULES = ("norm", "attention", "matmul", "rope", "loss")
 ARCHS = (80, 90)
 
 
@@ -67,6 +71,7 @@ class CompileReport:
     wgmma_found: bool
     tma_required: bool = False
     tma_found: bool = False
+    regions: tuple = ()  # sass.Region of the whole kernel and each loop (sm_90, when asked for)
 
     @property
     def spills(self) -> bool:
@@ -89,7 +94,7 @@ def _resource_usage(cubin: bytes, kernel_name: str) -> dict:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", match.group(1))}
 
 
-def compile_spec(spec: KernelSpec, arch: int, module: str = "") -> CompileReport:
+def compile_spec(spec: KernelSpec, arch: int, module: str = "", sass_costs: bool = False) -> CompileReport:
     args = list(spec.signature)
     attrs = {}
     for i, a in enumerate(args):
@@ -99,6 +104,9 @@ def compile_spec(spec: KernelSpec, arch: int, module: str = "") -> CompileReport
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
+    regions = ()
+    if sass_costs and arch == sass.ARCH:
+        regions = sass.regions(sass.disassemble(compiled.asm["cubin"])[compiled.metadata.name], spec.num_warps)
     return CompileReport(
         module=module, name=spec.name, arch=arch, num_warps=spec.num_warps, num_stages=spec.num_stages,
         registers=usage.get("REG", 0), shared=compiled.metadata.shared,
@@ -107,6 +115,7 @@ def compile_spec(spec: KernelSpec, arch: int, module: str = "") -> CompileReport
         wgmma_found="wgmma" in compiled.asm["ptx"],
         tma_required=spec.tma and arch >= 90,
         tma_found="cp.async.bulk.tensor" in compiled.asm["ptx"],
+        regions=regions,
     )
 
 
@@ -115,13 +124,15 @@ def specs_of(module: str) -> list:
 
 
 def _compile_one(job):
-    module, index, arch = job
-    return compile_spec(specs_of(module)[index], arch, module)
+    module, index, arch, sass_costs = job
+    return compile_spec(specs_of(module)[index], arch, module, sass_costs)
 
 
-def compile_all(modules=MODULES, archs=ARCHS, jobs=None) -> list:
-    """Compile every spec of ``modules`` for every arch, in parallel worker processes."""
-    work = [(m, i, a) for m in modules for i, spec in enumerate(specs_of(m)) for a in archs if a in spec.archs]
+def compile_all(modules=MODULES, archs=ARCHS, jobs=None, sass_costs=False) -> list:
+    """Compile every spec of ``modules`` for every arch, in parallel worker processes; with
+    ``sass_costs``, each sm_90 report carries its SASS regions."""
+    work = [(m, i, a, sass_costs) for m in modules for i, spec in enumerate(specs_of(m)) for a in archs
+            if a in spec.archs]
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
         return [_compile_one(w) for w in work]
@@ -142,6 +153,19 @@ def format_table(reports) -> str:
     return "\n".join(lines)
 
 
+def format_costs(reports) -> str:
+    """Per sm_90 report with SASS regions: registers, spills, then instructions, HGMMA and
+    issue/tensor of the whole kernel and of each loop."""
+    head = f"{'kernel / config, then its regions (sm_90)':<66} {'instr':>6} {'HGMMA':>6} {'i/tc':>6}"
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        if r.regions:
+            lines.append(f"{r.name} (warps {r.num_warps}, stages {r.num_stages}): {r.registers} registers, "
+                         f"{r.local + r.stack} B spilled")
+            lines.append(sass.format_regions(r.regions, indent="    "))
+    return "\n".join(lines)
+
+
 def compile_all_subprocess(modules=MODULES, jobs=None) -> list:
     """:func:`compile_all` in a fresh interpreter with ``TRITON_INTERPRET`` off.
 
@@ -151,13 +175,14 @@ def compile_all_subprocess(modules=MODULES, jobs=None) -> list:
     env = dict(os.environ, TRITON_INTERPRET="0")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "reports.json")
-        cmd = [sys.executable, "-m", "fused_block.kernels.aot", "--json", path, "--quiet"]
+        cmd = [sys.executable, "-m", "fused_block.kernels.aot", "--json", path, "--quiet", "--resources-only"]
         cmd += [f"--module={m}" for m in modules] + ([f"--jobs={jobs}"] if jobs else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if not os.path.exists(path):
             raise RuntimeError(f"compile run failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         with open(path) as f:
-            return [CompileReport(**r) for r in json.load(f)]
+            return [CompileReport(**{**r, "regions": tuple(sass.Region(**x) for x in r["regions"])})
+                    for r in json.load(f)]
 
 
 def main(argv=None) -> int:
@@ -166,13 +191,17 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--json", help="also write the reports to this JSON file")
     parser.add_argument("--quiet", action="store_true", help="print only the summary line")
+    parser.add_argument("--resources-only", action="store_true",
+                        help="no SASS costs (disassembling every sm_90 config takes about a second each)")
     args = parser.parse_args(argv)
-    reports = compile_all(tuple(args.module or MODULES), jobs=args.jobs)
+    reports = compile_all(tuple(args.module or MODULES), jobs=args.jobs, sass_costs=not args.resources_only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in reports], f)
     if not args.quiet:
         print(format_table(reports))
+        if not args.resources_only:
+            print("\n" + format_costs(reports))
     bad = [r for r in reports if r.spills or (r.wgmma_required and not r.wgmma_found)
            or (r.tma_required and not r.tma_found)]
     print(f"\n{len(reports)} compiled, {len(bad)} with spills or missing wgmma/TMA")

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_block.kernels import launch as _direct
+
 # Launch counts per kernel name. Tests read it to prove the Triton path ran.
 LAUNCHES = collections.Counter()
 # Host-overhead measurement without a GPU: when set, :func:`launch` counts the launch and
@@ -142,31 +144,39 @@ class Config:
     kwargs: tuple  # sorted (name, value) pairs, hashable
     num_warps: int = 4
     num_stages: int = 1
+    # The pairs as a dict, for launchers' lookups on every launch (not part of eq/hash).
+    _meta: dict = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_meta", dict(self.kwargs))
 
     @staticmethod
     def of(num_warps=4, num_stages=1, **kwargs) -> "Config":
         return Config(tuple(sorted(kwargs.items())), num_warps, num_stages)
 
     def __getitem__(self, name):
-        for k, v in self.kwargs:
-            if k == name:
-                return v
-        raise KeyError(name)
+        return self._meta[name]
 
     def meta(self) -> dict:
-        return dict(self.kwargs)
+        return dict(self._meta)
 
 
 def launch(name: str, kernel, grid, args, constexprs: dict, config: Config) -> None:
     """Count and launch ``kernel[grid](*args, **constexprs, **config)``.
 
     The one place every kernel goes through: tests read the counts, and the host-overhead
-    benchmark sets ``STUB_LAUNCHES`` to time everything but the kernels.
+    benchmark sets ``STUB_LAUNCHES`` to time everything but the kernels. Compiled kernels go
+    through the direct launch path (``launch.py``: the compiled kernel Triton chose for these
+    argument specializations, launched without Triton's per-call binding); the interpreter
+    runs ``kernel[grid]`` as it always did.
     """
     LAUNCHES[name] += 1
     if STUB_LAUNCHES:
         return
-    kernel[grid](*args, **constexprs, **dict(config.kwargs), num_warps=config.num_warps,
+    if _direct.ENABLED and not _INTERPRET:
+        _direct.launch(kernel, grid, args, constexprs, config)
+        return
+    kernel[grid](*args, **constexprs, **config._meta, num_warps=config.num_warps,
                  num_stages=config.num_stages)
 
 

@@ -11,12 +11,14 @@ accumulation, and constexpr switches for everything else:
   tiles)`` programs, twice as many for tiles below 128x128, walking the tiles in grouped order,
   GROUP_M row tiles per group for L2 reuse; each program builds its descriptors once) with the
   TMA path's tile loop flattened into the K loop so the next tile's loads overlap this tile's
-  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80.
+  epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80. ``WARP_SPECIALIZE``
+  (sm_90 candidates, WS_CONFIGS): the tile loop unflattened and warp-specialized instead.
   ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
   gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
   a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
-- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``; 32 columns with
-  dropout) so its temporaries do not cut into the pipeline's registers. Stores (and the
+- Epilogue, on the fp32 tile in registers, in column slices (``EPI_SPLIT``, see _epi_split;
+  32 columns with dropout) so its temporaries do not cut into the pipeline's registers. With
+  16-bit outputs the activations take short fp32 forms (``FAST``, see _phi). Stores (and the
   residual / pre-activation loads) use tensor descriptors when ``TMA_EPI``.
   Forward: ``+ bias``; the pre-activation rounded to the input dtype (``ROUND_PRE``: an
   FFN's first layer, as eager PyTorch rounds a linear's output before its activation) and
@@ -40,6 +42,8 @@ accumulation, and constexpr switches for everything else:
   computes every product exactly in fp32.
 - Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -55,45 +59,94 @@ GROUP_M = 8
 
 _SQRT_1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_LOG2E = tl.constexpr(1.4426950408889634)
 _TANH_K0 = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 _TANH_K1 = tl.constexpr(0.044715)
+# Phi(-a) = 0.5 * erfc(a / sqrt(2)) ~ 2^-T(a) for a >= 0, T(a) = 1 + c1 a + ... + c5 a^5: the
+# weighted minimax fit (linear program on [0, 5]; weight max(1, a) * Phi(-a), i.e. the absolute
+# error of Phi and of the GELU x * Phi(x)), coefficients rounded to fp32. T(0) = 1 keeps Phi
+# continuous at 0; T increases past the fit's range, so 2^-T keeps falling to 0. Measured
+# against float64 (tests/test_linear.py::test_fast_gelu_against_float64): |error| < 1e-6 in
+# Phi, the GELU and its derivative over all fp32 inputs.
+_PHI_T1 = tl.constexpr(1.1510708332061768)
+_PHI_T2 = tl.constexpr(0.4593662917613983)
+_PHI_T3 = tl.constexpr(0.05238773301243782)
+_PHI_T4 = tl.constexpr(-0.007299393881112337)
+_PHI_T5 = tl.constexpr(0.0005025395657867193)
 
 
 # ---------------------------------------------------------------------------------------------
 # elementwise pieces of the epilogues
 # ---------------------------------------------------------------------------------------------
+# FAST (the epilogue's outputs are fp16/bf16): shorter forms whose fp32 error (below 1e-6; the
+# tanh GELU's derivative 5.4e-6) vanishes in the output's rounding (half an ulp: 4.9e-4 at 1.0
+# in fp16, 3.9e-3 in bf16), each a few FFMAs and one or two MUFU ops (tl.exp2, tl.math.rsqrt:
+# one instruction each). fp32 outputs keep libdevice's erf and tl.sigmoid.
 
 @triton.jit
-def _act(x, ACTIVATION: tl.constexpr):
-    """The activation on an fp32 tile: 0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU."""
+def _phi(x, FAST: tl.constexpr):
+    """The standard normal CDF 0.5 * (1 + erf(x / sqrt(2))) on an fp32 tile (NaN stays NaN)."""
+    if FAST:
+        a = tl.abs(x)
+        t = ((((_PHI_T5 * a + _PHI_T4) * a + _PHI_T3) * a + _PHI_T2) * a + _PHI_T1) * a + 1.0
+        h = tl.exp2(-t)  # Phi(-|x|)
+        return tl.where(x >= 0.0, 1.0 - h, h)
+    else:
+        return 0.5 * (1.0 + tl.erf(x * _SQRT_1_2))
+
+
+@triton.jit
+def _sigmoid(z, FAST: tl.constexpr):
+    """1 / (1 + exp(-z)) on an fp32 tile; FAST as rsqrt(1 + 2^(-z log2 e))^2 (relative error
+    ~3e-7; 0 where the exponential overflows)."""
+    if FAST:
+        r = tl.math.rsqrt(1.0 + tl.exp2(z * -_LOG2E))
+        return r * r
+    else:
+        return tl.sigmoid(z)
+
+
+@triton.jit
+def _act(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """The activation on an fp32 tile: 0 none, 1 erf GELU, 2 tanh GELU, 3 ReLU. The forward's
+    and the backward's recomputed one are the same code (_act_grad's, its derivative unused)."""
+    return _act_grad(x, ACTIVATION, FAST)[1]
+
+
+@triton.jit
+def _act_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """``(d act(x) / dx, act(x))`` on an fp32 tile (ReLU: 0 at x == 0, like torch), sharing
+    their intermediates (an unused act(x) costs nothing)."""
+    d = tl.full(x.shape, 1.0, tl.float32)
     y = x
     if ACTIVATION == 1:
-        y = 0.5 * x * (1.0 + tl.erf(x * _SQRT_1_2))
-    elif ACTIVATION == 2:
-        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation for large |u|.
-        y = x * tl.sigmoid(2.0 * _TANH_K0 * (x + _TANH_K1 * x * x * x))
-    elif ACTIVATION == 3:
-        y = tl.where(x < 0.0, 0.0, x)  # keeps NaN, like torch.relu
-    return y
-
-
-@triton.jit
-def _act_grad(x, ACTIVATION: tl.constexpr):
-    """d act(x) / dx on an fp32 tile (ReLU: 0 at x == 0, like torch)."""
-    d = tl.full(x.shape, 1.0, tl.float32)
-    if ACTIVATION == 1:
-        cdf = 0.5 * (1.0 + tl.erf(x * _SQRT_1_2))
-        d = cdf + x * _INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+        if FAST:
+            pdf = tl.exp2(x * x * (-0.5 * _LOG2E))
+        else:
+            pdf = tl.exp(-0.5 * x * x)
+        cdf = _phi(x, FAST)
+        d = cdf + x * _INV_SQRT_2PI * pdf
+        y = x * cdf
     elif ACTIVATION == 2:
         # With s = sigmoid(2u): 0.5 * (1 + tanh(u)) = s and 1 - tanh(u)^2 = 4 s sigmoid(-2u),
-        # which does not cancel where tanh(u) is near +-1.
+        # which does not cancel where tanh(u) is near +-1 (FAST: 1 - s, whose absolute error
+        # there is an ulp of 1).
         x2 = x * x
-        u2 = 2.0 * _TANH_K0 * (x + _TANH_K1 * x2 * x)
-        s = tl.sigmoid(u2)
-        d = s + 2.0 * x * s * tl.sigmoid(-u2) * _TANH_K0 * (1.0 + 3.0 * _TANH_K1 * x2)
+        u2 = x * (2.0 * _TANH_K0 + (2.0 * _TANH_K0 * _TANH_K1) * x2)
+        s = _sigmoid(u2, FAST)
+        if FAST:
+            s_neg = 1.0 - s
+        else:
+            s_neg = tl.sigmoid(-u2)
+        # d = s + s sigmoid(-2u) x d(2u)/dx, with d(2u)/dx = 2 K0 (1 + 3 K1 x^2), multiplied
+        # left to right: for large |x| one of s, sigmoid(-2u) is 0 while x^3 overflows.
+        du2 = 2.0 * _TANH_K0 + (6.0 * _TANH_K0 * _TANH_K1) * x2
+        d = s + s * s_neg * x * du2
+        y = x * s
     elif ACTIVATION == 3:
         d = tl.where(x > 0.0, 1.0, 0.0)
-    return d
+        y = tl.where(x < 0.0, 0.0, x)
+    return d, y
 
 
 @triton.jit
@@ -204,12 +257,12 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
           IN_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr,
           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr,
           ROUND_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-          TMA_EPI: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr,
+          TMA_EPI: tl.constexpr, EVEN_MN: tl.constexpr, PARTIAL_ROWS: tl.constexpr, FAST: tl.constexpr,
           INTERPRET: tl.constexpr):
     """The epilogue on one column slice ``acc`` (rows row0.., columns col..) of the tile;
     ``acc2`` is the up projection's slice for SwiGLU, ``keep`` the slice's dropout mask. Inputs
     (RES, AUX, AUX2 in backward) are pointers; outputs (C, C2, AUX_OUT, AUX2_OUT, HOUT) are
-    descriptors when ``TMA_EPI``."""
+    descriptors when ``TMA_EPI``. ``FAST``: the activations' short forms (16-bit outputs)."""
     BM: tl.constexpr = acc.shape[0]
     W: tl.constexpr = acc.shape[1]
     rm = tl.arange(0, BM)
@@ -223,7 +276,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
         if ACTIVATION == 4:
             g = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
             u = _io_load(AUX2, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
-            s = tl.sigmoid(g)
+            s = _sigmoid(g, FAST)
             silu = g * s
             dg = acc * u * (s * (1.0 + g * (1.0 - s)))
             du = acc * silu
@@ -240,9 +293,9 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
         else:
             if ACTIVATION != 0:
                 pre = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
-                acc = acc * _act_grad(pre, ACTIVATION)
+                d, h = _act_grad(pre, ACTIVATION, FAST)
+                acc = acc * d
                 if STORE_H:
-                    h = _act(pre, ACTIVATION)
                     if HAS_DROPOUT:
                         h = tl.where(keep, h * drop_scale, 0.0)
                     _io_store(HOUT, h, row0, col, rm, rn, mask, N, TMA_EPI, EVEN_MN, INTERPRET)
@@ -265,9 +318,9 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
             if ACTIVATION == 4:
                 _io_store(AUX2_OUT, acc2, row0, col, rm, rn, mask, stride_xm, TMA_EPI, EVEN_MN, INTERPRET)
         if ACTIVATION == 4:
-            y = acc * tl.sigmoid(acc) * acc2
+            y = acc * _sigmoid(acc, FAST) * acc2
         else:
-            y = _act(acc, ACTIVATION)
+            y = _act(acc, ACTIVATION, FAST)
         if HAS_DROPOUT:
             y = tl.where(keep, y * drop_scale, 0.0)
         if HAS_RESIDUAL:
@@ -326,8 +379,13 @@ def _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, K, A_T: tl.constex
               INTERPRET: tl.constexpr):
     """acc += A[row0:, :K] @ B[:K, col0:] (and acc2 with B2 when DUAL_N), TMA loads (zero
     padding past every edge). ``A_T``/``B_T``: the operand is stored transposed (its first
-    stride is 1), so its descriptor covers the transpose and the tile is transposed back."""
-    for k in range(0, K, BLOCK_K):
+    stride is 1), so its descriptor covers the transpose and the tile is transposed back.
+
+    At least one step, whatever K (the launcher sends no empty K here; a step past the edge
+    reads zeros): Triton versions a flattened loop nest on whether its inner loop can be
+    empty, and a trip count it could not prove positive compiled a second, wgmma-free copy of
+    the tile loop (the epilogue alone, 4,536 instructions with bias + GELU) that never ran."""
+    for k in range(0, tl.maximum(K, 1), BLOCK_K):
         if A_T:
             a = a_desc.load([k, row0]).T
         else:
@@ -373,23 +431,28 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 # sm_90); kept a plain i32, as the compile check builds it.
 @triton.jit(do_not_specialize=["num_progs"])
 def _gemm_kernel(
-    A, A2, B, B2, C, C2, BIAS, BIAS2, RES, AUX, AUX2, HOUT, PART, SEED,
-    M, N, K, K1, num_progs,
+    A, A2, B, B2, C, C2, BIAS, BIAS2, RES, AUX, AUX2, HOUT, PART, SEED, LA, LB, LB2,
+    M, N, K, K1, R, num_progs,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_rm, stride_rn, stride_xm, stride_p,
+    stride_lam, stride_lak, stride_lbk, stride_lbn,
     drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, ROUND_PRE: tl.constexpr, STORE_H: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    ROWSUM: tl.constexpr, HAS_DROPOUT: tl.constexpr, DUAL: tl.constexpr, USE_TMA: tl.constexpr, TMA_EPI: tl.constexpr,
+    ROWSUM: tl.constexpr, HAS_DROPOUT: tl.constexpr, DUAL: tl.constexpr, LORA: tl.constexpr,
+    USE_TMA: tl.constexpr, TMA_EPI: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, PARTIAL_ROWS: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Tiles of C = epilogue(A @ B) (+ A2 @ B2 when DUAL == 2), ``num_progs`` programs walking
     the tiles (persistent when fewer than the tiles).
 
     Shapes: A (M, K1), B (K1, N) and, DUAL == 2, A2 (M, K - K1), B2 (K - K1, N); DUAL == 1:
-    B2 (K, N) into the second accumulator. C, C2, AUX, AUX2, RES (M, N), C/AUX/AUX2 with unit
+    B2 (K, N) into the second accumulator. LORA: a low-rank pair continuing the reduction
+    before the epilogue, ``+ LA @ LB`` with LA (M, R), LB (R, N) (and ``LA @ LB2`` into the
+    second accumulator when DUAL == 1), laid out as A and B (A_T, B_T) with strides of their own. C, C2, AUX, AUX2, RES (M, N), C/AUX/AUX2 with unit
     column stride (C2/AUX2: SwiGLU's up half, the row strides of C/AUX); HOUT (M, N)
     contiguous; PART: fp32 bias-gradient partials (``HAS_DBIAS``: (cdiv(M, PARTIAL_ROWS), N or
     2N); ``ROWSUM``: (cdiv(K, PARTIAL_ROWS), M)), row stride stride_p. See the module doc.
@@ -412,6 +475,12 @@ def _gemm_kernel(
         if DUAL == 2:
             a2_desc = _operand_desc(A2, M, K - K1, stride_am, stride_ak, A_T, BLOCK_M, BLOCK_K)
             b2_desc = _operand_desc(B2, K - K1, N, stride_bk, stride_bn, B_T, BLOCK_K, BLOCK_N)
+        if LORA:
+            la_desc = _operand_desc(LA, M, R, stride_lam, stride_lak, A_T, BLOCK_M, BLOCK_K)
+            lb_desc = _operand_desc(LB, R, N, stride_lbk, stride_lbn, B_T, BLOCK_K, BLOCK_N)
+            lb2_desc = lb_desc
+            if DUAL == 1:
+                lb2_desc = _operand_desc(LB2, R, N, stride_lbk, stride_lbn, B_T, BLOCK_K, BLOCK_N)
 
     # The epilogue's slices: with dropout 32 columns (half of one Philox call's 64 columns:
     # its words and mask stay live beside the slice), else EPI_SPLIT of the tile.
@@ -438,11 +507,12 @@ def _gemm_kernel(
     if HAS_DROPOUT:
         seed = tl.load(SEED)
     in_dtype = A.dtype.element_ty
+    FAST: tl.constexpr = C.dtype.element_ty != tl.float32
 
     # The epilogue recomputes its tile from its own counter: no value lives from the
     # prologue to the epilogue of the flattened loop (as in Triton's persistent tutorial).
     tile_c = start - num_progs
-    for tile_id in tl.range(start, num_tiles, num_progs, flatten=FLATTEN):
+    for tile_id in tl.range(start, num_tiles, num_progs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
@@ -457,6 +527,9 @@ def _gemm_kernel(
             if DUAL == 2:
                 acc, acc2 = _loop_tma(acc, acc2, a2_desc, b2_desc, b2_desc, row0, col0, K - K1, A_T,
                                       B_T, False, BLOCK_K, PRECISION, INTERPRET)
+            if LORA:
+                acc, acc2 = _loop_tma(acc, acc2, la_desc, lb_desc, lb2_desc, row0, col0, R, A_T, B_T,
+                                      DUAL_N, BLOCK_K, PRECISION, INTERPRET)
         else:
             acc, acc2 = _loop_ptr(acc, acc2, A, B, B2, row0, col0, M, N, k_main, stride_am, stride_ak,
                                   stride_bk, stride_bn, DUAL_N, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -465,6 +538,10 @@ def _gemm_kernel(
                 acc, acc2 = _loop_ptr(acc, acc2, A2, B2, B2, row0, col0, M, N, K - K1, stride_am,
                                       stride_ak, stride_bk, stride_bn, False, EVEN_K, BLOCK_M, BLOCK_N,
                                       BLOCK_K, PRECISION, INTERPRET)
+            if LORA:  # R is padded to 16, not to BLOCK_K: masked K
+                acc, acc2 = _loop_ptr(acc, acc2, LA, LB, LB2, row0, col0, M, N, R, stride_lam, stride_lak,
+                                      stride_lbk, stride_lbn, DUAL_N, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      PRECISION, INTERPRET)
 
         # ---- epilogue, on the fp32 tile in registers ----------------------------------------
         tile_c += num_progs
@@ -487,7 +564,7 @@ def _gemm_kernel(
                           c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
                           stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
                           in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, ROUND_PRE, STORE_H,
-                          HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+                          HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, FAST, INTERPRET)
         else:
             pieces = _pieces(acc, EPI_SPLIT)
             pieces2 = _pieces(acc2, EPI_SPLIT)
@@ -496,7 +573,7 @@ def _gemm_kernel(
                       c_out, c2_out, BIAS, BIAS2, RES, AUX, AUX2, aux_out, aux2_out, hout, PART,
                       stride_cm, stride_rm, stride_rn, stride_xm, stride_p, drop_scale,
                       in_dtype, ACTIVATION, ACT_GRAD, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, ROUND_PRE, STORE_H,
-                      HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, INTERPRET)
+                      HAS_DBIAS, HAS_DROPOUT, TMA_EPI, EVEN_MN, PARTIAL_ROWS, FAST, INTERPRET)
         if ROWSUM:
             # Row sums of A per PARTIAL_ROWS columns (the bias gradient of dW = dY.T @ X): the
             # tiles of one row block share its column chunks, one in num_pid_n each.
@@ -519,8 +596,8 @@ def _gemm_kernel(
 
 @triton.jit
 def _act_grad_kernel(
-    G, PRE, DPRE, PART, SEED,
-    M, N, stride_gm, stride_gn, stride_pm, stride_pn, drop_thresh, drop_scale,
+    G, PRE, PRE2, DPRE, DPRE2, PART, SEED,
+    M, N, stride_gm, stride_gn, stride_pm, stride_pn, stride_dm, drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, STORE_DPRE: tl.constexpr, HAS_DBIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -528,6 +605,11 @@ def _act_grad_kernel(
     epilogue's regenerated dropout mask, only with ``HAS_DROPOUT``); PART row pid_m gets its
     column sums. With ``ACTIVATION == 0`` and ``STORE_DPRE`` off this is the bias gradient of
     G alone. BLOCK_M equals PARTIAL_ROWS, so PART has the GEMM epilogue's layout.
+
+    SwiGLU (``ACTIVATION == 4``; G the gradient of silu(gate) * up): PRE and PRE2 are the gate
+    and up pre-activations (PRE's strides), DPRE and DPRE2 get dGate and dUp (row stride
+    stride_dm, as dPre: the halves of one (M, 2N) buffer), PART
+    (cdiv(M, BLOCK_M), 2N) their column sums side by side, as the GEMM epilogue lays them out.
     """
     pid_m = tl.program_id(0)
     c64 = tl.program_id(1) * 64
@@ -536,7 +618,14 @@ def _act_grad_kernel(
     mask_m = rm < M - row0
     G += row0 * stride_gm
     PRE += row0 * stride_pm
-    DPRE += row0 * N
+    PRE2 += row0 * stride_pm
+    DPRE += row0 * stride_dm
+    DPRE2 += row0 * stride_dm
+    FAST: tl.constexpr = DPRE.dtype.element_ty != tl.float32
+    if ACTIVATION == 4:
+        PART_W = 2 * N
+    else:
+        PART_W = N
     if HAS_DROPOUT:
         words = _drop_words(tl.load(SEED), row0 + rm, c64)
     for j in tl.static_range(4):
@@ -545,14 +634,25 @@ def _act_grad_kernel(
         d = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
             d = tl.where(_keep(words[j], drop_thresh), d * drop_scale, 0.0)
-        if ACTIVATION != 0:
-            pre = tl.load(PRE + rm[:, None] * stride_pm + rn[None, :] * stride_pn, mask=mask, other=0.0)
-            d = d * _act_grad(pre.to(tl.float32), ACTIVATION)
+        offs = rm[:, None] * stride_pm + rn[None, :] * stride_pn
+        if ACTIVATION == 4:
+            g = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(PRE2 + offs, mask=mask, other=0.0).to(tl.float32)
+            sg = _sigmoid(g, FAST)
+            du = d * g * sg
+            d = d * u * (sg * (1.0 + g * (1.0 - sg)))
+            tl.store(DPRE2 + rm[:, None] * stride_dm + rn[None, :], common.cast(du, DPRE2.dtype.element_ty,
+                                                                                  INTERPRET), mask=mask)
+            if HAS_DBIAS:
+                tl.store(PART + pid_m.to(tl.int64) * PART_W + N + rn, tl.sum(du, axis=0), mask=rn < N)
+        elif ACTIVATION != 0:
+            pre = tl.load(PRE + offs, mask=mask, other=0.0)
+            d = d * _act_grad(pre.to(tl.float32), ACTIVATION, FAST)[0]
         if STORE_DPRE:
-            tl.store(DPRE + rm[:, None] * N + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
+            tl.store(DPRE + rm[:, None] * stride_dm + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
                      mask=mask)
         if HAS_DBIAS:
-            tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(d, axis=0), mask=rn < N)
+            tl.store(PART + pid_m.to(tl.int64) * PART_W + rn, tl.sum(d, axis=0), mask=rn < N)
 
 
 @triton.jit
@@ -602,10 +702,12 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # first is taken without timing when FUSED_BLOCK_TUNE=0.
 #
 # sm_90, fp16/bf16: Triton's 09-persistent-matmul and inductor's persistent TMA configs
-# (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages), the epilogue on
-# 32-column slices of the 128x256 accumulator (128x128: halves) to keep its registers next to
-# the accumulator's 128 per thread (64-column slices hit 255 registers and spilled 8 B with
-# a GELU epilogue: 32 leave 180-215); 64-row tiles for small M (decoding).
+# (128x256x64 / 8 warps / 3-4 stages, 128x128x64-128 / 8 warps / 3-5 stages); 64-row tiles for
+# small M (decoding). EPI_SPLIT is the split of epilogues with inputs or several outputs: 64-
+# column slices of the 128x256 accumulator (128x128: halves) keep their temporaries next to the
+# accumulator's 128 registers per thread (the residual + saved pre-activation forward: 178-215
+# registers; 128-column slices reach 252-255). A simple epilogue (see _epi_split) takes
+# 128-column slices, as the tutorial's EPILOGUE_SUBTILE.
 # SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
 # 128x256 footprint.
 # fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
@@ -614,7 +716,7 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
 # pipelining of pointer loads.
 CONFIGS = {
-    (90, "16", False): ((128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 8, 4, 2),
+    (90, "16", False): ((128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4), (128, 128, 64, 8, 4, 2),
                         (128, 128, 128, 8, 3, 2), (128, 128, 64, 8, 5, 2), (64, 128, 64, 4, 4, 2),
                         (64, 64, 64, 4, 4, 1)),
     (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
@@ -631,10 +733,23 @@ CONFIGS = {
     (80, "ieee", False): ((64, 64, 16, 8, 2, 1),),
     (80, "ieee", True): ((64, 64, 16, 8, 2, 1),),
 }
+# sm_90 warp-specialized candidates, tried right after their table's first config (the
+# CUDA tuner keeps them where they time faster; FUSED_BLOCK_TUNE=0 never takes them): the
+# unflattened tile loop with ``tl.range(..., warp_specialize=True)`` on device descriptors, as
+# Triton 3.6's 09-persistent-matmul pairs them on Hopper. Its Hopper pass applies at 4 warps
+# (one warpgroup, 8 warps compile unspecialized): a producer warpgroup issues the TMA loads,
+# two consumer warpgroups split the tile's rows. Its data partition rejects the epilogue's
+# column slices (EPI_SPLIT 1), the bias-gradient sums, a second K loop, and spilled the residual
+# + pre-activation forward (544 B), so only simple epilogues with one K loop take them
+# (_ws_eligible). Shared memory: stages + the unsliced output tile (128x256x64: 3 stages fit).
+WS_CONFIGS = {(90, "16"): ((128, 256, 64, 4, 3, 1), (128, 128, 64, 4, 4, 1)),
+              (90, "tf32"): ((128, 128, 32, 4, 3, 1),)}
 # The interpreter runs one config. Its cost is per program and per op (nested jit calls
 # included) rather than per element, so a large tile with an unsliced epilogue is quickest;
 # tests swap in other tiles to cover the sliced epilogue and multi-tile persistent grids.
 INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
+# Tests set this to run INTERPRETER_CONFIG warp-specialized where a launch is eligible.
+INTERPRETER_WS = False
 # Tests set this to "tma" or "pointer" to force the main loop and epilogue path (the
 # interpreter runs tensor descriptors); None chooses by architecture and alignment.
 FORCE_PATH = None
@@ -651,22 +766,50 @@ _CACHE = common.ConfigCache("matmul")
 _SMEM = {}
 
 
-def _config(cfg):
+def _simple_epilogue(act_grad, residual, store_pre, dropout, dual):
+    """An epilogue that reads nothing but the bias and stores one output: bias, activation,
+    the plain GEMMs (ROWSUM's row sums run after it)."""
+    return not (act_grad or residual or store_pre or dropout or dual == 1)
+
+
+def _epi_split(cfg, simple, tma_epi):
+    """The epilogue's column slices for a table config: the table's EPI_SPLIT, or for a simple
+    epilogue stored through descriptors slices of up to 128 columns (the slices' TMA stores
+    and barriers are serialized: a 128x256 tile stores twice, as Triton's persistent tutorial
+    does, instead of 4 or 8 times; a split it has already is kept)."""
     bm, bn, bk, warps, stages, split = cfg
+    return min(split, max(1, bn // 128)) if simple and tma_epi else split
+
+
+def _ws_eligible(simple, dual, use_tma, tma_epi, fp32, a_t, b_t):
+    """Launches the warp-specialized candidates can run (see WS_CONFIGS); fp32 (TF32) only with
+    both operands K-major (x @ W.T): other layouts compiled to a wgmma ptxas rejects."""
+    return simple and dual == 0 and use_tma and tma_epi and (not fp32 or (not a_t and b_t))
+
+
+def _config(cfg, simple=False, tma_epi=False, ws=False):
+    bm, bn, bk, warps, stages, _ = cfg
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            EPI_SPLIT=split)
+                            EPI_SPLIT=_epi_split(cfg, simple, tma_epi), WARP_SPECIALIZE=ws)
 
 
-_TABLES = {key: tuple(_config(c) for c in cfgs) for key, cfgs in CONFIGS.items()}
+# (key, simple epilogue, descriptor stores) -> the table's Configs.
+_TABLES = {(key, simple, tma_epi): tuple(_config(c, simple, tma_epi) for c in cfgs)
+           for key, cfgs in CONFIGS.items() for simple in (False, True) for tma_epi in (False, True)}
+_WS_TABLES = {kind: tuple(_config(c, True, True, ws=True) for c in cfgs) for (_, kind), cfgs in WS_CONFIGS.items()}
 _FALLBACK_90 = {kind: _config(c) for kind, c in _FALLBACK_90_CFGS.items()}
 
 
-def smem_bytes(cfg, arch, elem_size, dual_n=False):
+def smem_bytes(cfg, arch, elem_size, dual_n=False, outputs=1, simple=False):
     """Shared memory a config needs, as the compile check reports it: sm_90 keeps ``stages``
-    operand buffers (TMA) plus the epilogue's staging, sm_80 ``stages - 1`` (cp.async)."""
+    operand buffers (TMA) plus the staging of the epilogue's ``outputs`` TMA stores (one slice
+    each, see _epi_split; 1 KB of barriers), sm_80 ``stages - 1`` (cp.async)."""
     bm, bn, bk, _, stages, _ = cfg
     per_stage = (bm * bk + (2 if dual_n else 1) * bk * bn) * elem_size
-    return stages * per_stage + 33 * 1024 if arch == 90 else (stages - 1) * per_stage
+    if arch != 90:
+        return (stages - 1) * per_stage
+    staging = outputs * bm * (bn // _epi_split(cfg, simple, True)) * elem_size
+    return stages * per_stage + staging + 1024
 
 
 def _smem_limit(device):
@@ -694,10 +837,19 @@ def _heavy(act_grad, activation, dropout):
     return dropout or act_grad and activation == SWIGLU
 
 
-def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True):
+def _lora_configs(arch, dual_n, n):
+    """The indices in a table of n configs a LoRA launch may take (see _LORA_VARIANTS)."""
+    return (n - 1,) if arch == 80 and dual_n else (0, n - 1)
+
+
+def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=True, tma_epi=True, simple=False,
+                outputs=1, ws=False, lora=False):
     """The table's configs this launch can use: light ones for a heavy epilogue, those that fit
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
-    for N <= 128. Tables end with their smallest tile, the fallback.
+    for N <= 128. Tables end with their smallest tile, the fallback. ``simple``: the epilogue's
+    slices (_epi_split); ``outputs``: its TMA stores per slice; ``ws``: the launch may run the
+    warp-specialized candidates (second and on, after the table's first); ``lora``: a LoRA
+    launch, which takes the table's first and last configs only (what the compile check builds).
 
     sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
     run their own tile (_FALLBACK_90_CFGS), TMA loads with pointer stores the table's
@@ -706,14 +858,24 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
     kind = precision if dtype == torch.float32 else "16"
     key = (arch, kind, dual_n)
     if arch == 90 and not (use_tma and tma_epi):
-        return [_FALLBACK_90[kind] if not use_tma else _TABLES[key][-1]]
+        return [_FALLBACK_90[kind] if not use_tma else _TABLES[(key, simple, False)][-1]]
+    table = _TABLES[(key, simple, tma_epi)]
     raw = CONFIGS[key]
     limit = _smem_limit(device)
     elem = 4 if dtype == torch.float32 else 2
-    usable = [i for i, c in enumerate(raw)
-              if (not heavy or _light(c)) and smem_bytes(c, arch, elem, dual_n) <= limit] or [len(raw) - 1]
-    sized = [i for i in usable if not (M <= 64 and raw[i][0] > 64) and not (N <= 128 and raw[i][1] > 128)]
-    return [_TABLES[key][i] for i in (sized or usable[-1:])]
+
+    def fits(c):
+        return smem_bytes(c, arch, elem, dual_n, outputs, simple) <= limit
+
+    def sized(c):
+        return not (M <= 64 and c[0] > 64) and not (N <= 128 and c[1] > 128)
+
+    usable = [i for i, c in enumerate(raw) if (not heavy or _light(c)) and fits(c)
+              and (not lora or i in _lora_configs(arch, dual_n, len(raw)))] or [len(raw) - 1]
+    chosen = [table[i] for i in ([i for i in usable if sized(raw[i])] or usable[-1:])]
+    if ws and (arch, kind) in WS_CONFIGS:
+        chosen[1:1] = [cfg for c, cfg in zip(WS_CONFIGS[(arch, kind)], _WS_TABLES[kind]) if fits(c) and sized(c)]
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,6 +905,15 @@ def _rows_ok(t):
     return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
+def _laid_out(t, transposed):
+    """``t`` (2-D) stored as a descriptor reads it: its first stride 1 when ``transposed``,
+    else its second; 16-byte aligned. A copy where it is not (the small LoRA operands)."""
+    ok, t_t = _desc_ok(t)
+    if ok and t_t == transposed:
+        return t
+    return t.t().contiguous().t() if transposed else t.contiguous()
+
+
 def drop_params(dropout_p):
     """The kernels' dropout arguments: the 31-bit keep threshold and the 1 / (1 - p) scale."""
     return min(int(dropout_p * 2.0**31), 2**31 - 1), 1.0 / (1.0 - dropout_p)
@@ -758,8 +929,12 @@ def _has_dropout(seed, dropout_p):
 
 def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=None, aux=None,
          aux2=None, hout=None, part=None, seed=None, dropout_p=0.0, activation=0, act_grad=False,
-         store_pre=False, round_pre=False, rowsum=False):
+         store_pre=False, round_pre=False, rowsum=False, lora_a=None, lora_b=None, lora_b2=None):
     """Launch ``c = epilogue(a @ b)``; see ``_gemm_kernel`` for the roles of the arguments.
+
+    ``lora_a`` (M, R) with ``lora_b`` (R, N) (and ``lora_b2`` for SwiGLU's up half): a LoRA
+    update ``lora_a @ lora_b`` joining the reduction before the epilogue (R a multiple of 16;
+    laid out as a and b here, copies of these small operands where they are not).
 
     ``b2`` with ``a2``: the dual-K product ``a @ b + a2 @ b2``; ``b2`` alone: SwiGLU's up
     projection (``activation == SWIGLU``, forward). Strides: a, b, a2, b2, residual any
@@ -783,6 +958,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     if dual == 2 and a2.stride() != a.stride():
         a, a2 = a.contiguous(), a2.contiguous()
     has_dropout = _has_dropout(seed, dropout_p)
+    lora = lora_a is not None
+    R = lora_a.shape[1] if lora else 0
     strides = (*a.stride(), *b.stride(), *(residual.stride() if residual is not None else (0, 0)))
     if max(max(strides), -min(strides), c.stride(0)) >= 2**31 // 256:
         raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
@@ -801,12 +978,17 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             ok_a2, a2_t = _desc_ok(a2) if a2 is not None else (True, a_t)
             ok_b2, b2_t = _desc_ok(b2)
             use_tma = use_tma and ok_a2 and ok_b2 and a2_t == a_t and b2_t == b_t
+        if lora and use_tma:  # the low-rank pair in a's and b's layouts, for descriptors
+            lora_a = _laid_out(lora_a, a_t)
+            lora_b, lora_b2 = _laid_out(lora_b, b_t), None if lora_b2 is None else _laid_out(lora_b2, b_t)
         epi = [c] + [t for t in (c2, aux, aux2, residual, hout) if t is not None]
         tma_epi = all(_rows_ok(t) for t in epi)
         if FORCE_PATH == "tma" and not (use_tma and tma_epi):
             raise ValueError("matmul: FORCE_PATH='tma' with operands a descriptor cannot read")
+    if lora and lora_b2 is not None and lora_b2.stride() != lora_b.stride():
+        lora_b, lora_b2 = lora_b.contiguous(), lora_b2.contiguous()
     flags = (activation, act_grad, bias is not None, residual is not None, store_pre, round_pre, hout is not None,
-             part is not None and act_grad, rowsum, has_dropout, dual, use_tma, tma_epi, a_t, b_t)
+             part is not None and act_grad, rowsum, has_dropout, dual, lora, use_tma, tma_epi, a_t, b_t)
     key = (arch, a.dtype, c.dtype, precision, min(common.next_pow2(M), 65536),
            N, K, flags)
     drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
@@ -816,68 +998,117 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             residual if residual is not None else dummy, aux if aux is not None else dummy,
             aux2 if aux2 is not None else dummy, hout if hout is not None else dummy,
             part if part is not None else dummy, seed if has_dropout else dummy,
-            M, N, K, K1)
+            lora_a if lora else a, lora_b if lora else b, lora_b2 if lora_b2 is not None else (lora_b if lora else b),
+            M, N, K, K1, R)
     tail = (strides[0], strides[1], strides[2], strides[3], c.stride(0), strides[4], strides[5],
             aux.stride(0) if aux is not None else 0, part.stride(0) if part is not None else 0,
+            *(lora_a.stride() if lora else (0, 0)), *(lora_b.stride() if lora else (0, 0)),
             drop_thresh, drop_scale)
-    constexprs = dict(
-        ACTIVATION=activation, ACT_GRAD=act_grad, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, STORE_PRE=store_pre, ROUND_PRE=round_pre, STORE_H=hout is not None,
-        HAS_DBIAS=part is not None and act_grad, ROWSUM=rowsum, HAS_DROPOUT=has_dropout, DUAL=dual,
-        USE_TMA=use_tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
-        PRECISION=precision, INTERPRET=arch == 0)
     n_sm = common.sm_count(device)
-    k_parts = (K1, K - K1) if dual == 2 else (K,)
-
-    def run(cfg):
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        tiles = common.cdiv(M, bm) * common.cdiv(N, bn)
-        if arch == 80:
-            progs = tiles
-        else:  # persistent; tiles below 128x128 fit two programs per SM
-            progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-        flatten = arch == 90 and use_tma and dual != 2 and not rowsum
-        even_k = use_tma or all(k % bk == 0 for k in k_parts)  # descriptors zero-pad: no K masks
-        even_mn = M % bm == 0 and N % bn == 0
-        common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
-                      dict(constexprs, EVEN_K=even_k, EVEN_MN=even_mn, FLATTEN=flatten), cfg)
-
     if use_tma or tma_epi:
-        triton.set_allocator(_alloc)
+        _set_allocator()
     if arch == 0:
-        run(_config(INTERPRETER_CONFIG))
+        simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+        _run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws), key, args, tail, M, N, K, K1,
+             n_sm)
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
+        simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
         heavy = _heavy(act_grad, activation, has_dropout)
+        outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
         cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
-                                                    use_tma, tma_epi), run)
-    run(cfg)
+                                          use_tma, tma_epi, simple, outputs, ws, lora),
+                         lambda c: _run(c, key, args, tail, M, N, K, K1, n_sm))
+    _run(cfg, key, args, tail, M, N, K, K1, n_sm)
 
 
-def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0):
+def _run(cfg, key, args, tail, M, N, K, K1, n_sm):
+    """Launch ``cfg`` for the launch ``key`` describes (gemm's arguments and their tail)."""
+    arch = key[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = -(-M // bm) * -(-N // bn)
+    if arch == 80:
+        progs = tiles
+    else:  # persistent; tiles below 128x128 fit two programs per SM
+        progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
+    even_mn = M % bm == 0 and N % bn == 0
+    dual = key[-1][10]
+    even_k = K % bk == 0 and (dual != 2 or K1 % bk == 0)
+    common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
+                  _constexprs(key, cfg, even_k, even_mn), cfg)
+
+
+_CONSTEXPRS = {}
+
+
+def _constexprs(key, cfg, even_k, even_mn):
+    """The launch's constexpr dict, built once per (launch key, config, evenness)."""
+    ck = (key, cfg, even_k, even_mn)
+    out = _CONSTEXPRS.get(ck)
+    if out is None:
+        arch, precision = key[0], key[3]
+        (activation, act_grad, has_bias, has_residual, store_pre, round_pre, store_h, has_dbias, rowsum, has_dropout,
+         dual, lora, use_tma, tma_epi, a_t, b_t) = key[-1]
+        # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul); a
+        # second K loop (dual-K, LoRA) keeps it unflattened too.
+        flatten = arch == 90 and use_tma and dual != 2 and not lora and not rowsum and not cfg["WARP_SPECIALIZE"]
+        out = dict(
+            ACTIVATION=activation, ACT_GRAD=act_grad, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual,
+            STORE_PRE=store_pre, ROUND_PRE=round_pre, STORE_H=store_h, HAS_DBIAS=has_dbias, ROWSUM=rowsum,
+            HAS_DROPOUT=has_dropout, DUAL=dual, LORA=lora, USE_TMA=use_tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t,
+            GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS, PRECISION=precision, INTERPRET=arch == 0,
+            EVEN_K=use_tma or even_k,  # descriptors zero-pad: no K masks
+            EVEN_MN=even_mn, FLATTEN=flatten)
+        if len(_CONSTEXPRS) > 4096:
+            _CONSTEXPRS.clear()
+        _CONSTEXPRS[ck] = out
+    return out
+
+
+_ALLOCATOR = threading.local()
+
+
+def _set_allocator():
+    """``triton.set_allocator`` for device-side descriptors, once per thread (it is a ContextVar:
+    autograd's backward thread needs its own)."""
+    if not getattr(_ALLOCATOR, "set", False):
+        triton.set_allocator(_alloc)
+        _ALLOCATOR.set = True
+
+
+def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None):
     """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its fp32
     partial column sums (cdiv(M, PARTIAL_ROWS), N). The keep factor (``dropout_p > 0``) is
-    the mask the GEMM epilogue drew from ``seed``.
+    the mask the GEMM epilogue drew from ``seed``. SwiGLU (``activation == SWIGLU``): ``pre``
+    and ``pre2`` are the gate and up pre-activations (same strides); returns dGate and dUp
+    side by side, (M, 2N), with (cdiv(M, PARTIAL_ROWS), 2N) partials.
 
     g and pre (M, N), any strides (pre unused when ``activation`` is 0). Returns ``(dpre,
     part)``: dpre contiguous in g's dtype (None unless ``store_dpre``), part or None.
     """
     M, N = g.shape
-    dpre = common.empty((M, N), g.dtype, g.device) if store_dpre else None
-    part = common.empty((common.cdiv(M, PARTIAL_ROWS), N), torch.float32, g.device) if dbias else None
+    swiglu = activation == SWIGLU
+    width = 2 * N if swiglu else N
+    dpre = common.empty((M, width), g.dtype, g.device) if store_dpre or swiglu else None
+    part = common.empty((common.cdiv(M, PARTIAL_ROWS), width), torch.float32, g.device) if dbias else None
     if M == 0 or N == 0:
         return dpre, part
     pre_t = pre if pre is not None else g
     has_dropout = _has_dropout(seed, dropout_p)
     drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
     grid = (common.cdiv(M, ACT_GRAD_BLOCK_M), common.cdiv(N, 64))
+    out = dpre if dpre is not None else g
+    # dGate and dUp: the halves of one (M, 2N) buffer, each read as (M, N) with row stride 2N.
+    d1, d2 = (out[:, :N], out[:, N:]) if swiglu else (out, out)
     common.launch("act_grad", _act_grad_kernel, grid,
-                  (g, pre_t, dpre if dpre is not None else g, part if part is not None else g,
+                  (g, pre_t, pre2 if swiglu else pre_t, d1, d2, part if part is not None else g,
                    seed if has_dropout else g, M, N, g.stride(0), g.stride(1), pre_t.stride(0),
-                   pre_t.stride(1), drop_thresh, drop_scale),
-                  dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=has_dropout,
-                       BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=common.arch(g.device) == 0),
+                   pre_t.stride(1), width, drop_thresh, drop_scale),
+                  dict(ACTIVATION=activation, STORE_DPRE=store_dpre or swiglu, HAS_DBIAS=dbias,
+                       HAS_DROPOUT=has_dropout, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=common.arch(g.device) == 0),
                   _ELEMENTWISE)
     return dpre, part
 
@@ -928,11 +1159,16 @@ _LAYOUTS = {"NT": (("stride_ak", "stride_bk"), (False, True)),
             "NN": (("stride_ak", "stride_bn"), (False, False)),
             "TN": (("stride_am", "stride_bn"), (True, False))}
 _NO_FLAGS = dict(ACTIVATION=0, ACT_GRAD=False, HAS_BIAS=False, HAS_RESIDUAL=False, STORE_PRE=False,
-                 ROUND_PRE=False, STORE_H=False, HAS_DBIAS=False, ROWSUM=False, HAS_DROPOUT=False, DUAL=0)
+                 ROUND_PRE=False, STORE_H=False, HAS_DBIAS=False, ROWSUM=False, HAS_DROPOUT=False, DUAL=0,
+                 LORA=False)
 # name -> (layout, flags): the fused variants the layers launch, each the heaviest of its
 # family (a variant without dropout or without an output has fewer live registers).
 _VARIANTS = {
     "fwd": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True)),
+    # Simple epilogues (_epi_split: wider slices): bias + erf GELU (the most instructions) and
+    # bias + tanh GELU (the most registers: 231 at 128x256 against 170).
+    "fwd_act": ("NT", dict(HAS_BIAS=True, ACTIVATION=1)),
+    "fwd_act_tanh": ("NT", dict(HAS_BIAS=True, ACTIVATION=2)),
     "fwd_drop": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, ROUND_PRE=True,
                             HAS_DROPOUT=True)),
     # tanh GELU: its gradient and recomputed activation are the heaviest (255 registers at
@@ -943,9 +1179,17 @@ _VARIANTS = {
                                 HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
     "wgrad": ("TN", {}),
+    "dgrad": ("NN", {}),
     "dgrad_dual": ("NN", dict(DUAL=2)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                HAS_DROPOUT=True)),
+    # PEFT LoRA's low-rank pair as a second K loop (forwards only: the backward's dU and dB are
+    # plain GEMMs).
+    "fwd_lora": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, LORA=True)),
+    "fwd_drop_lora": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, HAS_DROPOUT=True,
+                                 LORA=True)),
+    "swiglu_drop_lora": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
+                                    HAS_DROPOUT=True, LORA=True)),
 }
 # Per table kind (dtype class, dual): the variants compiled for every config of the table.
 # Heavy variants (see _heavy) are compiled, like launched, only on light configs.
@@ -957,6 +1201,11 @@ _TABLE_VARIANTS = {
     ("ieee", False): ("fwd_drop", "dact_drop"),
     ("ieee", True): ("swiglu_drop",),
 }
+# LoRA launches choose among a table's first and last configs only (_candidates): the proven
+# tile and the fallback, so the compile check builds its variants for those two; sm_80's
+# SwiGLU + LoRA the last one only (the first, 128x128x32 with dropout, spilled 16 B).
+_LORA_VARIANTS = {(kind, dual): (("swiglu_drop_lora",) if dual else ("fwd_lora", "fwd_drop_lora"))
+                  for kind, dual in _TABLE_VARIANTS}
 
 
 def _even_mn_matters(flags, tma_epi):
@@ -966,8 +1215,9 @@ def _even_mn_matters(flags, tma_epi):
                                                                and flags.get("ACTIVATION", 0) != 0)
 
 
-def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=()):
-    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names)."""
+def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, even_mn=False, unaligned=(), ws=False):
+    """``unaligned``: integer arguments without the 16-divisibility hint ("all" or names);
+    ``ws``: warp-specialized (WS_CONFIGS)."""
     from fused_block.kernels import aot  # only the compile check needs it
 
     bm, bn, bk, warps, stages, split = cfg
@@ -976,11 +1226,15 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, ev
     tma = tma and arch == 90
     dtype = {"16": "bf16", "tf32": "fp32", "ieee": "fp32"}[kind]
     ptr = f"*{dtype}"
-    sig = {name: ptr for name in ("A", "A2", "B", "B2", "C", "C2", "BIAS", "BIAS2", "RES", "AUX", "AUX2", "HOUT")}
-    sig.update(PART="*fp32", SEED="*i64", M="i32", N="i32", K="i32", K1="i32", num_progs="i32")
+    sig = {name: ptr for name in ("A", "A2", "B", "B2", "C", "C2", "BIAS", "BIAS2", "RES", "AUX", "AUX2", "HOUT",
+                                  "LA", "LB", "LB2")}
+    sig.update(PART="*fp32", SEED="*i64", M="i32", N="i32", K="i32", K1="i32", R="i32", num_progs="i32")
     constexprs = {}
+    lora_ones = {"stride_am": "stride_lam", "stride_ak": "stride_lak", "stride_bk": "stride_lbk",
+                 "stride_bn": "stride_lbn"}  # LA and LB are laid out as A and B
+    ones = tuple(ones) + tuple(lora_ones[o] for o in ones if o in lora_ones and flags.get("LORA", False))
     for s in ("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_rm", "stride_rn",
-              "stride_xm", "stride_p"):
+              "stride_xm", "stride_p", "stride_lam", "stride_lak", "stride_lbk", "stride_lbn"):
         if s in ones or s == "stride_rn":
             sig[s], constexprs[s] = "constexpr", 1
         else:
@@ -989,16 +1243,20 @@ def _gemm_spec(arch, kind, cfg, variant, tma=True, tma_epi=None, even_k=True, ev
     dual = flags.get("DUAL", 0)
     constexprs.update(_NO_FLAGS, **flags)
     tma_epi = tma if tma_epi is None else tma_epi and arch == 90
+    split = _epi_split(cfg, _simple_epilogue(constexprs["ACT_GRAD"], constexprs["HAS_RESIDUAL"],
+                                             constexprs["STORE_PRE"], constexprs["HAS_DROPOUT"], dual), tma_epi)
     constexprs.update(USE_TMA=tma, TMA_EPI=tma_epi, A_T=a_t, B_T=b_t, EVEN_K=even_k, EVEN_MN=even_mn, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, EPI_SPLIT=split, GROUP_M=GROUP_M, PARTIAL_ROWS=PARTIAL_ROWS,
                       PRECISION="ieee" if kind == "ieee" else "tf32",
-                      FLATTEN=arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False), INTERPRET=False)
+                      FLATTEN=(arch == 90 and tma and dual != 2 and not flags.get("ROWSUM", False) and not ws
+                               and not flags.get("LORA", False)),
+                      WARP_SPECIALIZE=ws, INTERPRET=False)
     for name in _gemm_kernel.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
     aligned = tuple(s for s, t in sig.items() if t == "i32" and s not in ("num_progs", "drop_thresh")
                     and unaligned != "all" and s not in unaligned)
-    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi")
+    path = ("tma" if tma else "ptr") + ("" if tma_epi == tma else "/ptr_epi") + (" ws" if ws else "")
     tags = ("" if even_k else " mask_k") + (" even_mn" if even_mn else "") + (" unaligned" if unaligned else "")
     return aot.KernelSpec(
         name=f"matmul[{variant} {bm}x{bn}x{bk}/{split} {path}{tags} {kind}]",
@@ -1027,44 +1285,61 @@ def aot_specs():
             return
         tma = kw.get("tma", True) and arch == 90
         tma_epi = kw.get("tma_epi", tma) and tma
-        for even_mn in (False, True) if _even_mn_matters(flags, tma_epi) else (False,):
+        # LoRA variants: masked edges only (whole tiles only drop masks; the non-LoRA variants
+        # build EVEN_MN on every config).
+        both = _even_mn_matters(flags, tma_epi) and not flags.get("LORA", False)
+        for even_mn in (False, True) if both else (False,):
             specs.append(_gemm_spec(arch, kind, cfg, variant, even_mn=even_mn, **kw))
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
         variants = _TABLE_VARIANTS[(kind, dual)]
-        for cfg in cfgs:
-            for v in variants:
+        for i, cfg in enumerate(cfgs):
+            for v in variants + (_LORA_VARIANTS[(kind, dual)] if i in _lora_configs(arch, dual, len(cfgs)) else ()):
                 add(arch, kind, cfg, v)
             if kind == "16" and not dual and arch == 80:
                 # Pointer loads with a masked K loop (sm_80's path for K not a multiple of BLOCK_K).
                 add(arch, kind, cfg, "fwd", even_k=False)
             if kind == "16" and not dual and arch == 90:
                 add(arch, kind, cfg, "fwd")  # dropout-free forward: fwd_drop is heavy here
+            if arch == 90 and not dual and _epi_split(cfg, True, True) != cfg[5]:
+                for v in ("fwd_act", "fwd_act_tanh"):  # a simple epilogue's wider slices
+                    add(arch, kind, cfg, v)
         if arch == 90:
             smallest = cfgs[-1]
-            for v in variants + (("fwd",) if kind == "16" and not dual else ()):
+            lora = _LORA_VARIANTS[(kind, dual)]
+            for v in variants + lora + (("fwd",) if kind == "16" and not dual else ()):
                 add(arch, kind, smallest, v, tma_epi=False, unaligned=_EPI_UNALIGNED)
             if kind != "16":
-                for v in variants:
+                for v in variants + lora:
                     add(arch, kind, _FALLBACK_90_CFGS[kind], v, tma=False, even_k=False, unaligned="all")
+    # The warp-specialized candidates with the variants they run (_ws_eligible): the simple
+    # epilogues on one K loop, i.e. the bias + GELU forwards, the input gradient, the weight
+    # gradient with and without its row sums; TF32 the forwards (x @ W.T) only.
+    for (arch, kind), cfgs in WS_CONFIGS.items():
+        for cfg in cfgs:
+            for v in ("fwd_act", "fwd_act_tanh") + (("dgrad", "wgrad_rowsum", "wgrad") if kind == "16" else ()):
+                add(arch, kind, cfg, v, ws=True)
     # sm_90's 16-bit pointer fallback: every 16-bit variant and the plain weight gradient (dW =
     # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
     # aligned sizes (FORCE_PATH, an empty first K part).
-    for variant in _TABLE_VARIANTS[("16", False)] + ("fwd", "wgrad", "swiglu_drop"):
+    for variant in (_TABLE_VARIANTS[("16", False)] + _LORA_VARIANTS[("16", False)]
+                    + ("fwd", "wgrad", "swiglu_drop", "swiglu_drop_lora")):
         add(90, "16", _FALLBACK_90_CFGS["16"], variant, tma=False, even_k=False, unaligned="all")
     add(90, "16", _FALLBACK_90_CFGS["16"], "fwd", tma=False, even_k=False)
-    for act, drop in ((2, False), (2, True), (0, True)):
+    for act, drop in ((2, False), (2, True), (0, True), (SWIGLU, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
-            signature={"G": "*bf16", "PRE": "*bf16", "DPRE": "*bf16", "PART": "*fp32", "SEED": "*i64",
+            signature={"G": "*bf16", "PRE": "*bf16", "PRE2": "*bf16", "DPRE": "*bf16", "DPRE2": "*bf16",
+                       "PART": "*fp32", "SEED": "*i64",
                        "M": "i32", "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr",
-                       "stride_pm": "i32", "stride_pn": "constexpr", "drop_thresh": "i32", "drop_scale": "fp32",
+                       "stride_pm": "i32", "stride_pn": "constexpr", "stride_dm": "i32", "drop_thresh": "i32",
+                       "drop_scale": "fp32",
                        "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr", "HAS_DBIAS": "constexpr",
                        "HAS_DROPOUT": "constexpr", "BLOCK_M": "constexpr", "INTERPRET": "constexpr"},
             constexprs=dict(stride_gn=1, stride_pn=1, ACTIVATION=act, STORE_DPRE=True, HAS_DBIAS=True,
                             HAS_DROPOUT=drop, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
-            num_warps=4, aligned=("N", "stride_gm", "stride_pm")))
+            num_warps=4, aligned=("N", "stride_gm", "stride_pm", "stride_dm")))
     specs.append(aot.KernelSpec(
         name="bias_grad_reduce", fn=_reduce_kernel,
         signature={"P1": "*fp32", "O1": "*bf16", "R1": "i32", "N1": "i32", "P2": "*fp32", "O2": "*bf16",

@@ -154,6 +154,77 @@ def test_attention_pointer_path(B, Hq, Hkv, Lq, Lk, D, causal, padding, device, 
     assert launches["attention_tma"] == 0
 
 
+# The warp-specialized forward (Hopper WS candidates; device-side descriptors, one K/V loop,
+# every block masked under causality): (B, Hq, Hkv, Lq, Lk, D, causal, padding).
+WS_CASES = [
+    # Non-causal over whole key blocks (Lk = 96: three of the interpreter's 32; WS candidates
+    # need them), a ragged query block (Lq = 70), GQA 2:1, padding with a fully padded row.
+    pytest.param(2, 2, 1, 70, 96, 64, False, True, id="full-pad-gqa"),
+    # Causal with a ragged key end (Lk = 50) and offset diagonal; D = 80 (zero-padded columns).
+    pytest.param(1, 2, 2, 40, 50, 80, True, False, id="causal-ragged-d80"),
+]
+
+
+def _ws_forward(monkeypatch, D):
+    """Makes the forward run its warp-specialized candidate: the interpreter's config, or on
+    Hopper this head-dim class's WS candidate as the only one."""
+    if ON_CUDA and not HOPPER:
+        pytest.skip("warp specialization is a Hopper candidate")
+    if ON_CUDA:
+        key = kernels._table_key(kernels._block_d(D), "16", False)
+        table = kernels.FWD_CONFIGS[90]
+        monkeypatch.setitem(table, key, [c for c in table[key] if c["WS"]][:1])
+    else:
+        c = kernels.INTERPRET_FWD
+        monkeypatch.setattr(kernels, "INTERPRET_FWD", kernels._fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps,
+                                                                       c.num_stages, True))
+    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    ws = []
+    launch = common.launch
+
+    def record(name, kernel, grid, args, constexprs, config):
+        if name == "attention_fwd":
+            ws.append(config["WS"])
+        return launch(name, kernel, grid, args, constexprs, config)
+
+    monkeypatch.setattr(common, "launch", record)
+    return ws
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding", WS_CASES)
+def test_warp_specialized_forward(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype, device, launches, monkeypatch):
+    """The WS forward's code path (the interpreter ignores ``warp_specialize`` but runs the
+    body it marks) against the reference, with gradients through the regular backward."""
+    ws = _ws_forward(monkeypatch, D)
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
+    mask = _padding(B, Lk, device) if padding else None
+    _compare(q, k, v, causal, mask)
+    assert ws and all(ws)
+    _launched_once(launches)
+
+
+def test_warp_specialized_forward_needs_whole_key_blocks(device, launches, monkeypatch):
+    """Without causality a ragged key end (Lk = 50) would need a masked block: the WS
+    candidate is not run there (its single loop is unmasked), the regular forward is."""
+    ws = _ws_forward(monkeypatch, 64)
+    q, k, v = _qkv(1, 2, 2, 33, 50, 64, torch.bfloat16, device)
+    _compare(q, k, v, False, grads=False)
+    assert ws and not any(ws)
+
+
+def test_ws_candidates_follow_the_first():
+    """Every table's first candidate is the proven non-WS config; WS candidates only on
+    sm_90, for 16-bit classes without dropout, with 128-row query blocks (Q split between two
+    consumer warpgroups) and 4 warps."""
+    for arch, table in kernels.FWD_CONFIGS.items():
+        for (block_d, kind, dropout), cfgs in table.items():
+            assert not cfgs[0]["WS"]
+            for c in cfgs:
+                if c["WS"]:
+                    assert (arch, kind, dropout, c["BLOCK_M"], c.num_warps) == (90, "16", False, 128, 4)
+
+
 # Long and wide shapes, one dtype each (interpreter time): they add block-count and width.
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding,dtype", [
     # Lq = Lk = 520: 9 x 17 blocks, the online softmax rescales across many key blocks.

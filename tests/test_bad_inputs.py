@@ -48,6 +48,12 @@ def _mlp(**kw):
     return fused_block.mlp(**args)
 
 
+def _lce(**kw):
+    args = dict(hidden=r(4, 16), weight=r(10, 16), target=torch.zeros(4, dtype=torch.int64, device=DEV))
+    args.update(kw)
+    return fused_block.linear_cross_entropy(**args)
+
+
 def _module(make, *inputs, **kw):
     return lambda: make()(*inputs, **kw)
 
@@ -117,6 +123,30 @@ CATALOGUE = [
     ("mlp-b2-length", lambda: _mlp(b2=r(15)), ValueError, "b2"),
     ("mlp-w1-inner", lambda: _mlp(w1=r(32, 15)), ValueError, "w1"),
     ("mlp-activation", lambda: _mlp(activation="tanh"), ValueError, "activation"),
+    # linear_cross_entropy
+    ("lce-shapes-do-not-chain", lambda: _lce(weight=r(10, 12)), ValueError, "weight"),
+    ("lce-weight-rank", lambda: _lce(weight=r(16)), ValueError, "weight"),
+    ("lce-bias-length", lambda: _lce(bias=r(9)), ValueError, "bias"),
+    ("lce-target-float", lambda: _lce(target=torch.zeros(4, device=DEV)), TypeError, "target"),
+    ("lce-target-bool", lambda: _lce(target=torch.zeros(4, dtype=torch.bool, device=DEV)), TypeError, "target"),
+    ("lce-target-list", lambda: _lce(target=[0, 1, 2, 3]), TypeError, "target"),
+    ("lce-target-shape", lambda: _lce(target=torch.zeros(5, dtype=torch.int64, device=DEV)), ValueError, "target"),
+    ("lce-dtype-mismatch", lambda: _lce(weight=r(10, 16, dtype=BF16)), TypeError, "weight"),
+    ("lce-int-hidden", lambda: _lce(hidden=torch.ones(4, 16, dtype=torch.int64, device=DEV)), TypeError, "hidden"),
+    ("lce-device", lambda: _lce(weight=r(10, 16, device=META)), ValueError, "weight"),
+    ("lce-target-device", lambda: _lce(target=torch.zeros(4, dtype=torch.int64, device=META)), ValueError, "target"),
+    ("lce-negative-label-smoothing", lambda: _lce(label_smoothing=-0.1), ValueError, "label_smoothing"),
+    ("lce-label-smoothing-above-one", lambda: _lce(label_smoothing=1.5), ValueError, "label_smoothing"),
+    ("lce-negative-z-loss", lambda: _lce(z_loss=-1e-4), ValueError, "z_loss"),
+    ("lce-softcap-zero", lambda: _lce(softcap=0.0), ValueError, "softcap"),
+    ("lce-reduction", lambda: _lce(reduction="avg"), ValueError, "reduction"),
+    ("lce-ignore-index-type", lambda: _lce(ignore_index=-100.0), TypeError, "ignore_index"),
+    ("lce-empty-vocabulary", lambda: _lce(weight=r(0, 16)), ValueError, "weight"),
+    # values are checked where that needs no synchronization: CPU tensors (CUDA: NaN for the token)
+    *([("lce-target-out-of-range", lambda: _lce(target=torch.tensor([0, 1, 10, 2])), ValueError, "target")]
+      if DEV.type == "cpu" else []),
+    ("LinearCrossEntropy-in-features", _module(lambda: fused_block.LinearCrossEntropy(16, 10).to(DEV), r(4, 12),
+                                               torch.zeros(4, dtype=torch.int64, device=DEV)), ValueError, "weight"),
     # modules
     ("LayerNorm-shape", _module(lambda: fused_block.LayerNorm(16).to(DEV), r(4, 8)), ValueError, "x"),
     ("RMSNorm-shape", _module(lambda: fused_block.RMSNorm(16).to(DEV), r(4, 8)), ValueError, "x"),

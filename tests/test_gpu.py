@@ -71,11 +71,19 @@ def _block_case():
                           ).float().square().sum()), params
 
 
-@pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "attention", "mlp", "block"])
+def _loss_case():
+    # 8 chunks of 1024 tokens: the dW / db accumulation over chunks in its fixed order.
+    x, w, b = _rand(8192, 1024, grad=True), _rand(32000, 1024, scale=0.03, grad=True), _rand(32000, grad=True)
+    target = torch.randint(0, 32000, (8192,), device=DEV)
+    return (lambda: fused_block.linear_cross_entropy(x, w, target, b, label_smoothing=0.1)), [x, w, b]
+
+
+@pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "attention", "mlp", "block", "linear_cross_entropy"])
 def test_backward_is_deterministic(case):
     torch.manual_seed(0)
     make_loss, inputs = {"layer_norm": lambda: _norm_case("layer"), "rms_norm": lambda: _norm_case("rms"),
-                         "attention": _attention_case, "mlp": _mlp_case, "block": _block_case}[case]()
+                         "attention": _attention_case, "mlp": _mlp_case, "block": _block_case,
+                         "linear_cross_entropy": _loss_case}[case]()
     first, second = _grads_twice(make_loss, inputs)
     assert _bitwise_equal(first, second)
 
@@ -114,6 +122,53 @@ def test_linear_over_2_31_elements():
     idx = _sample_rows(m)
     ref = reference.linear(x[idx].double(), w.double(), b.double(), "gelu")
     torch.testing.assert_close(out[idx].double(), ref, atol=3e-2, rtol=2e-2)
+
+
+def _chunked_reference(x, w, target, rows=1024):
+    """The mean loss, dW and the per-token dhidden of F.cross_entropy(F.linear(x, w).float()),
+    a chunk of rows at a time (the logits rounded to bf16, as F.linear's; fp32 from there)."""
+    total, dw, dx = torch.zeros((), device=DEV, dtype=torch.float64), torch.zeros(w.shape, device=DEV), []
+    n = (target != -100).sum()
+    for r0 in range(0, x.shape[0], rows):
+        logits = F.linear(x[r0:r0 + rows], w).float().requires_grad_()
+        loss = F.cross_entropy(logits, target[r0:r0 + rows], reduction="sum") / n
+        (g,) = torch.autograd.grad(loss, logits)
+        total += loss.double()
+        dw += g.to(x.dtype).float().T @ x[r0:r0 + rows].float()
+        dx.append(g.to(x.dtype).float() @ w.float())
+    return total, dw, torch.cat(dx)
+
+
+def test_linear_cross_entropy_over_2_31_logits():
+    # 17,000 tokens x LLaMA-3's 128,256 vocabulary: 2.18e9 logits (64-bit offsets across the
+    # chunks), hidden 64 so everything else stays small.
+    n, v, h = 17000, 128256, 64
+    x, w = _rand(n, h, grad=True), _rand(v, h, scale=h ** -0.5, grad=True)
+    target = torch.randint(0, v, (n,), device=DEV)
+    target[::7] = -100
+    loss = fused_block.linear_cross_entropy(x, w, target)
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    want, want_dw, want_dx = _chunked_reference(x.detach(), w.detach(), target)
+    torch.testing.assert_close(loss.double(), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(dw.float(), want_dw, atol=2e-4, rtol=2e-2)
+    torch.testing.assert_close(dx.float(), want_dx, atol=2e-4, rtol=2e-2)
+
+
+def test_linear_cross_entropy_extra_memory():
+    """LLaMA-3's head on 16K tokens: what a training step's loss allocates beyond its inputs
+    (the chunk buffer, dhidden, dW and its fp32 accumulator) against the fp32 logits' 8.4 GB."""
+    n, v, h = 16384, 128256, 1024
+    x, w = _rand(n, h, grad=True), _rand(v, h, scale=h ** -0.5, grad=True)
+    target = torch.randint(0, v, (n,), device=DEV)
+    torch.autograd.grad(fused_block.linear_cross_entropy(x, w, target), (x, w))  # configs chosen, caches warm
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = torch.autograd.grad(fused_block.linear_cross_entropy(x, w, target), (x, w))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    del grads
+    assert extra <= n * v * 4 / 8 + (2 + 4) * v * h + 2 * 2 * n * h + (64 << 20), extra
 
 
 def test_attention_over_2_31_elements():

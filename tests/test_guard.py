@@ -334,3 +334,26 @@ def test_hf_quantized_subclass_before_conversion(device, where, match):
         fused = fused_block.convert(copy.deepcopy(model))
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).logits, model(ids).logits, **TOL)
+
+
+def test_parametrized_weights_are_read_through(device, launches):
+    """torch.nn.utils.parametrize on linear1's weight: the fused path reads the parametrized
+    weight (no fallback), and gives torch's layer's answer with the same parametrization."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    ref, fused = _pair(device)
+    for layer in (ref, fused):
+        parametrize.register_parametrization(layer.linear1, "weight", Doubled())
+    x = torch.randn(B, L, D, device=device, requires_grad=True)
+    with _no_fallback():
+        got = fused(x)
+    torch.testing.assert_close(got, ref(x), **TOL)
+    assert launches["matmul"] > 0
+    got.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(fused.linear1.parametrizations.weight.original.grad,
+                               ref.linear1.parametrizations.weight.original.grad, **TOL)

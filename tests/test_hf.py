@@ -60,10 +60,15 @@ def _converted(model):
 ARCHS = ["llama", "mistral", "qwen2", "gpt2", "bert"]
 
 
+CAUSAL = ("llama", "mistral", "qwen2", "gpt2")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_and_gradients_match_the_original(arch, device, launches):
-    """fp32 logits and the gradient of every parameter (one training step's loss, padding
-    included) against the original in float64; the kernels ran."""
+    """fp32 logits, the loss and the gradient of every parameter (one training step's loss,
+    padding included) against the original in float64; the kernels ran. The causal LMs'
+    training loss is the fused linear + cross-entropy: no logits in its output; the logits are
+    compared on a separate no-grad call."""
     model = _model(arch, device).train()
     fused = _converted(model)
     assert fused.training and all(m.training for m in fused.modules())
@@ -75,8 +80,8 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
         with _no_fallback():
             out = m(ids, attention_mask=mask, labels=labels)
         out.loss.backward()
-        outs[name] = (out.logits.masked_fill(mask[..., None] == 0, 0.0), dict(m.named_parameters()))
-    _assert_close("logits", outs["fused"][0], outs["ref"][0], outs["base"][0], torch.float32, device)
+        outs[name] = (out, dict(m.named_parameters()))
+    _assert_close("loss", outs["fused"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
     for pname, p in outs["ref"][1].items():
         g = outs["fused"][1][pname].grad
         assert g is not None, pname
@@ -86,8 +91,16 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
     # RoPE on the packed QKV output, forward and backward per layer
     assert launches["rope_qkvpacked"] == (4 if arch not in ("gpt2", "bert") else 0) and launches["rope"] == 0
     # per layer: QKV and out projections 1 GEMM forward and 2 backward each; the FFN (SwiGLU in
-    # the LLaMA family) 2 forward and 4 backward: the MLP runs fused in every architecture
-    assert launches["matmul"] == 2 * 12 and launches["act_grad"] == 0
+    # the LLaMA family) 2 forward and 4 backward: the MLP runs fused in every architecture. The
+    # causal LMs' head: the logits GEMM and dhidden = dlogits @ W of one chunk (18 tokens).
+    causal = arch in CAUSAL
+    assert launches["matmul"] == 2 * 12 + (2 if causal else 0) and launches["act_grad"] == 0
+    assert launches["lce_ce"] == launches["lce_dw"] == (1 if causal else 0)
+    assert (outs["fused"][0].logits is None) == causal
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                  for m in (ref, model, fused)]
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -338,3 +351,91 @@ def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     assert hf._plan(pad, B, L, L, True, False).key_padding is None
     read = hf._plan(causal4d, B, L, L, True, False)
     assert read.kernel and read.causal and read.key_padding is None
+
+
+# ---------------------------------------------------------------------------------------------
+# causal LMs: the training loss through the fused linear + cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_causal_lm_loss_semantics(arch, device, launches):
+    """transformers' label shift, ignore_index, num_items_in_batch (a tensor and an int),
+    shift_labels and return_dict=False, against the original model's loss and gradients; the
+    logits when asked for (return_logits=True, or eval mode: Hugging Face's forward)."""
+    model = _model(arch, device, layers=1).train()
+    fused = _converted(model)
+    ids, mask = _inputs(arch, device)
+    labels = ids.masked_fill(mask == 0, -100)
+    shifted = torch.roll(ids, -1, dims=1)
+    for kw in (dict(labels=labels, num_items_in_batch=torch.tensor(11, device=device)),
+               dict(labels=labels, num_items_in_batch=5), dict(labels=ids, shift_labels=shifted)):
+        want = model(ids, attention_mask=mask, **kw)
+        got = fused(ids, attention_mask=mask, **kw)
+        assert got.logits is None
+        torch.testing.assert_close(got.loss, want.loss, atol=2e-5, rtol=0)
+        gw = torch.autograd.grad(want.loss, model.lm_head.weight)[0]
+        gf = torch.autograd.grad(got.loss, fused.lm_head.weight)[0]
+        torch.testing.assert_close(gf, gw, atol=2e-5, rtol=1e-4)
+    ce = launches["lce_ce"]
+    assert ce == 3
+    loss, *rest = fused(ids, labels=ids, return_dict=False)  # a tuple without logits
+    assert loss.dim() == 0 and all(not (torch.is_tensor(r) and r.shape[-1:] == (V,)) for r in rest)
+    with _no_fallback():
+        asked = fused(ids, labels=ids, return_logits=True)
+        fused.eval()
+        evaluated = fused(ids, labels=ids)
+    assert asked.logits.shape == evaluated.logits.shape == (B, L, V)
+    torch.testing.assert_close(asked.loss, model(ids, labels=ids).loss, atol=2e-5, rtol=0)
+    assert launches["lce_ce"] == ce + 1  # only the tuple call: the two asking for logits ran HF's loss
+
+
+def test_all_labels_ignored_gives_nan_like_transformers(device):
+    model = _model("llama", device, layers=1).train()
+    fused = _converted(model)
+    ids, _ = _inputs("llama", device)
+    labels = torch.full_like(ids, -100)
+    assert torch.isnan(model(ids, labels=labels).loss) and torch.isnan(fused(ids, labels=labels).loss)
+
+
+def test_converted_llama_training_step_never_allocates_the_logits(device, launches, monkeypatch):
+    """A converted LlamaForCausalLM's training step (the loss from model(input_ids, labels=...)
+    and its backward): no logits-wide tensor but one chunk of rows (chunks of 4 of the 18
+    tokens, as the chunk rule does from 512 tokens up); the fused kernels ran."""
+    from fused_block.kernels import loss as kloss
+    from memory_testing import Allocations
+
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 4)
+    model = _converted(_model("llama", device, layers=1, vocab_size=101).train())  # 101: no other width
+    ids, _ = _inputs("llama", device)
+    with _no_fallback(), Allocations() as rec:
+        out = model(ids, labels=ids)
+        out.loss.backward()
+    assert out.logits is None
+    wide = [a.shape for a in rec.records if a.shape and a.shape[-1] in (101, kloss.padded_stride(101, 4))]
+    assert wide == [(4, kloss.padded_stride(101, 4))]
+    assert launches["lce_ce"] == 5 and launches["lce_dw"] == 5 and launches["attention_bwd"] == 1
+
+
+def test_causal_lm_falls_back_with_a_warning(device, launches):
+    """A hook on lm_head, logits_to_keep, or a custom loss_function: one warning each, the
+    original's loss (from the logits); nothing wrong is returned."""
+    model = _model("gpt2", device, layers=1).train()
+    fused = _converted(model)
+    ids, _ = _inputs("gpt2", device)
+    want = model(ids, labels=ids).loss
+    handle = fused.lm_head.register_forward_hook(lambda m, i, o: None)
+    with pytest.warns(UserWarning, match="lm_head has a forward hook"):
+        torch.testing.assert_close(fused(ids, labels=ids).loss, want, atol=2e-5, rtol=0)
+    handle.remove()
+    with pytest.warns(UserWarning, match="logits_to_keep"):  # positions as a tensor: all of them here
+        got = fused(ids, labels=ids, logits_to_keep=torch.arange(L, device=device))
+    torch.testing.assert_close(got.loss, want, atol=2e-5, rtol=0)
+    fused.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().square().mean()
+    with pytest.warns(UserWarning, match="loss_function other than"):
+        assert fused(ids, labels=ids).logits is not None
+    del fused._loss_function  # the property's storage: back to transformers' default
+    before = launches["lce_ce"]
+    torch.testing.assert_close(fused(ids, labels=ids).loss, want, atol=2e-5, rtol=0)
+    assert launches["lce_ce"] == before + 1
+
+

@@ -322,6 +322,13 @@ def _cuda_branch_calls(dtype):
         q, k, inv_freq = r(2, 33, 4, D), r(2, 33, 2, D), 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
         grads(fused_block.rope(q, k, torch.arange(33)[None], inv_freq), q, k)
         grads(fused_block.rope_qkvpacked(qkv, 4, 2, None, inv_freq), qkv)
+    # linear + cross-entropy: 2100 tokens (several chunks), vocabularies of one CE tile and of
+    # two (1031 > 1024: the 4096-wide tile), with a bias; mean, and "none" (recomputed backward).
+    for vocab, reduction in ((1000, "mean"), (1031, "none")):
+        x, w, b = r(2100, 64), r(vocab, 64), r(vocab)
+        target = torch.randint(0, vocab, (2100,))
+        grads(fused_block.linear_cross_entropy(x, w, target, b, label_smoothing=0.1, softcap=5.0, reduction=reduction),
+              x, w, b)
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -371,7 +378,8 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     finally:
         _allocation._allocator.set(allocator)
     assert {"matmul", "act_grad", "bias_grad_reduce", "add_norm_fwd", "add_norm_bwd", "attention_fwd",
-            "attention_bwd", "rope", "rope_qkvpacked"} <= {name for name, _ in launched}
+            "attention_bwd", "rope", "rope_qkvpacked", "lce_count", "lce_ce", "lce_dw", "lce_colsum", "lce_sum",
+            "lce_scale"} <= {name for name, _ in launched}
     # sm_90: descriptors where aligned (GEMMs: also pointers, for the unaligned rows; attention:
     # pointers for IEEE fp32); sm_80: pointers only.
     tma = {name: {t for n, t in launched if n == name} for name in ("matmul", "attention_fwd")}
@@ -387,6 +395,11 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
                 assert tile == matmul._FALLBACK_90_CFGS[kind] and not kw["FLATTEN"], (tile, kw)
             elif not kw["TMA_EPI"]:
                 assert tile == matmul.CONFIGS[(90, kind, kw["DUAL"] == 1)][-1], (tile, kw)
+            if kw["WARP_SPECIALIZE"]:  # its own tiles, on the unflattened tile loop
+                assert tile in matmul.WS_CONFIGS[(90, kind)] and not kw["FLATTEN"], (tile, kw)
+        # The warp-specialized candidates are timed for the eligible launches (16-bit here;
+        # the default fp32 mode, IEEE, has none).
+        assert any(kw["WARP_SPECIALIZE"] for kw, _, _ in gemms) == (dtype != torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,13 +409,15 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
 def test_host_benchmark_reports_every_configuration():
     from bench.specs import host
 
-    rows = host.measure(quick=True)
+    rows, profs = host.run(quick=True)
     assert [r["config"] for r in rows] == [host._name(*c) for c in host.CONFIGS]
     for r in rows:
-        assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["kernels"].total > 0
+        assert all(r[f"{m}_us"] > 0 for m in host.MODES) and r["kernels"].total > 0
+        # A steady step: every Triton launch through the direct path, none left to Triton's.
+        assert r["launch_paths"] == {"direct": sum(r["kernels"].triton.values())}, r["launch_paths"]
+        assert r["outside_launch"] == []
     table = host.format_rows(rows)
     assert all(r["config"] in table for r in rows)
-    profs = host.profiles(quick=True)
     assert list(profs) == [r["config"] for r in rows]
     assert all(p.groups.get("fused_block/blocks.py", 0) > 0 for p in profs.values())
     breakdown = host.format_profiles(profs)

@@ -12,6 +12,8 @@ tiles (``INTERPRETER_CONFIG``).
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import fused_block
 import fused_block.kernels.matmul as kmatmul
@@ -19,8 +21,8 @@ from fused_block import reference
 from fused_block.kernels import common
 from fused_block.linear import MLP, Linear, linear, mlp
 
-from gemm_testing import (DTYPE_MODES, MODES, check, fp32_mode, kernel_masks, leaves, round_to_tf32, saved_numels,
-                          seeded)
+from gemm_testing import (DTYPE_MODES, MODES, baseline_mode, check, fp32_mode, kernel_masks, leaves, round_to_tf32,
+                          saved_numels, seeded)
 from numerics import ATOL, assert_close, randn
 
 ACTS = (None, "gelu", "gelu_tanh", "relu")
@@ -59,6 +61,84 @@ def test_fp32_precision_follows_torch_at_call_time(mode, device, monkeypatch):
         linear(x.detach(), w.detach())
         linear(x.detach().half(), w.detach().half())
     assert seen == [mode, "tf32"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the epilogues' activations against float64
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _activation_probe(X, Y, D, n, ACTIVATION: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    d, y = kmatmul._act_grad(x, ACTIVATION, FAST)
+    tl.store(Y + offs, y, mask=offs < n)
+    tl.store(D + offs, d, mask=offs < n)
+
+
+def _probe(x, activation, fast):
+    """(act(x), act'(x)) in fp32 from the epilogues' code (``FAST``: their 16-bit-output forms)."""
+    y, d = torch.empty_like(x), torch.empty_like(x)
+    block = 4096
+    common.launch("activation_probe", _activation_probe, (common.cdiv(x.numel(), block),), (x, y, d, x.numel()),
+                  dict(ACTIVATION=activation, FAST=fast, BLOCK=block), common.Config.of(num_warps=4))
+    return y, d
+
+
+def _gelu64(x, tanh):
+    """GELU and its derivative in float64: x * Phi(x) (erf) or x * sigmoid(2u) (tanh)."""
+    x = x.double()
+    if tanh:
+        k0, k1 = (2 / torch.pi) ** 0.5, 0.044715
+        s = torch.sigmoid(2 * k0 * (x + k1 * x**3))
+        return x * s, s + 2 * x * s * (1 - s) * k0 * (1 + 3 * k1 * x * x)
+    cdf = 0.5 * torch.special.erfc(-x / 2**0.5)
+    return x * cdf, cdf + x * torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
+
+
+# fp32 inputs over the whole range: a fine grid where the activations bend (spacing 2^-12) and
+# 200 magnitudes per decade out to 1e18 both ways (past that the tanh form's x^3 overflows, in
+# the fp32 path as in the reference's fp32 rounding).
+_GRID = torch.cat([torch.arange(-2**17, 2**17 + 1) * 2.0**-12,
+                   torch.logspace(-30, 18, 9601), -torch.logspace(-30, 18, 9601), torch.zeros(1)])
+
+
+@pytest.mark.parametrize("tanh", [False, True], ids=["erf", "tanh"])
+def test_fast_gelu_against_float64(tanh, device):
+    # The short forms 16-bit outputs get (fp32 FMAs, one or two MUFU ops): the erf GELU from a
+    # degree-5 fit of log2 Phi (measured: 7.0e-7 in the GELU, 7.5e-7 in its derivative), the
+    # tanh GELU's sigmoid as rsqrt(1 + 2^-z)^2 (2.7e-7; the derivative's 1 - s 5.4e-6 where
+    # x^3 scales it). Errors of the GELU relative to max(1, |x|), as the numerics rule measures
+    # them against the largest output: a 500th (derivative of the tanh form: a 90th) of the
+    # rounding that rule allows a 16-bit output at 1.0 (half an ulp: fp16 4.9e-4, bf16
+    # 3.9e-3). The fp32 outputs' full-accuracy forms: 1e-7 to 1.7e-7.
+    x = _GRID.to(device)
+    ref_y, ref_d = _gelu64(x, tanh)
+    act = kmatmul.ACTIVATIONS["gelu_tanh" if tanh else "gelu"]
+    scale = x.double().abs().clamp(min=1.0)
+    for fast, bound_y, bound_d in ((True, 1e-6, 1e-5 if tanh else 1e-6), (False, 3e-7, 3e-7)):
+        y, d = _probe(x, act, fast)
+        err_y = ((y.double() - ref_y).abs() / scale).max().item()
+        err_d = (d.double() - ref_d).abs().max().item()
+        assert err_y < bound_y and err_d < bound_d, (fast, err_y, err_d)
+    # Non-finite inputs: NaN stays NaN, +inf gives inf (as float64), -inf NaN (-inf * 0).
+    special = torch.tensor([float("nan"), float("inf"), float("-inf")], device=device)
+    y, _ = _probe(special, act, True)
+    assert y[0].isnan() and y[1] == float("inf") and y[2].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemm_gelu_form_follows_the_output_dtype(dtype, device):
+    # c = gelu(x @ 1) with K = 1 (exact products): fp32 outputs keep libdevice's erf, 16-bit
+    # ones take the fast form, whatever the operands (bf16 operands with an fp32 output: the
+    # fp32 residual stream of autocast).
+    x = torch.linspace(-4, 4, 256, device=device).to(torch.bfloat16).float()
+    out = common.empty((256, 8), dtype, device)
+    kmatmul.gemm(x.to(torch.bfloat16)[:, None], torch.ones(1, 8, dtype=torch.bfloat16, device=device), out,
+                 activation=kmatmul.ACTIVATIONS["gelu"])
+    fast, precise = _probe(x, 1, True)[0], _probe(x, 1, False)[0]
+    expect = precise if dtype == torch.float32 else fast.to(dtype)
+    assert torch.equal(out, expect[:, None].expand(256, 8))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,6 +215,43 @@ def test_linear_leading_dims_strided_weight_and_partial_grads(dtype_mode, device
 
     check("linear", lambda x, w, b, r: linear(x, w, b, "gelu_tanh", r), ref, (x, w, b, r), dtype, device, mode)
     assert launches["matmul"] == 2  # forward and dW only
+
+
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[1], DTYPE_MODES[3]])
+def test_linear_warp_specialized_tile_loop(dtype_mode, device, launches, monkeypatch):
+    # sm_90's warp-specialized candidates (WS_CONFIGS) run the unflattened tile loop with
+    # tl.range(warp_specialize=True) on one of their tiles: 300x136 outputs make 6 tiles of
+    # 128x128 for the interpreter's 4 persistent programs. Eligible: simple epilogues on one K
+    # loop, here the backward's GEMMs (dx, dW with its row sums for dB) and a forward that
+    # saves nothing; TF32 only with x @ W.T's K-major operands.
+    dtype, mode = dtype_mode
+    monkeypatch.setattr(kmatmul, "INTERPRETER_CONFIG", kmatmul.WS_CONFIGS[(90, "16")][1][:4] + (1, 1))
+    monkeypatch.setattr(kmatmul, "INTERPRETER_WS", True)
+    seen = []
+    launch = common.launch
+
+    def spy(name, kernel, grid, args, constexprs, config):
+        if name == "matmul":
+            seen.append((config["WARP_SPECIALIZE"], constexprs["FLATTEN"]))
+        return launch(name, kernel, grid, args, constexprs, config)
+
+    monkeypatch.setattr(common, "launch", spy)
+    x, w, b, _ = _linear_inputs(300, 48, 136, True, False, dtype, device)
+
+    def ref(x, w, b, compute_dtype=None):
+        return reference.linear(x, w, b, "gelu", compute_dtype=compute_dtype)
+
+    check("linear ws", lambda x, w, b: linear(x, w, b, "gelu"), ref, (x, w, b), dtype, device, mode)
+    with fp32_mode(mode), torch.no_grad():
+        out = linear(x, w, b, "gelu")
+    with baseline_mode(dtype, mode):
+        base = ref(*leaves((x, w, b)), compute_dtype=dtype)
+    assert_close("linear ws no grad", out, ref(*leaves((x, w, b), torch.float64)), base)
+    # forward saving pre, dx = dPre @ W, dW = dPre.T @ x, forward without grad
+    fp32 = dtype == torch.float32
+    assert [ws for ws, _ in seen] == [False, not fp32, not fp32, True]
+    assert all(not (ws and flatten) for ws, flatten in seen)
+    assert launches["matmul"] == 4
 
 
 def test_linear_one_dim_input_and_no_grad(device, launches):

@@ -118,6 +118,29 @@ def test_models_match_their_torch_twins(family, device, launches):
     f = fused_block.convert(copy.deepcopy(t))
     _assert_models_match(t, f, run)
     assert launches["attention_fwd"] > 0 and launches["add_norm_bwd"] > 0
+    assert launches["lce_ce"] == launches["lce_dw"] == 1  # the converted model's loss: the fused head
+
+
+def test_training_step_never_allocates_the_logits(device, launches, monkeypatch):
+    """LlamaLike's training step (forward, loss, backward) in chunks of 4 tokens (what the
+    chunk rule does from 512 tokens up, forced on 18): no tensor of the logits' width (V, or
+    the chunk buffer's padded row) holds more than a chunk's rows; the fused head ran."""
+    from fused_block.kernels import loss as kloss
+    from memory_testing import Allocations
+
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 4)
+    V = 101  # prime: no other dimension of the model has this width
+    cfg = models.LlamaLikeConfig(vocab_size=V, block_size=16, n_layer=1, n_head=4, num_kv_heads=2, d_model=64,
+                                 dim_feedforward=96)
+    model = models.LlamaLike(cfg).to(device)
+    idx, tgt = _tokens(2, 9, vocab=V, device=device), _tokens(2, 9, vocab=V, seed=1, device=device)
+    with Allocations() as rec:
+        logits, loss = model(idx, targets=tgt)
+        loss.backward()
+    assert logits is None and all(p.grad is not None for p in model.parameters())
+    wide = [a for a in rec.records if a.shape and a.shape[-1] in (V, kloss.padded_stride(V, 4))]
+    assert [a.shape for a in wide] == [(4, kloss.padded_stride(V, 4))]  # the chunk buffer, nothing else
+    assert launches["lce_ce"] == 5 and launches["matmul"] == 12 + 2 * 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,7 +500,7 @@ def test_llama_like_matches_transformers_llama(interleaved, device, launches):
                 n.weight.normal_(1.0, 0.3)
     hf = _hf_llama_twin(cfg, model, interleaved)
     idx, tgt = _tokens(2, 9, device=device), _tokens(2, 9, seed=1, device=device)
-    logits, loss = model(idx, targets=tgt)
+    logits, loss = model(idx, targets=tgt, return_logits=True)
     loss.backward()
     outs = []
     for m in (copy.deepcopy(hf).double(), hf):
@@ -498,6 +521,10 @@ def test_llama_like_matches_transformers_llama(interleaved, device, launches):
     # RoPE on the packed projection and the packed attention, forward and backward per layer;
     # per layer 4 matmuls forward (QKV, out, SwiGLU's gate/up and down) and 8 backward (dX and
     # dW of QKV and out; SwiGLU's dH with dGate/dUp in its epilogue, dW_down, dW_gate/up, dX).
+    # The loss: the fused linear + cross-entropy, one chunk of 18 tokens (the logits GEMM and
+    # dhidden = dlogits @ W, the CE kernel, the dW kernel); the returned logits come from
+    # nn.Linear, beside it.
     assert launches["rope_qkvpacked"] == 2 * cfg.n_layer and launches["rope"] == 0
     assert launches["attention_fwd"] == launches["attention_bwd"] == cfg.n_layer
-    assert launches["matmul"] == 12 * cfg.n_layer and launches["act_grad"] == 0
+    assert launches["matmul"] == 12 * cfg.n_layer + 2 and launches["act_grad"] == 0
+    assert launches["lce_ce"] == launches["lce_dw"] == 1

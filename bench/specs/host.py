@@ -2,45 +2,72 @@
 
 ``python -m bench --only host`` prints, for Pre-LN and Post-LN ``TransformerEncoderLayer``
 with dropout 0 and 0.1, one training step's host time (forward, then ``autograd.grad`` of the
-input and every parameter) for a ``fused_block.convert``-ed layer and for torch's layer, their
-ratio (target: ours <= 1.5x torch's), the kernels each step launches, and where our time goes
-(cProfile's own time per component: each of our files, torch's and Triton's subpackages, C
-builtins, which include the autograd engine and the CPU ops).
+input and every parameter) on this machine's CPU, for a ``fused_block.convert``-ed layer
+launched three ways and for torch's layer, the ratios (target: ours with the direct launch
+<= 1.2x torch's), the kernels each step launches, and where our time goes (cProfile's own
+time per component: each of our files, torch's and Triton's subpackages, C builtins, which
+include the autograd engine and the CPU ops). These are CPU figures: a GPU machine's host
+is another CPU.
 
 Method (the same for both layers, on CPU tensors, one CPU thread):
 
-- Ours runs inside ``fused_block._backend.host_only()``: the kernel path is forced for CPU
-  tensors and ``common.launch`` skips the kernels, so everything else runs: validation,
-  config lookup, allocation, op dispatch, autograd, and every PyTorch op (sums, casts,
-  zero-fills) on real CPU tensors. Not counted: Triton's own launch call (``JITFunction.run``
-  and the C launcher, about 5-9 us per launch: vLLM #34838), which only a GPU can run.
+- Ours runs with the kernel path forced for CPU tensors (``fused_block._backend.host_only``),
+  so everything else runs: validation, config lookup, allocation, op dispatch, autograd, and
+  every PyTorch op (sums, casts, zero-fills) on real CPU tensors. The launches:
+  - ``stubbed``: ``common.launch`` counts each launch and returns: no Triton at all;
+  - ``triton``: ``kernel[grid](...)``, Triton's ``JITFunction.run`` (binding, specialization,
+    cache key and lookup, the global-value check, ``launch_metadata``), up to the C launcher,
+    which a fake CUDA driver (``fused_block.kernels.fake_driver``) turns into a no-op;
+  - ``direct``: the library's launch path (``fused_block.kernels.launch``: the compiled
+    kernel cached per config and specialization key), through the same fake driver.
+  Not counted in any: the C launcher itself (argument parsing, ``cuLaunchKernelEx``), the
+  same for both launch paths. The launchers take their sm_90 branches, as on an H100 or
+  H200 (``fake_driver.launcher_branches``: config tables, TMA descriptors, persistent GEMM
+  grids; each table's first config, nothing is timed), not the interpreter's configs, which
+  no GPU runs (``run(arch=0)`` measures those: a few percent more, the interpreter branches
+  building their configs on every call).
 - Torch's layer runs its CPU kernels for real, on shapes so small (2 x 8 tokens, d_model 32)
   that the step is mostly dispatch: at d_model 16 it is within about 10% of this. It runs in
   fp32, where the CPU kernels do the least work (bf16 on CPU adds conversions a GPU does not
   make), so its time is the lower bound of its host cost and the ratio errs against us. Ours
   runs in bf16, the benchmarked configuration (its gradient casts run; fp32 would skip them).
-- Both are timed in alternating rounds of a few steps; each one's time is its fastest
-  round's mean step time: the run the rest of the machine disturbed least (on a shared
-  machine medians drift with the load; the minimum estimates the code's own cost).
+- All four are timed in alternating rounds of a few steps, in this thread's CPU time
+  (``time.thread_time``: time the OS gives other processes is not counted); each one's time
+  is its fastest round's mean step time: the run the rest of the machine disturbed least (on
+  a shared machine medians drift with the load; the minimum estimates the code's own cost).
 - Kernels: ``fused_block.profiling.count_kernels`` (Triton launches plus PyTorch ops that
   launch a device kernel; views and bare allocations excluded).
 
-A kernel that a launcher starts without ``common.launch`` is skipped where Triton would run
-it and listed under the table: it is not stubbable yet, and its launcher needs converting.
+The measurement runs in a child process without the Triton interpreter (``python -m
+bench.specs.host --json FILE``), where the kernels are ``JITFunction``s that the fake driver
+can launch; ``python -m bench`` without a GPU runs the interpreter.
+
+A kernel that a launcher starts without ``common.launch`` is listed under the table: it takes
+Triton's launch path in every column (it is not stubbable), and its launcher needs converting.
 """
+import argparse
 import collections
 import contextlib
 import copy
+import dataclasses
 import gc
+import json
+import os
+import sys
+import tempfile
+import time
 
 import torch
 
 from bench import harness
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = dict(d_model=32, nhead=2, d_ff=128, batch=2, seq=8)  # head dim 16: the kernel's smallest
 CONFIGS = [(norm_first, p) for norm_first in (True, False) for p in (0.0, 0.1)]
 OURS_DTYPE, TORCH_DTYPE = torch.bfloat16, torch.float32
-TARGET_RATIO = 1.5
+# Ours with the direct launch path, against torch's step (issue 16 item 7).
+TARGET_RATIO = 1.2
+MODES = ("stubbed", "triton", "direct", "torch")
 
 
 def cases(quick: bool) -> list:
@@ -76,28 +103,18 @@ def _steps(norm_first, p):
 
 
 @contextlib.contextmanager
-def _direct_launches(skipped):
-    """Skip (and count in ``skipped``) kernels launched without ``common.launch``."""
-    import triton.runtime.jit as jit
+def _mode(name):
+    """The launch path of ``name`` (one of ``MODES`` but torch) for our step."""
+    from fused_block import _backend
+    from fused_block.kernels import launch
 
-    classes = [jit.JITFunction]
+    enabled = launch.ENABLED
+    launch.ENABLED = name != "triton"
     try:
-        from triton.runtime.interpreter import InterpretedFunction
-        classes.append(InterpretedFunction)
-    except ImportError:
-        pass
-    saved = {cls: cls.run for cls in classes}
-
-    def skip(self, *args, **kwargs):
-        skipped[getattr(self, "__name__", "kernel")] += 1
-
-    for cls in classes:
-        cls.run = skip
-    try:
-        yield
+        with _backend.host_only(stub=name == "stubbed"):
+            yield
     finally:
-        for cls, run in saved.items():
-            cls.run = run
+        launch.ENABLED = enabled
 
 
 @contextlib.contextmanager
@@ -110,54 +127,81 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _paired(ours, theirs, rounds, per_round):
-    """Best-of-rounds time per step (us) of each, measured in alternating rounds."""
-    import time
-
-    for _ in range(3):
-        ours(), theirs()
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for i, fn in enumerate((ours, theirs)):
-            t0 = time.perf_counter()
-            for _ in range(per_round):
+def _rounds(ours, theirs, rounds, per_round):
+    """Best-of-rounds CPU time per step (us) of each mode, measured in alternating rounds."""
+    runs = [(m, ours if m != "torch" else theirs) for m in MODES]
+    for m, fn in runs:
+        with _mode(m) if m != "torch" else contextlib.nullcontext():
+            for _ in range(3):
                 fn()
-            best[i] = min(best[i], (time.perf_counter() - t0) / per_round * 1e6)
-    return {"ours": best[0], "torch": best[1], "ratio": best[0] / best[1]}
+    best = dict.fromkeys(MODES, float("inf"))
+    for _ in range(rounds):
+        for m, fn in runs:
+            with _mode(m) if m != "torch" else contextlib.nullcontext():
+                t0 = time.thread_time()
+                for _ in range(per_round):
+                    fn()
+                best[m] = min(best[m], (time.thread_time() - t0) / per_round * 1e6)
+    return best
 
 
-def measure(quick=False) -> list:
-    """One row per configuration: host us per step (ours, torch's), ratio, kernels per step."""
-    from fused_block import _backend, profiling
+def _measure_here(quick, arch) -> dict:
+    """The measurement itself (the child process): rows and profiles as plain data."""
+    from fused_block import profiling
+    from fused_block.kernels import common, fake_driver, launch
 
-    rows = []
-    skipped = collections.Counter()
-    with _one_thread(), _direct_launches(skipped), _backend.host_only():
+    if common.interpreting() or common.TUNE:
+        raise RuntimeError("the host measurement runs with TRITON_INTERPRET=0 and FUSED_BLOCK_TUNE=0 (see run())")
+    rows, profs = [], {}
+    branches = fake_driver.launcher_branches(arch) if arch else contextlib.nullcontext()
+    with _one_thread(), fake_driver.installed(record=False, check=False), branches:
         for norm_first, p in CONFIGS:
             ours, theirs = _steps(norm_first, p)
-            times = _paired(ours, theirs, rounds=8 if quick else 30, per_round=3)
-            ours()  # warm: the counts are a steady step's
-            counts = profiling.count_kernels(ours)
-            rows.append(dict(config=_name(norm_first, p), ours_us=times["ours"], torch_us=times["torch"],
-                             ratio=times["ratio"], kernels=counts, torch_kernels=profiling.count_kernels(theirs)))
-        gc.collect()
+            times = _rounds(ours, theirs, rounds=8 if quick else 30, per_round=3)
+            with _mode("direct"):
+                ours()  # warm: the counts are a steady step's
+                before, stats = common.LAUNCHES.copy(), launch.STATS.copy()
+                counts = profiling.count_kernels(ours)
+                launched = common.LAUNCHES - before
+                outside = sorted(n for n in counts.triton if not launched[n])
+                paths = dict(launch.STATS - stats)
+                paths["direct"] = sum(v for n, v in counts.triton.items() if n not in outside) - sum(paths.values())
+                profs[_name(norm_first, p)] = dataclasses.asdict(
+                    profiling.host_profile(ours, rounds=2 if quick else 7))
+            rows.append(dict(config=_name(norm_first, p), **{f"{m}_us": times[m] for m in MODES},
+                             kernels=dataclasses.asdict(counts),
+                             torch_kernels=dataclasses.asdict(profiling.count_kernels(theirs)),
+                             launch_paths=paths,
+                             outside_launch=outside))
+            gc.collect()
+    return {"rows": rows, "profiles": profs}
+
+
+def run(quick=False, arch=90):
+    """``(rows, profiles)``: one row per configuration (host us per step in each mode, kernels
+    per step, how a steady step's launches went: direct, fallback, unkeyed), and
+    ``{config: fused_block.profiling.HostProfile}`` of our step with the direct launch path.
+    Measured in a child process without the interpreter."""
+    from fused_block import profiling
+    from fused_block.kernels import fake_driver
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "host.json")
+        argv = ["-m", "bench.specs.host", "--json", path, "--arch", str(arch)] + (["--quick"] if quick else [])
+        # No config is timed (no GPU): each launcher's first candidate, as with stubbed launches.
+        proc = fake_driver.run_without_interpreter(argv, cwd=ROOT, env={"FUSED_BLOCK_TUNE": "0"})
+        if proc.returncode != 0 or not os.path.exists(path):
+            raise RuntimeError(f"host measurement failed (exit {proc.returncode}): {proc.stderr.strip()[-3000:]}")
+        with open(path) as f:
+            data = json.load(f)
+    rows = data["rows"]
     for r in rows:
-        r["direct_launches"] = dict(skipped)
-    return rows
-
-
-def profiles(quick=False) -> dict:
-    """``{config: fused_block.profiling.HostProfile}`` of our step, every configuration."""
-    from fused_block import _backend, profiling
-
-    out = {}
-    skipped = collections.Counter()
-    with _one_thread(), _direct_launches(skipped), _backend.host_only():
-        for norm_first, p in CONFIGS:
-            ours, _ = _steps(norm_first, p)
-            ours()
-            out[_name(norm_first, p)] = profiling.host_profile(ours, rounds=2 if quick else 7)
-    return out
+        r["kernels"] = profiling.KernelCount(**r["kernels"])
+        r["torch_kernels"] = profiling.KernelCount(**r["torch_kernels"])
+        for m in MODES[:-1]:
+            r[f"{m}_ratio"] = r[f"{m}_us"] / r["torch_us"]
+    profs = {name: profiling.HostProfile(**p) for name, p in data["profiles"].items()}
+    return rows, profs
 
 
 def format_profiles(profs, rows=14) -> str:
@@ -178,31 +222,51 @@ def format_profiles(profs, rows=14) -> str:
 
 
 def format_rows(rows) -> str:
-    head = (f"{'config':<22} {'ours us':>9} {'torch us':>9} {'ratio':>6} {'target':>7} "
-            f"{'kernels':>8} {'torch kernels':>14}")
-    lines = [head, "-" * len(head)]
+    head = (f"{'config':<22} {'stubbed':>8} {'triton':>8} {'direct':>8} {'torch':>8} {'ratio':>20} "
+            f"{'target':>7} {'kernels':>8} {'torch':>6}  launches (steady step)")
+    lines = ["host us per step; ratio = ours / torch's with launches stubbed, Triton's, direct", head,
+             "-" * len(head)]
     for r in rows:
-        k, tk = r["kernels"], r["torch_kernels"]
-        lines.append(f"{r['config']:<22} {r['ours_us']:>9.0f} {r['torch_us']:>9.0f} {r['ratio']:>6.2f} "
-                     f"{'<= ' + format(TARGET_RATIO, 'g'):>7} {k.total:>8} {tk.total:>14}")
-    direct = rows[0]["direct_launches"] if rows else {}
-    if direct:
-        lines.append("launched without common.launch (skipped at Triton's entry, not stubbable yet): "
-                     + ", ".join(sorted(direct)))
+        ratios = " ".join(f"{r[m + '_ratio']:.2f}" for m in MODES[:-1])
+        paths = ", ".join(f"{n} {k}" for k, n in sorted(r["launch_paths"].items()))
+        lines.append(f"{r['config']:<22} {r['stubbed_us']:>8.0f} {r['triton_us']:>8.0f} {r['direct_us']:>8.0f} "
+                     f"{r['torch_us']:>8.0f} {ratios:>20} {'<= ' + format(TARGET_RATIO, 'g'):>7} "
+                     f"{r['kernels'].total:>8} {r['torch_kernels'].total:>6}  {paths}")
+    outside = sorted({n for r in rows for n in r["outside_launch"]})
+    if outside:
+        lines.append("launched without common.launch (Triton's path in every column, not stubbable yet): "
+                     + ", ".join(outside))
     return "\n".join(lines)
 
 
 def report(quick: bool = False) -> str:
     """The host table, the kernels of a Pre-LN step with dropout 0, and a profile of it."""
     try:
-        rows = measure(quick)
+        rows, profs = run(quick)
     except Exception as exc:  # noqa: BLE001 - reported in the output, the run goes on
         return f"host time unavailable: {harness.describe_error(exc)}"
-    profs = profiles(quick)
     first = rows[0]["config"]
     return "\n".join([
-        f"== host time per training step (CPU, kernels stubbed; {SHAPE}) ==", format_rows(rows), "",
+        f"== host time per training step (this CPU, no GPU; sm_90 launcher branches; {SHAPE}) ==",
+        format_rows(rows), "",
         f"== kernels per step: {first} ==", rows[0]["kernels"].table(), "",
-        "== where our host time goes: own time per component, us per step under cProfile "
-        "(which inflates short calls: read the shares) ==", format_profiles(profs), "",
+        "== where our host time goes (direct launch path): own time per component, us per step under "
+        "cProfile (which inflates short calls: read the shares) ==", format_profiles(profs), "",
         f"== the functions with the most own time: {first} ==", profs[first].top()])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="the host measurement (the child process of report())")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--arch", type=int, choices=(0, 80, 90), default=90,
+                        help="the launchers' branches: sm_90 (default), sm_80, or 0 (the interpreter's)")
+    args = parser.parse_args(argv)
+    data = _measure_here(args.quick, args.arch)
+    with open(args.json, "w") as f:
+        json.dump(data, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,11 @@ Ops and providers:
   its speedup column is dropout's cost (issue 11: at most 10%).
 - ``swiglu``: LLaMA's ``(silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T + x`` (no biases): ``fused_block``,
   ``eager`` (Hugging Face's ``LlamaMLP`` arithmetic), ``torch.compile``.
+- ``lora_swiglu``: the SwiGLU FFN with PEFT-style LoRA (rank 16, scale 2) on gate, up and down,
+  the base weights frozen (LoRA fine-tuning: gradients of x and the adapters only).
+  ``fused_block``: ``gated_linear`` + ``linear`` with the low-rank updates inside the GEMMs;
+  ``peft_eager``: PEFT's ``base(x) + lora_B(lora_A(x)) * scale`` per projection, eager;
+  ``torch.compile`` of it. FLOPs count the base GEMMs only (3 forward, 3 more backward: no dW).
 
 Shapes: GPT-2 small, medium, large and XL FFNs (d = 768, 1024, 1280, 1600; d_ff = 4d) and
 LLaMA-7B's (d = 4096, d_ff = 11008; GELU for the non-gated ops), with 8k and 16k tokens. bf16
@@ -38,18 +43,22 @@ MODELS = {"gpt2-s": (768, 3072), "gpt2-m": (1024, 4096), "gpt2-l": (1280, 5120),
           "gpt2-xl": (1600, 6400), "llama-7b": (4096, 11008)}
 TOKENS = (8192, 16384)
 DTYPES = (torch.bfloat16, torch.float16)
-QUICK = {"linear_gelu": ("gpt2-xl",), "ffn": ("gpt2-xl",), "ffn_dropout": ("gpt2-xl",), "swiglu": ("llama-7b",)}
+QUICK = {"linear_gelu": ("gpt2-xl",), "ffn": ("gpt2-xl",), "ffn_dropout": ("gpt2-xl",), "swiglu": ("llama-7b",),
+         "lora_swiglu": ("llama-7b",)}
 QUICK_TOKENS = (8192,)
 QUICK_DTYPES = (torch.bfloat16,)
 OP_MODES = {"linear_gelu": ("fwd", "fwd+bwd"), "ffn": ("fwd", "fwd+bwd"), "ffn_dropout": ("fwd+bwd",),
-            "swiglu": ("fwd", "fwd+bwd")}
-QUICK_MODES = {"linear_gelu": ("fwd",), "ffn": ("fwd+bwd",), "ffn_dropout": ("fwd+bwd",), "swiglu": ("fwd+bwd",)}
+            "swiglu": ("fwd", "fwd+bwd"), "lora_swiglu": ("fwd+bwd",)}
+QUICK_MODES = {"linear_gelu": ("fwd",), "ffn": ("fwd+bwd",), "ffn_dropout": ("fwd+bwd",), "swiglu": ("fwd+bwd",),
+               "lora_swiglu": ("fwd+bwd",)}
 DROPOUT = 0.1
-GEMMS = {"linear_gelu": 1, "ffn": 2, "ffn_dropout": 2, "swiglu": 3}  # forward GEMMs of 2 T d F FLOPs
+LORA_RANK, LORA_SCALE = 16, 2.0
+GEMMS = {"linear_gelu": 1, "ffn": 2, "ffn_dropout": 2, "swiglu": 3, "lora_swiglu": 3}  # forward GEMMs of 2 T d F
 
 
 def flops(op: str, mode: str, tokens: int, d: int, f: int) -> int:
-    return GEMMS[op] * (1 if mode == "fwd" else 3) * 2 * tokens * d * f
+    backward = 1 if op == "lora_swiglu" else 2  # frozen base weights: no dW GEMMs
+    return GEMMS[op] * (1 if mode == "fwd" else 1 + backward) * 2 * tokens * d * f
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,7 +66,27 @@ def flops(op: str, mode: str, tokens: int, d: int, f: int) -> int:
 # (x, wg, wu, wd)
 # ---------------------------------------------------------------------------------------------
 
+def _lora_eager(x, wg, wu, wd, ag, bg, au, bu, ad, bd):
+    """PEFT's arithmetic per projection: base(x) + lora_B(lora_A(x)) * scale."""
+    def proj(t, w, a, b):
+        return F.linear(t, w) + F.linear(F.linear(t, a), b) * LORA_SCALE
+    h = F.silu(proj(x, wg, ag, bg)) * proj(x, wu, au, bu)
+    return proj(h, wd, ad, bd) + x
+
+
+def _lora_ours(x, wg, wu, wd, ag, bg, au, bu, ad, bd):
+    import fused_block
+    from fused_block.linear import gated_linear
+
+    r = ag.shape[0]
+    u = torch.cat([F.linear(x, ag), F.linear(x, au)], dim=-1) * LORA_SCALE
+    h = gated_linear(x, wg, wu, lora=(u, F.pad(bg, (0, r)), F.pad(bu, (r, 0))))
+    return fused_block.linear(h, wd, None, None, x, lora=(F.linear(h, ad) * LORA_SCALE, bd))
+
+
 def _eager(op):
+    if op == "lora_swiglu":
+        return _lora_eager
     if op == "linear_gelu":
         return lambda x, w1, b1: F.gelu(F.linear(x, w1, b1))
     if op == "swiglu":
@@ -73,6 +102,8 @@ def _ours(op, dropout=True):
 
     if op == "linear_gelu":
         return lambda x, w1, b1: fused_block.linear(x, w1, b1, "gelu")
+    if op == "lora_swiglu":
+        return _lora_ours
     if op == "swiglu":
         return lambda x, wg, wu, wd: fused_block.swiglu(x, wg, wu, wd, x)
     p = DROPOUT if op == "ffn_dropout" and dropout else 0.0
@@ -101,7 +132,8 @@ def _providers(op, quick):
     out = {"fused_block": lambda: _ours(op)}
     if op == "ffn_dropout":
         out["fused_block_p0"] = lambda: _ours(op, dropout=False)
-    out.update(eager=lambda: _eager(op), **{"torch.compile": lambda: _compiled(op, quick)})
+    out.update({"peft_eager" if op == "lora_swiglu" else "eager": lambda: _eager(op),
+                "torch.compile": lambda: _compiled(op, quick)})
     if op == "linear_gelu":
         out["addmm_gelu"] = lambda: _addmm_gelu(op)
     if op in ("linear_gelu", "ffn"):
@@ -116,6 +148,16 @@ def _providers(op, quick):
 def _make_inputs(op, tokens, d, f, dtype, requires_grad, device=None):
     """The op's arguments and the incoming gradient of its output."""
     x = harness.randn(tokens, d, dtype=dtype, device=device, requires_grad=requires_grad)
+    if op == "lora_swiglu":  # frozen base weights; the adapters and x take gradients
+        ws = [harness.randn(f, d, dtype=dtype, device=device, scale=d ** -0.5) for _ in range(2)]
+        wd = harness.randn(d, f, dtype=dtype, device=device, scale=f ** -0.5)
+        r = LORA_RANK
+        adapters = []
+        for n_in, n_out in ((d, f), (d, f), (f, d)):
+            adapters += [harness.randn(r, n_in, dtype=dtype, device=device, scale=n_in ** -0.5,
+                                       requires_grad=requires_grad),
+                         harness.randn(n_out, r, dtype=dtype, device=device, scale=0.1, requires_grad=requires_grad)]
+        return (x, *ws, wd, *adapters), harness.randn(tokens, d, dtype=dtype, device=device)
     if op == "swiglu":
         ws = [harness.randn(f, d, dtype=dtype, device=device, scale=d ** -0.5, requires_grad=requires_grad)
               for _ in range(2)]
@@ -132,7 +174,7 @@ def _make_inputs(op, tokens, d, f, dtype, requires_grad, device=None):
 
 def _set_bytes(op, tokens, d, f, dtype):
     elem = torch.empty((), dtype=dtype).element_size()
-    weights = {"linear_gelu": 1, "swiglu": 3}.get(op, 2) * f * d
+    weights = {"linear_gelu": 1, "swiglu": 3, "lora_swiglu": 3}.get(op, 2) * f * d
     return (tokens * d + weights + tokens * (f if op == "linear_gelu" else d)) * elem
 
 
@@ -146,7 +188,7 @@ def _factory(make_impl, op, tokens, d, f, dtype, mode):
 
         def run(inputs):
             args, grad = inputs
-            return torch.autograd.grad(impl(*args), args, grad)
+            return torch.autograd.grad(impl(*args), [a for a in args if a.requires_grad], grad)
         return harness.rotating(lambda: _make_inputs(op, tokens, d, f, dtype, True), run, set_bytes)
     return factory
 
@@ -176,19 +218,29 @@ def cases(quick: bool) -> list:
 NUMERICS_SHAPE = (37, 96, 200)
 NUMERICS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NAMES = {"linear_gelu": ("out", "dx", "dw1", "db1"), "ffn": ("out", "dx", "dw1", "db1", "dw2", "db2"),
-          "swiglu": ("out", "dx", "dwg", "dwu", "dwd")}
+          "swiglu": ("out", "dx", "dwg", "dwu", "dwd"),
+          "lora_swiglu": ("out", "dx", "dA_gate", "dB_gate", "dA_up", "dB_up", "dA_down", "dB_down")}
 
 
 def _run(fn, args, grad):
-    leaves = tuple(a.detach().clone().requires_grad_(True) for a in args)
+    leaves = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
     out = fn(*leaves)
-    return (out,) + torch.autograd.grad(out, leaves, grad)
+    return (out,) + torch.autograd.grad(out, [a for a in leaves if a.requires_grad], grad)
 
 
 def _refs():
     from fused_block import reference
 
-    return {"linear_gelu": lambda x, w1, b1, **kw: reference.linear(x, w1, b1, "gelu", **kw),
+    def lora_ref(x, wg, wu, wd, ag, bg, au, bu, ad, bd, **kw):
+        def u_of(t, a):
+            return reference.linear(t, a, **kw) * LORA_SCALE
+        r = ag.shape[0]
+        u = torch.cat([u_of(x, ag), u_of(x, au)], dim=-1)
+        h = reference.gated(x, wg, wu, lora=(u, F.pad(bg, (0, r)), F.pad(bu, (r, 0))), **kw)
+        return reference.linear(h, wd, None, None, x, lora=(u_of(h, ad), bd), **kw)
+
+    return {"lora_swiglu": lora_ref,
+            "linear_gelu": lambda x, w1, b1, **kw: reference.linear(x, w1, b1, "gelu", **kw),
             "ffn": lambda x, w1, b1, w2, b2, **kw: reference.mlp(x, w1, b1, w2, b2, "gelu", x, **kw),
             "swiglu": lambda x, wg, wu, wd, **kw: reference.swiglu(x, wg, wu, wd, x, **kw)}
 
@@ -206,13 +258,16 @@ def numerics() -> list:
             continue
         for dtype in NUMERICS_DTYPES:
             torch.manual_seed(0)
-            args, grad = _make_inputs(op, tokens, d, f, dtype, False, device=harness.DEVICE)
+            args, grad = _make_inputs(op, tokens, d, f, dtype, op == "lora_swiglu", device=harness.DEVICE)
+            if op != "lora_swiglu":  # every input differentiable; LoRA: the adapters and x
+                args = tuple(a.detach().requires_grad_(True) for a in args)
             try:
                 got = _run(ours, args, grad)
             except Exception as exc:  # noqa: BLE001
                 rows.append(harness.unavailable_row(op, harness.describe_error(exc), case))
                 continue
-            want = _run(refs[op], tuple(a.double() for a in args), grad.double())
+            want = _run(refs[op], tuple(a.detach().double().requires_grad_(a.requires_grad) for a in args),
+                        grad.double())
             base = _run(lambda *a: refs[op](*a, compute_dtype=dtype), args, grad)
             for name, a, r, b in zip(_NAMES[op], got, want, base):
                 rows.append(harness.compare(op, case, name, a, r, b))

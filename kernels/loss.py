@@ -1,0 +1,529 @@
+"""Linear + cross-entropy without the (N, V) logits: the kernels of ``fused_block.linear_cross_entropy``.
+
+The rows (tokens) are processed in chunks of ``C`` rows (:func:`chunk_rows`); per chunk:
+
+1. ``logits = hidden[chunk] @ W.T + b`` (the library's GEMM, ``matmul.gemm``) into one
+   (C, V) buffer of the hidden dtype, reused by every chunk (its row stride padded to 16
+   bytes so the GEMMs read and write it through tensor descriptors);
+2. ``_ce_kernel``, one program per row: an online log-sum-exp over V in ``BLOCK_V`` tiles
+   (fp32; the optional softcap ``c * tanh(x / c)`` applied on load), the target logit, the mean
+   logit (label smoothing) and the row's loss ``(1 - eps) (lse - y_t) + eps (lse - mean_j y_j)
+   + z * lse^2`` (0 for an ignored token, NaN for a target outside [0, V)); with gradients a
+   second pass over the row overwrites the logits with ``dlogits = g * (softmax * (1 + 2 z lse)
+   - (1 - eps) onehot - eps / V) * softcap'`` in place, rounded to the buffer's dtype, ``g``
+   the row's weight (1 / n_valid for a mean, 1 for a sum, the incoming per-token gradient for
+   reduction "none");
+3. ``dhidden[chunk] = dlogits @ W`` (``matmul.gemm``; complete over V, written once);
+4. ``dW (+)= dlogits.T @ hidden[chunk]`` (``_dw_kernel``): fp32 accumulation across chunks in
+   a fixed order (deterministic, no atomics) in an fp32 (V, H) accumulator for 16-bit
+   weights (the output itself for fp32 ones); the last chunk adds and writes the weight's dtype
+   (a single chunk needs no accumulator);
+5. ``db (+)= colsum(dlogits)`` (``_colsum_kernel``, with a bias gradient), the same way.
+
+Before the chunks, ``_count_kernel`` counts the non-ignored tokens (on the device: no
+synchronization), which a mean's gradient weight and the final ``_sum_kernel`` read.
+``_scale_kernel`` multiplies gradients produced in the forward by the incoming gradient.
+
+The accumulating launches (``_dw_kernel``, ``_colsum_kernel``) and the in-place CE kernel are
+not idempotent, so each has one config per architecture and dtype class (never timed by
+``common.ConfigCache``, which times candidates by running them repeatedly); the GEMMs are the
+library's, chosen and timed as everywhere else.
+
+Offsets: row and vocabulary origins are int64, so more than 2^31 logits elements in all (many
+chunks) and (V, H) weights past 2^31 elements work.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from fused_block.kernels import common
+from fused_block.kernels import matmul as _mm
+
+# Rows per chunk (see chunk_rows): the chunk buffer at most 1/MAX_LOGITS_FRACTION of the fp32
+# (N, V) logits from SMALL_N tokens up; below, MIN_CHUNK_ROWS (the GEMMs' 128-row tiles would
+# go mostly empty).
+MAX_LOGITS_FRACTION = 8
+MIN_CHUNK_ROWS = 64
+SMALL_N = 512
+# The dW kernel reads and writes the fp32 accumulator (8 bytes per weight element) once per
+# chunk for 2 C FLOPs per weight element: at C = 1024, 256 FLOP per byte, above H100/H200's
+# ~206 (989 TFLOP/s bf16 over 4.8 TB/s), so the accumulation stays compute-bound.
+TARGET_CHUNK_ROWS = 1024
+# Tests set this to force a chunk size (several chunks on interpreter-sized inputs).
+FORCE_CHUNK_ROWS = None
+# Widest vocabulary tile of the CE kernel's loops (fp32 registers: 16 per thread at 8 warps).
+CE_BLOCK_MAX = 4096
+CE_BLOCK_MIN = 1024
+REDUCE_BLOCK = 1024
+COLSUM_BLOCK = (16, 256)  # (rows, vocabulary entries) per step
+REDUCTIONS = {"sum": 0, "mean": 1, "none": 2}
+SCALE_CONST, SCALE_ROW, SCALE_MEAN = 0, 1, 2  # where a row's gradient weight g comes from
+
+
+def chunk_rows(n: int, v: int, h: int, elem: int) -> int:
+    """Rows per chunk for n tokens, vocabulary v, hidden size h, elem-byte logits.
+
+    Liger-Kernel's rule (the chunk's logits about the size of the hidden states: n h / v rows)
+    raised to TARGET_CHUNK_ROWS, and capped so that the chunk buffer (C, padded_stride(v)) in
+    the hidden dtype is at most 1/MAX_LOGITS_FRACTION of the fp32 (n, v) logits: about n / 4
+    rows for 16-bit inputs, n / 8 for fp32. The cap holds from SMALL_N tokens up; below, where
+    the logits are small anyway, chunks keep MIN_CHUNK_ROWS rows. A multiple of 64 (whole K
+    steps of the dW kernel) from 128 rows up.
+    """
+    if FORCE_CHUNK_ROWS is not None:
+        return max(1, min(n, FORCE_CHUNK_ROWS))
+    cap = max(1, 4 * n * v // (MAX_LOGITS_FRACTION * elem * padded_stride(v, elem)))
+    if n < SMALL_N:
+        cap = max(cap, MIN_CHUNK_ROWS)
+    c = min(n, cap, max(TARGET_CHUNK_ROWS, common.cdiv(n * h, max(v, 1))))
+    return c - c % 64 if c >= 128 else c
+
+
+def padded_stride(v: int, elem: int) -> int:
+    """The chunk buffer's row stride: v rounded up to 16 elements (16-byte aligned rows for the
+    GEMMs' tensor descriptors, and a stride Triton specializes as divisible by 16)."""
+    return common.cdiv(v, 16) * 16
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _softcap(x, cap, HAS_SOFTCAP: tl.constexpr):
+    """(cap * tanh(x / cap), tanh(x / cap)) on an fp32 tile; tanh from the sigmoid
+    (``tanh(u) = 2 sigmoid(2u) - 1``: no libdevice call, which the interpreter lacks)."""
+    if HAS_SOFTCAP:
+        t = 2.0 * tl.sigmoid(2.0 * x / cap) - 1.0
+        return cap * t, t
+    else:
+        return x, x
+
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _load_tile(row, c, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(row + c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return tl.load(row + c).to(tl.float32)
+
+
+@triton.jit
+def _lse_tile(row, c, mask, m, s, y_sum, cap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+              MASKED: tl.constexpr):
+    """Pass 1 over one tile: the running max m, s = sum exp(y - m) (as exp2 of one FMA per
+    element) and the sum of y, for y = softcap(x)."""
+    y, _ = _softcap(_load_tile(row, c, mask, MASKED), cap, HAS_SOFTCAP)
+    if MASKED:
+        y = tl.where(mask, y, float("-inf"))
+    m_new = tl.maximum(m, tl.max(y, axis=0))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp2(y * _LOG2E - m_new * _LOG2E), axis=0)
+    if HAS_SMOOTHING:
+        if MASKED:
+            y_sum += tl.sum(tl.where(mask, y, 0.0), axis=0)
+        else:
+            y_sum += tl.sum(y, axis=0)
+    return m_new, s, y_sum
+
+
+@triton.jit
+def _grad_tile(row, c, mask, t, lse, coef, hit, flat, cap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Pass 2 over one tile: dlogits = (softmax * coef - hit [at t] - flat) * softcap',
+    written over the logits."""
+    y, th = _softcap(_load_tile(row, c, mask, MASKED), cap, HAS_SOFTCAP)
+    d = tl.exp2(y * _LOG2E - lse * _LOG2E) * coef - tl.where(c == t, hit, 0.0) - flat
+    if HAS_SOFTCAP:
+        d = d * (1.0 - th * th)
+    d = common.cast(d, row.dtype.element_ty, INTERPRET)
+    if MASKED:
+        tl.store(row + c, d, mask=mask)
+    else:
+        tl.store(row + c, d)
+
+
+@triton.jit
+def _ce_kernel(
+    LOGITS, TARGET, LOSS, LSE, SCALE, V, ld, ignore_index, smoothing, z_loss, cap, scale,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, GRAD: tl.constexpr, SCALE_MODE: tl.constexpr,
+    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Row ``pid`` of a chunk: LOGITS (rows, V) with row stride ``ld`` (the GEMM's output:
+    x @ W.T + b); TARGET, LOSS, LSE the chunk's slices (int64, fp32, fp32).
+
+    LOSS = (1 - eps) (lse - y_t) + eps (lse - sum_j y_j / V) + z lse^2, y = softcap(x); 0 for
+    an ignored token; NaN for a target outside [0, V) (no out-of-bounds read). LSE = lse.
+    ``GRAD``: the row is overwritten with d(g * LOSS)/dx, g from ``SCALE_MODE``: ``scale``
+    (SCALE_CONST), SCALE[pid] (SCALE_ROW: reduction "none"), 1 / max(SCALE[0], 1) (SCALE_MEAN,
+    SCALE[0] the count of non-ignored tokens); 0 on ignored rows. Whole tiles run unmasked,
+    the last partial one masked.
+    """
+    pid = tl.program_id(0)
+    row = LOGITS + pid.to(tl.int64) * ld
+    t = tl.load(TARGET + pid)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    cols = tl.arange(0, BLOCK_V)
+    v_full = V - V % BLOCK_V
+    # Pass 1: running max m and sum s of exp(y - m), per tile (one exp per element).
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    y_sum = tl.full([], 0.0, tl.float32)
+    for v0 in range(0, v_full, BLOCK_V):
+        m, s, y_sum = _lse_tile(row, v0 + cols, cols, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, False)
+    if v_full < V:
+        m, s, y_sum = _lse_tile(row, v_full + cols, v_full + cols < V, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING,
+                                True)
+    lse = m + tl.log(s)
+    x_t = tl.load(row + tl.minimum(tl.maximum(t, 0), V - 1)).to(tl.float32)
+    y_t, _ = _softcap(x_t, cap, HAS_SOFTCAP)
+    loss = lse - y_t
+    if HAS_SMOOTHING:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - y_sum / V)
+    loss += z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))
+    tl.store(LOSS + pid, tl.where(valid, loss, 0.0))
+    tl.store(LSE + pid, lse)
+    if GRAD:
+        if SCALE_MODE == 1:
+            g = tl.load(SCALE + pid).to(tl.float32)
+        elif SCALE_MODE == 2:
+            g = 1.0 / tl.maximum(tl.load(SCALE).to(tl.float32), 1.0)
+        else:
+            g = scale
+        g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
+        coef = g * (1.0 + 2.0 * z_loss * lse)
+        hit = g * (1.0 - smoothing)
+        flat = g * smoothing / V
+        # Pass 2 (the row again, mostly from L2): the gradient, written over the logits.
+        for v0 in range(0, v_full, BLOCK_V):
+            _grad_tile(row, v0 + cols, cols, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, False, INTERPRET)
+        if v_full < V:
+            _grad_tile(row, v_full + cols, v_full + cols < V, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, True,
+                       INTERPRET)
+
+
+@triton.jit
+def _dw_kernel(
+    A, B, ACC, OUT, K, V, H, lda, ldb,
+    LOAD_ACC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """OUT = (ACC if LOAD_ACC) + A.T @ B on one (BLOCK_V, BLOCK_H) tile: A (K, V) the chunk's
+    dlogits (row stride lda), B (K, H) its hidden rows (row stride ldb); ACC fp32 (V, H), OUT
+    (V, H) in its own dtype, both contiguous; ACC and OUT may be the same tensor (each element
+    is read, then written, by one program). fp32 accumulation; only K is masked: the tile's
+    entries past H wrap around to valid columns, those past V within A's row stride lda (the
+    chunk buffer's padding columns, 16-aligned: the A tile is loaded V-major with cp.async and
+    read by wgmma from shared memory as it is); neither is stored."""
+    pid_v = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    v0 = pid_v * BLOCK_V
+    h0 = pid_h * BLOCK_H
+    rv = tl.arange(0, BLOCK_V)
+    rh = tl.arange(0, BLOCK_H)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + v0 + ((rv % (lda - v0))[:, None] + rk[None, :] * lda)  # (BLOCK_V, BLOCK_K), V-major
+    b_ptrs = B + h0 + (rk[:, None] * ldb + (rh % (H - h0))[None, :])  # (BLOCK_K, BLOCK_H)
+    acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
+        a_ptrs += BLOCK_K * lda
+        b_ptrs += BLOCK_K * ldb
+    mask = (rv < V - v0)[:, None] & (rh < H - h0)[None, :]
+    offs = (v0.to(tl.int64) + rv)[:, None] * H + (h0 + rh)[None, :]
+    if LOAD_ACC:
+        acc += tl.load(ACC + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, common.cast(acc, OUT.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _colsum_kernel(A, ACC, OUT, K, V, lda, LOAD_ACC: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr):
+    """OUT[v] = (ACC[v] if LOAD_ACC) + sum_k A[k, v] for A (K, V) (row stride lda), rows in a
+    fixed order, fp32 (the bias gradient, accumulated over chunks like dW)."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_K, BLOCK_V), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        rows = k + rk
+        acc += tl.load(A + rows.to(tl.int64)[:, None] * lda + cols[None, :],
+                       mask=(rows < K)[:, None] & (cols < V)[None, :], other=0.0).to(tl.float32)
+    total = tl.sum(acc, axis=0)
+    if LOAD_ACC:
+        total += tl.load(ACC + cols, mask=cols < V, other=0.0)
+    tl.store(OUT + cols, common.cast(total, OUT.dtype.element_ty, INTERPRET), mask=cols < V)
+
+
+@triton.jit
+def _count_kernel(TARGET, OUT, N, ignore_index, BLOCK: tl.constexpr):
+    """OUT[0] = the number of targets that are not ``ignore_index`` (fp32; one program)."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(0, N, BLOCK):
+        idx = i + offs.to(tl.int64)
+        t = tl.load(TARGET + idx, mask=idx < N, other=ignore_index)
+        acc += tl.where(t != ignore_index, 1.0, 0.0)
+    tl.store(OUT, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _sum_kernel(LOSS, COUNT, OUT, N, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT[0] = sum(LOSS[:N]) in a fixed order (fp32; one program), / max(COUNT[0], 1) if MEAN."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(0, N, BLOCK):
+        idx = i + offs.to(tl.int64)
+        acc += tl.load(LOSS + idx, mask=idx < N, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if MEAN:
+        total = total / tl.maximum(tl.load(COUNT), 1.0)
+    tl.store(OUT, total)
+
+
+@triton.jit
+def _scale_seg(G, X, Y, n, blk, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(Y + offs, common.cast(x * tl.load(G).to(tl.float32), Y.dtype.element_ty, INTERPRET), mask=offs < n)
+
+
+@triton.jit
+def _scale_kernel(G, X1, Y1, n1, X2, Y2, n2, X3, Y3, n3, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Y_i = G[0] * X_i for up to three flat tensors in one launch (programs in order: X1's
+    blocks, X2's, X3's)."""
+    pid = tl.program_id(0)
+    nb1 = tl.cdiv(n1, BLOCK)
+    nb2 = tl.cdiv(n2, BLOCK)
+    if pid < nb1:
+        _scale_seg(G, X1, Y1, n1, pid, BLOCK, INTERPRET)
+    elif pid < nb1 + nb2:
+        _scale_seg(G, X2, Y2, n2, pid - nb1, BLOCK, INTERPRET)
+    else:
+        _scale_seg(G, X3, Y3, n3, pid - nb1 - nb2, BLOCK, INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------
+# configs: one per architecture and dtype class (the accumulating launches are never timed)
+# ---------------------------------------------------------------------------------------------
+
+# _dw_kernel (BLOCK_V, BLOCK_H, BLOCK_K, warps, stages): matmul.py's sm_90/sm_80 128x128 tiles
+# for 16-bit and TF32 operands (64 fp32 accumulator registers per thread beside the loaded
+# accumulator tile of the epilogue), its 64x64x16 / 8-warp IEEE tile.
+DW_CONFIGS = {
+    (90, "16"): (128, 128, 64, 8, 3), (90, "tf32"): (128, 128, 32, 8, 3), (90, "ieee"): (64, 64, 16, 8, 2),
+    (80, "16"): (128, 128, 64, 8, 3), (80, "tf32"): (128, 128, 32, 8, 3), (80, "ieee"): (64, 64, 16, 8, 2),
+}
+# The interpreter's cost is per program and per op: one program covers the tests' shapes.
+INTERPRETER_DW_CONFIG = (128, 64, 64, 4, 1)
+_ELEMENTWISE = common.Config.of(num_warps=4)
+
+
+def _kind(dtype, precision):
+    return precision if dtype == torch.float32 else "16"
+
+
+def _dw_config(arch, dtype, precision):
+    bv, bh, bk, warps, stages = INTERPRETER_DW_CONFIG if arch == 0 else DW_CONFIGS[(arch, _kind(dtype, precision))]
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk)
+
+
+def ce_config(v: int) -> common.Config:
+    """The CE kernel's vocabulary tile and warps: one tile up to CE_BLOCK_MIN entries (4 warps),
+    CE_BLOCK_MAX-wide tiles beyond (8 warps)."""
+    if v <= CE_BLOCK_MIN:
+        return common.Config.of(num_warps=4, BLOCK_V=CE_BLOCK_MIN)
+    return common.Config.of(num_warps=8, BLOCK_V=CE_BLOCK_MAX)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+def count_valid(target, ignore_index, out):
+    """out (1,) fp32 = the number of entries of target (N,) int64 that are not ignore_index."""
+    common.launch("lce_count", _count_kernel, (1,), (target, out, target.shape[0], ignore_index),
+                  dict(BLOCK=REDUCE_BLOCK), _ELEMENTWISE)
+
+
+def reduce_loss(loss_rows, count, mean, out):
+    """out (0-d fp32) = loss_rows.sum() (/ max(count, 1) if mean), in a fixed order."""
+    common.launch("lce_sum", _sum_kernel, (1,),
+                  (loss_rows, count if count is not None else loss_rows, out, loss_rows.shape[0]),
+                  dict(MEAN=mean, BLOCK=REDUCE_BLOCK), _ELEMENTWISE)
+
+
+def ce_rows(logits, target, loss, lse, *, ignore_index, smoothing, z_loss, softcap, grad, scale_mode=SCALE_CONST,
+            scale=1.0, scale_t=None):
+    """The CE kernel over a chunk: logits (rows, V) view of the buffer (unit column stride);
+    target, loss, lse (rows,) slices. With ``grad`` the logits become their gradient."""
+    rows, V = logits.shape
+    cfg = ce_config(V)
+    common.launch("lce_ce", _ce_kernel, (rows,),
+                  (logits, target, loss, lse, scale_t if scale_t is not None else lse, V, logits.stride(0),
+                   ignore_index, float(smoothing), float(z_loss), float(softcap or 1.0), float(scale)),
+                  dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing > 0, GRAD=grad, SCALE_MODE=scale_mode,
+                       INTERPRET=common.arch(logits.device) == 0), cfg)
+
+
+def dw_accumulate(dlogits, hidden, acc, out, load_acc):
+    """out = (acc if load_acc) + dlogits.T @ hidden: dlogits (K, V) and hidden (K, H) with unit
+    column strides; acc fp32 and out (V, H) contiguous (possibly the same tensor)."""
+    K, V = dlogits.shape
+    H = hidden.shape[1]
+    arch = common.arch(dlogits.device)
+    precision = common.fp32_precision() if dlogits.dtype == torch.float32 else "tf32"
+    cfg = _dw_config(arch, dlogits.dtype, precision)
+    grid = (common.cdiv(V, cfg["BLOCK_V"]), common.cdiv(H, cfg["BLOCK_H"]))
+    common.launch("lce_dw", _dw_kernel, grid,
+                  (dlogits, hidden, acc, out, K, V, H, dlogits.stride(0), hidden.stride(0)),
+                  dict(LOAD_ACC=load_acc, EVEN_K=K % cfg["BLOCK_K"] == 0, PRECISION=precision,
+                       INTERPRET=arch == 0), cfg)
+
+
+def colsum_accumulate(dlogits, acc, out, load_acc):
+    """out (V,) = (acc if load_acc) + dlogits.sum(0), fp32, rows in order."""
+    K, V = dlogits.shape
+    bk, bv = COLSUM_BLOCK
+    common.launch("lce_colsum", _colsum_kernel, (common.cdiv(V, bv),),
+                  (dlogits, acc, out, K, V, dlogits.stride(0)),
+                  dict(LOAD_ACC=load_acc, BLOCK_K=bk, BLOCK_V=bv, INTERPRET=common.arch(dlogits.device) == 0),
+                  _ELEMENTWISE)
+
+
+def scale(g, *tensors):
+    """``g * t`` for each contiguous tensor (new tensors, each in its own dtype), one launch;
+    g a one-element tensor read on the device."""
+    outs = [common.empty(t.shape, t.dtype, t.device) for t in tensors]
+    segs = [(t, o, t.numel()) for t, o in zip(tensors, outs) if t.numel()]
+    if segs:
+        blocks = sum(common.cdiv(n, REDUCE_BLOCK) for _, _, n in segs)
+        while len(segs) < 3:
+            segs.append((segs[0][0], segs[0][1], 0))
+        args = (g,) + tuple(x for seg in segs for x in seg)
+        common.launch("lce_scale", _scale_kernel, (blocks,), args,
+                      dict(BLOCK=REDUCE_BLOCK, INTERPRET=common.arch(g.device) == 0), _ELEMENTWISE)
+    return outs
+
+
+def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoothing, z_loss, softcap,
+            need_dh, need_dw, need_db, scale_mode, scale_t=None, scale_value=1.0):
+    """The chunk loop (module doc): hidden (N, H) and weight (V, H) with unit column strides,
+    bias (V,) or None, target (N,) int64; writes loss_rows and lse (N,) fp32. Returns (dh, dw,
+    db), each None unless asked for; their rows are weighted as ``_ce_kernel``'s SCALE_MODE."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    grad = need_dh or need_dw or need_db
+    dh = common.empty((N, H), dt, dev) if need_dh else None
+    dw = common.empty((V, H), weight.dtype, dev) if need_dw else None
+    db = common.empty((V,), bias.dtype, dev) if need_db else None
+    if N == 0:
+        for t in (dw, db):
+            if t is not None:
+                t.zero_()
+        return dh, dw, db
+    C = chunk_rows(N, V, H, hidden.element_size())
+    chunks = common.cdiv(N, C)
+    buf = common.empty((C, padded_stride(V, hidden.element_size())), dt, dev)
+    # Accumulators: the outputs themselves for fp32, and whenever one chunk is all there is.
+    dw_acc = dw if dw is None or dw.dtype == torch.float32 or chunks == 1 else common.empty((V, H), torch.float32, dev)
+    db_acc = db if db is None or db.dtype == torch.float32 or chunks == 1 else common.empty((V,), torch.float32, dev)
+    for i in range(chunks):
+        r0 = i * C
+        r1 = min(N, r0 + C)
+        logits = buf[:r1 - r0, :V]
+        h = hidden[r0:r1]
+        _mm.gemm(h, weight.t(), logits, bias=bias)
+        ce_rows(logits, target[r0:r1], loss_rows[r0:r1], lse[r0:r1], ignore_index=ignore_index, smoothing=smoothing,
+                z_loss=z_loss, softcap=softcap, grad=grad, scale_mode=scale_mode,
+                scale_t=scale_t[r0:r1] if scale_mode == SCALE_ROW else scale_t, scale=scale_value)
+        last = i == chunks - 1
+        if need_dh:
+            _mm.gemm(logits, weight, dh[r0:r1])
+        if need_dw:
+            dw_accumulate(logits, h, dw_acc, dw if last else dw_acc, i > 0)
+        if need_db:
+            colsum_accumulate(logits, db_acc, db if last else db_acc, i > 0)
+    return dh, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# ahead-of-time compile specs
+# ---------------------------------------------------------------------------------------------
+
+_CE_FLAGS = (  # (HAS_SOFTCAP, HAS_SMOOTHING, GRAD, SCALE_MODE): the heaviest gradient pass, the
+    (True, True, True, SCALE_MEAN),  # loss alone, per-row weights (reduction "none"), no options
+    (True, True, False, SCALE_CONST),
+    (False, False, True, SCALE_ROW),
+    (False, False, True, SCALE_CONST),
+)
+
+
+def aot_specs():
+    """Every shipped config: the CE kernel at both vocabulary tiles with the flag combinations
+    above (bf16 and fp32 logits); the dW kernel at its config for each architecture and dtype
+    class, first/middle/last chunk (LOAD_ACC and the output dtype) with K masked and whole
+    (EVEN_K); the bias column sums and the small reductions."""
+    from fused_block.kernels import aot
+
+    specs = []
+    for xt in ("bf16", "fp32"):
+        for v in (CE_BLOCK_MIN, CE_BLOCK_MAX + 1):
+            cfg = ce_config(v)
+            for soft, smooth, grad, mode in _CE_FLAGS:
+                sig = {"LOGITS": f"*{xt}", "TARGET": "*i64", "LOSS": "*fp32", "LSE": "*fp32", "SCALE": "*fp32",
+                       "V": "i32", "ld": "i32", "ignore_index": "i64", "smoothing": "fp32", "z_loss": "fp32",
+                       "cap": "fp32", "scale": "fp32"}
+                consts = dict(HAS_SOFTCAP=soft, HAS_SMOOTHING=smooth, GRAD=grad, SCALE_MODE=mode, INTERPRET=False,
+                              **cfg.meta())
+                sig.update({k: "constexpr" for k in consts})
+                tag = f"{xt} BLOCK_V={cfg['BLOCK_V']}{' softcap' if soft else ''}{' smooth' if smooth else ''}" \
+                      f"{' grad' if grad else ''} scale={mode}"
+                specs.append(aot.KernelSpec(f"lce_ce[{tag}]", _ce_kernel, sig, consts, num_warps=cfg.num_warps,
+                                            aligned=("ld",)))
+    for (arch, kind), (bv, bh, bk, warps, stages) in DW_CONFIGS.items():
+        io = "bf16" if kind == "16" else "fp32"
+        outs = ("fp32", "bf16") if kind == "16" else ("fp32",)
+        for load_acc in (False, True):
+            for out in outs:
+                for even_k in (False, True):
+                    sig = {"A": f"*{io}", "B": f"*{io}", "ACC": "*fp32", "OUT": f"*{out}", "K": "i32", "V": "i32",
+                           "H": "i32", "lda": "i32", "ldb": "i32"}
+                    consts = dict(LOAD_ACC=load_acc, EVEN_K=even_k, BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk,
+                                  PRECISION="ieee" if kind == "ieee" else "tf32", INTERPRET=False)
+                    sig.update({k: "constexpr" for k in consts})
+                    tag = f"{kind} {bv}x{bh}x{bk} {'acc+' if load_acc else ''}->{out}{' even_k' if even_k else ''}"
+                    specs.append(aot.KernelSpec(f"lce_dw[{tag}]", _dw_kernel, sig, consts, num_warps=warps,
+                                                num_stages=stages, aligned=("H", "lda", "ldb"), wgmma=kind != "ieee",
+                                                archs=(arch,)))
+    for load_acc in (False, True):
+        sig = {"A": "*bf16", "ACC": "*fp32", "OUT": "*bf16", "K": "i32", "V": "i32", "lda": "i32"}
+        consts = dict(LOAD_ACC=load_acc, BLOCK_K=COLSUM_BLOCK[0], BLOCK_V=COLSUM_BLOCK[1], INTERPRET=False)
+        sig.update({k: "constexpr" for k in consts})
+        specs.append(aot.KernelSpec(f"lce_colsum[{'acc+' if load_acc else ''}]", _colsum_kernel, sig, consts,
+                                    num_warps=4, aligned=("lda",)))
+    specs.append(aot.KernelSpec(
+        "lce_count", _count_kernel, {"TARGET": "*i64", "OUT": "*fp32", "N": "i32", "ignore_index": "i64",
+                                     "BLOCK": "constexpr"}, dict(BLOCK=REDUCE_BLOCK), num_warps=4))
+    specs.append(aot.KernelSpec(
+        "lce_sum[mean]", _sum_kernel, {"LOSS": "*fp32", "COUNT": "*fp32", "OUT": "*fp32", "N": "i32",
+                                       "MEAN": "constexpr", "BLOCK": "constexpr"},
+        dict(MEAN=True, BLOCK=REDUCE_BLOCK), num_warps=4))
+    sig = {"G": "*fp32"}
+    for i in (1, 2, 3):
+        sig.update({f"X{i}": "*bf16", f"Y{i}": "*bf16", f"n{i}": "i32"})
+    sig.update(BLOCK="constexpr", INTERPRET="constexpr")
+    specs.append(aot.KernelSpec("lce_scale", _scale_kernel, sig, dict(BLOCK=REDUCE_BLOCK, INTERPRET=False),
+                                num_warps=4))
+    return specs

@@ -1,0 +1,226 @@
+"""PEFT LoRA fused into the GEMMs (fused_block.lora, ``linear(..., lora=)``, ``gated_linear``).
+
+Op level: the low-rank update ``U @ B.T`` inside the GEMM's reduction, before bias, activation,
+dropout and residual, forward and every gradient (x, W, b, U, B) against float64 with the
+numerics rule, fp32 (both precision modes) / fp16 / bf16. Layer level: PEFT's own LoRA on the
+library's layers (several adapters, dropout, disable_adapter, merge), against PEFT's
+computation through torch's forward, the kernels running and no fallback warning.
+
+Shapes: M = 37 rows (not a multiple of any tile), K = 48, N = 40, rank 5 (padded to 16 inside);
+interpreter-sized.
+"""
+import contextlib
+import copy
+import warnings
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+import fused_block
+from fused_block import reference
+from fused_block.linear import gated_linear, linear
+from gemm_testing import DTYPE_MODES, check
+from numerics import randn
+
+peft = pytest.importorskip("peft")
+
+M, K, N, R = 37, 48, 40, 5
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _t(*shape, dtype, device, scale=1.0):
+    return randn(*shape, dtype=dtype, device=device, scale=scale, requires_grad=True)
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+@pytest.mark.parametrize("activation,residual", [(None, False), ("gelu", True), ("relu", False)])
+def test_linear_with_lora(dtype_mode, activation, residual, device, launches):
+    dtype, mode = dtype_mode
+    x, w = _t(M, K, dtype=dtype, device=device), _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b = _t(N, dtype=dtype, device=device)
+    u, lb = _t(M, R, dtype=dtype, device=device), _t(N, R, dtype=dtype, device=device, scale=0.3)
+    res = _t(M, N, dtype=dtype, device=device) if residual else None
+
+    def ours(x, w, b, u, lb, res):
+        return linear(x, w, b, activation, res, lora=(u, lb))
+
+    def ref(x, w, b, u, lb, res, compute_dtype=None):
+        return reference.linear(x, w, b, activation, res, lora=(u, lb), compute_dtype=compute_dtype)
+
+    check("linear+lora", ours, ref, [x, w, b, u, lb, res], dtype, device, mode)
+    assert launches["matmul"] >= 1
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+def test_gated_linear_with_lora(dtype_mode, device, launches):
+    dtype, mode = dtype_mode
+    F = 24
+    x = _t(M, K, dtype=dtype, device=device)
+    wg, wu = (_t(F, K, dtype=dtype, device=device, scale=K ** -0.5) for _ in range(2))
+    bg, bu = (_t(F, dtype=dtype, device=device) for _ in range(2))
+    u = _t(M, R, dtype=dtype, device=device)
+    lbg, lbu = (_t(F, R, dtype=dtype, device=device, scale=0.3) for _ in range(2))
+
+    def ours(x, wg, wu, bg, bu, u, lbg, lbu):
+        return gated_linear(x, wg, wu, bg, bu, lora=(u, lbg, lbu))
+
+    def ref(x, wg, wu, bg, bu, u, lbg, lbu, compute_dtype=None):
+        return reference.gated(x, wg, wu, bg, bu, lora=(u, lbg, lbu), compute_dtype=compute_dtype)
+
+    check("gated+lora", ours, ref, [x, wg, wu, bg, bu, u, lbg, lbu], dtype, device, mode)
+    assert launches["act_grad"] >= 1 and launches["matmul"] >= 3
+
+
+def test_gated_linear_without_lora_matches_swiglus_first_half(device, launches):
+    """Without adapters ``gated_linear`` is the ``swiglu`` FFN's hidden activation."""
+    F = 24
+    x = randn(M, K, dtype=torch.bfloat16, device=device)
+    wg, wu = (randn(F, K, dtype=torch.bfloat16, device=device, scale=K ** -0.5) for _ in range(2))
+    eye = torch.eye(F, dtype=torch.bfloat16, device=device)
+    torch.testing.assert_close(gated_linear(x, wg, wu), fused_block.swiglu(x, wg, wu, eye), atol=0, rtol=0)
+
+
+def test_frozen_base_weight_gets_no_gradient_work(device, launches):
+    """LoRA training: the base weight frozen, only U and B (and x) get gradients; no dW GEMM."""
+    x = _t(M, K, dtype=torch.bfloat16, device=device)
+    w = randn(N, K, dtype=torch.bfloat16, device=device)
+    u, lb = _t(M, R, dtype=torch.bfloat16, device=device), _t(N, R, dtype=torch.bfloat16, device=device)
+    out = linear(x, w, None, "gelu", lora=(u, lb))
+    before = launches["matmul"]
+    gx, gu, gb = torch.autograd.grad(out.sum(), (x, u, lb))
+    assert launches["matmul"] - before == 3  # dX, dU, dB: no dW
+    assert gu.shape == (M, R) and gb.shape == (N, R)
+
+
+@pytest.mark.parametrize("case", ["not-a-tuple", "u-rows", "b-shape", "u-dtype", "b-device"])
+def test_bad_lora_arguments(case, device, launches):
+    x, w = randn(M, K, dtype=torch.float32, device=device), randn(N, K, dtype=torch.float32, device=device)
+    u, lb = randn(M, R, dtype=torch.float32, device=device), randn(N, R, dtype=torch.float32, device=device)
+    lora, exc, match = {
+        "not-a-tuple": (u, TypeError, "lora must be a tuple"),
+        "u-rows": ((u[:-1], lb), ValueError, "lora U"),
+        "b-shape": ((u, lb[:, :-1]), ValueError, "lora B0"),
+        "u-dtype": ((u.double(), lb), TypeError, "lora U"),
+        "b-device": ((u, lb.to("meta")), ValueError, "lora_B0"),
+    }[case]
+    with pytest.raises(exc, match=match):
+        linear(x, w, lora=lora)
+    assert launches["matmul"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT LoRA on the library's layers
+# ---------------------------------------------------------------------------------------------
+
+D, H, FF, B, L = 32, 2, 64, 2, 5
+
+
+@contextlib.contextmanager
+def _no_fallback():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fused_block:")
+        yield
+
+
+def _peft_pair(device, dropout=0.0, **layer_kw):
+    layer = fused_block.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device,
+                                                **layer_kw)
+    cfg = peft.LoraConfig(r=4, target_modules=["linear1", "linear2"], init_lora_weights=False,
+                          lora_dropout=dropout)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(layer), cfg)
+    torch.manual_seed(1)
+    got = peft.get_peft_model(copy.deepcopy(layer), cfg)
+    return ref, got
+
+
+def _torch_forward(model, x):
+    """PEFT's own computation: the layer's torch forward, which calls the LoRA wrappers."""
+    return nn.TransformerEncoderLayer.forward(model.base_model.model, x)
+
+
+@pytest.mark.parametrize("kind", ["relu", "swiglu"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "lora-dropout"])
+def test_peft_lora_runs_fused_in_the_layer(device, launches, kind, dropout):
+    """The output and every trainable gradient (the adapters': PEFT freezes the base) match
+    PEFT's computation; LoRA's dropout draws from torch's generator in PEFT's order, so the same
+    seed gives the same masks."""
+    kw = dict(activation="swiglu", norm="rms", bias=False, norm_first=True) if kind == "swiglu" else {}
+    ref, got = _peft_pair(device, dropout, **kw)
+    x = randn(B, L, D, dtype=torch.float32, device=device)
+    torch.manual_seed(7)
+    want = _torch_forward(ref, x)
+    torch.manual_seed(7)
+    with _no_fallback():
+        out = got(x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert launches["matmul"] >= 4  # QKV, out-projection, both FFN GEMMs with their adapters
+    g = torch.randn_like(out)
+    trainable = [(n, p) for n, p in got.named_parameters() if p.requires_grad]
+    ref_params = dict(ref.named_parameters())
+    assert trainable and all("lora_" in n for n, _ in trainable)
+    mine = torch.autograd.grad(out, [p for _, p in trainable], g)
+    theirs = torch.autograd.grad(want, [ref_params[n] for n, _ in trainable], g)
+    for (n, _), a, b in zip(trainable, mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_several_adapters_disable_and_merge(device, launches):
+    """Two adapters active at once, disable_adapter(), merge_adapter(): PEFT's semantics each time."""
+    ref, got = _peft_pair(device)
+    for model in (ref, got):
+        torch.manual_seed(3)
+        model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["linear2"], init_lora_weights=False))
+        model.base_model.set_adapter(["default", "second"])
+    x = randn(B, L, D, dtype=torch.float32, device=device)
+    with torch.no_grad(), _no_fallback():
+        torch.testing.assert_close(got(x), _torch_forward(ref, x), atol=1e-5, rtol=1e-5)
+        with got.disable_adapter(), ref.disable_adapter():
+            torch.testing.assert_close(got(x), _torch_forward(ref, x), atol=1e-5, rtol=1e-5)
+        for model in (ref, got):
+            model.merge_adapter()
+        torch.testing.assert_close(got(x), _torch_forward(ref, x), atol=1e-5, rtol=1e-5)
+    assert launches["matmul"] > 0
+
+
+def test_lora_variants_take_the_original_path(device):
+    """DoRA (a LoRA variant) is not fused: PEFT's forward runs, with the one-time warning."""
+    layer = fused_block.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device)
+    cfg = peft.LoraConfig(r=4, target_modules=["linear1"], use_dora=True, init_lora_weights=False)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(layer), cfg)
+    torch.manual_seed(1)
+    got = peft.get_peft_model(copy.deepcopy(layer), cfg)
+    x = randn(B, L, D, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="linear1.lora_magnitude_vector|linear1: LoRA variant"):
+            out = got(x)
+        torch.testing.assert_close(out, _torch_forward(ref, x), atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck(device):
+    dt = torch.float16
+    ops = torch.ops.fused_block
+    seed = torch.tensor([12345], dtype=torch.int64, device=device)
+    R16 = 16  # the ops take the rank padded to LORA_RANK_ALIGN
+    x, w, b = randn(M, K, dtype=dt, device=device), randn(N, K, dtype=dt, device=device), randn(N, dtype=dt,
+                                                                                                 device=device)
+    u, lb = randn(M, R16, dtype=dt, device=device), randn(N, R16, dtype=dt, device=device)
+    torch.library.opcheck(ops.linear_lora_fwd.default, (x, w, b, None, u, lb, "gelu", True, seed, 0.25))
+    g, pre = randn(M, N, dtype=dt, device=device), randn(M, N, dtype=dt, device=device)
+    torch.library.opcheck(ops.linear_lora_bwd.default, (g, x, w, pre, seed, u, lb, "gelu", 0.25, True, False,
+                                                        True, True, True))
+    F = 24
+    wg, wu = randn(F, K, dtype=dt, device=device), randn(F, K, dtype=dt, device=device)
+    lbg, lbu = randn(F, R16, dtype=dt, device=device), randn(F, R16, dtype=dt, device=device)
+    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, u, lbg, lbu, True, seed, 0.1))
+    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, None, None, None, False, None, 0.0))
+    gh, pre2 = randn(M, F, dtype=dt, device=device), randn(M, 2 * F, dtype=dt, device=device)
+    torch.library.opcheck(ops.gated_bwd.default, (gh, x, wg, wu, pre2, seed, u, lbg, lbu, 0.1, True, True, True,
+                                                  True, True))

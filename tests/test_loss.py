@@ -1,0 +1,346 @@
+"""fused_block.linear_cross_entropy: the LM head's loss without the (N, V) logits.
+
+Every loss and gradient (hidden, weight, bias) is compared with the float64 reference under
+the "twice PyTorch's own error" rule (numerics.assert_close, PyTorch's error from the
+reference run in the same dtype and fp32 precision mode), for every option and dtype. The
+interpreter shapes are small: 37 tokens (odd, not a multiple of any chunk), vocabulary 101
+(prime: no tile multiple), hidden 32; chunks are forced small (``FORCE_CHUNK_ROWS``) so that
+the first, middle and last chunks of the dW/db accumulation all run. Memory: every allocation
+of a forward and backward is recorded (tests/memory_testing.py), with the kernels on 512
+tokens and, with launches stubbed on meta tensors, at GPT-2 and LLaMA-3 sizes.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_block
+from fused_block import _backend, reference
+from fused_block import loss as lce
+from fused_block.kernels import loss as kloss
+
+from gemm_testing import DTYPE_MODES, baseline_mode, fp32_mode
+from memory_testing import Allocations
+from numerics import assert_close, randn
+
+N, V, H = 37, 101, 32
+
+
+def _inputs(n, v, h, dtype, device, *, bias=True, lead=(), ignore=5, seed=0, ignore_index=-100):
+    """hidden (lead..., n, h) and weight scaled so the logits are O(1-3); bias; targets with
+    ``ignore`` tokens set to ``ignore_index``."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = randn(*lead, n, h, dtype=dtype, device=device, requires_grad=True, generator=g)
+    weight = randn(v, h, dtype=dtype, device=device, scale=2.0 * h ** -0.5, requires_grad=True, generator=g)
+    b = randn(v, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=g) if bias else None
+    target = torch.randint(0, v, (*lead, n), generator=g)
+    flat = target.view(-1)
+    flat[torch.randperm(flat.numel(), generator=g)[:ignore]] = ignore_index
+    return hidden, weight, b, target.to(device)
+
+
+def _check(dtype, mode, hidden, weight, bias, target, device, **options):
+    """Loss and every gradient against the float64 reference, PyTorch's error in ``dtype``."""
+    diff = [t for t in (hidden, weight, bias) if t is not None]
+    with fp32_mode(mode):
+        out = fused_block.linear_cross_entropy(hidden, weight, target, bias, **options)
+        g = randn(*out.shape, dtype=torch.float32, device=device) if out.dim() else torch.tensor(1.3, device=device)
+        grads = torch.autograd.grad(out, diff, g)
+    assert out.dtype == torch.float32
+
+    def ref(ins, compute_dtype=None):
+        h, w, b = ins
+        return reference.linear_cross_entropy(h, w, target, b, compute_dtype=compute_dtype, **options)
+
+    ins64 = [None if t is None else t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    want = ref(ins64)
+    want_grads = torch.autograd.grad(want, [t for t in ins64 if t is not None], g.double())
+    insb = [None if t is None else t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+    with baseline_mode(dtype, mode):
+        base = ref(insb, compute_dtype=dtype)
+        base_grads = torch.autograd.grad(base, [t for t in insb if t is not None], g)
+    assert_close("loss", out, want, base, dtype=dtype)
+    for name, a, r, b in zip(("hidden", "weight", "bias"), grads, want_grads, base_grads):
+        assert a.dtype == dtype and a.shape == r.shape
+        assert_close(f"grad {name}", a, r, b)
+    return out
+
+
+# (id, options, bias, forced rows per chunk): every option, each reduction; one chunk (the
+# rule's choice for 37 tokens: no accumulator) and several (5 chunks of 8: first, middle and a
+# 5-row last chunk; 16: two full chunks and a last one).
+CASES = [
+    ("mean-one-chunk", dict(), False, None),
+    ("mean-all-options", dict(label_smoothing=0.1, z_loss=0.05, softcap=4.0), True, 8),
+    ("sum-smoothing", dict(label_smoothing=0.2, reduction="sum"), True, 16),
+    ("none-zloss-softcap", dict(z_loss=0.02, softcap=3.0, reduction="none"), True, 8),
+]
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_linear_cross_entropy(case, dtype_mode, device, launches, monkeypatch):
+    _, options, has_bias, rows = case
+    dtype, mode = dtype_mode
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", rows)
+    hidden, weight, bias, target = _inputs(N, V, H, dtype, device, bias=has_bias)
+    _check(dtype, mode, hidden, weight, bias, target, device, **options)
+    chunks = -(-N // rows) if rows else 1
+    none = options.get("reduction") == "none"
+    passes = 2 if none else 1  # "none" recomputes the chunks in the backward
+    assert launches["lce_ce"] == passes * chunks
+    # per chunk the logits GEMM and dhidden = dlogits @ W; dW and db in their own kernels
+    assert launches["matmul"] == passes * chunks + chunks
+    assert launches["lce_dw"] == chunks and launches["lce_colsum"] == (chunks if has_bias else 0)
+    assert launches["lce_count"] == (1 if options.get("reduction", "mean") == "mean" else 0)
+    assert launches["lce_sum"] == (0 if none else 1) and launches["lce_scale"] == (0 if none else 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocabulary_wider_than_one_tile(dtype, device, launches, monkeypatch):
+    # 4099 (prime) > the CE kernel's 4096-wide tile: two tiles of the online log-sum-exp and of
+    # the gradient pass; 9 tokens in chunks of 4.
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 4)
+    hidden, weight, bias, target = _inputs(9, 4099, 16, dtype, device, ignore=2)
+    _check(dtype, "ieee", hidden, weight, bias, target, device, label_smoothing=0.1, z_loss=0.01)
+    assert launches["lce_ce"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dw_kernel_tiles_and_edges(dtype, device, launches, monkeypatch):
+    # Small dW tiles: 4 vocabulary tiles (101 = 3 x 32 + 5: wrapped rows), 3 hidden tiles (40 =
+    # 2 x 16 + 8), chunks of 16 rows (whole K steps: EVEN_K) and a last one of 5 (masked K).
+    monkeypatch.setattr(kloss, "INTERPRETER_DW_CONFIG", (32, 16, 16, 4, 1))
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 16)
+    hidden, weight, bias, target = _inputs(N, V, 40, dtype, device)
+    _check(dtype, "ieee", hidden, weight, bias, target, device, reduction="sum")
+    assert launches["lce_dw"] == 3
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_tokens_ignored_give_zero_loss_and_zero_gradients(reduction, device, monkeypatch):
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 16)
+    hidden, weight, bias, target = _inputs(N, V, H, torch.bfloat16, device, ignore=N)
+    loss = fused_block.linear_cross_entropy(hidden, weight, target, bias, reduction=reduction, z_loss=0.1,
+                                            label_smoothing=0.1)
+    assert torch.equal(loss, torch.zeros_like(loss))  # F.cross_entropy's mean would be NaN
+    for g in torch.autograd.grad(loss.sum(), (hidden, weight, bias)):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_custom_ignore_index_and_int32_targets(device):
+    # ignore_index may be a valid class id; int32 targets are read as int64.
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device, ignore_index=7)
+    got = fused_block.linear_cross_entropy(hidden, weight, target.int(), bias, ignore_index=7)
+    want = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double(), ignore_index=7)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
+def test_target_out_of_range(device, launches):
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device)
+    target[3] = V
+    if device.type == "cpu":  # no synchronization needed to look: checked, before any launch
+        with pytest.raises(ValueError, match="target holds class index 101 outside"):
+            fused_block.linear_cross_entropy(hidden, weight, target, bias)
+        assert launches["lce_ce"] == 0
+    # What CUDA gets (unchecked there): that token's loss and gradient rows are NaN, no other.
+    h, w = hidden.detach(), weight.detach()
+    loss, _, dh, dw, _ = lce._lce_fwd(h, w, None, target, -100, 0.0, 0.0, 0.0, "none", True, True, False)
+    assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(N) != 3]).all()
+    assert torch.isnan(dh[3]).all() and torch.isfinite(dh[torch.arange(N) != 3]).all()
+    assert torch.isnan(dw).any()
+
+
+def test_leading_dims_return_lse_and_no_grad(device, launches):
+    hidden, weight, bias, target = _inputs(5, V, H, torch.float32, device, lead=(2,))
+    loss, lse = fused_block.linear_cross_entropy(hidden, weight, target, bias, reduction="none", softcap=2.5,
+                                                 return_lse=True)
+    assert loss.shape == lse.shape == (2, 5) and not lse.requires_grad and lse.dtype == torch.float32
+    want_loss, want_lse = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double(),
+                                                         reduction="none", softcap=2.5, return_lse=True)
+    torch.testing.assert_close(loss.double(), want_loss, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=0)
+    with torch.no_grad():  # the loss only: one GEMM and one CE pass per chunk, no gradient kernel
+        before = launches["matmul"], launches["lce_ce"]
+        fused_block.linear_cross_entropy(hidden, weight, target, bias)
+        assert (launches["matmul"] - before[0], launches["lce_ce"] - before[1]) == (1, 1)
+    assert launches["lce_dw"] == 0
+
+
+def test_strided_inputs(device, monkeypatch):
+    # hidden with a non-unit column stride (a transposed view), a strided bias and target: read
+    # (or copied) as such; the weight a slice with a longer row stride (the GEMMs take strides).
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 16)
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device)
+    h_t = hidden.detach().t().contiguous().t().requires_grad_()  # (N, H) with strides (1, N)
+    w_wide = torch.cat((weight.detach(), weight.detach()), 1)[:, :H].requires_grad_()  # row stride 2H
+    b_strided = torch.stack((bias.detach(), bias.detach()), 1)[:, 0].requires_grad_()
+    t_strided = torch.stack((target, target), 1)[:, 0]
+    loss = fused_block.linear_cross_entropy(h_t, w_wide, t_strided, b_strided)
+    grads = torch.autograd.grad(loss, (h_t, w_wide, b_strided))
+    want = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double())
+    want_grads = torch.autograd.grad(want, (hidden, weight, bias))
+    torch.testing.assert_close(loss.double(), want, atol=1e-5, rtol=0)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-4)
+
+
+def test_backward_twice_and_partial_gradients(device, launches, monkeypatch):
+    # The forward's gradients are scaled into new tensors: a retained graph's second backward
+    # gets the same answer. Frozen parameters are not differentiated (no dW, db kernels).
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 16)
+    hidden, weight, bias, target = _inputs(N, V, H, torch.bfloat16, device)
+    loss = fused_block.linear_cross_entropy(hidden, weight, target, bias)
+    two = torch.tensor(2.0, device=device)
+    first = torch.autograd.grad(loss, (hidden, weight, bias), two, retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight, bias), two)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    before = launches["lce_dw"], launches["lce_colsum"], launches["matmul"]
+    h = hidden.detach().requires_grad_()
+    (dh,) = torch.autograd.grad(fused_block.linear_cross_entropy(h, weight.detach(), target, bias.detach()), (h,))
+    assert (launches["lce_dw"], launches["lce_colsum"]) == before[:2]
+    assert launches["matmul"] - before[2] == 2 * 3  # logits and dhidden, 3 chunks
+    torch.testing.assert_close(dh, first[0] / 2)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(reduction, device):
+    hidden, weight, bias, _ = _inputs(0, V, H, torch.float32, device, ignore=0)
+    target = torch.zeros(0, dtype=torch.int64, device=device)
+    loss = fused_block.linear_cross_entropy(hidden, weight, target, bias, reduction=reduction)
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    assert torch.equal(loss.sum(), torch.zeros((), device=device))
+    grads = torch.autograd.grad(loss.sum(), (hidden, weight, bias))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads) and grads[1].shape == weight.shape
+
+
+def test_module_and_autocast(device):
+    hidden, _, _, target = _inputs(N, V, H, torch.float32, device)
+    head = fused_block.LinearCrossEntropy(H, V, device=device, label_smoothing=0.1)
+    plain = torch.nn.Linear(H, V, device=device)
+    plain.load_state_dict(head.state_dict())
+    assert isinstance(head, torch.nn.Linear) and head.state_dict().keys() == plain.state_dict().keys()
+    torch.testing.assert_close(head(hidden), plain(hidden))  # no target: the logits
+    want = F.cross_entropy(plain(hidden), target, label_smoothing=0.1)
+    torch.testing.assert_close(head(hidden, target), want, atol=1e-5, rtol=0)
+    shared = fused_block.LinearCrossEntropy.from_linear(plain, softcap=30.0)
+    assert shared.weight is plain.weight and shared.bias is plain.bias and shared.softcap == 30.0
+    assert "softcap=30.0" in repr(copy.deepcopy(shared))
+    # Autocast: bf16 GEMMs from fp32 parameters (as F.linear), an fp32 loss, fp32 gradients.
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = head(hidden, target)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert head.weight.grad.dtype == torch.float32 and head.bias.grad is not None
+    want = reference.linear_cross_entropy(hidden.double(), head.weight.double(), target, head.bias.double(),
+                                          label_smoothing=0.1)
+    assert abs(loss.item() - want.item()) < 2e-2
+
+
+def test_torch_compile_fullgraph_and_opcheck(device, launches):
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device)
+    eager = fused_block.linear_cross_entropy(hidden, weight, target, bias, z_loss=0.01)
+    want = torch.autograd.grad(eager, (hidden, weight, bias))
+    torch._dynamo.reset()
+    # aot_eager: dynamo, the ops' fake implementations and AOT autograd (inductor's CPU codegen
+    # would add tens of seconds of compile time to the interpreter suite).
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    fn = torch.compile(lambda h, w, b, t: fused_block.linear_cross_entropy(h, w, t, b, z_loss=0.01), fullgraph=True,
+                       backend=backend)
+    loss = fn(hidden, weight, bias, target)
+    got = torch.autograd.grad(loss, (hidden, weight, bias))
+    torch.testing.assert_close(loss, eager)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    h, w, b = hidden.detach(), weight.detach(), bias.detach()
+    torch.library.opcheck(lce._lce_fwd.default, (h, w, b, target, -100, 0.1, 0.01, 0.0, "mean", True, True, True))
+    torch.library.opcheck(lce._lce_bwd.default, (torch.rand(N, device=device), h, w, b, target, -100, 0.0, 0.0, 3.0,
+                                                 True, True, True))
+    torch.library.opcheck(lce._lce_scale.default, (torch.tensor(0.5, device=device), h, w, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: no (N, V) tensor, no allocation above 1/8 of the fp32 logits
+# ---------------------------------------------------------------------------------------------
+
+def _record(hidden, weight, bias, target):
+    with Allocations() as rec:
+        loss = fused_block.linear_cross_entropy(hidden, weight, target, bias)
+        torch.autograd.grad(loss, [t for t in (hidden, weight, bias) if t is not None])
+    return rec, loss
+
+
+def _assert_rule(rec, n, v, h):
+    """No allocation above 1/8 of the fp32 (n, v) logits but those of the results' and the
+    parameters' sizes (dhidden (n, h); dW and its fp32 accumulator (v, h); db (v,); the
+    per-token loss and lse (n,)), and no logits-sized tensor at all. Returns the largest other."""
+    results = [(n, h), (v, h), (v,), (n,)]
+    largest = rec.largest(exclude_shapes=results)
+    assert largest.nbytes <= n * v * 4 / 8, largest
+    assert not [a for a in rec.with_numel_at_least(n * v) if a.shape not in results]
+    return largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_rule_with_the_kernels(dtype, device):
+    # 512 tokens (where the rule starts): the chunk rule's own choice (5 chunks of 127 rows in
+    # bf16, 9 of 63 in fp32: masked K steps), the kernels running, the loss right.
+    n, v, h = 512, 1000, 32
+    hidden, weight, bias, target = _inputs(n, v, h, dtype, device)
+    rec, loss = _record(hidden, weight, bias, target)
+    largest = _assert_rule(rec, n, v, h)
+    rows = kloss.chunk_rows(n, v, h, hidden.element_size())
+    assert largest.shape == (rows, kloss.padded_stride(v, hidden.element_size())) and rows < n // 4
+    want = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double())
+    assert abs(loss.item() - want.item()) < 1e-2
+
+
+# Model sizes on meta tensors with the launches stubbed (host_only): only the allocations run.
+MODEL_SHAPES = [pytest.param(n, v, h, id=f"{name}-{n}") for name, v, h in (("gpt2", 50257, 768),
+                                                                           ("llama3", 128256, 4096))
+                for n in (512, 8192, 32768)]
+
+
+@pytest.mark.parametrize("n,v,h", MODEL_SHAPES)
+def test_memory_rule_at_model_sizes(n, v, h):
+    meta = torch.device("meta")
+    hidden = torch.empty(n, h, dtype=torch.bfloat16, device=meta, requires_grad=True)
+    weight = torch.empty(v, h, dtype=torch.bfloat16, device=meta, requires_grad=True)
+    with _backend.host_only():
+        rec, _ = _record(hidden, weight, None, torch.zeros(n, dtype=torch.int64, device=meta))
+    largest = _assert_rule(rec, n, v, h)
+    rows = kloss.chunk_rows(n, v, h, 2)
+    assert largest.shape == (rows, kloss.padded_stride(v, 2))
+    # Alive at once, at most: in the forward the chunk buffer, dhidden, dW and (with several
+    # chunks) its fp32 accumulator; in the backward the forward's gradients and their scaled
+    # copies. (The fp32 logits alone are n v 4 bytes, twice with their gradient.)
+    accumulator = 4 * v * h if n > rows else 0
+    forward = largest.nbytes + 2 * n * h + 2 * v * h + accumulator
+    assert rec.peak <= max(forward, 4 * n * h + 4 * v * h) + 8 * n + 64
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark spec
+# ---------------------------------------------------------------------------------------------
+
+def test_bench_spec_cases_and_numerics():
+    """bench/specs/loss.py builds its cases without CUDA and its CPU numerics pass."""
+    import sys
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench.specs import loss as spec
+
+    quick, full = spec.cases(True), spec.cases(False)
+    assert {c.shape["model"] for c in full} == {"gpt2", "llama3"} and {c.shape["tokens"] for c in full} >= {8192, 32768}
+    assert all(set(c.providers) >= {"fused_block", "eager", "torch.compile", "liger"} for c in full)
+    assert len(quick) < len(full)
+    llama = next(c for c in full if c.shape["model"] == "llama3" and c.mode == "fwd+bwd")
+    assert llama.flops == 6 * llama.shape["tokens"] * 128256 * 4096
+    rows = spec.numerics()
+    assert rows and all(r.get("ok") for r in rows), rows
+
