@@ -654,7 +654,7 @@ class _LayerMixin:
         w1, b1 = base1.weight, base1.bias
         if name == "swiglu":
             f = w1.shape[0] // 2
-            t1 = None if t1 is None else (t1[0], t1[1][:f], t1[1][f:])
+            t1 = lora.split_rows(t1, f)
             hid = ops.gated(x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
                             dropout_p=p_in, lora=t1)
         elif name is not None:
@@ -1012,21 +1012,7 @@ def _describe_layer(layer):
     for name in layer._ATTENTIONS:
         why = why or _guard.tensors_reason(name + ".out_proj", getattr(layer, name).out_proj, ("weight", "bias"),
                                            accept)
-    return why, watched, _lora_live(layer, wrapped) if wrapped else None
-
-
-def _lora_live(layer, names):
-    """The per-call check of PEFT state no registration announces (active adapters, merged or
-    disabled, variants): see fused_block.lora.reason."""
-    ref = weakref.ref(layer)  # the cached verdict must not keep its layer alive
-
-    def live():
-        for name in names:
-            why = lora.reason(name, getattr(ref(), name))
-            if why is not None:
-                return why
-        return None
-    return live
+    return why, watched, lora.live(layer, wrapped) if wrapped else None
 
 
 def _causal_mask(L, like):

@@ -22,10 +22,12 @@ def convert(model: nn.Module) -> nn.Module:
     type is exactly torch's are converted; user subclasses (custom ``forward``) are left alone.
     Returns ``model`` (or, when ``model`` itself is such a layer, its fused replacement).
 
-    Hugging Face ``transformers`` models (GPT-2, BERT, LLaMA, Mistral, Qwen2 layers) are
-    converted in place as described in :mod:`fused_block.hf`: same classes, modules,
-    parameters and state dict, a fused ``forward`` per layer. ``transformers`` is never
-    imported here; a model built from it has already imported it.
+    Hugging Face ``transformers`` models (GPT-2, BERT, LLaMA, Mistral, Qwen2, Qwen3, Phi-3
+    layers: ``fused_block.hf.FAMILIES``) are converted in place as described in
+    :mod:`fused_block.hf`: same classes, modules, parameters and state dict, a fused
+    ``forward`` per layer. ``transformers`` is not imported unless it already was (a model
+    built from it has imported it); for attention only in any model, see
+    ``attn_implementation="fused_block"`` (:mod:`fused_block.hf.interface`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fused_block import _backend, blocks, hf, lora
+from fused_block import _backend, blocks, lora
 
 # How a layer's parameter is placed on the tensor-parallel mesh and read by its forward.
 COLWISE = "colwise"            # Shard(0): output rows by heads / FFN columns
@@ -82,6 +82,8 @@ PLACEMENTS = {COLWISE: lambda k: (Shard(0),), PACKED: lambda k: (_StridedShard(0
               PACKED_BIAS: lambda k: (Replicate(),), REPLICATED: lambda k: (Replicate(),)}
 
 _FUSED_LAYERS = (blocks.TransformerEncoderLayer, blocks.TransformerDecoderLayer)
+# Converted Hugging Face layers (fused_block.hf.llama's family) with a tensor-parallel plan.
+_LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 
 
 def _divides(name, n, size):
@@ -136,7 +138,7 @@ def _describe(layer, size):
     if isinstance(layer, _FUSED_LAYERS):
         params, heads = _fused_params(layer, size)
         seq_dim = 1 if layer.self_attn.batch_first else 0
-    elif "_fused_block" in layer.__dict__ and type(layer).__name__ in hf._LLAMA_LAYERS:
+    elif "_fused_block" in layer.__dict__ and type(layer).__name__ in _LLAMA_LAYERS:
         params, heads = _llama_params(layer, size)
         seq_dim = 1
     else:
@@ -201,7 +203,7 @@ def tp_plan(model, *, sequence_parallel=False):
     """
     def supported(m):
         return isinstance(m, _FUSED_LAYERS) or ("_fused_block" in m.__dict__
-                                                and type(m).__name__ in hf._LLAMA_LAYERS)
+                                                and type(m).__name__ in _LLAMA_LAYERS)
 
     if supported(model):
         return LayerParallel(sequence_parallel=sequence_parallel)

@@ -20,6 +20,8 @@ hooks, which the guard sees), ``lora_bias``.
 
 This module never imports peft: a wrapper is recognised by its class.
 """
+import weakref
+
 import torch
 from torch import nn
 
@@ -115,3 +117,38 @@ def stacked(parts, x):
         rows.append(nn.functional.pad(t[1], (col, R - col - r)))
         col += r
     return torch.cat(us, dim=-1), torch.cat(rows, dim=0)
+
+
+def gate_up(gate, up, x):
+    """(U, B_gate, B_up) for a SwiGLU's separate gate and up linears on one input (each's B in
+    its own columns of the shared U), or None when neither has an active adapter."""
+    tg, tu = terms(gate, x), terms(up, x)
+    if tg is None and tu is None:
+        return None
+    rg = tg[0].shape[-1] if tg is not None else 0
+    ru = tu[0].shape[-1] if tu is not None else 0
+    u = torch.cat([t[0] for t in (tg, tu) if t is not None], dim=-1)
+    bg = nn.functional.pad(tg[1], (0, ru)) if tg is not None else x.new_zeros(gate.out_features, rg + ru)
+    bu = nn.functional.pad(tu[1], (rg, 0)) if tu is not None else x.new_zeros(up.out_features, rg + ru)
+    return u, bg, bu
+
+
+def split_rows(t, n):
+    """(U, B) of a linear whose output stacks two halves (a fused gate_up projection) as (U,
+    B[:n], B[n:]) for ``gated_linear``; None stays None."""
+    return None if t is None else (t[0], t[1][:n], t[1][n:])
+
+
+def live(layer, paths):
+    """The per-call check (for :func:`fused_block._guard.reason`) of the PEFT state no
+    registration announces (active adapters, merged or disabled, variants) on the wrappers at
+    ``paths``; holds the layer weakly (a cached verdict must not keep it alive)."""
+    ref = weakref.ref(layer)
+
+    def check():
+        for path in paths:
+            why = reason(path, ref().get_submodule(path))
+            if why is not None:
+                return why
+        return None
+    return check

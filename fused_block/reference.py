@@ -267,17 +267,24 @@ def rope(q, k, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0, 
 
 
 def rope_qkvpacked(qkv, num_heads, num_kv_heads, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0,
-                   interleaved=False, batch_first=True, compute_dtype=None):
+                   interleaved=False, batch_first=True, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
+                   compute_dtype=None):
     """RoPE on a packed QKV projection (B, L, (H + 2 Hkv) * D) (or (L, B, ...)); see
     :func:`fused_block.rope_qkvpacked`. q and k rotated, v unchanged, in qkv's layout;
-    ``positions=None`` with ``inv_freq`` means 0..L-1."""
+    ``positions=None`` with ``inv_freq`` means 0..L-1. With the norm weights, each q (k) head
+    is first RMS-normalized over its D elements and scaled (in the compute dtype, unrounded)."""
     t = qkv if batch_first else qkv.transpose(0, 1)
     t = t.unflatten(-1, (num_heads + 2 * num_kv_heads, -1))
     if positions is None and inv_freq is not None:
         positions = torch.arange(t.shape[1], device=qkv.device)[None]
-    q, k = rope(t[:, :, :num_heads], t[:, :, num_heads:num_heads + num_kv_heads], positions, inv_freq, cos=cos,
-                sin=sin, scale=scale, interleaved=interleaved, compute_dtype=compute_dtype)
-    out = torch.cat((q, k, t[:, :, num_heads + num_kv_heads:]), dim=2).flatten(2)
+    q, k = t[:, :, :num_heads], t[:, :, num_heads:num_heads + num_kv_heads]
+    if q_norm_weight is not None:
+        cdt = _compute_dtype(qkv.dtype, compute_dtype)
+        q, k = ((x.to(cdt) * torch.rsqrt(x.to(cdt).pow(2).mean(-1, keepdim=True) + norm_eps) * w.to(cdt))
+                for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
+    q, k = rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved,
+                compute_dtype=compute_dtype)
+    out = torch.cat((q.to(qkv.dtype), k.to(qkv.dtype), t[:, :, num_heads + num_kv_heads:]), dim=2).flatten(2)
     return out if batch_first else out.transpose(0, 1)
 
 

@@ -185,6 +185,77 @@ class _RoPEPacked(torch.autograd.Function):
         return (dqkv,) + (None,) * 10
 
 
+def _qknorm_fake(qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_rot, n_heads, batch_first, scale,
+                 rot_dim, interleaved, eps):
+    return qkv.new_empty(qkv.shape)
+
+
+@_library.op("rope_qkvpacked_qknorm", fake=_qknorm_fake)
+def _rope_qknorm_op(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
+                    inv_freq: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor], n_q: int, n_rot: int,
+                    n_heads: int, batch_first: bool, scale: float, rot_dim: int, interleaved: bool,
+                    eps: float) -> Tensor:
+    """:func:`_rope_packed_op` with q's and k's heads RMS-normalized (weights (D,)) first."""
+    with _backend.device_guard(qkv):
+        return _k.rope_packed_qknorm(qkv, qkv, q_weight, k_weight, (0, 1) if batch_first else (1, 0), n_q, n_rot,
+                                     n_heads, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, eps, False)
+
+
+def _qknorm_bwd_fake(grad, qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_rot, n_heads, batch_first,
+                     scale, rot_dim, interleaved, eps):
+    D = q_weight.shape[0]
+    return qkv.new_empty(qkv.shape), qkv.new_empty((D,), dtype=torch.float32), qkv.new_empty((D,), dtype=torch.float32)
+
+
+@_library.op("rope_qkvpacked_qknorm_bwd", fake=_qknorm_bwd_fake)
+def _rope_qknorm_bwd_op(grad: Tensor, qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
+                        inv_freq: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor], n_q: int, n_rot: int,
+                        n_heads: int, batch_first: bool, scale: float, rot_dim: int, interleaved: bool,
+                        eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dqkv, dq_weight, dk_weight)``, the weights' gradients in fp32 (per-program rows summed)."""
+    with _backend.device_guard(qkv):
+        dqkv, dwq, dwk = _k.rope_packed_qknorm(grad, qkv, q_weight, k_weight, (0, 1) if batch_first else (1, 0),
+                                               n_q, n_rot, n_heads, positions, inv_freq, cos, sin, scale, rot_dim,
+                                               interleaved, eps, True)
+        return dqkv, dwq.sum(0), dwk.sum(0)
+
+
+class _RoPEPackedQKNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_rot, n_heads, batch_first, scale,
+                rot_dim, interleaved, eps):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(qkv, q_weight, k_weight, positions, inv_freq, cos, sin)
+        ctx.args = (n_q, n_rot, n_heads, batch_first, scale, rot_dim, interleaved, eps)
+        return _rope_qknorm_op(qkv, q_weight, k_weight, positions, inv_freq, cos, sin, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * 15
+        qkv, q_weight, k_weight, positions, inv_freq, cos, sin = ctx.saved_tensors
+        dqkv, dwq, dwk = _rope_qknorm_bwd_op(_unit_last(grad), qkv, q_weight, k_weight, positions, inv_freq, cos, sin,
+                                             *ctx.args)
+        return (dqkv if ctx.needs_input_grad[0] else None, dwq.to(q_weight.dtype) if ctx.needs_input_grad[1] else None,
+                dwk.to(k_weight.dtype) if ctx.needs_input_grad[2] else None) + (None,) * 12
+
+
+def _check_qk_norm(qkv, D, q_weight, k_weight, eps):
+    """True when the per-head norms are asked for (both weights), after checking them."""
+    if q_weight is None and k_weight is None:
+        return False
+    if q_weight is None or k_weight is None:
+        raise ValueError("pass both q_norm_weight and k_norm_weight, or neither")
+    for name, w in (("q_norm_weight", q_weight), ("k_norm_weight", k_weight)):
+        _validate.tensor(name, w, ndim=1)
+        _validate.shape(name, w, (D,))
+    _validate.same_device("qkv", qkv, q_norm_weight=q_weight, k_norm_weight=k_weight)
+    _validate.positive("norm_eps", eps)
+    if not math.isfinite(eps):
+        raise ValueError(f"norm_eps must be finite, got {eps}")
+    return True
+
+
 def _count(name, n):
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"{name} must be an int, got {type(n).__name__}")
@@ -194,7 +265,9 @@ def _count(name, n):
 
 def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = None, positions: Optional[Tensor] = None,
                    inv_freq: Optional[Tensor] = None, *, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                   scale: float = 1.0, interleaved: bool = False, batch_first: bool = True) -> Tensor:
+                   scale: float = 1.0, interleaved: bool = False, batch_first: bool = True,
+                   q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
+                   norm_eps: float = 1e-6) -> Tensor:
     """Rotary position embeddings on a packed QKV projection, q, k and v in one kernel.
 
     Args:
@@ -206,10 +279,16 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
         positions: (B or 1, L) int32/int64 absolute positions, or None for 0..L-1; with
             ``inv_freq`` (D_rot / 2,) fp32. cos, sin: instead, (B or 1, L, D_rot) tables.
             ``scale`` and ``interleaved`` as :func:`rope`.
+        q_norm_weight, k_norm_weight: (D,) each, or both None: every q head (k head) is first
+            RMS-normalized over its D elements, ``x / sqrt(mean(x^2) + norm_eps)`` with fp32
+            statistics, and multiplied by the weight (Qwen3's ``q_norm`` / ``k_norm``; any float
+            dtype, read in fp32), in the same launch; the weights then get gradients too.
     Returns a new contiguous tensor of qkv's shape and dtype: q's and k's heads rotated (dims
     past D_rot copied), v's copied, for :func:`fused_block.attention_qkvpacked` with the same
     ``batch_first``. Its gradient is one packed tensor (dq and dk rotated back, dv passed on)
-    written by one launch. Gradients flow to qkv (not to the angle inputs).
+    written by one launch. Gradients flow to qkv (and the norm weights), not to the angle
+    inputs. Saved for backward: the angle inputs; with the norms also qkv and the weights (the
+    statistics are recomputed).
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _count("num_heads", num_heads)
@@ -223,13 +302,21 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
         raise ValueError(f"qkv's last dim ({qkv.shape[2]}) must be (num_heads + 2 * num_kv_heads) = {heads} "
                          "times the head dim")
     B, L = (qkv.shape[0], qkv.shape[1]) if batch_first else (qkv.shape[1], qkv.shape[0])
-    rot_dim = _check_angles("qkv", qkv, B, L, qkv.shape[2] // heads, positions, inv_freq, cos, sin, scale,
-                            interleaved, True)
+    D = qkv.shape[2] // heads
+    rot_dim = _check_angles("qkv", qkv, B, L, D, positions, inv_freq, cos, sin, scale, interleaved, True)
+    norm = _check_qk_norm(qkv, D, q_norm_weight, k_norm_weight, norm_eps)
     if not _backend.use_triton(qkv):
         return reference.rope_qkvpacked(qkv, num_heads, num_kv_heads, positions, inv_freq, cos=cos, sin=sin,
-                                        scale=scale, interleaved=interleaved, batch_first=batch_first)
+                                        scale=scale, interleaved=interleaved, batch_first=batch_first,
+                                        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
     if cos is not None:
         cos, sin = _unit_last(cos), _unit_last(sin)
+    if norm:
+        args = (q_norm_weight, k_norm_weight, positions, inv_freq, cos, sin, num_heads, num_heads + num_kv_heads,
+                heads, batch_first, float(scale), rot_dim, interleaved, float(norm_eps))
+        if _backend.needs_autograd(qkv, q_norm_weight, k_norm_weight):
+            return _RoPEPackedQKNorm.apply(_unit_last(qkv), *args)
+        return _rope_qknorm_op(_unit_last(qkv), *args)
     args = (positions, inv_freq, cos, sin, num_heads + num_kv_heads, heads, batch_first, float(scale), rot_dim,
             interleaved)
     if _backend.needs_autograd(qkv):

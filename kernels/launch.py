@@ -139,15 +139,33 @@ _LAYOUTS = {}
 def clear() -> None:
     """Forget every layout (Triton's own cache keeps the compiled kernels)."""
     _LAYOUTS.clear()
+    _BY_IDENTITY.clear()
+
+
+# (id(kernel), id(constexprs), id(config)) -> (constexprs, config, argument types, layout): the
+# launchers pass the same constexpr dict and Config objects for the same launch (cached per
+# key), so the layout is found by identity without hashing their contents. The entry holds
+# the dict and Config, so their ids cannot be reused while it lives; bounded.
+_BY_IDENTITY = {}
+_MAX_BY_IDENTITY = 4096
 
 
 def launch(kernel, grid, args: tuple, constexprs: dict, config) -> None:
     """``kernel[grid](*args, **constexprs, **config)`` on the current device and stream:
     directly once Triton's own launch has chosen the compiled kernel for this key."""
-    lay = _LAYOUTS.get((id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
-                        tuple(constexprs.values()), tuple(map(type, args))))
-    if lay is None:
-        lay = _new_layout(kernel, args, constexprs, config)
+    types = tuple(map(type, args))
+    fast = (id(kernel), id(constexprs), id(config))
+    hit = _BY_IDENTITY.get(fast)
+    if hit is not None and hit[0] is constexprs and hit[1] is config and hit[2] == types:
+        lay = hit[3]
+    else:
+        lay = _LAYOUTS.get((id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
+                            tuple(constexprs.values()), types))
+        if lay is None:
+            lay = _new_layout(kernel, args, constexprs, config)
+        if len(_BY_IDENTITY) >= _MAX_BY_IDENTITY:
+            _BY_IDENTITY.clear()
+        _BY_IDENTITY[fast] = (constexprs, config, types, lay)
     rt = knobs.runtime
     if (lay.key is None or type(grid) is not tuple or rt.debug or knobs.compilation.instrumentation_mode
             or rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or kernel.pre_run_hooks):

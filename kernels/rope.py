@@ -10,6 +10,11 @@ Two kernels:
   the first Hq + Hk heads (q and k) rotated, v's heads copied in the same launch. The
   attention kernel reads that tensor in place (``attention_qkvpacked``) and its one packed
   gradient comes back through the same kernel (the inverse rotation; dv copied).
+- ``_rope_qknorm_packed_kernel``: the same with each q and k head RMS-normalized over its D
+  elements and scaled by the q or k weight first (Qwen3's ``q_norm``/``k_norm``, OLMo-style
+  per-head norms), statistics in fp32 and one rounding per element; its backward reads the
+  forward's input again (the statistics are recomputed) and writes the weights' gradients as
+  per-program fp32 rows, summed in a fixed order (no atomics).
 
 One program rotates BLOCK_H heads of one token: the angles of the token's D_rot / 2 frequency
 pairs are computed (or loaded) once in fp32 and applied to every head of the block, so q and
@@ -34,10 +39,12 @@ Angles, in fp32:
   the pair's first element (index p in half-split, 2p interleaved), as Hugging Face lays them
   out (``cat((freqs, freqs))`` or ``repeat_interleave(freqs, 2)``).
 """
+import torch
 import triton
 import triton.language as tl
 
 from fused_block.kernels import common
+from fused_block.kernels.norm import _div_n, _rstd
 
 
 # Cephes' single-precision minimax polynomials for sin and cos on [-pi/4, pi/4] (about 1 ulp).
@@ -185,6 +192,112 @@ def _rope_packed_kernel(X, O, POS, FREQ, COS, SIN,
         tl.store(o + first + offs, tl.load(x + first + offs, mask=ok), mask=ok)
 
 
+@triton.jit
+def _norm_rotate_heads(X, XIN, O, DWQ, DWK, WQ, WK, h0, NQ, H, D, inv_d, eps, cos, sin, pairs, pair_ok, rest,
+                       rest_ok, ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_REST: tl.constexpr,
+                       CONJ: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """Heads [h0, h0 + BLOCK_H) of one token (X, XIN, O at its head 0, heads D apart; the
+    first NQ of the H heads are q's): y = R(w * x / rms(x)), the RMS over the head's D elements
+    in fp32 and w the q or k weight (D,). With CONJ, X is dy and XIN the forward's x: O = dx,
+    and this block's weight gradient sum(R^T dy * x / rms(x)) over its q heads and over its k
+    heads goes to the (D,) rows DWQ and DWK (zero where it has none)."""
+    heads = h0 + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    is_q = (heads < NQ)[:, None]
+    if INTERLEAVED:
+        c1 = 2 * pairs
+        c2 = 2 * pairs + 1
+    else:
+        c1 = pairs
+        c2 = pairs + ROT_HALF
+    ok = head_ok[:, None] & pair_ok[None, :]
+    x_rows = (XIN if CONJ else X) + heads.to(tl.int64)[:, None] * D
+    x1 = tl.load(x_rows + c1[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + c2[None, :], mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.where(is_q, tl.load(WQ + c1, mask=pair_ok, other=0.0).to(tl.float32)[None, :],
+                  tl.load(WK + c1, mask=pair_ok, other=0.0).to(tl.float32)[None, :])
+    w2 = tl.where(is_q, tl.load(WQ + c2, mask=pair_ok, other=0.0).to(tl.float32)[None, :],
+                  tl.load(WK + c2, mask=pair_ok, other=0.0).to(tl.float32)[None, :])
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    if HAS_REST:
+        rok = head_ok[:, None] & rest_ok[None, :]
+        xr = tl.load(x_rows + rest[None, :], mask=rok, other=0.0).to(tl.float32)
+        wr = tl.where(is_q, tl.load(WQ + rest, mask=rest_ok, other=0.0).to(tl.float32)[None, :],
+                      tl.load(WK + rest, mask=rest_ok, other=0.0).to(tl.float32)[None, :])
+        ss += tl.sum(xr * xr, axis=1)
+    rstd = _rstd(_div_n(ss, D, inv_d, INTERPRET), eps, INTERPRET)[:, None]
+    n1 = x1 * rstd
+    n2 = x2 * rstd
+    o_rows = O + heads.to(tl.int64)[:, None] * D
+    dtype = O.dtype.element_ty
+    if not CONJ:
+        y1 = n1 * w1
+        y2 = n2 * w2
+        tl.store(o_rows + c1[None, :], common.cast(y1 * cos[None, :] - y2 * sin[None, :], dtype, INTERPRET), mask=ok)
+        tl.store(o_rows + c2[None, :], common.cast(y2 * cos[None, :] + y1 * sin[None, :], dtype, INTERPRET), mask=ok)
+        if HAS_REST:
+            tl.store(o_rows + rest[None, :], common.cast(xr * rstd * wr, dtype, INTERPRET), mask=rok)
+    else:
+        g_rows = X + heads.to(tl.int64)[:, None] * D
+        g1 = tl.load(g_rows + c1[None, :], mask=ok, other=0.0).to(tl.float32)
+        g2 = tl.load(g_rows + c2[None, :], mask=ok, other=0.0).to(tl.float32)
+        u1 = g1 * cos[None, :] - g2 * sin[None, :]  # R^T dy: sin is negated for CONJ
+        u2 = g2 * cos[None, :] + g1 * sin[None, :]
+        dot = tl.sum(u1 * w1 * n1, axis=1) + tl.sum(u2 * w2 * n2, axis=1)
+        if HAS_REST:
+            ur = tl.load(g_rows + rest[None, :], mask=rok, other=0.0).to(tl.float32)
+            nr = xr * rstd
+            dot += tl.sum(ur * wr * nr, axis=1)
+        mean = _div_n(dot, D, inv_d, INTERPRET)[:, None]
+        tl.store(o_rows + c1[None, :], common.cast(rstd * (u1 * w1 - n1 * mean), dtype, INTERPRET), mask=ok)
+        tl.store(o_rows + c2[None, :], common.cast(rstd * (u2 * w2 - n2 * mean), dtype, INTERPRET), mask=ok)
+        tl.store(DWQ + c1, tl.sum(tl.where(is_q, u1 * n1, 0.0), axis=0), mask=pair_ok)
+        tl.store(DWQ + c2, tl.sum(tl.where(is_q, u2 * n2, 0.0), axis=0), mask=pair_ok)
+        tl.store(DWK + c1, tl.sum(tl.where(is_q, 0.0, u1 * n1), axis=0), mask=pair_ok)
+        tl.store(DWK + c2, tl.sum(tl.where(is_q, 0.0, u2 * n2), axis=0), mask=pair_ok)
+        if HAS_REST:
+            tl.store(o_rows + rest[None, :], common.cast(rstd * (ur * wr - nr * mean), dtype, INTERPRET), mask=rok)
+            tl.store(DWQ + rest, tl.sum(tl.where(is_q, ur * nr, 0.0), axis=0), mask=rest_ok)
+            tl.store(DWK + rest, tl.sum(tl.where(is_q, 0.0, ur * nr), axis=0), mask=rest_ok)
+
+
+@triton.jit
+def _rope_qknorm_packed_kernel(X, XIN, O, WQ, WK, DWQ, DWK, POS, FREQ, COS, SIN,
+                               L, NQ, NROT, D, rot_blocks, copy_len,
+                               stride_xb, stride_xl, stride_ib, stride_il, stride_ob, stride_ol,
+                               stride_pb, stride_pl, stride_cb, stride_cl, scale, inv_d, eps,
+                               ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, FROM_TABLE: tl.constexpr,
+                               HAS_POS: tl.constexpr, CONJ: tl.constexpr, HAS_REST: tl.constexpr,
+                               BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """``_rope_packed_kernel`` with q's and k's heads RMS-normalized first (Qwen3's q_norm and
+    k_norm): grid = (B * L, rot_blocks + cdiv(copy_len, BLOCK_C)). The backward (CONJ) reads
+    the gradient X and the forward's input XIN and writes, per rotating program, one (D,) fp32
+    row of the q weight's gradient and one of k's (DWQ, DWK: (B * L * rot_blocks, D)), summed
+    on the host in a fixed order."""
+    token = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    b = token // L
+    t = token % L
+    x = X + b * stride_xb + t * stride_xl
+    o = O + b * stride_ob + t * stride_ol
+    if hb < rot_blocks:
+        pairs = tl.arange(0, BLOCK_P)
+        pair_ok = pairs < ROT_HALF
+        cos, sin = _angles(POS, FREQ, COS, SIN, b, t, stride_pb, stride_pl, stride_cb, stride_cl, scale, pairs,
+                           pair_ok, INTERLEAVED, FROM_TABLE, HAS_POS, CONJ)
+        rest = 2 * ROT_HALF + tl.arange(0, BLOCK_R)
+        row = (token * rot_blocks + hb) * D
+        _norm_rotate_heads(x, XIN + b * stride_ib + t * stride_il, o, DWQ + row, DWK + row, WQ, WK, hb * BLOCK_H,
+                           NQ, NROT, D, inv_d, eps, cos, sin, pairs, pair_ok, rest, rest < D, ROT_HALF, INTERLEAVED,
+                           HAS_REST, CONJ, BLOCK_H, INTERPRET)
+    else:
+        offs = (hb - rot_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = offs < copy_len
+        first = NROT * D  # within one token's row: int32 suffices
+        tl.store(o + first + offs, tl.load(x + first + offs, mask=ok), mask=ok)
+
+
 # ---------------------------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +401,49 @@ def rope_packed(x, rows, n_rot, n_heads, positions, inv_freq, cos, sin, scale, r
     return out
 
 
+_QKNORM_CONFIGS = common.ConfigCache("rope_qknorm")
+
+
+def rope_packed_qknorm(x, x_in, wq, wk, rows, n_q, n_rot, n_heads, positions, inv_freq, cos, sin, scale, rot_dim,
+                       interleaved, eps, conj):
+    """:func:`rope_packed` with the first ``n_rot`` heads (q's ``n_q``, then k's) RMS-normalized
+    over their D elements and scaled by ``wq`` / ``wk`` (D,) before the rotation. Forward
+    (``conj=False``): returns the new packed tensor. Backward (``conj=True``): ``x`` is the
+    output's gradient, ``x_in`` the forward's input; returns ``(dx, dwq, dwk)``, the weight
+    gradients as fp32 (rows, D) partials to sum over dim 0. Inputs are checked by the caller."""
+    dim_b, dim_l = rows
+    B, L = x.shape[dim_b], x.shape[dim_l]
+    D = x.shape[2] // n_heads
+    out = common.empty(x.shape, x.dtype, x.device)
+    n_copy = n_heads - n_rot
+    cfg = _QKNORM_CONFIGS.get((common.next_pow2(D), min(common.next_pow2(n_rot), 64),
+                               min(common.next_pow2(max(n_copy * D, 1)), _TILE)),
+                              [_packed_config(D, n_rot, n_copy)], None)
+    rot_blocks = common.cdiv(n_rot, cfg["BLOCK_H"])
+    if conj:
+        dwq, dwk = (common.empty((B * L * rot_blocks, D), torch.float32, x.device) for _ in range(2))
+    if B * L == 0:
+        return (out, dwq, dwk) if conj else out
+    from_table = cos is not None
+    grid = (B * L, rot_blocks + common.cdiv(n_copy * D, cfg["BLOCK_C"]))
+    stride_pb, stride_pl = (0, 0) if positions is None else (positions.stride(0) if positions.shape[0] > 1 else 0,
+                                                              positions.stride(1))
+    stride_cb, stride_cl = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)) if from_table else (0, 0)
+    rot_half = rot_dim // 2
+    args = (x, x_in, out, wq, wk, dwq if conj else x, dwk if conj else x,
+            positions if positions is not None else x, inv_freq if inv_freq is not None else x,
+            cos if from_table else x, sin if from_table else x,
+            L, n_q, n_rot, D, rot_blocks, n_copy * D,
+            x.stride(dim_b), x.stride(dim_l), x_in.stride(dim_b), x_in.stride(dim_l), out.stride(dim_b),
+            out.stride(dim_l), stride_pb, stride_pl, stride_cb, stride_cl, float(scale), 1.0 / D, float(eps))
+    constexprs = dict(ROT_HALF=rot_half, INTERLEAVED=interleaved, FROM_TABLE=from_table,
+                      HAS_POS=positions is not None, CONJ=conj, HAS_REST=rot_dim < D,
+                      BLOCK_P=common.next_pow2(rot_half), BLOCK_R=common.next_pow2(max(D - rot_dim, 1)),
+                      INTERPRET=common.interpreting())
+    common.launch("rope_qknorm", _rope_qknorm_packed_kernel, grid, args, constexprs, cfg)
+    return (out, dwq, dwk) if conj else out
+
+
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compile specs: the head dims of the models we convert (64, 80 with a partial
 # rotary of 64 as in GPT-NeoX's rotary_pct, 128, 256), both layouts, both angle sources,
@@ -327,7 +483,7 @@ def aot_specs():
                                       **cfg.meta())
                         specs.append(aot.KernelSpec(f"rope[{tag}]", _rope_kernel, _sig(xt, xt), consts,
                                                     num_warps=cfg.num_warps))
-    return specs + _packed_specs(aot)
+    return specs + _packed_specs(aot) + _qknorm_specs(aot)
 
 
 def _packed_sig(xt):
@@ -364,3 +520,33 @@ def _packed_specs(aot):
                                                     consts, num_warps=cfg.num_warps, aligned=_PACKED_ALIGNED))
     return specs
 
+
+
+def _qknorm_sig(xt):
+    sig = {"X": f"*{xt}", "XIN": f"*{xt}", "O": f"*{xt}", "WQ": f"*{xt}", "WK": f"*{xt}", "DWQ": "*fp32",
+           "DWK": "*fp32", "POS": "*i64", "FREQ": "*fp32", "COS": f"*{xt}", "SIN": f"*{xt}"}
+    sig.update({n: "i32" for n in ("L", "NQ", "NROT", "D", "rot_blocks", "copy_len")})
+    sig.update({n: "i64" for n in ("stride_xb", "stride_xl", "stride_ib", "stride_il", "stride_ob", "stride_ol",
+                                   "stride_pb", "stride_pl", "stride_cb", "stride_cl")})
+    sig.update({n: "fp32" for n in ("scale", "inv_d", "eps")})
+    sig.update({n: "constexpr" for n in ("ROT_HALF", "INTERLEAVED", "FROM_TABLE", "HAS_POS", "CONJ", "HAS_REST",
+                                         "BLOCK_P", "BLOCK_R", "BLOCK_H", "BLOCK_C", "INTERPRET")})
+    return sig
+
+
+def _qknorm_specs(aot):
+    """The per-head-norm kernel at Qwen3's shapes (head dim 128; 8B: 32 + 8 KV heads, 0.6B:
+    16 + 8), half-split pairs from positions or tables, forward and backward."""
+    specs = []
+    for xt in ("bf16", "fp32"):
+        for H, HKV in ((32, 8), (16, 8)):
+            cfg = _packed_config(128, H + HKV, HKV)
+            for source in ("positions", "table"):
+                for conj in (False, True):
+                    tag = f"D=128,H={H},Hkv={HKV},{xt},{source}{',bwd' if conj else ''}"
+                    consts = dict(ROT_HALF=64, INTERLEAVED=False, FROM_TABLE=source == "table",
+                                  HAS_POS=source == "positions", CONJ=conj, HAS_REST=False, BLOCK_P=64, BLOCK_R=1,
+                                  INTERPRET=False, **cfg.meta())
+                    specs.append(aot.KernelSpec(f"rope_qknorm[{tag}]", _rope_qknorm_packed_kernel, _qknorm_sig(xt),
+                                                consts, num_warps=cfg.num_warps, aligned=_PACKED_ALIGNED))
+    return specs

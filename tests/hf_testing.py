@@ -5,10 +5,36 @@ the residual stream crosses a layer boundary; vocabulary 96; sequences of 9 toke
 multiple of any block size). The LLaMA family uses 2 KV heads (GQA). Weights are drawn with
 std 0.2 (HF's 0.02 makes tiny models' logits nearly flat, so greedy tokens would tie).
 """
+import contextlib
+import warnings
+
 import torch
 import transformers
 
+import numerics
+
 V, B, L = 96, 2, 9
+# The rule for whole models (as tests/test_blocks.py): err <= 4 x err(original, same dtype)
+# + atol x max(1, |ref|), against the original model in float64.
+BLOCK_FACTOR = 4.0
+TF32_ATOL = 5e-3
+
+
+def atol(dtype, device):
+    return TF32_ATOL if dtype == torch.float32 and device.type == "cuda" else numerics.ATOL[dtype]
+
+
+def assert_close(name, actual, ref64, baseline, dtype, device):
+    scale = max(1.0, ref64.detach().abs().max().item())
+    numerics.assert_close(name, actual, ref64, baseline, atol=atol(dtype, device) * scale, factor=BLOCK_FACTOR)
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """Nothing falls back (no fused_block warning) in the covered configurations."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fused_block:")
+        yield
 
 
 def config(arch, layers=2, **overrides):
@@ -22,7 +48,12 @@ def config(arch, layers=2, **overrides):
                                       attention_probs_dropout_prob=0.0, **common)
     else:
         cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config}[arch]
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "phi3": transformers.Phi3Config}[arch]
+        if arch == "phi3":  # RoPE on half of each head (dims 8..15 pass through)
+            common["partial_rotary_factor"] = 0.5
+        if arch == "qwen3":  # its config's head_dim is 128 whatever the hidden size
+            common["head_dim"] = 16
         cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=V - 1,
                   pad_token_id=None, **common)
@@ -35,7 +66,8 @@ def model(arch, device, attn_implementation=None, **overrides):
     torch.manual_seed(0)
     cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
            "llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM}[arch]
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "phi3": transformers.Phi3ForCausalLM}[arch]
     model = cls(config(arch, **overrides)).to(device)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
@@ -55,3 +87,120 @@ def inputs(arch, device):
     else:
         mask[1, :3] = 0  # left padding, as batched generation pads
     return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# attn_implementation="fused_block": tiny models of every family the interface tests cover
+# ---------------------------------------------------------------------------------------------
+
+_TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.2, bos_token_id=0,
+             eos_token_id=V - 1, pad_token_id=None)
+# name -> (model_type, config overrides): each the family's own features at the tiny shape.
+INTERFACE_MODELS = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),  # sliding_window 4096: the mask's window cuts no key
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),  # q/k RMSNorm
+    "gemma": ("gemma", {}),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5)),  # partial rotary
+    "starcoder2": ("starcoder2", {}),
+    "gemma3": ("gemma3_text", dict(layer_types=["sliding_attention", "full_attention"])),  # window 512
+    # a window of 4 over 9 tokens cuts keys: the sliding layers run SDPA, the full ones the kernel
+    "gemma3-window": ("gemma3_text", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("gemma2", dict(sliding_window=4)),  # softcap 50: the model's eager attention
+    "gpt_oss": ("gpt_oss", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                num_local_experts=4, num_experts_per_tok=2)),  # sinks: eager
+    # layer 0 global, layer 1 local (window 64 of 128: cuts nothing in 9 tokens)
+    "modernbert": ("modernbert", dict(global_attn_every_n_layers=2, pad_token_id=V - 2, bos_token_id=None,
+                                      eos_token_id=None, cls_token_id=1, sep_token_id=2)),
+    "modernbert-window": ("modernbert", dict(global_attn_every_n_layers=2, local_attention=4, pad_token_id=V - 2,
+                                             bos_token_id=None, eos_token_id=None, cls_token_id=1, sep_token_id=2)),
+    "gpt2": ("gpt2", {}),  # the configs of config() above
+    "bert": ("bert", {}),
+}
+# Those whose transformers code has no SDPA path (softcap, sinks): their original is eager.
+EAGER_ONLY = ("gemma2", "gpt_oss")
+ENCODERS = ("modernbert", "modernbert-window", "bert")
+
+
+def interface_model(name, device, attn_implementation, **overrides):
+    """A tiny random model of ``INTERFACE_MODELS[name]`` with ``attn_implementation``; norm
+    weights and biases randomized as :func:`model` does."""
+    model_type, extra = INTERFACE_MODELS[name]
+    if model_type in ("gpt2", "bert"):
+        cfg = config(model_type, layers=overrides.pop("num_hidden_layers", 2), **overrides)
+    else:
+        kw = {**_TINY, **extra, **overrides}
+        if "layer_types" in kw:  # the first layers' types when there are fewer layers
+            kw["layer_types"] = kw["layer_types"][:kw["num_hidden_layers"]]
+        cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    cls = transformers.AutoModelForMaskedLM if name in ENCODERS else transformers.AutoModelForCausalLM
+    # gpt-oss's experts: the loop (transformers' default grouped_mm takes no float64 reference)
+    experts = dict(experts_implementation="eager") if model_type == "gpt_oss" else {}
+    torch.manual_seed(0)
+    model = cls.from_config(cfg, attn_implementation=attn_implementation, **experts).to(device)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname.lower() or pname.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if pname.endswith("weight") else 0.0))
+    return model
+
+
+def interface_inputs(name, device, generating=False):
+    """Token ids (B, L) and a padding mask: left padding for decoders (as batched generation
+    pads), right padding for encoders and for the eager-only models' numerics (their eager
+    attention in float64 gives NaN for a fully masked query row, which then leaks through the
+    values: softmax in fp32 of a float64 mask of finfo(float64).min, -inf there)."""
+    right = name in ENCODERS or (name in EAGER_ONLY and not generating)
+    return inputs("bert" if right else "llama", device)
+
+
+# Encoder-decoders: BART (Post-LN, learned positions), Whisper (Pre-LN, a conv front end on
+# 8 mel bins x 16 frames, 8 encoder positions), T5 (relative position bias, gated GELU). d_model
+# 64 with 4 heads (head dim 16), 2 + 2 layers, 9 source tokens (one row right-padded), 5 targets.
+SEQ2SEQ = ("bart", "whisper", "t5")
+TARGET_LEN = 5
+
+
+def seq2seq_model(name, device, attn_implementation, layers=2, **overrides):
+    if name == "bart":
+        cfg = transformers.BartConfig(vocab_size=V, d_model=64, encoder_layers=layers, decoder_layers=layers,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+                                      decoder_ffn_dim=96, max_position_embeddings=64, init_std=0.2, pad_token_id=1,
+                                      bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                                      forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0)
+    elif name == "whisper":
+        cfg = transformers.WhisperConfig(vocab_size=V, d_model=64, encoder_layers=layers, decoder_layers=layers,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+                                         decoder_ffn_dim=96, num_mel_bins=8, max_source_positions=8,
+                                         max_target_positions=64, init_std=0.2, pad_token_id=1, bos_token_id=0,
+                                         eos_token_id=2, decoder_start_token_id=0, suppress_tokens=None,
+                                         begin_suppress_tokens=None, dropout=0.0)
+    else:
+        cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=layers, num_heads=4,
+                                    relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cls = transformers.AutoModelForSpeechSeq2Seq if name == "whisper" else transformers.AutoModelForSeq2SeqLM
+    torch.manual_seed(0)
+    model = cls.from_config(cfg, attn_implementation=attn_implementation).to(device)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname.lower() or pname.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if pname.endswith("weight") else 0.0))
+    return model
+
+
+def seq2seq_inputs(name, device):
+    """The encoder's inputs (token ids and a right-padded mask; Whisper: features, no mask) and
+    target ids (B, TARGET_LEN) for the labels."""
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(3, V, (B, TARGET_LEN), generator=g).to(device)
+    if name == "whisper":
+        return dict(input_features=torch.randn(B, 8, 16, generator=g).to(device)), targets
+    ids, mask = inputs("bert", device)
+    return dict(input_ids=ids.clamp(min=3), attention_mask=mask), targets

@@ -262,24 +262,26 @@ def _hf_pair(arch, device):
 
 
 @pytest.mark.parametrize("order", ["convert_then_adapt", "adapt_then_convert"])
-def test_peft_lora_on_a_converted_llama(device, order):
-    """The issue's case: PEFT LoRA (q_proj, v_proj, down_proj, non-zero B) attached after
-    ``convert`` gives PEFT's own logits, with a warning naming the wrapped submodule."""
+def test_peft_dora_on_a_converted_llama(device, order):
+    """The issue's case with a LoRA variant the fused path does not reproduce (DoRA on q_proj,
+    v_proj, down_proj; plain LoRA is fused, tests/test_lora.py): PEFT's own logits, with a
+    warning naming the wrapped submodule."""
     peft = pytest.importorskip("peft")
     model, fused, ids = _hf_pair("llama", device)
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                           use_dora=True)
     torch.manual_seed(1)
     want_model = peft.get_peft_model(copy.deepcopy(model), lora)
     torch.manual_seed(1)
     if order == "convert_then_adapt":
         got_model = peft.get_peft_model(fused, lora)
-        with torch.no_grad(), pytest.warns(UserWarning, match="self_attn.q_proj is a peft.tuners.lora.layer.Linear"):
+        with torch.no_grad(), pytest.warns(UserWarning, match="self_attn.q_proj.lora_magnitude_vector"):
             got = got_model(ids).logits
     else:
-        with pytest.warns(UserWarning, match="left unconverted: self_attn's q_proj"):
+        with pytest.warns(UserWarning, match="lora_magnitude_vector"):
             got_model = fused_block.convert(peft.get_peft_model(copy.deepcopy(model), lora))
-        with torch.no_grad():
-            got = got_model(ids).logits
+            with torch.no_grad():
+                got = got_model(ids).logits
     with torch.no_grad():
         torch.testing.assert_close(got, want_model(ids).logits, **TOL)
 

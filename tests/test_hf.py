@@ -8,13 +8,11 @@ block size). The LLaMA family uses 2 KV heads (GQA). Weights are drawn with std 
 tests/test_blocks.py: err(converted) <= 4 x err(original, same dtype) + atol x max(1, |ref|)
 against the original model run in float64.
 """
-import contextlib
 import copy
 import os
 import subprocess
 import sys
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -28,28 +26,10 @@ import op_counting  # noqa: E402
 from fused_block import hf  # noqa: E402
 
 from hf_testing import B, L, V  # noqa: E402
+from hf_testing import assert_close as _assert_close  # noqa: E402
 from hf_testing import inputs as _inputs  # noqa: E402
 from hf_testing import model as _model  # noqa: E402
-
-BLOCK_FACTOR = 4.0
-TF32_ATOL = 5e-3
-
-
-def _atol(dtype, device):
-    return TF32_ATOL if dtype == torch.float32 and device.type == "cuda" else numerics.ATOL[dtype]
-
-
-def _assert_close(name, actual, ref64, baseline, dtype, device):
-    scale = max(1.0, ref64.detach().abs().max().item())
-    numerics.assert_close(name, actual, ref64, baseline, atol=_atol(dtype, device) * scale, factor=BLOCK_FACTOR)
-
-
-@contextlib.contextmanager
-def _no_fallback():
-    """Nothing falls back (no fused_block warning) in the covered configurations."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="fused_block:")
-        yield
+from hf_testing import no_fallback as _no_fallback  # noqa: E402
 
 
 def _converted(model):
@@ -57,10 +37,10 @@ def _converted(model):
         return fused_block.convert(copy.deepcopy(model))
 
 
-ARCHS = ["llama", "mistral", "qwen2", "gpt2", "bert"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "bert"]
 
 
-CAUSAL = ("llama", "mistral", "qwen2", "gpt2")
+CAUSAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -88,8 +68,9 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
         _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
     assert launches["attention_fwd"] == launches["attention_bwd"] == 2 and launches["add_norm_bwd"] >= 4
     assert launches["add_norm_fwd"] >= 4  # per layer: attention 1, norms 2
-    # RoPE on the packed QKV output, forward and backward per layer
-    assert launches["rope_qkvpacked"] == (4 if arch not in ("gpt2", "bert") else 0) and launches["rope"] == 0
+    # RoPE on the packed QKV output, forward and backward per layer (Qwen3: with its q/k norms)
+    rope = "rope_qknorm" if arch == "qwen3" else "rope_qkvpacked"
+    assert launches[rope] == (4 if arch not in ("gpt2", "bert") else 0) and launches["rope"] == 0
     # per layer: QKV and out projections 1 GEMM forward and 2 backward each; the FFN (SwiGLU in
     # the LLaMA family) 2 forward and 4 backward: the MLP runs fused in every architecture. The
     # causal LMs' head: the logits GEMM and dhidden = dlogits @ W of one chunk (18 tokens).
@@ -117,7 +98,7 @@ def test_bf16_logits(arch, device, launches):
     assert launches["attention_fwd"] == 2
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"])
 def test_greedy_generation_matches(arch, device, launches, monkeypatch):
     """16 greedy tokens with the KV cache (prefill, then one query against the cached keys).
     One layer: each token is a full interpreted forward. GPT-2's one layer needs larger
@@ -128,13 +109,14 @@ def test_greedy_generation_matches(arch, device, launches, monkeypatch):
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
     want = model.generate(ids[:1], **kw)
     packed = []
-    monkeypatch.setattr(hf, "attention_qkvpacked", lambda *a, **k: packed.append(1) or attention_qkvpacked(*a, **k))
+    monkeypatch.setattr(hf._attention, "attention_qkvpacked",
+                        lambda *a, **k: packed.append(1) or attention_qkvpacked(*a, **k))
     got = fused.generate(ids[:1], **kw)
     assert want.shape[1] == L + 16 and len(set(want[0, L:].tolist())) > 3  # a real sequence, not one token
     assert torch.equal(got, want)
     assert launches["attention_fwd"] == 16
     assert len(packed) == 1  # the prefill reads the packed QKV tensor; decoding attends to the cache
-    assert launches["rope_qkvpacked"] == (16 if arch != "gpt2" else 0)
+    assert launches["rope_qknorm" if arch == "qwen3" else "rope_qkvpacked"] == (16 if arch != "gpt2" else 0)
     assert launches["matmul"] == 16 * 4  # QKV, out, and the MLP's two GEMMs per forward
 
 
@@ -152,7 +134,7 @@ def test_batched_generation_with_left_padding(implementation, device, launches):
     assert launches["attention_fwd"] == 3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt2"])
 def test_state_dict_and_save_pretrained_round_trip(arch, device):
     model = _model(arch, device).eval()
     keys = list(model.state_dict())
@@ -342,14 +324,14 @@ def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "any", lambda *a, **k: pytest.fail("a mask value was read"))
     monkeypatch.setattr(torch.Tensor, "all", lambda *a, **k: pytest.fail("a mask value was read"))
     monkeypatch.setattr(torch, "equal", lambda *a, **k: pytest.fail("a mask value was read"))
-    monkeypatch.setattr(hf, "_capturing", lambda t: True)
-    plan = hf._plan(pad, B, L, L, True, False)
+    monkeypatch.setattr(hf._attention, "_capturing", lambda t: True)
+    plan = hf._attention.plan(pad, B, L, L, True, "sdpa")
     assert plan.kernel and plan.causal and plan.key_padding is not None
-    plan = hf._plan(causal4d, B, L, L, True, False)
+    plan = hf._attention.plan(causal4d, B, L, L, True, "sdpa")
     assert not plan.kernel and plan.sdpa_mask is causal4d and "capture" in plan.reason
     monkeypatch.undo()
-    assert hf._plan(pad, B, L, L, True, False).key_padding is None
-    read = hf._plan(causal4d, B, L, L, True, False)
+    assert hf._attention.plan(pad, B, L, L, True, "sdpa").key_padding is None
+    read = hf._attention.plan(causal4d, B, L, L, True, "sdpa")
     assert read.kernel and read.causal and read.key_padding is None
 
 

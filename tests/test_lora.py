@@ -224,3 +224,72 @@ def test_opcheck(device):
     gh, pre2 = randn(M, F, dtype=dt, device=device), randn(M, 2 * F, dtype=dt, device=device)
     torch.library.opcheck(ops.gated_bwd.default, (gh, x, wg, wu, pre2, seed, u, lbg, lbu, 0.1, True, True, True,
                                                   True, True))
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT LoRA on converted Hugging Face layers
+# ---------------------------------------------------------------------------------------------
+
+HF_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+              "gpt2": ["c_attn", "c_proj", "c_fc"], "bert": ["query", "value", "dense"],
+              "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+
+
+def _hf_peft(arch, device, order, dropout=0.0, targets=None):
+    """(PEFT on the original model, PEFT with fused_block.convert before or after it), both with
+    the same adapter weights (init_lora_weights=False: non-zero B)."""
+    hf_testing = pytest.importorskip("hf_testing")
+    base = hf_testing.model(arch, device)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets or HF_TARGETS[arch], init_lora_weights=False,
+                          lora_dropout=dropout, fan_in_fan_out=arch == "gpt2")
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(base), cfg)
+    torch.manual_seed(1)
+    if order == "convert_then_adapt":
+        got = peft.get_peft_model(fused_block.convert(copy.deepcopy(base)), cfg)
+    else:
+        got = fused_block.convert(peft.get_peft_model(copy.deepcopy(base), cfg))
+    return ref, got, hf_testing.inputs(arch, device)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "phi3"])
+@pytest.mark.parametrize("order", ["convert_then_adapt", "adapt_then_convert"])
+def test_peft_lora_on_converted_hf_models_runs_fused(arch, order, device, launches):
+    """Logits (eval) of PEFT's model through the fused layers, with the adapters on the
+    attention and MLP linears: PEFT's own answer, no fallback warning, the kernels ran."""
+    ref, got, (ids, mask) = _hf_peft(arch, device, order)
+    ref.eval(), got.eval()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        with _no_fallback():
+            out = got(ids, attention_mask=mask).logits
+    keep = mask[..., None] == 1
+    torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
+    assert launches["matmul"] > 0 and launches["attention_fwd"] > 0
+
+
+def test_lora_training_step_of_a_converted_llama(device, launches):
+    """A LoRA training step (PEFT, lora_dropout 0.1, every linear of the layers targeted) on a
+    converted LLaMA: the loss and every adapter gradient are PEFT's on the original model; the
+    base weights stay frozen (no dW GEMM); an optimizer step changes only the adapters."""
+    ref, got, (ids, mask) = _hf_peft("llama", device, "convert_then_adapt", dropout=0.1)
+    ref.train(), got.train()
+    labels = ids.masked_fill(mask == 0, -100)
+    torch.manual_seed(11)
+    want = ref(ids, attention_mask=mask, labels=labels).loss
+    want.backward()
+    torch.manual_seed(11)  # the same LoRA dropout masks: PEFT's modules draw them in PEFT's order
+    with _no_fallback():
+        loss = got(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, want, atol=2e-5, rtol=1e-5)
+    ref_params = dict(ref.named_parameters())
+    trained = [(n, p) for n, p in got.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, _ in trained)
+    for n, p in trained:
+        torch.testing.assert_close(p.grad, ref_params[n].grad, atol=2e-5, rtol=1e-4, msg=n)
+    before = {n: p.detach().clone() for n, p in got.named_parameters()}
+    torch.optim.SGD([p for _, p in trained], lr=0.1).step()
+    for n, p in got.named_parameters():
+        assert torch.equal(p, before[n]) != ("lora_" in n), n
+    assert launches["matmul"] > 0

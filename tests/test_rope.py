@@ -275,3 +275,91 @@ def test_rope_qkvpacked_bad_inputs_name_the_argument(device, launches):
         with pytest.raises(exc, match=match):
             fused_block.rope_qkvpacked(kw.pop("qkv"), kw.pop("num_heads"), kw.pop("num_kv_heads"), **kw)
     assert launches["rope_qkvpacked"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# rope_qkvpacked with per-head RMSNorm of q and k first (Qwen3's q_norm / k_norm)
+# ---------------------------------------------------------------------------------------------
+
+# Each dtype meets each angle source; the layouts and the partial rotary alternate. The last
+# case has 12 + 8 heads of 256: BLOCK_H is 16 there, so the first head block holds q and k
+# heads and the second k heads and 12 masked ones (the weight gradient's per-block rows).
+QKNORM_CASES = [(dtype, source, layout, (40, 24) if i % 2 else (32, 32), (HQ, HK))
+                for i, (dtype, source, layout) in enumerate(
+                    (d, s, lay) for d in DTYPES for s, lay in (("index", "batch_first"), ("positions", "strided"),
+                                                               ("table", "seq_first")))]
+QKNORM_CASES.append((torch.float32, "positions", "batch_first", (256, 256), (12, 8)))
+
+
+@pytest.mark.parametrize("dtype, source, layout, dims, heads", QKNORM_CASES)
+def test_rope_qkvpacked_qk_norm_matches_float64(dtype, source, layout, dims, heads, device, launches):
+    """The output and the gradients of qkv and both norm weights against float64."""
+    D, rot = dims
+    hq, hk = heads
+    width = (hq + 2 * hk) * D
+    if heads == (HQ, HK):
+        qkv, batch_first = _packed(D, dtype, device, layout)
+    else:
+        qkv, batch_first = randn(1, 2, width, dtype=dtype, device=device), True
+    qkv = qkv.detach().requires_grad_()
+    wq, wk = ((randn(D, dtype=dtype, device=device) * 0.3 + 1).requires_grad_() for _ in range(2))
+    kw = dict(_angle_kwargs(source, rot, False, dtype, device), batch_first=batch_first, norm_eps=1e-6)
+    if heads != (HQ, HK):
+        kw.pop("positions")  # (B, L) = (1, 2): the token index
+    out = fused_block.rope_qkvpacked(qkv, hq, hk, q_norm_weight=wq, k_norm_weight=wk, **kw)
+    assert out.shape == qkv.shape and out.is_contiguous() and out.dtype == dtype
+    inputs64 = [t.detach().double().requires_grad_() for t in (qkv, wq, wk)]
+    inputs = [t.detach().clone().requires_grad_() for t in (qkv, wq, wk)]
+    r64 = reference.rope_qkvpacked(inputs64[0], hq, hk, q_norm_weight=inputs64[1], k_norm_weight=inputs64[2], **kw)
+    base = reference.rope_qkvpacked(inputs[0], hq, hk, q_norm_weight=inputs[1], k_norm_weight=inputs[2], **kw,
+                                    compute_dtype=dtype)
+    assert_close("out", out, r64, base)
+    v = slice((hq + hk) * D, None)
+    assert torch.equal(out[..., v], qkv[..., v])
+    g = randn(*out.shape, dtype=dtype, device=device)
+    got = torch.autograd.grad(out, (qkv, wq, wk), g)
+    want = torch.autograd.grad(r64, inputs64, g.double())
+    base_g = torch.autograd.grad(base, inputs, g)
+    for name, a, r, b in zip(("dqkv", "dq_norm_weight", "dk_norm_weight"), got, want, base_g):
+        assert a.dtype == dtype
+        assert_close(name, a, r, b)
+    assert launches["rope_qknorm"] == 2 and launches["rope_qkvpacked"] == 0  # one launch each way
+
+
+def test_rope_qkvpacked_qk_norm_opcheck_and_compile(device, launches):
+    qkv, _ = _packed(32, torch.float32, device, "batch_first")
+    inv = _inv_freq(32).to(device)
+    wq, wk = (randn(32, dtype=torch.float32, device=device) + 1 for _ in range(2))
+    args = (None, inv, None, None, HQ, HQ + HK, HQ + 2 * HK, True, 1.0, 32, False, 1e-6)
+    torch.library.opcheck(torch.ops.fused_block.rope_qkvpacked_qknorm.default, (qkv, wq, wk) + args)
+    grad = randn(*qkv.shape, dtype=torch.float32, device=device)
+    torch.library.opcheck(torch.ops.fused_block.rope_qkvpacked_qknorm_bwd.default, (grad, qkv, wq, wk) + args)
+    x, wq, wk = (t.detach().requires_grad_() for t in (qkv, wq, wk))
+
+    def step(x, wq, wk):
+        return fused_block.rope_qkvpacked(x, HQ, HK, inv_freq=inv, q_norm_weight=wq, k_norm_weight=wk).square().sum()
+
+    eager = torch.autograd.grad(step(x, wq, wk), (x, wq, wk))
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(x, wq, wk), (x, wq, wk))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b)
+    assert launches["rope_qknorm"] >= 4
+
+
+def test_rope_qkvpacked_qk_norm_bad_inputs_name_the_argument(device, launches):
+    qkv, _ = _packed(32, torch.float32, device, "batch_first")
+    inv = _inv_freq(32).to(device)
+    w = torch.ones(32, device=device)
+    cases = [
+        (dict(q_norm_weight=w), ValueError, "pass both q_norm_weight and k_norm_weight"),
+        (dict(q_norm_weight=w, k_norm_weight=w[:16]), ValueError, r"k_norm_weight must have shape \(32,\)"),
+        (dict(q_norm_weight=w[None], k_norm_weight=w), ValueError, "q_norm_weight must be 1-D"),
+        (dict(q_norm_weight=w.long(), k_norm_weight=w), TypeError, "q_norm_weight must have dtype"),
+        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=float("inf")), ValueError, "norm_eps must be finite"),
+    ]
+    for override, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fused_block.rope_qkvpacked(qkv, HQ, HK, inv_freq=inv, **override)
+    assert launches["rope_qknorm"] == 0

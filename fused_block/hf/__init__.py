@@ -1,0 +1,71 @@
+"""Hugging Face ``transformers`` models converted in place by :func:`fused_block.convert`.
+
+Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+``BertForMaskedLM``, need nothing else) are the rows of :data:`FAMILIES`, one module per
+family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``,
+``Qwen3DecoderLayer``: Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3's per-head q/k norms), ``phi3``
+(``Phi3DecoderLayer``: the same with fused ``qkv_proj`` and ``gate_up_proj``), ``gpt2``
+(``GPT2Block``: Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU), ``bert`` (``BertLayer``:
+Post-LN encoder) and ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
+Pre-LN, causal self-attention with its cache, cross-attention with the cross-attention cache).
+Each family module says what its fused forward runs.
+
+How: each recognised layer keeps its class, submodules, parameters (so state dicts,
+``save_pretrained``/``from_pretrained``, optimizers and train/eval mode are untouched) and
+gets an instance-level ``forward`` that runs the fused ops (:mod:`fused_block.hf._core`, the
+shared patching core). The causal LMs of :data:`CAUSAL_LMS` compute their training loss
+without the logits (:mod:`fused_block.hf._lm`).
+
+Self-attention reads the packed QKV output in place (``attention_qkvpacked``: the output in the
+out-projection's layout, one packed gradient, no split, merge, copy or cat) whenever the keys
+are this call's own: no cache, or a cache that held nothing before (training, prefill). With
+cached keys (decoding) q, k and v are views of the packed tensor and the cache returns the
+keys to attend. Masks: :mod:`fused_block.hf._attention`. Inputs the fused path does not
+express (output_attentions, head masks, cross-attention, hooks on the skipped submodules,
+unknown activations or signatures, float64) run the layer's original forward, with a one-time
+warning. Never a different answer, only a slower one.
+
+Adding a family: a module beside these with ``check``, ``check_call``, ``run`` and ``tree``
+(:class:`fused_block.hf._core.Family`), and its rows in :data:`FAMILIES`.
+
+Attention only, for any model whose attention goes through transformers' ``AttentionInterface``:
+importing this package registers ``attn_implementation="fused_block"``
+(:mod:`fused_block.hf.interface`; :func:`register` does it again). ``import fused_block`` never
+imports ``transformers``; this package does (``fused_block.convert`` imports it only for models
+built with ``transformers``). A converted model object cannot be pickled whole
+(``torch.save(model)``); save its state dict or use ``save_pretrained``.
+"""
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # the hf extra is not installed
+    raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
+
+from fused_block.hf import _core, _lm, bert, gpt2, llama, phi3, seq2seq
+from fused_block.hf.interface import register
+from fused_block.hf._core import is_transformers_model  # noqa: F401
+from fused_block.hf._lm import causal_lm_loss  # noqa: F401
+
+# Layer class name -> its family. One row per layer class.
+FAMILIES = {
+    "LlamaDecoderLayer": llama.FAMILY,
+    "MistralDecoderLayer": llama.FAMILY,
+    "Qwen2DecoderLayer": llama.FAMILY,
+    "Qwen3DecoderLayer": llama.FAMILY,
+    "Phi3DecoderLayer": phi3.FAMILY,
+    "GPT2Block": gpt2.FAMILY,
+    "BertLayer": bert.FAMILY,
+    "BartEncoderLayer": seq2seq.FAMILY,
+    "BartDecoderLayer": seq2seq.FAMILY,
+    "WhisperEncoderLayer": seq2seq.FAMILY,
+    "WhisperDecoderLayer": seq2seq.FAMILY,
+}
+# Causal LMs whose training loss runs the fused linear + cross-entropy.
+CAUSAL_LMS = llama.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt2.CAUSAL_LMS
+
+
+register()
+
+
+def convert_modules(model) -> list:
+    """Patch every recognised layer of ``model`` in place; returns the converted modules."""
+    return _core.convert_modules(model, FAMILIES, CAUSAL_LMS, _lm.patch, _lm.check)

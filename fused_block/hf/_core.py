@@ -1,0 +1,332 @@
+"""The shared patching core: a converted layer's state, its fused ``forward``, the conversion
+loop and the call-time guard's spec of every family (:class:`Family`).
+
+A family module (``llama.py``, ``gpt2.py``, ...) supplies a :class:`Family`; the table in
+``fused_block/hf/__init__.py`` maps layer class names to families. Everything a family shares
+with the others lives here (patching, the guard, argument handling, cached weight packing) or
+in :mod:`fused_block.hf._attention` (mask plans, the KV cache, the attention dispatch).
+"""
+import inspect
+import sys
+import types
+
+import torch
+
+from fused_block import _backend, _guard, lora
+from fused_block.blocks import _TP
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Hugging Face activation names (ACT2FN keys) and the GEMM epilogue's equivalent.
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_CAPTURE_MODULE = "transformers.utils.output_capturing"
+# In a family's tree: the submodule's class as found at conversion (checked by the family).
+SAME = "same"
+
+
+def warn_once(key, message):
+    _backend.warn_once(key, f"fused_block: {message}", stacklevel=3)
+
+
+def is_transformers_model(model) -> bool:
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
+
+
+class Family:
+    """A layer class's conversion: ``check(layer)`` at conversion and ``check_call(layer, call)``
+    per call return a reason to keep the original forward (or None); ``prepare(layer)`` records
+    what the layer's conversion decided; ``run(layer, call, x)`` computes the output;
+    ``tree(layer)`` maps the path of every submodule the original forward calls and ``run``
+    does not to its allowed classes (a tuple, or ``SAME``: its class at conversion); ``called``
+    lists the paths of the submodules ``run`` calls itself (their subtrees are not checked);
+    ``rotaries``: the class names of the model-level rotary module the family's RoPE reads;
+    ``cross_attention``: ``run`` takes ``encoder_hidden_states`` (decoder layers of
+    encoder-decoders); ``lora_paths(layer)``: the linears whose PEFT LoRA wrappers ``run``
+    fuses into its GEMMs (:mod:`fused_block.lora`). The tree is the call-time guard's spec
+    (:mod:`fused_block._guard`): a submodule outside it, of another class, wrapped (PEFT but
+    at ``lora_paths``, quantization), hooked or with its own ``forward`` makes the layer run
+    its original forward."""
+
+    def __init__(self, check, check_call, run, tree, called=lambda layer: (), prepare=lambda layer: None,
+                 rotaries=(), cross_attention=False, lora_paths=lambda layer: ()):
+        self.check, self.check_call, self.run, self.called = check, check_call, run, called
+        self.tree, self.prepare, self.rotaries, self.cross_attention = tree, prepare, rotaries, cross_attention
+        self.lora_paths = lora_paths
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion
+# ---------------------------------------------------------------------------------------------
+
+def convert_modules(model, families, causal_lms, patch_lm, lm_check):
+    """Patch every layer of ``model`` whose class name is in ``families`` in place, then the
+    causal LMs (``causal_lms``) through ``lm_check``/``patch_lm``; returns the converted modules."""
+    rotary = {}
+    for family in set(families.values()):
+        found = [m for m in model.modules() if type(m).__name__ in family.rotaries
+                 and hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
+        rotary[family] = found[0] if len(found) == 1 else None
+    converted = []
+    for m in model.modules():
+        family = families.get(type(m).__name__)
+        if family is None or not type(m).__module__.startswith("transformers.models.") or "_fused_block" in m.__dict__:
+            continue
+        reason = family.check(m)
+        if reason is None and ("forward" in m.__dict__ or any(hasattr(s, "_hf_hook") for s in m.modules())):
+            reason = "its forward is already wrapped (accelerate's device hooks or another patch)"
+        if reason is None and _returns_tensor(type(m).forward) is None:
+            reason = f"the return type of {type(m).__name__}.forward is not recognised (transformers version?)"
+        if reason is not None:
+            warn_once(("convert", type(m).__name__, reason), f"{type(m).__name__} is left unconverted: {reason}")
+            continue
+        _patch(m, family, rotary[family])
+        family.prepare(m)
+        reason = _tree_reason(m, family)  # the MLP may have joined the tree
+        if reason is not None:
+            _unpatch(m)
+            warn_once(("convert", type(m).__name__, reason), f"{type(m).__name__} is left unconverted: {reason}")
+            continue
+        m._fused_block.spec = _spec(m, family)
+        converted.append(m)
+    for m in model.modules():
+        if type(m).__name__ in causal_lms and type(m).__module__.startswith("transformers.models.") \
+                and "_fused_block" not in m.__dict__:
+            reason = lm_check(m)
+            if reason is not None:
+                warn_once(("convert", type(m).__name__, reason),
+                          f"{type(m).__name__}'s loss runs Hugging Face's code (the logits are built): {reason}")
+                continue
+            patch_lm(m)
+            converted.append(m)
+    return converted
+
+
+def _tree_reason(layer, family):
+    """At conversion: a submodule the family does not know, or of a class it does not fuse (a
+    PEFT LoRA wrapper at one of the family's ``lora_paths`` is judged by its base layer; the
+    guard checks its parts at every call)."""
+    tree = family.tree(layer)
+    wrapped = tuple(p for p in family.lora_paths(layer) if p in tree and lora.is_lora(layer.get_submodule(p)))
+    called = tuple(family.called(layer))
+    prefixes = tuple(p + "." for p in called + wrapped)  # a wrapper's parts: the guard's, per call
+    found = {}
+    for path, m in layer.named_modules():
+        if not path or path in called or path.startswith(prefixes):
+            continue
+        allowed = tree.get(path)
+        if allowed is None:
+            return f"{path} ({type(m).__name__}) is a submodule the fused path does not know"
+        base = type(lora.base(m)) if path in wrapped else type(m)
+        if allowed is not SAME and base not in allowed:
+            return f"{path} is a {base.__module__}.{base.__qualname__}, not one of {[c.__name__ for c in allowed]}"
+        found[path] = allowed
+    missing = [p for p in tree if p not in found]
+    return f"{missing[0]} is missing" if missing else None
+
+
+def _spec(layer, family):
+    """The guard's spec: the tree with ``SAME`` resolved to the classes found now (at conversion;
+    a LoRA wrapper's base layer's class)."""
+    return {path: (type(lora.base(layer.get_submodule(path))),) if allowed is SAME else allowed
+            for path, allowed in family.tree(layer).items()}
+
+
+def _lora_spec(layer, spec, family):
+    """``spec`` with each LoRA-wrapped linear at the family's ``lora_paths`` expanded into the
+    wrapper's parts (:func:`fused_block.lora.spec`, its base layer of the linear's classes);
+    returns (spec, paths to skip, wrapped paths)."""
+    out, skip, wrapped = spec, [], []
+    for path in family.lora_paths(layer):
+        m = layer.get_submodule(path) if path in spec else None
+        if m is not None and lora.is_lora(m):
+            if out is spec:
+                out = dict(spec)
+            entries, called = lora.spec(path, m, spec[path])
+            out.update(entries)
+            skip.extend(called)
+            wrapped.append(path)
+    return out, tuple(skip), tuple(wrapped)
+
+
+def _is_capture_hook(fn):
+    """transformers' output-capturing hooks: installed once, inert unless a collector asks."""
+    return getattr(fn, "__module__", None) == _CAPTURE_MODULE
+
+
+def _capture_reason():
+    collector = sys.modules[_CAPTURE_MODULE]._active_collector.get()
+    if collector and any(k != "hidden_states" and not k.startswith("_") for k in collector):
+        return "output capturing of attention weights (output_attentions=True)"
+    return None
+
+
+def _describe(layer):
+    """For :func:`fused_block._guard.reason`: the layer's spec (with its LoRA wrappers' parts)
+    checked against its submodules; per call, transformers' output capturing and the wrappers'
+    PEFT state."""
+    state = layer._fused_block
+    spec, skip, wrapped = _lora_spec(layer, state.spec, state.family)
+    tp = layer.__dict__.get(_TP)
+    why, watched = _guard.scan(layer, spec, tuple(state.family.called(layer)) + skip, _is_capture_hook,
+                               None if tp is None else tp.accepts)
+    capture = any(_is_capture_hook(getattr(h, "func", h)) for m in watched for h in m._forward_hooks.values())
+    checks = ([_capture_reason] if capture else []) + ([lora.live(layer, wrapped)] if wrapped else [])
+    if len(checks) < 2:
+        return why, watched, checks[0] if checks else None
+    return why, watched, lambda: checks[0]() or checks[1]()
+
+
+class _State:
+    """What a converted layer keeps beside its modules: how its forward was called and returns."""
+
+    def __init__(self, family, original, positional, returns_tensor, rotary):
+        self.family, self.original, self.positional = family, original, positional
+        self.returns_tensor = returns_tensor
+        self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
+        self.packed = {}  # name -> (key, value) cache of cached()
+        self.fused_mlp = False  # LLaMA family: the MLP runs as swiglu
+        self.spec = {}  # the call-time guard's spec (_spec), set once the family prepared the layer
+
+
+def _patch(module, family, rotary):
+    forward = type(module).forward
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    state = _State(family, forward, positional, _returns_tensor(forward), rotary)
+    module.__dict__["_fused_block"] = state  # a plain attribute: no submodule, no state-dict entry
+    module.forward = types.MethodType(_fused_forward, module)
+
+
+def _unpatch(module):
+    del module.__dict__["_fused_block"], module.__dict__["forward"]
+
+
+def _returns_tensor(forward):
+    """True if the layer returns a tensor, False for a 1-tuple (older transformers), None if unknown."""
+    ann = inspect.signature(forward).return_annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+    if ann is torch.Tensor or text in ("torch.Tensor", "Tensor", "torch.FloatTensor"):
+        return True
+    if "tuple" in str(ann).lower():
+        return False
+    return None
+
+
+def _fused_forward(self, *args, **kwargs):
+    state = self._fused_block
+    call = dict(zip(state.positional, args))
+    call.update(kwargs)
+    hidden = call.get("hidden_states")
+    reason = (_common_reason(call, hidden, state.family.cross_attention) or _guard.reason(self, _describe)
+              or state.family.check_call(self, call))
+    if reason is not None:
+        if _TP in self.__dict__:
+            raise RuntimeError(f"fused_block: {type(self).__name__} is tensor parallel (fused_block.distributed."
+                               f"LayerParallel): it runs on its shards fused only, not its original forward: {reason}")
+        warn_once((type(self).__name__, reason), f"{type(self).__name__} runs its original forward: {reason}")
+        return state.original(self, *args, **kwargs)
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled() \
+            and hasattr(self, "_gradient_checkpointing_func"):
+        out = _checkpointed(self, call)
+    else:
+        out = _run(self, call, hidden)
+    if state.returns_tensor:
+        return out
+    # Older transformers: a tuple, whose models read the updated cache after the hidden states
+    # (when use_cache) or ignore what follows them.
+    return (out, kv_cache(call)) if call.get("use_cache") and kv_cache(call) is not None else (out,)
+
+
+def _run(layer, call, hidden):
+    """The family's fused layer; a tensor-parallel one (``fused_block.distributed``) on this
+    rank's shards, also when gradient checkpointing recomputes it."""
+    tp = layer.__dict__.get(_TP)
+    if tp is None:
+        return layer._fused_block.family.run(layer, call, hidden)
+    return tp.call(layer, layer._fused_block.family.run, layer, call, hidden)
+
+
+def _checkpointed(layer, call):
+    """``run`` under the layer's activation checkpointing, as transformers' own layers run: no
+    cache (the recomputation would update it twice) unless the layer may keep it, and every
+    tensor argument passed positionally (a reentrant checkpoint gives gradients to those only,
+    e.g. the encoder's output of a cross-attention)."""
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        call = {k: None if k in _CACHE_NAMES else False if k == "use_cache" else v for k, v in call.items()}
+    names = [k for k, v in call.items() if isinstance(v, torch.Tensor)]
+
+    def run(*tensors):
+        args = dict(call, **dict(zip(names, tensors)))
+        return _run(layer, args, args["hidden_states"])
+
+    return layer._gradient_checkpointing_func(run, *(call[k] for k in names))
+
+
+def _common_reason(call, hidden, cross_attention):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        return "hidden_states is not a (batch, length, hidden) tensor"
+    mask = call.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)):
+        return f"an attention mask of type {type(mask).__name__} (e.g. flex attention's BlockMask)"
+    if hidden.dtype not in KERNEL_DTYPES:
+        return f"dtype {hidden.dtype} (the kernels take fp32, fp16 and bf16)"
+    if call.get("output_attentions"):
+        return "output_attentions=True (the fused attention never forms the attention weights)"
+    if call.get("head_mask") is not None:
+        return "a head_mask"
+    if call.get("encoder_hidden_states") is not None and not cross_attention:
+        return "cross-attention (encoder_hidden_states)"
+    for name in _CACHE_NAMES:
+        cache = call.get(name)
+        if cache is not None and not hasattr(cache, "update"):
+            return f"a legacy (tuple) {name}"
+    return None
+
+
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def kv_cache(call):
+    """The call's KV cache (whichever name this transformers version passes it under), or None."""
+    for name in _CACHE_NAMES:
+        if call.get(name) is not None:
+            return call[name]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# weight packing
+# ---------------------------------------------------------------------------------------------
+
+def cached(state, name, tensors, make):
+    """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
+    flows through them (generation; buffers), recomputed otherwise (training, compile)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return make(tensors)
+    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    hit = state.packed.get(name)
+    if hit is None or hit[0] != key:
+        hit = state.packed[name] = (key, make(tensors))
+    return hit[1]
+
+
+def packed(state, name, tensors):
+    """``torch.cat(tensors)`` (None for absent biases), cached as :func:`cached`."""
+    return None if tensors[0] is None else cached(state, name, tensors, torch.cat)
+
+
+def packed_bias(state, name, linears):
+    """The concatenated biases of ``linears`` (zeros for one without, e.g. Whisper's k_proj),
+    None when none has one; cached as :func:`cached`."""
+    biases = [m.bias for m in linears]
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None
+    if len(present) == len(biases):
+        return packed(state, name, tuple(biases))
+
+    def make(ts):
+        it = iter(ts)
+        return torch.cat([next(it) if b is not None else ts[0].new_zeros(m.out_features)
+                          for b, m in zip(biases, linears)])
+
+    return cached(state, name, tuple(present), make)

@@ -1,0 +1,307 @@
+"""``attn_implementation="fused_block"``: the attention kernel behind transformers' own
+``AttentionInterface``, for every model whose attention goes through it.
+
+:func:`register` (run when :mod:`fused_block.hf` is imported) adds two entries named
+``"fused_block"``:
+
+- ``AttentionMaskInterface``: :func:`mask` builds the mask in the form the kernel takes,
+  without reading a value: None (no padding; causality from the module, SDPA's convention),
+  a (B, Lk) bool mask (causal, bottom-right, with the keys marked False as padding) or a
+  (B or 1, 1, 1, Lk) bool mask (every query sees the keys marked True). That covers the
+  causal and bidirectional masks transformers builds, with padding, a KV cache whose last key
+  is the last query's position, and sliding windows that cut no key. Any other pattern
+  (windows that cut keys, packed sequences, chunked or custom masks, static caches) gets
+  transformers' own ``sdpa_mask``, a 4-D mask, which the attention runs through SDPA.
+  Models not declared to run all their attention through the interface (their classes do not
+  set ``_supports_attention_backend`` and the family is not one verified here: BLOOM, T5, ...)
+  get ``eager_mask``, which any attention code reads correctly, after a one-time warning.
+- ``AttentionInterface``: :func:`attention` runs ``fused_block.attention`` (GQA, key
+  padding, causal bottom-right, dropout, ``scaling``) on what the model passes, and returns
+  the (B, Lq, H, D) output as ``sdpa_attention_forward`` does. What the kernel does not
+  take yet runs transformers' ``sdpa_attention_forward`` (or the model's own
+  ``eager_attention_forward`` for soft-capping and sinks, which SDPA cannot express) with
+  the equivalent mask, after a one-time warning naming the reason (:func:`kernel_reason`):
+  logit soft-capping, attention sinks (``s_aux``), packed sequences (``cu_seq_lens_q/k``),
+  a position bias, masks of another form, head dims or dtypes outside the kernel's range.
+  Packed sequences are kept apart by ``cu_seq_lens_q/k`` or restarting ``position_ids``.
+
+Nothing reads a mask value, and nothing synchronizes but the packed check of a one-row batch
+without a mask (its ``position_ids``, once per forward), so ``torch.compile(fullgraph=True)``
+traces the model; while tracing, transformers builds sliding-window masks as a 4-D mask (their
+window cannot be read from the traced mask function), which run through SDPA.
+
+``import fused_block`` never imports transformers; importing ``fused_block.hf`` does.
+"""
+import sys
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (AttentionMaskInterface, and_masks, bidirectional_mask_function,
+                                        causal_mask_function, eager_mask, prepare_padding_mask, sdpa_mask,
+                                        sliding_window_bidirectional_overlay, sliding_window_overlay)
+
+from fused_block.attention import attention as _attention
+from fused_block.blocks import _capturing
+from fused_block.hf._attention import kernel_head_dim, light_plan
+from fused_block.hf._core import KERNEL_DTYPES, warn_once
+
+NAME = "fused_block"
+_AND_MASK = and_masks(causal_mask_function).__code__
+_CAUSAL_WINDOW = sliding_window_overlay(1).__code__
+_BIDIRECTIONAL_WINDOW = sliding_window_bidirectional_overlay(1).__code__
+
+
+def register():
+    """Register :func:`attention` and :func:`mask` as ``"fused_block"`` with transformers'
+    ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent). Then
+    ``from_pretrained(..., attn_implementation="fused_block")`` or
+    ``model.set_attn_implementation("fused_block")`` selects them."""
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# the mask interface
+# ---------------------------------------------------------------------------------------------
+
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+         attention_mask=None, allow_is_causal_skip=True, allow_is_bidirectional_skip=False, config=None, **kwargs):
+    """``AttentionMaskInterface``'s function (the arguments of ``sdpa_mask``): the light mask
+    described in the module docstring, or ``sdpa_mask``'s / ``eager_mask``'s 4-D mask."""
+    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                allow_is_causal_skip=allow_is_causal_skip, allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+                config=config, **kwargs)
+    if config is not None and not _uses_interface(type(config)):
+        warn_once(("interface", type(config).__name__),
+                  f"{type(config).__name__}: its model classes do not declare that all their attention goes "
+                  "through transformers' AttentionInterface (_supports_attention_backend), so they get eager's "
+                  "masks, which any attention code reads correctly: the model's own eager attention, or SDPA where "
+                  "it calls the interface (the answer of attn_implementation='eager' / 'sdpa')")
+        return eager_mask(**args)
+    kind = _mask_kind(mask_function)
+    if kind is None or not (isinstance(q_offset, int) and isinstance(kv_offset, int)):
+        return sdpa_mask(**args)  # a pattern the kernel's forms do not express; static caches
+    causal, window = kind
+    q_last, kv_end = q_offset + q_length - 1, kv_offset + kv_length
+    if causal and q_last + 1 != kv_end:
+        return sdpa_mask(**args)  # bottom-right alignment needs the last key at the last query
+    if window is not None and (q_last - kv_offset >= window if causal else
+                               max(q_last - kv_offset, kv_end - 1 - q_offset) > window):
+        return sdpa_mask(**args)  # the window cuts keys
+    padding = None
+    if attention_mask is not None:
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_end]
+    if causal:
+        if padding is None:
+            if allow_is_causal_skip and q_length in (1, kv_length):  # top-left = bottom-right: SDPA's None
+                return None
+            padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+        return padding
+    if padding is None:
+        if allow_is_bidirectional_skip:
+            return None
+        padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+    return padding[:, None, None, :]
+
+
+def _mask_kind(fn):
+    """``(causal, window)`` for the mask functions transformers builds for plain causal and
+    bidirectional masks, with or without a sliding window (``sliding_window_causal_mask_function``
+    and its bidirectional twin); None for any other (packed sequences, chunks, custom overlays).
+    While torch.compile traces, closures cannot be read: only the two plain functions count."""
+    if fn is causal_mask_function:
+        return True, None
+    if fn is bidirectional_mask_function:
+        return False, None
+    if torch.compiler.is_compiling() or getattr(fn, "__code__", None) is not _AND_MASK:
+        return None
+    parts = _closure(fn).get("mask_functions", ())
+    if len(parts) != 2 or parts[1] not in (causal_mask_function, bidirectional_mask_function):
+        return None
+    causal = parts[1] is causal_mask_function
+    overlay = getattr(parts[0], "__code__", None)
+    window = _closure(parts[0]).get("sliding_window")
+    if overlay is not (_CAUSAL_WINDOW if causal else _BIDIRECTIONAL_WINDOW) or not isinstance(window, int):
+        return None
+    return causal, window
+
+
+def _closure(fn):
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
+
+
+_USES_INTERFACE = {}
+# Families whose every attention goes through the interface although their classes do not set
+# _supports_attention_backend (tests/test_hf_interface.py runs them).
+_VERIFIED = ("bart", "whisper")
+
+
+@torch.compiler.assume_constant_result  # a class attribute lookup, constant while tracing
+def _uses_interface(config_class):
+    """Whether the models of ``config_class`` run attention through ``AttentionInterface``:
+    every model class of its modeling module built from it sets ``_supports_attention_backend``
+    (or the family is one of ``_VERIFIED``). A model that does not could read the light masks
+    itself, as BLOOM and Falcon add their masks to the scores."""
+    known = _USES_INTERFACE.get(config_class)
+    if known is None:
+        module = sys.modules.get(config_class.__module__.replace(".configuration_", ".modeling_"))
+        models = [c for c in vars(module).values() if isinstance(c, type) and getattr(c, "config_class", None)
+                  is config_class] if module is not None else []
+        known = _USES_INTERFACE[config_class] = getattr(config_class, "model_type", None) in _VERIFIED or (
+            bool(models) and all(getattr(c, "_supports_attention_backend", False) for c in models))
+    return known
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention interface
+# ---------------------------------------------------------------------------------------------
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+              sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """``AttentionInterface``'s function: query (B, H, Lq, D), key and value (B, Hkv, Lk, D)
+    (the cache's keys when decoding), the mask from :func:`mask` -> ``(out (B, Lq, H, D), None)``.
+
+    ``sliding_window`` is already in the mask (:func:`mask` gives a light mask only when the
+    window cuts no key; otherwise transformers' 4-D mask holds it), so it is not applied again.
+    ``is_causal`` (else ``module.is_causal``) applies when the mask is None, as in SDPA.
+    """
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    B, _, Lq, _ = query.shape
+    Lk = key.shape[2]
+    reason = kernel_reason(query, key, value, softcap, s_aux, kwargs)
+    if reason is None and attention_mask is None and B == 1 and _restarting(kwargs.get("position_ids"), Lq, Lk):
+        reason = "packed sequences (restarting position_ids)"
+    plan = None
+    if reason is None:
+        plan = light_plan(attention_mask, B, Lq, Lk, causal)
+        if plan is None:
+            reason = ("a mask the kernel does not take (a sliding window that cuts keys, packed sequences, "
+                      "a chunked, static-cache or custom mask)")
+        elif not plan.kernel:
+            reason = plan.reason
+    if reason is not None:
+        return _fallback(module, query, key, value, attention_mask, reason, dropout, scaling, causal, softcap,
+                         s_aux, kwargs)
+    if plan.n_keys is not None:  # SDPA's top-left causal with more keys (a static cache's prefill)
+        key, value = key[:, :, :plan.n_keys], value[:, :, :plan.n_keys]
+    out = _attention(query, key, value, plan.causal, scaling, plan.key_padding, float(dropout))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def kernel_reason(query, key, value, softcap, s_aux, kwargs):
+    """Why the kernel cannot run this call (None if it can). The attention-features work
+    removes the conditions it covers (windows, soft-capping, sinks, bias, packed sequences)."""
+    D = query.shape[-1]
+    if query.dtype not in KERNEL_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"dtype {query.dtype} (the kernel takes fp32, fp16 and bf16)"
+    if key.shape[-1] != D or value.shape[-1] != D:
+        return "keys or values with another head dim than the queries"
+    if not kernel_head_dim(D, query.dtype):
+        return f"head dim {D} in {query.dtype} (outside the attention kernel's range)"
+    if key.shape[0] != query.shape[0] or query.shape[1] % key.shape[1] != 0:
+        return "queries and keys of other batch sizes or head counts that do not divide"
+    if softcap is not None:
+        return "logit soft-capping (softcap)"
+    if s_aux is not None:
+        return "attention sinks (s_aux)"
+    if kwargs.get("position_bias") is not None:
+        return "a position bias"
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return "packed sequences (cu_seq_lens_q / cu_seq_lens_k)"
+    return None
+
+
+def _fallback(module, query, key, value, attention_mask, reason, dropout, scaling, causal, softcap, s_aux,
+              kwargs):
+    """transformers' ``sdpa_attention_forward``, or the model's ``eager_attention_forward``
+    where SDPA cannot express the call (soft-capping, sinks), with the mask's meaning as 4-D."""
+    eager = softcap is not None or s_aux is not None
+    path = "the model's eager_attention_forward" if eager else "transformers' sdpa_attention_forward"
+    warn_once(("attention", type(module).__name__, reason),
+              f"{type(module).__name__}: {reason}; attention runs {path} (slower, the same result)")
+    B, _, Lq, _ = query.shape
+    Lk = key.shape[2]
+    dense = _dense(attention_mask, B, Lq, Lk, query.device)
+    packed = _packed_visibility(kwargs, Lq, Lk, query.device, attention_mask is None)
+    if packed is not None:  # the sequences of a packed batch see only themselves
+        if dense is None:
+            dense = _top_left(Lq, Lk, query.device) if causal and Lq > 1 else None
+        dense = packed if dense is None else _and(dense, packed)
+    if not eager:
+        return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout, scaling=scaling,
+                                      is_causal=causal, **kwargs)
+    forward = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if forward is None:
+        raise NotImplementedError(f"fused_block: {type(module).__name__} passes {reason}, which neither the "
+                                  "kernel nor SDPA computes, and its module has no eager_attention_forward; "
+                                  "use attn_implementation='eager'")
+    if dense is None and causal and Lq > 1:
+        dense = _top_left(Lq, Lk, query.device)
+    if dense is not None and dense.dtype == torch.bool:
+        dense = torch.where(dense, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+    return forward(module, query, key, value, dense, dropout=dropout, scaling=scaling, softcap=softcap,
+                   s_aux=s_aux, **kwargs)
+
+
+def _dense(attention_mask, B, Lq, Lk, device):
+    """The mask as SDPA reads it: the (B, Lk) causal form as a (B, 1, Lq, Lk) bool mask, any
+    other as it is (None: SDPA's is_causal)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    i = torch.arange(Lq, device=device)[:, None]
+    j = torch.arange(Lk, device=device)[None, :]
+    return (j <= i + (Lk - Lq)) & attention_mask[:, None, None, :]
+
+
+def _top_left(Lq, Lk, device):
+    """SDPA's ``is_causal=True``: query i sees keys j <= i."""
+    return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()[None, None]
+
+
+_LAST_POSITIONS = [None, None]  # (weakref to the last position_ids read, (version, restarting))
+
+
+def _restarting(position_ids, Lq, Lk):
+    """Whether the (1, L) ``position_ids`` of a one-row call without cached keys restart (a
+    packed batch, as DataCollatorWithFlattening makes; transformers' own test: a step other
+    than 1), read once per tensor: one sync per forward, for one-row batches only, as
+    flash-attention's packed check. Not read while torch.compile traces or a CUDA graph
+    captures (then only cu_seq_lens_q/k or a packed mask from transformers say so)."""
+    if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, Lq) or Lq != Lk or Lq < 2 \
+            or torch.compiler.is_compiling() or _capturing(position_ids):
+        return False
+    ref, last = _LAST_POSITIONS
+    if ref is not None and ref() is position_ids and last[0] == position_ids._version:
+        return last[1]
+    restarting = bool((position_ids.diff(dim=-1) != 1).any())
+    _LAST_POSITIONS[:] = [weakref.ref(position_ids), (position_ids._version, restarting)]
+    return restarting
+
+
+def _packed_visibility(kwargs, Lq, Lk, device, from_positions):
+    """(B or 1, 1, Lq, Lk) bool: the queries and keys of the same sequence of a packed batch
+    (``cu_seq_lens_q/k``, the cumulative lengths, or else, with ``from_positions``, restarting
+    ``position_ids``), or None; computed on the device."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        positions = kwargs.get("position_ids")
+        if not (from_positions and _restarting(positions, Lq, Lk)):
+            return None
+        step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
+        seq = (step != 1).cumsum(-1).to(device)  # transformers' find_packed_sequence_indices
+        return (seq[:, :, None] == seq[:, None, :])[:, None]
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    seq_q = torch.searchsorted(cu_q[1:].to(device), torch.arange(Lq, device=device), right=True)
+    seq_k = torch.searchsorted(cu_k[1:].to(device), torch.arange(Lk, device=device), right=True)
+    return (seq_q[:, None] == seq_k[None, :])[None, None]
+
+
+def _and(mask, visible):
+    if mask.dtype == torch.bool:
+        return mask & visible
+    return mask.masked_fill(~visible, torch.finfo(mask.dtype).min)

@@ -1,0 +1,195 @@
+"""LLaMA family: ``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``,
+``Qwen3DecoderLayer``.
+
+Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3 adds an RMSNorm of each q and k head before RoPE
+(``q_norm``/``k_norm``), which runs inside the RoPE launch (``rope_qkvpacked``'s
+``q_norm_weight``/``k_norm_weight``: fp32 statistics, one rounding per element).
+``add_rms_norm`` for both norms (the attention's residual add fused into the second), one QKV
+GEMM (q/k/v weights concatenated, the copy cached while the weights do not change and no
+gradient is taken), ``rope_qkvpacked`` on the packed QKV output (q and k rotated, v copied, one
+launch; angles in fp32 from ``position_ids`` and the model's rotary
+``inv_freq``/``attention_scaling``, else from the layer's ``position_embeddings``), the KV
+cache's ``update``, the attention kernel (GQA, bottom-right causal for decoding with a cache,
+key padding), the output GEMM, and the SiLU-gated MLP as ``swiglu`` (gate and up in one GEMM
+with the SiLU-multiply in its epilogue, the weights read in place; the residual add in the down
+projection's epilogue). An MLP with another ``hidden_act`` runs Hugging Face's module.
+"""
+import contextlib
+
+import torch
+from torch import nn
+
+from fused_block import lora
+from fused_block.blocks import _TP_RUN, _like
+from fused_block.hf._attention import (implementation_reason, is_flash, mask_convention, mask_reason,
+                                       self_attention)
+from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, warn_once
+from fused_block.linear import gated_linear, linear, swiglu
+from fused_block.norm import add_rms_norm
+from fused_block.rope import rope_qkvpacked
+
+CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROTARIES = ("LlamaRotaryEmbedding", "MistralRotaryEmbedding", "Qwen2RotaryEmbedding", "Qwen3RotaryEmbedding")
+# Their MLPs: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; SwiGLU when act_fn is SiLU.
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+# Per-head norms of q and k (over head_dim, before RoPE): x / sqrt(mean(x^2) + eps) * weight.
+QK_NORMS = ("Qwen3RMSNorm",)
+_SILU = ("silu", "swish")
+_LINEAR = (nn.Linear,)
+
+
+def rms_eps(norm):
+    for name in ("variance_epsilon", "eps"):
+        if isinstance(getattr(norm, name, None), float):
+            return getattr(norm, name)
+    return None
+
+
+def check(layer):
+    attn = getattr(layer, "self_attn", None)
+    parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if attn is None or not all(type(lora.base(getattr(attn, p, None))) is nn.Linear for p in parts):
+        return "self_attn's q_proj/k_proj/v_proj/o_proj are not all torch.nn.Linear"
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        n = getattr(layer, norm, None)
+        if n is None or not hasattr(n, "weight") or rms_eps(n) is None:
+            return f"{norm} is not an RMSNorm with weight and eps"
+    if not hasattr(layer, "mlp") or not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
+        return "missing mlp, head_dim or scaling"
+    norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+    if any(n is not None for n in norms):
+        if not all(type(n).__name__ in QK_NORMS and rms_eps(n) is not None and getattr(n, "weight", None) is not None
+                   and tuple(n.weight.shape) == (attn.head_dim,) for n in norms):
+            return f"self_attn's q_norm/k_norm are not both a per-head RMSNorm of {QK_NORMS}"
+        if rms_eps(norms[0]) != rms_eps(norms[1]):
+            return "q_norm and k_norm have different eps"
+    return None
+
+
+def check_call(layer, call):
+    attn = layer.self_attn
+    hidden = call["hidden_states"]
+    if call.get("position_embeddings") is None and rotary_positions(layer, call, *hidden.shape[:2]) is None:
+        return "no position_embeddings (and no model-level rotary module with position_ids)"
+    window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    if window is not None and is_flash(attn.config):
+        return "a sliding window with flash-attention masks"
+    return (implementation_reason(attn.config)
+            or mask_reason(call.get("attention_mask"), hidden.shape[1], True, mask_convention(attn.config)))
+
+
+def rotary_positions(layer, call, B, L):
+    """position_ids (B or 1, L) when the model has one standard rotary module, else None."""
+    positions = call.get("position_ids")
+    if layer._fused_block.rotary is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
+            and positions.shape[0] in (1, B) and positions.shape[1] == L:
+        return positions
+    return None
+
+
+def rope(layer, qkv, H, Hkv, call):
+    """RoPE on the packed QKV output: fp32 angles from position_ids and the rotary module's
+    inv_freq when the model has one standard rotary module, else HF's cos/sin tables; with
+    the attention's q_norm/k_norm (Qwen3) each q and k head normalized first, in the launch."""
+    B, L = qkv.shape[:2]
+    attn = layer.self_attn
+    norms = {}
+    if getattr(attn, "q_norm", None) is not None:
+        norms = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, norm_eps=rms_eps(attn.q_norm))
+    positions = rotary_positions(layer, call, B, L)
+    if positions is not None:
+        state = layer._fused_block
+        # The model's frequencies as its rotary module uses them (rounded if the model was cast),
+        # in fp32 on qkv's device: a conversion kernel once, not per call.
+        inv_freq = cached(state, ("inv_freq", qkv.device), (state.rotary.inv_freq,),
+                          lambda t: t[0].to(device=qkv.device, dtype=torch.float32))
+        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(state.rotary.attention_scaling), **norms)
+    cos, sin = call["position_embeddings"]
+    return rope_qkvpacked(qkv, H, Hkv, cos=cos.expand(B, -1, -1) if cos.shape[0] != B else cos,
+                          sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin, **norms)
+
+
+def swiglu_reason(mlp_mod):
+    """Why the layer's MLP cannot run as ``swiglu`` (None if it can)."""
+    kind = type(mlp_mod)
+    if kind.__name__ not in GATED_MLPS or not kind.__module__.startswith("transformers.models."):
+        return f"{kind.__name__} is not one of the gated MLPs {GATED_MLPS}"
+    act = getattr(getattr(mlp_mod, "config", None), "hidden_act", None)
+    if act not in _SILU or type(getattr(mlp_mod, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"hidden_act {act!r} (the fused SwiGLU gates with SiLU)"
+    if not all(type(lora.base(getattr(mlp_mod, n, None))) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
+        return "gate_proj, up_proj and down_proj are not all torch.nn.Linear"
+    return None
+
+
+def prepare(layer):
+    reason = swiglu_reason(layer.mlp)
+    layer._fused_block.fused_mlp = reason is None
+    if reason is not None:
+        warn_once(("mlp", type(layer).__name__, reason),
+                  f"{type(layer).__name__}'s MLP runs Hugging Face's module (unfused): {reason}")
+
+
+_NO_SHIFT = contextlib.nullcontext()
+
+
+def run(layer, call, x):
+    """The fused layer. Tensor parallel (``fused_block.distributed``), the projections hold this
+    rank's heads and MLP columns: the norms' outputs enter whole (all-gathered along the
+    sequence under sequence parallelism), o_proj's and down_proj's partial sums leave reduced,
+    and the residual is added after the MLP's reduction (no LoRA there: LayerParallel refuses it)."""
+    attn, state = layer.self_attn, layer._fused_block
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    tp = layer.__dict__.get(_TP_RUN)
+    D = attn.head_dim
+    H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
+    Hkv = attn.k_proj.weight.shape[0] // D
+    n1, _ = add_rms_norm(x, None, ln1.weight, rms_eps(ln1))
+    w = packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+    b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
+    # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
+    # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
+    qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
+    qkv = linear(n1 if tp is None else tp.enter(n1), w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
+    qkv = rope(layer, qkv, H, Hkv, call)  # q, k rotated and v copied into one packed tensor
+    p = attn.attention_dropout if attn.training else 0.0
+    with _NO_SHIFT if tp is None or p == 0 else tp.seeds([tp.rank]):  # each rank's heads, their own masks
+        o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
+                           mask_convention(attn.config), attn.scaling, p, type(layer).__name__)
+    o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
+    n2, h = add_rms_norm(_like(o if tp is None else tp.leave(o), x), x, ln2.weight, rms_eps(ln2))
+    m = layer.mlp
+    if tp is not None:
+        f = layer.mlp(tp.enter(n2)) if not state.fused_mlp else \
+            swiglu(tp.enter(n2), m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, b_gate=m.gate_proj.bias,
+                   b_up=m.up_proj.bias, b_down=m.down_proj.bias)
+        return tp.leave(f) + h
+    if not state.fused_mlp:
+        return h + layer.mlp(n2)
+    if any(lora.is_lora(t) for t in (m.gate_proj, m.up_proj, m.down_proj)):
+        # Two GEMMs, the hidden activation between them (down_proj's adapters read it).
+        hid = gated_linear(n2, m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias,
+                           lora=lora.gate_up(m.gate_proj, m.up_proj, n2))
+        return linear(hid, m.down_proj.weight, m.down_proj.bias, None, h, lora=lora.terms(m.down_proj, hid))
+    return swiglu(n2, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, h, b_gate=m.gate_proj.bias,
+                  b_up=m.up_proj.bias, b_down=m.down_proj.bias)
+
+
+def tree(layer):
+    tree = {"self_attn": SAME, "input_layernorm": SAME, "post_attention_layernorm": SAME}
+    tree.update((f"self_attn.{p}_proj", _LINEAR) for p in "qkvo")
+    if getattr(layer.self_attn, "q_norm", None) is not None:
+        tree.update({"self_attn.q_norm": SAME, "self_attn.k_norm": SAME})
+    if layer._fused_block.fused_mlp:
+        tree.update({"mlp": SAME, "mlp.act_fn": SAME})
+        tree.update((f"mlp.{p}_proj", _LINEAR) for p in ("gate", "up", "down"))
+    return tree
+
+
+def lora_paths(layer):
+    attn = tuple(f"self_attn.{p}_proj" for p in "qkvo")
+    return attn + (tuple(f"mlp.{p}_proj" for p in ("gate", "up", "down")) if layer._fused_block.fused_mlp else ())
+
+
+FAMILY = Family(check, check_call, run, tree, prepare=prepare, rotaries=ROTARIES, lora_paths=lora_paths,
+                called=lambda layer: () if layer._fused_block.fused_mlp else ("mlp",))

@@ -1,0 +1,402 @@
+"""``attn_implementation="fused_block"`` (fused_block/hf/interface.py) in transformers' own models.
+
+Per family (tests/hf_testing.py's INTERFACE_MODELS: tiny random models, hidden 64, head dim
+16, 2 layers, 9 tokens, one row padded): fp32 logits and every parameter's gradient and bf16
+logits against the model in float64 with the rule of tests/test_hf.py (4 x the original's
+same-dtype error), the original being the ``sdpa`` implementation (``eager`` for the models
+without one), and 16 greedy tokens with the KV cache, token for token the original's. The
+launches show which layers ran the kernel; the models whose attention the kernel cannot take
+yet (soft-capping, sinks, windows that cut keys) warn once and give the original's answer.
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fused_block  # noqa: E402
+import fused_block.hf  # noqa: E402
+from fused_block.hf import interface  # noqa: E402
+from hf_testing import EAGER_ONLY, ENCODERS, INTERFACE_MODELS, SEQ2SEQ, TARGET_LEN, V  # noqa: E402
+from hf_testing import assert_close, interface_inputs, interface_model, no_fallback  # noqa: E402
+from hf_testing import seq2seq_inputs, seq2seq_model  # noqa: E402
+
+# name -> (layers of 2 whose attention runs the kernel, the fallback warning or None)
+EXPECT = {name: (2, None) for name in INTERFACE_MODELS}
+EXPECT.update({
+    "gemma3-window": (1, "a mask the kernel does not take"),
+    "modernbert-window": (1, "a mask the kernel does not take"),
+    "gemma2": (0, "soft-capping"),
+    "gpt_oss": (0, "sinks"),
+})
+NAMES = list(INTERFACE_MODELS)
+CAUSAL = [n for n in NAMES if n not in ENCODERS]
+
+
+def _original(name):
+    return "eager" if name in EAGER_ONLY else "sdpa"
+
+
+def _ours(model):
+    ours = copy.deepcopy(model)
+    ours.set_attn_implementation("fused_block")
+    return ours
+
+
+def _expecting(name):
+    """The model's fallback warning (pytest.warns), or no fused_block warning at all."""
+    match = EXPECT[name][1]
+    return no_fallback() if match is None else pytest.warns(UserWarning, match=match)
+
+
+def _masked(logits, mask):
+    return logits.masked_fill(mask[..., None] == 0, 0.0)
+
+
+def test_registered_with_transformers():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    fused_block.hf.register()  # idempotent
+    assert AttentionInterface._global_mapping["fused_block"] is interface.attention
+    assert AttentionMaskInterface._global_mapping["fused_block"] is interface.mask
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_gradients_match_the_original(name, device, launches):
+    """fp32: the loss, every parameter's gradient (the padding's labels ignored) and the
+    logits; the kernel's forward and backward ran in the layers it covers."""
+    model = interface_model(name, device, _original(name)).train()
+    ref, ours = copy.deepcopy(model).double(), _ours(model)
+    ids, mask = interface_inputs(name, device)
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for key, m in (("ref", ref), ("base", model), ("ours", ours)):
+        with _expecting(name) if key == "ours" else no_fallback():
+            out = m(ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+        outs[key] = (out, dict(m.named_parameters()))
+    assert_close("loss", outs["ours"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
+    for pname, p in outs["ref"][1].items():
+        if p.grad is None:  # e.g. ModernBERT's padding embedding row
+            continue
+        got = outs["ours"][1][pname].grad
+        assert got is not None, pname
+        assert_close(f"{pname}.grad", got, p.grad, outs["base"][1][pname].grad, torch.float32, device)
+    kernel_layers = EXPECT[name][0]
+    assert launches["attention_fwd"] == launches["attention_bwd"] == kernel_layers
+    with torch.no_grad():
+        logits = [_masked(m(ids, attention_mask=mask).logits, mask) for m in (ref, model, ours)]
+    assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["attention_fwd"] == 2 * kernel_layers
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_logits(name, device, launches):
+    model = interface_model(name, device, _original(name)).eval()
+    ref, base = copy.deepcopy(model).double(), copy.deepcopy(model).to(torch.bfloat16)
+    ours = _ours(base)
+    ids, mask = interface_inputs(name, device)
+    with torch.no_grad():
+        want, base_logits = (_masked(m(ids, attention_mask=mask).logits, mask) for m in (ref, base))
+        with _expecting(name):
+            got = _masked(ours(ids, attention_mask=mask).logits, mask)
+    assert got.dtype == torch.bfloat16
+    assert_close("logits", got, want, base_logits, torch.bfloat16, device)
+    assert launches["attention_fwd"] == EXPECT[name][0]
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_greedy_generation_matches(name, device, launches):
+    """16 greedy tokens for a batch with a left-padded row, with the KV cache: the prefill and
+    every decoding step (one query against the cached keys, the padding as a (B, Lk) mask).
+    One layer; weights of std 0.5 and an untied LM head, with which every model's greedy
+    sequence varies (tied Gemma embeddings of std 0.2 repeat the last token)."""
+    model = interface_model(name, device, _original(name), num_hidden_layers=1, initializer_range=0.5,
+                            tie_word_embeddings=False).eval()
+    ours = _ours(model)
+    ids, mask = interface_inputs(name, device, generating=True)
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
+    want = model.generate(ids, **kw)
+    got = ours.generate(ids, **kw)
+    assert want.shape[1] == ids.shape[1] + 16 and len(set(want[0, ids.shape[1]:].tolist())) > 3
+    assert torch.equal(got, want)
+    kernel_layers, warning = EXPECT[name]
+    # one layer: the prefill and the 15 decoding steps; a window cuts keys only in the prefill
+    # (the sliding cache keeps window - 1 keys, so a step's window cuts none)
+    runs = 16 if kernel_layers == 2 else 15 if "window" in name else 0
+    assert launches["attention_fwd"] == runs
+
+
+def test_models_outside_the_interface_run_their_eager_attention(device, launches):
+    """BLOOM's attention (ALiBi) does not go through AttentionInterface: built with
+    attn_implementation="fused_block", its masks are eager's (one warning) and so is its
+    answer; set_attn_implementation("fused_block") is refused by transformers itself."""
+    cfg = transformers.BloomConfig(vocab_size=V, n_embed=64, n_layer=2, n_head=4, initializer_range=0.2)
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    eager = eager.to(device).eval()
+    with pytest.warns(UserWarning, match="do not declare that all their attention goes through"):
+        ours = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="fused_block").to(device)
+        ours.load_state_dict(eager.state_dict())
+        ours.eval()
+        ids, mask = interface_inputs("llama", device)
+        with torch.no_grad():
+            got = ours(ids, attention_mask=mask).logits
+    with torch.no_grad():
+        torch.testing.assert_close(got, eager(ids, attention_mask=mask).logits, atol=0, rtol=0)
+    refused = copy.deepcopy(eager)
+    refused.set_attn_implementation("fused_block")
+    assert refused.config._attn_implementation == "eager"
+    assert launches["attention_fwd"] == 0
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_packed_batch_matches_the_sequences_one_by_one(flash_kwargs, device, launches):
+    """DataCollatorWithFlattening's batch (one row, restarting position_ids, and with
+    return_flash_attn_kwargs its cu_seq_lens_q/k): the loss and every gradient of the
+    sequences run one by one (the sum of their losses over the batch's token count), within the
+    rule against those in float64. Packed sequences run SDPA for now (one warning), the
+    sequences kept apart by cu_seq_lens or else by the restarting position_ids (transformers'
+    own packed mask is not built when the model makes a cache, as in training with use_cache)."""
+    model = interface_model("llama", device, "sdpa").train()
+    ref, ours = copy.deepcopy(model).double(), _ours(model)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (4, 7, 3)]  # no padding anywhere
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(
+        [{"input_ids": s} for s in seqs], return_tensors="pt")
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    n_items = sum(len(s) - 1 for s in seqs)
+    with pytest.warns(UserWarning, match="packed sequences"):
+        packed = ours(**batch, num_items_in_batch=n_items).loss
+        packed.backward()
+    one_by_one = []
+    for m in (ref, model):
+        total = 0.0
+        for s in seqs:
+            ids = torch.tensor([s], device=device)
+            loss = m(ids, labels=ids, num_items_in_batch=n_items).loss
+            loss.backward()
+            total = total + loss.detach()
+        one_by_one.append(total)
+    assert_close("loss", packed, *one_by_one, torch.float32, device)
+    for (pname, p), base, got in zip(ref.named_parameters(), model.parameters(), ours.parameters()):
+        assert_close(f"{pname}.grad", got.grad, p.grad, base.grad, torch.float32, device)
+    assert launches["attention_fwd"] == 0
+
+
+def test_torch_compile_fullgraph(device, launches):
+    """torch.compile(fullgraph=True) of a model on the interface (aot_eager: dynamo, the ops'
+    fake implementations and AOT autograd): a training step with a padding mask runs the
+    kernel's forward and backward and gives the eager step's loss and gradients."""
+    model = interface_model("llama", device, "fused_block").train()
+    ids, mask = interface_inputs("llama", device)
+    labels = ids.masked_fill(mask == 0, -100)
+    with no_fallback():
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    before = launches["attention_bwd"]
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got = compiled(ids, attention_mask=mask, labels=labels).loss
+    got.backward()
+    assert launches["attention_bwd"] - before == 2
+    torch.testing.assert_close(got, loss, atol=1e-6, rtol=0)
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+
+
+def test_converted_layers_read_the_interface_masks(device, launches):
+    """convert() on a model running attn_implementation="fused_block": the whole layer is
+    fused (RoPE, GEMMs, norms) and reads the interface's masks, padding included; the
+    original's answer, no warning."""
+    model = interface_model("llama", device, "sdpa").eval()
+    with no_fallback():
+        ours = fused_block.convert(_ours(model))
+        ids, mask = interface_inputs("llama", device)
+        with torch.no_grad():
+            got = _masked(ours(ids, attention_mask=mask).logits, mask)
+    with torch.no_grad():
+        want, base = (_masked(m(ids, attention_mask=mask).logits, mask) for m in (copy.deepcopy(model).double(), model))
+    assert_close("logits", got, want, base, torch.float32, device)
+    assert launches["rope_qkvpacked"] == 2 and launches["attention_fwd"] == 2
+
+
+@pytest.mark.parametrize("case", ["head_dim", "float64"])
+def test_calls_the_kernel_cannot_take_run_sdpa(case, device, launches):
+    """A head dim below the kernel's 16, and float64: one warning, transformers' own
+    sdpa_attention_forward, so sdpa's answer exactly."""
+    overrides = dict(hidden_size=32, head_dim=8) if case == "head_dim" else {}
+    model = interface_model("llama", device, "sdpa", **overrides).eval()
+    if case == "float64":
+        model = model.double()
+    ours = _ours(model)
+    ids, mask = interface_inputs("llama", device)
+    with torch.no_grad(), pytest.warns(UserWarning, match="head dim 8" if case == "head_dim" else "dtype"):
+        got = ours(ids, attention_mask=mask).logits
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(ids, attention_mask=mask).logits, atol=0, rtol=0)
+    assert launches["attention_fwd"] == 0
+
+
+class _Module(torch.nn.Module):
+    """What attention functions read from transformers' attention modules."""
+
+    def __init__(self, is_causal, groups):
+        super().__init__()
+        self.is_causal, self.num_key_value_groups = is_causal, groups
+
+
+def _padding(lengths, total, left, device):
+    """(B, total) bool, True for the n tokens of each row (at the end with left padding)."""
+    keep = torch.zeros(len(lengths), total, dtype=torch.bool, device=device)
+    for b, n in enumerate(lengths):
+        keep[b, slice(total - n, None) if left else slice(None, n)] = True
+    return keep
+
+
+# (mask function, q_length, kv_length, q_offset, kv_offset, 2-D padding or None, is the form light)
+_W = 4  # a sliding window of 4 keys (the causal overlay keeps q - kv < 4)
+MASK_CASES = {
+    "causal": ("causal", 6, 6, 0, 0, None, True),
+    "causal-padded": ("causal", 6, 6, 0, 0, "left", True),
+    "causal-prefix-cached": ("causal", 2, 6, 4, 0, None, True),  # chunked prefill on a cache
+    "causal-decoding-padded": ("causal", 1, 6, 5, 0, "left", True),
+    "bidirectional": ("bidirectional", 6, 6, 0, 0, None, True),
+    "bidirectional-padded": ("bidirectional", 6, 6, 0, 0, "right", True),
+    "window-cuts-nothing": ("window", 4, 4, 0, 0, "left", True),
+    "window-cuts": ("window", 6, 6, 0, 0, "left", False),
+    # a sliding cache's decoding step: window - 1 cached keys from position 5 on, the query at 8
+    "window-cache-decoding": ("window", 1, 4, 8, 5, "left", True),
+    "bidirectional-window-cuts": ("bidirectional-window", 6, 6, 0, 0, None, False),
+    "packed": ("packed", 6, 6, 0, 0, None, False),
+    "static-cache": ("causal", 2, 8, "tensor", 0, "right", False),  # a tensor offset: not read
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_mask_forms_give_sdpas_answer_without_reading_values(case, device, launches, monkeypatch):
+    """interface.mask gives the light forms (None, (B, Lk), (B, 1, 1, Lk)) for the patterns the
+    kernel takes and transformers' sdpa_mask otherwise; interface.attention on either gives
+    SDPA's answer with sdpa_mask's mask. The light forms are built and read without a value
+    read (Tensor.any/all/item/equal fail here)."""
+    from transformers import masking_utils as mu
+
+    kind, Lq, Lk, q_offset, kv_offset, pad, light = MASK_CASES[case]
+    B, H, Hkv, D = 2, 4, 2, 16
+    total = kv_offset + Lk
+    padding = None if pad is None else _padding([total, total - 2], total, pad == "left", device)
+    functions = {"causal": mu.causal_mask_function, "bidirectional": mu.bidirectional_mask_function,
+                 "window": mu.sliding_window_causal_mask_function(_W),
+                 "bidirectional-window": mu.sliding_window_bidirectional_mask_function(1),
+                 "packed": mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(
+                     torch.tensor([[0, 0, 0, 1, 1, 1]] * B, device=device)))}
+    fn = functions[kind]
+    offset = torch.tensor(0, device=device) if q_offset == "tensor" else q_offset  # a StaticCache's prefill
+    args = dict(batch_size=B, q_length=Lq, kv_length=Lk, q_offset=offset, kv_offset=kv_offset, mask_function=fn,
+                attention_mask=padding, device=device, local_size=_W if "window" in kind else None,
+                allow_is_causal_skip=kind != "packed")  # as create_causal_mask passes them
+    want_mask = mu.sdpa_mask(**{**args, "allow_is_causal_skip": False})
+    if light:
+        for name in ("any", "all", "item", "equal"):
+            monkeypatch.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("a mask value was read"))
+    got_mask = interface.mask(**args)
+    form = got_mask is None or got_mask.dim() == 2 or tuple(got_mask.shape[1:3]) == (1, 1)
+    assert form == light
+    q = torch.randn(B, H, Lq, D, device=device)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=device) for _ in range(2))
+    causal = kind in ("causal", "window", "packed")
+    with (no_fallback() if light else pytest.warns(UserWarning, match="a mask the kernel does not take")):
+        got, _ = interface.attention(_Module(causal, H // Hkv), q, k, v, got_mask, scaling=0.3)
+    monkeypatch.undo()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            attn_mask=want_mask, scale=0.3).transpose(1, 2)
+    seen = want_mask.any(-1).transpose(1, 2)[..., None]  # rows with no key: SDPA NaN, the kernel 0
+    torch.testing.assert_close(got.masked_fill(~seen, 0), want.masked_fill(~seen, 0), atol=2e-6, rtol=0)
+    assert launches["attention_fwd"] == (1 if light else 0)
+
+
+def test_mask_for_models_outside_the_interface_is_eagers():
+    cfg = transformers.BloomConfig(vocab_size=V, n_embed=64, n_layer=1, n_head=4)
+    from transformers import masking_utils as mu
+
+    args = dict(batch_size=1, q_length=3, kv_length=3, dtype=torch.float32, config=cfg)
+    with pytest.warns(UserWarning, match="BloomConfig"):
+        got = interface.mask(**args)
+    torch.testing.assert_close(got, mu.eager_mask(**args), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# encoder-decoders: the encoder's self-attention, the decoder's causal self-attention and its
+# cross-attention to the encoder's (padded) output, all through the interface
+# ---------------------------------------------------------------------------------------------
+
+# name -> (kernel launches per forward of 2 + 2 layers, the fallback warning or None)
+SEQ2SEQ_EXPECT = {"bart": (6, None), "whisper": (6, None), "t5": (0, "a position bias")}
+
+
+def _seq2seq_expecting(name):
+    match = SEQ2SEQ_EXPECT[name][1]
+    return no_fallback() if match is None else pytest.warns(UserWarning, match=match)
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_logits_and_gradients_match_sdpa(name, device, launches):
+    model = seq2seq_model(name, device, "sdpa").train()
+    ref, ours = copy.deepcopy(model).double(), _ours(model)
+    enc, targets = seq2seq_inputs(name, device)
+    outs = {}
+    for key, m in (("ref", ref), ("base", model), ("ours", ours)):
+        args = {k: v.double() if v.is_floating_point() and key == "ref" else v for k, v in enc.items()}
+        with _seq2seq_expecting(name) if key == "ours" else no_fallback():
+            out = m(**args, labels=targets)
+            out.loss.backward()
+        outs[key] = (out, dict(m.named_parameters()))
+    assert_close("loss", outs["ours"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
+    assert_close("logits", outs["ours"][0].logits, outs["ref"][0].logits, outs["base"][0].logits, torch.float32,
+                 device)
+    for pname, p in outs["ref"][1].items():
+        if p.grad is None:  # the padding token's embedding row
+            continue
+        assert_close(f"{pname}.grad", outs["ours"][1][pname].grad, p.grad, outs["base"][1][pname].grad,
+                     torch.float32, device)
+    assert launches["attention_fwd"] == launches["attention_bwd"] == SEQ2SEQ_EXPECT[name][0]
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_bf16_logits(name, device, launches):
+    model = seq2seq_model(name, device, "sdpa").eval()
+    ref, base = copy.deepcopy(model).double(), copy.deepcopy(model).to(torch.bfloat16)
+    ours = _ours(base)
+    enc, targets = seq2seq_inputs(name, device)
+    with torch.no_grad():
+        want = ref(**{k: v.double() if v.is_floating_point() else v for k, v in enc.items()}, labels=targets).logits
+        base_logits = base(**{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in enc.items()},
+                           labels=targets).logits
+        with _seq2seq_expecting(name):
+            got = ours(**{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in enc.items()},
+                       labels=targets).logits
+    assert_close("logits", got, want, base_logits, torch.bfloat16, device)
+    assert launches["attention_fwd"] == SEQ2SEQ_EXPECT[name][0]
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_greedy_generation_matches(name, device, launches):
+    """generate() with the encoder's outputs and both caches (the decoder's self-attention
+    keys growing, the cross-attention keys computed once): 16 greedy tokens, the original's.
+    One layer each; weights of std 0.5, as the decoders' generation test."""
+    std = dict(init_std=0.5) if name != "t5" else dict(initializer_factor=3.0)
+    model = seq2seq_model(name, device, "sdpa", layers=1, **std).eval()
+    ours = _ours(model)
+    enc, _ = seq2seq_inputs(name, device)
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    want = model.generate(**enc, **kw)
+    with _seq2seq_expecting(name):
+        got = ours.generate(**enc, **kw)
+    assert len(set(want[0, -16:].tolist())) > 3
+    assert torch.equal(got, want)
+    if SEQ2SEQ_EXPECT[name][0]:  # the encoder once, then per token the self- and cross-attention
+        assert launches["attention_fwd"] == 1 + 2 * 16
