@@ -9,6 +9,7 @@
 """
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 
@@ -64,6 +65,25 @@ def needs_autograd(*tensors) -> bool:
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+def is_dtensor(t) -> bool:
+    """``t`` is a ``torch.distributed.tensor.DTensor`` (never imports it: without the module
+    loaded there is none). Callers test ``type(t) is not torch.Tensor`` first."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def no_dtensor(name, *tensors):
+    """The fused ops take local tensors: a clear error for a DTensor (its storage is not the
+    tensor's data, which the kernels would read)."""
+    for t in tensors:
+        if type(t) is torch.Tensor or t is None or not is_dtensor(t):
+            continue
+        raise TypeError(f"fused_block.{name}: got a DTensor (placements {tuple(t.placements)}); the kernels take "
+                        "local tensors. Tensor-parallel layers run their ops on their shards "
+                        "(fused_block.distributed.LayerParallel); elsewhere pass DTensor.to_local() and combine the "
+                        "results yourself (the norms take row-sharded DTensors)")
 
 
 # Keys of the one-time warnings already given (tests reset it per test: tests/conftest.py).
@@ -151,8 +171,33 @@ def dropout_seed(p: float, device) -> torch.Tensor:
     if (block is not None and block[1] < len(block[0]) and block[2] == _indexed(device)
             and not torch.compiler.is_compiling()):  # a traced graph draws its own seeds
         block[1] += 1
-        return block[0][block[1] - 1]
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+        seed = block[0][block[1] - 1]
+    else:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    shift = getattr(_LOCAL, "shift", None)
+    if shift is not None and shift[1] < len(shift[0]):
+        shift[1] += 1
+        if shift[0][shift[1] - 1]:
+            seed = seed + shift[0][shift[1] - 1]
+    return seed
+
+
+@contextlib.contextmanager
+def seed_shift(offsets):
+    """Add ``offsets[i]`` to the i-th seed :func:`dropout_seed` hands out inside the block.
+
+    Tensor parallelism: every rank of a group draws the same seeds (their generators agree); a
+    dropout on a rank's own shard of a sharded tensor (its heads, its FFN columns, its part of
+    the sequence) takes ``seed + rank``, a Philox stream of its own, while one on a tensor every
+    rank holds whole keeps ``seed``, the same mask everywhere. The caller lists one offset per
+    seed the ops inside will draw (dropouts with p > 0, in draw order).
+    """
+    before = getattr(_LOCAL, "shift", None)
+    _LOCAL.shift = [tuple(offsets), 0]
+    try:
+        yield
+    finally:
+        _LOCAL.shift = before
 
 
 _NO_GUARD = contextlib.nullcontext()  # reentrant and stateless: one for every call

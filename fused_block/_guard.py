@@ -3,7 +3,8 @@
 A fused layer reads its submodules' weights instead of calling them. That gives the original's
 answer only while every submodule the original forward would call is a plain module of a class
 the fused path reproduces: not a PEFT ``LoraLayer``, not a quantized ``nn.Linear`` subclass
-(bitsandbytes' ``Linear4bit``/``Linear8bitLt``) or a tensor-subclass weight (torchao, DTensor),
+(bitsandbytes' ``Linear4bit``/``Linear8bitLt``) or a tensor-subclass weight (torchao, DTensor:
+but a tensor-parallel layer reads the DTensors its own plan placed, ``accept`` below),
 no instance-level ``forward`` (accelerate's hooks), no forward, forward-pre or backward hooks,
 no parametrization the fused path cannot read through. A layer describes what it bypasses as a
 *spec*, ``{path: allowed classes}`` for every descendant its original forward would call;
@@ -109,23 +110,27 @@ def _tracing_types():
     return FakeTensor, FunctionalTensor
 
 
-def tensors_reason(path, owner, names):
-    """Why a tensor the fused path reads (``owner.<name>``) is not a plain tensor, or None."""
+def tensors_reason(path, owner, names, accept=None):
+    """Why a tensor the fused path reads (``owner.<name>``) is not a plain tensor, or None.
+
+    ``accept(path, name, t)``: True for a tensor subclass the fused path reads all the same
+    (a tensor-parallel layer's DTensor parameters, placed as its plan placed them)."""
     for name in names:
         t = getattr(owner, name, None)
-        if not _plain_tensor(t):
+        if not _plain_tensor(t) and not (accept is not None and accept(path, name, t)):
             where = f"{path}.{name}" if path else name
             return (f"{where} is a {type(t).__name__} (a quantized, distributed or other tensor subclass), "
                     "which the kernels do not read")
     return None
 
 
-def module_reason(path, m, allowed, tolerate_hook=None):
+def module_reason(path, m, allowed, tolerate_hook=None, accept=None):
     """Why submodule ``m`` (at ``path``) is not what a fused path reproduces, or None.
 
     ``allowed``: a tuple of classes ``m`` must be exactly (after undoing ``parametrize``'s
     class swap), or None for any class. ``tolerate_hook(fn)``: True for hooks known to change
-    nothing (checked per call by the caller's ``live`` function instead).
+    nothing (checked per call by the caller's ``live`` function instead). ``accept``: as for
+    :func:`tensors_reason`.
     """
     cls = parametrize.type_before_parametrizations(m)
     if allowed is not None and cls not in allowed:
@@ -143,17 +148,18 @@ def module_reason(path, m, allowed, tolerate_hook=None):
         for name, plist in m.parametrizations.items():
             params[name] = plist.original
     for name, p in params.items():
-        if not _plain_tensor(p):
+        if not _plain_tensor(p) and not (accept is not None and accept(path, name, p)):
             return tensors_reason(path, m, (name,)) if name in m._parameters else \
                 f"{path}.{name} is parametrized over a {type(p).__name__}"
     return None
 
 
-def scan(layer, spec, skip=(), tolerate_hook=None):
+def scan(layer, spec, skip=(), tolerate_hook=None, accept=None):
     """``(reason, watched)``: why ``layer``'s fused path would differ from its forward, and the
     submodules to watch. ``spec``: {path: allowed classes or None} for every descendant the
     original forward calls; paths under ``skip`` (called by the fused path, or only read) are
     not checked, and neither are the parametrization containers of a parametrized submodule.
+    ``accept``: the DTensor parameters a tensor-parallel layer reads (:func:`tensors_reason`).
     """
     watched = []
     prune = tuple(p + "." for p in skip)
@@ -166,7 +172,7 @@ def scan(layer, spec, skip=(), tolerate_hook=None):
                 continue
         if path not in spec:
             return f"{path} ({_qualname(type(m))}) is a submodule the fused path does not know", ()
-        reason = module_reason(path, m, spec[path], tolerate_hook)
+        reason = module_reason(path, m, spec[path], tolerate_hook, accept)
         if reason is not None:
             return reason, ()
         watched.append(m)

@@ -273,6 +273,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     ``fused_block.reference.attention``.
     """
     _check(q, k, v, causal, scale, key_padding_mask, dropout_p)
+    _backend.no_dtensor("attention", q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if not _backend.use_triton(q):
@@ -316,6 +317,7 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     if not isinstance(batch_first, bool):
         raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
     _validate.tensor("qkv", qkv, ndim=3)
+    _backend.no_dtensor("attention_qkvpacked", qkv)
     heads = num_heads + 2 * num_kv_heads
     if qkv.shape[2] % heads != 0:
         raise ValueError(f"qkv's last dim ({qkv.shape[2]}) must be (num_heads + 2 * num_kv_heads) = {heads} "

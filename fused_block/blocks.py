@@ -28,6 +28,10 @@ Attention is one QKV matmul whose (..., (H + 2 Hkv) * D) output is viewed, witho
 as q (B, H, L, D) and k, v (B, Hkv, L, D) for the attention kernel (with ``rope=True`` one
 kernel first rotates q and k into a new packed tensor, copying v beside them).
 
+Tensor parallelism (``fused_block.distributed.LayerParallel``): the same forward runs on the
+rank's shards; ``MultiheadAttention._attend`` and ``_LayerMixin._ffn`` take their inputs whole
+and reduce their partial sums, the norms run on the layer's layout.
+
 Masks: ``is_causal`` and a causal ``src_mask`` (``nn.Transformer.generate_square_subsequent_mask``
 or its bool form) run the causal kernel, a bool or 0/-inf float key padding mask runs the
 padding mask. Anything the kernel cannot express (a general float/bool ``src_mask``, a
@@ -383,6 +387,25 @@ class MultiheadAttention(nn.MultiheadAttention):
         return k, v, attn_mask, key_padding_mask, S + n
 
     def _attend(self, x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None):
+        """Projected attention output (before out_proj dropout) in x's layout (:meth:`_attend_local`).
+
+        Inside a tensor-parallel layer's forward this module holds its rank's heads: x (and the
+        keys' source) enter the rank's computation whole (all-gathered along the sequence under
+        sequence parallelism), and the out-projection's partial sums leave reduced (all-reduced,
+        or reduce-scattered along the sequence): ``fused_block.distributed``.
+        """
+        run = self.__dict__.get(_TP_RUN)
+        if run is None:
+            return self._attend_local(x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops)
+        x = run.enter(x)
+        if key is not None:
+            memory = run.enter(key, memory=True)
+            key, value = memory, memory if value is key else run.enter(value, memory=True)
+        with run.seeds([run.rank] if dropout_p > 0 else []):  # each rank's heads draw their own masks
+            out = self._attend_local(x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops)
+        return run.leave(out)
+
+    def _attend_local(self, x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None):
         """Projected attention output (before out_proj dropout) in x's layout.
 
         x: (B, L, E) if batch_first else (L, B, E); key, value: the same layout with S for L
@@ -579,15 +602,34 @@ class _LayerMixin:
         norm's output is the residual stream itself (Post-LN) it must stay fp32 too.
         """
         ops = _ops(x)
-        if self.norm == "layer":
-            return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p, False,
-                                      out_is_residual)
-        return ops.add_rms_norm(x, residual, module.weight, module.eps, dropout_p, False, out_is_residual)
+        run = self.__dict__.get(_TP_RUN)
+        # Tensor parallel: the residual stream is replicated (one mask on every rank), or split
+        # along the sequence (each rank's tokens draw their own).
+        with _NO_SEED_BLOCK if run is None or dropout_p == 0 else run.seeds([run.rank if run.sequence_parallel else 0]):
+            if self.norm == "layer":
+                return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p, False,
+                                          out_is_residual)
+            return ops.add_rms_norm(x, residual, module.weight, module.eps, dropout_p, False, out_is_residual)
 
     def _ffn(self, x, residual=None, output_dropout=True):
         """``residual + dropout2(linear2(dropout(act(linear1(x)))))``: one ``mlp`` with both
         dropouts and the residual add fused into the GEMM epilogues. ``output_dropout=False``
-        leaves dropout2 out (Post-LN fuses it, with the add, into the next norm's kernel)."""
+        leaves dropout2 out (Post-LN fuses it, with the add, into the next norm's kernel).
+
+        Tensor parallel: this rank's FFN columns on the whole input; the partial sums are
+        reduced, then the residual is added (in the epilogue it would be counted once per rank).
+        The hidden dropout draws a mask per rank, the output dropout one for all (it drops the
+        partial sums alike, so it drops their sum)."""
+        run = self.__dict__.get(_TP_RUN)
+        if run is None:
+            return self._ffn_local(x, residual, output_dropout)
+        p_in = self.dropout.p if self.training and self._activation() is not None else 0.0
+        p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
+        with run.seeds([run.rank] * (p_in > 0) + [0] * (p_out > 0)):
+            y = run.leave(self._ffn_local(run.enter(x), None, output_dropout))
+        return y if residual is None else y + residual
+
+    def _ffn_local(self, x, residual, output_dropout):
         p_in = self.dropout.p if self.training else 0.0
         p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
         name = self._activation()
@@ -657,12 +699,31 @@ class _LayerMixin:
         """torch's forward (its submodules called: hooks, adapters and subclasses act as in torch's
         layer), after a one-time warning naming the reason."""
         name = type(self).__name__
+        if _TP in self.__dict__:
+            raise RuntimeError(f"fused_block: {name} is tensor parallel (fused_block.distributed.LayerParallel): it "
+                               f"runs on its shards fused only, and cannot run torch's forward: {reason}")
         _warn_once((name, reason), f"fused_block: {name} runs torch's forward, calling its submodules "
                    f"(slower, same answer as torch's layer): {reason}")
         return forward(self, *args)
 
 
 _NO_SEED_BLOCK = contextlib.nullcontext()
+# A tensor-parallel layer's plan (set by fused_block.distributed.LayerParallel), and the state of
+# one of its calls, set on the layer and its attention modules for the call's duration.
+_TP, _TP_RUN = "_fused_block_tp", "_fused_block_tp_run"
+
+
+def _tp_length(layer, n, memory=False, masks=()):
+    """The whole sequence's length where a sequence-parallel layer holds ``n`` of its tokens.
+    Tensor parallel, a per-head (3-D) mask among ``masks`` (name, mask) raises: the layer's
+    attention modules hold only their rank's heads."""
+    run = layer.__dict__.get(_TP_RUN)
+    if run is None:
+        return n
+    for name, mask in masks:
+        if isinstance(mask, Tensor) and mask.dim() == 3:
+            raise ValueError(f"{name}: per-head (3-D) masks are not supported under tensor parallelism")
+    return run.length(n, memory)
 
 
 def _like(a, x):
@@ -742,10 +803,17 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
                                  is_causal)
         if nested:
             return self._forward_nested(src, src_mask, src_key_padding_mask, is_causal)
+        tp = self.__dict__.get(_TP)
+        if tp is not None:  # tensor parallel: the same forward on this rank's shards (fused_block.distributed)
+            return tp.call(self, self._fused_forward, src, src_mask, src_key_padding_mask, is_causal)
+        return self._fused_forward(src, src_mask, src_key_padding_mask, is_causal)
+
+    def _fused_forward(self, src, src_mask, src_key_padding_mask, is_causal):
         attn = self.self_attn
         _check_input("src", src, attn.embed_dim)
         x, batched = _batch(src, attn.batch_first)
         B, L = _dims(x, attn.batch_first)
+        L = _tp_length(self, L, masks=(("src_mask", src_mask),))  # SP: x holds this rank's part of the sequence
         _check_mask("src_mask", src_mask, B, attn.num_heads, L, L)
         _check_padding_mask("src_key_padding_mask", src_key_padding_mask, B, L, batched)
         kpm = src_key_padding_mask if batched or src_key_padding_mask is None else src_key_padding_mask[None]
@@ -836,6 +904,15 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
                                         tgt)
             return self._unfused(reason, nn.TransformerDecoderLayer.forward, tgt, memory, tgt_mask, memory_mask,
                                  tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        tp = self.__dict__.get(_TP)
+        if tp is not None:  # tensor parallel: the same forward on this rank's shards (fused_block.distributed)
+            return tp.call(self, self._fused_forward, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                           memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        return self._fused_forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                                   tgt_is_causal, memory_is_causal)
+
+    def _fused_forward(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                       tgt_is_causal, memory_is_causal):
         sa_mod, ca_mod = self.self_attn, self.multihead_attn
         bf = sa_mod.batch_first
         _check_input("tgt", tgt, sa_mod.embed_dim)
@@ -846,6 +923,8 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         mem, _ = _batch(memory, bf)
         B, L = _dims(x, bf)
         Bm, S = _dims(mem, bf)
+        L, S = _tp_length(self, L, masks=(("tgt_mask", tgt_mask), ("memory_mask", memory_mask))), \
+            _tp_length(self, S, memory=True)
         if Bm != B:
             raise ShapeError(f"memory: batch size {Bm} does not match tgt's {B}")
         H = sa_mod.num_heads
@@ -927,9 +1006,12 @@ def _describe_layer(layer):
             skip.append("activation")  # a custom activation module: the fused path calls it too
         else:
             spec["activation"] = _ACTIVATION_MODULES
-    why, watched = _guard.scan(layer, spec, skip)
+    tp = layer.__dict__.get(_TP)
+    accept = None if tp is None else tp.accepts
+    why, watched = _guard.scan(layer, spec, skip, accept=accept)
     for name in layer._ATTENTIONS:
-        why = why or _guard.tensors_reason(name + ".out_proj", getattr(layer, name).out_proj, ("weight", "bias"))
+        why = why or _guard.tensors_reason(name + ".out_proj", getattr(layer, name).out_proj, ("weight", "bias"),
+                                           accept)
     return why, watched, lora.live(layer, wrapped) if wrapped else None
 
 

@@ -356,24 +356,38 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
 # autograd
 # ---------------------------------------------------------------------------------------------
 
+def _output(out, lead):
+    """An op's (rows, N) output in the caller's leading dims, inside a Function's forward: a
+    tensor of its own over the same memory, not an autograd view of the 2-D buffer (FSDP2
+    warns when a module returns a view: an in-place change of one would bypass the hook FSDP
+    puts on the module's output)."""
+    return out if out.dim() == len(lead) + 1 and out.shape[:-1] == lead else out.view(*lead, out.shape[-1]).detach()
+
+
 class _LinearFn(torch.autograd.Function):
+    """x (..., K) and residual (..., N) keep their shapes: the (rows, K) views are taken in here
+    and in the backward, where autograd does not record them, and the output comes back in x's
+    leading dims (:func:`_output`)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, residual, lora_u, lora_b, activation, seed, dropout_p):
         need_x, need_w, need_b, _, need_u, need_lb = ctx.needs_input_grad[:6]
         need = need_x or need_w or need_b or need_u or need_lb
         save_pre = need and activation != "none"
+        n = weight.shape[0]
+        x2, residual = _rows(x, x.shape[-1]), _rows(residual, n)
         if lora_u is None:
-            out, pre = _linear_fwd(x, weight, bias, residual, activation, save_pre, seed, dropout_p)
+            out, pre = _linear_fwd(x2, weight, bias, residual, activation, save_pre, seed, dropout_p)
         else:
-            out, pre = _linear_lora_fwd(x, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed,
+            out, pre = _linear_lora_fwd(x2, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed,
                                         dropout_p)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x if need_w else None, weight if need_x else None, pre if save_pre else None,
+        ctx.save_for_backward(x2 if need_w else None, weight if need_x else None, pre if save_pre else None,
                               seed if need and dropout_p > 0 else None, lora_u if need_lb else None,
                               lora_b if need_u else None)
-        ctx.activation, ctx.dropout_p, ctx.x_dtype = activation, dropout_p, x.dtype
+        ctx.activation, ctx.dropout_p, ctx.x_dtype, ctx.x_shape = activation, dropout_p, x.dtype, x.shape
         ctx.lora = lora_u is not None
-        return out
+        return _output(out, x.shape[:-1])
 
     @staticmethod
     def backward(ctx, dout):
@@ -382,13 +396,15 @@ class _LinearFn(torch.autograd.Function):
         if dout is not None and (need_x or need_w or need_b or need_u or need_lb):
             x, weight, pre, seed, lora_u, lora_b = ctx.saved_tensors
             g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)  # residual promoted out
+            g = _rows(g, g.shape[-1])
             if ctx.lora:
                 dx, dw, db, du, dlb = _linear_lora_bwd(g, x, weight, pre, seed, lora_u, lora_b, ctx.activation,
                                                        ctx.dropout_p, need_x, need_w, need_b, need_u, need_lb)
             else:
                 dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
                                          need_x, need_w, need_b)
-        return (dx if need_x else None, dw if need_w else None, db if need_b else None,
+            dx = dx.view(ctx.x_shape) if need_x else None
+        return (dx, dw if need_w else None, db if need_b else None,
                 dout if need_r else None, du if need_u else None, dlb if need_lb else None, None, None, None)
 
 
@@ -433,7 +449,8 @@ def _gate_up_views(w1, b1):
 class _FFNFn(torch.autograd.Function):
     """Inputs (x, w1, w1_up, b1, b1_up, w2, b2, residual, ...). ``split_w1``: SwiGLU with w1
     (2F, D) and b1 (2F,) holding gate then up rows (mlp's layout), passed to the ops as views;
-    otherwise SwiGLU's gate and up come as separate tensors and get views of one gradient."""
+    otherwise SwiGLU's gate and up come as separate tensors and get views of one gradient.
+    x (..., D) and residual keep their shapes, as in :class:`_LinearFn`."""
 
     @staticmethod
     def forward(ctx, x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, dropout_p, output_seed,
@@ -447,8 +464,9 @@ class _FFNFn(torch.autograd.Function):
             save = SAVE_H if need_w2 else SAVE_NONE
         if split_w1:
             w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
-        out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
-                              output_seed, output_dropout_p)
+        lead, x = x.shape[:-1], _rows(x, x.shape[-1])
+        out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, _rows(residual, w2.shape[0]), activation, save,
+                              seed, dropout_p, output_seed, output_dropout_p)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x if need_w1 else None, w1 if need_x else None, w1_up if need_x else None, w2,
                               saved if save != SAVE_NONE else None,
@@ -457,8 +475,8 @@ class _FFNFn(torch.autograd.Function):
                               else None)
         ctx.activation, ctx.save, ctx.split_w1 = activation, save, split_w1
         ctx.dropout_p, ctx.output_dropout_p = dropout_p, output_dropout_p
-        ctx.x_dtype, ctx.d_in = x.dtype, x.shape[1]
-        return out
+        ctx.x_dtype, ctx.d_in, ctx.lead = x.dtype, x.shape[1], lead
+        return _output(out, lead)
 
     @staticmethod
     def backward(ctx, dout):
@@ -469,11 +487,11 @@ class _FFNFn(torch.autograd.Function):
             return tuple(grads)
         if need_x or need_w1 or need_b1 or need_w2 or need_b2:
             x, w1, w1_up, w2, saved, seed, output_seed = ctx.saved_tensors
-            g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)
+            g = _rows(dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype), dout.shape[-1])
             dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1, w1_up, w2, saved, seed, output_seed, ctx.activation,
                                               ctx.dropout_p, ctx.output_dropout_p, ctx.save, ctx.d_in,
                                               need_x, need_w1, need_b1, need_w2, need_b2)
-            grads[0], grads[5], grads[6] = dx, dw2, db2
+            grads[0], grads[5], grads[6] = dx.view(*ctx.lead, ctx.d_in) if need_x else None, dw2, db2
             if ctx.activation in GATED and not ctx.split_w1:
                 f = w2.shape[1]
                 grads[1], grads[2] = (dw1[:f], dw1[f:]) if need_w1 else (None, None)
@@ -590,6 +608,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     before the bias and activation (see :mod:`fused_block.lora`); U and B get gradients.
     """
     _validate.tensor("x", x, min_ndim=1)
+    _backend.no_dtensor("linear", x, weight)
     _check_activation(activation)
     _validate.probability("dropout_p", dropout_p)
     x, weight, bias = _autocast(x, weight, bias)
@@ -603,11 +622,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p, lora=lora)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n))
     act = activation or "none"
     if _backend.needs_autograd(x, weight, bias, residual, u, lb):
-        out = _LinearFn.apply(*args, u, lb, act, seed, float(dropout_p))
-    elif u is None:
+        return _LinearFn.apply(x, weight, bias, residual, u, lb, act, seed, float(dropout_p))
+    args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n))
+    if u is None:
         out = _linear_fwd(*args, act, False, seed, float(dropout_p))[0]
     else:
         out = _linear_lora_fwd(*args, u, lb, act, False, seed, float(dropout_p))[0]
@@ -629,6 +648,7 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
     """
     _validate.tensor("x", x, min_ndim=1)
     _check_activation(activation, GATED)
+    _backend.no_dtensor("gated_linear", x, w_gate, w_up)
     _validate.probability("dropout_p", dropout_p)
     x, w_gate, w_up, b_gate, b_up = _autocast(x, w_gate, w_up, b_gate, b_up)
     _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
@@ -655,16 +675,14 @@ def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, outpu
     # The hidden dropout's seed is drawn first; no seed (no random number, no tensor) at p = 0.
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     output_seed = _backend.dropout_seed(output_dropout_p, x.device) if output_dropout_p > 0 else None
-    x2, residual = _rows(x, x.shape[-1]), _rows(residual, n)
     activation = activation or "none"
     if _backend.needs_autograd(x, w1, w1_up, b1, b1_up, w2, b2, residual):
-        out = _FFNFn.apply(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
-                           output_seed, float(output_dropout_p), split_w1)
-    else:
-        if split_w1:
-            w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
-        out = _ffn_fwd(x2, w1, w1_up, b1, b1_up, w2, b2, residual, activation, SAVE_NONE, seed,
-                       float(dropout_p), output_seed, float(output_dropout_p))[0]
+        return _FFNFn.apply(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
+                            output_seed, float(output_dropout_p), split_w1)
+    if split_w1:
+        w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
+    out = _ffn_fwd(_rows(x, x.shape[-1]), w1, w1_up, b1, b1_up, w2, b2, _rows(residual, n), activation, SAVE_NONE,
+                   seed, float(dropout_p), output_seed, float(output_dropout_p))[0]
     return out.view(*x.shape[:-1], n)
 
 
@@ -684,6 +702,7 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     activation is rounded to x's dtype, as in eager PyTorch. Returns (..., D').
     """
     _validate.tensor("x", x, min_ndim=1)
+    _backend.no_dtensor("mlp", x, w1, w2)
     _check_activation(activation, MLP_ACTIVATIONS)
     _validate.probability("dropout_p", dropout_p)
     _validate.probability("output_dropout_p", output_dropout_p)
@@ -732,6 +751,7 @@ def geglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Opt
 
 def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activation):
     _validate.tensor("x", x, min_ndim=1)
+    _backend.no_dtensor(activation, x, w_gate, w_up, w_down)
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = _autocast(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
     _check_layer("x", x, "w_up", w_up, "b_up", b_up)

@@ -183,6 +183,7 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
     _validate.tensor("hidden", hidden, min_ndim=1)
     _validate.tensor("weight", weight, ndim=2)
     _validate.tensor("bias", bias, ndim=1, optional=True)
+    _backend.no_dtensor("linear_cross_entropy", hidden, weight)
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:

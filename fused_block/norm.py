@@ -113,6 +113,11 @@ class _AddNorm(torch.autograd.Function):
                 unit_offset, second):
         out, rout, outs = _forward(x, residual, (weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
                                                  store_residual, unit_offset))
+        if out is not outs[0]:
+            # In x's shape as tensors of their own, not autograd views of the (rows, hidden)
+            # buffers: FSDP2 warns when a module returns a view (an in-place change of one would
+            # bypass the hook it puts on the module's output).
+            out, rout = out.detach(), None if rout is None else rout.detach()
         mean, rstd = None if is_rms else outs[-2], outs[-1]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(outs[1] if store_residual else _rows(x), weight, mean, rstd, seed)
@@ -237,6 +242,10 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
         dropout mask is regenerated from its seed.
     """
     _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
+    if type(x) is not Tensor and _backend.is_dtensor(x):
+        from fused_block import distributed
+        return distributed.add_norm(add_layer_norm, x, residual, (weight, bias), eps, dropout_p, residual_in_fp32,
+                                    out_is_residual)
     if not _backend.use_triton(x):
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
     return _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=False)
@@ -259,6 +268,10 @@ def add_rms_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | Non
     _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual)
     if not isinstance(unit_offset, bool):
         raise TypeError(f"unit_offset must be a bool, got {type(unit_offset).__name__}")
+    if type(x) is not Tensor and _backend.is_dtensor(x):
+        from fused_block import distributed
+        return distributed.add_norm(add_rms_norm, x, residual, (weight,), eps, dropout_p, residual_in_fp32,
+                                    out_is_residual, unit_offset=unit_offset)
     if not _backend.use_triton(x):
         return reference.add_rms_norm(x, residual, weight, eps, dropout_p, residual_in_fp32, out_is_residual,
                                       unit_offset=unit_offset)

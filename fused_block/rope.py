@@ -137,6 +137,7 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
     contiguous (B, L, H, D) in q's dtype. Gradients flow to q and k (not to the angle inputs).
     """
     rot_dim = _check(q, k, positions, inv_freq, cos, sin, scale, interleaved)
+    _backend.no_dtensor("rope", q, k)
     if not _backend.use_triton(q):
         return reference.rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved)
     if cos is not None:
@@ -299,6 +300,7 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
     if not isinstance(batch_first, bool):
         raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
     _validate.tensor("qkv", qkv, ndim=3)
+    _backend.no_dtensor("rope_qkvpacked", qkv)
     heads = num_heads + 2 * num_kv_heads
     if qkv.shape[2] % heads != 0 or qkv.shape[2] == 0:
         raise ValueError(f"qkv's last dim ({qkv.shape[2]}) must be (num_heads + 2 * num_kv_heads) = {heads} "

@@ -13,6 +13,7 @@ import types
 import torch
 
 from fused_block import _backend, _guard, lora
+from fused_block.blocks import _TP
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Hugging Face activation names (ACT2FN keys) and the GEMM epilogue's equivalent.
@@ -164,7 +165,9 @@ def _describe(layer):
     PEFT state."""
     state = layer._fused_block
     spec, skip, wrapped = _lora_spec(layer, state.spec, state.family)
-    why, watched = _guard.scan(layer, spec, tuple(state.family.called(layer)) + skip, _is_capture_hook)
+    tp = layer.__dict__.get(_TP)
+    why, watched = _guard.scan(layer, spec, tuple(state.family.called(layer)) + skip, _is_capture_hook,
+                               None if tp is None else tp.accepts)
     capture = any(_is_capture_hook(getattr(h, "func", h)) for m in watched for h in m._forward_hooks.values())
     checks = ([_capture_reason] if capture else []) + ([lora.live(layer, wrapped)] if wrapped else [])
     if len(checks) < 2:
@@ -216,18 +219,30 @@ def _fused_forward(self, *args, **kwargs):
     reason = (_common_reason(call, hidden, state.family.cross_attention) or _guard.reason(self, _describe)
               or state.family.check_call(self, call))
     if reason is not None:
+        if _TP in self.__dict__:
+            raise RuntimeError(f"fused_block: {type(self).__name__} is tensor parallel (fused_block.distributed."
+                               f"LayerParallel): it runs on its shards fused only, not its original forward: {reason}")
         warn_once((type(self).__name__, reason), f"{type(self).__name__} runs its original forward: {reason}")
         return state.original(self, *args, **kwargs)
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled() \
             and hasattr(self, "_gradient_checkpointing_func"):
         out = _checkpointed(self, call)
     else:
-        out = state.family.run(self, call, hidden)
+        out = _run(self, call, hidden)
     if state.returns_tensor:
         return out
     # Older transformers: a tuple, whose models read the updated cache after the hidden states
     # (when use_cache) or ignore what follows them.
     return (out, kv_cache(call)) if call.get("use_cache") and kv_cache(call) is not None else (out,)
+
+
+def _run(layer, call, hidden):
+    """The family's fused layer; a tensor-parallel one (``fused_block.distributed``) on this
+    rank's shards, also when gradient checkpointing recomputes it."""
+    tp = layer.__dict__.get(_TP)
+    if tp is None:
+        return layer._fused_block.family.run(layer, call, hidden)
+    return tp.call(layer, layer._fused_block.family.run, layer, call, hidden)
 
 
 def _checkpointed(layer, call):
@@ -241,7 +256,7 @@ def _checkpointed(layer, call):
 
     def run(*tensors):
         args = dict(call, **dict(zip(names, tensors)))
-        return layer._fused_block.family.run(layer, args, args["hidden_states"])
+        return _run(layer, args, args["hidden_states"])
 
     return layer._gradient_checkpointing_func(run, *(call[k] for k in names))
 

@@ -14,11 +14,13 @@ key padding), the output GEMM, and the SiLU-gated MLP as ``swiglu`` (gate and up
 with the SiLU-multiply in its epilogue, the weights read in place; the residual add in the down
 projection's epilogue). An MLP with another ``hidden_act`` runs Hugging Face's module.
 """
+import contextlib
+
 import torch
 from torch import nn
 
 from fused_block import lora
-from fused_block.blocks import _like
+from fused_block.blocks import _TP_RUN, _like
 from fused_block.hf._attention import (implementation_reason, is_flash, mask_convention, mask_reason,
                                        self_attention)
 from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, warn_once
@@ -130,28 +132,42 @@ def prepare(layer):
                   f"{type(layer).__name__}'s MLP runs Hugging Face's module (unfused): {reason}")
 
 
+_NO_SHIFT = contextlib.nullcontext()
+
+
 def run(layer, call, x):
+    """The fused layer. Tensor parallel (``fused_block.distributed``), the projections hold this
+    rank's heads and MLP columns: the norms' outputs enter whole (all-gathered along the
+    sequence under sequence parallelism), o_proj's and down_proj's partial sums leave reduced,
+    and the residual is added after the MLP's reduction (no LoRA there: LayerParallel refuses it)."""
     attn, state = layer.self_attn, layer._fused_block
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    tp = layer.__dict__.get(_TP_RUN)
     D = attn.head_dim
-    H = attn.q_proj.out_features // D
-    Hkv = attn.k_proj.out_features // D
+    H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
+    Hkv = attn.k_proj.weight.shape[0] // D
     n1, _ = add_rms_norm(x, None, ln1.weight, rms_eps(ln1))
     w = packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
     # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
     # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
-    qkv = linear(n1, w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
+    qkv = linear(n1 if tp is None else tp.enter(n1), w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
     qkv = rope(layer, qkv, H, Hkv, call)  # q, k rotated and v copied into one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
-    o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                       mask_convention(attn.config), attn.scaling, p, type(layer).__name__)
+    with _NO_SHIFT if tp is None or p == 0 else tp.seeds([tp.rank]):  # each rank's heads, their own masks
+        o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
+                           mask_convention(attn.config), attn.scaling, p, type(layer).__name__)
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
-    n2, h = add_rms_norm(_like(o, x), x, ln2.weight, rms_eps(ln2))
+    n2, h = add_rms_norm(_like(o if tp is None else tp.leave(o), x), x, ln2.weight, rms_eps(ln2))
+    m = layer.mlp
+    if tp is not None:
+        f = layer.mlp(tp.enter(n2)) if not state.fused_mlp else \
+            swiglu(tp.enter(n2), m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, b_gate=m.gate_proj.bias,
+                   b_up=m.up_proj.bias, b_down=m.down_proj.bias)
+        return tp.leave(f) + h
     if not state.fused_mlp:
         return h + layer.mlp(n2)
-    m = layer.mlp
     if any(lora.is_lora(t) for t in (m.gate_proj, m.up_proj, m.down_proj)):
         # Two GEMMs, the hidden activation between them (down_proj's adapters read it).
         hid = gated_linear(n2, m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias,
