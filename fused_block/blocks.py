@@ -51,6 +51,7 @@ from fused_block import _backend, _guard, lora, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
+from fused_block.attention import attention_varlen_qkvpacked as _attention_varlen_qkvpacked
 from fused_block.linear import gated_linear as _gated_linear
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
@@ -445,6 +446,14 @@ class MultiheadAttention(nn.MultiheadAttention):
                       f"{MAX_HEAD_DIM}], up to {MAX_FP32_HEAD_DIM} in fp32)")
             if masks.key_padding is not None or masks.causal:
                 masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
+        varlen = _VARLEN[0]
+        if varlen is not None:  # a jagged batch as one row of packed tokens (_forward_nested)
+            if not (packed and reason is None and ops is _FUSED and not self.rope and masks.key_padding is None):
+                raise RuntimeError("fused_block: packed (varlen) tokens reached an attention that cannot take them")
+            cu, longest = varlen
+            o = _attention_varlen_qkvpacked(qkv[0] if bf else qkv[:, 0], cu, longest, H, Hkv, causal=masks.causal,
+                                            dropout_p=dropout_p)
+            return ops.linear(o[None] if bf else o[:, None], self.out_proj.weight, self.out_proj.bias)
         if packed:
             if reason is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
@@ -711,6 +720,19 @@ _NO_SEED_BLOCK = contextlib.nullcontext()
 # A tensor-parallel layer's plan (set by fused_block.distributed.LayerParallel), and the state of
 # one of its calls, set on the layer and its attention modules for the call's duration.
 _TP, _TP_RUN = "_fused_block_tp", "_fused_block_tp_run"
+# A nested batch's (cu_seqlens int32, longest length) while its tokens run as one row
+# (TransformerEncoderLayer._forward_nested): the self-attention runs the varlen kernel.
+_VARLEN = [None]
+
+
+@contextlib.contextmanager
+def _varlen_tokens(cu_seqlens, longest):
+    saved = _VARLEN[0]
+    _VARLEN[0] = (cu_seqlens, longest)
+    try:
+        yield
+    finally:
+        _VARLEN[0] = saved
 
 
 def _tp_length(layer, n, memory=False, masks=()):
@@ -836,21 +858,46 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
 
     def _forward_nested(self, src, src_mask, src_key_padding_mask, is_causal):
         """A nested (B, ragged L, E) src, as ``nn.TransformerEncoder``'s inference fast path hands
-        its layers: the kernels run on the padded batch with the lengths as key padding, and the
-        valid rows go back into a nested tensor of src's layout (what torch's fast path returns;
-        the encoder then pads with zeros)."""
+        its layers (strided) or a user builds it (jagged): its tokens back to back as one row,
+        the attention as the varlen kernel over the sequences (no padding computed), the other
+        ops token by token; the output a nested tensor of src's layout (what torch's fast path
+        returns; the encoder then pads with zeros). With a ``src_mask``, RoPE, or attention the
+        varlen kernel does not take (see :meth:`_varlen_ok`): the kernels on the padded batch
+        with the lengths as key padding."""
         if not self.self_attn.batch_first:
             raise ValueError("src: nested tensors need batch_first=True (as torch's layers)")
         if src_key_padding_mask is not None:
             raise ValueError("src_key_padding_mask: not supported with a nested src (its lengths are the padding)")
+        if src.layout == torch.jagged:
+            tokens, offsets = src.values(), src.offsets()
+        else:
+            parts = src.unbind()
+            tokens = torch.cat(parts)
+            offsets = F.pad(torch.tensor([t.shape[0] for t in parts], device=tokens.device).cumsum(0), (1, 0))
+        lengths = offsets.diff()
+        if src_mask is None and self._varlen_ok(tokens):
+            longest = int(lengths.max()) if lengths.numel() else 0
+            with _varlen_tokens(offsets.to(torch.int32), longest):
+                y = self.forward(tokens[None], None, None, is_causal)[0]
+            if src.layout == torch.jagged:
+                return torch.nested.nested_tensor_from_jagged(y, offsets)
+            return torch.nested.as_nested_tensor(list(y.split(lengths.tolist())), layout=torch.strided)
         padded = torch.nested.to_padded_tensor(src, 0.0)
-        lengths = torch.tensor([t.shape[0] for t in src.unbind()], device=padded.device)
         valid = torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
         y = self.forward(padded, src_mask, ~valid, is_causal)
         if src.layout == torch.jagged:
-            offsets = F.pad(lengths.cumsum(0), (1, 0))
             return torch.nested.nested_tensor_from_jagged(y[valid], offsets)
         return torch._nested_tensor_from_mask(y, valid, mask_check=False)
+
+    def _varlen_ok(self, tokens):
+        """Whether the varlen kernel takes this layer's attention: the kernel path, packed
+        self-attention of a kernel head dim and dtype, no RoPE (its positions would need to
+        restart per sequence), no added keys, not tensor parallel."""
+        attn = self.self_attn
+        return (_backend.use_triton(tokens) and attn._qkv_same_embed_dim and not attn.rope and attn.bias_k is None
+                and not attn.add_zero_attn and _TP not in self.__dict__
+                and attn.head_dim in _KERNEL_HEAD_DIMS and tokens.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                and not (tokens.dtype == torch.float32 and attn.head_dim > MAX_FP32_HEAD_DIM))
 
     @classmethod
     def from_torch(cls, layer):

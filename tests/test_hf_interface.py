@@ -6,7 +6,8 @@ logits against the model in float64 with the rule of tests/test_hf.py (4 x the o
 same-dtype error), the original being the ``sdpa`` implementation (``eager`` for the models
 without one), and 16 greedy tokens with the KV cache, token for token the original's. The
 launches show which layers ran the kernel; the models whose attention the kernel cannot take
-yet (soft-capping, sinks, windows that cut keys) warn once and give the original's answer.
+through its eager attention only (soft-capping, sinks) are compared with ``eager``. Sliding
+windows that cut keys, soft-capping and sinks run the kernel.
 """
 import copy
 
@@ -24,12 +25,6 @@ from hf_testing import seq2seq_inputs, seq2seq_model  # noqa: E402
 
 # name -> (layers of 2 whose attention runs the kernel, the fallback warning or None)
 EXPECT = {name: (2, None) for name in INTERFACE_MODELS}
-EXPECT.update({
-    "gemma3-window": (1, "a mask the kernel does not take"),
-    "modernbert-window": (1, "a mask the kernel does not take"),
-    "gemma2": (0, "soft-capping"),
-    "gpt_oss": (0, "sinks"),
-})
 NAMES = list(INTERFACE_MODELS)
 CAUSAL = [n for n in NAMES if n not in ENCODERS]
 
@@ -157,9 +152,9 @@ def test_packed_batch_matches_the_sequences_one_by_one(flash_kwargs, device, lau
     """DataCollatorWithFlattening's batch (one row, restarting position_ids, and with
     return_flash_attn_kwargs its cu_seq_lens_q/k): the loss and every gradient of the
     sequences run one by one (the sum of their losses over the batch's token count), within the
-    rule against those in float64. Packed sequences run SDPA for now (one warning), the
-    sequences kept apart by cu_seq_lens or else by the restarting position_ids (transformers'
-    own packed mask is not built when the model makes a cache, as in training with use_cache)."""
+    rule against those in float64. The varlen kernel runs them (no padding), the sequences kept
+    apart by cu_seq_lens or else by the restarting position_ids (transformers' own packed mask
+    is not built when the model makes a cache, as in training with use_cache)."""
     model = interface_model("llama", device, "sdpa").train()
     ref, ours = copy.deepcopy(model).double(), _ours(model)
     g = torch.Generator().manual_seed(2)
@@ -168,7 +163,7 @@ def test_packed_batch_matches_the_sequences_one_by_one(flash_kwargs, device, lau
         [{"input_ids": s} for s in seqs], return_tensors="pt")
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     n_items = sum(len(s) - 1 for s in seqs)
-    with pytest.warns(UserWarning, match="packed sequences"):
+    with no_fallback():
         packed = ours(**batch, num_items_in_batch=n_items).loss
         packed.backward()
     one_by_one = []
@@ -183,7 +178,7 @@ def test_packed_batch_matches_the_sequences_one_by_one(flash_kwargs, device, lau
     assert_close("loss", packed, *one_by_one, torch.float32, device)
     for (pname, p), base, got in zip(ref.named_parameters(), model.parameters(), ours.parameters()):
         assert_close(f"{pname}.grad", got.grad, p.grad, base.grad, torch.float32, device)
-    assert launches["attention_fwd"] == 0
+    assert launches["attention_fwd"] == launches["attention_bwd"] == 2  # one varlen launch per layer
 
 
 def test_torch_compile_fullgraph(device, launches):
@@ -268,11 +263,12 @@ MASK_CASES = {
     "bidirectional": ("bidirectional", 6, 6, 0, 0, None, True),
     "bidirectional-padded": ("bidirectional", 6, 6, 0, 0, "right", True),
     "window-cuts-nothing": ("window", 4, 4, 0, 0, "left", True),
-    "window-cuts": ("window", 6, 6, 0, 0, "left", False),
+    "window-cuts": ("window", 6, 6, 0, 0, "left", True),  # the window rides on the light mask
     # a sliding cache's decoding step: window - 1 cached keys from position 5 on, the query at 8
     "window-cache-decoding": ("window", 1, 4, 8, 5, "left", True),
-    "bidirectional-window-cuts": ("bidirectional-window", 6, 6, 0, 0, None, False),
-    "packed": ("packed", 6, 6, 0, 0, None, False),
+    "bidirectional-window-cuts": ("bidirectional-window", 6, 6, 0, 0, None, True),
+    "packed": ("packed", 6, 6, 0, 0, None, False),  # an and-mask of another structure: sdpa_mask's
+    "packed-remapped": ("packed-remapped", 6, 6, 0, 0, None, True),  # as create_causal_mask builds it
     "static-cache": ("causal", 2, 8, "tensor", 0, "right", False),  # a tensor offset: not read
 }
 
@@ -293,12 +289,16 @@ def test_mask_forms_give_sdpas_answer_without_reading_values(case, device, launc
                  "window": mu.sliding_window_causal_mask_function(_W),
                  "bidirectional-window": mu.sliding_window_bidirectional_mask_function(1),
                  "packed": mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(
-                     torch.tensor([[0, 0, 0, 1, 1, 1]] * B, device=device)))}
+                     torch.tensor([[0, 0, 0, 1, 1, 1]] * B, device=device))),
+                 "packed-remapped": mu.and_masks(
+                     mu.remap_positions_for_packed_sequence(mu.causal_mask_function,
+                                                            torch.tensor([[0, 1, 2, 0, 1, 2]] * B, device=device)),
+                     mu.packed_sequence_mask_function(torch.tensor([[0, 0, 0, 1, 1, 1]] * B, device=device)))}
     fn = functions[kind]
     offset = torch.tensor(0, device=device) if q_offset == "tensor" else q_offset  # a StaticCache's prefill
     args = dict(batch_size=B, q_length=Lq, kv_length=Lk, q_offset=offset, kv_offset=kv_offset, mask_function=fn,
                 attention_mask=padding, device=device, local_size=_W if "window" in kind else None,
-                allow_is_causal_skip=kind != "packed")  # as create_causal_mask passes them
+                allow_is_causal_skip="packed" not in kind)  # as create_causal_mask passes them
     want_mask = mu.sdpa_mask(**{**args, "allow_is_causal_skip": False})
     if light:
         for name in ("any", "all", "item", "equal"):
@@ -308,15 +308,15 @@ def test_mask_forms_give_sdpas_answer_without_reading_values(case, device, launc
     assert form == light
     q = torch.randn(B, H, Lq, D, device=device)
     k, v = (torch.randn(B, Hkv, Lk, D, device=device) for _ in range(2))
-    causal = kind in ("causal", "window", "packed")
-    with (no_fallback() if light else pytest.warns(UserWarning, match="a mask the kernel does not take")):
+    causal = kind in ("causal", "window", "packed", "packed-remapped")
+    with no_fallback():  # the other forms: the kernel reads sdpa_mask's 4-D mask
         got, _ = interface.attention(_Module(causal, H // Hkv), q, k, v, got_mask, scaling=0.3)
     monkeypatch.undo()
     want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                             attn_mask=want_mask, scale=0.3).transpose(1, 2)
     seen = want_mask.any(-1).transpose(1, 2)[..., None]  # rows with no key: SDPA NaN, the kernel 0
     torch.testing.assert_close(got.masked_fill(~seen, 0), want.masked_fill(~seen, 0), atol=2e-6, rtol=0)
-    assert launches["attention_fwd"] == (1 if light else 0)
+    assert launches["attention_fwd"] == 1
 
 
 def test_mask_for_models_outside_the_interface_is_eagers():

@@ -217,20 +217,28 @@ def test_nested_tensors_from_the_encoder_fast_path_run_the_kernels(device, launc
     assert launches["attention_fwd"] == 2
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", ["strided", "jagged"])
-def test_nested_input_to_a_fused_layer(device, launches, layout):
-    """A nested src given to the layer directly (either layout): the kernels on the padded batch,
-    a nested result of the same layout whose rows are the padded computation's valid rows."""
+def test_nested_input_to_a_fused_layer(device, launches, layout, causal, monkeypatch):
+    """A nested src given to the layer directly (either layout): its tokens as one packed row,
+    the attention through the varlen kernel (one launch for the batch, no padding), a nested
+    result of the same layout whose rows are each sequence's own computation."""
+    from fused_block import blocks
+
     torch.manual_seed(0)
     layer = fused_block.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True, norm="rms", num_kv_heads=1,
                                                 device=device).eval()
+    calls = []
+    varlen = blocks._attention_varlen_qkvpacked
+    monkeypatch.setattr(blocks, "_attention_varlen_qkvpacked", lambda *a, **k: calls.append(a[1]) or varlen(*a, **k))
     seqs = [torch.randn(n, 32, device=device) for n in (5, 9, 1)]
     nested = torch.nested.nested_tensor(seqs, layout=getattr(torch, layout))
     with torch.no_grad():
-        out = layer(nested)
+        out = layer(nested, is_causal=causal)
         assert out.is_nested and out.layout == getattr(torch, layout)
+        assert len(calls) == 1 and calls[0].tolist() == [0, 5, 14, 15]
         for seq, got in zip(seqs, out.unbind()):
-            torch.testing.assert_close(got, layer(seq[None])[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, layer(seq[None], is_causal=causal)[0], atol=1e-5, rtol=1e-5)
     assert launches["attention_fwd"] == 4
 
 

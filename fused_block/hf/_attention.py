@@ -26,14 +26,23 @@ from fused_block.hf._core import warn_once
 
 class Plan:
     """How attention runs: the kernel (``causal``, ``key_padding`` (B, Lk) or None, the first
-    ``n_keys`` keys) or SDPA with the model's own ``sdpa_mask`` / ``sdpa_causal`` and a reason."""
+    ``n_keys`` keys, a ``window`` (left, right), or a general 4-D ``mask`` (bool) / ``bias``
+    (additive float) read tile by tile) or SDPA with the model's own ``sdpa_mask`` /
+    ``sdpa_causal`` and a reason."""
 
-    __slots__ = ("kernel", "causal", "key_padding", "n_keys", "sdpa_mask", "sdpa_causal", "reason")
+    __slots__ = ("kernel", "causal", "key_padding", "n_keys", "window", "mask", "bias", "sdpa_mask", "sdpa_causal",
+                 "reason")
 
-    def __init__(self, kernel, causal=False, key_padding=None, n_keys=None, sdpa_mask=None, sdpa_causal=False,
-                 reason=None):
+    def __init__(self, kernel, causal=False, key_padding=None, n_keys=None, window=(-1, -1), mask=None, bias=None,
+                 sdpa_mask=None, sdpa_causal=False, reason=None):
         self.kernel, self.causal, self.key_padding, self.n_keys = kernel, causal, key_padding, n_keys
+        self.window, self.mask, self.bias = window, mask, bias
         self.sdpa_mask, self.sdpa_causal, self.reason = sdpa_mask, sdpa_causal, reason
+
+    @property
+    def light(self):
+        """No general mask: the packed kernel and the varlen kernel can run it."""
+        return self.mask is None and self.bias is None
 
 
 _LAST_MASK = [None, None]  # (weakref to the last 4-D mask read, what it was read as)
@@ -60,18 +69,32 @@ def mask_reason(mask, L, causal, convention):
     return f"an attention mask of shape {tuple(mask.shape)} for a {'causal' if causal else 'bidirectional'} layer"
 
 
-def plan(mask, B, Lq, Lk, causal, convention):
+def window_of(sliding_window, causal):
+    """Hugging Face's ``sliding_window`` (query i sees keys i - j < sliding_window) as the
+    kernel's ``window=(left, right)`` for flash-attention's 2-D masks (transformers' flash path
+    passes ``(w - 1, w - 1)``, causality cutting the right side)."""
+    if sliding_window is None:
+        return (-1, -1)
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def plan(mask, B, Lq, Lk, causal, convention, window=(-1, -1)):
     """Read a Hugging Face attention mask. ``causal``: the module is causal; ``convention``:
-    :func:`mask_convention` of the model (flash: 2-D masks, bottom-right causal when None)."""
+    :func:`mask_convention` of the model (flash: 2-D masks, bottom-right causal when None);
+    ``window``: the layer's sliding window as the kernel's ``(left, right)``, which
+    flash-attention's 2-D masks leave to the attention and eager's / sdpa's 4-D masks hold (a
+    4-D mask that is causal + padding + this window runs the kernel's window; any other runs
+    the kernel with the mask itself)."""
     if convention == "fused_block":
         light = light_plan(mask, B, Lq, Lk, causal)
         if light is not None:
             return light
     if mask is None:
+        # sdpa's None: no window cuts a key (transformers materializes the mask otherwise).
         if not causal or Lq == 1:
-            return Plan(True, causal=False)
+            return Plan(True, causal=False, window=window if convention == "flash" else (-1, -1))
         if Lq == Lk or convention == "flash":
-            return Plan(True, causal=True)
+            return Plan(True, causal=True, window=window if convention == "flash" else (-1, -1))
         if Lq < Lk:
             # SDPA's is_causal is top-left: query i sees keys j <= i, i.e. the first Lq keys bottom-right.
             return Plan(True, causal=True, n_keys=Lq)
@@ -80,41 +103,78 @@ def plan(mask, B, Lq, Lk, causal, convention):
         key_padding = ~mask[:, -Lk:].bool()
         # Under CUDA graph capture no value is read (a sync would invalidate the capture): the
         # kernels take the padding mask as it is, all-False or not.
-        return Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not _capturing(mask)))
-    if torch.compiler.is_compiling():
-        return Plan(False, sdpa_mask=mask, reason="a 4-D attention mask under torch.compile (its values "
-                    "cannot be read while tracing; pass attention_mask=None when there is no padding)")
+        return Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not _capturing(mask)),
+                    window=window)
+    if torch.compiler.is_compiling() or _capturing(mask):
+        return general_plan(mask, B, Lq, Lk)  # no value read: the kernel reads the mask itself
     last_ref, last = _LAST_MASK
-    if last_ref is not None and last_ref() is mask and last[0] == (B, Lq, Lk, causal):
+    if last_ref is not None and last_ref() is mask and last[0] == (B, Lq, Lk, causal, window):
         return last[1]
-    if _capturing(mask):  # a mask already read above is reused during capture
-        return Plan(False, sdpa_mask=mask, reason="a 4-D attention mask first seen during CUDA graph capture "
-                    "(its values cannot be read without a sync; run the model once before capturing)")
-    read = _read_mask(mask, B, Lq, Lk, causal)
-    _LAST_MASK[:] = [weakref.ref(mask), ((B, Lq, Lk, causal), read)]
+    read = _read_mask(mask, B, Lq, Lk, causal, window)
+    _LAST_MASK[:] = [weakref.ref(mask), ((B, Lq, Lk, causal, window), read)]
     return read
+
+
+def general_plan(mask, B, Lq, Lk):
+    """A 4-D (B or 1, 1 or H, Lq, Lk) mask for the kernel as it is: bool (True = attend) as its
+    ``mask``, float as its additive ``bias``; SDPA for a shape it does not broadcast."""
+    if mask.dim() == 4 and mask.shape[0] in (1, B) and tuple(mask.shape[2:]) == (Lq, Lk):
+        if mask.dtype == torch.bool:
+            return Plan(True, mask=mask)
+        if mask.is_floating_point():
+            return Plan(True, bias=mask)
+    return Plan(False, sdpa_mask=mask, reason=f"an attention mask of shape {tuple(mask.shape)} and dtype "
+                f"{mask.dtype} for {Lq} queries and {Lk} keys")
 
 
 def light_plan(mask, B, Lq, Lk, causal):
     """The plan of a mask from the ``"fused_block"`` mask interface, no value read; None for a
     mask of another form (a general 4-D mask). The forms: None (SDPA's convention: ``causal``
     from the module, top-left), (B, Lk) bool: causal (bottom-right) with the keys marked False
-    as padding, (B or 1, 1, 1, Lk) bool: every query sees the keys marked True."""
+    as padding, (B or 1, 1, 1, Lk) bool: every query sees the keys marked True; either with
+    the sliding window the interface found in the model's mask function
+    (:func:`fused_block.hf.interface.window_of_mask`)."""
     if mask is None:
         return plan(None, B, Lq, Lk, causal, "sdpa")
     if mask.dtype != torch.bool:
         return None
+    window = getattr(mask, WINDOW_ATTR, (-1, -1))
+    packed = getattr(mask, PACKED_ATTR, None) is not None
     if mask.dim() == 2 and tuple(mask.shape) == (B, Lk):
-        return Plan(True, causal=True, key_padding=~mask)
-    if mask.dim() == 4 and tuple(mask.shape[1:]) == (1, 1, Lk) and mask.shape[0] in (1, B):
-        return Plan(True, causal=False, key_padding=_padding(~mask[:, 0, 0], B, read=False))
+        if packed:  # (the interface runs these through the varlen kernel itself)
+            return Plan(True, mask=light_dense(mask, Lq, Lk))
+        return Plan(True, causal=True, key_padding=~mask, window=window)
+    if mask.dim() == 4 and tuple(mask.shape[1:]) == (1, 1, Lk) and mask.shape[0] in (1, B) and not packed:
+        return Plan(True, causal=False, key_padding=_padding(~mask[:, 0, 0], B, read=False), window=window)
     return None
 
 
-def _read_mask(mask, B, Lq, Lk, causal):
-    general = Plan(False, sdpa_mask=mask, reason="an attention mask that is not causal plus key padding "
-                   "(a sliding window that cuts keys, packed sequences, a custom pattern)")
-    if mask.shape[-1] != Lk or mask.shape[0] not in (1, B):
+def light_dense(mask, Lq, Lk):
+    """A light mask (``(B, Lk)`` causal + padding or ``(B, 1, 1, Lk)``, with its window and
+    packed sequences) as the (B, 1, Lq, Lk) bool mask (True = attend) it stands for; built on
+    the device, no value read."""
+    i = torch.arange(Lq, device=mask.device)[:, None] + (Lk - Lq)
+    j = torch.arange(Lk, device=mask.device)[None, :]
+    dense = ((j <= i) & mask[:, None, None, :]) if mask.dim() == 2 else mask.expand(-1, -1, Lq, -1)
+    window = getattr(mask, WINDOW_ATTR, None)
+    if window is not None:
+        left, right = window
+        dense = dense & (j >= i - left) if left >= 0 else dense
+        dense = dense & (j <= i + right) if right >= 0 else dense
+    ids = getattr(mask, PACKED_ATTR, None)
+    if ids is not None:  # (B, L) sequence indices, queries and keys alike (no cache)
+        dense = dense & (ids[:, None, :, None] == ids[:, None, None, :])
+    return dense
+
+
+# The light masks' extras (set by fused_block.hf.interface.mask on the mask tensor it returns):
+# the sliding window (left, right) and a packed batch's sequence indices (B, L).
+WINDOW_ATTR, PACKED_ATTR = "_fused_block_window", "_fused_block_packed"
+
+
+def _read_mask(mask, B, Lq, Lk, causal, window):
+    general = general_plan(mask, B, Lq, Lk)
+    if mask.shape[-1] != Lk or mask.shape[0] not in (1, B) or mask.shape[1] != 1:
         return general
     if mask.dtype == torch.bool:
         keep = mask
@@ -123,10 +183,15 @@ def _read_mask(mask, B, Lq, Lk, causal):
         if not bool((keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
             return general
     key_padding = ~keep[:, 0, -1, :]  # the last query sees every key that is not padding
-    visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device)
+    visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device, window=window)
     if not torch.equal(visible, keep.expand(visible.shape)):
-        return general
-    return Plan(True, causal=causal, key_padding=_padding(key_padding, B))
+        if window == (-1, -1):
+            return general
+        visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device)
+        if not torch.equal(visible, keep.expand(visible.shape)):
+            return general
+        window = (-1, -1)  # the mask holds no window (the layer's cuts no key of it)
+    return Plan(True, causal=causal, key_padding=_padding(key_padding, B), window=window)
 
 
 def _padding(key_padding, B, read=True):
@@ -139,26 +204,6 @@ def kernel_head_dim(D, dtype):
     return D % 8 == 0 and MIN_HEAD_DIM <= D <= (MAX_FP32_HEAD_DIM if dtype == torch.float32 else MAX_HEAD_DIM)
 
 
-def features_reason(softcap, sliding_window, n_keys):
-    """Why the attention kernel cannot run a layer's attention features now (None if it can):
-    ``softcap`` (attention logits ``softcap * tanh(s / softcap)``, Gemma 2's
-    ``attn_logit_softcapping``) and ``sliding_window`` (Hugging Face's convention: query i sees
-    keys j with i - j < sliding_window) over ``n_keys`` keys in all (cached ones included). A
-    window of at least ``n_keys`` cuts no key: plain causal attention.
-
-    The one place that decides it, before the layer runs anything (so a fallback runs the
-    whole original forward, the cache updated once). The kernel on main has neither feature
-    yet; once ``fused_block.attention`` takes ``softcap=`` and ``window=(left, right)``, this
-    returns None for them and :func:`self_attention` passes them on (``window=(sliding_window
-    - 1, 0)``)."""
-    if softcap is not None:
-        return f"attention logit softcapping ({softcap}; the attention kernel has no softcap yet)"
-    if sliding_window is not None and n_keys > sliding_window:
-        return (f"a sliding window of {sliding_window} keys over {n_keys} (the attention kernel has no "
-                "windows yet)")
-    return None
-
-
 def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name, softcap=None,
                    sliding_window=None):
     """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
@@ -166,26 +211,22 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
     attend; when those are this call's own (L of them: nothing was cached before, as in
     training and prefill; every cache layer of transformers returns past + new keys, or its
     whole static buffer), the packed kernel reads qkv in place and writes one packed gradient.
-    ``softcap`` and ``sliding_window``: the layer's attention features, which the layer has
-    checked with :func:`features_reason` (a window that cuts no key is dropped here)."""
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) and ``sliding_window`` (Hugging Face's
+    convention, :func:`window_of`) go to the kernel."""
     B, L, _ = qkv.shape
     D = qkv.shape[2] // (H + 2 * Hkv)
     heads = qkv.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)  # (B, H + 2 Hkv, L, D) view
     q, k, v = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
     if cache is not None:
         k, v = cache.update(k, v, layer_idx)
-    # The features reach the kernel here once it has them; until then the layer's check_call
-    # kept calls that need them off this path.
-    why = features_reason(softcap, sliding_window, max(k.shape[2], L))
-    if why is not None:
-        raise RuntimeError(f"{name}: {why} reached the fused attention (the layer's check_call must catch it)")
-    p = plan(mask, B, L, k.shape[2], causal, convention)
-    if p.kernel and p.n_keys is None and k.shape[2] == L and kernel_head_dim(D, qkv.dtype):
-        return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p)
-    return attend(q, k, v, p, scale, dropout_p, name).transpose(1, 2).reshape(B, L, H * D)
+    p = plan(mask, B, L, k.shape[2], causal, convention, window_of(sliding_window, causal))
+    if p.kernel and p.light and p.n_keys is None and k.shape[2] == L and softcap is None \
+            and kernel_head_dim(D, qkv.dtype):
+        return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window)
+    return attend(q, k, v, p, scale, dropout_p, name, softcap).transpose(1, 2).reshape(B, L, H * D)
 
 
-def attend(q, k, v, p, scale, dropout_p, name):
+def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None):
     """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says."""
     D = q.shape[-1]
     if p.kernel and not kernel_head_dim(D, q.dtype):
@@ -194,7 +235,10 @@ def attend(q, k, v, p, scale, dropout_p, name):
     if p.kernel:
         if p.n_keys is not None:
             k, v = k[:, :, :p.n_keys], v[:, :, :p.n_keys]
-        return _attention(q, k, v, p.causal, scale, p.key_padding, dropout_p)
+        return _attention(q, k, v, p.causal, scale, p.key_padding, dropout_p, window=p.window, softcap=softcap,
+                          sinks=sinks, mask=p.mask, bias=p.bias)
+    if softcap is not None or sinks is not None:
+        raise NotImplementedError(f"{name}: {p.reason}, with a softcap or sinks, which SDPA does not compute")
     warn_once((name, p.reason), f"{name}: {p.reason}; attention runs through "
               "torch.nn.functional.scaled_dot_product_attention with the model's mask (slower, same result)")
     if k.shape[1] != q.shape[1]:
@@ -205,8 +249,11 @@ def attend(q, k, v, p, scale, dropout_p, name):
 
 def _dense(p, Lq, Lk, device):
     """The kernel plan as SDPA's bool mask (True = attend)."""
+    if p.mask is not None or p.bias is not None:
+        return p.mask if p.mask is not None else p.bias
     n = p.n_keys or Lk
-    vis = reference.visible_keys(Lq, n, p.causal, None if p.key_padding is None else p.key_padding[:, :n], device)
+    vis = reference.visible_keys(Lq, n, p.causal, None if p.key_padding is None else p.key_padding[:, :n], device,
+                                 window=p.window)
     return F.pad(vis, (0, Lk - n), value=False)
 
 

@@ -18,12 +18,10 @@ packed output, the KV cache, the attention kernel, GQA) with Gemma's parts:
   (``rope_qkvpacked``'s ``norm_unit_offset``). Its local and global layers' RoPE bases: the
   model passes each layer its layer type's cos/sin tables (``position_embeddings``), which the
   RoPE kernel reads (Gemma 1/2: fp32 angles from the rotary module's ``inv_freq``).
-- Attention: Gemma 2/3's scaling ``query_pre_attn_scalar ** -0.5``. Their
-  ``attn_logit_softcapping`` and ``sliding_window`` go to the one attention dispatch point
-  (:func:`fused_block.hf._attention.features_reason`), which today returns a reason when they
-  are needed (a softcap, or a window that cuts keys): the layer then runs its original forward
-  after a one-time warning. A window at least as long as the keys (a short sequence, or
-  ``sliding_window`` past it) runs fused, as does Gemma 1 (neither feature).
+- Attention: Gemma 2/3's scaling ``query_pre_attn_scalar ** -0.5``, their
+  ``attn_logit_softcapping`` (the kernel's ``softcap``) and sliding windows (the kernel's
+  ``window``, local layers skipping the key blocks outside it), through the shared attention
+  dispatch (:func:`fused_block.hf._attention.self_attention`).
 
 The embedding scale (``sqrt(hidden_size)``) is the model's, outside the layers; Gemma 2/3's
 final logit softcapping is in the causal-LM loss (:mod:`fused_block.hf._lm`).
@@ -36,7 +34,7 @@ from torch import nn
 from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf import llama
-from fused_block.hf._attention import (features_reason, implementation_reason, mask_convention, mask_reason,
+from fused_block.hf._attention import (implementation_reason, mask_convention, mask_reason,
                                        self_attention)
 from fused_block.hf._core import SAME, Family, kv_cache, packed, warn_once
 from fused_block.linear import gated_linear, geglu, linear
@@ -92,21 +90,12 @@ def check(layer):
     return None
 
 
-def _features(layer, call):
-    """(softcap, sliding_window, keys attended in all) of this call."""
-    attn = layer.self_attn
-    cache = kv_cache(call)
-    L = call["hidden_states"].shape[1]
-    past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
-    return getattr(attn, "attn_logit_softcapping", None), getattr(attn, "sliding_window", None), int(past) + L
-
-
 def check_call(layer, call):
     attn = layer.self_attn
     hidden = call["hidden_states"]
     if call.get("position_embeddings") is None and llama.rotary_positions(layer, call, *hidden.shape[:2]) is None:
         return "no position_embeddings (and no model-level rotary module with position_ids)"
-    return (features_reason(*_features(layer, call)) or implementation_reason(attn.config)
+    return (implementation_reason(attn.config)
             or mask_reason(call.get("attention_mask"), hidden.shape[1], True, mask_convention(attn.config)))
 
 
@@ -175,7 +164,7 @@ def run(layer, call, x):
     qkv = linear(n1, w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
     qkv = llama.rope(layer, qkv, H, Hkv, call, unit_offset=True)  # Gemma 3: (1 + w) q/k norms in the launch
     p = attn.attention_dropout if attn.training else 0.0
-    softcap, window, _ = _features(layer, call)
+    softcap, window = getattr(attn, "attn_logit_softcapping", None), getattr(attn, "sliding_window", None)
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                        mask_convention(attn.config), attn.scaling, p, type(layer).__name__, softcap=softcap,
                        sliding_window=window)

@@ -9,26 +9,29 @@
   a (B, Lk) bool mask (causal, bottom-right, with the keys marked False as padding) or a
   (B or 1, 1, 1, Lk) bool mask (every query sees the keys marked True). That covers the
   causal and bidirectional masks transformers builds, with padding, a KV cache whose last key
-  is the last query's position, and sliding windows that cut no key. Any other pattern
-  (windows that cut keys, packed sequences, chunked or custom masks, static caches) gets
-  transformers' own ``sdpa_mask``, a 4-D mask, which the attention runs through SDPA.
+  is the last query's position, sliding windows (a window that cuts keys rides on the mask
+  tensor as an attribute, ``_attention.WINDOW_ATTR``) and packed batches (transformers'
+  packed mask function: the sequence indices ride along, ``PACKED_ATTR``). Any other pattern
+  (chunked or custom masks, static caches) gets transformers' own ``sdpa_mask``, a 4-D mask,
+  which the kernel reads tile by tile (its ``mask`` / ``bias`` inputs).
   Models not declared to run all their attention through the interface (their classes do not
   set ``_supports_attention_backend`` and the family is not one verified here: BLOOM, T5, ...)
   get ``eager_mask``, which any attention code reads correctly, after a one-time warning.
 - ``AttentionInterface``: :func:`attention` runs ``fused_block.attention`` (GQA, key
-  padding, causal bottom-right, dropout, ``scaling``) on what the model passes, and returns
-  the (B, Lq, H, D) output as ``sdpa_attention_forward`` does. What the kernel does not
-  take yet runs transformers' ``sdpa_attention_forward`` (or the model's own
-  ``eager_attention_forward`` for soft-capping and sinks, which SDPA cannot express) with
-  the equivalent mask, after a one-time warning naming the reason (:func:`kernel_reason`):
-  logit soft-capping, attention sinks (``s_aux``), packed sequences (``cu_seq_lens_q/k``),
-  a position bias, masks of another form, head dims or dtypes outside the kernel's range.
-  Packed sequences are kept apart by ``cu_seq_lens_q/k`` or restarting ``position_ids``.
+  padding, causal bottom-right, sliding windows, ``softcap``, sinks (``s_aux``), dropout,
+  ``scaling``, general masks) on what the model passes, and ``fused_block.attention_varlen``
+  for packed one-row batches (``cu_seq_lens_q/k``, a packed mask, or restarting
+  ``position_ids``), and returns the (B, Lq, H, D) output as ``sdpa_attention_forward``
+  does. What the kernel does not take (a position bias, head dims or dtypes outside its
+  range) runs transformers' ``sdpa_attention_forward`` with the equivalent mask, after a
+  one-time warning naming the reason (:func:`kernel_reason`).
 
-Nothing reads a mask value, and nothing synchronizes but the packed check of a one-row batch
-without a mask (its ``position_ids``, once per forward), so ``torch.compile(fullgraph=True)``
-traces the model; while tracing, transformers builds sliding-window masks as a 4-D mask (their
-window cannot be read from the traced mask function), which run through SDPA.
+Nothing reads a mask value. What synchronizes: the packed lengths (the longest sequence, once
+per forward: ``max_length_q/k`` when the collator passes them avoid it) and the restarting
+check of a one-row batch without a mask (its ``position_ids``, once per forward), so
+``torch.compile(fullgraph=True)`` traces the model; while tracing, transformers builds
+sliding-window masks as a 4-D mask (their window cannot be read from the traced mask
+function), which the kernel reads as a mask.
 
 ``import fused_block`` never imports transformers; importing ``fused_block.hf`` does.
 """
@@ -39,18 +42,24 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (AttentionMaskInterface, and_masks, bidirectional_mask_function,
-                                        causal_mask_function, eager_mask, prepare_padding_mask, sdpa_mask,
+                                        causal_mask_function, eager_mask, packed_sequence_mask_function,
+                                        prepare_padding_mask, remap_positions_for_packed_sequence, sdpa_mask,
                                         sliding_window_bidirectional_overlay, sliding_window_overlay)
 
-from fused_block.attention import attention as _attention
+import torch.nn.functional as F
+
+from fused_block.attention import attention_varlen
 from fused_block.blocks import _capturing
-from fused_block.hf._attention import kernel_head_dim, light_plan
+from fused_block.hf._attention import (PACKED_ATTR, WINDOW_ATTR, attend, general_plan, kernel_head_dim, light_dense,
+                                       light_plan)
 from fused_block.hf._core import KERNEL_DTYPES, warn_once
 
 NAME = "fused_block"
 _AND_MASK = and_masks(causal_mask_function).__code__
 _CAUSAL_WINDOW = sliding_window_overlay(1).__code__
 _BIDIRECTIONAL_WINDOW = sliding_window_bidirectional_overlay(1).__code__
+_PACKED = packed_sequence_mask_function(torch.zeros(1, 1)).__code__
+_REMAP = remap_positions_for_packed_sequence(causal_mask_function, torch.zeros(1, 1)).__code__
 
 
 def register():
@@ -84,41 +93,67 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
     kind = _mask_kind(mask_function)
     if kind is None or not (isinstance(q_offset, int) and isinstance(kv_offset, int)):
         return sdpa_mask(**args)  # a pattern the kernel's forms do not express; static caches
-    causal, window = kind
+    causal, window, packed = kind
     q_last, kv_end = q_offset + q_length - 1, kv_offset + kv_length
     if causal and q_last + 1 != kv_end:
         return sdpa_mask(**args)  # bottom-right alignment needs the last key at the last query
-    if window is not None and (q_last - kv_offset >= window if causal else
-                               max(q_last - kv_offset, kv_end - 1 - q_offset) > window):
-        return sdpa_mask(**args)  # the window cuts keys
+    cuts = False
+    if window is not None:
+        cuts = (q_last - kv_offset >= window if causal else max(q_last - kv_offset, kv_end - 1 - q_offset) > window)
+        if cuts and not causal and (q_offset != kv_offset or q_length != kv_length):
+            return sdpa_mask(**args)  # a bidirectional window is centred on its own query only
+    if packed is not None and (attention_mask is not None or q_offset or kv_offset or q_length != kv_length):
+        return sdpa_mask(**args)
     padding = None
     if attention_mask is not None:
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_end]
+    extras = {}
+    if cuts:  # causal: j > i - w (left w - 1); bidirectional: |i - j| <= w
+        extras[WINDOW_ATTR] = (window - 1, 0) if causal else (window, window)
+    if packed is not None:
+        extras[PACKED_ATTR] = packed
     if causal:
         if padding is None:
-            if allow_is_causal_skip and q_length in (1, kv_length):  # top-left = bottom-right: SDPA's None
-                return None
+            if allow_is_causal_skip and q_length in (1, kv_length) and not extras:
+                return None  # top-left = bottom-right: SDPA's None
             padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
-        return padding
+        return _with(padding, extras)
     if padding is None:
-        if allow_is_bidirectional_skip:
+        if allow_is_bidirectional_skip and not extras:
             return None
         padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
-    return padding[:, None, None, :]
+    return _with(padding[:, None, None, :], extras)
+
+
+def _with(mask, extras):
+    """The light mask with its extras (the window, a packed batch's sequence indices) as
+    attributes :func:`attention` and the converted layers read (``_attention.light_plan``)."""
+    for name, value in extras.items():
+        setattr(mask, name, value)
+    return mask
 
 
 def _mask_kind(fn):
-    """``(causal, window)`` for the mask functions transformers builds for plain causal and
-    bidirectional masks, with or without a sliding window (``sliding_window_causal_mask_function``
-    and its bidirectional twin); None for any other (packed sequences, chunks, custom overlays).
-    While torch.compile traces, closures cannot be read: only the two plain functions count."""
+    """``(causal, window, packed)`` for the mask functions transformers builds for plain causal
+    and bidirectional masks, with or without a sliding window (``sliding_window_causal_mask_function``
+    and its bidirectional twin), and for a packed batch (the causal function on positions
+    remapped per sequence, and-ed with the same-sequence test: ``packed`` is its (B, L)
+    sequence-index tensor); None for any other (chunks, custom overlays). While torch.compile
+    traces, closures cannot be read: only the two plain functions count."""
     if fn is causal_mask_function:
-        return True, None
+        return True, None, None
     if fn is bidirectional_mask_function:
-        return False, None
+        return False, None, None
     if torch.compiler.is_compiling() or getattr(fn, "__code__", None) is not _AND_MASK:
         return None
     parts = _closure(fn).get("mask_functions", ())
+    if len(parts) == 2 and getattr(parts[1], "__code__", None) is _PACKED and \
+            getattr(parts[0], "__code__", None) is _REMAP:
+        inner = _mask_kind(_closure(parts[0]).get("mask_function"))
+        packed = _closure(parts[1]).get("packed_sequence_mask")
+        if inner is None or not inner[0] or inner[2] is not None or not isinstance(packed, torch.Tensor):
+            return None
+        return inner[0], inner[1], packed
     if len(parts) != 2 or parts[1] not in (causal_mask_function, bidirectional_mask_function):
         return None
     causal = parts[1] is causal_mask_function
@@ -126,7 +161,7 @@ def _mask_kind(fn):
     window = _closure(parts[0]).get("sliding_window")
     if overlay is not (_CAUSAL_WINDOW if causal else _BIDIRECTIONAL_WINDOW) or not isinstance(window, int):
         return None
-    return causal, window
+    return causal, window, None
 
 
 def _closure(fn):
@@ -165,36 +200,41 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     """``AttentionInterface``'s function: query (B, H, Lq, D), key and value (B, Hkv, Lk, D)
     (the cache's keys when decoding), the mask from :func:`mask` -> ``(out (B, Lq, H, D), None)``.
 
-    ``sliding_window`` is already in the mask (:func:`mask` gives a light mask only when the
-    window cuts no key; otherwise transformers' 4-D mask holds it), so it is not applied again.
-    ``is_causal`` (else ``module.is_causal``) applies when the mask is None, as in SDPA.
+    - The mask's window (a light mask from :func:`mask` carries the sliding window it found in
+      the model's mask function when the window cuts keys; else transformers' 4-D mask holds
+      it), so ``sliding_window`` is not applied again.
+    - Packed batches (one row): ``cu_seq_lens_q/k`` with ``max_length_q/k`` (what
+      ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes), the sequence
+      indices of a packed mask from :func:`mask`, or restarting ``position_ids`` run the varlen
+      kernel (causal and the window within each sequence).
+    - ``softcap`` and sinks (``s_aux``, (H,)) go to the kernel; a general 4-D mask (any other
+      pattern: chunks, custom overlays, static caches) is read by the kernel tile by tile as
+      its ``mask`` (bool) or ``bias`` (float).
+    - ``is_causal`` (else ``module.is_causal``) applies when the mask is None, as in SDPA.
     """
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
-    reason = kernel_reason(query, key, value, softcap, s_aux, kwargs)
-    if reason is None and attention_mask is None and B == 1 and _restarting(kwargs.get("position_ids"), Lq, Lk):
-        reason = "packed sequences (restarting position_ids)"
-    plan = None
+    reason = kernel_reason(query, key, value, kwargs)
     if reason is None:
+        packed = _packed_lengths(attention_mask, kwargs, B, Lq, Lk)
+        if packed is not None:
+            return _varlen(query, key, value, attention_mask, packed, causal, dropout, scaling, softcap, s_aux)
         plan = light_plan(attention_mask, B, Lq, Lk, causal)
         if plan is None:
-            reason = ("a mask the kernel does not take (a sliding window that cuts keys, packed sequences, "
-                      "a chunked, static-cache or custom mask)")
-        elif not plan.kernel:
+            plan = general_plan(attention_mask, B, Lq, Lk)
+        if not plan.kernel:
             reason = plan.reason
     if reason is not None:
         return _fallback(module, query, key, value, attention_mask, reason, dropout, scaling, causal, softcap,
                          s_aux, kwargs)
-    if plan.n_keys is not None:  # SDPA's top-left causal with more keys (a static cache's prefill)
-        key, value = key[:, :, :plan.n_keys], value[:, :, :plan.n_keys]
-    out = _attention(query, key, value, plan.causal, scaling, plan.key_padding, float(dropout))
+    out = attend(query, key, value, plan, scaling, float(dropout), type(module).__name__, softcap=softcap,
+                 sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
-def kernel_reason(query, key, value, softcap, s_aux, kwargs):
-    """Why the kernel cannot run this call (None if it can). The attention-features work
-    removes the conditions it covers (windows, soft-capping, sinks, bias, packed sequences)."""
+def kernel_reason(query, key, value, kwargs):
+    """Why the kernel cannot run this call (None if it can)."""
     D = query.shape[-1]
     if query.dtype not in KERNEL_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtype {query.dtype} (the kernel takes fp32, fp16 and bf16)"
@@ -204,15 +244,64 @@ def kernel_reason(query, key, value, softcap, s_aux, kwargs):
         return f"head dim {D} in {query.dtype} (outside the attention kernel's range)"
     if key.shape[0] != query.shape[0] or query.shape[1] % key.shape[1] != 0:
         return "queries and keys of other batch sizes or head counts that do not divide"
-    if softcap is not None:
-        return "logit soft-capping (softcap)"
-    if s_aux is not None:
-        return "attention sinks (s_aux)"
     if kwargs.get("position_bias") is not None:
         return "a position bias"
-    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        return "packed sequences (cu_seq_lens_q / cu_seq_lens_k)"
     return None
+
+
+def _packed_lengths(attention_mask, kwargs, B, Lq, Lk):
+    """``(cu_seqlens_q, cu_seqlens_k, max_q, max_k)`` of a packed one-row batch, or None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        cu_q = cu_k if cu_q is None else cu_q
+        cu_k = cu_q if cu_k is None else cu_k
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = max_k if max_q is None else max_q
+        max_k = max_q if max_k is None else max_k
+        if max_q is None:  # read once per tensor (one sync per forward)
+            max_q = max_k = _max_length(cu_q)
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+    if B != 1 or Lq != Lk:
+        return None
+    ids = getattr(attention_mask, PACKED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
+    if ids is None and attention_mask is None and _restarting(kwargs.get("position_ids"), Lq, Lk):
+        positions = kwargs["position_ids"]
+        step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
+        ids = (step != 1).cumsum(-1)  # transformers' find_packed_sequence_indices
+    if ids is None:
+        return None
+    return _lengths_of(ids)
+
+
+_LAST_IDS = [None, None]  # (weakref to the last sequence-index tensor read, its lengths)
+
+
+def _lengths_of(ids):
+    """cu_seqlens (int32) and the longest length of a (1, L) sequence-index tensor; read once
+    per tensor (every layer of a forward gets the same one): one sync per forward."""
+    ref, last = _LAST_IDS
+    if ref is not None and ref() is ids and last[0] == ids._version:
+        return last[1]
+    lengths = torch.bincount(ids[0].to(torch.int64))
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    found = (cu, cu, longest, longest)
+    _LAST_IDS[:] = [weakref.ref(ids), (ids._version, found)]
+    return found
+
+
+def _max_length(cu):
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def _varlen(query, key, value, attention_mask, packed, causal, dropout, scaling, softcap, sinks):
+    """A packed one-row batch through the varlen kernel: (1, H, T, D) -> (1, T, H, D)."""
+    cu_q, cu_k, max_q, max_k = packed
+    window = getattr(attention_mask, WINDOW_ATTR, (-1, -1)) if isinstance(attention_mask, torch.Tensor) else (-1, -1)
+    out = attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k,
+                           max_q, max_k, causal=causal, scale=scaling, dropout_p=float(dropout), window=window,
+                           softcap=softcap, sinks=sinks)
+    return out[None], None
 
 
 def _fallback(module, query, key, value, attention_mask, reason, dropout, scaling, causal, softcap, s_aux,
@@ -248,13 +337,13 @@ def _fallback(module, query, key, value, attention_mask, reason, dropout, scalin
 
 
 def _dense(attention_mask, B, Lq, Lk, device):
-    """The mask as SDPA reads it: the (B, Lk) causal form as a (B, 1, Lq, Lk) bool mask, any
-    other as it is (None: SDPA's is_causal)."""
-    if attention_mask is None or attention_mask.dim() != 2:
+    """The mask as SDPA reads it: a light form (with its window and packing) as a (B, 1, Lq,
+    Lk) bool mask, any other as it is (None: SDPA's is_causal)."""
+    if attention_mask is None:
+        return None
+    if light_plan(attention_mask, B, Lq, Lk, True) is None:
         return attention_mask
-    i = torch.arange(Lq, device=device)[:, None]
-    j = torch.arange(Lk, device=device)[None, :]
-    return (j <= i + (Lk - Lq)) & attention_mask[:, None, None, :]
+    return light_dense(attention_mask, Lq, Lk)
 
 
 def _top_left(Lq, Lk, device):

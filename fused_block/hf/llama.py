@@ -21,7 +21,7 @@ from torch import nn
 
 from fused_block import lora
 from fused_block.blocks import _TP_RUN, _like
-from fused_block.hf._attention import (implementation_reason, is_flash, mask_convention, mask_reason,
+from fused_block.hf._attention import (implementation_reason, mask_convention, mask_reason,
                                        self_attention)
 from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, warn_once
 from fused_block.linear import gated_linear, linear, swiglu
@@ -66,14 +66,17 @@ def check(layer):
     return None
 
 
+def sliding_window(attn):
+    """The layer's window: Qwen2/Qwen3's per-layer ``sliding_window`` (None on full layers),
+    else Mistral's ``config.sliding_window`` (LLaMA: None)."""
+    return getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+
+
 def check_call(layer, call):
     attn = layer.self_attn
     hidden = call["hidden_states"]
     if call.get("position_embeddings") is None and rotary_positions(layer, call, *hidden.shape[:2]) is None:
         return "no position_embeddings (and no model-level rotary module with position_ids)"
-    window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
-    if window is not None and is_flash(attn.config):
-        return "a sliding window with flash-attention masks"
     return (implementation_reason(attn.config)
             or mask_reason(call.get("attention_mask"), hidden.shape[1], True, mask_convention(attn.config)))
 
@@ -157,7 +160,8 @@ def run(layer, call, x):
     p = attn.attention_dropout if attn.training else 0.0
     with _NO_SHIFT if tp is None or p == 0 else tp.seeds([tp.rank]):  # each rank's heads, their own masks
         o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                           mask_convention(attn.config), attn.scaling, p, type(layer).__name__)
+                           mask_convention(attn.config), attn.scaling, p, type(layer).__name__,
+                           sliding_window=sliding_window(attn))
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
     n2, h = add_rms_norm(_like(o if tp is None else tp.leave(o), x), x, ln2.weight, rms_eps(ln2))
     m = layer.mlp
