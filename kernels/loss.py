@@ -20,6 +20,17 @@ The rows (tokens) are processed in chunks of ``C`` rows (:func:`chunk_rows`); pe
    (a single chunk needs no accumulator);
 5. ``db (+)= colsum(dlogits)`` (``_colsum_kernel``, with a bias gradient), the same way.
 
+Where that loop's fp32 (V, H) dW accumulator would break the memory rule (:func:`schedule`:
+16-bit weights, several chunks, N < 8 H, H <= V / 8), the vocabulary-outer schedule
+(``_vocab_outer``) runs instead, over vocabulary chunks of :func:`chunk_cols` columns and all N
+rows: pass 1, the chunk's logits GEMM and ``_lse_chunk_kernel`` (the online log-sum-exp state
+(m, s, smoothing sum, target logit) of each row carried across chunks in a (4, N) fp32 buffer,
+merged in vocabulary order; the last chunk writes loss and lse); pass 2, the logits GEMM again,
+``_grad_chunk_kernel`` (dlogits in place, ``_ce_kernel``'s formula), ``_dw_kernel`` writing
+dW[chunk] over all N rows once (no accumulator), ``_colsum_kernel`` db[chunk], and
+``_dh_kernel`` adding dlogits @ W[chunk] into an fp32 (N, H) accumulator (dh itself for fp32),
+the last chunk writing dh. 8 N V H FLOPs with gradients against the loop's 6 N V H.
+
 Before the chunks, ``_count_kernel`` counts the non-ignored tokens (on the device: no
 synchronization), which a mean's gradient weight and the final ``_sum_kernel`` read.
 ``_scale_kernel`` multiplies gradients produced in the forward by the incoming gradient.
@@ -520,6 +531,13 @@ def ce_config(v: int) -> common.Config:
     return common.Config.of(num_warps=8, BLOCK_V=CE_BLOCK_MAX)
 
 
+def grad_chunk_config(v: int) -> common.Config:
+    """The vocabulary-outer gradient pass's tile: ce_config's, with 16 warps at the wide tile
+    (at 8 warps its softcap variant spilled 8 bytes on sm_80)."""
+    cfg = ce_config(v)
+    return cfg if v <= CE_BLOCK_MIN else common.Config.of(num_warps=16, BLOCK_V=CE_BLOCK_MAX)
+
+
 # ---------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------
@@ -597,7 +615,7 @@ def grad_chunk(logits, target, lse, v0, V, *, ignore_index, smoothing, z_loss, s
                scale=1.0):
     """Pass 2 of the vocabulary-outer schedule: the chunk's logits (N, Vc) become d(g loss)/dx."""
     N, VC = logits.shape
-    cfg = ce_config(VC)
+    cfg = grad_chunk_config(VC)
     common.launch("lce_grad", _grad_chunk_kernel, (N,),
                   (logits, target, lse, scale_t if scale_t is not None else lse, v0, VC, V, logits.stride(0),
                    ignore_index, float(smoothing), float(z_loss), float(softcap or 1.0), float(scale)),
@@ -754,6 +772,47 @@ def aot_specs():
                       f"{' grad' if grad else ''} scale={mode}"
                 specs.append(aot.KernelSpec(f"lce_ce[{tag}]", _ce_kernel, sig, consts, num_warps=cfg.num_warps,
                                             aligned=("ld",)))
+    # The vocabulary-outer schedule's row kernels: pass 1 starting (FIRST), merging and
+    # finishing (LAST) the row state with every option, and the plain merge; pass 2 with each
+    # gradient weight (softcap on the heaviest).
+    for xt in ("bf16", "fp32"):
+        for v in (CE_BLOCK_MIN, CE_BLOCK_MAX + 1):
+            cfg = ce_config(v)
+            for soft, smooth, first, last in ((True, True, True, False), (True, True, False, True),
+                                              (False, False, False, False), (True, True, True, True)):
+                sig = {"LOGITS": f"*{xt}", "TARGET": "*i64", "STATE": "*fp32", "LOSS": "*fp32", "LSE": "*fp32",
+                       "N": "i32", "V0": "i32", "VC": "i32", "V": "i32", "ld": "i32", "ignore_index": "i64",
+                       "smoothing": "fp32", "z_loss": "fp32", "cap": "fp32"}
+                consts = dict(HAS_SOFTCAP=soft, HAS_SMOOTHING=smooth, FIRST=first, LAST=last, **cfg.meta())
+                sig.update({k: "constexpr" for k in consts})
+                tag = f"{xt} BLOCK_V={cfg['BLOCK_V']}{' softcap smooth' if soft else ''}" \
+                      f"{' first' if first else ''}{' last' if last else ''}"
+                specs.append(aot.KernelSpec(f"lce_lse[{tag}]", _lse_chunk_kernel, sig, consts,
+                                            num_warps=cfg.num_warps, aligned=("ld",)))
+            cfg = grad_chunk_config(v)
+            for soft, mode in ((True, SCALE_MEAN), (False, SCALE_ROW), (False, SCALE_CONST)):
+                sig = {"LOGITS": f"*{xt}", "TARGET": "*i64", "LSE": "*fp32", "SCALE": "*fp32", "V0": "i32",
+                       "VC": "i32", "V": "i32", "ld": "i32", "ignore_index": "i64", "smoothing": "fp32",
+                       "z_loss": "fp32", "cap": "fp32", "scale": "fp32"}
+                consts = dict(HAS_SOFTCAP=soft, SCALE_MODE=mode, INTERPRET=False, **cfg.meta())
+                sig.update({k: "constexpr" for k in consts})
+                tag = f"{xt} BLOCK_V={cfg['BLOCK_V']}{' softcap' if soft else ''} scale={mode}"
+                specs.append(aot.KernelSpec(f"lce_grad[{tag}]", _grad_chunk_kernel, sig, consts,
+                                            num_warps=cfg.num_warps, aligned=("ld",)))
+    for (arch, kind), (bv, bh, bk, warps, stages) in DW_CONFIGS.items():
+        io = "bf16" if kind == "16" else "fp32"
+        outs = ("fp32", "bf16") if kind == "16" else ("fp32",)
+        for load_acc, out in ((False, "fp32"), (True, "fp32"), (True, outs[-1])):
+            for even_k in (False, True):
+                sig = {"A": f"*{io}", "B": f"*{io}", "ACC": "*fp32", "OUT": f"*{out}", "M": "i32", "K": "i32",
+                       "H": "i32", "lda": "i32", "ldb": "i32"}
+                consts = dict(LOAD_ACC=load_acc, EVEN_K=even_k, BLOCK_M=bv, BLOCK_H=bh, BLOCK_K=bk,
+                              PRECISION="ieee" if kind == "ieee" else "tf32", INTERPRET=False)
+                sig.update({k: "constexpr" for k in consts})
+                tag = f"{kind} {bv}x{bh}x{bk} {'acc+' if load_acc else ''}->{out}{' even_k' if even_k else ''}"
+                specs.append(aot.KernelSpec(f"lce_dh[{tag}]", _dh_kernel, sig, consts, num_warps=warps,
+                                            num_stages=stages, aligned=("H", "lda", "ldb"), wgmma=kind != "ieee",
+                                            archs=(arch,)))
     for (arch, kind), (bv, bh, bk, warps, stages) in DW_CONFIGS.items():
         io = "bf16" if kind == "16" else "fp32"
         outs = ("fp32", "bf16") if kind == "16" else ("fp32",)
