@@ -1,6 +1,6 @@
 """fused-block: Triton kernels for the Transformer block, and their PyTorch layer."""
 from fused_block.norm import LayerNorm, RMSNorm, add_layer_norm, add_rms_norm  # noqa: F401
-from fused_block.linear import MLP, Linear, linear, mlp, swiglu  # noqa: F401
+from fused_block.linear import MLP, Linear, geglu, linear, mlp, swiglu  # noqa: F401
 from fused_block.convert import TransformerDecoderLayer, TransformerEncoderLayer, convert  # noqa: F401
 from fused_block.blocks import MultiheadAttention  # noqa: F401
 from fused_block.attention import attention, attention_qkvpacked  # noqa: F401

@@ -278,7 +278,7 @@ def _placed_like(t, like):
     return t
 
 
-def add_norm(fn, x, residual, params, eps, dropout_p, residual_in_fp32, out_is_residual):
+def add_norm(fn, x, residual, params, eps, dropout_p, residual_in_fp32, out_is_residual, **options):
     """``fn`` (``add_layer_norm`` / ``add_rms_norm``) on a DTensor ``x``: each rank normalizes
     its own rows with the kernel, and the outputs are DTensors placed like x (what a
     ``SequenceParallel`` style on a fused norm module hands it and expects back).
@@ -317,7 +317,7 @@ def add_norm(fn, x, residual, params, eps, dropout_p, residual_in_fp32, out_is_r
     x_local = x.to_local()
     with _backend.seed_shift([shard]) if dropout_p > 0 else _NO_SHIFT:
         out, rout = fn(x_local, None if residual is None else residual.to_local(), *local, eps, dropout_p,
-                       residual_in_fp32, out_is_residual)
+                       residual_in_fp32, out_is_residual, **options)
 
     def wrap(t):
         return DTensor.from_local(t, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())

@@ -43,6 +43,7 @@ from fused_block.kernels import matmul as _k
 
 ACTIVATIONS = reference.ACTIVATIONS
 MLP_ACTIVATIONS = reference.MLP_ACTIVATIONS
+GATED = reference.GATED_ACTIVATIONS  # "swiglu", "geglu": two projections, act(gate) * up
 # What the FFN's forward keeps for backward: nothing, the pre-activation, or the hidden
 # activation (when only the second layer's weight needs a gradient, or there is no activation).
 SAVE_NONE, SAVE_PRE, SAVE_H = 0, 1, 2
@@ -177,7 +178,8 @@ def _linear_lora_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], p
 # the gated (SwiGLU) first layer on its own: hidden = dropout(silu(x Wg^T + bg) * (x Wu^T + bu))
 # ---------------------------------------------------------------------------------------------
 
-def _gated_fwd_fake(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, save_pre, seed, dropout_p):
+def _gated_fwd_fake(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, activation, save_pre, seed,
+                    dropout_p):
     M, F = x.shape[0], w_gate.shape[0]
     return x.new_empty((M, F)), x.new_empty((M, 2 * F) if save_pre else (0,))
 
@@ -185,10 +187,10 @@ def _gated_fwd_fake(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_u
 @_library.op("gated_fwd", fake=_gated_fwd_fake)
 def _gated_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor],
                lora_u: Optional[Tensor], lora_b_gate: Optional[Tensor], lora_b_up: Optional[Tensor],
-               save_pre: bool, seed: Optional[Tensor], dropout_p: float) -> tuple[Tensor, Tensor]:
+               activation: str, save_pre: bool, seed: Optional[Tensor], dropout_p: float) -> tuple[Tensor, Tensor]:
     """x (M, D), w_gate/w_up (F, D) -> (hidden (M, F), [gate | up] pre-activations (M, 2F) or
-    empty): one GEMM with two accumulators (SwiGLU in its epilogue), the LoRA pairs (lora_u
-    (M, R), lora_b_gate/lora_b_up (F, R), or None) in its reduction."""
+    empty): one GEMM with two accumulators (SwiGLU or GeGLU, ``activation``, in its epilogue),
+    the LoRA pairs (lora_u (M, R), lora_b_gate/lora_b_up (F, R), or None) in its reduction."""
     M, F = x.shape[0], w_gate.shape[0]
     h = common.empty((M, F), x.dtype, x.device)
     pre = common.empty((M, 2 * F), x.dtype, x.device) if save_pre else None
@@ -196,14 +198,14 @@ def _gated_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor]
     with _backend.device_guard(x):
         _k.gemm(x, w_gate.t(), h, b2=w_up.t(), bias=b_gate, bias2=b_up, aux=pre,
                 aux2=pre[:, F:] if pre is not None else None, store_pre=save_pre, round_pre=True,
-                activation=_k.SWIGLU,
+                activation=_code(activation),
                 seed=seed, dropout_p=dropout_p, lora_a=lora_u, lora_b=lora_b_gate.t() if lora else None,
                 lora_b2=lora_b_up.t() if lora else None)
     return h, pre if save_pre else x.new_empty(0)
 
 
-def _gated_bwd_fake(g, x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_up, dropout_p, need_x, need_w,
-                    need_b, need_u, need_lb):
+def _gated_bwd_fake(g, x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_up, activation, dropout_p, need_x,
+                    need_w, need_b, need_u, need_lb):
     M, F = g.shape
     D = x.shape[1] if x is not None else w_gate.shape[1]
     R = lora_u.shape[1] if lora_u is not None else 0
@@ -215,11 +217,11 @@ def _gated_bwd_fake(g, x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_u
 @_library.op("gated_bwd", fake=_gated_bwd_fake)
 def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: Optional[Tensor], pre: Tensor,
                seed: Optional[Tensor], lora_u: Optional[Tensor], lora_b_gate: Optional[Tensor],
-               lora_b_up: Optional[Tensor], dropout_p: float, need_x: bool, need_w: bool, need_b: bool,
-               need_u: bool, need_lb: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               lora_b_up: Optional[Tensor], activation: str, dropout_p: float, need_x: bool, need_w: bool,
+               need_b: bool, need_u: bool, need_lb: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``gated_fwd`` from g = dHidden (M, F): (dx (M, D), [dWg; dWu] (2F, D), [dbg;
     dbu] (2F,), dU (M, R), [dBg; dBu] (2F, R)), each empty unless needed. One elementwise pass
-    gives dGate and dUp (dropout's mask, SwiGLU's derivative, the biases' partial sums); dx =
+    gives dGate and dUp (dropout's mask, the gate activation's derivative, the biases' partial sums); dx =
     dGate @ Wg + dUp @ Wu is one GEMM continuing its reduction over both (and dU likewise)."""
     M, F = g.shape
     dt, dev = g.dtype, g.device
@@ -230,7 +232,7 @@ def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: O
     dlb = _empty((2 * F, lora_u.shape[1]) if lora_u is not None else (0,), dt, dev, need_lb)
     db = None
     with _backend.device_guard(g):
-        dpre, part = _k.act_grad(g, pre[:, :F], _k.SWIGLU, pre2=pre[:, F:], dbias=need_b, seed=seed,
+        dpre, part = _k.act_grad(g, pre[:, :F], _code(activation), pre2=pre[:, F:], dbias=need_b, seed=seed,
                                  dropout_p=dropout_p)
         if need_x:
             _k.gemm(dpre[:, :F], w_gate, dx, a2=dpre[:, F:], b2=w_up)
@@ -249,7 +251,7 @@ def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: O
 def _ffn_fwd_fake(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
                   output_seed, output_dropout_p):
     M, F = x.shape[0], w1.shape[0]
-    width = 2 * F if activation == "swiglu" else F
+    width = 2 * F if activation in GATED else F
     saved = (M, width) if save == SAVE_PRE else ((M, F) if save == SAVE_H else (0,))
     return x.new_empty((M, w2.shape[0]), dtype=_out_dtype(x, residual)), x.new_empty(saved)
 
@@ -267,7 +269,7 @@ def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor
     up] (M, 2F) (``save == SAVE_PRE``), the hidden activation (``SAVE_H``), or empty.
     """
     M, F = x.shape[0], w1.shape[0]
-    swiglu = activation == "swiglu"
+    swiglu = activation in GATED
     h = common.empty((M, F), x.dtype, x.device)
     pre = common.empty((M, 2 * F if swiglu else F), x.dtype, x.device) if save == SAVE_PRE else None
     out = common.empty((M, w2.shape[0]), _out_dtype(x, residual), x.device)
@@ -285,7 +287,7 @@ def _ffn_bwd_fake(g, x, w1, w1_up, w2, saved, seed, output_seed, activation, dro
                   save, d_in, need_x, need_w1, need_b1, need_w2, need_b2):
     M, D2 = g.shape
     F = w2.shape[1]
-    F1 = 2 * F if activation == "swiglu" else F
+    F1 = 2 * F if activation in GATED else F
     return (g.new_empty((M, d_in) if need_x else (0,)), g.new_empty((F1, d_in) if need_w1 else (0,)),
             g.new_empty((F1,) if need_b1 else (0,)), g.new_empty((D2, F) if need_w2 else (0,)),
             g.new_empty((D2,) if need_b2 else (0,)))
@@ -301,7 +303,7 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
     (gate rows, then up rows)."""
     M, D2 = g.shape
     F = w2.shape[1]
-    swiglu = activation == "swiglu"
+    swiglu = activation in GATED
     F1 = 2 * F if swiglu else F
     need_hidden = need_x or need_w1 or need_b1
     dt, dev = g.dtype, g.device
@@ -411,22 +413,23 @@ class _GatedFn(torch.autograd.Function):
     tensor each, split here into the gate and up parts."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, seed, dropout_p):
-        h, pre = _gated_fwd(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, True, seed, dropout_p)
+    def forward(ctx, x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, activation, seed, dropout_p):
+        h, pre = _gated_fwd(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, activation, True, seed,
+                            dropout_p)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_up)
-        ctx.dropout_p = dropout_p
+        ctx.dropout_p, ctx.activation = dropout_p, activation
         return h
 
     @staticmethod
     def backward(ctx, dh):
         need = ctx.needs_input_grad
         if dh is None:
-            return (None,) * 10
+            return (None,) * 11
         x, w_gate, w_up, pre, seed, lora_u, lbg, lbu = ctx.saved_tensors
         need_w, need_b, need_lb = need[1] or need[2], need[3] or need[4], need[6] or need[7]
-        dx, dw, db, du, dlb = _gated_bwd(dh, x, w_gate, w_up, pre, seed, lora_u, lbg, lbu, ctx.dropout_p,
-                                         need[0], need_w, need_b, need[5], need_lb)
+        dx, dw, db, du, dlb = _gated_bwd(dh, x, w_gate, w_up, pre, seed, lora_u, lbg, lbu, ctx.activation,
+                                         ctx.dropout_p, need[0], need_w, need_b, need[5], need_lb)
         F = dh.shape[1]
         split = (lambda t: (t[:F], t[F:]))  # noqa: E731
         dwg, dwu = split(dw) if need_w else (None, None)
@@ -434,7 +437,7 @@ class _GatedFn(torch.autograd.Function):
         dlbg, dlbu = split(dlb) if need_lb else (None, None)
         return (dx if need[0] else None, dwg if need[1] else None, dwu if need[2] else None,
                 dbg if need[3] else None, dbu if need[4] else None, du if need[5] else None,
-                dlbg if need[6] else None, dlbu if need[7] else None, None, None)
+                dlbg if need[6] else None, dlbu if need[7] else None, None, None, None)
 
 
 def _gate_up_views(w1, b1):
@@ -489,7 +492,7 @@ class _FFNFn(torch.autograd.Function):
                                               ctx.dropout_p, ctx.output_dropout_p, ctx.save, ctx.d_in,
                                               need_x, need_w1, need_b1, need_w2, need_b2)
             grads[0], grads[5], grads[6] = dx.view(*ctx.lead, ctx.d_in) if need_x else None, dw2, db2
-            if ctx.activation == "swiglu" and not ctx.split_w1:
+            if ctx.activation in GATED and not ctx.split_w1:
                 f = w2.shape[1]
                 grads[1], grads[2] = (dw1[:f], dw1[f:]) if need_w1 else (None, None)
                 grads[3], grads[4] = (db1[:f], db1[f:]) if need_b1 else (None, None)
@@ -631,17 +634,20 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
 
 
 def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
-                 b_up: Optional[Tensor] = None, *, dropout_p: float = 0.0, lora=None) -> Tensor:
-    """SwiGLU's first layer on its own, ``dropout(silu(x @ w_gate.T + b_gate) * (x @ w_up.T +
-    b_up))``: one GEMM with two accumulators and the SiLU-multiply in its epilogue (the gate and
+                 b_up: Optional[Tensor] = None, *, dropout_p: float = 0.0, lora=None,
+                 activation: str = "swiglu") -> Tensor:
+    """A gated FFN's first layer on its own, ``dropout(act(x @ w_gate.T + b_gate) * (x @ w_up.T +
+    b_up))`` with act SiLU (``activation="swiglu"``) or the tanh GELU (``"geglu"``, Gemma's):
+    one GEMM with two accumulators and the activation-multiply in its epilogue (the gate and
     up pre-activations rounded to x's dtype first, as eager PyTorch computes them). x (..., D),
     w_gate/w_up (F, D). ``lora`` = (U (..., R), B_gate (F, R), B_up (F, R)): LoRA updates of
     both projections inside the GEMM (one U for both: stack the adapters' columns). Returns
     (..., F). Saved for backward: x, the weights, the pre-activations (M, 2F), U and the B's.
-    ``swiglu`` fuses the whole FFN; this is its first half, for FFNs whose down projection must
-    see the hidden activation (PEFT LoRA with dropout on it).
+    ``swiglu`` / ``geglu`` fuse the whole FFN; this is its first half, for FFNs whose down
+    projection must see the hidden activation (PEFT LoRA with dropout on it).
     """
     _validate.tensor("x", x, min_ndim=1)
+    _check_activation(activation, GATED)
     _backend.no_dtensor("gated_linear", x, w_gate, w_up)
     _validate.probability("dropout_p", dropout_p)
     x, w_gate, w_up, b_gate, b_up = _autocast(x, w_gate, w_up, b_gate, b_up)
@@ -654,13 +660,13 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
         lora = _autocast(*lora)
         u, lbg, lbu = _check_lora(x, lora, (f, f))
     if not _backend.use_triton(x):
-        return reference.gated(x, w_gate, w_up, b_gate, b_up, dropout_p=dropout_p, lora=lora)
+        return reference.gated(x, w_gate, w_up, b_gate, b_up, dropout_p=dropout_p, lora=lora, activation=activation)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     x2 = _rows(x, x.shape[-1])
     if _backend.needs_autograd(x, w_gate, w_up, b_gate, b_up, u, lbg, lbu):
-        h = _GatedFn.apply(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, seed, float(dropout_p))
+        h = _GatedFn.apply(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, activation, seed, float(dropout_p))
     else:
-        h = _gated_fwd(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, False, seed, float(dropout_p))[0]
+        h = _gated_fwd(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, activation, False, seed, float(dropout_p))[0]
     return h.view(*x.shape[:-1], f)
 
 
@@ -687,8 +693,9 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     + dropout in the first's epilogue, bias + dropout + residual in the second's.
 
     x (..., D); w1 (F, D); b1 (F,) or None; w2 (D', F); b2 (D',) or None; residual (..., D').
-    activation None, "gelu", "gelu_tanh", "relu" or "swiglu"; with "swiglu" w1 is (2F, D) and b1
-    (2F,): the gate rows then the up rows, used in place (see :func:`swiglu`).
+    activation None, "gelu", "gelu_tanh", "relu", "swiglu" or "geglu"; with the gated ones
+    ("swiglu", "geglu") w1 is (2F, D) and b1 (2F,): the gate rows then the up rows, used in place
+    (see :func:`swiglu`, :func:`geglu`).
     dropout_p: on the hidden activation (torch's ``dropout`` in ``_ff_block``);
     output_dropout_p: on the second GEMM's output before the residual add (torch's
     ``dropout2``); both in [0, 1), always applied when > 0 (pass 0 in eval). The hidden
@@ -702,18 +709,18 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _check_layer("x", x, "w1", w1, "b1", b1)
     hidden = w1.shape[0]
-    if activation == "swiglu":
+    if activation in GATED:
         if hidden % 2:
-            raise ValueError(f"w1 must have an even out_features (gate rows, then up rows) for swiglu, "
+            raise ValueError(f"w1 must have an even out_features (gate rows, then up rows) for {activation}, "
                              f"got shape {tuple(w1.shape)}")
         hidden //= 2
     _check_second_layer(x, "w2", w2, "b2", b2, hidden,
-                        "w1's out_features / 2 (swiglu)" if activation == "swiglu" else "w1's out_features")
+                        f"w1's out_features / 2 ({activation})" if activation in GATED else "w1's out_features")
     _check_residual(x, residual, w2.shape[0])
     if not _backend.use_triton(x):
         return reference.mlp(x, w1, b1, w2, b2, activation, residual, dropout_p, output_dropout_p)
     return _ffn(x, w1, None, b1, None, w2, b2, residual, activation, dropout_p, output_dropout_p,
-                activation == "swiglu")
+                activation in GATED)
 
 
 def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Optional[Tensor] = None, *,
@@ -729,8 +736,22 @@ def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Op
     PyTorch computes them. Backward: dGate and dUp in the epilogue of ``dH = dY @ w_down``,
     then dW_gate/dW_up in one GEMM and dX reading both weights in place. Returns (..., D').
     """
+    return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "swiglu")
+
+
+def geglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Optional[Tensor] = None, *,
+          b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
+          b_down: Optional[Tensor] = None) -> Tensor:
+    """Gemma's FFN ``(gelu_tanh(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down
+    + residual`` (Hugging Face's ``GemmaMLP`` with ``gelu_pytorch_tanh``) in two GEMMs: as
+    :func:`swiglu` with the tanh GELU of the gate instead of its SiLU, in the same epilogues.
+    """
+    return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "geglu")
+
+
+def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activation):
     _validate.tensor("x", x, min_ndim=1)
-    _backend.no_dtensor("swiglu", x, w_gate, w_up, w_down)
+    _backend.no_dtensor(activation, x, w_gate, w_up, w_down)
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = _autocast(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
     _check_layer("x", x, "w_up", w_up, "b_up", b_up)
@@ -739,12 +760,13 @@ def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Op
     _check_second_layer(x, "w_down", w_down, "b_down", b_down, w_gate.shape[0], "w_gate's out_features")
     _check_residual(x, residual, w_down.shape[0])
     if not _backend.use_triton(x):
-        return reference.swiglu(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down)
+        return reference.gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
+                                   activation=activation)
     if (b_gate is None) != (b_up is None):
         # One kernel adds both biases or neither: a missing one is a zero vector.
         b_gate = b_gate if b_gate is not None else torch.zeros_like(b_up)
         b_up = b_up if b_up is not None else torch.zeros_like(b_gate)
-    return _ffn(x, w_gate, w_up, b_gate, b_up, w_down, b_down, residual, "swiglu", 0.0, 0.0, False)
+    return _ffn(x, w_gate, w_up, b_gate, b_up, w_down, b_down, residual, activation, 0.0, 0.0, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,7 +807,8 @@ class MLP(torch.nn.Module):
 
     Parameters are named like ``torch.nn.TransformerEncoderLayer``'s: ``linear1`` (d_model ->
     dim_feedforward; 2 * dim_feedforward for ``activation="swiglu"``: gate rows then up rows)
-    and ``linear2`` (dim_feedforward -> d_model), so their state dict keys match. ``dropout``
+    and ``linear2`` (dim_feedforward -> d_model), so their state dict keys match (``"geglu"``
+    as ``"swiglu"``). ``dropout``
     is applied, as in torch's layer, to the hidden activation and to the block's output
     (before the residual add), both fused into the GEMM epilogues; only in training mode.
     """
@@ -797,7 +820,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         _check_activation(activation, MLP_ACTIVATIONS)
         _validate.probability("dropout", dropout)
-        width = 2 * dim_feedforward if activation == "swiglu" else dim_feedforward
+        width = 2 * dim_feedforward if activation in GATED else dim_feedforward
         self.linear1 = torch.nn.Linear(d_model, width, bias, device=device, dtype=dtype)
         self.linear2 = torch.nn.Linear(dim_feedforward, d_model, bias, device=device, dtype=dtype)
         self.activation = activation

@@ -27,7 +27,8 @@ MAX_HIDDEN = _k.MAX_HIDDEN
 # ---------------------------------------------------------------------------------------------
 
 
-def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
+def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
+              unit_offset=False):
     M, N = x.shape
     outs = [x.new_empty((M, N))]
     if store_residual:
@@ -41,15 +42,16 @@ def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_
 @_library.op("add_norm_fwd", fake=_fwd_fake)
 def _add_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
                   seed: Tensor | None, eps: float, dropout_p: float, is_rms: bool,
-                  residual_dtype: torch.dtype, store_residual: bool) -> list[Tensor]:
-    """``[out, residual_out (if store_residual), mean (LayerNorm), rstd]``; see kernels.norm.add_norm_fwd."""
+                  residual_dtype: torch.dtype, store_residual: bool, unit_offset: bool = False) -> list[Tensor]:
+    """``[out, residual_out (if store_residual), mean (LayerNorm), rstd]``; see kernels.norm.add_norm_fwd.
+    ``unit_offset``: the row scaled by ``1 + weight`` (Gemma's RMSNorm)."""
     with _backend.device_guard(x):
         return _k.add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms,
-                               residual_dtype, store_residual)
+                               residual_dtype, store_residual, unit_offset)
 
 
 def _bwd_fake(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
-              dres_dtype, dw_dtype, db_dtype):
+              dres_dtype, dw_dtype, db_dtype, unit_offset=False):
     M, N = h.shape
     outs = [h.new_empty((M, N), dtype=x_dtype)]
     if dres_dtype is not None:
@@ -64,12 +66,12 @@ def _bwd_fake(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p
 def _add_norm_bwd(dout: Tensor | None, dout2: Tensor | None, dresidual_out: Tensor | None, h: Tensor,
                   weight: Tensor | None, mean: Tensor | None, rstd: Tensor, seed: Tensor | None, dropout_p: float,
                   is_rms: bool, x_dtype: torch.dtype, dres_dtype: torch.dtype | None, dw_dtype: torch.dtype | None,
-                  db_dtype: torch.dtype | None) -> list[Tensor]:
+                  db_dtype: torch.dtype | None, unit_offset: bool = False) -> list[Tensor]:
     """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``; see
     kernels.norm.add_norm_bwd."""
     with _backend.device_guard(h):
         return _k.add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms,
-                               x_dtype, dres_dtype, dw_dtype, db_dtype)
+                               x_dtype, dres_dtype, dw_dtype, db_dtype, unit_offset)
 
 
 def _unit_last_stride(t):
@@ -85,7 +87,7 @@ def _forward(x, residual, args):
     """The forward op on x and residual of any shape; ``(out, residual_out or None)`` in x's
     shape, and the op's outputs."""
     outs = _add_norm_fwd(_rows(x), _rows(residual), *args)
-    out, rout = outs[0], outs[1] if args[-1] else None
+    out, rout = outs[0], outs[1] if args[7] else None
     if x.dim() != 2:
         out = out.view(x.shape)
         rout = None if rout is None else rout.view(x.shape)
@@ -108,9 +110,9 @@ class _AddNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
-                second):
+                unit_offset, second):
         out, rout, outs = _forward(x, residual, (weight, bias, seed, eps, dropout_p, is_rms, residual_dtype,
-                                                 store_residual))
+                                                 store_residual, unit_offset))
         if out is not outs[0]:
             # In x's shape as tensors of their own, not autograd views of the (rows, hidden)
             # buffers: FSDP2 warns when a module returns a view (an in-place change of one would
@@ -124,6 +126,7 @@ class _AddNorm(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.dropout_p, ctx.is_rms, ctx.x_dtype, ctx.residual_dtype = dropout_p, is_rms, x.dtype, residual_dtype
         ctx.second_is_out = second == "out"
+        ctx.unit_offset = unit_offset
         if second is None:
             return out
         if second == "out":
@@ -143,7 +146,7 @@ class _AddNorm(torch.autograd.Function):
             # itself, of the residual's dtype), so this mix sums the two here.
             dout, dout2 = dout + dout2, None
         if dout is None and drout is None:
-            return (None,) * 11
+            return (None,) * 12
         # dresidual equals the gradient reaching residual_out: a tensor of its own only when
         # dropout or a dtype change lies between it and dx.
         separate = ctx.has_residual and need_res and (ctx.dropout_p > 0 or ctx.residual_dtype != ctx.x_dtype)
@@ -151,7 +154,8 @@ class _AddNorm(torch.autograd.Function):
         dw_dtype = weight.dtype if weight is not None and need_w and with_dout else None
         db_dtype = ctx.bias_dtype if need_b and with_dout else None
         grads = _add_norm_bwd(_rows(dout), _rows(dout2), _rows(drout), h, weight, mean, rstd, seed, ctx.dropout_p,
-                              ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None, dw_dtype, db_dtype)
+                              ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None, dw_dtype, db_dtype,
+                              ctx.unit_offset)
         dx = grads[0].view(ctx.shape)
         i = 1
         dres = None
@@ -164,7 +168,7 @@ class _AddNorm(torch.autograd.Function):
             dweight, i = grads[i], i + 1
         if db_dtype is not None:
             dbias = grads[i]
-        return dx if need_x else None, dres, dweight, dbias, None, None, None, None, None, None, None
+        return dx if need_x else None, dres, dweight, dbias, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +195,7 @@ def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_r
         raise TypeError(f"out_is_residual must be a bool, got {type(out_is_residual).__name__}")
 
 
-def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms):
+def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms, unit_offset=False):
     if residual is not None:
         residual_dtype = residual.dtype
     else:
@@ -200,7 +204,7 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_i
     store_residual = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     args = (_unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps), float(dropout_p), is_rms,
-            residual_dtype, store_residual)
+            residual_dtype, store_residual, unit_offset and weight is not None)
     if _backend.needs_autograd(x, residual, weight, bias):
         if out_is_residual:
             second = "out"
@@ -249,21 +253,30 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
 
 def add_rms_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | None = None,
                  eps: float | None = None, dropout_p: float = 0.0,
-                 residual_in_fp32: bool = False, out_is_residual: bool = False) -> tuple[Tensor, Tensor]:
+                 residual_in_fp32: bool = False, out_is_residual: bool = False, *,
+                 unit_offset: bool = False) -> tuple[Tensor, Tensor]:
     """As :func:`add_layer_norm` with RMSNorm: ``out = residual_out * rsqrt(mean(residual_out^2) + eps) * weight``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``torch.nn.RMSNorm``.
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``torch.nn.RMSNorm``. ``unit_offset``:
+    the weight is stored as an offset from 1 and the row is scaled by ``1 + weight``, computed
+    in fp32 (Gemma's RMSNorm: ``(x * rsqrt(mean(x^2) + eps) * (1.0 + w.float())).type_as(x)``);
+    the flag reaches the kernels (no ``1 + weight`` tensor is formed), and the weight's gradient
+    is the same as without it. No effect without a weight.
     """
     if eps is None and isinstance(x, Tensor) and x.is_floating_point():
         eps = torch.finfo(x.dtype).eps
     _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual)
+    if not isinstance(unit_offset, bool):
+        raise TypeError(f"unit_offset must be a bool, got {type(unit_offset).__name__}")
     if type(x) is not Tensor and _backend.is_dtensor(x):
         from fused_block import distributed
         return distributed.add_norm(add_rms_norm, x, residual, (weight,), eps, dropout_p, residual_in_fp32,
-                                    out_is_residual)
+                                    out_is_residual, unit_offset=unit_offset)
     if not _backend.use_triton(x):
-        return reference.add_rms_norm(x, residual, weight, eps, dropout_p, residual_in_fp32, out_is_residual)
-    return _add_norm(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=True)
+        return reference.add_rms_norm(x, residual, weight, eps, dropout_p, residual_in_fp32, out_is_residual,
+                                      unit_offset=unit_offset)
+    return _add_norm(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=True,
+                     unit_offset=unit_offset)
 
 
 # ---------------------------------------------------------------------------------------------

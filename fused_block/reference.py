@@ -58,15 +58,17 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p
 
 
 def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
-                 residual_in_fp32=False, out_is_residual=False, *, dropout_mask=None, compute_dtype=None):
-    """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means ``torch.finfo(x.dtype).eps``."""
+                 residual_in_fp32=False, out_is_residual=False, *, dropout_mask=None, compute_dtype=None,
+                 unit_offset=False):
+    """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means ``torch.finfo(x.dtype).eps``.
+    ``unit_offset``: scaled by ``1 + weight`` (Gemma's), formed in the compute dtype."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     cdt = _compute_dtype(x.dtype, compute_dtype)
     h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        out = out * weight.to(cdt)
+        out = out * (1.0 + weight.to(cdt) if unit_offset else weight.to(cdt))
     out = out.to(x.dtype)
     return out, out if out_is_residual else h.to(residual_dtype)
 
@@ -125,7 +127,18 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
 # ---------------------------------------------------------------------------------------------
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
-MLP_ACTIVATIONS = ACTIVATIONS + ("swiglu",)  # swiglu: a gated FFN, not an elementwise function
+# swiglu (silu(gate) * up) and geglu (gelu_tanh(gate) * up, Gemma's): gated FFNs, not elementwise functions
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+MLP_ACTIVATIONS = ACTIVATIONS + GATED_ACTIVATIONS
+
+
+def gate_activation(gate, name):
+    """The gated FFN's activation of its gate: SiLU (``"swiglu"``) or the tanh GELU (``"geglu"``)."""
+    if name == "swiglu":
+        return F.silu(gate)
+    if name == "geglu":
+        return F.gelu(gate, approximate="tanh")
+    raise ValueError(f"gated activation must be one of {GATED_ACTIVATIONS}, got {name!r}")
 
 
 def activation(x, name):
@@ -174,15 +187,16 @@ def mlp(x, w1, b1, w2, b2, activation_name="gelu", residual=None, dropout_p=0.0,
     """``dropout2(linear2(dropout(act(linear1(x))))) + residual``; the hidden activation (after
     its dropout) is rounded to x's dtype. ``dropout_mask`` (hidden's shape) and
     ``output_dropout_mask`` (the output's shape), bool with True = kept, replace the random masks.
-    ``activation_name="swiglu"``: w1 (2F, D) and b1 (2F,) hold the gate rows then the up rows
-    (see :func:`swiglu`).
+    ``activation_name="swiglu"`` or ``"geglu"``: w1 (2F, D) and b1 (2F,) hold the gate rows then
+    the up rows (see :func:`swiglu`, :func:`geglu`).
     """
-    if activation_name == "swiglu":
+    if activation_name in GATED_ACTIVATIONS:
         f = w1.shape[0] // 2
-        return swiglu(x, w1[:f], w1[f:], w2, residual, b_gate=None if b1 is None else b1[:f],
-                      b_up=None if b1 is None else b1[f:], b_down=b2, dropout_p=dropout_p,
-                      output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
-                      output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype)
+        return gated_ffn(x, w1[:f], w1[f:], w2, residual, b_gate=None if b1 is None else b1[:f],
+                         b_up=None if b1 is None else b1[f:], b_down=b2, dropout_p=dropout_p,
+                         output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
+                         output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype,
+                         activation=activation_name)
     h = linear(x, w1, b1, activation_name, None, dropout_p, dropout_mask=dropout_mask,
                compute_dtype=compute_dtype)
     return linear(h, w2, b2, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
@@ -198,20 +212,39 @@ def swiglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_
     hidden activation after it, as eager PyTorch (Hugging Face's ``LlamaMLP``) computes them.
     Masks as in :func:`mlp`.
     """
+    return gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
+                     dropout_p=dropout_p, output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
+                     output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype, activation="swiglu")
+
+
+def geglu(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None, dropout_p=0.0,
+          output_dropout_p=0.0, dropout_mask=None, output_dropout_mask=None, compute_dtype=None):
+    """Gemma's FFN: :func:`swiglu` with the tanh GELU of the gate instead of its SiLU (Hugging
+    Face's ``GemmaMLP`` with ``hidden_act="gelu_pytorch_tanh"``)."""
+    return gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
+                     dropout_p=dropout_p, output_dropout_p=output_dropout_p, dropout_mask=dropout_mask,
+                     output_dropout_mask=output_dropout_mask, compute_dtype=compute_dtype, activation="geglu")
+
+
+def gated_ffn(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None, dropout_p=0.0,
+              output_dropout_p=0.0, dropout_mask=None, output_dropout_mask=None, compute_dtype=None,
+              activation="swiglu"):
+    """:func:`swiglu` (``activation="swiglu"``) or :func:`geglu` (``"geglu"``)."""
     cdt = _compute_dtype(x.dtype, compute_dtype)
     xc = x.to(cdt)
     gate = F.linear(xc, w_gate.to(cdt), _cast(b_gate, cdt)).to(x.dtype).to(cdt)
     up = F.linear(xc, w_up.to(cdt), _cast(b_up, cdt)).to(x.dtype).to(cdt)
-    h = _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
+    h = _dropout(gate_activation(gate, activation) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
     return linear(h, w_down, b_down, None, residual, output_dropout_p, dropout_mask=output_dropout_mask,
                   compute_dtype=compute_dtype)
 
 
 def gated(x, w_gate, w_up, b_gate=None, b_up=None, *, dropout_p=0.0, dropout_mask=None, lora=None,
-          compute_dtype=None):
-    """SwiGLU's first layer alone: ``dropout(silu(x @ w_gate.T + b_gate + U @ Bg.T) * (x @ w_up.T
-    + b_up + U @ Bu.T))``, gate and up rounded to x's dtype first (as :func:`swiglu`); ``lora`` =
-    (U (..., R), Bg (F, R), Bu (F, R)) or None. Returns x's dtype."""
+          compute_dtype=None, activation="swiglu"):
+    """A gated FFN's first layer alone: ``dropout(act(x @ w_gate.T + b_gate + U @ Bg.T) * (x @
+    w_up.T + b_up + U @ Bu.T))`` with act SiLU (``activation="swiglu"``) or the tanh GELU
+    (``"geglu"``), gate and up rounded to x's dtype first (as :func:`swiglu`); ``lora`` = (U
+    (..., R), Bg (F, R), Bu (F, R)) or None. Returns x's dtype."""
     cdt = _compute_dtype(x.dtype, compute_dtype)
     xc = x.to(cdt)
     gate = F.linear(xc, w_gate.to(cdt), _cast(b_gate, cdt))
@@ -220,7 +253,7 @@ def gated(x, w_gate, w_up, b_gate=None, b_up=None, *, dropout_p=0.0, dropout_mas
         u = lora[0].to(cdt)
         gate, up = gate + F.linear(u, lora[1].to(cdt)), up + F.linear(u, lora[2].to(cdt))
     gate, up = gate.to(x.dtype).to(cdt), up.to(x.dtype).to(cdt)
-    return _dropout(F.silu(gate) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
+    return _dropout(gate_activation(gate, activation) * up, dropout_p, dropout_mask, cdt).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,11 +301,12 @@ def rope(q, k, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0, 
 
 def rope_qkvpacked(qkv, num_heads, num_kv_heads, positions=None, inv_freq=None, *, cos=None, sin=None, scale=1.0,
                    interleaved=False, batch_first=True, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
-                   compute_dtype=None):
+                   norm_unit_offset=False, compute_dtype=None):
     """RoPE on a packed QKV projection (B, L, (H + 2 Hkv) * D) (or (L, B, ...)); see
     :func:`fused_block.rope_qkvpacked`. q and k rotated, v unchanged, in qkv's layout;
     ``positions=None`` with ``inv_freq`` means 0..L-1. With the norm weights, each q (k) head
-    is first RMS-normalized over its D elements and scaled (in the compute dtype, unrounded)."""
+    is first RMS-normalized over its D elements and scaled (in the compute dtype, unrounded; by 1 +
+    the weight with ``norm_unit_offset``)."""
     t = qkv if batch_first else qkv.transpose(0, 1)
     t = t.unflatten(-1, (num_heads + 2 * num_kv_heads, -1))
     if positions is None and inv_freq is not None:
@@ -280,7 +314,8 @@ def rope_qkvpacked(qkv, num_heads, num_kv_heads, positions=None, inv_freq=None, 
     q, k = t[:, :, :num_heads], t[:, :, num_heads:num_heads + num_kv_heads]
     if q_norm_weight is not None:
         cdt = _compute_dtype(qkv.dtype, compute_dtype)
-        q, k = ((x.to(cdt) * torch.rsqrt(x.to(cdt).pow(2).mean(-1, keepdim=True) + norm_eps) * w.to(cdt))
+        off = 1.0 if norm_unit_offset else 0.0
+        q, k = ((x.to(cdt) * torch.rsqrt(x.to(cdt).pow(2).mean(-1, keepdim=True) + norm_eps) * (w.to(cdt) + off))
                 for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
     q, k = rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved,
                 compute_dtype=compute_dtype)

@@ -186,7 +186,7 @@ class _RoPEPacked(torch.autograd.Function):
 
 
 def _qknorm_fake(qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_rot, n_heads, batch_first, scale,
-                 rot_dim, interleaved, eps):
+                 rot_dim, interleaved, eps, unit_offset=False):
     return qkv.new_empty(qkv.shape)
 
 
@@ -194,15 +194,17 @@ def _qknorm_fake(qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_
 def _rope_qknorm_op(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
                     inv_freq: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor], n_q: int, n_rot: int,
                     n_heads: int, batch_first: bool, scale: float, rot_dim: int, interleaved: bool,
-                    eps: float) -> Tensor:
-    """:func:`_rope_packed_op` with q's and k's heads RMS-normalized (weights (D,)) first."""
+                    eps: float, unit_offset: bool = False) -> Tensor:
+    """:func:`_rope_packed_op` with q's and k's heads RMS-normalized (weights (D,), applied as 1 +
+    w with ``unit_offset``) first."""
     with _backend.device_guard(qkv):
         return _k.rope_packed_qknorm(qkv, qkv, q_weight, k_weight, (0, 1) if batch_first else (1, 0), n_q, n_rot,
-                                     n_heads, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, eps, False)
+                                     n_heads, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, eps, False,
+                                     unit_offset)
 
 
 def _qknorm_bwd_fake(grad, qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_rot, n_heads, batch_first,
-                     scale, rot_dim, interleaved, eps):
+                     scale, rot_dim, interleaved, eps, unit_offset=False):
     D = q_weight.shape[0]
     return qkv.new_empty(qkv.shape), qkv.new_empty((D,), dtype=torch.float32), qkv.new_empty((D,), dtype=torch.float32)
 
@@ -211,33 +213,33 @@ def _qknorm_bwd_fake(grad, qkv, q_weight, k_weight, positions, inv_freq, cos, si
 def _rope_qknorm_bwd_op(grad: Tensor, qkv: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
                         inv_freq: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor], n_q: int, n_rot: int,
                         n_heads: int, batch_first: bool, scale: float, rot_dim: int, interleaved: bool,
-                        eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                        eps: float, unit_offset: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(dqkv, dq_weight, dk_weight)``, the weights' gradients in fp32 (per-program rows summed)."""
     with _backend.device_guard(qkv):
         dqkv, dwq, dwk = _k.rope_packed_qknorm(grad, qkv, q_weight, k_weight, (0, 1) if batch_first else (1, 0),
                                                n_q, n_rot, n_heads, positions, inv_freq, cos, sin, scale, rot_dim,
-                                               interleaved, eps, True)
+                                               interleaved, eps, True, unit_offset)
         return dqkv, dwq.sum(0), dwk.sum(0)
 
 
 class _RoPEPackedQKNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_rot, n_heads, batch_first, scale,
-                rot_dim, interleaved, eps):
+                rot_dim, interleaved, eps, unit_offset):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(qkv, q_weight, k_weight, positions, inv_freq, cos, sin)
-        ctx.args = (n_q, n_rot, n_heads, batch_first, scale, rot_dim, interleaved, eps)
+        ctx.args = (n_q, n_rot, n_heads, batch_first, scale, rot_dim, interleaved, eps, unit_offset)
         return _rope_qknorm_op(qkv, q_weight, k_weight, positions, inv_freq, cos, sin, *ctx.args)
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return (None,) * 15
+            return (None,) * 16
         qkv, q_weight, k_weight, positions, inv_freq, cos, sin = ctx.saved_tensors
         dqkv, dwq, dwk = _rope_qknorm_bwd_op(_unit_last(grad), qkv, q_weight, k_weight, positions, inv_freq, cos, sin,
                                              *ctx.args)
         return (dqkv if ctx.needs_input_grad[0] else None, dwq.to(q_weight.dtype) if ctx.needs_input_grad[1] else None,
-                dwk.to(k_weight.dtype) if ctx.needs_input_grad[2] else None) + (None,) * 12
+                dwk.to(k_weight.dtype) if ctx.needs_input_grad[2] else None) + (None,) * 13
 
 
 def _check_qk_norm(qkv, D, q_weight, k_weight, eps):
@@ -267,7 +269,7 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
                    inv_freq: Optional[Tensor] = None, *, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
                    scale: float = 1.0, interleaved: bool = False, batch_first: bool = True,
                    q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
-                   norm_eps: float = 1e-6) -> Tensor:
+                   norm_eps: float = 1e-6, norm_unit_offset: bool = False) -> Tensor:
     """Rotary position embeddings on a packed QKV projection, q, k and v in one kernel.
 
     Args:
@@ -283,6 +285,8 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
             RMS-normalized over its D elements, ``x / sqrt(mean(x^2) + norm_eps)`` with fp32
             statistics, and multiplied by the weight (Qwen3's ``q_norm`` / ``k_norm``; any float
             dtype, read in fp32), in the same launch; the weights then get gradients too.
+            ``norm_unit_offset``: the heads are scaled by ``1 + weight`` instead (Gemma 3's
+            ``q_norm`` / ``k_norm``, whose weights are offsets from 1), in fp32.
     Returns a new contiguous tensor of qkv's shape and dtype: q's and k's heads rotated (dims
     past D_rot copied), v's copied, for :func:`fused_block.attention_qkvpacked` with the same
     ``batch_first``. Its gradient is one packed tensor (dq and dk rotated back, dv passed on)
@@ -305,15 +309,18 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
     D = qkv.shape[2] // heads
     rot_dim = _check_angles("qkv", qkv, B, L, D, positions, inv_freq, cos, sin, scale, interleaved, True)
     norm = _check_qk_norm(qkv, D, q_norm_weight, k_norm_weight, norm_eps)
+    if not isinstance(norm_unit_offset, bool):
+        raise TypeError(f"norm_unit_offset must be a bool, got {type(norm_unit_offset).__name__}")
     if not _backend.use_triton(qkv):
         return reference.rope_qkvpacked(qkv, num_heads, num_kv_heads, positions, inv_freq, cos=cos, sin=sin,
                                         scale=scale, interleaved=interleaved, batch_first=batch_first,
-                                        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+                                        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                                        norm_unit_offset=norm_unit_offset)
     if cos is not None:
         cos, sin = _unit_last(cos), _unit_last(sin)
     if norm:
         args = (q_norm_weight, k_norm_weight, positions, inv_freq, cos, sin, num_heads, num_heads + num_kv_heads,
-                heads, batch_first, float(scale), rot_dim, interleaved, float(norm_eps))
+                heads, batch_first, float(scale), rot_dim, interleaved, float(norm_eps), norm_unit_offset)
         if _backend.needs_autograd(qkv, q_norm_weight, k_norm_weight):
             return _RoPEPackedQKNorm.apply(_unit_last(qkv), *args)
         return _rope_qknorm_op(_unit_last(qkv), *args)

@@ -50,8 +50,12 @@ import triton.language as tl
 
 from fused_block.kernels import common
 
-ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu": 4}
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "swiglu": 4, "geglu": 5}
 SWIGLU = 4
+# GeGLU (Gemma's MLP): ``gelu_tanh(gate) * up``, the tanh GELU of code 2 on the gate.
+GEGLU = 5
+# The gated activations (two accumulators forward, dGate and dUp backward): codes >= SWIGLU.
+GATED = (SWIGLU, GEGLU)
 # Rows of dPre (columns of A for ROWSUM) summed into one row of a bias-gradient partial buffer.
 # Every BLOCK_M is a multiple of it, so the buffer's layout does not depend on the tile chosen.
 PARTIAL_ROWS = 64
@@ -147,6 +151,17 @@ def _act_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
         d = tl.where(x > 0.0, 1.0, 0.0)
         y = tl.where(x < 0.0, 0.0, x)
     return d, y
+
+
+@triton.jit
+def _gate_grad(g, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """``(d act(g) / dg, act(g))`` of a gated FFN's gate on an fp32 tile: SiLU for SwiGLU (4),
+    the tanh GELU for GeGLU (5)."""
+    if ACTIVATION == 4:
+        s = _sigmoid(g, FAST)
+        return s * (1.0 + g * (1.0 - s)), g * s
+    else:
+        return _act_grad(g, 2, FAST)
 
 
 @triton.jit
@@ -273,12 +288,11 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
     if ACT_GRAD:
         if HAS_DROPOUT:
             acc = tl.where(keep, acc * drop_scale, 0.0)
-        if ACTIVATION == 4:
+        if ACTIVATION >= 4:
             g = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
             u = _io_load(AUX2, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
-            s = _sigmoid(g, FAST)
-            silu = g * s
-            dg = acc * u * (s * (1.0 + g * (1.0 - s)))
+            dact, silu = _gate_grad(g, ACTIVATION, FAST)
+            dg = acc * u * dact
             du = acc * silu
             _io_store(C, dg, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
             _io_store(C2, du, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
@@ -305,20 +319,22 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if ACTIVATION == 4:
+            if ACTIVATION >= 4:
                 acc2 += tl.load(BIAS2 + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ROUND_PRE:
             # An FFN's hidden activation, recomputed in backward from the stored (rounded)
             # pre-activation, must be the forward's: rounded as eager rounds a linear's output.
             acc = common.cast(acc, IN_DTYPE, INTERPRET).to(tl.float32)
-            if ACTIVATION == 4:
+            if ACTIVATION >= 4:
                 acc2 = common.cast(acc2, IN_DTYPE, INTERPRET).to(tl.float32)
         if STORE_PRE:
             _io_store(AUX_OUT, acc, row0, col, rm, rn, mask, stride_xm, TMA_EPI, EVEN_MN, INTERPRET)
-            if ACTIVATION == 4:
+            if ACTIVATION >= 4:
                 _io_store(AUX2_OUT, acc2, row0, col, rm, rn, mask, stride_xm, TMA_EPI, EVEN_MN, INTERPRET)
         if ACTIVATION == 4:
             y = acc * _sigmoid(acc, FAST) * acc2
+        elif ACTIVATION == 5:
+            y = _act(acc, 2, FAST) * acc2
         else:
             y = _act(acc, ACTIVATION, FAST)
         if HAS_DROPOUT:
@@ -495,11 +511,11 @@ def _gemm_kernel(
     hout = HOUT
     if TMA_EPI:
         c_out = tl.make_tensor_descriptor(C, [M, N], [stride_cm, 1], [BLOCK_M, LEAF_W])
-        if ACT_GRAD and ACTIVATION == 4:
+        if ACT_GRAD and ACTIVATION >= 4:
             c2_out = tl.make_tensor_descriptor(C2, [M, N], [stride_cm, 1], [BLOCK_M, LEAF_W])
         if STORE_PRE:
             aux_out = tl.make_tensor_descriptor(AUX, [M, N], [stride_xm, 1], [BLOCK_M, LEAF_W])
-            if ACTIVATION == 4:
+            if ACTIVATION >= 4:
                 aux2_out = tl.make_tensor_descriptor(AUX2, [M, N], [stride_xm, 1], [BLOCK_M, LEAF_W])
         if STORE_H:
             hout = tl.make_tensor_descriptor(HOUT, [M, N], [N, 1], [BLOCK_M, LEAF_W])
@@ -606,7 +622,7 @@ def _act_grad_kernel(
     column sums. With ``ACTIVATION == 0`` and ``STORE_DPRE`` off this is the bias gradient of
     G alone. BLOCK_M equals PARTIAL_ROWS, so PART has the GEMM epilogue's layout.
 
-    SwiGLU (``ACTIVATION == 4``; G the gradient of silu(gate) * up): PRE and PRE2 are the gate
+    SwiGLU and GeGLU (``ACTIVATION >= 4``; G the gradient of act(gate) * up): PRE and PRE2 are the gate
     and up pre-activations (PRE's strides), DPRE and DPRE2 get dGate and dUp (row stride
     stride_dm, as dPre: the halves of one (M, 2N) buffer), PART
     (cdiv(M, BLOCK_M), 2N) their column sums side by side, as the GEMM epilogue lays them out.
@@ -622,7 +638,7 @@ def _act_grad_kernel(
     DPRE += row0 * stride_dm
     DPRE2 += row0 * stride_dm
     FAST: tl.constexpr = DPRE.dtype.element_ty != tl.float32
-    if ACTIVATION == 4:
+    if ACTIVATION >= 4:
         PART_W = 2 * N
     else:
         PART_W = N
@@ -635,12 +651,12 @@ def _act_grad_kernel(
         if HAS_DROPOUT:
             d = tl.where(_keep(words[j], drop_thresh), d * drop_scale, 0.0)
         offs = rm[:, None] * stride_pm + rn[None, :] * stride_pn
-        if ACTIVATION == 4:
+        if ACTIVATION >= 4:
             g = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(PRE2 + offs, mask=mask, other=0.0).to(tl.float32)
-            sg = _sigmoid(g, FAST)
-            du = d * g * sg
-            d = d * u * (sg * (1.0 + g * (1.0 - sg)))
+            dact, act = _gate_grad(g, ACTIVATION, FAST)
+            du = d * act
+            d = d * u * dact
             tl.store(DPRE2 + rm[:, None] * stride_dm + rn[None, :], common.cast(du, DPRE2.dtype.element_ty,
                                                                                   INTERPRET), mask=mask)
             if HAS_DBIAS:
@@ -834,7 +850,7 @@ def _heavy(act_grad, activation, dropout):
     """Epilogues whose live values do not fit beside a 128-register accumulator: dropout's
     Philox words and masks (the 128x256 sm_90 forward spilled 64-240 B with STORE_PRE and an
     activation), and SwiGLU's backward (two loads and three stores)."""
-    return dropout or act_grad and activation == SWIGLU
+    return dropout or act_grad and activation in GATED
 
 
 def _lora_configs(arch, dual_n, n):
@@ -1090,7 +1106,7 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
     part)``: dpre contiguous in g's dtype (None unless ``store_dpre``), part or None.
     """
     M, N = g.shape
-    swiglu = activation == SWIGLU
+    swiglu = activation in GATED
     width = 2 * N if swiglu else N
     dpre = common.empty((M, width), g.dtype, g.device) if store_dpre or swiglu else None
     part = common.empty((common.cdiv(M, PARTIAL_ROWS), width), torch.float32, g.device) if dbias else None
@@ -1177,12 +1193,16 @@ _VARIANTS = {
     "dact_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=1, HAS_DBIAS=True, STORE_H=True, HAS_DROPOUT=True)),
     "dswiglu_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=SWIGLU, HAS_DBIAS=True, STORE_H=True,
                                 HAS_DROPOUT=True)),
+    # GeGLU's (Gemma) tanh GELU of the gate: more live values than SwiGLU's SiLU.
+    "dgeglu_drop": ("NN", dict(ACT_GRAD=True, ACTIVATION=GEGLU, HAS_DBIAS=True, STORE_H=True, HAS_DROPOUT=True)),
     "wgrad_rowsum": ("TN", dict(ROWSUM=True)),
     "wgrad": ("TN", {}),
     "dgrad": ("NN", {}),
     "dgrad_dual": ("NN", dict(DUAL=2)),
     "swiglu_drop": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                HAS_DROPOUT=True)),
+    "geglu_drop": ("NT", dict(DUAL=1, ACTIVATION=GEGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
+                              HAS_DROPOUT=True)),
     # PEFT LoRA's low-rank pair as a second K loop (forwards only: the backward's dU and dB are
     # plain GEMMs).
     "fwd_lora": ("NT", dict(HAS_BIAS=True, ACTIVATION=1, HAS_RESIDUAL=True, STORE_PRE=True, LORA=True)),
@@ -1190,21 +1210,23 @@ _VARIANTS = {
                                  LORA=True)),
     "swiglu_drop_lora": ("NT", dict(DUAL=1, ACTIVATION=SWIGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
                                     HAS_DROPOUT=True, LORA=True)),
+    "geglu_drop_lora": ("NT", dict(DUAL=1, ACTIVATION=GEGLU, HAS_BIAS=True, STORE_PRE=True, ROUND_PRE=True,
+                                   HAS_DROPOUT=True, LORA=True)),
 }
 # Per table kind (dtype class, dual): the variants compiled for every config of the table.
 # Heavy variants (see _heavy) are compiled, like launched, only on light configs.
 _TABLE_VARIANTS = {
-    ("16", False): ("fwd_drop", "dact", "dact_drop", "dswiglu_drop", "wgrad_rowsum", "dgrad_dual"),
-    ("16", True): ("swiglu_drop",),
+    ("16", False): ("fwd_drop", "dact", "dact_drop", "dswiglu_drop", "dgeglu_drop", "wgrad_rowsum", "dgrad_dual"),
+    ("16", True): ("swiglu_drop", "geglu_drop"),
     ("tf32", False): ("fwd_drop", "dact", "dact_drop", "wgrad_rowsum"),
-    ("tf32", True): ("swiglu_drop",),
+    ("tf32", True): ("swiglu_drop", "geglu_drop"),
     ("ieee", False): ("fwd_drop", "dact_drop"),
-    ("ieee", True): ("swiglu_drop",),
+    ("ieee", True): ("swiglu_drop", "geglu_drop"),
 }
 # LoRA launches choose among a table's first and last configs only (_candidates): the proven
 # tile and the fallback, so the compile check builds its variants for those two; sm_80's
 # SwiGLU + LoRA the last one only (the first, 128x128x32 with dropout, spilled 16 B).
-_LORA_VARIANTS = {(kind, dual): (("swiglu_drop_lora",) if dual else ("fwd_lora", "fwd_drop_lora"))
+_LORA_VARIANTS = {(kind, dual): (("swiglu_drop_lora", "geglu_drop_lora") if dual else ("fwd_lora", "fwd_drop_lora"))
                   for kind, dual in _TABLE_VARIANTS}
 
 
@@ -1324,10 +1346,10 @@ def aot_specs():
     # dY.T @ X without a bias, whose flattened loop spilled), masked K; the forward also with
     # aligned sizes (FORCE_PATH, an empty first K part).
     for variant in (_TABLE_VARIANTS[("16", False)] + _LORA_VARIANTS[("16", False)]
-                    + ("fwd", "wgrad", "swiglu_drop", "swiglu_drop_lora")):
+                    + ("fwd", "wgrad", "swiglu_drop", "swiglu_drop_lora", "geglu_drop", "geglu_drop_lora")):
         add(90, "16", _FALLBACK_90_CFGS["16"], variant, tma=False, even_k=False, unaligned="all")
     add(90, "16", _FALLBACK_90_CFGS["16"], "fwd", tma=False, even_k=False)
-    for act, drop in ((2, False), (2, True), (0, True), (SWIGLU, True)):
+    for act, drop in ((2, False), (2, True), (0, True), (SWIGLU, True), (GEGLU, True)):
         specs.append(aot.KernelSpec(
             name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
             signature={"G": "*bf16", "PRE": "*bf16", "PRE2": "*bf16", "DPRE": "*bf16", "DPRE2": "*bf16",

@@ -145,6 +145,16 @@ def _sum_in(X, R, ROUT, x_offs, r_offs, mask, rand_offs, seed, keep_scale, dropo
 
 
 @triton.jit
+def _load_w(W, cols, mask, W_OFFSET: tl.constexpr):
+    """The norm's weight as it scales the row, fp32: ``w``, or ``1 + w`` with ``W_OFFSET``
+    (Gemma's RMSNorm, whose weight is stored as an offset from 1: ``(1 + w.float())``)."""
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if W_OFFSET:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
 def _add_pair(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
@@ -155,7 +165,7 @@ def _add_norm_fwd_kernel(
     stride_x, stride_r, M, N, inv_n, eps, dropout_p, keep_scale,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_ROUT: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -171,7 +181,7 @@ def _add_norm_fwd_kernel(
         # is live across the reductions (quack's delay_w_load): no spills at 16384.
         if ROWS * BLOCK_N <= 8192:
             if HAS_W:
-                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+                w = _load_w(W, cols, col_mask, W_OFFSET)
             if HAS_B:
                 b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
         h = _sum_in(X, R, ROUT, r2 * stride_x + c2, r2 * stride_r + c2, mask, r2 * N + c2, seed,
@@ -195,7 +205,7 @@ def _add_norm_fwd_kernel(
         y = xc * rstd[:, None]
         if ROWS * BLOCK_N > 8192:
             if HAS_W:
-                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+                w = _load_w(W, cols, col_mask, W_OFFSET)
             if HAS_B:
                 b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
         if HAS_W:
@@ -245,7 +255,7 @@ def _add_norm_fwd_kernel(
             else:
                 y = (h - mean[:, None]) * rstd[:, None]
             if HAS_W:
-                y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                y = y * _load_w(W, cols, cols < N, W_OFFSET)[None, :]
             if HAS_B:
                 y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             tl.store(OUT + r2 * N + c2, common.cast(y, OUT.dtype.element_ty, INTERPRET), mask=mask)
@@ -315,7 +325,7 @@ def _add_norm_bwd_kernel(
     HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_DROUT: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row_start = pid * rows_per_program
@@ -329,7 +339,7 @@ def _add_norm_bwd_kernel(
         c2 = cols[None, :]
         w = 0.0
         if HAS_W:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w = _load_w(W, cols, col_mask, W_OFFSET)
         dw = tl.zeros((ROWS, BLOCK_N), tl.float32)
         db = tl.zeros((ROWS, BLOCK_N), tl.float32)
         # num_stages > 1: the loads of the next rows are issued (cp.async) before this row's math.
@@ -380,7 +390,7 @@ def _add_norm_bwd_kernel(
                     mask = row_mask[:, None] & (c2 < N)
                     wc = 0.0
                     if HAS_W:
-                        wc = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+                        wc = _load_w(W, cols, cols < N, W_OFFSET)
                     xhat, dy, wdy = _xhat_dy(H, DOUT, DOUT2, r2 * stride_h + c2, r2 * stride_dout + c2,
                                              r2 * stride_dout2 + c2, mask, mean, rstd, wc, IS_RMS, HAS_W,
                                              HAS_DOUT2)
@@ -400,7 +410,7 @@ def _add_norm_bwd_kernel(
                 if HAS_DOUT:
                     wc = 0.0
                     if HAS_W:
-                        wc = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+                        wc = _load_w(W, cols, col_mask, W_OFFSET)
                     xhat, dy, wdy = _xhat_dy(H, DOUT, DOUT2, r2 * stride_h + c2, r2 * stride_dout + c2,
                                              r2 * stride_dout2 + c2, mask, mean, rstd, wc, IS_RMS, HAS_W,
                                              HAS_DOUT2)
@@ -600,8 +610,10 @@ def _keep_scale(dropout_p):
     return 1.0 / (1.0 - dropout_p)
 
 
-def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual):
-    """Launch the forward on (M, N) inputs whose last dim has unit stride.
+def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
+                 weight_offset=False):
+    """Launch the forward on (M, N) inputs whose last dim has unit stride. ``weight_offset``:
+    the row is scaled by ``1 + weight`` (Gemma's RMSNorm) instead of ``weight``.
 
     ``seed`` is an int64 tensor of one element, or None when ``dropout_p == 0``. Returns a list:
     ``out`` (x's dtype), then ``residual_out`` ((M, N), ``residual_dtype``) when
@@ -627,7 +639,7 @@ def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residu
     block, single = _block(N, FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK)
     arch = common.arch(dev)
     key = (arch, block, single, is_rms, has_res, has_w, has_b, has_drop, store_residual,
-           x.dtype, residual_dtype, None if weight is None else weight.dtype)
+           x.dtype, residual_dtype, None if weight is None else weight.dtype, has_w and weight_offset)
     # Absent pointers get x (never dereferenced: their use is constexpr-guarded).
     args = (x, residual if has_res else x, weight if has_w else x, bias if has_b else x, out,
             rout if store_residual else x, mean if mean is not None else rstd, rstd, seed if has_drop else x,
@@ -645,7 +657,8 @@ def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residu
 def _fwd_constexprs(key):
     _, block, single, is_rms, has_res, has_w, has_b, has_drop, store_residual = key[:9]
     return dict(IS_RMS=is_rms, HAS_RES=has_res, HAS_W=has_w, HAS_B=has_b, HAS_DROPOUT=has_drop,
-                STORE_ROUT=store_residual, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=_INTERPRET)
+                STORE_ROUT=store_residual, SINGLE_PASS=single, BLOCK_N=block, INTERPRET=_INTERPRET,
+                W_OFFSET=key[-1])
 
 
 def _fwd_launch(cfg, M, args, key):
@@ -654,8 +667,9 @@ def _fwd_launch(cfg, M, args, key):
 
 
 def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
-                 dres_dtype, dw_dtype, db_dtype):
-    """Launch the backward. ``h`` is the saved residual_out (or x when it was not stored).
+                 dres_dtype, dw_dtype, db_dtype, weight_offset=False):
+    """Launch the backward. ``h`` is the saved residual_out (or x when it was not stored);
+    ``weight_offset`` as the forward's (the weight's gradient is the same either way).
 
     ``dout`` (the gradient of out), ``dout2`` (a second gradient of out, summed with the first in
     the kernel; only with ``dout``, never with ``dresidual_out``: the compile check covers each
@@ -692,7 +706,8 @@ def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropou
         has_dout2, has_drout, has_drop = dout2 is not None, dresidual_out is not None, dropout_p > 0
         has_w = weight is not None and has_dout
         key = (arch, block, single, is_rms, has_dout, has_w, has_dw, has_db, has_drout, dres is not None,
-               has_drop, has_dout2, x_dtype, h.dtype, None if weight is None else weight.dtype)
+               has_drop, has_dout2, x_dtype, h.dtype, None if weight is None else weight.dtype,
+               has_w and weight_offset)
         # Absent pointers get h (never dereferenced: their use is constexpr-guarded).
         ptrs = (h, weight if has_w else h, dout if has_dout else h, dout2 if has_dout2 else h,
                 dresidual_out if has_drout else h, mean if mean is not None else rstd, rstd,
@@ -720,7 +735,7 @@ def _bwd_constexprs(key):
         key[:12]
     return dict(IS_RMS=is_rms, HAS_DOUT=has_dout, HAS_DOUT2=has_dout2, HAS_W=has_w, HAS_DW=has_dw,
                 HAS_DB=has_db, HAS_DROUT=has_drout, STORE_DRES=store_dres, HAS_DROPOUT=has_drop, SINGLE_PASS=single,
-                BLOCK_N=block, INTERPRET=_INTERPRET)
+                BLOCK_N=block, INTERPRET=_INTERPRET, W_OFFSET=key[-1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -770,7 +785,7 @@ def _fwd_sig(xt, rt, wt):
             "dropout_p": "fp32", "keep_scale": "fp32",
             "IS_RMS": "constexpr", "HAS_RES": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr",
             "HAS_DROPOUT": "constexpr", "STORE_ROUT": "constexpr", "SINGLE_PASS": "constexpr",
-            "BLOCK_N": "constexpr", "ROWS": "constexpr", "INTERPRET": "constexpr"}
+            "BLOCK_N": "constexpr", "ROWS": "constexpr", "INTERPRET": "constexpr", "W_OFFSET": "constexpr"}
 
 
 def _bwd_sig(xt, rt, wt):
@@ -783,7 +798,7 @@ def _bwd_sig(xt, rt, wt):
             "IS_RMS": "constexpr", "HAS_DOUT": "constexpr", "HAS_DOUT2": "constexpr", "HAS_W": "constexpr",
             "HAS_DW": "constexpr", "HAS_DB": "constexpr", "HAS_DROUT": "constexpr", "STORE_DRES": "constexpr",
             "HAS_DROPOUT": "constexpr", "SINGLE_PASS": "constexpr", "BLOCK_N": "constexpr",
-            "ROWS": "constexpr", "NUM_STAGES": "constexpr", "INTERPRET": "constexpr"}
+            "ROWS": "constexpr", "NUM_STAGES": "constexpr", "INTERPRET": "constexpr", "W_OFFSET": "constexpr"}
 
 
 def _reduce_sig(wt):
@@ -803,18 +818,19 @@ def aot_specs():
     bwd_aligned = ("stride_h", "stride_dout", "stride_dout2", "stride_drout", "N")
     # (x, residual, params, RMSNorm, dropout, every candidate, forward too, the backward's
     # incoming gradient: "drout" of residual_out, "dout2" a second one of out; the kernel never
-    # gets both: see add_norm_bwd)
-    variants = (("fp32", "fp32", "fp32", False, True, True, True, "drout"),
-                ("fp32", "fp32", "fp32", False, True, True, False, "dout2"),
-                ("bf16", "fp32", "fp32", False, True, False, True, "drout"),
-                ("bf16", "bf16", "bf16", False, False, False, True, "drout"),
-                ("bf16", "bf16", "bf16", True, False, False, True, "drout"),
-                ("bf16", "bf16", "bf16", False, True, False, False, "dout2"))
+    # gets both: see add_norm_bwd; the weight as 1 + w: Gemma's RMSNorm)
+    variants = (("fp32", "fp32", "fp32", False, True, True, True, "drout", False),
+                ("fp32", "fp32", "fp32", False, True, True, False, "dout2", False),
+                ("bf16", "fp32", "fp32", False, True, False, True, "drout", False),
+                ("bf16", "bf16", "bf16", False, False, False, True, "drout", False),
+                ("bf16", "bf16", "bf16", True, False, False, True, "drout", False),
+                ("bf16", "bf16", "bf16", True, False, False, True, "drout", True),
+                ("bf16", "bf16", "bf16", False, True, False, False, "dout2", False))
     specs = []
     for arch in common.ARCHS:
-        for xt, rt, wt, is_rms, dropout, every, fwd, incoming in variants:
-            norm = ("rms" if is_rms else "ln") + (",dropout" if dropout else "")
-            flags = {"IS_RMS": is_rms, "HAS_W": True, "HAS_DROPOUT": dropout}
+        for xt, rt, wt, is_rms, dropout, every, fwd, incoming, offset in variants:
+            norm = ("rms" if is_rms else "ln") + (",dropout" if dropout else "") + (",1+w" if offset else "")
+            flags = {"IS_RMS": is_rms, "HAS_W": True, "HAS_DROPOUT": dropout, "W_OFFSET": offset}
             light = xt == rt == "bf16" and not dropout
             for block, single in _blocks(FWD_REG_MAX if light else FWD_REG_MAX_HEAVY, FWD_CHUNK) if fwd else ():
                 cands = fwd_candidates(arch, block, single, light)

@@ -195,10 +195,10 @@ def _rope_packed_kernel(X, O, POS, FREQ, COS, SIN,
 @triton.jit
 def _norm_rotate_heads(X, XIN, O, DWQ, DWK, WQ, WK, h0, NQ, H, D, inv_d, eps, cos, sin, pairs, pair_ok, rest,
                        rest_ok, ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_REST: tl.constexpr,
-                       CONJ: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                       CONJ: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr, W_OFFSET: tl.constexpr):
     """Heads [h0, h0 + BLOCK_H) of one token (X, XIN, O at its head 0, heads D apart; the
     first NQ of the H heads are q's): y = R(w * x / rms(x)), the RMS over the head's D elements
-    in fp32 and w the q or k weight (D,). With CONJ, X is dy and XIN the forward's x: O = dx,
+    in fp32 and w the q or k weight (D,), or 1 + that weight with W_OFFSET (Gemma 3). With CONJ, X is dy and XIN the forward's x: O = dx,
     and this block's weight gradient sum(R^T dy * x / rms(x)) over its q heads and over its k
     heads goes to the (D,) rows DWQ and DWK (zero where it has none)."""
     heads = h0 + tl.arange(0, BLOCK_H)
@@ -218,12 +218,17 @@ def _norm_rotate_heads(X, XIN, O, DWQ, DWK, WQ, WK, h0, NQ, H, D, inv_d, eps, co
                   tl.load(WK + c1, mask=pair_ok, other=0.0).to(tl.float32)[None, :])
     w2 = tl.where(is_q, tl.load(WQ + c2, mask=pair_ok, other=0.0).to(tl.float32)[None, :],
                   tl.load(WK + c2, mask=pair_ok, other=0.0).to(tl.float32)[None, :])
+    if W_OFFSET:
+        w1 = w1 + 1.0
+        w2 = w2 + 1.0
     ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     if HAS_REST:
         rok = head_ok[:, None] & rest_ok[None, :]
         xr = tl.load(x_rows + rest[None, :], mask=rok, other=0.0).to(tl.float32)
         wr = tl.where(is_q, tl.load(WQ + rest, mask=rest_ok, other=0.0).to(tl.float32)[None, :],
                       tl.load(WK + rest, mask=rest_ok, other=0.0).to(tl.float32)[None, :])
+        if W_OFFSET:
+            wr = wr + 1.0
         ss += tl.sum(xr * xr, axis=1)
     rstd = _rstd(_div_n(ss, D, inv_d, INTERPRET), eps, INTERPRET)[:, None]
     n1 = x1 * rstd
@@ -269,7 +274,7 @@ def _rope_qknorm_packed_kernel(X, XIN, O, WQ, WK, DWQ, DWK, POS, FREQ, COS, SIN,
                                ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, FROM_TABLE: tl.constexpr,
                                HAS_POS: tl.constexpr, CONJ: tl.constexpr, HAS_REST: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                               BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr):
+                               BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr, W_OFFSET: tl.constexpr):
     """``_rope_packed_kernel`` with q's and k's heads RMS-normalized first (Qwen3's q_norm and
     k_norm): grid = (B * L, rot_blocks + cdiv(copy_len, BLOCK_C)). The backward (CONJ) reads
     the gradient X and the forward's input XIN and writes, per rotating program, one (D,) fp32
@@ -290,7 +295,7 @@ def _rope_qknorm_packed_kernel(X, XIN, O, WQ, WK, DWQ, DWK, POS, FREQ, COS, SIN,
         row = (token * rot_blocks + hb) * D
         _norm_rotate_heads(x, XIN + b * stride_ib + t * stride_il, o, DWQ + row, DWK + row, WQ, WK, hb * BLOCK_H,
                            NQ, NROT, D, inv_d, eps, cos, sin, pairs, pair_ok, rest, rest < D, ROT_HALF, INTERLEAVED,
-                           HAS_REST, CONJ, BLOCK_H, INTERPRET)
+                           HAS_REST, CONJ, BLOCK_H, INTERPRET, W_OFFSET)
     else:
         offs = (hb - rot_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = offs < copy_len
@@ -405,12 +410,13 @@ _QKNORM_CONFIGS = common.ConfigCache("rope_qknorm")
 
 
 def rope_packed_qknorm(x, x_in, wq, wk, rows, n_q, n_rot, n_heads, positions, inv_freq, cos, sin, scale, rot_dim,
-                       interleaved, eps, conj):
+                       interleaved, eps, conj, unit_offset=False):
     """:func:`rope_packed` with the first ``n_rot`` heads (q's ``n_q``, then k's) RMS-normalized
     over their D elements and scaled by ``wq`` / ``wk`` (D,) before the rotation. Forward
     (``conj=False``): returns the new packed tensor. Backward (``conj=True``): ``x`` is the
     output's gradient, ``x_in`` the forward's input; returns ``(dx, dwq, dwk)``, the weight
-    gradients as fp32 (rows, D) partials to sum over dim 0. Inputs are checked by the caller."""
+    gradients as fp32 (rows, D) partials to sum over dim 0. ``unit_offset``: the heads scaled by
+    ``1 + w`` (Gemma 3's q_norm/k_norm). Inputs are checked by the caller."""
     dim_b, dim_l = rows
     B, L = x.shape[dim_b], x.shape[dim_l]
     D = x.shape[2] // n_heads
@@ -439,7 +445,7 @@ def rope_packed_qknorm(x, x_in, wq, wk, rows, n_q, n_rot, n_heads, positions, in
     constexprs = dict(ROT_HALF=rot_half, INTERLEAVED=interleaved, FROM_TABLE=from_table,
                       HAS_POS=positions is not None, CONJ=conj, HAS_REST=rot_dim < D,
                       BLOCK_P=common.next_pow2(rot_half), BLOCK_R=common.next_pow2(max(D - rot_dim, 1)),
-                      INTERPRET=common.interpreting())
+                      INTERPRET=common.interpreting(), W_OFFSET=unit_offset)
     common.launch("rope_qknorm", _rope_qknorm_packed_kernel, grid, args, constexprs, cfg)
     return (out, dwq, dwk) if conj else out
 
@@ -530,23 +536,24 @@ def _qknorm_sig(xt):
                                    "stride_pb", "stride_pl", "stride_cb", "stride_cl")})
     sig.update({n: "fp32" for n in ("scale", "inv_d", "eps")})
     sig.update({n: "constexpr" for n in ("ROT_HALF", "INTERLEAVED", "FROM_TABLE", "HAS_POS", "CONJ", "HAS_REST",
-                                         "BLOCK_P", "BLOCK_R", "BLOCK_H", "BLOCK_C", "INTERPRET")})
+                                         "BLOCK_P", "BLOCK_R", "BLOCK_H", "BLOCK_C", "INTERPRET", "W_OFFSET")})
     return sig
 
 
 def _qknorm_specs(aot):
     """The per-head-norm kernel at Qwen3's shapes (head dim 128; 8B: 32 + 8 KV heads, 0.6B:
-    16 + 8), half-split pairs from positions or tables, forward and backward."""
+    16 + 8) and Gemma 3's (head dim 256, the weights as 1 + w; 4B: 8 + 4 KV heads, 27B: 32 +
+    16), half-split pairs from positions or tables, forward and backward."""
     specs = []
     for xt in ("bf16", "fp32"):
-        for H, HKV in ((32, 8), (16, 8)):
-            cfg = _packed_config(128, H + HKV, HKV)
+        for D, H, HKV, offset in ((128, 32, 8, False), (128, 16, 8, False), (256, 8, 4, True), (256, 32, 16, True)):
+            cfg = _packed_config(D, H + HKV, HKV)
             for source in ("positions", "table"):
                 for conj in (False, True):
-                    tag = f"D=128,H={H},Hkv={HKV},{xt},{source}{',bwd' if conj else ''}"
-                    consts = dict(ROT_HALF=64, INTERLEAVED=False, FROM_TABLE=source == "table",
-                                  HAS_POS=source == "positions", CONJ=conj, HAS_REST=False, BLOCK_P=64, BLOCK_R=1,
-                                  INTERPRET=False, **cfg.meta())
+                    tag = f"D={D},H={H},Hkv={HKV},{xt},{source}{',1+w' if offset else ''}{',bwd' if conj else ''}"
+                    consts = dict(ROT_HALF=D // 2, INTERLEAVED=False, FROM_TABLE=source == "table",
+                                  HAS_POS=source == "positions", CONJ=conj, HAS_REST=False, BLOCK_P=D // 2, BLOCK_R=1,
+                                  INTERPRET=False, W_OFFSET=offset, **cfg.meta())
                     specs.append(aot.KernelSpec(f"rope_qknorm[{tag}]", _rope_qknorm_packed_kernel, _qknorm_sig(xt),
                                                 consts, num_warps=cfg.num_warps, aligned=_PACKED_ALIGNED))
     return specs

@@ -265,6 +265,29 @@ def _swiglu(T, d, f):
     fused_block.swiglu(x, _empty(f, d), _empty(f, d), _empty(d, f), x)
 
 
+def _geglu(T, d, f):
+    """Gemma's FFN, a training step: gate/up with GeGLU, down; dGate/dUp in dH's epilogue."""
+    import torch
+
+    import fused_block
+
+    x = _empty(T, d, grad=True)
+    ws = (_empty(f, d, grad=True), _empty(f, d, grad=True), _empty(d, f, grad=True))
+    out = fused_block.geglu(x, *ws, x)
+    torch.autograd.grad(out, (x, *ws), torch.empty_like(out))
+
+
+def _gemma_rms_norm(rows, hidden):
+    """Gemma's (1 + w) RMSNorm with the residual add, forward and backward."""
+    import torch
+
+    import fused_block
+
+    x, r, w = _empty(rows, hidden, grad=True), _empty(rows, hidden, grad=True), _empty(hidden, grad=True)
+    out, res = fused_block.add_rms_norm(x, r, w, 1e-6, unit_offset=True)
+    torch.autograd.grad((out, res), (x, r, w), (torch.empty_like(out), torch.empty_like(res)))
+
+
 def _add_layer_norm(rows, hidden):
     import torch
 
@@ -296,6 +319,8 @@ WORKLOADS = (
     ("linear gpt2-xl", _linear, (8192, 1600, 6400, None)),
     ("linear+bias+gelu gpt2-xl", _linear, (8192, 1600, 6400, "gelu")),
     ("swiglu llama-7b", _swiglu, (8192, 4096, 11008)),
+    ("geglu gemma-2b", _geglu, (8192, 2048, 16384)),
+    ("add_rms_norm 1+w gemma-2b", _gemma_rms_norm, (8192, 2048)),
     ("add_layer_norm 16384x4096", _add_layer_norm, (16384, 4096)),
     ("rope llama-7b", _rope, (2, 2048, 32, 128)),
 )

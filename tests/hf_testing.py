@@ -14,6 +14,7 @@ import transformers
 import numerics
 
 V, B, L = 96, 2, 9
+GEMMAS = ("gemma", "gemma2", "gemma3")
 # The rule for whole models (as tests/test_blocks.py): err <= 4 x err(original, same dtype)
 # + atol x max(1, |ref|), against the original model in float64.
 BLOCK_FACTOR = 4.0
@@ -46,6 +47,27 @@ def config(arch, layers=2, **overrides):
         cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                                       intermediate_size=96, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, **common)
+    elif arch in GEMMAS:
+        # head_dim 16 (their configs default to 256); query_pre_attn_scalar 24: a scaling other
+        # than head_dim ** -0.5 reaches the kernel. Gemma 2: no attention softcap (the fused
+        # standard config; its default 50 falls back), the final logit softcap (30) in the loss;
+        # Gemma 3: one sliding and one full layer, each with its own RoPE base (10^4, 10^6). The
+        # windows (4096, 512) cut nothing in these sequences.
+        cls = {"gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config,
+               "gemma3": transformers.Gemma3TextConfig}[arch]
+        extra = {}
+        if arch == "gemma2":
+            extra = dict(attn_logit_softcapping=None, final_logit_softcapping=30.0, query_pre_attn_scalar=24,
+                         layer_types=["sliding_attention", "full_attention"][:layers])
+        elif arch == "gemma3":
+            extra = dict(query_pre_attn_scalar=24, sliding_window=512,
+                         layer_types=["sliding_attention", "full_attention"][:layers])
+        # Tied embeddings (their default) make the tiny models' greedy decoding repeat one token:
+        # the generation test unties them (a constructor argument, not an attribute to set later).
+        extra["tie_word_embeddings"] = overrides.pop("tie_word_embeddings", True)
+        cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=V - 1,
+                  pad_token_id=None, **extra, **common)
     else:
         cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
@@ -67,22 +89,27 @@ def model(arch, device, attn_implementation=None, **overrides):
     cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
            "llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-           "phi3": transformers.Phi3ForCausalLM}[arch]
+           "phi3": transformers.Phi3ForCausalLM, "gemma": transformers.GemmaForCausalLM,
+           "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
     model = cls(config(arch, **overrides)).to(device)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
+    one = 0.0 if arch in GEMMAS else 1.0  # Gemma's norm weights are offsets from 1 (HF initializes them to 0)
     with torch.no_grad():  # non-trivial norm weights and biases (HF initializes them to 1 and 0)
         for name, p in model.named_parameters():
             if "norm" in name.lower() or name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+                p.copy_(torch.randn_like(p) * 0.3 + (one if name.endswith("weight") else 0.0))
     return model
 
 
 def inputs(arch, device):
+    """Token ids and a padding mask: left padding for decoders (as batched generation pads),
+    right padding for BERT and for Gemma 2, whose model runs eager attention (in float64 a
+    fully masked query row gives NaN there: see interface_inputs)."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (B, L), generator=g).to(device)
     mask = torch.ones(B, L, dtype=torch.long, device=device)
-    if arch == "bert":
+    if arch in ("bert", "gemma2"):
         mask[1, L - 3:] = 0  # right padding
     else:
         mask[1, :3] = 0  # left padding, as batched generation pads

@@ -421,3 +421,139 @@ def test_causal_lm_falls_back_with_a_warning(device, launches):
     assert launches["lce_ce"] == before + 1
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 1/2/3: (1 + w) RMSNorms, GeGLU MLP, sandwich norms (2/3), q/k norms and local/global
+# RoPE bases (3), the final logit softcap in the loss (2); see hf_testing.config
+# ---------------------------------------------------------------------------------------------
+
+GEMMAS = ["gemma", "gemma2", "gemma3"]
+# One layer for Gemma 1/2 (each layer is a full interpreted forward and backward); Gemma 3's two:
+# a sliding layer (RoPE base 10^4) and a full one (10^6), the residual stream crossing them.
+GEMMA_LAYERS = {"gemma": 1, "gemma2": 1, "gemma3": 2}
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_logits_and_gradients_match_the_original(arch, device, launches):
+    """As test_logits_and_gradients_match_the_original: the training loss (Gemma 2's with its
+    final logit softcap, in the fused linear + cross-entropy) and every parameter's gradient,
+    then fp32 logits, against the original in float64; fully fused, no warning."""
+    n = GEMMA_LAYERS[arch]
+    model = _model(arch, device, layers=n).train()
+    fused = _converted(model)
+    ref = copy.deepcopy(model).double()
+    ids, mask = _inputs(arch, device)
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for name, m in (("ref", ref), ("base", model), ("fused", fused)):
+        with _no_fallback():
+            out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outs[name] = (out, dict(m.named_parameters()))
+    _assert_close("loss", outs["fused"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
+    for pname, p in outs["ref"][1].items():
+        g = outs["fused"][1][pname].grad
+        assert g is not None, pname
+        _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
+    assert outs["fused"][0].logits is None
+    assert launches["attention_fwd"] == launches["attention_bwd"] == n
+    sandwich = arch != "gemma"
+    # per layer: 2 norms (Gemma 1), 4 (sandwich: post-attention alone, pre-feedforward with the add)
+    assert launches["add_norm_fwd"] == n * (4 if sandwich else 2) and launches["add_norm_bwd"] == launches["add_norm_fwd"]
+    assert launches["rope_qknorm" if arch == "gemma3" else "rope_qkvpacked"] == 2 * n
+    assert launches["matmul"] == n * 12 + 2 and launches["act_grad"] == 0  # the MLP as geglu
+    assert launches["lce_ce"] == launches["lce_dw"] == 1
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                  for m in (ref, model, fused)]
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_bf16_logits(arch, device, launches):
+    model = _model(arch, device, layers=GEMMA_LAYERS[arch]).eval()
+    ref = copy.deepcopy(model).double()
+    base = copy.deepcopy(model).to(torch.bfloat16)
+    fused = _converted(base)
+    ids, mask = _inputs(arch, device)
+    with torch.no_grad(), _no_fallback():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in (ref, base, fused)]
+    assert logits[2].dtype == torch.bfloat16
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.bfloat16, device)
+    assert launches["attention_fwd"] == GEMMA_LAYERS[arch]
+
+
+@pytest.mark.parametrize("arch", ["gemma3"])
+def test_gemma_greedy_generation_matches(arch, device, launches):
+    """16 greedy tokens with the KV cache: Gemma 3 (sandwich norms and (1 + w) q/k norms through
+    decoding, the sliding layer's cache; its window cuts nothing in 25 tokens). One layer: each
+    token is a full interpreted forward (about 30 s here), so Gemma 1 and 2, whose layers are
+    this one's parts, are not repeated. Untied embeddings: with the tied ones these tiny models
+    repeat one token."""
+    layers = 1
+    model = _model(arch, device, layers=layers, tie_word_embeddings=False).eval()
+    fused = _converted(model)
+    ids, _ = _inputs(arch, device)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
+    want = model.generate(ids[:1], **kw)
+    with _no_fallback():
+        got = fused.generate(ids[:1], **kw)
+    assert want.shape[1] == L + 16 and len(set(want[0, L:].tolist())) > 3
+    assert torch.equal(got, want)
+    assert launches["attention_fwd"] == 16 * layers
+    assert launches["matmul"] == 16 * 4 * layers
+
+
+@pytest.mark.parametrize("arch", ["gemma3"])
+def test_gemma_state_dict_and_save_pretrained_round_trip(arch, device):
+    model = _model(arch, device, layers=1).eval()
+    keys = list(model.state_dict())
+    fused = copy.deepcopy(model)
+    params = list(fused.parameters())
+    assert fused_block.convert(fused) is fused
+    assert list(fused.state_dict()) == keys
+    assert all(a is b for a, b in zip(fused.parameters(), params))
+    ids, mask = _inputs(arch, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        fused.save_pretrained(tmp)
+        reloaded = type(model).from_pretrained(tmp).to(device).eval()
+        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
+        torch.testing.assert_close(again(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
+                                   atol=0, rtol=0)
+
+
+def test_gemma_softcap_and_windows_fall_back(device, launches):
+    """What the attention kernel lacks today: Gemma 2's attention softcap (its default 50) and
+    a sliding window that cuts keys (Gemma 3's sliding layer, window 4 over 9 tokens) make the
+    layer run its original forward after a one-time warning naming the feature; the answer is
+    the original's. The full layer next to the windowed one stays fused."""
+    ids, mask = _inputs("gemma2", device)
+    keep = mask[..., None] == 1
+    capped = _model("gemma2", device, layers=1, attn_logit_softcapping=50.0).eval()
+    fused = fused_block.convert(copy.deepcopy(capped))
+    with torch.no_grad(), pytest.warns(UserWarning, match="attention logit softcapping"):
+        got = fused(ids, attention_mask=mask).logits
+    want = capped(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=0, rtol=0)
+    assert launches["attention_fwd"] == 0
+    windowed = _model("gemma3", device, sliding_window=4).eval()
+    fused = fused_block.convert(copy.deepcopy(windowed))
+    ids, mask = _inputs("gemma3", device)
+    keep = mask[..., None] == 1
+    with torch.no_grad(), pytest.warns(UserWarning, match="sliding window of 4 keys over 9"):
+        got = fused(ids, attention_mask=mask).logits
+    want = windowed(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    assert launches["attention_fwd"] == 1  # the full-attention layer
+
+
+def test_gemma_attention_features_dispatch():
+    """The one decision point the attention features pass through (_attention.features_reason):
+    no softcap and a window at least as long as the keys run the kernel."""
+    reason = hf._attention.features_reason
+    assert reason(None, None, 100) is None and reason(None, 9, 9) is None
+    assert "softcapping" in reason(50.0, None, 9) and "sliding window of 8 keys over 9" in reason(None, 8, 9)

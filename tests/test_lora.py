@@ -57,8 +57,9 @@ def test_linear_with_lora(dtype_mode, activation, residual, device, launches):
     assert launches["matmul"] >= 1
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
-def test_gated_linear_with_lora(dtype_mode, device, launches):
+def test_gated_linear_with_lora(dtype_mode, activation, device, launches):
     dtype, mode = dtype_mode
     F = 24
     x = _t(M, K, dtype=dtype, device=device)
@@ -68,10 +69,11 @@ def test_gated_linear_with_lora(dtype_mode, device, launches):
     lbg, lbu = (_t(F, R, dtype=dtype, device=device, scale=0.3) for _ in range(2))
 
     def ours(x, wg, wu, bg, bu, u, lbg, lbu):
-        return gated_linear(x, wg, wu, bg, bu, lora=(u, lbg, lbu))
+        return gated_linear(x, wg, wu, bg, bu, lora=(u, lbg, lbu), activation=activation)
 
     def ref(x, wg, wu, bg, bu, u, lbg, lbu, compute_dtype=None):
-        return reference.gated(x, wg, wu, bg, bu, lora=(u, lbg, lbu), compute_dtype=compute_dtype)
+        return reference.gated(x, wg, wu, bg, bu, lora=(u, lbg, lbu), compute_dtype=compute_dtype,
+                               activation=activation)
 
     check("gated+lora", ours, ref, [x, wg, wu, bg, bu, u, lbg, lbu], dtype, device, mode)
     assert launches["act_grad"] >= 1 and launches["matmul"] >= 3
@@ -219,11 +221,12 @@ def test_opcheck(device):
     F = 24
     wg, wu = randn(F, K, dtype=dt, device=device), randn(F, K, dtype=dt, device=device)
     lbg, lbu = randn(F, R16, dtype=dt, device=device), randn(F, R16, dtype=dt, device=device)
-    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, u, lbg, lbu, True, seed, 0.1))
-    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, None, None, None, False, None, 0.0))
+    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, u, lbg, lbu, "swiglu", True, seed, 0.1))
+    torch.library.opcheck(ops.gated_fwd.default, (x, wg, wu, None, None, None, None, None, "geglu", False, None,
+                                                  0.0))
     gh, pre2 = randn(M, F, dtype=dt, device=device), randn(M, 2 * F, dtype=dt, device=device)
-    torch.library.opcheck(ops.gated_bwd.default, (gh, x, wg, wu, pre2, seed, u, lbg, lbu, 0.1, True, True, True,
-                                                  True, True))
+    torch.library.opcheck(ops.gated_bwd.default, (gh, x, wg, wu, pre2, seed, u, lbg, lbu, "geglu", 0.1, True, True,
+                                                  True, True, True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +235,9 @@ def test_opcheck(device):
 
 HF_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
               "gpt2": ["c_attn", "c_proj", "c_fc"], "bert": ["query", "value", "dense"],
-              "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+              "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+              # q and v stacked into the QKV GEMM, down_proj's adapters on the GeGLU hidden activation
+              "gemma3": ["q_proj", "v_proj", "down_proj"]}
 
 
 def _hf_peft(arch, device, order, dropout=0.0, targets=None):
@@ -252,7 +257,7 @@ def _hf_peft(arch, device, order, dropout=0.0, targets=None):
     return ref, got, hf_testing.inputs(arch, device)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "phi3", "gemma3"])
 @pytest.mark.parametrize("order", ["convert_then_adapt", "adapt_then_convert"])
 def test_peft_lora_on_converted_hf_models_runs_fused(arch, order, device, launches):
     """Logits (eval) of PEFT's model through the fused layers, with the adapters on the

@@ -548,3 +548,37 @@ def test_backward_launcher_takes_one_extra_gradient(device):
     rstd = torch.ones(3, device=device)
     with pytest.raises(ValueError, match="exclusive"):
         knorm.add_norm_bwd(h, h, h, h, None, None, rstd, None, 0.0, True, torch.float32, None, None, None)
+
+
+# Gemma's RMSNorm: the row scaled by (1 + w) in fp32, w stored as an offset from 1 (near 0).
+# Shapes: a register row of several rows per program, and the chunked paths (thresholds
+# lowered) with an fp32 residual stream; dtypes as parameters (each reaches the GPU check).
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("chunked", [False, True], ids=["register", "chunked"])
+def test_rms_norm_unit_offset(device, launches, monkeypatch, dtype, chunked):
+    if chunked:
+        for name, value in (("FWD_REG_MAX", 64), ("FWD_REG_MAX_HEAVY", 64), ("BWD_REG_MAX", 64),
+                            ("FWD_CHUNK", 32), ("BWD_CHUNK", 32)):
+            monkeypatch.setattr(knorm, name, value)
+    n = 100 if chunked else 48
+    x, residual, _, _ = _inputs((7, n), dtype, device, has_b=False)
+    weight = randn(n, dtype=dtype, device=device, scale=0.3, requires_grad=True)
+    out, rout = _check_fwd_bwd("rms", [x, residual, weight, None], dtype, device, unit_offset=True)
+    # The flag reaches the kernels: no (1 + w) tensor, one launch each way.
+    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == launches["add_norm_bwd_reduce"] == 1
+    with torch.no_grad():  # Gemma's own formula, in fp32 then cast
+        h = (x + residual).to(dtype).float()
+        gemma = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + torch.finfo(dtype).eps)
+                 * (1.0 + weight.float())).to(dtype)
+    torch.testing.assert_close(out, gemma, atol=numerics_atol(dtype), rtol=0)
+
+
+def numerics_atol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def test_rms_norm_unit_offset_bad_flag(device, launches):
+    x = randn(3, 8, dtype=torch.float32, device=device)
+    with pytest.raises(TypeError, match="^unit_offset"):
+        fused_block.add_rms_norm(x, None, torch.zeros(8, device=device), unit_offset=1)
+    assert launches["add_norm_fwd"] == 0

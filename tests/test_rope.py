@@ -291,8 +291,14 @@ QKNORM_CASES = [(dtype, source, layout, (40, 24) if i % 2 else (32, 32), (HQ, HK
 QKNORM_CASES.append((torch.float32, "positions", "batch_first", (256, 256), (12, 8)))
 
 
-@pytest.mark.parametrize("dtype, source, layout, dims, heads", QKNORM_CASES)
-def test_rope_qkvpacked_qk_norm_matches_float64(dtype, source, layout, dims, heads, device, launches):
+# Gemma 3's q_norm / k_norm: the weights are offsets from 1 (scaled by 1 + w); one case per
+# dtype (the first three: index, positions and table angles), weights near 0.
+QKNORM_CASES_OFFSET = [c + (True,) for c in QKNORM_CASES[:3]]
+
+
+@pytest.mark.parametrize("dtype, source, layout, dims, heads, offset",
+                         [c + (False,) for c in QKNORM_CASES] + QKNORM_CASES_OFFSET)
+def test_rope_qkvpacked_qk_norm_matches_float64(dtype, source, layout, dims, heads, offset, device, launches):
     """The output and the gradients of qkv and both norm weights against float64."""
     D, rot = dims
     hq, hk = heads
@@ -302,8 +308,9 @@ def test_rope_qkvpacked_qk_norm_matches_float64(dtype, source, layout, dims, hea
     else:
         qkv, batch_first = randn(1, 2, width, dtype=dtype, device=device), True
     qkv = qkv.detach().requires_grad_()
-    wq, wk = ((randn(D, dtype=dtype, device=device) * 0.3 + 1).requires_grad_() for _ in range(2))
-    kw = dict(_angle_kwargs(source, rot, False, dtype, device), batch_first=batch_first, norm_eps=1e-6)
+    wq, wk = ((randn(D, dtype=dtype, device=device) * 0.3 + (0 if offset else 1)).requires_grad_() for _ in range(2))
+    kw = dict(_angle_kwargs(source, rot, False, dtype, device), batch_first=batch_first, norm_eps=1e-6,
+              norm_unit_offset=offset)
     if heads != (HQ, HK):
         kw.pop("positions")  # (B, L) = (1, 2): the token index
     out = fused_block.rope_qkvpacked(qkv, hq, hk, q_norm_weight=wq, k_norm_weight=wk, **kw)
@@ -330,7 +337,7 @@ def test_rope_qkvpacked_qk_norm_opcheck_and_compile(device, launches):
     qkv, _ = _packed(32, torch.float32, device, "batch_first")
     inv = _inv_freq(32).to(device)
     wq, wk = (randn(32, dtype=torch.float32, device=device) + 1 for _ in range(2))
-    args = (None, inv, None, None, HQ, HQ + HK, HQ + 2 * HK, True, 1.0, 32, False, 1e-6)
+    args = (None, inv, None, None, HQ, HQ + HK, HQ + 2 * HK, True, 1.0, 32, False, 1e-6, True)
     torch.library.opcheck(torch.ops.fused_block.rope_qkvpacked_qknorm.default, (qkv, wq, wk) + args)
     grad = randn(*qkv.shape, dtype=torch.float32, device=device)
     torch.library.opcheck(torch.ops.fused_block.rope_qkvpacked_qknorm_bwd.default, (grad, qkv, wq, wk) + args)

@@ -6,6 +6,9 @@ Models (random weights, bf16, the default SDPA attention implementation):
 - ``llama-1b``: ``LlamaForCausalLM`` at TinyLlama-1.1B's shape (d 2048, 22 layers, 32 heads
   with 4 KV heads, SwiGLU width 5632, vocabulary 32000). ``--quick`` keeps 4 of its 22 layers
   (``n_layer`` in the shape says so) so that torch.compile's compile time fits the GPU check.
+- ``gemma-2b``: ``GemmaForCausalLM`` at Gemma-2B's shape (d 2048, 18 layers, 8 heads of 256
+  with one KV head (MQA), GeGLU width 16384, vocabulary 256000, tied embeddings); the fused
+  path runs its (1 + w) RMSNorms, the GeGLU epilogue and head dim 256. ``--quick``: 4 layers.
 
 Providers:
 
@@ -36,8 +39,9 @@ DTYPE = torch.bfloat16
 MODELS = {
     "gpt2-small": dict(arch="gpt2", n_layer=12, d_model=768, train_batch=8, seq=1024, prompt=128, new=32),
     "llama-1b": dict(arch="llama", n_layer=22, d_model=2048, train_batch=4, seq=2048, prompt=128, new=32),
+    "gemma-2b": dict(arch="gemma", n_layer=18, d_model=2048, train_batch=4, seq=2048, prompt=128, new=32),
 }
-QUICK = {"gpt2-small": dict(new=16), "llama-1b": dict(n_layer=4, new=16)}
+QUICK = {"gpt2-small": dict(new=16), "llama-1b": dict(n_layer=4, new=16), "gemma-2b": dict(n_layer=4, new=16)}
 
 
 def _config(arch, n_layer):
@@ -45,6 +49,10 @@ def _config(arch, n_layer):
 
     if arch == "gpt2":
         return transformers.GPT2Config(n_layer=n_layer, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if arch == "gemma":
+        return transformers.GemmaConfig(vocab_size=256000, hidden_size=2048, intermediate_size=16384,
+                                        num_hidden_layers=n_layer, num_attention_heads=8, num_key_value_heads=1,
+                                        head_dim=256, hidden_act="gelu_pytorch_tanh", max_position_embeddings=8192)
     return transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                     num_hidden_layers=n_layer, num_attention_heads=32, num_key_value_heads=4,
                                     max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -54,7 +62,8 @@ def _model(arch, n_layer, device):
     import transformers
 
     torch.manual_seed(0)
-    cls = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+           "gemma": transformers.GemmaForCausalLM}[arch]
     with torch.device(device):
         return cls(_config(arch, n_layer)).to(DTYPE)
 

@@ -3,7 +3,9 @@
 Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMHeadModel``,
 ``BertForMaskedLM``, need nothing else) are the rows of :data:`FAMILIES`, one module per
 family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``,
-``Qwen3DecoderLayer``: Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3's per-head q/k norms), ``phi3``
+``Qwen3DecoderLayer``: Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3's per-head q/k norms), ``gemma``
+(``GemmaDecoderLayer``, ``Gemma2DecoderLayer``, ``Gemma3DecoderLayer``: (1 + w) RMSNorms, GeGLU MLP,
+Gemma 2/3's sandwich norms, Gemma 3's q/k norms; softcapped or windowed attention falls back), ``phi3``
 (``Phi3DecoderLayer``: the same with fused ``qkv_proj`` and ``gate_up_proj``), ``gpt2``
 (``GPT2Block``: Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU), ``bert`` (``BertLayer``:
 Post-LN encoder) and ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
@@ -40,7 +42,7 @@ try:
 except ImportError as e:  # the hf extra is not installed
     raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
 
-from fused_block.hf import _core, _lm, bert, gpt2, llama, phi3, seq2seq
+from fused_block.hf import _core, _lm, bert, gemma, gpt2, llama, phi3, seq2seq
 from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
@@ -51,6 +53,9 @@ FAMILIES = {
     "MistralDecoderLayer": llama.FAMILY,
     "Qwen2DecoderLayer": llama.FAMILY,
     "Qwen3DecoderLayer": llama.FAMILY,
+    "GemmaDecoderLayer": gemma.FAMILY,
+    "Gemma2DecoderLayer": gemma.FAMILY,
+    "Gemma3DecoderLayer": gemma.FAMILY,
     "Phi3DecoderLayer": phi3.FAMILY,
     "GPT2Block": gpt2.FAMILY,
     "BertLayer": bert.FAMILY,
@@ -60,7 +65,7 @@ FAMILIES = {
     "WhisperDecoderLayer": seq2seq.FAMILY,
 }
 # Causal LMs whose training loss runs the fused linear + cross-entropy.
-CAUSAL_LMS = llama.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt2.CAUSAL_LMS
+CAUSAL_LMS = llama.CAUSAL_LMS + gemma.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt2.CAUSAL_LMS
 
 
 register()

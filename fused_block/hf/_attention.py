@@ -139,18 +139,46 @@ def kernel_head_dim(D, dtype):
     return D % 8 == 0 and MIN_HEAD_DIM <= D <= (MAX_FP32_HEAD_DIM if dtype == torch.float32 else MAX_HEAD_DIM)
 
 
-def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name):
+def features_reason(softcap, sliding_window, n_keys):
+    """Why the attention kernel cannot run a layer's attention features now (None if it can):
+    ``softcap`` (attention logits ``softcap * tanh(s / softcap)``, Gemma 2's
+    ``attn_logit_softcapping``) and ``sliding_window`` (Hugging Face's convention: query i sees
+    keys j with i - j < sliding_window) over ``n_keys`` keys in all (cached ones included). A
+    window of at least ``n_keys`` cuts no key: plain causal attention.
+
+    The one place that decides it, before the layer runs anything (so a fallback runs the
+    whole original forward, the cache updated once). The kernel on main has neither feature
+    yet; once ``fused_block.attention`` takes ``softcap=`` and ``window=(left, right)``, this
+    returns None for them and :func:`self_attention` passes them on (``window=(sliding_window
+    - 1, 0)``)."""
+    if softcap is not None:
+        return f"attention logit softcapping ({softcap}; the attention kernel has no softcap yet)"
+    if sliding_window is not None and n_keys > sliding_window:
+        return (f"a sliding window of {sliding_window} keys over {n_keys} (the attention kernel has no "
+                "windows yet)")
+    return None
+
+
+def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name, softcap=None,
+                   sliding_window=None):
     """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
     out-projection's input. The cache (if any) stores k and v (views) and returns the keys to
     attend; when those are this call's own (L of them: nothing was cached before, as in
     training and prefill; every cache layer of transformers returns past + new keys, or its
-    whole static buffer), the packed kernel reads qkv in place and writes one packed gradient."""
+    whole static buffer), the packed kernel reads qkv in place and writes one packed gradient.
+    ``softcap`` and ``sliding_window``: the layer's attention features, which the layer has
+    checked with :func:`features_reason` (a window that cuts no key is dropped here)."""
     B, L, _ = qkv.shape
     D = qkv.shape[2] // (H + 2 * Hkv)
     heads = qkv.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)  # (B, H + 2 Hkv, L, D) view
     q, k, v = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
     if cache is not None:
         k, v = cache.update(k, v, layer_idx)
+    # The features reach the kernel here once it has them; until then the layer's check_call
+    # kept calls that need them off this path.
+    why = features_reason(softcap, sliding_window, max(k.shape[2], L))
+    if why is not None:
+        raise RuntimeError(f"{name}: {why} reached the fused attention (the layer's check_call must catch it)")
     p = plan(mask, B, L, k.shape[2], causal, convention)
     if p.kernel and p.n_keys is None and k.shape[2] == L and kernel_head_dim(D, qkv.dtype):
         return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p)

@@ -20,6 +20,9 @@ from fused_block.hf._core import KERNEL_DTYPES, warn_once
 from fused_block.loss import linear_cross_entropy
 
 _LOSS_MODULE = "transformers.loss.loss_utils"
+# Causal LMs whose forward softcaps the logits, ``c * tanh(logits / c)`` with c =
+# ``config.final_logit_softcapping`` (None: no softcap), before the loss: the fused loss applies it too.
+FINAL_SOFTCAP = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QUIET = "quiet"  # the call asks for Hugging Face's own path (no warning)
 
 
@@ -112,25 +115,30 @@ def _forward(self, *args, **kwargs):
     labels = call.pop("labels")
     call.pop("logits_to_keep", None)
     outputs = getattr(self, state.prefix)(**call)
+    softcap = getattr(self.config, "final_logit_softcapping", None) if type(self).__name__ in FINAL_SOFTCAP else None
     loss = causal_lm_loss(self.lm_head, outputs.last_hidden_state, labels, num_items_in_batch=call.get(
-        "num_items_in_batch"), ignore_index=call.get("ignore_index", -100), shift_labels=call.get("shift_labels"))
+        "num_items_in_batch"), ignore_index=call.get("ignore_index", -100), shift_labels=call.get("shift_labels"),
+        softcap=softcap)
     fields = state.output.__dataclass_fields__
     out = state.output(loss=loss, logits=None,
                        **{f: getattr(outputs, f, None) for f in fields if f not in ("loss", "logits")})
     return out if return_dict else out.to_tuple()
 
 
-def causal_lm_loss(head, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+def causal_lm_loss(head, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   softcap=None):
     """transformers' ``ForCausalLMLoss`` on ``head(hidden)`` through the fused linear +
     cross-entropy: labels (B, L) shifted left by one (the last position ignored) unless
     ``shift_labels`` is given; the mean over the non-ignored tokens (0 / 0 = NaN when there is
-    none, as ``F.cross_entropy``), or with ``num_items_in_batch`` the sum divided by it."""
+    none, as ``F.cross_entropy``), or with ``num_items_in_batch`` the sum divided by it.
+    ``softcap``: the logits softcapped first (Gemma 2/3's ``final_logit_softcapping``)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.to(hidden.device)
     if target.numel() == hidden.shape[:-1].numel():
         target = target.reshape(hidden.shape[:-1])
-    total = linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index, reduction="sum")
+    total = linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index, reduction="sum",
+                                 softcap=softcap)
     if num_items_in_batch is None:
         return total / (target != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):

@@ -87,15 +87,17 @@ def rotary_positions(layer, call, B, L):
     return None
 
 
-def rope(layer, qkv, H, Hkv, call):
+def rope(layer, qkv, H, Hkv, call, unit_offset=False):
     """RoPE on the packed QKV output: fp32 angles from position_ids and the rotary module's
     inv_freq when the model has one standard rotary module, else HF's cos/sin tables; with
-    the attention's q_norm/k_norm (Qwen3) each q and k head normalized first, in the launch."""
+    the attention's q_norm/k_norm (Qwen3; Gemma 3's with ``unit_offset``: 1 + w) each q and k
+    head normalized first, in the launch."""
     B, L = qkv.shape[:2]
     attn = layer.self_attn
     norms = {}
     if getattr(attn, "q_norm", None) is not None:
-        norms = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, norm_eps=rms_eps(attn.q_norm))
+        norms = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, norm_eps=rms_eps(attn.q_norm),
+                     norm_unit_offset=unit_offset)
     positions = rotary_positions(layer, call, B, L)
     if positions is not None:
         state = layer._fused_block
