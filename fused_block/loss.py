@@ -19,6 +19,15 @@ in ``tests/test_loss.py``'s allocation records):
   undo. The forward computes the loss only (2 N V H) and saves nothing but its inputs.
 - Without gradients (eval, ``torch.no_grad()``): the loss only, 2 N V H.
 
+Schedules (``fused_block.kernels.loss.schedule``). The token-chunk loop keeps, for 16-bit
+weights and more than one chunk, an fp32 (V, H) dW accumulator (4 V H bytes), above 1/8 of the
+fp32 logits whenever N < 8 H. There (when also H <= V / 8 and dW is needed) the vocabulary is
+the outer loop instead: pass 1 over vocabulary chunks merges each row's online log-sum-exp,
+pass 2 recomputes each chunk's logits, forms dlogits, writes dW[chunk] and db[chunk] once and
+adds dlogits @ W[chunk] into an fp32 (N, H) dhidden accumulator (within the rule since H <= V /
+8): 8 N V H FLOPs with gradients instead of 6, no allocation beyond the results above 1/8 of
+the fp32 logits. fp32 weights accumulate dW in dW itself and keep the token loop.
+
 Precision: fp32 log-sum-exp and loss; the logits and dlogits of a chunk are rounded to the
 hidden dtype (as eager ``F.linear`` and a bf16 model's gradient are); GEMMs and the dW/db sums
 accumulate in fp32 (fp32 inputs follow torch's matmul precision, as ``linear`` does).

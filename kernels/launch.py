@@ -20,8 +20,10 @@ training step launches a few dozen kernels. As inductor's generated launchers do
   not); each descriptor's dtype and block shape (Triton's "tensordesc<...>"); each int's value, or,
   once a layout has met ``EXACT_KEYS`` keys (sizes that change every call), its class: the
   low 4 bits, or "equals 1", inside the i32 range, the value outside it (Triton: i32, i64 or
-  u64; the constant 1; 16-divisible or not). The key ignores ``do_not_specialize``, which can
-  only make it finer than Triton's. Knobs that change compilation or launch
+  u64; the constant 1; 16-divisible or not). A tensor that was the same object as an earlier
+  argument when the layout was made (the placeholders launchers pass for absent operands) is
+  read once while it still is (``is`` tests; another object there takes the full key). The
+  key ignores ``do_not_specialize``, which can only make it finer than Triton's. Knobs that change compilation or launch
   (``TRITON_DEBUG``, instrumentation, launch hooks) and a kernel's pre-run hooks send the
   launch to the fallback.
 - **The fallback** is Triton's ``kernel[grid](...)`` itself: a first launch with a new key
@@ -54,6 +56,7 @@ STATS = collections.Counter()
 EXACT_KEYS = 16
 
 _CLASSES = "int classes"  # the first element of class keys
+_SAME = "same tensors"  # marks keys that read each repeated tensor argument once
 _SCALARS = (int, float, bool, type(None))  # with tensors, the argument types keys describe
 _OPTIONS = ("num_warps", "num_stages")
 
@@ -65,7 +68,7 @@ class _Layout:
     metadata) by key. ``key`` is None where keys cannot describe the call (then Triton's
     launch serves every one)."""
 
-    __slots__ = ("kernel", "kwargs", "tail", "types", "key", "exact", "compiled")
+    __slots__ = ("kernel", "kwargs", "tail", "types", "key", "exact", "same", "compiled")
 
     def __init__(self, kernel, args, constexprs, config):
         self.kernel = kernel  # held: its id() is part of the layout's key
@@ -75,7 +78,16 @@ class _Layout:
         keyed = self.tail is not None and all(issubclass(t, torch.Tensor) or t in _SCALARS or t is TensorDescriptor
                                               for t in self.types)
         self.exact = True
-        self.key = _key_function(self.types, exact_ints=True) if keyed else None
+        # Tensor arguments that are the same object as an earlier one (a launcher's placeholders
+        # for absent operands): the key reads each tensor once while that still holds.
+        first, same = {}, []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                j = first.setdefault(id(a), i)
+                if j != i:
+                    same.append((i, j))
+        self.same = tuple(same)
+        self.key = _key_function(self.types, exact_ints=True, same=self.same) if keyed else None
         self.compiled = {}
 
     def remember(self, key, compiled, args, device) -> None:
@@ -83,19 +95,24 @@ class _Layout:
         exact keys, switch to class keys (the exact ones are forgotten: new lookups refill)."""
         if self.exact and len(self.compiled) >= EXACT_KEYS:
             self.exact = False
-            self.key = _key_function(self.types, exact_ints=False)
+            self.key = _key_function(self.types, exact_ints=False, same=self.same)
             self.compiled.clear()
             key = self.key(args, device)
         self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
-def _key_function(types, exact_ints: bool):
+def _key_function(types, exact_ints: bool, same=()):
     """``key(args, device)``, generated for these argument types (as Triton's binder is): the
     device, each tensor's dtype and the low 4 bits of its address, each host-side tensor
     descriptor's dtype and block shape (Triton's "tensordesc<dtype[block]>": its base is
     16-byte aligned by construction), and each int's value (``exact_ints``) or class: its low
     4 bits, or 16 if it equals 1, within i32 range (the value itself outside it). Floats, bools
-    and None add nothing: their types decide."""
+    and None add nothing: their types decide.
+
+    ``same``: (i, j) pairs of tensor positions that held one object when the layout was made;
+    while ``args[i] is args[j]`` for all of them, the key reads only the first of each (its
+    ``_SAME`` form), otherwise every tensor (the full form): either describes the
+    specialization exactly, the forms never equal each other."""
     names = [f"a{i}" for i in range(len(types))]
     tensors = [n for n, t in zip(names, types) if issubclass(t, torch.Tensor)]
     descs = [n for n, t in zip(names, types) if t is TensorDescriptor]
@@ -104,13 +121,24 @@ def _key_function(types, exact_ints: bool):
         int_keys = ints
     else:
         int_keys = [f"(({n} & 15 if {n} != 1 else 16) if -2147483648 <= {n} <= 2147483647 else {n})" for n in ints]
-    parts = ["device", *(f"{n}.dtype" for n in tensors), *(f"{n}.data_ptr() & 15" for n in tensors),
-             *(f"{n}.base.dtype, tuple({n}.block_shape)" for n in descs), *int_keys]
-    if not exact_ints:
-        parts.insert(0, "_CLASSES")  # class keys never equal exact ones (16: the value or "equals 1")
+    lead = [] if exact_ints else ["_CLASSES"]  # class keys never equal exact ones (16: the value or "equals 1")
+    rest = [*(f"{n}.base.dtype, tuple({n}.block_shape)" for n in descs), *int_keys]
+
+    def form(ts, marker):
+        return "(" + ", ".join([*lead, *marker, "device", *(f"{n}.dtype" for n in ts),
+                                *(f"{n}.data_ptr() & 15" for n in ts), *rest]) + ",)"
+
     unpack = f"    {', '.join(names)}, = args\n" if names else ""
-    src = f"def key(args, device):\n{unpack}    return ({', '.join(parts)},)\n"
-    scope = {"_CLASSES": _CLASSES}
+    full = form(tensors, [])
+    if same:
+        dropped = {f"a{i}" for i, _ in same}
+        test = " and ".join(f"a{i} is a{j}" for i, j in same)
+        fast = form([n for n in tensors if n not in dropped], ["_SAME"])
+        body = f"    if {test}:\n        return {fast}\n    return {full}\n"
+    else:
+        body = f"    return {full}\n"
+    src = f"def key(args, device):\n{unpack}{body}"
+    scope = {"_CLASSES": _CLASSES, "_SAME": _SAME}
     exec(src, scope)  # noqa: S102 - generated from argument positions only
     return scope["key"]
 

@@ -20,6 +20,17 @@ The rows (tokens) are processed in chunks of ``C`` rows (:func:`chunk_rows`); pe
    (a single chunk needs no accumulator);
 5. ``db (+)= colsum(dlogits)`` (``_colsum_kernel``, with a bias gradient), the same way.
 
+Where that loop's fp32 (V, H) dW accumulator would break the memory rule (:func:`schedule`:
+16-bit weights, several chunks, N < 8 H, H <= V / 8), the vocabulary-outer schedule
+(``_vocab_outer``) runs instead, over vocabulary chunks of :func:`chunk_cols` columns and all N
+rows: pass 1, the chunk's logits GEMM and ``_lse_chunk_kernel`` (the online log-sum-exp state
+(m, s, smoothing sum, target logit) of each row carried across chunks in a (4, N) fp32 buffer,
+merged in vocabulary order; the last chunk writes loss and lse); pass 2, the logits GEMM again,
+``_grad_chunk_kernel`` (dlogits in place, ``_ce_kernel``'s formula), ``_dw_kernel`` writing
+dW[chunk] over all N rows once (no accumulator), ``_colsum_kernel`` db[chunk], and
+``_dh_kernel`` adding dlogits @ W[chunk] into an fp32 (N, H) accumulator (dh itself for fp32),
+the last chunk writing dh. 8 N V H FLOPs with gradients against the loop's 6 N V H.
+
 Before the chunks, ``_count_kernel`` counts the non-ignored tokens (on the device: no
 synchronization), which a mean's gradient weight and the final ``_sum_kernel`` read.
 ``_scale_kernel`` multiplies gradients produced in the forward by the incoming gradient.
@@ -49,8 +60,11 @@ SMALL_N = 512
 # chunk for 2 C FLOPs per weight element: at C = 1024, 256 FLOP per byte, above H100/H200's
 # ~206 (989 TFLOP/s bf16 over 4.8 TB/s), so the accumulation stays compute-bound.
 TARGET_CHUNK_ROWS = 1024
-# Tests set this to force a chunk size (several chunks on interpreter-sized inputs).
+# Tests set these to force a chunk size (several chunks on interpreter-sized inputs) and a
+# schedule ("rows" or "vocab", see schedule()).
 FORCE_CHUNK_ROWS = None
+FORCE_CHUNK_COLS = None
+FORCE_SCHEDULE = None
 # Widest vocabulary tile of the CE kernel's loops (fp32 registers: 16 per thread at 8 warps).
 CE_BLOCK_MAX = 4096
 CE_BLOCK_MIN = 1024
@@ -77,6 +91,36 @@ def chunk_rows(n: int, v: int, h: int, elem: int) -> int:
         cap = max(cap, MIN_CHUNK_ROWS)
     c = min(n, cap, max(TARGET_CHUNK_ROWS, common.cdiv(n * h, max(v, 1))))
     return c - c % 64 if c >= 128 else c
+
+
+def chunk_cols(n: int, v: int, elem: int) -> int:
+    """Vocabulary entries per chunk of the vocabulary-outer schedule (:func:`schedule`): the
+    (n, padded_stride(Vc)) chunk buffer in the hidden dtype at most 1/MAX_LOGITS_FRACTION of
+    the fp32 (n, v) logits whatever n (Vc <= v / 4 for 16-bit logits, v / 8 for fp32), a
+    multiple of 64 (whole K steps of the dhidden kernel, whole 16-byte rows) where v allows."""
+    if FORCE_CHUNK_COLS is not None:
+        return max(1, min(v, FORCE_CHUNK_COLS))
+    c = 4 * v // (MAX_LOGITS_FRACTION * elem)
+    return max(1, min(v, c - c % 64 if c >= 64 else c - c % 16 if c >= 16 else c))
+
+
+def schedule(n: int, v: int, h: int, elem: int, weight_fp32: bool, need_dh: bool, need_dw: bool,
+             weight_unit_cols: bool = True) -> str:
+    """``"rows"`` (the token-chunk loop, 6 N V H FLOPs with gradients) or ``"vocab"`` (the
+    vocabulary-outer schedule, 8 N V H: the logits GEMM twice).
+
+    "rows" keeps an fp32 (V, H) dW accumulator (4 V H bytes) when the weight is 16-bit and the
+    tokens take more than one chunk; "vocab" is taken exactly when that accumulator would break
+    the memory rule (more than 1/MAX_LOGITS_FRACTION of the fp32 (N, V) logits, i.e. N < 8 H)
+    and its own extra allocations keep it: its fp32 (N, H) dhidden accumulator (4 N H bytes,
+    16-bit hidden states only) within the same bound, i.e. H <= V / 8 (LLaMA-3's 4,096 <= 16,032,
+    GPT-2's 768 <= 6,282), and a weight with unit column stride (its dhidden kernel reads rows).
+    fp32 weights accumulate dW in dW itself (no accumulator): always "rows"."""
+    if not need_dw or weight_fp32 or chunk_rows(n, v, h, elem) >= n:
+        return "rows"
+    acc_ok = MAX_LOGITS_FRACTION * 4 * v * h <= 4 * n * v
+    dh_acc_ok = not need_dh or MAX_LOGITS_FRACTION * 4 * n * h <= 4 * n * v
+    return "vocab" if not acc_ok and dh_acc_ok and weight_unit_cols else "rows"
 
 
 def padded_stride(v: int, elem: int) -> int:
@@ -207,6 +251,102 @@ def _ce_kernel(
 
 
 @triton.jit
+def _row_grad_coefs(SCALE, pid, t, V, ignore_index, smoothing, z_loss, lse, scale, SCALE_MODE: tl.constexpr):
+    """The gradient pass's per-row factors (coef, hit, flat) for target t and log-sum-exp lse:
+    dlogits = (softmax * coef - hit [at t] - flat) * softcap'; g (the row's weight) from
+    SCALE_MODE as in ``_ce_kernel``, 0 on an ignored row, NaN for a target outside [0, V)."""
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    if SCALE_MODE == 1:
+        g = tl.load(SCALE + pid).to(tl.float32)
+    elif SCALE_MODE == 2:
+        g = 1.0 / tl.maximum(tl.load(SCALE).to(tl.float32), 1.0)
+    else:
+        g = scale
+    g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
+    return g * (1.0 + 2.0 * z_loss * lse), g * (1.0 - smoothing), g * smoothing / V
+
+
+@triton.jit
+def _lse_chunk_kernel(
+    LOGITS, TARGET, STATE, LOSS, LSE, N, V0, VC, V, ld, ignore_index, smoothing, z_loss, cap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Pass 1 of the vocabulary-outer schedule, row ``pid`` of vocabulary columns [V0, V0 + VC):
+    LOGITS (N, VC) that chunk's logits (row stride ``ld``). STATE (4, N) fp32 carries each
+    row's running max m, s = sum exp(y - m), the sum of y (label smoothing) and the target's y
+    (0 until its chunk) from chunk to chunk, in vocabulary order (deterministic); FIRST starts
+    them, LAST (the last chunk) turns them into LOSS and LSE exactly as ``_ce_kernel`` does
+    (STATE is then neither read nor written past this chunk's update)."""
+    pid = tl.program_id(0)
+    row = LOGITS + pid.to(tl.int64) * ld
+    st = STATE + pid.to(tl.int64)
+    t = tl.load(TARGET + pid)
+    if FIRST:
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.full([], 0.0, tl.float32)
+        y_sum = tl.full([], 0.0, tl.float32)
+        y_t = tl.full([], 0.0, tl.float32)
+    else:
+        m = tl.load(st)
+        s = tl.load(st + N)
+        y_sum = tl.load(st + 2 * N)
+        y_t = tl.load(st + 3 * N)
+    cols = tl.arange(0, BLOCK_V)
+    v_full = VC - VC % BLOCK_V
+    for v0 in range(0, v_full, BLOCK_V):
+        m, s, y_sum = _lse_tile(row, v0 + cols, cols, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, False)
+    if v_full < VC:
+        m, s, y_sum = _lse_tile(row, v_full + cols, v_full + cols < VC, m, s, y_sum, cap, HAS_SOFTCAP,
+                                HAS_SMOOTHING, True)
+    t_local = t - V0
+    here = (t_local >= 0) & (t_local < VC)
+    x_t = tl.load(row + tl.minimum(tl.maximum(t_local, 0), VC - 1)).to(tl.float32)
+    y_here, _ = _softcap(x_t, cap, HAS_SOFTCAP)
+    y_t = tl.where(here, y_here, y_t)
+    if LAST:
+        valid = t != ignore_index
+        in_range = (t >= 0) & (t < V)
+        lse = m + tl.log(s)
+        loss = lse - y_t
+        if HAS_SMOOTHING:
+            loss = (1.0 - smoothing) * loss + smoothing * (lse - y_sum / V)
+        loss += z_loss * lse * lse
+        loss = tl.where(in_range, loss, float("nan"))
+        tl.store(LOSS + pid, tl.where(valid, loss, 0.0))
+        tl.store(LSE + pid, lse)
+    else:
+        tl.store(st, m)
+        tl.store(st + N, s)
+        tl.store(st + 2 * N, y_sum)
+        tl.store(st + 3 * N, y_t)
+
+
+@triton.jit
+def _grad_chunk_kernel(
+    LOGITS, TARGET, LSE, SCALE, V0, VC, V, ld, ignore_index, smoothing, z_loss, cap, scale,
+    HAS_SOFTCAP: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Pass 2 of the vocabulary-outer schedule, row ``pid`` of vocabulary columns [V0, V0 + VC):
+    the chunk's logits (N, VC) overwritten with d(g * LOSS)/dx (``_ce_kernel``'s gradient
+    pass, the row's lse read from LSE)."""
+    pid = tl.program_id(0)
+    row = LOGITS + pid.to(tl.int64) * ld
+    t = tl.load(TARGET + pid)
+    lse = tl.load(LSE + pid)
+    coef, hit, flat = _row_grad_coefs(SCALE, pid, t, V, ignore_index, smoothing, z_loss, lse, scale, SCALE_MODE)
+    t_local = t - V0
+    cols = tl.arange(0, BLOCK_V)
+    v_full = VC - VC % BLOCK_V
+    for v0 in range(0, v_full, BLOCK_V):
+        _grad_tile(row, v0 + cols, cols, t_local, lse, coef, hit, flat, cap, HAS_SOFTCAP, False, INTERPRET)
+    if v_full < VC:
+        _grad_tile(row, v_full + cols, v_full + cols < VC, t_local, lse, coef, hit, flat, cap, HAS_SOFTCAP, True,
+                   INTERPRET)
+
+
+@triton.jit
 def _dw_kernel(
     A, B, ACC, OUT, K, V, H, lda, ldb,
     LOAD_ACC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -242,6 +382,46 @@ def _dw_kernel(
         b_ptrs += BLOCK_K * ldb
     mask = (rv < V - v0)[:, None] & (rh < H - h0)[None, :]
     offs = (v0.to(tl.int64) + rv)[:, None] * H + (h0 + rh)[None, :]
+    if LOAD_ACC:
+        acc += tl.load(ACC + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, common.cast(acc, OUT.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _dh_kernel(
+    A, B, ACC, OUT, M, K, H, lda, ldb,
+    LOAD_ACC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """OUT = (ACC if LOAD_ACC) + A @ B on one (BLOCK_M, BLOCK_H) tile: A (M, K) a vocabulary
+    chunk's dlogits (row stride lda, unit column stride), B (K, H) that chunk's weight rows (row
+    stride ldb); ACC fp32 (M, H), OUT (M, H) in its own dtype, both contiguous, possibly the
+    same tensor (each element read, then written, by one program): the vocabulary-outer
+    schedule's dhidden accumulation across chunks. ``_dw_kernel`` with A row-major: only K is
+    masked, the tile's rows past M and columns past H wrap to valid ones and are not stored."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    m0 = pid_m * BLOCK_M
+    h0 = pid_h * BLOCK_H
+    rm = tl.arange(0, BLOCK_M)
+    rh = tl.arange(0, BLOCK_H)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + m0.to(tl.int64) * lda + ((rm % (M - m0))[:, None] * lda + rk[None, :])  # (BLOCK_M, BLOCK_K)
+    b_ptrs = B + h0 + (rk[:, None] * ldb + (rh % (H - h0))[None, :])  # (BLOCK_K, BLOCK_H)
+    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * ldb
+    mask = (rm < M - m0)[:, None] & (rh < H - h0)[None, :]
+    offs = (m0.to(tl.int64) + rm)[:, None] * H + (h0 + rh)[None, :]
     if LOAD_ACC:
         acc += tl.load(ACC + offs, mask=mask, other=0.0)
     tl.store(OUT + offs, common.cast(acc, OUT.dtype.element_ty, INTERPRET), mask=mask)
@@ -338,12 +518,24 @@ def _dw_config(arch, dtype, precision):
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk)
 
 
+def _dh_config(arch, dtype, precision):
+    bv, bh, bk, warps, stages = INTERPRETER_DW_CONFIG if arch == 0 else DW_CONFIGS[(arch, _kind(dtype, precision))]
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bv, BLOCK_H=bh, BLOCK_K=bk)
+
+
 def ce_config(v: int) -> common.Config:
     """The CE kernel's vocabulary tile and warps: one tile up to CE_BLOCK_MIN entries (4 warps),
     CE_BLOCK_MAX-wide tiles beyond (8 warps)."""
     if v <= CE_BLOCK_MIN:
         return common.Config.of(num_warps=4, BLOCK_V=CE_BLOCK_MIN)
     return common.Config.of(num_warps=8, BLOCK_V=CE_BLOCK_MAX)
+
+
+def grad_chunk_config(v: int) -> common.Config:
+    """The vocabulary-outer gradient pass's tile: ce_config's, with 16 warps at the wide tile
+    (at 8 warps its softcap variant spilled 8 bytes on sm_80)."""
+    cfg = ce_config(v)
+    return cfg if v <= CE_BLOCK_MIN else common.Config.of(num_warps=16, BLOCK_V=CE_BLOCK_MAX)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,6 +583,46 @@ def dw_accumulate(dlogits, hidden, acc, out, load_acc):
                        INTERPRET=arch == 0), cfg)
 
 
+def dh_accumulate(dlogits, w_chunk, acc, out, load_acc):
+    """out = (acc if load_acc) + dlogits @ w_chunk: dlogits (M, K) and w_chunk (K, H) with unit
+    column strides; acc fp32 and out (M, H) contiguous (possibly the same tensor)."""
+    M, K = dlogits.shape
+    H = w_chunk.shape[1]
+    arch = common.arch(dlogits.device)
+    precision = common.fp32_precision() if dlogits.dtype == torch.float32 else "tf32"
+    cfg = _dh_config(arch, dlogits.dtype, precision)
+    grid = (common.cdiv(M, cfg["BLOCK_M"]), common.cdiv(H, cfg["BLOCK_H"]))
+    common.launch("lce_dh", _dh_kernel, grid,
+                  (dlogits, w_chunk, acc, out, M, K, H, dlogits.stride(0), w_chunk.stride(0)),
+                  dict(LOAD_ACC=load_acc, EVEN_K=K % cfg["BLOCK_K"] == 0, PRECISION=precision,
+                       INTERPRET=arch == 0), cfg)
+
+
+def lse_chunk(logits, target, state, loss, lse, v0, V, *, ignore_index, smoothing, z_loss, softcap, first,
+              last):
+    """Pass 1 of the vocabulary-outer schedule on one vocabulary chunk: logits (N, Vc) the
+    chunk's columns [v0, v0 + Vc) (unit column stride); state (4, N) fp32 (None with one chunk);
+    on the last chunk loss and lse (N,) fp32."""
+    N, VC = logits.shape
+    cfg = ce_config(VC)
+    common.launch("lce_lse", _lse_chunk_kernel, (N,),
+                  (logits, target, state if state is not None else lse, loss, lse, N, v0, VC, V, logits.stride(0),
+                   ignore_index, float(smoothing), float(z_loss), float(softcap or 1.0)),
+                  dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing > 0, FIRST=first, LAST=last), cfg)
+
+
+def grad_chunk(logits, target, lse, v0, V, *, ignore_index, smoothing, z_loss, softcap, scale_mode, scale_t=None,
+               scale=1.0):
+    """Pass 2 of the vocabulary-outer schedule: the chunk's logits (N, Vc) become d(g loss)/dx."""
+    N, VC = logits.shape
+    cfg = grad_chunk_config(VC)
+    common.launch("lce_grad", _grad_chunk_kernel, (N,),
+                  (logits, target, lse, scale_t if scale_t is not None else lse, v0, VC, V, logits.stride(0),
+                   ignore_index, float(smoothing), float(z_loss), float(softcap or 1.0), float(scale)),
+                  dict(HAS_SOFTCAP=softcap is not None, SCALE_MODE=scale_mode,
+                       INTERPRET=common.arch(logits.device) == 0), cfg)
+
+
 def colsum_accumulate(dlogits, acc, out, load_acc):
     """out (V,) = (acc if load_acc) + dlogits.sum(0), fp32, rows in order."""
     K, V = dlogits.shape
@@ -433,6 +665,13 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
             if t is not None:
                 t.zero_()
         return dh, dw, db
+    sched = FORCE_SCHEDULE or schedule(N, V, H, hidden.element_size(), weight.dtype == torch.float32, need_dh,
+                                       need_dw, weight.stride(1) == 1)
+    if sched == "vocab":
+        _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, ignore_index=ignore_index,
+                     smoothing=smoothing, z_loss=z_loss, softcap=softcap, grad=grad, scale_mode=scale_mode,
+                     scale_t=scale_t, scale_value=scale_value)
+        return dh, dw, db
     C = chunk_rows(N, V, H, hidden.element_size())
     chunks = common.cdiv(N, C)
     buf = common.empty((C, padded_stride(V, hidden.element_size())), dt, dev)
@@ -456,6 +695,47 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
         if need_db:
             colsum_accumulate(logits, db_acc, db if last else db_acc, i > 0)
     return dh, dw, db
+
+
+def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ignore_index, smoothing, z_loss,
+                 softcap, grad, scale_mode, scale_t, scale_value):
+    """The vocabulary-outer schedule (:func:`schedule`), N > 0: pass 1 over the vocabulary
+    chunks (the chunk's logits GEMM, then ``_lse_chunk_kernel`` merging each row's online
+    log-sum-exp state, in vocabulary order) gives every row's loss and lse; with gradients,
+    pass 2 per chunk recomputes the logits, overwrites them with dlogits
+    (``_grad_chunk_kernel``), writes dW[chunk] = dlogits.T @ hidden (``_dw_kernel`` over all N
+    rows, once, in the weight's dtype: no accumulator), db[chunk] = colsum(dlogits), and
+    accumulates dh += dlogits @ W[chunk] (``_dh_kernel``) in fp32 (an (N, H) accumulator for
+    16-bit hidden states, dh itself for fp32), the last chunk writing dh."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    elem = hidden.element_size()
+    VC = chunk_cols(N, V, elem)
+    chunks = common.cdiv(V, VC)
+    buf = common.empty((N, padded_stride(VC, elem)), dt, dev)
+    state = common.empty((4, N), torch.float32, dev) if chunks > 1 else None
+    opts = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+    bounds = [(c0, min(V, c0 + VC)) for c0 in range(0, V, VC)]
+    for i, (c0, c1) in enumerate(bounds):
+        logits = buf[:, :c1 - c0]
+        _mm.gemm(hidden, weight[c0:c1].t(), logits, bias=bias[c0:c1] if bias is not None else None)
+        lse_chunk(logits, target, state, loss_rows, lse, c0, V, first=i == 0, last=i == chunks - 1, **opts)
+    if not grad:
+        return
+    dh_acc = dh if dh is None or dh.dtype == torch.float32 or chunks == 1 else common.empty((N, H), torch.float32,
+                                                                                           dev)
+    for i, (c0, c1) in enumerate(bounds):
+        logits = buf[:, :c1 - c0]
+        w = weight[c0:c1]
+        _mm.gemm(hidden, w.t(), logits, bias=bias[c0:c1] if bias is not None else None)
+        grad_chunk(logits, target, lse, c0, V, scale_mode=scale_mode, scale_t=scale_t, scale=scale_value, **opts)
+        if dw is not None:
+            dw_accumulate(logits, hidden, dw[c0:c1], dw[c0:c1], False)
+        if db is not None:
+            colsum_accumulate(logits, db[c0:c1], db[c0:c1], False)
+        if dh is not None:
+            dh_accumulate(logits, w, dh_acc, dh if i == chunks - 1 else dh_acc, i > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,6 +772,47 @@ def aot_specs():
                       f"{' grad' if grad else ''} scale={mode}"
                 specs.append(aot.KernelSpec(f"lce_ce[{tag}]", _ce_kernel, sig, consts, num_warps=cfg.num_warps,
                                             aligned=("ld",)))
+    # The vocabulary-outer schedule's row kernels: pass 1 starting (FIRST), merging and
+    # finishing (LAST) the row state with every option, and the plain merge; pass 2 with each
+    # gradient weight (softcap on the heaviest).
+    for xt in ("bf16", "fp32"):
+        for v in (CE_BLOCK_MIN, CE_BLOCK_MAX + 1):
+            cfg = ce_config(v)
+            for soft, smooth, first, last in ((True, True, True, False), (True, True, False, True),
+                                              (False, False, False, False), (True, True, True, True)):
+                sig = {"LOGITS": f"*{xt}", "TARGET": "*i64", "STATE": "*fp32", "LOSS": "*fp32", "LSE": "*fp32",
+                       "N": "i32", "V0": "i32", "VC": "i32", "V": "i32", "ld": "i32", "ignore_index": "i64",
+                       "smoothing": "fp32", "z_loss": "fp32", "cap": "fp32"}
+                consts = dict(HAS_SOFTCAP=soft, HAS_SMOOTHING=smooth, FIRST=first, LAST=last, **cfg.meta())
+                sig.update({k: "constexpr" for k in consts})
+                tag = f"{xt} BLOCK_V={cfg['BLOCK_V']}{' softcap smooth' if soft else ''}" \
+                      f"{' first' if first else ''}{' last' if last else ''}"
+                specs.append(aot.KernelSpec(f"lce_lse[{tag}]", _lse_chunk_kernel, sig, consts,
+                                            num_warps=cfg.num_warps, aligned=("ld",)))
+            cfg = grad_chunk_config(v)
+            for soft, mode in ((True, SCALE_MEAN), (False, SCALE_ROW), (False, SCALE_CONST)):
+                sig = {"LOGITS": f"*{xt}", "TARGET": "*i64", "LSE": "*fp32", "SCALE": "*fp32", "V0": "i32",
+                       "VC": "i32", "V": "i32", "ld": "i32", "ignore_index": "i64", "smoothing": "fp32",
+                       "z_loss": "fp32", "cap": "fp32", "scale": "fp32"}
+                consts = dict(HAS_SOFTCAP=soft, SCALE_MODE=mode, INTERPRET=False, **cfg.meta())
+                sig.update({k: "constexpr" for k in consts})
+                tag = f"{xt} BLOCK_V={cfg['BLOCK_V']}{' softcap' if soft else ''} scale={mode}"
+                specs.append(aot.KernelSpec(f"lce_grad[{tag}]", _grad_chunk_kernel, sig, consts,
+                                            num_warps=cfg.num_warps, aligned=("ld",)))
+    for (arch, kind), (bv, bh, bk, warps, stages) in DW_CONFIGS.items():
+        io = "bf16" if kind == "16" else "fp32"
+        outs = ("fp32", "bf16") if kind == "16" else ("fp32",)
+        for load_acc, out in ((False, "fp32"), (True, "fp32"), (True, outs[-1])):
+            for even_k in (False, True):
+                sig = {"A": f"*{io}", "B": f"*{io}", "ACC": "*fp32", "OUT": f"*{out}", "M": "i32", "K": "i32",
+                       "H": "i32", "lda": "i32", "ldb": "i32"}
+                consts = dict(LOAD_ACC=load_acc, EVEN_K=even_k, BLOCK_M=bv, BLOCK_H=bh, BLOCK_K=bk,
+                              PRECISION="ieee" if kind == "ieee" else "tf32", INTERPRET=False)
+                sig.update({k: "constexpr" for k in consts})
+                tag = f"{kind} {bv}x{bh}x{bk} {'acc+' if load_acc else ''}->{out}{' even_k' if even_k else ''}"
+                specs.append(aot.KernelSpec(f"lce_dh[{tag}]", _dh_kernel, sig, consts, num_warps=warps,
+                                            num_stages=stages, aligned=("H", "lda", "ldb"), wgmma=kind != "ieee",
+                                            archs=(arch,)))
     for (arch, kind), (bv, bh, bk, warps, stages) in DW_CONFIGS.items():
         io = "bf16" if kind == "16" else "fp32"
         outs = ("fp32", "bf16") if kind == "16" else ("fp32",)

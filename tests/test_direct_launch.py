@@ -115,6 +115,20 @@ def test_a_misaligned_pointer_takes_another_kernel(fake):
     assert _fallbacks() == before  # all direct: base[4:] is 16 bytes in, aligned as base
 
 
+def test_a_repeated_tensor_that_stops_repeating_is_keyed_in_full(fake):
+    """A layout made with one tensor in two places (a launcher's placeholder) keys that tensor
+    once while it repeats; two tensors there, one misaligned, take the kernel for them."""
+    base = torch.randn(80)
+    together = _both(fake, SCALE, (base, base, 64, 1, 2.0, 0))[0]
+    apart = _both(fake, SCALE, (base, base[1:], 64, 1, 2.0, 0))[0]
+    assert together.compiled is not apart.compiled
+    before = _fallbacks()
+    for y, expect in ((base, together), (base[1:], apart), (torch.empty(80), together), (torch.empty(80), together)):
+        _same(*_both(fake, SCALE, (base, y, 64, 1, 2.0, 0)))
+        assert fake.launches[-1].compiled is expect.compiled
+    assert _fallbacks() == before + 1  # the aligned pair's full key, once (the forms never equal)
+
+
 def test_an_int_equal_to_one_takes_another_kernel(fake):
     kernels = {}
     for n in (64, 1, 5, 48, 1, 5):
@@ -264,7 +278,7 @@ def test_the_fake_launcher_rejects_arguments_of_another_specialization(fake, mon
     """The double's check is what the tests above rely on: a key without the address bits
     launches the aligned kernel with a misaligned pointer, and the fake launcher says so."""
     base = torch.randn(80)
-    monkeypatch.setattr(launch, "_key_function", lambda types, exact_ints: lambda args, device: (device,))
+    monkeypatch.setattr(launch, "_key_function", lambda types, exact_ints, same=(): lambda args, device: (device,))
     launch.launch(SCALE, (2,), _args(base), {"FLAG": True}, CFG)
     with pytest.raises(fake_driver.SpecializationMismatch, match="x_ptr is not 16-divisible"):
         launch.launch(SCALE, (2,), _args(base[1:]), {"FLAG": True}, CFG)

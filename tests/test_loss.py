@@ -97,11 +97,93 @@ def test_linear_cross_entropy(case, dtype_mode, device, launches, monkeypatch):
     assert launches["lce_sum"] == (0 if none else 1) and launches["lce_scale"] == (0 if none else 1)
 
 
+# The vocabulary-outer schedule (kloss.schedule: 16-bit weights on few tokens; forced here for
+# every dtype): every option and reduction, with and without bias, in vocabulary chunks of 32
+# (101 = 3 x 32 + 5: the first chunk starting the row state, middle ones merging it, a masked
+# 5-column last chunk; target logits in every chunk), all 37 rows per chunk.
+VOCAB_CASES = [
+    ("mean-plain", dict(), False),
+    ("mean-all-options", dict(label_smoothing=0.1, z_loss=0.05, softcap=4.0), True),
+    ("sum-smoothing", dict(label_smoothing=0.2, reduction="sum"), True),
+    ("none-zloss-softcap", dict(z_loss=0.02, softcap=3.0, reduction="none"), True),
+]
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+@pytest.mark.parametrize("case", VOCAB_CASES, ids=[c[0] for c in VOCAB_CASES])
+def test_vocabulary_outer_schedule(case, dtype_mode, device, launches, monkeypatch):
+    _, options, has_bias = case
+    dtype, mode = dtype_mode
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "vocab")
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 32)
+    hidden, weight, bias, target = _inputs(N, V, H, dtype, device, bias=has_bias)
+    _check(dtype, mode, hidden, weight, bias, target, device, **options)
+    chunks = -(-V // 32)
+    passes = 2 if options.get("reduction") == "none" else 1  # "none": pass 1 again in the backward
+    # pass 1: logits GEMM + lse merge per chunk; pass 2: logits GEMM again, dlogits, dW, dh (db)
+    assert launches["lce_lse"] == passes * chunks and launches["lce_grad"] == chunks
+    assert launches["matmul"] == passes * chunks + chunks
+    assert launches["lce_dw"] == launches["lce_dh"] == chunks
+    assert launches["lce_colsum"] == (chunks if has_bias else 0) and launches["lce_ce"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocabulary_outer_wide_chunks_and_one_chunk(dtype, device, launches, monkeypatch):
+    # 4099 (prime) in chunks of 4097: a chunk wider than the row kernels' 4096-entry tile (one
+    # whole tile and a masked one) and a 2-column last chunk; then a single chunk (no row state,
+    # dh written at once).
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "vocab")
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 4097)
+    hidden, weight, bias, target = _inputs(9, 4099, 16, dtype, device, ignore=2)
+    _check(dtype, "ieee", hidden, weight, bias, target, device, label_smoothing=0.1, z_loss=0.01)
+    assert launches["lce_lse"] == launches["lce_grad"] == launches["lce_dh"] == 2
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", V)
+    hidden, weight, bias, target = _inputs(N, V, H, dtype, device, seed=1)
+    _check(dtype, "ieee", hidden, weight, bias, target, device, softcap=5.0)
+    assert launches["lce_lse"] == launches["lce_grad"] == launches["lce_dh"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dh_kernel_tiles_and_edges(dtype, device, launches, monkeypatch):
+    # Small dhidden tiles: 2 row tiles (37 = 32 + 5: wrapped rows), 3 hidden tiles (40 = 2 x 16
+    # + 8), K steps of 16 over vocabulary chunks of 48 (whole: EVEN_K) and a last one of 5
+    # (masked K); the same small tiles for dW over K = 37 rows (masked).
+    monkeypatch.setattr(kloss, "INTERPRETER_DW_CONFIG", (32, 16, 16, 4, 1))
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "vocab")
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 48)
+    hidden, weight, bias, target = _inputs(N, V, 40, dtype, device)
+    _check(dtype, "ieee", hidden, weight, bias, target, device, reduction="sum")
+    assert launches["lce_dh"] == 3
+
+
+def test_schedule_rule():
+    # 16-bit LM heads: the vocabulary-outer schedule exactly where the fp32 (V, H) dW
+    # accumulator (4 V H bytes) would exceed 1/8 of the fp32 logits (N < 8 H) and the fp32
+    # (N, H) dhidden accumulator does not (H <= V / 8).
+    sched = kloss.schedule
+    for n in (512, 8192, 32767):
+        assert sched(n, 128256, 4096, 2, False, True, True) == "vocab"  # LLaMA-3: 8 H = 32,768
+    assert sched(32768, 128256, 4096, 2, False, True, True) == "rows"
+    assert sched(512, 50257, 768, 2, False, True, True) == "vocab"  # GPT-2: 8 H = 6,144
+    assert sched(8192, 50257, 768, 2, False, True, True) == "rows"
+    assert sched(512, 128256, 4096, 4, True, True, True) == "rows"  # fp32: dW accumulates in itself
+    assert sched(512, 128256, 4096, 2, False, True, False) == "rows"  # no dW: no accumulator
+    assert sched(512, 20000, 4096, 2, False, True, True) == "rows"  # H > V / 8: dh's would break it
+    assert sched(512, 20000, 4096, 2, False, False, True) == "vocab"  # ... unless dh is not needed
+    assert sched(64, 128256, 4096, 2, False, True, True) == "rows"  # one chunk of rows
+    assert sched(512, 128256, 4096, 2, False, True, True, weight_unit_cols=False) == "rows"
+    for n, v, elem in ((512, 128256, 2), (512, 50257, 2), (512, 128256, 4), (37, 101, 2)):
+        vc = kloss.chunk_cols(n, v, elem)
+        assert n * kloss.padded_stride(vc, elem) * elem <= n * v * 4 / 8
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vocabulary_wider_than_one_tile(dtype, device, launches, monkeypatch):
     # 4099 (prime) > the CE kernel's 4096-wide tile: two tiles of the online log-sum-exp and of
-    # the gradient pass; 9 tokens in chunks of 4.
+    # the gradient pass; 9 tokens in chunks of 4 (the rows schedule forced: bf16 on 9 tokens
+    # would take the vocabulary-outer one, tested with this vocabulary above).
     monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 4)
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "rows")
     hidden, weight, bias, target = _inputs(9, 4099, 16, dtype, device, ignore=2)
     _check(dtype, "ieee", hidden, weight, bias, target, device, label_smoothing=0.1, z_loss=0.01)
     assert launches["lce_ce"] == 3
@@ -118,9 +200,12 @@ def test_dw_kernel_tiles_and_edges(dtype, device, launches, monkeypatch):
     assert launches["lce_dw"] == 3
 
 
+@pytest.mark.parametrize("schedule", ["rows", "vocab"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_tokens_ignored_give_zero_loss_and_zero_gradients(reduction, device, monkeypatch):
+def test_all_tokens_ignored_give_zero_loss_and_zero_gradients(reduction, schedule, device, monkeypatch):
     monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 16)
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 32)
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", schedule)
     hidden, weight, bias, target = _inputs(N, V, H, torch.bfloat16, device, ignore=N)
     loss = fused_block.linear_cross_entropy(hidden, weight, target, bias, reduction=reduction, z_loss=0.1,
                                             label_smoothing=0.1)
@@ -272,14 +357,16 @@ def _record(hidden, weight, bias, target):
     return rec, loss
 
 
-def _assert_rule(rec, n, v, h):
-    """No allocation above 1/8 of the fp32 (n, v) logits but those of the results' and the
-    parameters' sizes (dhidden (n, h); dW and its fp32 accumulator (v, h); db (v,); the
-    per-token loss and lse (n,)), and no logits-sized tensor at all. Returns the largest other."""
-    results = [(n, h), (v, h), (v,), (n,)]
-    largest = rec.largest(exclude_shapes=results)
+def _assert_rule(rec, n, v, h, dtype):
+    """No allocation above 1/8 of the fp32 (n, v) logits but the results (by shape and dtype:
+    dhidden (n, h) and dW (v, h) in the inputs' dtype, db (v,), the per-token loss and lse (n,)
+    fp32, and the backward's scaled copies of them), and no logits-sized tensor at all: fp32
+    accumulators (dW's (v, h), dhidden's (n, h)) count. Returns the largest other one."""
+    results = {((n, h), dtype), ((v, h), dtype), ((v,), dtype), ((n,), torch.float32)}
+    others = [a for a in rec.records if (a.shape, a.dtype) not in results]
+    largest = max(others, key=lambda a: a.nbytes)
     assert largest.nbytes <= n * v * 4 / 8, largest
-    assert not [a for a in rec.with_numel_at_least(n * v) if a.shape not in results]
+    assert not [a for a in others if torch.Size(a.shape).numel() >= n * v]
     return largest
 
 
@@ -290,9 +377,27 @@ def test_memory_rule_with_the_kernels(dtype, device):
     n, v, h = 512, 1000, 32
     hidden, weight, bias, target = _inputs(n, v, h, dtype, device)
     rec, loss = _record(hidden, weight, bias, target)
-    largest = _assert_rule(rec, n, v, h)
+    largest = _assert_rule(rec, n, v, h, dtype)
     rows = kloss.chunk_rows(n, v, h, hidden.element_size())
     assert largest.shape == (rows, kloss.padded_stride(v, hidden.element_size())) and rows < n // 4
+    want = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double())
+    assert abs(loss.item() - want.item()) < 1e-2
+
+
+def test_memory_rule_vocabulary_outer_with_the_kernels(device):
+    # bf16 with H = 24 > N / 8: the rows schedule's fp32 dW accumulator would be 1.5x the
+    # rule's bound, so the rule picks the vocabulary-outer schedule (its own choice of 4
+    # vocabulary chunks of 64), the kernels running, the loss right. 128 tokens, not 512: the
+    # interpreter runs the row kernels one program per row and chunk (512 tokens took 30 s); the
+    # model sizes from 512 tokens up are recorded below with the launches stubbed.
+    n, v, h = 128, 256, 24
+    assert kloss.schedule(n, v, h, 2, False, True, True) == "vocab"
+    hidden, weight, bias, target = _inputs(n, v, h, torch.bfloat16, device)
+    rec, loss = _record(hidden, weight, bias, target)
+    largest = _assert_rule(rec, n, v, h, torch.bfloat16)
+    vc = kloss.chunk_cols(n, v, 2)
+    assert vc == 64 and largest.shape == (n, vc)
+    assert not [a for a in rec.records if a.shape == (v, h) and a.dtype == torch.float32]
     want = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double())
     assert abs(loss.item() - want.item()) < 1e-2
 
@@ -303,22 +408,46 @@ MODEL_SHAPES = [pytest.param(n, v, h, id=f"{name}-{n}") for name, v, h in (("gpt
                 for n in (512, 8192, 32768)]
 
 
-@pytest.mark.parametrize("n,v,h", MODEL_SHAPES)
-def test_memory_rule_at_model_sizes(n, v, h):
+def _record_meta(n, v, h):
     meta = torch.device("meta")
     hidden = torch.empty(n, h, dtype=torch.bfloat16, device=meta, requires_grad=True)
     weight = torch.empty(v, h, dtype=torch.bfloat16, device=meta, requires_grad=True)
     with _backend.host_only():
         rec, _ = _record(hidden, weight, None, torch.zeros(n, dtype=torch.int64, device=meta))
-    largest = _assert_rule(rec, n, v, h)
-    rows = kloss.chunk_rows(n, v, h, 2)
-    assert largest.shape == (rows, kloss.padded_stride(v, 2))
-    # Alive at once, at most: in the forward the chunk buffer, dhidden, dW and (with several
-    # chunks) its fp32 accumulator; in the backward the forward's gradients and their scaled
-    # copies. (The fp32 logits alone are n v 4 bytes, twice with their gradient.)
-    accumulator = 4 * v * h if n > rows else 0
+    return rec
+
+
+@pytest.mark.parametrize("n,v,h", MODEL_SHAPES)
+def test_memory_rule_at_model_sizes(n, v, h):
+    rec = _record_meta(n, v, h)
+    largest = _assert_rule(rec, n, v, h, torch.bfloat16)
+    # Alive at once, at most: in the forward the chunk buffer, dhidden, dW and the schedule's
+    # fp32 accumulator (rows: dW's with several chunks; vocab: dhidden's, and the (4, n) row
+    # state); in the backward the forward's gradients and their scaled copies. (The fp32
+    # logits alone are n v 4 bytes, twice with their gradient.)
+    if kloss.schedule(n, v, h, 2, False, True, True) == "vocab":
+        vc = kloss.chunk_cols(n, v, 2)
+        assert largest.shape == (n, kloss.padded_stride(vc, 2))
+        accumulator = 4 * n * h + 16 * n
+    else:
+        rows = kloss.chunk_rows(n, v, h, 2)
+        accumulator = 4 * v * h if n > rows else 0  # within the rule here (n >= 8 h)
+        assert largest.nbytes == max(rows * kloss.padded_stride(v, 2) * 2, accumulator)
     forward = largest.nbytes + 2 * n * h + 2 * v * h + accumulator
     assert rec.peak <= max(forward, 4 * n * h + 4 * v * h) + 8 * n + 64
+
+
+@pytest.mark.parametrize("n,v,h", [pytest.param(512, 128256, 4096, id="llama3-512"),
+                                   pytest.param(512, 50257, 768, id="gpt2-512")])
+def test_rows_schedule_breaks_the_rule_where_vocab_is_chosen(n, v, h, monkeypatch):
+    # What the vocabulary-outer schedule removes: the rows schedule forced at these shapes
+    # allocates the fp32 (V, H) dW accumulator, above 1/8 of the fp32 logits.
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "rows")
+    rec = _record_meta(n, v, h)
+    acc = [a for a in rec.records if a.shape == (v, h) and a.dtype == torch.float32]
+    assert acc and acc[0].nbytes == 4 * v * h > n * v * 4 / 8
+    with pytest.raises(AssertionError):
+        _assert_rule(rec, n, v, h, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
