@@ -15,8 +15,9 @@ training step launches a few dozen kernels. As inductor's generated launchers do
   arguments with that key (its launcher, handle and packed metadata).
 - **The key** is at least as fine as Triton's specialization, so a cached kernel is only ever
   launched with arguments Triton would have launched it with: the current device; the
-  arguments' Python types (tensor, int, bool, float, None: the layout); each tensor's dtype
-  and the low 4 bits of its address (Triton: 16-byte aligned or not); each int's value, or,
+  arguments' Python types (tensor, host-side TMA descriptor, int, bool, float, None: the
+  layout); each tensor's dtype and the low 4 bits of its address (Triton: 16-byte aligned or
+  not); each descriptor's dtype and block shape (all Triton specializes); each int's value, or,
   once a layout has met ``EXACT_KEYS`` keys (sizes that change every call), its class: the
   low 4 bits, or "equals 1", inside the i32 range, the value outside it (Triton: i32, i64 or
   u64; the constant 1; 16-divisible or not). The key ignores ``do_not_specialize``, which can
@@ -42,6 +43,7 @@ import os
 import torch
 from triton import knobs
 from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 ENABLED = os.environ.get("FUSED_BLOCK_DIRECT_LAUNCH", "1") != "0"
 # Launches that took Triton's path: "fallback" (the first of a key, remembered) and "unkeyed"
@@ -52,7 +54,7 @@ STATS = collections.Counter()
 EXACT_KEYS = 16
 
 _CLASSES = "int classes"  # the first element of class keys
-_SCALARS = (int, float, bool, type(None))  # with tensors, the argument types keys describe
+_SCALARS = (int, float, bool, type(None))  # with tensors and descriptors, the argument types keys describe
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -70,7 +72,8 @@ class _Layout:
         self.kwargs = {**constexprs, **config.meta(), "num_warps": config.num_warps, "num_stages": config.num_stages}
         self.tail = _tail(kernel, len(args), self.kwargs)
         self.types = tuple(map(type, args))
-        keyed = self.tail is not None and all(issubclass(t, torch.Tensor) or t in _SCALARS for t in self.types)
+        keyed = self.tail is not None and all(issubclass(t, (torch.Tensor, TensorDescriptor)) or t in _SCALARS
+                                              for t in self.types)
         self.exact = True
         self.key = _key_function(self.types, exact_ints=True) if keyed else None
         self.compiled = {}
@@ -88,17 +91,22 @@ class _Layout:
 
 def _key_function(types, exact_ints: bool):
     """``key(args, device)``, generated for these argument types (as Triton's binder is): the
-    device, each tensor's dtype and the low 4 bits of its address, and each int's value
-    (``exact_ints``) or class: its low 4 bits, or 16 if it equals 1, within i32 range (the
-    value itself outside it). Floats, bools and None add nothing: their types decide."""
+    device, each tensor's dtype and the low 4 bits of its address, each descriptor's dtype and
+    block shape, and each int's value (``exact_ints``) or class: its low 4 bits, or 16 if it
+    equals 1, within i32 range (the value itself outside it). Floats, bools and None add
+    nothing: their types decide."""
     names = [f"a{i}" for i in range(len(types))]
     tensors = [n for n, t in zip(names, types) if issubclass(t, torch.Tensor)]
+    descs = [n for n, t in zip(names, types) if issubclass(t, TensorDescriptor)]
     ints = [n for n, t in zip(names, types) if t is int]
     if exact_ints:
         int_keys = ints
     else:
         int_keys = [f"(({n} & 15 if {n} != 1 else 16) if -2147483648 <= {n} <= 2147483647 else {n})" for n in ints]
-    parts = ["device", *(f"{n}.dtype" for n in tensors), *(f"{n}.data_ptr() & 15" for n in tensors), *int_keys]
+    # A host-side TMA descriptor specializes as its base's dtype and its block shape (Triton 3.6:
+    # ``tensordesc<dtype[block]>``; shape, strides and address are runtime arguments).
+    parts = ["device", *(f"{n}.dtype" for n in tensors), *(f"{n}.data_ptr() & 15" for n in tensors),
+             *(f"{n}.base.dtype" for n in descs), *(f"tuple({n}.block_shape)" for n in descs), *int_keys]
     if not exact_ints:
         parts.insert(0, "_CLASSES")  # class keys never equal exact ones (16: the value or "equals 1")
     unpack = f"    {', '.join(names)}, = args\n" if names else ""
