@@ -19,6 +19,7 @@ import fused_block
 from fused_block import _backend, reference
 from fused_block.attention import attention, attention_qkvpacked
 from fused_block.kernels import attention as kernels
+from fused_block.kernels.attention import configs, launchers
 from fused_block.kernels import common
 from gemm_testing import baseline_mode, fp32_mode
 from numerics import ATOL, DTYPES, assert_close, randn
@@ -33,7 +34,7 @@ def path(request, monkeypatch):
     """Runs the test on one data path and checks afterwards that it was the one taken."""
     if request.param == "tma" and ON_CUDA and not HOPPER:
         pytest.skip("TMA needs Hopper")
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer" if request.param == "pointer" else None)
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer" if request.param == "pointer" else None)
     before = common.LAUNCHES["attention_tma"]
     yield request.param
     took_tma = common.LAUNCHES["attention_tma"] > before
@@ -42,7 +43,7 @@ def path(request, monkeypatch):
 
 def _expects_tma(path, node):
     """Whether the kernels take TMA on ``path``. Hopper runs fp32 (these tests' IEEE products:
-    torch's default precision) from registers, on the pointer path (``kernels._use_tma``)."""
+    torch's default precision) from registers, on the pointer path (``launchers._use_tma``)."""
     dtype = getattr(getattr(node, "callspec", None), "params", {}).get("dtype")
     return path == "tma" and not (HOPPER and dtype == torch.float32)
 
@@ -53,7 +54,7 @@ def test_path_check_agrees_with_the_kernels_on_hopper(dtype, monkeypatch):
     inputs at torch's default fp32 precision (TMA, except IEEE fp32 on pointers)."""
     monkeypatch.setattr(sys.modules[__name__], "HOPPER", True)
     node = type("Item", (), {"callspec": type("CallSpec", (), {"params": {"dtype": dtype}})()})()
-    assert _expects_tma("tma", node) == kernels._use_tma(90, kernels._kind(dtype), ())
+    assert _expects_tma("tma", node) == launchers._use_tma(90, configs._kind(dtype), ())
     assert not _expects_tma("pointer", node)
 
 
@@ -146,7 +147,7 @@ def test_attention_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, padding, dty
 def test_attention_pointer_path(B, Hq, Hkv, Lq, Lk, D, causal, padding, device, launches, monkeypatch):
     """The same cases on the pointer path (row and head-dim masks instead of descriptors), in
     fp16 (the path's loads and stores do not depend on the dtype)."""
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer")
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer")
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float16, device)
     mask = _padding(B, Lk, device) if padding else None
     _compare(q, k, v, causal, mask)
@@ -171,14 +172,14 @@ def _ws_forward(monkeypatch, D):
     if ON_CUDA and not HOPPER:
         pytest.skip("warp specialization is a Hopper candidate")
     if ON_CUDA:
-        key = kernels._table_key(kernels._block_d(D), "16", False)
-        table = kernels.FWD_CONFIGS[90]
+        key = configs._table_key(configs._block_d(D), "16", False)
+        table = configs.FWD_CONFIGS[90]
         monkeypatch.setitem(table, key, [c for c in table[key] if c["WS"]][:1])
     else:
-        c = kernels.INTERPRET_FWD
-        monkeypatch.setattr(kernels, "INTERPRET_FWD", kernels._fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps,
+        c = configs.INTERPRET_FWD
+        monkeypatch.setattr(configs, "INTERPRET_FWD", configs._fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps,
                                                                        c.num_stages, True))
-    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
     ws = []
     launch = common.launch
 
@@ -217,7 +218,7 @@ def test_ws_candidates_follow_the_first():
     """Every table's first candidate is the proven non-WS config; WS candidates only on
     sm_90, for 16-bit classes without dropout, with 128-row query blocks (Q split between two
     consumer warpgroups) and 4 warps."""
-    for arch, table in kernels.FWD_CONFIGS.items():
+    for arch, table in configs.FWD_CONFIGS.items():
         for (block_d, kind, dropout), cfgs in table.items():
             assert not cfgs[0]["WS"]
             for c in cfgs:
@@ -246,7 +247,7 @@ def test_attention_large(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype, device, 
 
 def test_d256_pointer_path(device, launches, monkeypatch):
     """split_kv's dV and dK programs on the pointer path too (GQA 2:1, causal, padding)."""
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer")
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer")
     q, k, v = _qkv(1, 2, 1, 40, 70, 256, torch.bfloat16, device)
     _compare(q, k, v, True, _padding(1, 70, device, full_row=False))
     _launched_once(launches)
@@ -339,13 +340,13 @@ def test_fp32_follows_torch_matmul_precision(mode, device, launches, monkeypatch
     """fp32 runs IEEE products under torch's default and TF32 once torch allows TF32 for
     matmuls (the mode is in the config key); each is held to PyTorch's error in that mode
     (TF32: products of TF32-rounded operands, as cuBLAS would on every shape)."""
-    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
-    monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(launchers, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
     q, k, v = _qkv(1, 2, 1, 40, 50, 64, torch.float32, device)
     with fp32_mode(mode):
         assert common.fp32_precision() == mode
     _compare(q, k, v, True, _padding(1, 50, device, full_row=False), mode=mode)
-    for cache in (kernels._FWD_CACHE, kernels._BWD_CACHE):
+    for cache in (launchers._FWD_CACHE, launchers._BWD_CACHE):
         assert [key[1][1] for key in cache.chosen] == [mode]
     _launched_once(launches)
 
@@ -720,7 +721,7 @@ def _shipped_configs():
         return []
     arch = common.arch(torch.device("cuda"))
     out = []
-    for kname, tables in (("fwd", kernels.FWD_CONFIGS), ("bwd", kernels.BWD_CONFIGS)):
+    for kname, tables in (("fwd", configs.FWD_CONFIGS), ("bwd", configs.BWD_CONFIGS)):
         for key, cfgs in tables[arch].items():
             for i in range(len(cfgs)):
                 tma_paths = ("tma", "pointer") if i == 0 else ("tma",)
@@ -735,11 +736,11 @@ def test_every_shipped_config(kname, key, index, path_, device, launches, monkey
     """Each config of this GPU's tables (forced as the only candidate), on each path it ships
     for: causal with padding, GQA 2:1, L = 300 (partial blocks), dropout where its class has it."""
     arch = common.arch(device)
-    tables = kernels.FWD_CONFIGS if kname == "fwd" else kernels.BWD_CONFIGS
+    tables = configs.FWD_CONFIGS if kname == "fwd" else configs.BWD_CONFIGS
     monkeypatch.setitem(tables[arch], key, [tables[arch][key][index]])
-    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
-    monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer" if path_ == "pointer" else None)
+    monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(launchers, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer" if path_ == "pointer" else None)
     block_d, kind, dropout = key
     dtype = torch.bfloat16 if kind == "16" else torch.float32
     mode = "tf32" if kind == "tf32" else "ieee"

@@ -1,0 +1,348 @@
+"""The backward kernels: the row statistics (preprocess), then one kernel whose programs compute
+dK/dV of a key block or dQ of a query block."""
+import triton
+import triton.language as tl
+
+from fused_block.kernels import common
+from fused_block.kernels.attention.forward import _SHAPE_ARGS
+from fused_block.kernels.attention.helpers import _causal_ranges, _desc, _desc3, _dropout_keep, _load, _store
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS,
+                         stride_ob, stride_oh, stride_om,
+                         stride_dob, stride_doh, stride_dom,
+                         Hq, Lq, D, num_m_blocks, stride_stat,
+                         HAS_DLSE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The backward's per-row statistics ``STATS`` (B * Hq, 2, stride_stat) fp32, rows padded
+    to ``stride_stat`` (a multiple of every backward query block, so the backward loads them
+    unmasked): [:, 0] = LSE * log2(e) (+inf for rows with no visible key and for padding
+    rows: P = 0 there without a select in the backward's loops), [:, 1] = delta =
+    rowsum(dO * O) - dLSE (0 for padding rows)."""
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    b = bh // Hq
+    h = bh % Hq
+    offs_m = (pid % num_m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Lq
+    mask = m_ok[:, None] & (offs_d < D)[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows * stride_om + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows * stride_dom
+                 + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    row_base = bh.to(tl.int64) * Lq
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row_base + offs_m, mask=m_ok, other=0.0)
+    lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    stats = STATS + bh.to(tl.int64) * (2 * stride_stat)
+    tl.store(stats + offs_m, lse2)
+    tl.store(stats + stride_stat + offs_m, delta)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, bh, h, start_m, start_n,
+               offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+               IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """Query block [start_m, start_m + BLOCK_M) of head ``h`` (flat ``bh``, statistics at
+    ``stats_h``: the head's rows of STATS): its contribution to a key block's dK and dV (scores
+    computed transposed); ``PART`` 1 / 2: only dV / only dK. ``q_desc``/``do_desc`` are
+    (H, L, D) descriptors of the batch (TMA), ``Q_b``/``DO_b`` the batch's base pointers.
+
+    Keys past Lk need no mask: their rows of dK/dV are never stored. Queries past Lq (zero
+    rows of Q and dO) and rows with no visible key have LSE * log2(e) = +inf, hence P = 0: the
+    statistics need neither masks nor selects.
+    """
+    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    if USE_TMA:
+        q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
+        do = do_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
+    else:
+        q = _load(q_desc, Q_b + h.to(tl.int64) * stride_qh, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, MASKED,
+                  EVEN_D, False)
+        do = _load(do_desc, DO_b + h.to(tl.int64) * stride_doh, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D,
+                   MASKED, EVEN_D, False)
+    if USE_TMA:
+        # One (2, BLOCK_M) tile: this block's LSE * log2(e) and delta rows.
+        lse2, delta = tl.split(tl.trans(stats_desc.load([h, 0, start_m]).reshape([2, BLOCK_M])))
+    else:
+        # A scalar address + arange: constant offsets, no 64-bit add per element.
+        stats = stats_h + start_m + tl.arange(0, BLOCK_M)
+        lse2 = tl.load(stats)
+    qkT = common.dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
+    pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+    if MASKED and IS_CAUSAL:
+        pT = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), pT, 0.0)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, True, IEEE)
+    if PART != 2:
+        if HAS_DROPOUT:
+            pdT = tl.where(keep, pT * inv_keep, 0.0)
+        else:
+            pdT = pT
+        dv = common.dot(common.cast(pdT, do.dtype, INTERPRET), do, dv, INTERPRET, PRECISION)
+    if PART != 1:
+        dpT = common.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
+        if HAS_DROPOUT:
+            dpT = tl.where(keep, dpT * inv_keep, 0.0)
+        if not USE_TMA:
+            delta = tl.load(stats + stride_stat)
+        dsT = pT * (dpT - delta[None, :])
+        dk = common.dot(common.cast(dsT, q.dtype, INTERPRET), q, dk, INTERPRET, PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
+             Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key block's contribution to a query block's dQ."""
+    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
+    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+    if MASKED:
+        visible = (offs_n < Lk)[None, :]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Lk - Lq))
+        p = tl.where(visible, p, 0.0)
+    if HAS_PAD:
+        pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
+        p = tl.where((pad == 0)[None, :], p, 0.0)
+    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    dp = common.dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, IEEE)
+        dp = tl.where(keep, dp * inv_keep, 0.0)
+    ds = p * (dp - delta[:, None])
+    dq = common.dot(common.cast(ds, k.dtype, INTERPRET), k, dq, INTERPRET, PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, start_n,
+                      stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                      stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                      Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                      IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                      USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """dK, dV of keys [start_n, start_n + BLOCK_N), summed over the group's query heads
+    (``PART`` 1: only dV, 2: only dK, 0: both)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
+    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Query blocks: [m_lo, head_end) straddle the causal diagonal (masked), [head_end,
+    # full_end) see every key of the block (unmasked); queries before m_lo see none of these
+    # keys. The partial last block [mid_end, m_ceil) needs no mask on the TMA path (zero rows,
+    # LSE = +inf: P = 0), so full_end = m_ceil there; the pointer path masks its rows
+    # (full_end = mid_end, the block joins the masked loop).
+    m_ceil = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    m_lo = 0
+    head_end = 0
+    if IS_CAUSAL:
+        m_lo = (tl.maximum(start_n - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
+        head_end = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
+        head_end = tl.minimum(tl.maximum(head_end, m_lo), m_ceil)
+    if USE_TMA:
+        full_end = m_ceil
+    else:
+        full_end = tl.maximum(head_end, (Lq // BLOCK_M) * BLOCK_M)
+    n_head = (head_end - m_lo) // BLOCK_M
+    n_full = (full_end - head_end) // BLOCK_M
+    Q_b = Q + b.to(tl.int64) * stride_qb
+    DO_b = DO + b.to(tl.int64) * stride_dob
+    q_desc = _desc3(Q_b, Hq, Lq, D, stride_qh, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+    do_desc = _desc3(DO_b, Hq, Lq, D, stride_doh, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
+    stats_desc = _desc3(STATS + (b * Hq).to(tl.int64) * (2 * stride_stat), Hq, 2, stride_stat, 2 * stride_stat,
+                        stride_stat, 2, BLOCK_M, USE_TMA)
+    # Each loop walks the (group head, query block) pairs with counters (no division per
+    # step): the block advances, and past its segment's end moves on to the next segment or
+    # wraps to the next head. One flat loop, not a nest: the pipeline runs across heads.
+    # The unmasked loop comes first (ptxas allocates the first loop's registers better).
+    h0 = hk * GROUPS
+    stats0 = STATS + (b * Hq + h0).to(tl.int64) * (2 * stride_stat)  # the group's first head
+    h = h0
+    stats_h = stats0
+    start_m = head_end
+    for _ in tl.range(0, GROUPS * n_full):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, b * Hq + h,
+                            h, start_m, start_n, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh, stride_dom,
+                            qk_scale, seed, dropout_p, inv_keep, False, IS_CAUSAL, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D,
+                            PART, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+        start_m += BLOCK_M
+        wrap = start_m >= full_end
+        start_m = tl.where(wrap, head_end, start_m)
+        h += wrap.to(tl.int32)
+        stats_h += tl.where(wrap, 2 * stride_stat, 0)
+    if IS_CAUSAL or not USE_TMA:
+        # The masked blocks of each head: [m_lo, head_end), then [full_end, m_ceil).
+        n_masked = n_head + (m_ceil - full_end) // BLOCK_M
+        first = tl.where(n_head > 0, m_lo, full_end)
+        h = h0
+        stats_h = stats0
+        start_m = first
+        for _ in tl.range(0, GROUPS * n_masked):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat,
+                                b * Hq + h, h, start_m, start_n, offs_n, Lq, Lk, D, stride_qh, stride_qm, stride_doh,
+                                stride_dom, qk_scale, seed, dropout_p, inv_keep, True, IS_CAUSAL, HAS_DROPOUT,
+                                USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+            start_m += BLOCK_M
+            start_m = tl.where(start_m == head_end, full_end, start_m)
+            wrap = start_m >= m_ceil
+            start_m = tl.where(wrap, first, start_m)
+            h += wrap.to(tl.int32)
+            stats_h += tl.where(wrap, 2 * stride_stat, 0)
+    dk = dk * scale
+    if HAS_PAD:
+        # A padded key is invisible to every query: its dK and dV are exactly 0.
+        pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
+        dk = tl.where((pad == 0)[:, None], dk, 0.0)
+        dv = tl.where((pad == 0)[:, None], dv, 0.0)
+    dk_base = DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    dv_base = DV + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    if PART != 1:
+        dk_desc = _desc(dk_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
+        _store(dk_desc, dk_base, start_n, Lk, stride_dkn, D, common.cast(dk, DK.dtype.element_ty, INTERPRET),
+               BLOCK_N, BLOCK_D, USE_TMA)
+    if PART != 2:
+        dv_desc = _desc(dv_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
+        _store(dv_desc, dv_base, start_n, Lk, stride_dkn, D, common.cast(dv, DV.dtype.element_ty, INTERPRET),
+               BLOCK_N, BLOCK_D, USE_TMA)
+
+
+@triton.jit
+def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m,
+                    stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                    stride_dqb, stride_dqh, stride_dqm, stride_stat,
+                    Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """dQ of queries [start_m, start_m + BLOCK_M) of head ``h``."""
+    bh = b * Hq + h
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+    do_desc = _desc(do_base, Lq, D, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
+    k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+    q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
+    do = _load(do_desc, do_base, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
+    stats = STATS + bh.to(tl.int64) * (2 * stride_stat) + start_m
+    lse2 = tl.load(stats + tl.arange(0, BLOCK_M))
+    delta = tl.load(stats + stride_stat + tl.arange(0, BLOCK_M))
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_end, hi = _causal_ranges(start_m, Lq, Lk, BLOCK_N, BLOCK_M, IS_CAUSAL)
+    for start_n in tl.range(0, full_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
+                      Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+                      False, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
+                      INTERPRET)
+    for start_n in tl.range(full_end, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
+                      Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+                      True, IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
+                      INTERPRET)
+    dq_desc = _desc(dq_base, Lq, D, stride_dqm, BLOCK_M, BLOCK_D, USE_TMA)
+    _store(dq_desc, dq_base, start_m, Lq, stride_dqm, D, common.cast(dq * scale, DQ.dtype.element_ty, INTERPRET),
+           BLOCK_M, BLOCK_D, USE_TMA)
+
+
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED,
+              stride_qb, stride_qh, stride_qm,
+              stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn,
+              stride_dob, stride_doh, stride_dom,
+              stride_dqb, stride_dqh, stride_dqm,
+              stride_dkb, stride_dkh, stride_dkn,
+              stride_mb, stride_stat,
+              Hq, Hkv, GROUPS, Lq, Lk, D,
+              scale, dropout_p,
+              IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+              SPLIT_KV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per (batch, kv head): programs [0, kv_blocks) compute dK/dV (BLOCK_N1 keys, BLOCK_M1
+    queries per step), the next q_blocks * GROUPS programs dQ (BLOCK_M2 queries, BLOCK_N2 keys
+    per step), each head's query blocks heaviest first. DK and DV share strides."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(Lk, BLOCK_N1)
+    num_m_blocks = tl.cdiv(Lq, BLOCK_M2)
+    per_head = num_n_blocks * (2 if SPLIT_KV else 1) + num_m_blocks * GROUPS
+    bhk = pid // per_head
+    r = pid % per_head
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    pad_base = MASK + b.to(tl.int64) * stride_mb
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    qk_scale = scale * 1.4426950408889634
+    # One call per (SPLIT_KV, role): folding the calls into fewer (a computed key block, a
+    # constexpr part) moved several configs sitting at 255 registers into spills.
+    if SPLIT_KV:
+        # dK and dV accumulators do not fit in registers together: a dV program and a dK
+        # program per key block (the dK one recomputes P).
+        if r < num_n_blocks:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                              Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                              IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                              INTERPRET)
+        elif r < 2 * num_n_blocks:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk,
+                              (r - num_n_blocks) * BLOCK_N1,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                              Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                              IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                              INTERPRET)
+        else:
+            r2 = r - 2 * num_n_blocks
+            _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+                            (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2,
+                            stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                            stride_dqb, stride_dqh, stride_dqm, stride_stat,
+                            Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                            IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2, BLOCK_N2,
+                            INTERPRET)
+    elif r < num_n_blocks:
+        _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1,
+                          stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                          stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                          Hq, GROUPS, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                          IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                          INTERPRET)
+    else:
+        r2 = r - num_n_blocks
+        _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+                        (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2,
+                        stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                        stride_dqb, stride_dqh, stride_dqm, stride_stat,
+                        Hq, Lq, Lk, D, scale, qk_scale, seed, dropout_p, inv_keep,
+                        IS_CAUSAL, HAS_PAD, HAS_DROPOUT, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2, BLOCK_N2,
+                        INTERPRET)
+
