@@ -46,6 +46,10 @@ Kernels:
   Where dK's and dV's fp32 accumulators cannot share the registers (``SPLIT_KV`` configs:
   D = 256, some fp32 and dropout classes), each key block gets a dV program and a dK
   program (which recomputes P).
+- Score modifications (``helpers._score_mod``: softcap, ALiBi, an additive bias, a bool mask)
+  in every K/V step of the forward and both backward halves; attention sinks in the forward's
+  epilogue and the preprocess (their gradient). Feature classes "band" (window, varlen) and
+  "score" have config entries of their own (``configs.py``).
 - ``_dropout_keep``: keep = uniform(seed, (j, i, batch * Hq + h)) >= p: Philox counters are the
   key index, query index and flattened head, so every kernel (and ``dropout_keep_mask``, a test
   helper) regenerates the same mask without storing it.
@@ -64,12 +68,14 @@ Reading order (the data flow from ``fused_block.attention`` down to each kernel)
 - ``configs.py``: the per-architecture config tables and the keys that index them.
 - ``forward.py``: ``_attn_fwd`` (and its key-block step).
 - ``backward.py``: ``_attn_bwd_preprocess``, then ``_attn_bwd`` (dK/dV and dQ programs).
+- ``decode.py``: split-KV decoding (``_attn_decode_split``, ``_attn_decode_combine``), chosen by
+  ``launchers.forward`` for few query rows over long caches, and the KV-cache append kernel.
 - ``helpers.py``: the device helpers the kernels share (tile loads and stores, descriptors,
   the dropout keep-mask, visible key ranges) and the keep-mask kernel of the tests.
 - ``specs.py``: ``aot_specs()``, every shipped config for the compile check.
 """
 from fused_block.kernels.attention.configs import MAX_FP32_BLOCK_D
-from fused_block.kernels.attention.launchers import backward, dropout_keep_mask, forward
+from fused_block.kernels.attention.launchers import backward, dropout_keep_mask, forward, kv_cache_append
 from fused_block.kernels.attention.specs import aot_specs
 
-__all__ = ["MAX_FP32_BLOCK_D", "aot_specs", "backward", "dropout_keep_mask", "forward"]
+__all__ = ["MAX_FP32_BLOCK_D", "aot_specs", "backward", "dropout_keep_mask", "forward", "kv_cache_append"]

@@ -1,7 +1,8 @@
 """Per-architecture config tables of the attention kernels, and the keys that index them.
 
-Candidates by (head-dim class, operand kind, dropout); see the notes above each table for the
-provenance of every entry (the anchors it follows, or the measurement that chose it).
+Candidates by (head-dim class, operand kind, dropout, feature class); see the notes above each
+table for the provenance of every entry (the anchors it follows, or the measurement that chose
+it).
 """
 import torch
 
@@ -129,10 +130,116 @@ BWD_CONFIGS = {
     },
 }
 del F, B
+
+# Feature classes. Beyond causality, padding and dropout, a kernel's flags change what its
+# K/V steps cost, so each class has its own entries under the same (head-dim class, operand
+# kind, dropout) keys: "plain" (the tables above), and
+# - "band": a sliding window (a second masked edge: blocks before the band's left edge are
+#   masked too; the unmasked steps are the plain ones) or packed sequences (per-sequence
+#   bounds, device-side descriptors on the TMA path, a binary search in the prologue). Its
+#   candidates start as the plain first candidates without warp specialization (Triton 3.6
+#   partitions only a kernel with one K/V loop); entries that compiled differently are
+#   overridden below.
+# - "score": score modifications (softcap, ALiBi, an additive bias, a bool mask): per-element
+#   work (tanh, the distance, tile loads) in every K/V step; candidates derived as "band"'s.
+#   Sinks change only the forward's epilogue and the preprocess: no class of their own.
+CLASSES = ("plain", "band", "score")
+
+
+def _derived(tables, overrides):
+    """Per arch, the plain tables' first non-WS candidate under every key, with ``overrides``
+    ({arch: {key: [configs]}}) replacing entries."""
+    return {arch: {key: overrides.get(arch, {}).get(key, [next(c for c in cfgs if not c.meta().get("WS"))])
+                   for key, cfgs in table.items()}
+            for arch, table in tables.items()}
+
+
+def _with_classes(plain, classes):
+    """One table per arch keyed (head-dim class, kind, dropout, feature class)."""
+    return {arch: {**{(*key, "plain"): cfgs for key, cfgs in table.items()},
+                   **{(*key, cls): cfgs for cls, derived in classes.items() for key, cfgs in derived[arch].items()}}
+            for arch, table in plain.items()}
+
+
+# "band" entries that spilled as the plain first candidates (a second masked loop, the
+# window's bounds; tests/test_compile.py): 4 warps for IEEE fp32 (FMA-unit products from
+# registers), 8 for the 256-wide dropout forward on sm_80, dV/dK split or narrower query steps
+# for the 16-bit D128 and TF32 dropout backward on sm_90.
+_F, _B = _fwd_cfg, _bwd_cfg
+_BAND_FWD = {
+    90: {(128, "ieee", True): [_F(16, 16, 4, 2)]},
+    80: {(256, "16", True): [_F(32, 32, 8, 2)], (128, "ieee", False): [_F(16, 16, 4, 2)],
+         (128, "ieee", True): [_F(16, 16, 4, 2)]},
+}
+_BAND_BWD = {
+    90: {(128, "16", True): [_B(16, 128, 128, 32, 8, 2, True)], (64, "tf32", True): [_B(16, 128, 128, 32, 8, 2)],
+         (64, "ieee", True): [_B(16, 32, 32, 16, 4, 2, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)]},
+}
+# "score": every K/V step carries tanh, the ALiBi distance and bias/mask tiles (and the
+# backward's dS store), so the plain 128-row tiles spill with all of them at once: 64-row
+# forward tiles (32 at D = 256, 16 on FMA-unit IEEE fp32), 16-query backward steps over 64
+# keys with dV and dK in programs of their own where both accumulators would not fit.
+_SCORE_FWD = {
+    90: {(64, "16", False): [_F(64, 64, 4, 2)], (64, "16", True): [_F(64, 64, 4, 2)],
+         (128, "16", False): [_F(64, 32, 4, 2)], (128, "16", True): [_F(64, 32, 4, 2)],
+         (64, "tf32", False): [_F(64, 32, 4, 2)], (64, "tf32", True): [_F(64, 32, 4, 2)],
+         (128, "tf32", False): [_F(64, 32, 8, 2)], (128, "tf32", True): [_F(64, 32, 8, 2)],
+         (64, "ieee", False): [_F(16, 16, 4, 2)], (64, "ieee", True): [_F(16, 16, 4, 2)],
+         (128, "ieee", False): [_F(16, 16, 4, 2)], (128, "ieee", True): [_F(16, 16, 4, 2)]},
+    80: {(64, "16", False): [_F(64, 64, 8, 2)], (64, "16", True): [_F(64, 32, 8, 2)],
+         (128, "16", False): [_F(64, 32, 8, 2)], (128, "16", True): [_F(64, 32, 8, 2)],
+         (256, "16", False): [_F(32, 32, 8, 2)], (256, "16", True): [_F(32, 32, 8, 2)],
+         (64, "tf32", False): [_F(64, 32, 8, 2)], (64, "tf32", True): [_F(64, 32, 8, 2)],
+         (128, "tf32", False): [_F(64, 32, 8, 2)], (128, "tf32", True): [_F(32, 32, 8, 1)],
+         (64, "ieee", False): [_F(16, 16, 8, 1)], (64, "ieee", True): [_F(16, 16, 8, 1)],
+         (128, "ieee", False): [_F(16, 16, 4, 2)], (128, "ieee", True): [_F(16, 16, 4, 1)]},
+}
+_SCORE_BWD = {arch: {
+    (64, "16", False): [_B(16, 64, 64, 16, 8, 2)], (64, "16", True): [_B(16, 64, 64, 16, 8, 2)],
+    (128, "16", False): [_B(16, 64, 64, 16, 8, 2, True)], (128, "16", True): [_B(16, 64, 64, 16, 8, 2, True)],
+    (64, "tf32", False): [_B(16, 64, 64, 16, 8, 2, True)], (64, "tf32", True): [_B(16, 64, 64, 16, 8, 2, True)],
+    (64, "ieee", False): [_B(16, 16, 16, 16, 4, 1, True)], (64, "ieee", True): [_B(16, 16, 16, 16, 4, 1, True)],
+    (128, "ieee", False): [_B(16, 16, 16, 16, 8, 1, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)],
+} for arch in (90, 80)}
+_SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 1, True)]
+
+del _F, _B
+FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FWD),
+                                          "score": _derived(FWD_CONFIGS, _SCORE_FWD)})
+BWD_CONFIGS = _with_classes(BWD_CONFIGS, {"band": _derived(BWD_CONFIGS, _BAND_BWD),
+                                          "score": _derived(BWD_CONFIGS, _SCORE_BWD)})
+
+# Split-KV decoding (decode.py): BLOCK_N keys per step, by (head-dim class, operand kind); the
+# query rows (the GQA group's GROUPS * Lq <= 16 * GROUPS) take BLOCK_M = 16 .. 64
+# (:func:`_decode_block_m`). Memory-bound: 4 warps, 64-key blocks at D64 (flash-decoding's),
+# 32 where the compile check found spills with more. IEEE fp32 (FMA-unit products from
+# registers, which spilled KBs at these tiles) and TF32 D128 (8 B on sm_90's TMA path) do not
+# split: the forward runs (launchers: only the keys of this table split).
+_D = common.Config
+DECODE_CONFIGS = {
+    arch: {
+        (64, "16"): [_D.of(num_warps=4, num_stages=3, BLOCK_N=64)],
+        (128, "16"): [_D.of(num_warps=4, num_stages=2, BLOCK_N=32)],
+        (256, "16"): [_D.of(num_warps=8, num_stages=2, BLOCK_N=32)],
+        (64, "tf32"): [_D.of(num_warps=4, num_stages=2, BLOCK_N=32)],
+    }
+    for arch in (90, 80)
+}
+del _D
+DECODE_BLOCK_MS = (16, 32, 64)
+
+
+def _decode_block_m(rows: int, block_d: int, kind: str = "16") -> int:
+    """Decode row block for ``rows`` = GROUPS * Lq query rows: the next power of two from 16,
+    at most 64 (32 at D = 256 and for TF32: the fp32 tiles' registers)."""
+    return min(max(16, common.next_pow2(rows)), 32 if block_d > 128 or kind != "16" else 64)
+
+
 # The interpreter runs one config: query and key blocks of different sizes (and different in
 # the two backward halves), so the tests cross both block grids and every masked/unmasked split.
 INTERPRET_FWD = _fwd_cfg(64, 32, 1, 1)
 INTERPRET_BWD = _bwd_cfg(32, 64, 64, 32, 1, 1)
+INTERPRET_DECODE = common.Config.of(num_warps=1, num_stages=1, BLOCK_N=32)
 PRE_BLOCK_M = 64
 # The backward's row statistics (STATS) are padded to a multiple of this: every query
 # block of the backward tables (BLOCK_M1, BLOCK_M2) and PRE_BLOCK_M divide it.
@@ -150,8 +257,13 @@ def _kind(dtype) -> str:
     return "16"
 
 
-def _table_key(block_d: int, kind: str, dropout: bool):
-    return (64 if block_d <= 64 else block_d, kind, dropout)
+def _table_key(block_d: int, kind: str, dropout: bool, cls: str = "plain"):
+    return (64 if block_d <= 64 else block_d, kind, dropout, cls)
+
+
+def _class(window: bool, varlen: bool, score_mod: bool = False) -> str:
+    """The feature class of a launch (see ``CLASSES``)."""
+    return "score" if score_mod else "band" if window or varlen else "plain"
 
 
 def _bucket(n: int) -> int:

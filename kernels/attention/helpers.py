@@ -132,16 +132,140 @@ def _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _causal_ranges(start, Lq, Lk, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, IS_CAUSAL: tl.constexpr):
+def _tanh(x):
+    """tanh from the sigmoid, 2 sigmoid(2x) - 1 (``libdevice.tanh`` fails in the interpreter):
+    one exp2 and one reciprocal, absolute error about 1e-7 (relative to tanh's range)."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _score_mod(qk, offs_r, offs_c, Lr, Lc, qk_scale, cap_in, cap_out, slope2, diag0, bias_base, stride_br,
+               stride_bc, amask_base, stride_ar, stride_ac, CHECK_R: tl.constexpr, CHECK_C: tl.constexpr,
+               TRANSPOSED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_AMASK: tl.constexpr):
+    """The modified scores of a tile in the log2 domain, and tanh's value (``SOFTCAP``; else
+    ``qk``) for the backward's derivative: s = softcap(qk * scale) + ALiBi + bias, times log2(e),
+    -inf where the bool mask is False.
+
+    Rows ``offs_r`` (of Lr) and columns ``offs_c`` (of Lc) are queries and keys, keys and
+    queries when ``TRANSPOSED``; ``CHECK_R``/``CHECK_C`` bound the bias and mask loads (rows past
+    their end read 0 / False). ``cap_in`` = scale / softcap, ``cap_out`` = softcap * log2(e);
+    ``slope2`` = the head's ALiBi slope * log2(e); query i and key j are |i + diag0 - j| apart
+    (diag0 = Lk - Lq, bottom-right). Bias and mask pointers: ``*_base`` at the (batch, head),
+    row and column strides (0 along broadcast dims)."""
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)
+        s = t * cap_out
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        if TRANSPOSED:
+            dist = tl.abs(offs_c[None, :] + diag0 - offs_r[:, None])
+        else:
+            dist = tl.abs(offs_r[:, None] + diag0 - offs_c[None, :])
+        s = s - slope2 * dist.to(tl.float32)
+    if HAS_BIAS or HAS_AMASK:
+        if CHECK_R and CHECK_C:
+            inb = (offs_r < Lr)[:, None] & (offs_c < Lc)[None, :]
+        elif CHECK_R:
+            inb = (offs_r < Lr)[:, None]
+        else:
+            inb = (offs_c < Lc)[None, :]
+        r64 = offs_r[:, None].to(tl.int64)
+        c64 = offs_c[None, :].to(tl.int64)
+        if HAS_BIAS:
+            ptrs = bias_base + r64 * stride_br + c64 * stride_bc
+            if CHECK_R or CHECK_C:
+                b = tl.load(ptrs, mask=inb, other=0.0)
+            else:
+                b = tl.load(ptrs)
+            s = s + b.to(tl.float32) * 1.4426950408889634
+        if HAS_AMASK:
+            ptrs = amask_base + r64 * stride_ar + c64 * stride_ac
+            if CHECK_R or CHECK_C:
+                keep = tl.load(ptrs, mask=inb, other=0)
+            else:
+                keep = tl.load(ptrs)
+            s = tl.where(keep != 0, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _find_seq(CU, NSEQ, v, BLOCK: tl.constexpr):
+    """Varlen: the sequence of virtual block ``v`` and the number of its first block.
+
+    Sequence b (tokens [CU[b], CU[b + 1])) numbers its BLOCK-row blocks from CU[b] // BLOCK +
+    b on: disjoint ranges over [0, total // BLOCK + NSEQ) with at most one unused number per
+    sequence, so a grid over that range runs every real block once (no padding compute) and
+    finds its sequence by a binary search over CU, with nothing prepared on the host. Returns
+    the largest b with CU[b] // BLOCK + b <= v and that first number."""
+    lo = 0
+    hi = NSEQ
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(CU + mid) // BLOCK + mid <= v
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo, tl.load(CU + lo) // BLOCK + lo
+
+
+@triton.jit
+def _key_ranges(start, Lk, diag_hi, diag_lo, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """For the rows [start, start + BLOCK_OTHER) of the score matrix (queries), the key range
-    in BLOCK steps: ``(full_end, hi)``: [0, full_end) is visible to every row and in bounds
-    (no masks), [full_end, hi) needs masks, keys from hi on are invisible to every row."""
-    full_end = (Lk // BLOCK) * BLOCK
+    in BLOCK steps, ``(lo, full_lo, full_hi, hi)``: [full_lo, full_hi) is visible to every row
+    and in bounds (no masks), [lo, full_lo) and [full_hi, hi) need masks, keys outside [lo, hi)
+    are invisible to every row. Query i sees key j when j <= i + diag_hi (``IS_CAUSAL``: a
+    right bound, causal or a window's right side) and j >= i + diag_lo (``WINDOW``: a left
+    bound); without them, every key below Lk."""
+    full_hi = (Lk // BLOCK) * BLOCK
     hi = Lk
     if IS_CAUSAL:
-        full_end = tl.minimum(full_end, (tl.maximum(start + Lk - Lq + 1, 0) // BLOCK) * BLOCK)
-        hi = tl.minimum(Lk, tl.maximum(start + BLOCK_OTHER + Lk - Lq, 0))
-    return full_end, hi
+        full_hi = tl.minimum(full_hi, (tl.maximum(start + diag_hi + 1, 0) // BLOCK) * BLOCK)
+        hi = tl.minimum(Lk, tl.maximum(start + BLOCK_OTHER + diag_hi, 0))
+    lo = 0
+    full_lo = 0
+    if WINDOW:
+        # The first row has the lowest bound, the last row the highest.
+        lo = (tl.maximum(start + diag_lo, 0) // BLOCK) * BLOCK
+        full_lo = tl.cdiv(tl.maximum(start + BLOCK_OTHER - 1 + diag_lo, 0), BLOCK) * BLOCK
+        full_lo = tl.minimum(full_lo, tl.cdiv(hi, BLOCK) * BLOCK)
+        full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_ranges(start_n, Lq, diag_hi, diag_lo, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, USE_TMA: tl.constexpr):
+    """For the keys [start_n, start_n + BLOCK_N), the query blocks, ``(m_lo, head_end,
+    full_end, m_end)``: [head_end, full_end) see every key of the block (unmasked), [m_lo,
+    head_end) and [full_end, m_end) need masks, queries outside [m_lo, m_end) see none of
+    these keys (visibility as in :func:`_key_ranges`). The partial last query block needs no
+    mask on the TMA path (zero rows, LSE = +inf: P = 0), so it may be unmasked there; the
+    pointer path masks its rows (it is in a masked range)."""
+    m_ceil = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    m_lo = 0
+    head_end = 0
+    if IS_CAUSAL:
+        m_lo = (tl.maximum(start_n - diag_hi, 0) // BLOCK_M) * BLOCK_M
+        head_end = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag_hi, 0), BLOCK_M) * BLOCK_M
+        head_end = tl.minimum(tl.maximum(head_end, m_lo), m_ceil)
+    if USE_TMA:
+        full_end = m_ceil
+    else:
+        full_end = tl.maximum(head_end, (Lq // BLOCK_M) * BLOCK_M)
+    m_end = m_ceil
+    if WINDOW:
+        # Query i sees some key of the block while i <= start_n + BLOCK_N - 1 - diag_lo, all
+        # of them while i <= start_n - diag_lo.
+        last = start_n + BLOCK_N - 1 - diag_lo
+        m_end = tl.where(last >= 0, (tl.maximum(last, 0) // BLOCK_M + 1) * BLOCK_M, 0)
+        m_end = tl.maximum(tl.minimum(m_end, m_ceil), m_lo)
+        head_end = tl.minimum(head_end, m_end)
+        full_end = tl.minimum(full_end, (tl.maximum(start_n - diag_lo + 1, 0) // BLOCK_M) * BLOCK_M)
+        full_end = tl.minimum(tl.maximum(full_end, head_end), m_end)
+    return m_lo, head_end, full_end, m_end
 
 
 @triton.jit
