@@ -33,9 +33,12 @@ keys to attend.
 Masks: the layer reads the mask the model built for its attention implementation (None, a
 4-D bool or additive mask, or flash-attention's 2-D padding mask), checks once per mask
 object that it is causal (bottom-right) and/or key padding, and hands the kernel ``causal``
-and a (B, Lk) padding mask. Anything else (sliding windows that cut keys, packed sequences,
-other custom patterns, a 4-D mask under ``torch.compile`` where its values cannot be read)
-runs ``scaled_dot_product_attention`` with that very mask after a one-time warning. Inputs the
+and a (B, Lk) padding mask. Any other 4-D mask of the known convention (sliding windows that
+cut keys, packed sequences, other custom patterns, a 4-D mask under ``torch.compile`` or CUDA
+graph capture where its values cannot be read) goes to the kernel as it is, as its bool
+``mask`` or additive ``bias`` (read tile by tile). Only masks of an unknown shape convention,
+a top-left causal mask with more queries than keys and head dims outside the kernel's range
+run ``scaled_dot_product_attention`` with that very mask after a one-time warning. Inputs the
 fused path does not express (output_attentions, head masks, cross-attention, hooks on the
 skipped submodules, unknown activations or signatures, float64) run the layer's original
 forward, with a one-time warning. Never a different answer, only a slower one.
@@ -300,12 +303,14 @@ class _Plan:
     """How attention runs: the kernel (``causal``, ``key_padding`` (B, Lk) or None, the first
     ``n_keys`` keys) or SDPA with the model's own ``sdpa_mask`` / ``sdpa_causal`` and a reason."""
 
-    __slots__ = ("kernel", "causal", "key_padding", "n_keys", "sdpa_mask", "sdpa_causal", "reason")
+    __slots__ = ("kernel", "causal", "key_padding", "n_keys", "sdpa_mask", "sdpa_causal", "reason", "as_mask")
 
     def __init__(self, kernel, causal=False, key_padding=None, n_keys=None, sdpa_mask=None, sdpa_causal=False,
-                 reason=None):
+                 reason=None, as_mask=False):
         self.kernel, self.causal, self.key_padding, self.n_keys = kernel, causal, key_padding, n_keys
         self.sdpa_mask, self.sdpa_causal, self.reason = sdpa_mask, sdpa_causal, reason
+        # A 4-D (B or 1, 1, Lq or 1, Lk) mask of the known convention the kernel takes as it is.
+        self.as_mask = as_mask
 
 
 _LAST_MASK = [None, None]  # (weakref to the last 4-D mask read, what it was read as)
@@ -340,22 +345,22 @@ def _plan(mask, B, Lq, Lk, causal, flash):
         # kernels take the padding mask as it is, all-False or not.
         return _Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not _capturing(mask)))
     if torch.compiler.is_compiling():
-        return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask under torch.compile (its values "
-                     "cannot be read while tracing; pass attention_mask=None when there is no padding)")
+        return _Plan(False, sdpa_mask=mask, as_mask=True, reason="a 4-D attention mask under torch.compile (its "
+                     "values cannot be read while tracing; pass attention_mask=None when there is no padding)")
     last_ref, last = _LAST_MASK
     if last_ref is not None and last_ref() is mask and last[0] == (B, Lq, Lk, causal):
         return last[1]
     if _capturing(mask):  # a mask already read above is reused during capture
-        return _Plan(False, sdpa_mask=mask, reason="a 4-D attention mask first seen during CUDA graph capture "
-                     "(its values cannot be read without a sync; run the model once before capturing)")
+        return _Plan(False, sdpa_mask=mask, as_mask=True, reason="a 4-D attention mask first seen during CUDA "
+                     "graph capture (its values cannot be read without a sync; run the model once before capturing)")
     plan = _read_mask(mask, B, Lq, Lk, causal)
     _LAST_MASK[:] = [weakref.ref(mask), ((B, Lq, Lk, causal), plan)]
     return plan
 
 
 def _read_mask(mask, B, Lq, Lk, causal):
-    general = _Plan(False, sdpa_mask=mask, reason="an attention mask that is not causal plus key padding "
-                    "(a sliding window that cuts keys, packed sequences, a custom pattern)")
+    general = _Plan(False, sdpa_mask=mask, as_mask=True, reason="an attention mask that is not causal plus key "
+                    "padding (a sliding window that cuts keys, packed sequences, a custom pattern)")
     if mask.shape[-1] != Lk or mask.shape[0] not in (1, B):
         return general
     if mask.dtype == torch.bool:
@@ -409,6 +414,13 @@ def _attend(q, k, v, plan, scale, dropout_p, name):
         if plan.n_keys is not None:
             k, v = k[:, :, :plan.n_keys], v[:, :, :plan.n_keys]
         return _attention(q, k, v, plan.causal, scale, plan.key_padding, dropout_p)
+    m = plan.sdpa_mask
+    if (plan.as_mask and _kernel_head_dim(D, q.dtype) and m.dim() == 4 and m.shape[1] == 1
+            and m.shape[0] in (1, q.shape[0]) and m.shape[2] in (1, q.shape[2]) and m.shape[3] == k.shape[2]
+            and m.dtype in (torch.bool, torch.float32, q.dtype)):
+        # The model's own mask, read tile by tile: bool (True = attend) or additive.
+        kw = {"mask": m} if m.dtype == torch.bool else {"bias": m}
+        return _attention(q, k, v, False, scale, None, dropout_p, **kw)
     _warn_once((name, plan.reason), f"{name}: {plan.reason}; attention runs through "
                "torch.nn.functional.scaled_dot_product_attention with the model's mask (slower, same result)")
     if k.shape[1] != q.shape[1]:
