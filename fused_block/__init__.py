@@ -3,6 +3,7 @@ from fused_block.norm import LayerNorm, RMSNorm, add_layer_norm, add_rms_norm  #
 from fused_block.linear import MLP, Linear, geglu, linear, mlp, swiglu  # noqa: F401
 from fused_block.convert import TransformerDecoderLayer, TransformerEncoderLayer, convert  # noqa: F401
 from fused_block.blocks import MultiheadAttention  # noqa: F401
-from fused_block.attention import attention, attention_qkvpacked  # noqa: F401
+from fused_block.attention import (attention, attention_qkvpacked, attention_varlen,  # noqa: F401
+                                   attention_varlen_qkvpacked, kv_cache_append)
 from fused_block.rope import rope, rope_qkvpacked  # noqa: F401
 from fused_block.loss import LinearCrossEntropy, linear_cross_entropy  # noqa: F401

@@ -18,6 +18,7 @@ outputs and gradients in their inputs' memory order, so a (B, L, H, D)-ordered q
 output whose head merge is a view) and ``attention_packed_fwd`` / ``attention_packed_bwd``.
 """
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -61,41 +62,82 @@ def _split_packed(qkv: Tensor, num_heads: int, num_kv_heads: int, batch_first: b
 # torch.library ops
 # ---------------------------------------------------------------------------------------------
 
-def _fwd_fake(q, k, v, key_padding_mask, seed, causal, scale, dropout_p):
+def _fwd_fake(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, window_left=-1, window_right=-1, softcap=0.0,
+              sinks=None, alibi_slopes=None, bias=None, mask=None):
     out = _like(q, q.shape, q.dtype, lambda s, dt: q.new_empty(s, dtype=dt))
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @_library.op("attention_fwd", fake=_fwd_fake)
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Optional[Tensor],
-                  causal: bool, scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """``(out, lse)``: out (B, Hq, Lq, D) in q's dtype and memory order, lse (B, Hq, Lq) fp32."""
+                  causal: bool, scale: float, dropout_p: float, window_left: int = -1,
+                  window_right: int = -1, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+                  alibi_slopes: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                  mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)``: out (B, Hq, Lq, D) in q's dtype and memory order, lse (B, Hq, Lq) fp32.
+    ``softcap`` 0 = none; ``bias`` / ``mask`` broadcastable to (B, Hq, Lq, Lk)."""
     with _backend.device_guard(q):
         out = _like(q, q.shape, q.dtype, lambda s, dt: common.empty(s, dt, q.device))
         lse = common.empty(q.shape[:3], torch.float32, q.device)
-        _kernels.forward(q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p)
+        _kernels.forward(q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p,
+                         window=(window_left, window_right), softcap=softcap, sinks=sinks, alibi=alibi_slopes,
+                         bias=bias, mask=mask)
     return out, lse
 
 
-def _bwd_fake(dout, q, k, v, out, lse, dlse, key_padding_mask, seed, causal, scale, dropout_p):
+def _bwd_fake(dout, q, k, v, out, lse, dlse, key_padding_mask, seed, causal, scale, dropout_p, window_left=-1,
+              window_right=-1, softcap=0.0, sinks=None, alibi_slopes=None, bias=None, mask=None, bias_grad=False):
     def alloc(s, dt):
         return q.new_empty(s, dtype=dt)
-    return _like(q, q.shape, q.dtype, alloc), _like(k, k.shape, k.dtype, alloc), _like(k, v.shape, v.dtype, alloc)
+    return (_like(q, q.shape, q.dtype, alloc), _like(k, k.shape, k.dtype, alloc), _like(k, v.shape, v.dtype, alloc),
+            *_extra_grads_fake(q, sinks, bias, bias_grad))
+
+
+def _extra_grads_fake(q, sinks, bias, bias_grad):
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    dbias = q.new_empty((0,)) if bias is None or not bias_grad else bias.new_empty(bias.shape)
+    return dsinks, dbias
+
+
+def _extra_grads(q, Lk, sinks, bias, bias_grad):
+    """Buffers of the sinks' and the bias's gradients: dsinks (Hq,) fp32 (or an empty stand-in)
+    and the full (B, Hq, Lq, Lk) fp32 dS (or None)."""
+    dsinks = torch.empty(q.shape[1], dtype=torch.float32, device=q.device) if sinks is not None else None
+    dbias = None
+    if bias is not None and bias_grad:
+        dbias = torch.empty((*q.shape[:3], Lk), dtype=torch.float32, device=q.device)
+    return dsinks, dbias
+
+
+def _finish_extra_grads(q, dsinks, dbias, sinks, bias):
+    """The gradients in the inputs' shapes and dtypes: dS summed over the bias's broadcast dims
+    (torch's reduction: deterministic), empty stand-ins where there is none."""
+    ds = q.new_empty((0,)) if dsinks is None else dsinks.to(sinks.dtype)
+    db = q.new_empty((0,)) if dbias is None else dbias.sum_to_size(bias.shape).to(bias.dtype)
+    return ds, db
 
 
 @_library.op("attention_bwd", fake=_bwd_fake)
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
                   key_padding_mask: Optional[Tensor], seed: Optional[Tensor], causal: bool, scale: float,
-                  dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in q's / k's memory order (dv like dk); ``dlse`` or None is the LSE's gradient."""
+                  dropout_p: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                  sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                  bias: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                  bias_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks, dbias)``: dq, dk, dv in q's / k's memory order (dv like dk); dsinks
+    in sinks' shape and dtype, dbias (with ``bias_grad``) in bias's, else empty (0,) tensors.
+    ``dlse`` or None is the LSE's gradient."""
     with _backend.device_guard(q):
         def alloc(s, dt):
             return common.empty(s, dt, q.device)
         dq, dk, dv = _like(q, q.shape, q.dtype, alloc), _like(k, k.shape, k.dtype, alloc), \
             _like(k, v.shape, v.dtype, alloc)
+        dsinks, dbias = _extra_grads(q, k.shape[2], sinks, bias, bias_grad)
         _kernels.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, causal, scale,
-                          dropout_p)
-    return dq, dk, dv
+                          dropout_p, window=(window_left, window_right), softcap=softcap, sinks=sinks, dsinks=dsinks,
+                          alibi=alibi_slopes, bias=bias, dbias=dbias, mask=mask)
+        dsinks, dbias = _finish_extra_grads(q, dsinks, dbias, sinks, bias)
+    return dq, dk, dv, dsinks, dbias
 
 
 def _packed_shapes(qkv, num_heads, num_kv_heads, batch_first):
@@ -105,7 +147,8 @@ def _packed_shapes(qkv, num_heads, num_kv_heads, batch_first):
     return out_shape, (B, num_heads, L)
 
 
-def _packed_fwd_fake(qkv, num_heads, num_kv_heads, batch_first, key_padding_mask, seed, causal, scale, dropout_p):
+def _packed_fwd_fake(qkv, num_heads, num_kv_heads, batch_first, key_padding_mask, seed, causal, scale, dropout_p,
+                     window_left=-1, window_right=-1):
     out_shape, lse_shape = _packed_shapes(qkv, num_heads, num_kv_heads, batch_first)
     return qkv.new_empty(out_shape), qkv.new_empty(lse_shape, dtype=torch.float32)
 
@@ -113,7 +156,7 @@ def _packed_fwd_fake(qkv, num_heads, num_kv_heads, batch_first, key_padding_mask
 @_library.op("attention_packed_fwd", fake=_packed_fwd_fake)
 def attention_packed_fwd(qkv: Tensor, num_heads: int, num_kv_heads: int, batch_first: bool,
                          key_padding_mask: Optional[Tensor], seed: Optional[Tensor], causal: bool, scale: float,
-                         dropout_p: float) -> tuple[Tensor, Tensor]:
+                         dropout_p: float, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: out (B, L, H * D) (or (L, B, H * D)) contiguous, lse (B, H, L) fp32."""
     with _backend.device_guard(qkv):
         out_shape, lse_shape = _packed_shapes(qkv, num_heads, num_kv_heads, batch_first)
@@ -121,26 +164,136 @@ def attention_packed_fwd(qkv: Tensor, num_heads: int, num_kv_heads: int, batch_f
         lse = common.empty(lse_shape, torch.float32, qkv.device)
         q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
         _kernels.forward(q, k, v, _heads(out, num_heads, batch_first), lse, key_padding_mask, seed, causal, scale,
-                         dropout_p)
+                         dropout_p, window=(window_left, window_right))
     return out, lse
 
 
 def _packed_bwd_fake(dout, qkv, out, lse, dlse, num_heads, num_kv_heads, batch_first, key_padding_mask, seed,
-                     causal, scale, dropout_p):
+                     causal, scale, dropout_p, window_left=-1, window_right=-1):
     return qkv.new_empty(qkv.shape)
 
 
 @_library.op("attention_packed_bwd", fake=_packed_bwd_fake)
 def attention_packed_bwd(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
                          num_heads: int, num_kv_heads: int, batch_first: bool, key_padding_mask: Optional[Tensor],
-                         seed: Optional[Tensor], causal: bool, scale: float, dropout_p: float) -> Tensor:
+                         seed: Optional[Tensor], causal: bool, scale: float, dropout_p: float, window_left: int = -1,
+                         window_right: int = -1) -> Tensor:
     """dqkv, contiguous with qkv's shape: the kernel writes dQ, dK, dV into their slices."""
     with _backend.device_guard(qkv):
         dqkv = common.empty(qkv.shape, qkv.dtype, qkv.device)
         q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
         dq, dk, dv = _split_packed(dqkv, num_heads, num_kv_heads, batch_first)
         _kernels.backward(_heads(dout, num_heads, batch_first), q, k, v, _heads(out, num_heads, batch_first), lse,
-                          dlse, dq, dk, dv, key_padding_mask, seed, causal, scale, dropout_p)
+                          dlse, dq, dk, dv, key_padding_mask, seed, causal, scale, dropout_p,
+                          window=(window_left, window_right))
+    return dqkv
+
+
+# Packed (varlen) sequences: q (Tq, Hq, D), k and v (Tk, Hkv, D), int32 cu_seqlens (B + 1,).
+# The kernels see (1, H, T, D) views; out is (Tq, Hq, D) contiguous, lse (Hq, Tq).
+
+def _tokens(t: Tensor) -> Tensor:
+    """(T, H, D) -> the kernels' (1, H, T, D) view."""
+    return t.permute(1, 0, 2)[None]
+
+
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, causal, scale,
+                     dropout_p, window_left, window_right, softcap=0.0, sinks=None, alibi_slopes=None):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@_library.op("attention_varlen_fwd", fake=_varlen_fwd_fake)
+def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, seed: Optional[Tensor], causal: bool, scale: float,
+                         dropout_p: float, window_left: int, window_right: int, softcap: float = 0.0,
+                         sinks: Optional[Tensor] = None,
+                         alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)``: out (Tq, Hq, D) contiguous in q's dtype, lse (Hq, Tq) fp32."""
+    with _backend.device_guard(q):
+        out = common.empty(q.shape, q.dtype, q.device)
+        lse = common.empty((q.shape[1], q.shape[0]), torch.float32, q.device)
+        _kernels.forward(_tokens(q), _tokens(k), _tokens(v), _tokens(out), lse[None], None, seed, causal, scale,
+                         dropout_p, window=(window_left, window_right),
+                         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), softcap=softcap,
+                         sinks=sinks, alibi=alibi_slopes)
+    return out, lse
+
+
+def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
+                     causal, scale, dropout_p, window_left, window_right, softcap=0.0, sinks=None, alibi_slopes=None):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            _extra_grads_fake(q, sinks, None, False)[0])
+
+
+@_library.op("attention_varlen_bwd", fake=_varlen_bwd_fake)
+def attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                         max_seqlen_k: int, seed: Optional[Tensor], causal: bool, scale: float, dropout_p: float,
+                         window_left: int, window_right: int, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+                         alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)``, contiguous, of q's, k's, v's and sinks' shapes (dsinks: an empty
+    (0,) tensor without sinks)."""
+    with _backend.device_guard(q):
+        dq = common.empty(q.shape, q.dtype, q.device)
+        dk = common.empty(k.shape, k.dtype, k.device)
+        dv = common.empty(v.shape, v.dtype, v.device)
+        dsinks, _ = _extra_grads(q[None].transpose(1, 2), 0, sinks, None, False)
+        _kernels.backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse[None],
+                          None if dlse is None else dlse[None], _tokens(dq), _tokens(dk), _tokens(dv), None, seed,
+                          causal, scale, dropout_p, window=(window_left, window_right),
+                          varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), softcap=softcap,
+                          sinks=sinks, dsinks=dsinks, alibi=alibi_slopes)
+        dsinks, _ = _finish_extra_grads(q, dsinks, None, sinks, None)
+    return dq, dk, dv, dsinks
+
+
+def _split_tokens(qkv: Tensor, num_heads: int, num_kv_heads: int):
+    """Views q (T, H, D), k and v (T, Hkv, D) of a packed (T, (H + 2 Hkv) * D) projection."""
+    t = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, -1))
+    return t[:, :num_heads], t[:, num_heads:num_heads + num_kv_heads], t[:, num_heads + num_kv_heads:]
+
+
+def _varlen_packed_fwd_fake(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_heads, seed, causal, scale, dropout_p,
+                            window_left, window_right):
+    D = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    return (qkv.new_empty((qkv.shape[0], num_heads * D)),
+            qkv.new_empty((num_heads, qkv.shape[0]), dtype=torch.float32))
+
+
+@_library.op("attention_varlen_packed_fwd", fake=_varlen_packed_fwd_fake)
+def attention_varlen_packed_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, num_kv_heads: int,
+                                seed: Optional[Tensor], causal: bool, scale: float, dropout_p: float, window_left: int,
+                                window_right: int) -> tuple[Tensor, Tensor]:
+    """``(out, lse)``: out (T, H * D) contiguous (the out-projection's input), lse (H, T)."""
+    with _backend.device_guard(qkv):
+        q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)
+        out = common.empty((qkv.shape[0], num_heads * q.shape[2]), qkv.dtype, qkv.device)
+        lse = common.empty((num_heads, qkv.shape[0]), torch.float32, qkv.device)
+        _kernels.forward(_tokens(q), _tokens(k), _tokens(v), _tokens(out.view(q.shape)), lse[None], None, seed,
+                         causal, scale, dropout_p, window=(window_left, window_right),
+                         varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
+    return out, lse
+
+
+def _varlen_packed_bwd_fake(dout, qkv, out, lse, dlse, cu_seqlens, max_seqlen, num_heads, num_kv_heads, seed,
+                            causal, scale, dropout_p, window_left, window_right):
+    return qkv.new_empty(qkv.shape)
+
+
+@_library.op("attention_varlen_packed_bwd", fake=_varlen_packed_bwd_fake)
+def attention_varlen_packed_bwd(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                                cu_seqlens: Tensor, max_seqlen: int, num_heads: int, num_kv_heads: int,
+                                seed: Optional[Tensor], causal: bool, scale: float, dropout_p: float, window_left: int,
+                                window_right: int) -> Tensor:
+    """dqkv, contiguous with qkv's shape: the kernel writes dQ, dK, dV into their slices."""
+    with _backend.device_guard(qkv):
+        dqkv = common.empty(qkv.shape, qkv.dtype, qkv.device)
+        q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)
+        dq, dk, dv = _split_tokens(dqkv, num_heads, num_kv_heads)
+        _kernels.backward(_tokens(dout.view(q.shape)), _tokens(q), _tokens(k), _tokens(v), _tokens(out.view(q.shape)),
+                          lse[None], None if dlse is None else dlse[None], _tokens(dq), _tokens(dk), _tokens(dv), None,
+                          seed, causal, scale, dropout_p, window=(window_left, window_right),
+                          varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
     return dqkv
 
 
@@ -150,40 +303,89 @@ def _unit_last_stride(t):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, seed, causal, scale, dropout_p):
-        out, lse = attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p)
+    def forward(ctx, q, k, v, key_padding_mask, seed, causal, scale, dropout_p, window_left, window_right, softcap,
+                sinks, alibi_slopes, bias, mask):
+        out, lse = attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, window_left,
+                                 window_right, softcap, sinks, alibi_slopes, bias, mask)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
-        ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed, sinks, alibi_slopes, bias, mask)
+        ctx.options = (causal, scale, dropout_p, window_left, window_right, softcap)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, key_padding_mask, seed = ctx.saved_tensors
+        q, k, v, out, lse, key_padding_mask, seed, sinks, alibi_slopes, bias, mask = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else _unit_last_stride(dout)
-        dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, dlse, key_padding_mask, seed, ctx.causal, ctx.scale,
-                                   ctx.dropout_p)
-        return dq, dk, dv, None, None, None, None, None
+        bias_grad = bias is not None and ctx.needs_input_grad[13]
+        dq, dk, dv, dsinks, dbias = attention_bwd(dout, q, k, v, out, lse, dlse, key_padding_mask, seed,
+                                                  *ctx.options, sinks, alibi_slopes, bias, mask, bias_grad)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None,
+                dsinks if sinks is not None and ctx.needs_input_grad[11] else None, None,
+                dbias if bias_grad else None, None)
 
 
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, num_heads, num_kv_heads, batch_first, key_padding_mask, seed, causal, scale, dropout_p):
+    def forward(ctx, qkv, num_heads, num_kv_heads, batch_first, key_padding_mask, seed, causal, scale, dropout_p,
+                window_left, window_right):
         out, lse = attention_packed_fwd(qkv, num_heads, num_kv_heads, batch_first, key_padding_mask, seed, causal,
-                                        scale, dropout_p)
+                                        scale, dropout_p, window_left, window_right)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(qkv, out, lse, key_padding_mask, seed)
         ctx.args = (num_heads, num_kv_heads, batch_first)
-        ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
+        ctx.options = (causal, scale, dropout_p, window_left, window_right)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         qkv, out, lse, key_padding_mask, seed = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else _unit_last_stride(dout)
-        dqkv = attention_packed_bwd(dout, qkv, out, lse, dlse, *ctx.args, key_padding_mask, seed, ctx.causal,
-                                    ctx.scale, ctx.dropout_p)
-        return dqkv, None, None, None, None, None, None, None, None
+        dqkv = attention_packed_bwd(dout, qkv, out, lse, dlse, *ctx.args, key_padding_mask, seed, *ctx.options)
+        return dqkv, None, None, None, None, None, None, None, None, None, None
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, causal, scale,
+                dropout_p, window_left, window_right, softcap, sinks, alibi_slopes):
+        # cu_seqlens_k None: the queries' (Dynamo traces no apply that takes one tensor twice).
+        cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, causal, scale, dropout_p,
+                window_left, window_right, softcap, sinks, alibi_slopes)
+        out, lse = attention_varlen_fwd(q, k, v, *args)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, sinks, alibi_slopes)
+        ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, window_left, window_right, softcap)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k, seed, sinks, alibi_slopes = ctx.saved_tensors
+        max_q, max_k, *options = ctx.options
+        dout = torch.zeros_like(out) if dout is None else _unit_last_stride(dout)
+        dq, dk, dv, dsinks = attention_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, seed,
+                                                  *options, sinks, alibi_slopes)
+        return (dq, dk, dv) + (None,) * 11 + (dsinks if sinks is not None else None, None)
+
+
+class _VarlenPackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, num_heads, num_kv_heads, seed, causal, scale, dropout_p,
+                window_left, window_right):
+        out, lse = attention_varlen_packed_fwd(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_heads, seed, causal,
+                                               scale, dropout_p, window_left, window_right)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed)
+        ctx.options = (max_seqlen, num_heads, num_kv_heads)
+        ctx.flags = (causal, scale, dropout_p, window_left, window_right)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        qkv, out, lse, cu_seqlens, seed = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dqkv = attention_varlen_packed_bwd(dout, qkv, out, lse, dlse, cu_seqlens, *ctx.options, seed, *ctx.flags)
+        return (dqkv,) + (None,) * 10
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,6 +395,18 @@ class _PackedAttention(torch.autograd.Function):
 def _check_head_dim(name, D):
     if D % 8 != 0 or not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
         raise ValueError(f"{name}'s head dim must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {D}")
+
+
+def _check_window(window):
+    """``window`` as a (left, right) pair of ints, each -1 (unlimited) or >= 0."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
+    for side, n in zip(("left", "right"), window):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"window's {side} size must be an int, got {type(n).__name__}")
+        if n < -1:
+            raise ValueError(f"window's {side} size must be -1 (unlimited) or >= 0, got {n}")
+    return int(window[0]), int(window[1])
 
 
 def _check_options(causal, scale, key_padding_mask, dropout_p, B, Lk, ref_name, ref):
@@ -228,6 +442,52 @@ def _check(q, k, v, causal, scale, key_padding_mask, dropout_p):
     _check_options(causal, scale, key_padding_mask, dropout_p, B, k.shape[2], "q", q)
 
 
+def _check_softcap(softcap):
+    """``softcap`` as the kernels' float (0.0 = none)."""
+    if softcap is None:
+        return 0.0
+    _validate.positive("softcap", softcap)
+    if not math.isfinite(softcap):
+        raise ValueError(f"softcap must be finite, got {softcap}")
+    return float(softcap)
+
+
+def _broadcastable(name, t, shape):
+    if t.dim() > 4:
+        raise ValueError(f"{name} must have at most 4 dims (broadcastable to (B, Hq, Lq, Lk) = {tuple(shape)}), "
+                         f"got shape {tuple(t.shape)}")
+    for n, want in zip(reversed(t.shape), reversed(shape)):
+        if n != want and n != 1:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (B, Hq, Lq, Lk) = "
+                             f"{tuple(shape)}")
+
+
+def _check_scores(q, B, Hq, Lq, Lk, sinks, alibi_slopes, bias=None, mask=None, dense=True):
+    """Shapes, dtypes and devices of the score modifications (``dense``: bias and mask allowed).
+    Returns sinks and slopes with unit strides (the kernels index them by head)."""
+    if sinks is not None:
+        _validate.tensor("sinks", sinks, dtypes=(torch.float32, q.dtype), ndim=1)
+        _validate.shape("sinks", sinks, (Hq,))
+        _validate.same_device("q", q, sinks=sinks)
+        sinks = _unit_last_stride(sinks)
+    if alibi_slopes is not None:
+        _validate.tensor("alibi_slopes", alibi_slopes, dtypes=(torch.float32,))
+        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+            raise ValueError(f"alibi_slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = ({B}, {Hq}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        _validate.same_device("q", q, alibi_slopes=alibi_slopes)
+        alibi_slopes = _unit_last_stride(alibi_slopes)
+    for name, t, dtypes in (("bias", bias, (torch.float32, q.dtype)), ("mask", mask, (torch.bool,))):
+        if t is None:
+            continue
+        if not dense:
+            raise ValueError(f"{name} is not supported with packed (varlen) sequences")
+        _validate.tensor(name, t, dtypes=dtypes)
+        _broadcastable(name, t, (B, Hq, Lq, Lk))
+        _validate.same_device("q", q, **{name: t})
+    return sinks, alibi_slopes
+
+
 def _check_fp32_width(name, t, D):
     if t.dtype == torch.float32 and D > MAX_FP32_HEAD_DIM:
         raise TypeError(f"{name}: fp32 attention kernels take head dims up to {MAX_FP32_HEAD_DIM}, got {D}; "
@@ -239,7 +499,8 @@ def _seed(dropout_p, device):
     return _backend.dropout_seed(dropout_p, device) if dropout_p > 0.0 else None
 
 
-def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_p=0.0, *, return_lse=False):
+def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_p=0.0, *, window=(-1, -1),
+              softcap=None, sinks=None, alibi_slopes=None, bias=None, mask=None, return_lse=False):
     """Softmax attention ``softmax(q @ k^T * scale + mask) @ v`` without the score matrix.
 
     - ``q``: (B, Hq, Lq, D); ``k``, ``v``: (B, Hkv, Lk, D), SDPA's layout. Any strides with a
@@ -259,6 +520,22 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     - ``key_padding_mask``: (B, Lk) bool, True marks padding (``nn.MultiheadAttention``'s
       convention). A query row with no visible key outputs 0 (LSE -inf) with zero, finite
       gradients.
+    - ``window=(left, right)``: sliding-window (local) attention, FlashAttention's
+      ``window_size``: query i sees keys i + Lk - Lq - left <= j <= i + Lk - Lq + right, -1
+      meaning unlimited on that side; ``causal`` sets right to 0 (``causal=True, window=(w,
+      -1)`` is Mistral's and Gemma's local attention). Key blocks outside the band are skipped.
+    - ``softcap=c`` (> 0): logit softcapping, s <- c * tanh(s / c) on the scaled scores before
+      everything below (Gemma 2, Grok), with its gradient.
+    - ``alibi_slopes``: (Hq,) or (B, Hq) fp32, ALiBi's bias -slope * |i + Lk - Lq - j|
+      (bottom-right; under causality slope * (j - i - (Lk - Lq))), generated in the kernels;
+      no gradient (the slopes are fixed).
+    - ``bias``: an additive float bias broadcastable to (B, Hq, Lq, Lk) (q's dtype or fp32; T5's
+      relative position bias, a float mask with -inf), read tile by tile with zero strides along
+      broadcast dims; its gradient (when it requires one) is summed over the broadcast dims.
+    - ``mask``: a bool mask broadcastable to (B, Hq, Lq, Lk), True = attend (SDPA's rule).
+    - ``sinks``: (Hq,) attention sinks (gpt-oss): a learnable logit per head that joins each
+      row's softmax denominator and takes no value; differentiable. A row with no visible key
+      then outputs 0 with LSE = its sink.
     - ``scale`` defaults to 1/sqrt(D).
     - ``dropout_p``: dropout on the attention probabilities (applied whenever > 0, as in SDPA).
       The mask is drawn from a seed taken from torch's generator (``torch.manual_seed`` fixes
@@ -274,17 +551,24 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     """
     _check(q, k, v, causal, scale, key_padding_mask, dropout_p)
     _backend.no_dtensor("attention", q, k, v)
+    window = _check_window(window)
+    cap = _check_softcap(softcap)
+    B, Hq, Lq = q.shape[:3]
+    sinks, alibi_slopes = _check_scores(q, B, Hq, Lq, k.shape[2], sinks, alibi_slopes, bias, mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if not _backend.use_triton(q):
-        return reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, return_lse=return_lse)
+        return reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
+                                   softcap=cap or None, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                                   return_lse=return_lse)
     _check_fp32_width("q", q, q.shape[-1])
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     seed = _seed(dropout_p, q.device)
-    if _backend.needs_autograd(q, k, v):
-        out, lse = _Attention.apply(q, k, v, key_padding_mask, seed, causal, scale, dropout_p)
+    args = (key_padding_mask, seed, causal, scale, dropout_p, *window, cap, sinks, alibi_slopes, bias, mask)
+    if _backend.needs_autograd(q, k, v, sinks, bias):
+        out, lse = _Attention.apply(q, k, v, *args)
     else:
-        out, lse = attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p)
+        out, lse = attention_fwd(q, k, v, *args)
     return (out, lse) if return_lse else out
 
 
@@ -299,7 +583,7 @@ def _check_heads(num_heads, num_kv_heads):
 
 
 def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=None, key_padding_mask=None,
-                        dropout_p=0.0, *, batch_first=True, return_lse=False):
+                        dropout_p=0.0, *, window=(-1, -1), batch_first=True, return_lse=False):
     """Self-attention on a packed QKV projection, in the projection's own layout.
 
     ``qkv``: (B, L, (H + 2 Hkv) * D) with ``batch_first`` (else (L, B, ...)), the output of one
@@ -326,18 +610,239 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     _check_head_dim("qkv", D)
     B, L = (qkv.shape[0], qkv.shape[1]) if batch_first else (qkv.shape[1], qkv.shape[0])
     _check_options(causal, scale, key_padding_mask, dropout_p, B, L, "qkv", qkv)
+    window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if not _backend.use_triton(qkv):
         q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
-        out, lse = reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, return_lse=True)
+        out, lse = reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
+                                       return_lse=True)
         out = (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
         return (out, lse) if return_lse else out
     _check_fp32_width("qkv", qkv, D)
     args = (_unit_last_stride(qkv), num_heads, num_kv_heads, batch_first, key_padding_mask,
-            _seed(dropout_p, qkv.device), causal, scale, dropout_p)
+            _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):
         out, lse = _PackedAttention.apply(*args)
     else:
         out, lse = attention_packed_fwd(*args)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# packed (variable-length) sequences
+# ---------------------------------------------------------------------------------------------
+
+# cu_seqlens values by id: (weak reference, version counter, values). A model hands the same
+# cu_seqlens to every layer: the values are read (a host-device sync) once per tensor and
+# version, not once per layer. Under torch.compile or CUDA graph capture (no syncs) they are
+# checked only where read earlier.
+_SEQLENS = {}
+_MAX_SEQLENS = 64
+
+
+def _seqlen_values(cu):
+    if torch.compiler.is_compiling():
+        return None
+    capturing = cu.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if cu.is_inference():  # no version counter
+        return None if capturing else cu.tolist()
+    hit = _SEQLENS.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+        return hit[2]
+    if capturing:
+        return None
+    values = cu.tolist()
+    if len(_SEQLENS) >= _MAX_SEQLENS:
+        _SEQLENS.clear()
+    _SEQLENS[id(cu)] = (weakref.ref(cu), cu._version, values)
+    return values
+
+
+def _check_max_seqlen(name, m):
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+    if m < 0:
+        raise ValueError(f"{name} must be >= 0, got {m}")
+
+
+def _check_cu_seqlens(name, cu, total, max_name, max_seqlen, ref_name, ref):
+    """int32, 1-D, on ref's device; starting at 0, nondecreasing, ending at the token count,
+    no length above ``max_seqlen`` (values checked where they can be read: see _seqlen_values)."""
+    _validate.tensor(name, cu, dtypes=(torch.int32,), ndim=1)
+    _validate.same_device(ref_name, ref, **{name: cu})
+    if cu.numel() < 1:
+        raise ValueError(f"{name} must hold B + 1 offsets (at least the leading 0), got none")
+    _check_max_seqlen(max_name, max_seqlen)
+    values = _seqlen_values(cu)
+    if values is None:
+        return
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        i = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{name} must be nondecreasing, got {values[i]} then {values[i + 1]} at {i}")
+    if values[-1] != total:
+        raise ValueError(f"{name}'s last entry ({values[-1]}) must be the token count of {ref_name} ({total})")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence of {name} "
+                         f"({max(lengths)})")
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validate.tensor(name, t, ndim=3)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    _validate.same_device("q", q, k=k, v=v)
+    Tq, Hq, D = q.shape
+    _check_head_dim("q", D)
+    if k.shape[2] != D:
+        raise ValueError(f"k must have shape (Tk, Hkv, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    _validate.shape("v", v, k.shape)
+    if k.shape[1] == 0 or Hq % k.shape[1] != 0:
+        raise ValueError(f"q's heads ({Hq}) must be a multiple of k's heads ({k.shape[1]})")
+    _check_options(causal, scale, None, dropout_p, 1, k.shape[0], "q", q)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, "max_seqlen_q", max_seqlen_q, "q", q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, "k", k)
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)} (one entry per "
+                         f"sequence and one more), got {tuple(cu_seqlens_k.shape)}")
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     dropout_p=0.0, window=(-1, -1), softcap=None, sinks=None, alibi_slopes=None, return_lse=False):
+    """Attention over packed sequences (``flash_attn_varlen_func``'s convention): no padding.
+
+    - ``q``: (Tq, Hq, D), ``k``, ``v``: (Tk, Hkv, D): the tokens of B sequences back to back,
+      any strides with a contiguous last dim (views of a packed projection need no copy).
+    - ``cu_seqlens_q``, ``cu_seqlens_k``: (B + 1,) int32 on q's device, cumulative lengths
+      starting at 0: sequence b is queries [cu_seqlens_q[b], cu_seqlens_q[b + 1]) against keys
+      [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Empty sequences are allowed.
+    - ``max_seqlen_q``, ``max_seqlen_k``: ints at least the longest lengths (the kernels' config
+      key; they do not size the grid).
+    - Every option as :func:`attention`, per sequence: ``causal`` and ``window`` are
+      bottom-right aligned within each sequence; GQA; ``dropout_p``; ``softcap``, ``sinks``
+      (Hq,) and ``alibi_slopes`` (Hq,) or (B, Hq) (row b for sequence b). No ``bias``/``mask``
+      (their (B, Hq, Lq, Lk) layout has no packed form).
+
+    Values of cu_seqlens are checked (a host-device sync, once per tensor and version) except
+    under ``torch.compile`` and CUDA graph capture, where they cannot be read. The programs run
+    over the real query blocks of every sequence only: the cost follows the sum of the squared
+    lengths, not B x max^2. Returns ``out`` (Tq, Hq, D) contiguous, or ``(out, lse)`` with the
+    differentiable fp32 LSE (Hq, Tq).
+    """
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p)
+    window = _check_window(window)
+    cap = _check_softcap(softcap)
+    sinks, alibi_slopes = _check_scores(q, cu_seqlens_q.numel() - 1, q.shape[1], 0, 0, sinks, alibi_slopes,
+                                        dense=False)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    if not _backend.use_triton(q):
+        return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p,
+                                          window=window, softcap=cap or None, sinks=sinks,
+                                          alibi_slopes=alibi_slopes, return_lse=return_lse)
+    _check_fp32_width("q", q, q.shape[-1])
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    args = (int(max_seqlen_q), int(max_seqlen_k), _seed(dropout_p, q.device), causal, scale, dropout_p, *window,
+            cap, sinks, alibi_slopes)
+    if _backend.needs_autograd(q, k, v, sinks):
+        same = cu_seqlens_k is cu_seqlens_q
+        out, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, None if same else cu_seqlens_k, *args)
+    else:
+        out, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_heads=None, *, causal=False,
+                               scale=None, dropout_p=0.0, window=(-1, -1), return_lse=False):
+    """Self-attention over packed sequences on a QKV projection in its own layout.
+
+    ``qkv``: (T, (H + 2 Hkv) * D), rows [q; k; v] as :func:`attention_qkvpacked`'s; sequence b
+    is tokens [cu_seqlens[b], cu_seqlens[b + 1]) (int32, (B + 1,)). Options as
+    :func:`attention_varlen`. Returns ``out`` (T, H * D) contiguous (the out-projection's
+    input), or ``(out, lse)`` with lse (H, T); the backward writes dQ, dK and dV into one
+    gradient buffer of qkv's shape.
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_heads(num_heads, num_kv_heads)
+    _validate.tensor("qkv", qkv, ndim=2)
+    heads = num_heads + 2 * num_kv_heads
+    if qkv.shape[1] % heads != 0:
+        raise ValueError(f"qkv's last dim ({qkv.shape[1]}) must be (num_heads + 2 * num_kv_heads) = {heads} "
+                         "times the head dim")
+    D = qkv.shape[1] // heads
+    _check_head_dim("qkv", D)
+    _check_options(causal, scale, None, dropout_p, 1, qkv.shape[0], "qkv", qkv)
+    _check_cu_seqlens("cu_seqlens", cu_seqlens, qkv.shape[0], "max_seqlen", max_seqlen, "qkv", qkv)
+    window = _check_window(window)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    if not _backend.use_triton(qkv):
+        q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)
+        out, lse = reference.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal, scale, dropout_p,
+                                              window=window, return_lse=True)
+        out = out.flatten(1)
+        return (out, lse) if return_lse else out
+    _check_fp32_width("qkv", qkv, D)
+    args = (_unit_last_stride(qkv), cu_seqlens, int(max_seqlen), num_heads, num_kv_heads,
+            _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
+    if _backend.needs_autograd(qkv):
+        out, lse = _VarlenPackedAttention.apply(*args)
+    else:
+        out, lse = attention_varlen_packed_fwd(*args)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("fused_block::attention_kv_cache_append", mutates_args=("k_cache", "v_cache"))
+def _kv_cache_append_op(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, cache_seqlens: Tensor) -> None:
+    with _backend.device_guard(k_cache):
+        _kernels.kv_cache_append(k_cache, v_cache, k, v, cache_seqlens)
+
+
+@_kv_cache_append_op.register_fake
+def _(k_cache, v_cache, k, v, cache_seqlens):
+    return None
+
+
+def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
+    """Write new keys and values into preallocated caches, in place (one launch for both).
+
+    ``k_cache``, ``v_cache``: (B, Hkv, L_cache, D); ``k``, ``v``: (B, Hkv, L_new, D) of the
+    caches' dtype (any strides with a contiguous last dim); ``cache_seqlens``: (B,) int32, the
+    rows already filled: batch b's new rows go to [cache_seqlens[b], cache_seqlens[b] + L_new).
+    Rows that would land at or past L_cache are dropped (the values are not read on the host:
+    no sync). Attend to the filled prefix afterwards with ``attention(q, k_cache[:, :, :n],
+    ...)`` or a key padding mask; decode steps (Lq <= 16) over long caches take the split-KV
+    kernels. Returns None.
+    """
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        _validate.tensor(name, t, ndim=4)
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{name} must have k_cache's dtype {k_cache.dtype}, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
+    _validate.shape("v_cache", v_cache, k_cache.shape)
+    _validate.shape("v", v, k.shape)
+    B, Hkv, _, D = k_cache.shape
+    if k.shape[0] != B or k.shape[1] != Hkv or k.shape[3] != D:
+        raise ValueError(f"k must have shape (B={B}, Hkv={Hkv}, L_new, D={D}) to match k_cache, got {tuple(k.shape)}")
+    _validate.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
+    _validate.shape("cache_seqlens", cache_seqlens, (B,))
+    _validate.same_device("k_cache", k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens)
+    if not _backend.use_triton(k_cache):
+        L = k_cache.shape[2]
+        for b, start in enumerate(cache_seqlens.tolist()):
+            n = max(0, min(k.shape[2], L - start))
+            k_cache[b, :, start:start + n] = k[b, :, :n]
+            v_cache[b, :, start:start + n] = v[b, :, :n]
+        return None
+    _kv_cache_append_op(k_cache, v_cache, k, v, cache_seqlens)
+    return None

@@ -34,11 +34,13 @@ and reduce their partial sums, the norms run on the layer's layout.
 
 Masks: ``is_causal`` and a causal ``src_mask`` (``nn.Transformer.generate_square_subsequent_mask``
 or its bool form) run the causal kernel, a bool or 0/-inf float key padding mask runs the
-padding mask. Anything the kernel cannot express (a general float/bool ``src_mask``, a
-per-head 3-D mask, head dims outside the kernel's range) runs attention through
-``torch.nn.functional.scaled_dot_product_attention`` with the merged mask, after a one-time
-warning: slower, never a wrong answer. A query whose keys are all padding gives 0 here
-(torch's layers give NaN).
+padding mask. Any other mask (a general float/bool ``src_mask``/``memory_mask``, a per-head
+3-D mask, a float padding mask with other values, a causal mask with L != S) is merged into
+one additive float mask, as torch's MultiheadAttention builds it, and the kernel reads it as
+its ``bias`` (gradient included when the mask requires one). Only head dims outside the
+kernel's range run attention through ``torch.nn.functional.scaled_dot_product_attention``,
+after a one-time warning: slower, never a wrong answer. A query whose keys are all masked
+gives 0 here (torch's layers give NaN).
 """
 import contextlib
 import weakref
@@ -440,28 +442,35 @@ class MultiheadAttention(nn.MultiheadAttention):
             k, v, attn_mask, key_padding_mask, S = self._extra_keys(k, v, attn_mask, key_padding_mask, is_causal, L, S)
             is_causal = False  # now in attn_mask
         masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names)
-        reason = masks.reason
-        if reason is None and (D not in _KERNEL_HEAD_DIMS or (dtype == torch.float32 and D > MAX_FP32_HEAD_DIM)):
+        reason = None
+        bias = None
+        if D not in _KERNEL_HEAD_DIMS or (dtype == torch.float32 and D > MAX_FP32_HEAD_DIM):
             reason = (f"head dim {D} in {dtype} (the kernel takes multiples of 8 in [{MIN_HEAD_DIM}, "
                       f"{MAX_HEAD_DIM}], up to {MAX_FP32_HEAD_DIM} in fp32)")
-            if masks.key_padding is not None or masks.causal:
+            if masks.general is None and (masks.key_padding is not None or masks.causal):
                 masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
+        elif masks.general is not None:
+            # A mask the causal/padding flags cannot express: the kernel's additive bias.
+            bias = masks.general
         varlen = _VARLEN[0]
         if varlen is not None:  # a jagged batch as one row of packed tokens (_forward_nested)
-            if not (packed and reason is None and ops is _FUSED and not self.rope and masks.key_padding is None):
+            if not (packed and reason is None and bias is None and ops is _FUSED and not self.rope
+                    and masks.key_padding is None):
                 raise RuntimeError("fused_block: packed (varlen) tokens reached an attention that cannot take them")
             cu, longest = varlen
             o = _attention_varlen_qkvpacked(qkv[0] if bf else qkv[:, 0], cu, longest, H, Hkv, causal=masks.causal,
                                             dropout_p=dropout_p)
             return ops.linear(o[None] if bf else o[:, None], self.out_proj.weight, self.out_proj.bias)
         if packed:
-            if reason is None and ops is _FUSED:
+            if reason is None and bias is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
                 return ops.linear(o, self.out_proj.weight, self.out_proj.bias)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
-        if reason is None:
+        if reason is None and bias is not None:
+            o = ops.attention(q, k, v, False, None, None, dropout_p, bias=bias)
+        elif reason is None:
             o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
         else:
             _warn_once(reason, f"fused_block: {reason}; attention runs through "

@@ -77,42 +77,82 @@ def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
 # attention
 # ---------------------------------------------------------------------------------------------
 
-def visible_keys(lq, lk, causal, key_padding_mask, device):
+def visible_keys(lq, lk, causal, key_padding_mask, device, window=(-1, -1)):
     """Bool (B or 1, 1, Lq, Lk): which keys each query sees.
 
-    Causal alignment is bottom-right: query i sees keys j <= i + Lk - Lq. ``key_padding_mask``
-    is (B, Lk) bool with True marking padding.
+    Alignment is bottom-right: with ``causal`` query i sees keys j <= i + Lk - Lq.
+    ``window = (left, right)`` (FlashAttention's ``window_size``; -1 = unlimited) keeps keys
+    i + Lk - Lq - left <= j <= i + Lk - Lq + right; ``causal`` sets right to 0.
+    ``key_padding_mask`` is (B, Lk) bool with True marking padding.
     """
-    vis = torch.ones(1, 1, lq, lk, dtype=torch.bool, device=device)
+    left, right = window
     if causal:
-        i = torch.arange(lq, device=device)[:, None]
-        j = torch.arange(lk, device=device)[None, :]
-        vis = vis & (j <= i + (lk - lq))
+        right = 0
+    vis = torch.ones(1, 1, lq, lk, dtype=torch.bool, device=device)
+    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    if right >= 0:
+        vis = vis & (j <= i + right)
+    if left >= 0:
+        vis = vis & (j >= i - left)
     if key_padding_mask is not None:
         vis = vis & ~key_padding_mask[:, None, None, :]
     return vis
 
 
+def alibi_bias(slopes, B, Hq, lq, lk, device, dtype):
+    """ALiBi's additive bias (B, Hq, Lq, Lk): -slope * |i + Lk - Lq - j| (bottom-right aligned:
+    under causality, slope * (j - i - (Lk - Lq)) on the visible keys). ``slopes``: (Hq,) or (B, Hq)."""
+    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    dist = (i - j).abs().to(dtype)
+    return -slopes.to(dtype).expand(B, Hq)[:, :, None, None] * dist
+
+
 def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_p=0.0,
-              *, dropout_mask=None, return_lse=False, compute_dtype=None):
+              *, window=(-1, -1), softcap=None, sinks=None, alibi_slopes=None, bias=None, mask=None,
+              dropout_mask=None, return_lse=False, compute_dtype=None):
     """Softmax attention, SDPA layout: q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), Hq % Hkv == 0.
 
-    A query row with no visible key outputs 0 (and its LSE is -inf). ``dropout_mask``
-    (bool, (B, Hq, Lq, Lk), True = kept) replaces the random mask on the probabilities.
-    Returns ``out`` (q's dtype), or ``(out, lse)`` with the fp32-or-wider LSE (B, Hq, Lq).
+    Scores: ``s = q k^T * scale``; ``softcap`` c: s <- c * tanh(s / c); then + ALiBi's bias
+    (:func:`alibi_bias`, ``alibi_slopes`` (Hq,) or (B, Hq)) + ``bias`` (broadcastable to
+    (B, Hq, Lq, Lk)); keys invisible under ``window`` (:func:`visible_keys`), causality,
+    ``key_padding_mask`` or the bool ``mask`` (broadcastable, True = attend, SDPA's rule) get
+    -inf. ``sinks`` (Hq,): one more logit per head in each row's softmax denominator, with no
+    value. A query row with no visible key outputs 0 (and its LSE is -inf, or the sink's
+    logit). ``dropout_mask`` (bool, (B, Hq, Lq, Lk), True = kept) replaces the random mask on
+    the probabilities. Returns ``out`` (q's dtype), or ``(out, lse)`` with the fp32-or-wider
+    LSE (B, Hq, Lq).
     """
     cdt = _compute_dtype(q.dtype, compute_dtype)
     B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
     groups = Hq // k.shape[1]
     k = k.to(cdt).repeat_interleave(groups, dim=1)  # (B, Hq, Lk, D)
     v = v.to(cdt).repeat_interleave(groups, dim=1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     s = torch.matmul(q.to(cdt), k.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
-    vis = visible_keys(Lq, k.shape[2], causal, key_padding_mask, q.device)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, B, Hq, Lq, Lk, q.device, cdt)
+    if bias is not None:
+        s = s + bias.to(cdt)
+    vis = visible_keys(Lq, Lk, causal, key_padding_mask, q.device, window)
+    if mask is not None:
+        vis = vis & mask
     s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Lq); -inf on rows with no visible key
-    has_key = ~torch.isneginf(lse)[..., None]  # NaN scores propagate, as in SDPA
-    p = torch.where(has_key, torch.exp(s - torch.where(has_key, lse[..., None], 0.0)), 0.0)
+    if sinks is not None:
+        # The sink joins every row's denominator: the LSE is finite, P = exp(s - lse).
+        sink = sinks.to(cdt)[None, :, None, None].expand(B, Hq, Lq, 1)
+        lse = torch.logsumexp(torch.cat([s, sink], -1), dim=-1)
+        p = torch.exp(s - lse[..., None])
+        has_key = None
+    else:
+        has_key = (s != float("-inf")).any(-1, keepdim=True)  # NaN scores propagate, as in SDPA
+        # (B, Hq, Lq); -inf on rows with no visible key (computed on zeros there: a finite gradient)
+        lse = torch.logsumexp(s.masked_fill(~has_key, 0.0), dim=-1).masked_fill(~has_key[..., 0], float("-inf"))
+        p = torch.where(has_key, torch.exp(s - torch.where(has_key, lse[..., None], 0.0)), 0.0)
     if dropout_p > 0.0:
         if dropout_mask is None:
             p = F.dropout(p, dropout_p, training=True)
@@ -120,6 +160,33 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
             p = p * dropout_mask.to(cdt) / (1.0 - dropout_p)
     out = torch.matmul(p, v).to(q.dtype)
     return (out, lse.to(torch.promote_types(cdt, torch.float32))) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, dropout_p=0.0, *,
+                     window=(-1, -1), softcap=None, sinks=None, alibi_slopes=None, dropout_mask=None,
+                     return_lse=False, compute_dtype=None):
+    """Packed sequences: q (Tq, Hq, D), k and v (Tk, Hkv, D); sequence b is tokens
+    [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q against [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+    of k and v, each as :func:`attention` (bottom-right causal and window per sequence;
+    ``alibi_slopes`` (Hq,) or (B, Hq), row b for sequence b).
+    ``dropout_mask``: (B, Hq, max_q, max_k) bool, sequence b taking [b, :, :Lq_b, :Lk_b].
+    Returns ``out`` (Tq, Hq, D), or ``(out, lse)`` with the LSE (Hq, Tq)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
+        kb, vb = (t[ck[b]:ck[b + 1]].transpose(0, 1)[None] for t in (k, v))
+        mb = None if dropout_mask is None else dropout_mask[b:b + 1, :, :qb.shape[2], :kb.shape[2]]
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+        o, lse = attention(qb, kb, vb, causal, scale, None, dropout_p, window=window, softcap=softcap, sinks=sinks,
+                           alibi_slopes=slopes, dropout_mask=mb, return_lse=True, compute_dtype=compute_dtype)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs, 0) if outs else q[:0]
+    lse = torch.cat(lses, 1) if lses else q.new_empty(q.shape[1], 0, dtype=torch.float32)
+    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------

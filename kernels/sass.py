@@ -252,6 +252,51 @@ def _attention(B, H, L, D, causal):
     torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
 
 
+def _attention_window(B, H, L, D, left):
+    import torch
+
+    import fused_block
+
+    q, k, v = (_empty(B, H, L, D, grad=True) for _ in range(3))
+    out = fused_block.attention(q, k, v, causal=True, window=(left, -1))
+    torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+
+
+def _attention_varlen(lengths, H, D):
+    import torch
+
+    import fused_block
+
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    T = sum(lengths)
+    q, k, v = (_empty(T, H, D, grad=True) for _ in range(3))
+    out = fused_block.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+
+
+def _attention_scores(B, H, L, D, softcap, bias):
+    """Softcap with sinks (Gemma 2 / gpt-oss), or a T5 relative-position bias with its gradient."""
+    import torch
+
+    import fused_block
+
+    q, k, v = (_empty(B, H, L, D, grad=True) for _ in range(3))
+    if bias:
+        b = _empty(1, H, L, L, grad=True)
+        out = fused_block.attention(q, k, v, bias=b)
+        torch.autograd.grad(out, (q, k, v, b), torch.empty_like(out))
+    else:
+        sinks = torch.zeros(H, requires_grad=True)
+        out = fused_block.attention(q, k, v, causal=True, softcap=softcap, sinks=sinks)
+        torch.autograd.grad(out, (q, k, v, sinks), torch.empty_like(out))
+
+
+def _attention_decode(B, Hq, Hkv, Lk, D):
+    import fused_block
+
+    fused_block.attention(_empty(B, Hq, 1, D), _empty(B, Hkv, Lk, D), _empty(B, Hkv, Lk, D))
+
+
 def _linear(T, d, f, activation):
     import fused_block
 
@@ -316,6 +361,14 @@ WORKLOADS = (
     ("attention D64", _attention, (8, 32, 2048, 64, False)),
     ("attention D128 causal", _attention, (4, 16, 4096, 128, True)),
     ("attention D128", _attention, (4, 16, 4096, 128, False)),
+    # Issue 17's features at the bench's shapes: Mistral's 4096-key window over 16k tokens
+    # (a band block costs a plain one), packed sequences, softcap + sinks, a T5 bias, and a
+    # decode step (split-KV) over a 16k cache with GQA 32:8.
+    ("attention D128 causal window", _attention_window, (1, 16, 16384, 128, 4096)),
+    ("attention D128 varlen causal", _attention_varlen, ((4096, 1000, 3000, 8192), 16, 128)),
+    ("attention D128 causal softcap sinks", _attention_scores, (4, 16, 4096, 128, 50.0, False)),
+    ("attention D64 t5 bias", _attention_scores, (8, 32, 2048, 64, None, True)),
+    ("attention decode D128", _attention_decode, (8, 32, 8, 16384, 128)),
     ("linear gpt2-xl", _linear, (8192, 1600, 6400, None)),
     ("linear+bias+gelu gpt2-xl", _linear, (8192, 1600, 6400, "gelu")),
     ("swiglu llama-7b", _swiglu, (8192, 4096, 11008)),

@@ -9,7 +9,6 @@ descriptors; the interpreter's default wherever the layout is 16-byte aligned, a
 and the pointer path (``FORCE_PATH = "pointer"``, Ampere's and unaligned layouts').
 """
 import math
-import sys
 
 import pytest
 import torch
@@ -19,42 +18,24 @@ import fused_block
 from fused_block import _backend, reference
 from fused_block.attention import attention, attention_qkvpacked
 from fused_block.kernels import attention as kernels
+from fused_block.kernels.attention import configs, launchers
 from fused_block.kernels import common
+import attention_testing
+from attention_testing import path  # noqa: F401 - the fixture
 from gemm_testing import baseline_mode, fp32_mode
 from numerics import ATOL, DTYPES, assert_close, randn
 
-ON_CUDA = torch.cuda.is_available()
-HOPPER = ON_CUDA and torch.cuda.get_device_capability()[0] >= 9
-PATHS = ("tma", "pointer")
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    """Runs the test on one data path and checks afterwards that it was the one taken."""
-    if request.param == "tma" and ON_CUDA and not HOPPER:
-        pytest.skip("TMA needs Hopper")
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer" if request.param == "pointer" else None)
-    before = common.LAUNCHES["attention_tma"]
-    yield request.param
-    took_tma = common.LAUNCHES["attention_tma"] > before
-    assert took_tma == _expects_tma(request.param, request.node), f"the {request.param} path did not run"
-
-
-def _expects_tma(path, node):
-    """Whether the kernels take TMA on ``path``. Hopper runs fp32 (these tests' IEEE products:
-    torch's default precision) from registers, on the pointer path (``kernels._use_tma``)."""
-    dtype = getattr(getattr(node, "callspec", None), "params", {}).get("dtype")
-    return path == "tma" and not (HOPPER and dtype == torch.float32)
+ON_CUDA, HOPPER = attention_testing.ON_CUDA, attention_testing.HOPPER
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_path_check_agrees_with_the_kernels_on_hopper(dtype, monkeypatch):
     """The ``path`` fixture's expectation on Hopper is the launcher's own choice for aligned
     inputs at torch's default fp32 precision (TMA, except IEEE fp32 on pointers)."""
-    monkeypatch.setattr(sys.modules[__name__], "HOPPER", True)
+    monkeypatch.setattr(attention_testing, "HOPPER", True)
     node = type("Item", (), {"callspec": type("CallSpec", (), {"params": {"dtype": dtype}})()})()
-    assert _expects_tma("tma", node) == kernels._use_tma(90, kernels._kind(dtype), ())
-    assert not _expects_tma("pointer", node)
+    assert attention_testing.expects_tma("tma", node) == launchers._use_tma(90, configs._kind(dtype), ())
+    assert not attention_testing.expects_tma("pointer", node)
 
 
 def _padding(B, Lk, device, full_row=True, generator=None):
@@ -70,17 +51,18 @@ def _leaves(tensors, dtype=None):
 
 
 def _compare(q, k, v, causal=False, mask=None, dropout_p=0.0, dropout_mask=None, scale=None, out=None, lse=None,
-             grads=True, mode="ieee"):
+             grads=True, mode="ieee", **features):
     """Check ``attention(q, k, v, ...)`` (or the given ``out``/``lse``) and its gradients against
     the float64 reference, with PyTorch's own error in q's dtype as the baseline; fp32 runs
-    the kernels and the baseline in torch's fp32 matmul ``mode`` ("ieee" or "tf32")."""
+    the kernels and the baseline in torch's fp32 matmul ``mode`` ("ieee" or "tf32"); ``features``
+    (keyword options such as ``window``) go to both."""
     dtype = q.dtype
     dout = randn(*q.shape[:3], v.shape[3], dtype=dtype, device=q.device)
     with fp32_mode(mode):
         if out is None:
-            out, lse = attention(q, k, v, causal, scale, mask, dropout_p, return_lse=True)
+            out, lse = attention(q, k, v, causal, scale, mask, dropout_p, return_lse=True, **features)
         got = torch.autograd.grad(out, (q, k, v), dout) if grads else None
-    ref_kw = dict(dropout_mask=dropout_mask, return_lse=True)
+    ref_kw = dict(dropout_mask=dropout_mask, return_lse=True, **features)
     leaves64 = _leaves((q, k, v), torch.float64)
     ref64, lse64 = reference.attention(*leaves64, causal, scale, mask, dropout_p, **ref_kw)
     leaves_lp = _leaves((q, k, v))
@@ -146,7 +128,7 @@ def test_attention_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, padding, dty
 def test_attention_pointer_path(B, Hq, Hkv, Lq, Lk, D, causal, padding, device, launches, monkeypatch):
     """The same cases on the pointer path (row and head-dim masks instead of descriptors), in
     fp16 (the path's loads and stores do not depend on the dtype)."""
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer")
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer")
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float16, device)
     mask = _padding(B, Lk, device) if padding else None
     _compare(q, k, v, causal, mask)
@@ -171,14 +153,14 @@ def _ws_forward(monkeypatch, D):
     if ON_CUDA and not HOPPER:
         pytest.skip("warp specialization is a Hopper candidate")
     if ON_CUDA:
-        key = kernels._table_key(kernels._block_d(D), "16", False)
-        table = kernels.FWD_CONFIGS[90]
+        key = configs._table_key(configs._block_d(D), "16", False)
+        table = configs.FWD_CONFIGS[90]
         monkeypatch.setitem(table, key, [c for c in table[key] if c["WS"]][:1])
     else:
-        c = kernels.INTERPRET_FWD
-        monkeypatch.setattr(kernels, "INTERPRET_FWD", kernels._fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps,
+        c = configs.INTERPRET_FWD
+        monkeypatch.setattr(configs, "INTERPRET_FWD", configs._fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps,
                                                                        c.num_stages, True))
-    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
     ws = []
     launch = common.launch
 
@@ -217,12 +199,12 @@ def test_ws_candidates_follow_the_first():
     """Every table's first candidate is the proven non-WS config; WS candidates only on
     sm_90, for 16-bit classes without dropout, with 128-row query blocks (Q split between two
     consumer warpgroups) and 4 warps."""
-    for arch, table in kernels.FWD_CONFIGS.items():
-        for (block_d, kind, dropout), cfgs in table.items():
+    for arch, table in configs.FWD_CONFIGS.items():
+        for (block_d, kind, dropout, cls), cfgs in table.items():
             assert not cfgs[0]["WS"]
             for c in cfgs:
                 if c["WS"]:
-                    assert (arch, kind, dropout, c["BLOCK_M"], c.num_warps) == (90, "16", False, 128, 4)
+                    assert (arch, kind, dropout, cls, c["BLOCK_M"], c.num_warps) == (90, "16", False, "plain", 128, 4)
 
 
 # Long and wide shapes, one dtype each (interpreter time): they add block-count and width.
@@ -246,7 +228,7 @@ def test_attention_large(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype, device, 
 
 def test_d256_pointer_path(device, launches, monkeypatch):
     """split_kv's dV and dK programs on the pointer path too (GQA 2:1, causal, padding)."""
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer")
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer")
     q, k, v = _qkv(1, 2, 1, 40, 70, 256, torch.bfloat16, device)
     _compare(q, k, v, True, _padding(1, 70, device, full_row=False))
     _launched_once(launches)
@@ -339,13 +321,13 @@ def test_fp32_follows_torch_matmul_precision(mode, device, launches, monkeypatch
     """fp32 runs IEEE products under torch's default and TF32 once torch allows TF32 for
     matmuls (the mode is in the config key); each is held to PyTorch's error in that mode
     (TF32: products of TF32-rounded operands, as cuBLAS would on every shape)."""
-    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
-    monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(launchers, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
     q, k, v = _qkv(1, 2, 1, 40, 50, 64, torch.float32, device)
     with fp32_mode(mode):
         assert common.fp32_precision() == mode
     _compare(q, k, v, True, _padding(1, 50, device, full_row=False), mode=mode)
-    for cache in (kernels._FWD_CACHE, kernels._BWD_CACHE):
+    for cache in (launchers._FWD_CACHE, launchers._BWD_CACHE):
         assert [key[1][1] for key in cache.chosen] == [mode]
     _launched_once(launches)
 
@@ -714,33 +696,39 @@ def test_public_names():
 # every shipped config, on the GPU (the interpreter runs one config per kernel)
 # ---------------------------------------------------------------------------------------------
 
+# What a feature class's configs are tested with (on top of causality and padding).
+CLASS_FEATURES = {"plain": {}, "band": {"window": (100, -1)}}
+
+
 def _shipped_configs():
     """(kernel, class key, index, path) of every config this GPU's tables can launch."""
     if not ON_CUDA:
         return []
     arch = common.arch(torch.device("cuda"))
     out = []
-    for kname, tables in (("fwd", kernels.FWD_CONFIGS), ("bwd", kernels.BWD_CONFIGS)):
+    for kname, tables in (("fwd", configs.FWD_CONFIGS), ("bwd", configs.BWD_CONFIGS)):
         for key, cfgs in tables[arch].items():
             for i in range(len(cfgs)):
                 tma_paths = ("tma", "pointer") if i == 0 else ("tma",)
                 for path in tma_paths if arch == 90 and key[1] != "ieee" else ("pointer",):
                     out.append(pytest.param(kname, key, i, path, id=f"{kname}-D{key[0]}-{key[1]}"
-                                            f"{'-dropout' if key[2] else ''}-{i}-{path}"))
+                                            f"{'-dropout' if key[2] else ''}-{key[3]}-{i}-{path}"))
     return out
 
 
 @pytest.mark.parametrize("kname,key,index,path_", _shipped_configs())
 def test_every_shipped_config(kname, key, index, path_, device, launches, monkeypatch):
     """Each config of this GPU's tables (forced as the only candidate), on each path it ships
-    for: causal with padding, GQA 2:1, L = 300 (partial blocks), dropout where its class has it."""
+    for: causal with padding, GQA 2:1, L = 300 (partial blocks), dropout where its class has it,
+    and its feature class's features (``CLASS_FEATURES``)."""
     arch = common.arch(device)
-    tables = kernels.FWD_CONFIGS if kname == "fwd" else kernels.BWD_CONFIGS
+    tables = configs.FWD_CONFIGS if kname == "fwd" else configs.BWD_CONFIGS
     monkeypatch.setitem(tables[arch], key, [tables[arch][key][index]])
-    monkeypatch.setattr(kernels, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
-    monkeypatch.setattr(kernels, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
-    monkeypatch.setattr(kernels, "FORCE_PATH", "pointer" if path_ == "pointer" else None)
-    block_d, kind, dropout = key
+    monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(launchers, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer" if path_ == "pointer" else None)
+    block_d, kind, dropout, cls = key
+    features = CLASS_FEATURES[cls]
     dtype = torch.bfloat16 if kind == "16" else torch.float32
     mode = "tf32" if kind == "tf32" else "ieee"
     B, Hq, Hkv, L, p = 2, 4, 2, 300, 0.2 if dropout else 0.0
@@ -749,6 +737,6 @@ def test_every_shipped_config(kname, key, index, path_, device, launches, monkey
     keep = kernels.dropout_keep_mask(_seeded(9, p, device), B, Hq, L, L, p, device) if dropout else None
     torch.manual_seed(9)
     with fp32_mode(mode):
-        out, lse = attention(q, k, v, True, None, mask, p, return_lse=True)
-    _compare(q, k, v, True, mask, p, dropout_mask=keep, out=out, lse=lse, mode=mode)
+        out, lse = attention(q, k, v, True, None, mask, p, return_lse=True, **features)
+    _compare(q, k, v, True, mask, p, dropout_mask=keep, out=out, lse=lse, mode=mode, **features)
     assert (launches["attention_tma"] > 0) == (path_ == "tma")

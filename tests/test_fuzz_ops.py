@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from fused_block import reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, attention
-from fused_block.kernels import attention as attention_kernels
+from fused_block.kernels.attention import launchers as attention_kernels
 from fused_block.kernels import common
 from fused_block.linear import linear, mlp
 from fuzzing import DTYPE, LAYOUTS, layout, settings_for

@@ -340,7 +340,8 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     interpreter's runs check only the arch-0 branches.)"""
     from triton.runtime import _allocation
 
-    from fused_block.kernels import attention, matmul, norm
+    from fused_block.kernels import matmul, norm
+    from fused_block.kernels.attention import launchers as attention
 
     launched = []
     gemms = []

@@ -117,8 +117,250 @@ def _factory(provider, shape, mode):
     return factory
 
 
-def cases(quick: bool) -> list:
+# ---------------------------------------------------------------------------------------------
+# issue 17's features: varlen, windows, decoding, score modifications
+# ---------------------------------------------------------------------------------------------
+
+# Packed sequences: lengths of one batch (22.6k tokens, max 8192), causal, H=16 D=128.
+VARLEN_LENGTHS = (4096, 1000, 3000, 8192, 500, 2048, 3800)
+# Sliding window: Mistral's 4096 keys over 16k tokens, causal, B=1 H=16 D=128.
+WINDOW_SHAPE = dict(batch=1, heads=16, seq=16384, head_dim=128, left=4096)
+# Decode steps: Lq = 1 (and 4: speculative) over a 16k cache, GQA 32:8, B=8, D=128.
+DECODE_SHAPES = (dict(batch=8, heads=32, kv_heads=8, q_len=1, cache=16384, head_dim=128),
+                 dict(batch=8, heads=32, kv_heads=8, q_len=4, cache=16384, head_dim=128))
+# Score modifications at B=2 H=16 L=2048 D=128 (SDPA and eager take the (L, L) bias materialized).
+SCORE_SHAPE = dict(batch=2, heads=16, seq=2048, head_dim=128)
+SCORE_KINDS = ("softcap", "alibi", "t5_bias")
+
+
+def visible_pairs(lq, lk, causal, window=(-1, -1)) -> int:
+    """(query, key) pairs visible under bottom-right causality and ``window``: the FLOPs of the
+    visible blocks only (4 * D per pair and head)."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(lq, dtype=torch.int64) + (lk - lq)
+    hi = torch.clamp(i + right, max=lk - 1) if right >= 0 else torch.full_like(i, lk - 1)
+    lo = torch.clamp(i - left, min=0) if left >= 0 else torch.zeros_like(i)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def _feature_flops(pairs, heads, head_dim, mode):
+    fwd = 4 * pairs * heads * head_dim
+    return {"fwd": fwd, "bwd": int(BWD_FACTOR * fwd), "fwd+bwd": int((1 + BWD_FACTOR) * fwd)}[mode]
+
+
+def _train_case(op, shape, mode, names, build, flops_):
+    """A Case whose providers ``names`` come from ``build()`` (called on the GPU, in each
+    factory), ``{name: (make_inputs(grad) -> tuple, fn(*inputs) -> out)}``."""
+    def factory_of(name):
+        def factory():
+            make, fn = build()[name]
+            if mode == "fwd":
+                def run(inputs):
+                    with torch.no_grad():
+                        return fn(*inputs)
+                return harness.rotating(lambda: make(False), run, 1 << 30)
+            ins = make(True)
+            out = fn(*ins)
+            dout = harness.randn(*out.shape, dtype=out.dtype, device="cuda")
+            if mode == "bwd":
+                return harness.backward_fn((out,), (dout,), [t for t in ins if t.requires_grad])
+
+            def step():
+                o = fn(*ins)
+                return torch.autograd.grad(o, [t for t in ins if t.requires_grad], dout)
+            return step
+        return factory
+    return Case(op=op, shape=shape, dtype=DTYPE, mode=mode,
+                providers={name: factory_of(name) for name in names}, flops=flops_)
+
+
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention)
+
+
+def _varlen_providers(lengths, H, D):
+    import fused_block
+
+    T, L = sum(lengths), max(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    kpm = torch.arange(L, device="cuda")[None] >= torch.tensor(lengths, device="cuda")[:, None]
+
+    def packed(grad):
+        return tuple(harness.randn(T, H, D, dtype=DTYPE, device="cuda", requires_grad=grad) for _ in range(3))
+
+    def padded(grad):
+        return tuple(harness.randn(len(lengths), H, L, D, dtype=DTYPE, device="cuda", requires_grad=grad)
+                     for _ in range(3))
+
+    def sdpa_padded(q, k, v):
+        import torch.nn.functional as F
+        causal = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~kpm[:, None, None, :])
+
+    return {
+        "fused_block": (packed, lambda q, k, v: fused_block.attention_varlen(q, k, v, cu, cu, L, L, causal=True)),
+        "fused_block_padded": (padded, lambda q, k, v: fused_block.attention(q, k, v, True, key_padding_mask=kpm)),
+        "sdpa_padded": (padded, sdpa_padded),
+    }
+
+
+def _window_providers(B, H, L, D, left):
+    import fused_block
+
+    def make(grad):
+        return tuple(harness.randn(B, H, L, D, dtype=DTYPE, device="cuda", requires_grad=grad) for _ in range(3))
+
+    def flex(q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask
+        if "mask" not in flex.__dict__:
+            flex.mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= left), None, None, L, L)
+            flex.fn = _flex()
+        return flex.fn(q, k, v, block_mask=flex.mask)
+
+    def sdpa_full(q, k, v):
+        import torch.nn.functional as F
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return {
+        "fused_block": (make, lambda q, k, v: fused_block.attention(q, k, v, True, window=(left, -1))),
+        "fused_block_full": (make, lambda q, k, v: fused_block.attention(q, k, v, True)),
+        "sdpa_full_causal": (make, sdpa_full),
+        "flex_attention": (make, flex),
+    }
+
+
+def _score_providers(kind, B, H, L, D):
+    import torch.nn.functional as F
+
+    import fused_block
+
+    slopes = (2.0 ** -torch.arange(1, H + 1, dtype=torch.float32, device="cuda") * 8 / H)
+    i = torch.arange(L, device="cuda")
+    alibi = (-slopes[:, None, None] * (i[:, None] - i[None, :]).abs()).to(DTYPE)[None]  # (1, H, L, L)
+    t5 = harness.randn(1, H, L, L, dtype=DTYPE, device="cuda")
+    cap = 50.0
+
+    def make(grad):
+        ins = tuple(harness.randn(B, H, L, D, dtype=DTYPE, device="cuda", requires_grad=grad) for _ in range(3))
+        if kind == "t5_bias":
+            ins += (t5.detach().clone().requires_grad_(grad),)
+        return ins
+
+    if kind == "softcap":
+        ours = lambda q, k, v: fused_block.attention(q, k, v, True, softcap=cap)  # noqa: E731
+
+        def eager(q, k, v):
+            s = torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(D)
+            s = cap * torch.tanh(s / cap)
+            s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+            return torch.matmul(torch.softmax(s, -1).to(q.dtype), v)
+
+        def flex(q, k, v):
+            from torch.nn.attention.flex_attention import create_block_mask
+            if "fn" not in flex.__dict__:
+                flex.fn = _flex()
+                flex.mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, L, L)
+            return flex.fn(q, k, v, score_mod=lambda s, b, h, i, j: cap * torch.tanh(s / cap), block_mask=flex.mask)
+        return {"fused_block": (make, ours), "eager": (make, eager), "flex_attention": (make, flex)}
+    if kind == "alibi":
+        ours = lambda q, k, v: fused_block.attention(q, k, v, alibi_slopes=slopes)  # noqa: E731
+        sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=alibi)  # noqa: E731
+
+        def flex(q, k, v):
+            if "fn" not in flex.__dict__:
+                flex.fn = _flex()
+            return flex.fn(q, k, v, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs())
+        return {"fused_block": (make, ours), "sdpa_materialized_bias": (make, sdpa), "flex_attention": (make, flex)}
+    ours = lambda q, k, v, b: fused_block.attention(q, k, v, bias=b)  # noqa: E731
+    sdpa = lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b)  # noqa: E731
+    return {"fused_block": (make, ours), "sdpa_bias": (make, sdpa)}
+
+
+def _decode_case(shape):
+    import torch.nn.functional as F
+
+    import fused_block
+    from fused_block.kernels.attention import launchers
+
+    B, Hq, Hkv, Lq, S, D = (shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "cache", "head_dim"))
+
+    def make():
+        return (harness.randn(B, Hq, Lq, D, dtype=DTYPE, device="cuda"),
+                harness.randn(B, Hkv, S, D, dtype=DTYPE, device="cuda"),
+                harness.randn(B, Hkv, S, D, dtype=DTYPE, device="cuda"))
+
+    def ours(q, k, v):
+        return fused_block.attention(q, k, v, causal=True)
+
+    def no_split(q, k, v):
+        saved, launchers.DECODE_MIN_KEYS = launchers.DECODE_MIN_KEYS, 1 << 62
+        try:
+            return fused_block.attention(q, k, v, causal=True)
+        finally:
+            launchers.DECODE_MIN_KEYS = saved
+
+    def sdpa(q, k, v):
+        # Lq rows at the cache's end: bottom-right causal as an explicit (Lq, S) mask.
+        keep = torch.ones(Lq, S, dtype=torch.bool, device="cuda").tril(S - Lq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    set_bytes = 2 * B * Hkv * S * D * 2
+
+    def factory_of(fn):
+        def factory():
+            def run(inputs):
+                with torch.no_grad():
+                    return fn(*inputs)
+            return harness.rotating(make, run, set_bytes)
+        return factory
+    return Case(op="attention_decode", shape=shape, dtype=DTYPE, mode="fwd",
+                providers={"fused_block": factory_of(ours), "fused_block_no_split": factory_of(no_split),
+                           "sdpa": factory_of(sdpa)},
+                flops=_feature_flops(visible_pairs(Lq, S, True), Hq, D, "fwd") * B,
+                bytes=set_bytes)
+
+
+def feature_cases(quick: bool) -> list:
+    """Issue 17's comparisons: varlen against the same tokens padded, a window against full
+    causal attention, decode steps against SDPA, softcap / ALiBi / a T5 bias against SDPA and
+    flex_attention (where torch has them). FLOPs count the visible (query, key) pairs only."""
     out = []
+    modes = ("fwd+bwd",) if quick else harness.MODES
+    H, D = 16, 128
+    for mode in modes:
+        pairs = sum(visible_pairs(n, n, True) for n in VARLEN_LENGTHS)
+        out.append(_train_case("attention_varlen", dict(lengths=len(VARLEN_LENGTHS), tokens=sum(VARLEN_LENGTHS),
+                                                        max_len=max(VARLEN_LENGTHS), heads=H, head_dim=D,
+                                                        causal=True),
+                               mode, ("fused_block", "fused_block_padded", "sdpa_padded"),
+                               lambda: _varlen_providers(VARLEN_LENGTHS, H, D), _feature_flops(pairs, H, D, mode)))
+        w = WINDOW_SHAPE
+        pairs = w["batch"] * visible_pairs(w["seq"], w["seq"], True, (w["left"], -1))
+        out.append(_train_case("attention_window", dict(w, causal=True), mode,
+                               ("fused_block", "fused_block_full", "sdpa_full_causal", "flex_attention"),
+                               lambda: _window_providers(w["batch"], w["heads"], w["seq"], w["head_dim"], w["left"]),
+                               _feature_flops(pairs, w["heads"], w["head_dim"], mode)))
+        s = SCORE_SHAPE
+        for kind in SCORE_KINDS:
+            causal = kind == "softcap"
+            pairs = s["batch"] * visible_pairs(s["seq"], s["seq"], causal)
+            names = {"softcap": ("fused_block", "eager", "flex_attention"),
+                     "alibi": ("fused_block", "sdpa_materialized_bias", "flex_attention"),
+                     "t5_bias": ("fused_block", "sdpa_bias")}[kind]
+            out.append(_train_case(f"attention_{kind}", dict(s, causal=causal), mode, names,
+                                   lambda kind=kind: _score_providers(kind, s["batch"], s["heads"], s["seq"],
+                                                                      s["head_dim"]),
+                                   _feature_flops(pairs, s["heads"], s["head_dim"], mode)))
+    for shape in DECODE_SHAPES[:1] if quick else DECODE_SHAPES:
+        out.append(_decode_case(shape))
+    return out
+
+
+def cases(quick: bool) -> list:
+    out = feature_cases(quick)
     for batch, heads, seq, head_dim in QUICK_SHAPES if quick else SHAPES:
         for causal in (False, True):
             shape = dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal)

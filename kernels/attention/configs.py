@@ -1,0 +1,273 @@
+"""Per-architecture config tables of the attention kernels, and the keys that index them.
+
+Candidates by (head-dim class, operand kind, dropout, feature class); see the notes above each
+table for the provenance of every entry (the anchors it follows, or the measurement that chose
+it).
+"""
+import torch
+
+from fused_block.kernels import common
+
+# ---------------------------------------------------------------------------------------------
+# configs, per architecture: candidates by (head-dim class, operand kind, dropout)
+#
+# Head-dim classes are BLOCK_D <= 64, 128, 256 (16/32 run the 64 class's tiles); operand kinds
+# "16" (fp16/bf16), "tf32" and "ieee" (fp32 under torch's TF32 / full-precision matmul setting).
+# On CUDA with several candidates, common.ConfigCache times them once per key and keeps the
+# fastest. Every candidate compiles without spills on its own arch (tests/test_compile.py);
+# sm_90 candidates compile with TMA, and the first candidate also with pointer loads (the
+# pointer path there, for unaligned layouts, takes only the first).
+#
+# Sources: flex_attention's H100/A100 defaults (torch/_inductor/template_heuristics/triton.py:
+# D64 128x128/3 stages/4 warps, D128 128x64/3/8, D256 64x32/3/4 forward; sm90 backward
+# 64/128/128/64, 3 stages, 8 warps), Triton's 06-fused-attention tutorial (Hopper forward
+# 128x{64,128} with 8 warps only from 128x128; backward 32/128/128/32, 5 stages, 4 warps).
+# sm_90 forward: flex's D64 128x128 with 4 warps is not shipped (one warpgroup over 128 rows
+# serializes its wgmma: 24 waits per trip, 255 registers, 8 B of stack with host descriptors).
+# Warp-specialized candidates (``ws``, Triton's Hopper WS: a TMA producer and Q's rows split
+# between two consumer warpgroups, 4 warps requested) come after the proven first candidate,
+# for the timing to pick where faster; 128x128 WS tiles fail to compile with causality or
+# padding (Triton 3.6), so 128x64 only.
+# sm_80 (sass_loops --arch 80; non-MMA instructions per mma.sync in the unmasked K/V loop):
+# D64 128x128/8 warps first (3.9, against 5.4 at 128x32/4 warps). FlashAttention-2's A100
+# tiles do not fit Triton's register budget: D128 128x64/4 warps spills 6.4 KB, 128x64/8
+# warps (3.1 against 4.2 at 128x32/8 warps) 24-64 B with causality or ragged heads, D256
+# 128x64/8 warps 312-520 B, the D128 backward's 64/128/128/64 64-128 B; those stay.
+# Dropout (one Philox call per 4 elements, in the MMA layouts' own groups: _dropout_keep)
+# runs the no-dropout tiles first on sm_90 (the former smaller tiles follow), except where a
+# flag combination spills: the D128 backward's dK/dV steps stay at 16 rows (32 rows: 16-56 B
+# with causality and padding; split dV/dK programs cost more), the D256 backward's 32x64
+# split tile is a TMA-only later candidate (its pointer build spills 24-64 B). The FMA-unit
+# IEEE kernels draw one call per element (no MMA groups); on sm_80 the IEEE forwards take 8
+# warps (D64 without dropout 32x32/4 warps spilled 16 B already; with dropout 1 stage), the
+# D64 IEEE dropout backward 8 warps and the D256 dropout backward 16x32 split steps, to stay
+# spill-free with it.
+# ---------------------------------------------------------------------------------------------
+
+def _fwd_cfg(bm, bn, warps, stages, ws=False):
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, WS=ws)
+
+
+def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False):
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
+                            BLOCK_N2=n2, SPLIT_KV=split_kv)
+
+
+F, B = _fwd_cfg, _bwd_cfg
+FWD_CONFIGS = {
+    90: {
+        (64, "16", False): [F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 64, 4, 3, True)],
+        (64, "16", True): [F(128, 128, 8, 3), F(128, 64, 8, 3)],
+        (128, "16", False): [F(128, 64, 8, 3), F(128, 128, 8, 2), F(128, 64, 4, 3, True)],
+        (128, "16", True): [F(128, 64, 8, 3), F(128, 32, 8, 3)],
+        (256, "16", False): [F(64, 32, 8, 3), F(64, 32, 4, 3), F(128, 64, 8, 2)],
+        (256, "16", True): [F(64, 32, 8, 3), F(64, 32, 8, 2), F(128, 32, 8, 2)],
+        (64, "tf32", False): [F(128, 32, 4, 3), F(128, 32, 8, 3)],
+        (64, "tf32", True): [F(128, 32, 8, 3), F(64, 32, 4, 3)],
+        (128, "tf32", False): [F(128, 32, 8, 3), F(64, 64, 4, 3)],
+        (128, "tf32", True): [F(128, 32, 8, 3), F(64, 32, 4, 3)],
+        (64, "ieee", False): [F(32, 32, 8, 2)],
+        (64, "ieee", True): [F(32, 32, 8, 2)],
+        (128, "ieee", False): [F(16, 16, 4, 2)],
+        (128, "ieee", True): [F(16, 16, 8, 2)],
+    },
+    80: {
+        (64, "16", False): [F(128, 128, 8, 3), F(128, 32, 4, 3)],
+        (64, "16", True): [F(128, 64, 8, 3)],
+        (128, "16", False): [F(128, 32, 8, 3)],
+        (128, "16", True): [F(128, 32, 8, 3)],
+        (256, "16", False): [F(64, 32, 8, 3)],
+        (256, "16", True): [F(32, 32, 4, 2)],
+        (64, "tf32", False): [F(128, 32, 8, 3)],
+        (64, "tf32", True): [F(128, 32, 8, 3)],
+        (128, "tf32", False): [F(128, 32, 8, 3)],
+        (128, "tf32", True): [F(128, 32, 8, 3)],
+        (64, "ieee", False): [F(32, 32, 8, 2)],
+        (64, "ieee", True): [F(32, 32, 8, 1)],
+        (128, "ieee", False): [F(16, 16, 4, 2)],
+        (128, "ieee", True): [F(16, 16, 8, 2)],
+    },
+}
+# Backward: BLOCK_M1 x BLOCK_N1 (dK/dV: queries per step x keys per program), BLOCK_M2 x
+# BLOCK_N2 (dQ). dK and dV accumulate in registers together, BLOCK_N1 x BLOCK_D fp32 each:
+# with 8 warps BLOCK_N1 = 128 is two warpgroups of 64 rows (wgmma's M), and BLOCK_M1 = 32 (the
+# tutorial's 32/128) leaves room for the score tiles; flex's 64/128 spills at D = 128 here.
+# Where both accumulators cannot fit (D = 256, some fp32 and dropout classes) ``split_kv``
+# gives dV and dK programs of their own (the dK one recomputes P).
+BWD_CONFIGS = {
+    90: {
+        (64, "16", False): [B(64, 128, 128, 64, 8, 3), B(32, 128, 128, 64, 8, 3)],
+        (64, "16", True): [B(64, 128, 128, 64, 8, 3), B(32, 128, 128, 32, 8, 2)],
+        (128, "16", False): [B(32, 128, 128, 64, 8, 3), B(32, 128, 128, 64, 8, 2)],
+        (128, "16", True): [B(16, 128, 128, 64, 8, 3), B(16, 128, 128, 32, 8, 2)],
+        (256, "16", False): [B(32, 64, 64, 32, 8, 2, True), B(64, 64, 64, 64, 8, 2, True)],
+        (256, "16", True): [B(16, 64, 64, 16, 8, 3, True), B(16, 64, 64, 16, 8, 2, True),
+                            B(32, 64, 64, 32, 8, 2, True)],
+        (64, "tf32", False): [B(32, 128, 128, 64, 8, 3)],
+        (64, "tf32", True): [B(32, 128, 128, 64, 8, 3), B(16, 128, 128, 32, 8, 2)],
+        (128, "tf32", False): [B(16, 128, 128, 16, 8, 2, True), B(16, 128, 128, 32, 8, 2)],
+        (128, "tf32", True): [B(16, 128, 128, 16, 8, 2, True), B(16, 64, 64, 16, 8, 2, True)],
+        (64, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
+        (64, "ieee", True): [B(16, 32, 32, 16, 4, 2)],
+        (128, "ieee", False): [B(16, 16, 16, 16, 4, 2)],
+        (128, "ieee", True): [B(16, 16, 16, 16, 4, 3)],
+    },
+    80: {
+        (64, "16", False): [B(32, 128, 128, 32, 8, 2), B(32, 64, 64, 32, 4, 2)],
+        (64, "16", True): [B(16, 64, 64, 16, 4, 2)],
+        (128, "16", False): [B(32, 64, 64, 32, 8, 2)],
+        (128, "16", True): [B(32, 64, 64, 32, 8, 2)],
+        (256, "16", False): [B(32, 64, 64, 32, 8, 2, True)],
+        (256, "16", True): [B(16, 32, 32, 16, 8, 2, True)],
+        (64, "tf32", False): [B(16, 64, 64, 16, 8, 2)],
+        (64, "tf32", True): [B(16, 64, 64, 16, 8, 2)],
+        (128, "tf32", False): [B(16, 64, 64, 16, 8, 2, True)],
+        (128, "tf32", True): [B(16, 32, 32, 16, 8, 2, True)],
+        (64, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
+        (64, "ieee", True): [B(16, 32, 32, 16, 8, 2)],
+        (128, "ieee", False): [B(16, 32, 32, 16, 4, 2)],
+        (128, "ieee", True): [B(16, 16, 16, 16, 4, 2)],
+    },
+}
+del F, B
+
+# Feature classes. Beyond causality, padding and dropout, a kernel's flags change what its
+# K/V steps cost, so each class has its own entries under the same (head-dim class, operand
+# kind, dropout) keys: "plain" (the tables above), and
+# - "band": a sliding window (a second masked edge: blocks before the band's left edge are
+#   masked too; the unmasked steps are the plain ones) or packed sequences (per-sequence
+#   bounds, device-side descriptors on the TMA path, a binary search in the prologue). Its
+#   candidates start as the plain first candidates without warp specialization (Triton 3.6
+#   partitions only a kernel with one K/V loop); entries that compiled differently are
+#   overridden below.
+# - "score": score modifications (softcap, ALiBi, an additive bias, a bool mask): per-element
+#   work (tanh, the distance, tile loads) in every K/V step; candidates derived as "band"'s.
+#   Sinks change only the forward's epilogue and the preprocess: no class of their own.
+CLASSES = ("plain", "band", "score")
+
+
+def _derived(tables, overrides):
+    """Per arch, the plain tables' first non-WS candidate under every key, with ``overrides``
+    ({arch: {key: [configs]}}) replacing entries."""
+    return {arch: {key: overrides.get(arch, {}).get(key, [next(c for c in cfgs if not c.meta().get("WS"))])
+                   for key, cfgs in table.items()}
+            for arch, table in tables.items()}
+
+
+def _with_classes(plain, classes):
+    """One table per arch keyed (head-dim class, kind, dropout, feature class)."""
+    return {arch: {**{(*key, "plain"): cfgs for key, cfgs in table.items()},
+                   **{(*key, cls): cfgs for cls, derived in classes.items() for key, cfgs in derived[arch].items()}}
+            for arch, table in plain.items()}
+
+
+# "band" entries that spilled as the plain first candidates (a second masked loop, the
+# window's bounds; tests/test_compile.py): 4 warps for IEEE fp32 (FMA-unit products from
+# registers), 8 for the 256-wide dropout forward on sm_80, dV/dK split or narrower query steps
+# for the 16-bit D128 and TF32 dropout backward on sm_90.
+_F, _B = _fwd_cfg, _bwd_cfg
+_BAND_FWD = {
+    90: {(128, "ieee", True): [_F(16, 16, 4, 2)]},
+    80: {(256, "16", True): [_F(32, 32, 8, 2)], (128, "ieee", False): [_F(16, 16, 4, 2)],
+         (128, "ieee", True): [_F(16, 16, 4, 2)]},
+}
+_BAND_BWD = {
+    90: {(128, "16", True): [_B(16, 128, 128, 32, 8, 2, True)], (64, "tf32", True): [_B(16, 128, 128, 32, 8, 2)],
+         (64, "ieee", True): [_B(16, 32, 32, 16, 4, 2, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)]},
+}
+# "score": every K/V step carries tanh, the ALiBi distance and bias/mask tiles (and the
+# backward's dS store), so the plain 128-row tiles spill with all of them at once: 64-row
+# forward tiles (32 at D = 256, 16 on FMA-unit IEEE fp32), 16-query backward steps over 64
+# keys with dV and dK in programs of their own where both accumulators would not fit.
+_SCORE_FWD = {
+    90: {(64, "16", False): [_F(64, 64, 4, 2)], (64, "16", True): [_F(64, 64, 4, 2)],
+         (128, "16", False): [_F(64, 32, 4, 2)], (128, "16", True): [_F(64, 32, 4, 2)],
+         (64, "tf32", False): [_F(64, 32, 4, 2)], (64, "tf32", True): [_F(64, 32, 4, 2)],
+         (128, "tf32", False): [_F(64, 32, 8, 2)], (128, "tf32", True): [_F(64, 32, 8, 2)],
+         (64, "ieee", False): [_F(16, 16, 4, 2)], (64, "ieee", True): [_F(16, 16, 4, 2)],
+         (128, "ieee", False): [_F(16, 16, 4, 2)], (128, "ieee", True): [_F(16, 16, 4, 2)]},
+    80: {(64, "16", False): [_F(64, 64, 8, 2)], (64, "16", True): [_F(64, 32, 8, 2)],
+         (128, "16", False): [_F(64, 32, 8, 2)], (128, "16", True): [_F(64, 32, 8, 2)],
+         (256, "16", False): [_F(32, 32, 8, 2)], (256, "16", True): [_F(32, 32, 8, 2)],
+         (64, "tf32", False): [_F(64, 32, 8, 2)], (64, "tf32", True): [_F(64, 32, 8, 2)],
+         (128, "tf32", False): [_F(64, 32, 8, 2)], (128, "tf32", True): [_F(32, 32, 8, 1)],
+         (64, "ieee", False): [_F(16, 16, 8, 1)], (64, "ieee", True): [_F(16, 16, 8, 1)],
+         (128, "ieee", False): [_F(16, 16, 4, 2)], (128, "ieee", True): [_F(16, 16, 4, 1)]},
+}
+_SCORE_BWD = {arch: {
+    (64, "16", False): [_B(16, 64, 64, 16, 8, 2)], (64, "16", True): [_B(16, 64, 64, 16, 8, 2)],
+    (128, "16", False): [_B(16, 64, 64, 16, 8, 2, True)], (128, "16", True): [_B(16, 64, 64, 16, 8, 2, True)],
+    (64, "tf32", False): [_B(16, 64, 64, 16, 8, 2, True)], (64, "tf32", True): [_B(16, 64, 64, 16, 8, 2, True)],
+    (64, "ieee", False): [_B(16, 16, 16, 16, 4, 1, True)], (64, "ieee", True): [_B(16, 16, 16, 16, 4, 1, True)],
+    (128, "ieee", False): [_B(16, 16, 16, 16, 8, 1, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)],
+} for arch in (90, 80)}
+_SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 1, True)]
+
+del _F, _B
+FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FWD),
+                                          "score": _derived(FWD_CONFIGS, _SCORE_FWD)})
+BWD_CONFIGS = _with_classes(BWD_CONFIGS, {"band": _derived(BWD_CONFIGS, _BAND_BWD),
+                                          "score": _derived(BWD_CONFIGS, _SCORE_BWD)})
+
+# Split-KV decoding (decode.py): BLOCK_N keys per step, by (head-dim class, operand kind); the
+# query rows (the GQA group's GROUPS * Lq <= 16 * GROUPS) take BLOCK_M = 16 .. 64
+# (:func:`_decode_block_m`). Memory-bound: 4 warps, 64-key blocks at D64 (flash-decoding's),
+# 32 where the compile check found spills with more. IEEE fp32 (FMA-unit products from
+# registers, which spilled KBs at these tiles) and TF32 D128 (8 B on sm_90's TMA path) do not
+# split: the forward runs (launchers: only the keys of this table split).
+_D = common.Config
+DECODE_CONFIGS = {
+    arch: {
+        (64, "16"): [_D.of(num_warps=4, num_stages=3, BLOCK_N=64)],
+        (128, "16"): [_D.of(num_warps=4, num_stages=2, BLOCK_N=32)],
+        (256, "16"): [_D.of(num_warps=8, num_stages=2, BLOCK_N=32)],
+        (64, "tf32"): [_D.of(num_warps=4, num_stages=2, BLOCK_N=32)],
+    }
+    for arch in (90, 80)
+}
+del _D
+DECODE_BLOCK_MS = (16, 32, 64)
+
+
+def _decode_block_m(rows: int, block_d: int, kind: str = "16") -> int:
+    """Decode row block for ``rows`` = GROUPS * Lq query rows: the next power of two from 16,
+    at most 64 (32 at D = 256 and for TF32: the fp32 tiles' registers)."""
+    return min(max(16, common.next_pow2(rows)), 32 if block_d > 128 or kind != "16" else 64)
+
+
+# The interpreter runs one config: query and key blocks of different sizes (and different in
+# the two backward halves), so the tests cross both block grids and every masked/unmasked split.
+INTERPRET_FWD = _fwd_cfg(64, 32, 1, 1)
+INTERPRET_BWD = _bwd_cfg(32, 64, 64, 32, 1, 1)
+INTERPRET_DECODE = common.Config.of(num_warps=1, num_stages=1, BLOCK_N=32)
+PRE_BLOCK_M = 64
+# The backward's row statistics (STATS) are padded to a multiple of this: every query
+# block of the backward tables (BLOCK_M1, BLOCK_M2) and PRE_BLOCK_M divide it.
+STAT_ALIGN = 128
+MAX_FP32_BLOCK_D = 128  # fp32 tiles are twice as wide; wider fp32 heads are refused upstream
+
+
+def _block_d(d: int) -> int:
+    return max(16, common.next_pow2(d))
+
+
+def _kind(dtype) -> str:
+    if dtype == torch.float32:
+        return "tf32" if common.fp32_precision() == "tf32" else "ieee"
+    return "16"
+
+
+def _table_key(block_d: int, kind: str, dropout: bool, cls: str = "plain"):
+    return (64 if block_d <= 64 else block_d, kind, dropout, cls)
+
+
+def _class(window: bool, varlen: bool, score_mod: bool = False) -> str:
+    """The feature class of a launch (see ``CLASSES``)."""
+    return "score" if score_mod else "band" if window or varlen else "plain"
+
+
+def _bucket(n: int) -> int:
+    """Config-key bucket of a sequence length: the next power of two in [64, 16384]."""
+    return min(max(64, common.next_pow2(n)), 16384)
+
+

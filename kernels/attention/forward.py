@@ -1,0 +1,280 @@
+"""The forward kernel: online softmax over the visible key blocks of one query block."""
+import triton
+import triton.language as tl
+
+from fused_block.kernels import common
+from fused_block.kernels.attention.helpers import (_desc, _dropout_keep, _find_seq, _key_ranges, _load, _score_mod,
+                                                   _store, _tile)
+
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m, start_n, offs_m,
+              diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+              cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn, amask_base, stride_am, stride_an,
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, HOST: tl.constexpr, IEEE: tl.constexpr,
+              EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """One key block of the online softmax; ``MASKED`` blocks check bounds and the band
+    (query i sees keys i + diag_lo <= j <= i + diag_hi, each bound where its flag is set).
+    ``HOST``: ``k_desc``/``v_desc`` are host-side (B, Hkv, Lk, D) descriptors. Score
+    modifications (softcap, ALiBi, bias, bool mask: :func:`helpers._score_mod`) where their
+    flags are set."""
+    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
+    SCORE_MOD: tl.constexpr = SOFTCAP or HAS_ALIBI or HAS_BIAS or HAS_AMASK
+    if HOST:
+        k = _tile(k_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if SCORE_MOD:
+        # Scores in the log2 domain (scale applied).
+        qk, _ = _score_mod(qk, offs_m, offs_n, Lq, Lk, qk_scale, cap_in, cap_out, slope2, Lk - Lq, bias_base,
+                           stride_bm, stride_bn, amask_base, stride_am, stride_an, True, MASKED, False, SOFTCAP,
+                           HAS_ALIBI, HAS_BIAS, HAS_AMASK)
+    if MASKED:
+        visible = (offs_n < Lk)[None, :]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag_hi)
+        if WINDOW:
+            visible = visible & (offs_n[None, :] >= offs_m[:, None] + diag_lo)
+        qk = tl.where(visible, qk, float("-inf"))
+    if HAS_PAD:
+        pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
+        qk = tl.where((pad == 0)[None, :], qk, float("-inf"))
+    if SCORE_MOD:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+    else:
+        # scale > 0, so max(qk) * scale = max(qk * scale): the scale rides in exp2's FMA below.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if MASKED or HAS_PAD or HAS_BIAS or HAS_AMASK:
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    if SCORE_MOD:
+        p = tl.math.exp2(qk - m_use[:, None])
+    else:
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_ij = tl.sum(p, 1)
+    if HAS_DROPOUT:
+        # Before the rescale of acc: ptxas serializes the wgmma when the Philox rounds sit
+        # between the rescale and the product (acc written by non-wgmma code in the stage).
+        p = tl.where(_dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, IEEE), p, 0.0)
+    acc = acc * alpha[:, None]
+    if HOST:
+        v = _tile(v_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET, PRECISION)
+    # l last: fewer live registers across the products (the tutorial's ordering).
+    l_i = l_i * alpha + l_ij
+    return acc, l_i, m_new
+
+
+# Shape arguments are not specialized: Triton would compile a value of 1 (one head, MHA's
+# group of 1, decoding's Lq = 1, the padding mask's row stride at Lk = 1) as a constant and a
+# multiple of 16 with a divisibility hint, and both moved the register allocation into spills
+# (16-divisible Lq/Lk/Hq: sm_90 IEEE fp32 forward 0 -> 16 B, D = 128 dropout forward 8 -> 40 B;
+# all of them 1: IEEE fp32 backward 64 B on sm_90, 208 B on sm_80). Unspecialized, each config
+# compiles to one body, the one the AOT check builds; they only index and bound loops.
+_SHAPE_ARGS = ("Hq", "Hkv", "GROUPS", "Lq", "Lk", "NSEQ", "stride_mb", "win_left", "win_right")
+
+
+@triton.jit(do_not_specialize=[a for a in _SHAPE_ARGS if a != "Hkv"])
+def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMASK, QD, KD, VD, OD,
+              stride_qb, stride_qh, stride_qm,
+              stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn,
+              stride_ob, stride_oh, stride_om,
+              stride_mb, stride_slb,
+              stride_bb, stride_bh, stride_bm, stride_bn,
+              stride_ab, stride_ah, stride_am, stride_an,
+              Hq, GROUPS, Lq, Lk, D, NSEQ, win_left, win_right,
+              scale, dropout_p, softcap,
+              IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr,
+              USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """TMA without ``WS``: ``QD``..``OD`` are the host's (B, H, L, D) descriptors of Q, K, V, O.
+    ``WS`` (warp-specialized K/V loops, Hopper): per-head descriptors built here (Triton's
+    Hopper warp specialization partitions device-side descriptors only).
+
+    The band (bottom-right aligned): query i sees keys j <= i + Lk - Lq + win_right where
+    ``IS_CAUSAL`` (causal: win_right = 0) and j >= i + Lk - Lq - win_left where ``WINDOW``.
+
+    ``VARLEN``: NSEQ packed sequences, tokens [CU_Q[b], CU_Q[b + 1]) of the (1, H, Lq, D)
+    views (Lq, Lk: total tokens) against keys [CU_K[b], CU_K[b + 1]); the grid runs the
+    virtual query blocks of :func:`_find_seq` (per head, in reverse: heaviest first under
+    causality in each sequence), device-side descriptors per sequence on the TMA path.
+
+    Score modifications: ``SOFTCAP`` (s <- softcap * tanh(s / softcap)), ``HAS_ALIBI`` (SLOPES
+    (B or 1, Hq) fp32, batch stride ``stride_slb``), ``HAS_BIAS`` (BIAS, 4 strides, zero along
+    broadcast dims), ``HAS_AMASK`` (AMASK uint8, 1 = attend, 4 strides); ``HAS_SINKS``: SINKS
+    (Hq,) logits joining each row's denominator in the epilogue."""
+    HOST: tl.constexpr = USE_TMA and not WS and not VARLEN
+    # The query blocks of a head in reverse order: under a causal mask the last ones do the
+    # most work. TMA: unsigned divisions (every operand is positive), shorter than signed
+    # ones; the pointer build keeps these (with the others ptxas spills 8 B on sm_80 at D64
+    # 128x128 with causality and padding).
+    if VARLEN:
+        pid = tl.program_id(0)
+        n_virtual = Lq // BLOCK_M + NSEQ
+        h = pid // n_virtual
+        b, first = _find_seq(CU_Q, NSEQ, n_virtual - 1 - pid % n_virtual, BLOCK_M)
+        q0 = tl.load(CU_Q + b)
+        seq_q = tl.load(CU_Q + b + 1) - q0
+        start_m = (n_virtual - 1 - pid % n_virtual - first) * BLOCK_M
+        if start_m >= seq_q:
+            return  # an unused virtual block
+        k0 = tl.load(CU_K + b)
+        lse_base = LSE + h.to(tl.int64) * Lq + q0
+        Lq = seq_q
+        Lk = tl.load(CU_K + b + 1) - k0
+        bh = b * Hq + h
+        hk = h // GROUPS
+    elif USE_TMA:
+        pid_u = tl.program_id(0).to(tl.uint32)
+        num_m_u = tl.cdiv(Lq, BLOCK_M).to(tl.uint32)
+        bh_u = pid_u // num_m_u
+        start_m = ((num_m_u - 1 - (pid_u - bh_u * num_m_u)) * BLOCK_M).to(tl.int32)
+        b_u = bh_u // Hq.to(tl.uint32)
+        h_u = bh_u - b_u * Hq.to(tl.uint32)
+        bh, b, h = bh_u.to(tl.int32), b_u.to(tl.int32), h_u.to(tl.int32)
+        hk = (h_u // GROUPS.to(tl.uint32)).to(tl.int32)
+    else:
+        pid = tl.program_id(0)
+        num_m_blocks = tl.cdiv(Lq, BLOCK_M)
+        bh = pid // num_m_blocks
+        start_m = (num_m_blocks - 1 - pid % num_m_blocks) * BLOCK_M
+        b = bh // Hq
+        h = bh % Hq
+        hk = h // GROUPS
+    pad_base = MASK + b.to(tl.int64) * stride_mb
+    if HOST:
+        q_base, k_base, v_base, o_base = Q, K, V, O  # unused
+        q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
+        q = _tile(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+        if BLOCK_D <= 128 and BLOCK_N <= 64:
+            # An arithmetic op (value-preserving x + 0.0) takes Q out of shared memory into
+            # registers, the A operand of an RS wgmma: no per-trip shared-memory descriptors for
+            # Q, which frees the uniform registers ptxas otherwise spills in the loop (the host
+            # descriptors' addresses live in vector registers). 64 registers/thread at 128 x 128.
+            q = q + 0.0
+    else:
+        if VARLEN:
+            q_base = Q + q0.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
+            k_base = K + k0.to(tl.int64) * stride_kn + hk.to(tl.int64) * stride_kh
+            v_base = V + k0.to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
+            o_base = O + q0.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
+            Lk_desc = tl.maximum(Lk, 1)  # an empty key sequence: no load, a valid descriptor
+        else:
+            q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+            k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+            v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+            o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+            Lk_desc = Lk
+        q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+        k_desc = _desc(k_base, Lk_desc, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+        v_desc = _desc(v_base, Lk_desc, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+        o_desc = _desc(o_base, Lq, D, stride_om, BLOCK_M, BLOCK_D, USE_TMA)
+        q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    qk_scale = scale * 1.4426950408889634  # log2(e): softmax with exp2
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    diag_hi = Lk - Lq + win_right
+    diag_lo = Lk - Lq - win_left
+    cap_in = 0.0
+    cap_out = 0.0
+    if SOFTCAP:
+        cap_in = scale / softcap
+        cap_out = softcap * 1.4426950408889634
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + b * stride_slb + h) * 1.4426950408889634
+    bias_base = BIAS
+    if HAS_BIAS:
+        bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+    amask_base = AMASK
+    if HAS_AMASK:
+        amask_base = AMASK + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
+    lo, full_lo, full_hi, hi = _key_ranges(start_m, Lk, diag_hi, diag_lo, BLOCK_N, BLOCK_M, IS_CAUSAL, WINDOW)
+    if WS:
+        # Triton 3.6's Hopper warp specialization (a TMA producer, Q's rows split between two
+        # consumer warpgroups) partitions a kernel with one K/V loop only (a second loop after
+        # it fails to compile, one before it gets no partitions): every block in one loop,
+        # masked under causality; without it the launcher guarantees Lk % BLOCK_N == 0 (and
+        # runs no window on it).
+        for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+                                      start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale,
+                                      seed,
+                                      bh, dropout_p, cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn,
+                                      amask_base, stride_am, stride_an, IS_CAUSAL, IS_CAUSAL, False, HAS_PAD,
+                                      HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, HOST,
+                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+    else:
+        # Unmasked blocks first, then the masked ones after them and (with a window) before
+        # them: the online softmax takes key blocks in any order.
+        for start_n in tl.range(full_lo, full_hi, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+                                      start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale,
+                                      seed,
+                                      bh, dropout_p, cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn,
+                                      amask_base, stride_am, stride_an, False, IS_CAUSAL, WINDOW, HAS_PAD,
+                                      HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, HOST,
+                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+        for start_n in tl.range(full_hi, hi, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+                                      start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale,
+                                      seed,
+                                      bh, dropout_p, cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn,
+                                      amask_base, stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_PAD,
+                                      HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, HOST,
+                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+        if WINDOW:
+            for start_n in tl.range(lo, full_lo, BLOCK_N):
+                acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
+                                          start_m, start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn,
+                                          stride_vn, qk_scale, seed, bh, dropout_p, cap_in, cap_out, slope2,
+                                          bias_base, stride_bm, stride_bn, amask_base, stride_am, stride_an, True,
+                                          IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                                          HAS_AMASK, USE_TMA, HOST, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
+                                          INTERPRET)
+
+    if HAS_SINKS:
+        # The sink's logit joins the denominator (no value): one more online-softmax step.
+        sink2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink2)
+        m_use = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.math.exp2(m_i - m_use)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.math.exp2(sink2 - m_use)
+        m_i = m_fin
+    empty = l_i == 0.0  # no visible key: output 0, LSE -inf
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = common.cast(acc * inv_l[:, None], q.dtype, INTERPRET)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if HOST:
+        o_desc.store([b, h, start_m, 0], out.reshape([1, 1, BLOCK_M, BLOCK_D]))
+    else:
+        _store(o_desc, o_base, start_m, Lq, stride_om, D, out, BLOCK_M, BLOCK_D, USE_TMA)
+    if VARLEN:
+        tl.store(lse_base + offs_m, lse, mask=offs_m < Lq)
+    else:
+        tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+

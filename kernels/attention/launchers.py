@@ -1,0 +1,398 @@
+"""Host side of the attention kernels: data-path choice (TMA or pointers), tensor descriptors,
+config lookup and the launches. Inputs are validated by ``fused_block.attention``; every last
+dim is contiguous."""
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fused_block.kernels import common
+from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
+from fused_block.kernels.attention import configs
+from fused_block.kernels.attention.configs import (BWD_CONFIGS, DECODE_CONFIGS, FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN,
+                                                   _bucket, _bwd_cfg, _block_d, _class, _decode_block_m, _fwd_cfg,
+                                                   _kind, _table_key)
+from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
+from fused_block.kernels.attention.forward import _attn_fwd
+from fused_block.kernels.attention.helpers import _dropout_mask_kernel
+
+# Tests set this to "pointer" to run the pointer path where TMA would be taken (the interpreter
+# runs the TMA path by default wherever the layout allows it, as Hopper does).
+FORCE_PATH = None
+
+# ---------------------------------------------------------------------------------------------
+# launchers (inputs validated by fused_block.attention; every last dim contiguous)
+# ---------------------------------------------------------------------------------------------
+
+_FWD_CACHE = common.ConfigCache("attention_fwd")
+_DECODE_CACHE = common.ConfigCache("attention_decode")
+# Split-KV decoding: at most this many query rows, at least this many keys (tests lower it).
+DECODE_MAX_LQ = 16
+DECODE_MIN_KEYS = 1024
+_BWD_CACHE = common.ConfigCache("attention_bwd")
+_ALLOCATORS = {}
+
+
+def _allocator(device):
+    """``triton.set_allocator`` callback: descriptor scratch on ``device``'s caching allocator."""
+    alloc = _ALLOCATORS.get(device)
+    if alloc is None:
+        def alloc(size, alignment, stream):
+            return torch.empty(size, dtype=torch.int8, device=device)
+        _ALLOCATORS[device] = alloc
+    return alloc
+
+
+def _strides(t):
+    """(batch, head, row) strides of a (B, H, L, D) view. A size-1 dim's stride is never used to
+    move, so it gets a stand-in that never blocks TMA: an aligned nonzero value (the next
+    inner dim's extent; descriptor strides)."""
+    B, H, L = t.shape[:3]
+    sb, sh, sl = t.stride()[:3]
+    sl = sl if L > 1 else 16
+    sh = sh if H > 1 else sl * L
+    return (sb if B > 1 else sh * H, sh, sl)
+
+
+def _tma_desc(t, strides, block: int, block_d: int):
+    """Host-side TMA descriptor over the (B, H, L, D) view ``t`` (``strides`` from
+    :func:`_strides`), block (1, 1, block, block_d): rows past L and columns past D read as
+    zero and are not written."""
+    return TensorDescriptor(t, list(t.shape), [*strides, 1], [1, 1, block, block_d])
+
+
+def _aligned(t, strides) -> bool:
+    """TMA-able: 16-byte aligned base and strides, and no broadcast (zero-stride) head or row."""
+    es = t.element_size()
+    return (t.data_ptr() % 16 == 0 and all(s * es % 16 == 0 for s in strides)
+            and strides[1] != 0 and strides[2] != 0)
+
+
+def _use_tma(arch: int, kind: str, pairs) -> bool:
+    """TMA on Hopper and in the interpreter, for layouts whose bases and strides are 16-byte
+    aligned (descriptors require it); ``pairs`` are (tensor, strides). Hopper's IEEE fp32
+    products run on FMA units from registers: pointer loads there (TMA staging spills)."""
+    if FORCE_PATH == "pointer" or arch not in (0, 90) or (arch == 90 and kind == "ieee"):
+        return False
+    return all(_aligned(t, s) for t, s in pairs)
+
+
+def _grid_size(n_programs: int) -> int:
+    if n_programs > 2**31 - 1:
+        raise ValueError(f"attention: {n_programs} programs exceed CUDA's grid limit; split the batch")
+    return n_programs
+
+
+def _candidates(tables, interpret_cfg, arch, key, use_tma):
+    if arch == 0:
+        if "SPLIT_KV" in interpret_cfg.meta():
+            # Split dK/dV programs where the GPU tables split them, so the interpreter runs them.
+            split = any(c["SPLIT_KV"] for t in tables.values() for c in t[key])
+            interpret_cfg = _bwd_cfg(*(interpret_cfg[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
+                                     interpret_cfg.num_warps, interpret_cfg.num_stages, split)
+        return [interpret_cfg]
+    cands = tables[arch][key]
+    # sm_90's pointer path (unaligned layouts only) runs the first candidate, compiled as such.
+    return cands if use_tma or arch != 90 else cands[:1]
+
+
+def _fwd_candidates(arch, key, use_tma, causal, Lk):
+    """The forward's candidates; warp-specialized ones only where their single unmasked K/V
+    loop is exact (causal, or whole key blocks). The interpreter's one config runs without
+    warp specialization otherwise."""
+    cands = _candidates(FWD_CONFIGS, configs.INTERPRET_FWD, arch, key, use_tma)
+    ok = [c for c in cands if not c["WS"] or causal or Lk % c["BLOCK_N"] == 0]
+    if ok:
+        return ok
+    return [_fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in cands]
+
+
+def _band(causal: bool, window) -> tuple:
+    """``(IS_CAUSAL, WINDOW, win_left, win_right)`` of ``window = (left, right)`` (-1 =
+    unlimited; ``causal`` sets right to 0): the kernels' right bound (causal, or a window's
+    right side) and left bound."""
+    left, right = window
+    if causal:
+        right = 0
+    return right >= 0, left >= 0, max(left, 0), max(right, 0)
+
+
+def _score_args(shape, softcap, alibi, bias, mask, dummy):
+    """Kernel arguments of the score modifications: pointers (SLOPES, BIAS, AMASK), strides
+    (stride_slb; bias's and mask's 4 over ``shape`` (B, Hq, Lq, Lk), zero along broadcast dims)
+    and the flags. ``alibi``: (Hq,) or (B, Hq) fp32; ``bias``: float, ``mask``: bool (True =
+    attend), both broadcastable to ``shape``."""
+    slopes, stride_slb = (dummy, 0) if alibi is None else (alibi, alibi.stride(0) if alibi.dim() == 2 else 0)
+    if bias is None:
+        bias_t, sb = dummy, (0, 0, 0, 0)
+    else:
+        bias_t = bias.expand(shape)
+        sb = bias_t.stride()
+    if mask is None:
+        mask_t, sa = dummy, (0, 0, 0, 0)
+    else:
+        mask_t = mask.expand(shape).view(torch.uint8)
+        sa = mask_t.stride()
+    flags = dict(SOFTCAP=bool(softcap), HAS_ALIBI=alibi is not None, HAS_BIAS=bias is not None,
+                 HAS_AMASK=mask is not None)
+    return (slopes, bias_t, mask_t), (stride_slb, *sb, *sa), flags
+
+
+def _mask_arg(key_padding_mask, dummy):
+    if key_padding_mask is None:
+        return dummy, 0
+    m = key_padding_mask if key_padding_mask.is_contiguous() else key_padding_mask.contiguous()
+    return m.view(torch.uint8), m.stride(0)
+
+
+def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: float, dropout_p: float, *,
+            window=(-1, -1), varlen=None, softcap=0.0, sinks=None, alibi=None, bias=None, mask=None) -> None:
+    """Writes ``out`` (a (B, Hq, Lq, D) view in q's dtype, any strides) and ``lse`` ((B, Hq, Lq)
+    contiguous fp32, natural log). ``seed``: 1-element int64 tensor, read when dropout_p > 0.
+    ``window``: (left, right) keys around the bottom-right diagonal, -1 = unlimited.
+    ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` (int32 on q's
+    device) for packed sequences, q, k, v and out then (1, H, total tokens, D) views, lse
+    (1, Hq, total). ``softcap`` (0 = none), ``sinks`` ((Hq,) logits), ``alibi`` ((Hq,) or
+    (B, Hq) fp32 slopes), ``bias`` / ``mask`` (float / bool, broadcastable to (B, Hq, Lq, Lk);
+    dense batches only): the score modifications of ``_attn_fwd``."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if out.numel() == 0:
+        return
+    if Lk == 0:
+        out.zero_()
+        if sinks is None:
+            lse.fill_(float("-inf"))
+        else:
+            lse.copy_(sinks.float()[None, :, None].expand(lse.shape))
+        return
+    arch = common.arch(q.device)
+    sq, sk, sv, so = _strides(q), _strides(k), _strides(v), _strides(out)
+    block_d = _block_d(D)
+    kind = _kind(q.dtype)
+    use_tma = _use_tma(arch, kind, ((q, sq), (k, sk), (v, sv), (out, so)))
+    dropout = dropout_p > 0.0
+    mask_pad, stride_mb = _mask_arg(key_padding_mask, q)
+    is_causal, has_window, win_left, win_right = _band(causal, window)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (q, q, Lq, Lk)
+    nseq = cu_q.numel() - 1 if varlen is not None else B
+    if (varlen is None and not dropout and bias is None and mask is None and Lq <= DECODE_MAX_LQ
+            and Lk >= DECODE_MIN_KEYS and _table_key(block_d, kind, False)[:2] in DECODE_CONFIGS[90]):
+        if _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, softcap, scale, is_causal, has_window,
+                   win_left, win_right, arch, kind, use_tma, block_d):
+            return
+    ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
+    tail = (*sq, *sk, *sv, *so, stride_mb, *strides, Hq, Hq // Hkv, Lq, Lk, D, nseq, win_left, win_right,
+            float(scale), float(dropout_p), float(softcap))
+    head = (q, k, v, out, lse, mask_pad, seed if dropout else q, cu_q, cu_k, q if sinks is None else sinks, *ptrs)
+    constexprs = dict(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
+                      HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, HAS_SINKS=sinks is not None,
+                      **flags, USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
+                      INTERPRET=arch == 0)
+    # Lk's power-of-two factor (up to 128) is part of the key: it decides which warp-specialized
+    # candidates (whole key blocks only, without causality) may run.
+    cls = _class(has_window, varlen is not None, _score_mod(softcap, alibi, bias, mask))
+    key = (arch, _table_key(block_d, kind, dropout, cls), is_causal, key_padding_mask is not None, use_tma,
+           _bucket(max_q), _bucket(max_k), min(Lk & -Lk, 128))
+    cands = _fwd_candidates(arch, key[1], use_tma, is_causal, Lk)
+    host_descs = use_tma and varlen is None  # varlen: per-sequence descriptors built on the device
+    if use_tma and arch and (not host_descs or any(c["WS"] for c in cands)):
+        triton.set_allocator(_allocator(q.device))  # device-side descriptors' scratch
+
+    def args(cfg):
+        if host_descs and not cfg["WS"]:
+            bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+            descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
+                     _tma_desc(out, so, bm, block_d))
+        else:
+            descs = (q, k, v, out)  # unused
+        return head + descs + tail
+
+    def grid(cfg):
+        if varlen is not None:  # the virtual query blocks of every sequence (helpers._find_seq)
+            return (_grid_size((Lq // cfg["BLOCK_M"] + nseq) * Hq),)
+        return (_grid_size(common.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq),)
+
+    cfg = _FWD_CACHE.get(key, cands,
+                         lambda c: common.launch("attention_fwd", _attn_fwd, grid(c), args(c), constexprs, c))
+    if use_tma:
+        common.count_launch("attention_tma")
+    common.launch("attention_fwd", _attn_fwd, grid(cfg), args(cfg), constexprs, cfg)
+
+
+def _decode_splits(B, Hkv, n_rb, Lk, block_n, device) -> int:
+    """Key chunks per (batch, kv head, row block): enough programs for two waves over the SMs,
+    each chunk at least two key blocks; 1 = no split (the forward kernel is as good)."""
+    programs = B * Hkv * n_rb
+    target = 2 * common.sm_count(device)
+    if programs >= target:
+        return 1
+    return max(1, min(common.cdiv(Lk, 2 * block_n), common.cdiv(target, programs)))
+
+
+def _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, softcap, scale, is_causal, has_window, win_left,
+            win_right, arch, kind, use_tma, block_d) -> bool:
+    """Split-KV decoding (``decode.py``) where it pays: few query rows, a long cache, too few
+    programs otherwise. Returns False (nothing launched) where the forward kernel should run."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    groups = Hq // Hkv
+    block_m = _decode_block_m(groups * Lq, block_d, kind)
+    cfg = _DECODE_CACHE.get((arch, _table_key(block_d, kind, False)[:2], use_tma, block_m),
+                            _candidates_decode(arch, _table_key(block_d, kind, False)[:2]), lambda c: None)
+    block_n = cfg["BLOCK_N"]
+    n_rb = common.cdiv(groups * Lq, block_m)
+    n_splits = _decode_splits(B, Hkv, n_rb, Lk, block_n, q.device)
+    if n_splits == 1:
+        return False
+    split_len = common.cdiv(common.cdiv(Lk, n_splits), block_n) * block_n
+    n_splits = common.cdiv(Lk, split_len)
+    sq, sk, sv, so = _strides(q), _strides(k), _strides(v), _strides(out)
+    parts = common.empty((B * Hq, n_splits, Lq, block_d), torch.float32, q.device)
+    lse_parts = common.empty((B * Hq, n_splits, Lq), torch.float32, q.device)
+    slopes, stride_slb = (q, 0) if alibi is None else (alibi, alibi.stride(0) if alibi.dim() == 2 else 0)
+    if use_tma and arch:
+        triton.set_allocator(_allocator(q.device))
+    if use_tma:
+        common.count_launch("attention_tma")
+    common.launch("attention_decode", _attn_decode_split, (_grid_size(B * Hkv * n_rb * n_splits),),
+                  (q, k, v, parts, lse_parts, mask_pad, slopes, *sq, *sk, *sv, stride_mb, stride_slb, Hq, Hkv, groups,
+                   Lq, Lk, D, win_left, win_right, n_splits, split_len, float(scale), float(softcap)),
+                  dict(IS_CAUSAL=is_causal, WINDOW=has_window, HAS_PAD=mask_pad is not q, SOFTCAP=bool(softcap),
+                       HAS_ALIBI=alibi is not None, USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d,
+                       BLOCK_D=block_d, BLOCK_M=block_m, INTERPRET=arch == 0),
+                  cfg)
+    common.launch("attention_decode_combine", _attn_decode_combine, (_grid_size(B * Hq * common.cdiv(Lq, 16)),),
+                  (parts, lse_parts, out, lse, q if sinks is None else sinks, *so, Hq, Lq, D, n_splits),
+                  dict(HAS_SINKS=sinks is not None, BLOCK_D=block_d, BLOCK_M=16, INTERPRET=arch == 0),
+                  common.Config.of(num_warps=4))
+    return True
+
+
+def _candidates_decode(arch, key):
+    if arch == 0:
+        return [configs.INTERPRET_DECODE]
+    return DECODE_CONFIGS[arch][key]
+
+
+def _score_mod(softcap, alibi, bias, mask) -> bool:
+    return bool(softcap) or alibi is not None or bias is not None or mask is not None
+
+
+def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, causal: bool, scale: float,
+             dropout_p: float, *, window=(-1, -1), varlen=None, softcap=0.0, sinks=None, dsinks=None, alibi=None,
+             bias=None, dbias=None, mask=None) -> None:
+    """Writes the gradients into ``dq``, ``dk``, ``dv`` (views of q's, k's, v's shapes and dtypes;
+    dk and dv with equal strides), dK/dV summed over each GQA group.
+
+    ``do`` has out's shape (any strides, contiguous last dim); ``lse`` is the forward's;
+    ``dlse`` ((B, Hq, Lq) fp32) or None is the gradient of the LSE output. ``window`` and
+    ``varlen`` as in :func:`forward`, and the score modifications; ``dsinks`` ((Hq,) fp32) receives
+    the sinks' gradient, ``dbias`` ((B, Hq, Lq, Lk) contiguous fp32, zeroed here) the scores'
+    gradient dS (the caller sums it over the bias's broadcast dims).
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if dbias is not None:
+        dbias.zero_()  # blocks outside the band are never written
+    if Lq == 0 or Lk == 0 or B == 0:
+        # No query (nothing to differentiate) or no key (every row outputs the constant 0; the
+        # LSE is the sink: d sink = sum of dLSE).
+        for t in (dq, dk, dv):
+            t.zero_()
+        if dsinks is not None:
+            if dlse is None or Lq == 0 or B == 0:
+                dsinks.zero_()
+            else:
+                dsinks.copy_(dlse.float().sum((0, 2)))
+        return
+    arch = common.arch(q.device)
+    block_d = _block_d(D)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (q, q, Lq, Lk)
+    nseq = cu_q.numel() - 1 if varlen is not None else B
+    # Row statistics padded to a multiple of every backward query block (unmasked loads);
+    # varlen: each sequence's rows (helpers._find_seq's virtual blocks of STAT_ALIGN rows).
+    if varlen is not None:
+        stride_stat = (Lq // STAT_ALIGN + nseq) * STAT_ALIGN
+    else:
+        stride_stat = common.cdiv(Lq, STAT_ALIGN) * STAT_ALIGN
+    stats = common.empty((B * Hq, 2, stride_stat), torch.float32, q.device)
+    n_pre = stride_stat // PRE_BLOCK_M
+    # Per preprocess program, its part of the sinks' gradient (summed below: deterministic).
+    dsink_parts = common.empty((B, Hq, n_pre), torch.float32, q.device) if sinks is not None else stats
+    so, sdo = _strides(out), _strides(do)
+    if dlse is not None and not dlse.is_contiguous():
+        dlse = dlse.contiguous()  # e.g. the expanded gradient of lse.sum()
+    common.launch("attention_bwd_preprocess", _attn_bwd_preprocess, (_grid_size(n_pre * B * Hq),),
+                  (out, do, lse, dlse if dlse is not None else lse, stats, cu_q, lse if sinks is None else sinks,
+                   dsink_parts, *so, *sdo, Hq, Lq, D, nseq, n_pre, stride_stat),
+                  dict(HAS_DLSE=dlse is not None, VARLEN=varlen is not None, HAS_SINKS=sinks is not None,
+                       BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M, STAT_ALIGN=STAT_ALIGN),
+                  common.Config.of(num_warps=4))
+    if sinks is not None:
+        torch.sum(dsink_parts, (0, 2), out=dsinks)
+
+    sq, sk, sv, sdq, sdk = _strides(q), _strides(k), _strides(v), _strides(dq), _strides(dk)
+    kind = _kind(q.dtype)
+    use_tma = _use_tma(arch, kind, ((q, sq), (k, sk), (v, sv), (do, sdo), (dq, sdq), (dk, sdk), (dv, sdk)))
+    dropout = dropout_p > 0.0
+    mask_pad, stride_mb = _mask_arg(key_padding_mask, q)
+    groups = Hq // Hkv
+    is_causal, has_window, win_left, win_right = _band(causal, window)
+    ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
+    sdb = dbias.stride()[:3] if dbias is not None else (0, 0, 0)
+    args = (q, k, v, do, dq, dk, dv, stats, mask_pad, seed if dropout else q, cu_q, cu_k, *ptrs,
+            q if dbias is None else dbias,
+            *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides, *sdb, Hq, Hkv, groups, Lq, Lk, D, nseq,
+            win_left, win_right, float(scale), float(dropout_p), float(softcap))
+    constexprs = dict(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
+                      HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, **flags, HAS_DBIAS=dbias is not None,
+                      USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
+                      STAT_ALIGN=STAT_ALIGN, INTERPRET=arch == 0)
+    if use_tma and arch:
+        triton.set_allocator(_allocator(q.device))
+
+    def grid(cfg):
+        if varlen is not None:  # virtual key and query blocks (helpers._find_seq)
+            n_kv, n_q = Lk // cfg["BLOCK_N1"] + nseq, Lq // cfg["BLOCK_M2"] + nseq
+        else:
+            n_kv, n_q = common.cdiv(Lk, cfg["BLOCK_N1"]), common.cdiv(Lq, cfg["BLOCK_M2"])
+        per_head = n_kv * (2 if cfg["SPLIT_KV"] else 1) + n_q * groups
+        return (_grid_size(per_head * B * Hkv),)
+
+    cls = _class(has_window, varlen is not None, _score_mod(softcap, alibi, bias, mask))
+    key = (arch, _table_key(block_d, kind, dropout, cls), is_causal,
+           key_padding_mask is not None, use_tma, _bucket(max_q), _bucket(max_k))
+    cfg = _BWD_CACHE.get(key, _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key[1], use_tma),
+                         lambda c: common.launch("attention_bwd", _attn_bwd, grid(c), args, constexprs, c))
+    if use_tma:
+        common.count_launch("attention_tma")
+    common.launch("attention_bwd", _attn_bwd, grid(cfg), args, constexprs, cfg)
+
+
+def dropout_keep_mask(seed, B: int, Hq: int, Lq: int, Lk: int, dropout_p: float, device) -> torch.Tensor:
+    """The bool keep mask (B, Hq, Lq, Lk) the kernels use for ``seed`` (a test helper)."""
+    out = torch.empty((B, Hq, Lq, Lk), dtype=torch.uint8, device=device)
+    if out.numel() == 0:
+        return out.bool()
+    bm = bn = 32
+    nm, nn = common.cdiv(Lq, bm), common.cdiv(Lk, bn)
+    common.launch("attention_dropout_mask", _dropout_mask_kernel, (_grid_size(nm * nn * B * Hq),),
+                  (seed, out, Hq, Lq, Lk, nm, nn, float(dropout_p)), dict(BLOCK_M=bm, BLOCK_N=bn),
+                  common.Config.of(num_warps=4))
+    return out.bool()
+
+
+
+
+def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens) -> None:
+    """Writes k, v ((B, Hkv, L_new, D), any strides with a contiguous last dim) into the caches
+    ((B, Hkv, L_cache, D)) at rows cache_seqlens[b] + i, in place (``decode._kv_cache_append``)."""
+    B, Hkv, L_new, D = k.shape
+    if k.numel() == 0:
+        return
+    block_m = 16
+    n_rb = common.cdiv(L_new, block_m)
+    common.launch("attention_kv_append", _kv_cache_append, (_grid_size(B * Hkv * n_rb),),
+                  (k_cache, v_cache, k, v, cache_seqlens, *k_cache.stride()[:3], *v_cache.stride()[:3],
+                   *k.stride()[:3], *v.stride()[:3], Hkv, L_new, k_cache.shape[2], D),
+                  dict(BLOCK_D=_block_d(D), BLOCK_M=block_m), common.Config.of(num_warps=4))

@@ -1,0 +1,204 @@
+"""Ahead-of-time compile specs of the attention kernels: every shipped config on its own arch
+(``kernels/aot.py`` compiles them; ``tests/test_compile.py`` holds them spill-free)."""
+import os
+
+from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
+from fused_block.kernels.attention.configs import (BWD_CONFIGS, DECODE_BLOCK_MS, DECODE_CONFIGS, FWD_CONFIGS,
+                                                   PRE_BLOCK_M, STAT_ALIGN)
+from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
+from fused_block.kernels.attention.forward import _attn_fwd
+from fused_block.kernels.attention.helpers import _dropout_mask_kernel
+
+# ---------------------------------------------------------------------------------------------
+# ahead-of-time compile specs
+# ---------------------------------------------------------------------------------------------
+
+def _signature(fn, ptr_types: dict, floats=("scale", "dropout_p", "softcap")) -> dict:
+    sig = {}
+    for param in fn.params:
+        if param.is_constexpr:
+            sig[param.name] = "constexpr"
+        elif param.name in ptr_types:
+            sig[param.name] = ptr_types[param.name]
+        else:
+            sig[param.name] = "fp32" if param.name in floats else "i32"
+    return sig
+
+
+def _aligned_args(fn):
+    # Bias and mask strides are 0 along broadcast dims and 1 along a contiguous Lk: no hint.
+    return tuple(n for n in fn.arg_names if n.startswith("stride_") and n != "stride_mb" and n != "stride_slb"
+                 and not n.startswith(("stride_b", "stride_a"))) + ("D",)
+
+
+def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
+    """Argument types: data pointers, and the forward's descriptor arguments (host-side
+    descriptors on its TMA path without warp specialization, else the tensors)."""
+    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "QD", "KD", "VD", "OD")
+            if p in fn.arg_names}
+    if tma and meta is not None and "WS" in meta and not meta["WS"]:
+        for p, block in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
+            ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
+    ptrs.update({p: "*fp32" for p in ("LSE", "STATS", "SINKS", "SLOPES", "DBIAS", "DSINK") if p in fn.arg_names})
+    ptrs.update({p: t for p, t in (("MASK", "*u8"), ("SEED", "*i64"), ("CU_Q", "*i32"), ("CU_K", "*i32"),
+                                   ("BIAS", f"*{dt}"), ("AMASK", "*u8")) if p in fn.arg_names})
+    return ptrs
+
+
+# Known spills outside the default check (README): the sm_90 backward of the "score" class
+# with dropout at D = 256 (16-bit) and D = 128 (TF32) spills 8-16 B with ALiBi + bias + mask
+# (every smaller or split tile tried spilled more); softcap + sinks and varlen compile clean.
+_DROPOUT_BIAS_SPILLS = {(90, "bwd", 256, "16"), (90, "bwd", 128, "tf32")}
+
+
+def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool, dropout_bias_spills: bool = False):
+    """The runtime combinations of one table entry the compile check builds, as (flags, name):
+    the constexprs IS_CAUSAL, WINDOW, HAS_PAD, BLOCK_D and EVEN_D, and the spec name's tail.
+
+    "plain": near 255 registers ptxas is not monotonic in them (configs spilled with causal
+    and padding off and not on, or only with D == BLOCK_D), so ``exhaustive`` builds their
+    product: causal x padding x every BLOCK_D of the class (16 and 32 run the 64 class's
+    tiles) x EVEN_D (D == BLOCK_D, or a smaller multiple of 16 with column masks; the TMA path
+    has no column masks, so EVEN_D does not reach its code). The default check builds, at the
+    class's BLOCK_D, causal x padding with EVEN_D alternating on the pointer path (every pair
+    of the three flags in all four states) and causal + padding and neither on the TMA path
+    (where every spill of the product showed). Feature classes build their own flags with
+    causality on (and padding, where the class takes it): the heaviest combinations;
+    ``exhaustive`` also without causality.
+
+    Strides and D carry the 16-divisibility hint in both: head dims that are odd multiples of
+    8 (24, 40, 72, ...) give the pointer path neither, and it spills there (see README)."""
+    def combo(causal, pad, bd, even, window=False, varlen=False, score=()):
+        name = (f"{'varlen ' if varlen else ''}{'causal' if causal else 'full'}{' window' if window else ''}"
+                f"{' pad' if pad else ''}{f' D{bd}' if bd != block_d_class else ''}{'' if even else ' ragged'}"
+                f"{''.join(' ' + m for m in score)}")
+        mods = dict(SOFTCAP="softcap" in score, HAS_SINKS="sinks" in score, HAS_ALIBI="alibi" in score,
+                    HAS_BIAS="bias" in score, HAS_AMASK="mask" in score, HAS_DBIAS="bias" in score)
+        return dict(IS_CAUSAL=causal, WINDOW=window, VARLEN=varlen, HAS_PAD=pad, BLOCK_D=bd, EVEN_D=even,
+                    **mods), name
+
+    if cls == "score":
+        # The models' combinations: causal softcap + sinks (Gemma 2, gpt-oss), a bias with its
+        # gradient + a bool mask + ALiBi (T5, BLOOM, the layers' merged masks), and packed
+        # sequences with a window, softcap, ALiBi and sinks. ``exhaustive`` adds every
+        # modification at once (not shipped spill-free: see README).
+        yield combo(True, False, block_d_class, True, score=("softcap", "sinks"))
+        if exhaustive or not dropout_bias_spills:
+            yield combo(False, False, block_d_class, True, score=("alibi", "bias", "mask"))
+        yield combo(True, False, block_d_class, True, window=True, varlen=True, score=("softcap", "alibi", "sinks"))
+        if exhaustive:
+            yield combo(True, False, block_d_class, True, score=("softcap", "alibi", "sinks", "bias", "mask"))
+        return
+    if cls == "band":
+        # A window on dense batches (host-side descriptors in the forward, padding possible),
+        # and packed sequences (device-side descriptors; no padding mask) with a window.
+        for causal in (True, False) if exhaustive else (True,):
+            yield combo(causal, causal, block_d_class, True, window=True)
+            yield combo(causal, False, block_d_class, True, window=True, varlen=True)
+        return
+    if not exhaustive:
+        for causal, pad in ((True, True), (False, False)) if tma else ((True, True), (False, False), (True, False),
+                                                                      (False, True)):
+            yield combo(causal, pad, block_d_class, tma or causal != pad)
+        return
+    for causal, pad in ((True, True), (False, False), (True, False), (False, True)):
+        for bd in (16, 32, 64) if block_d_class == 64 else (block_d_class,):
+            for even in (True,) if tma or bd < 64 else (True, False):
+                yield combo(causal, pad, bd, even)
+
+
+def aot_specs(exhaustive=None) -> list:
+    """Every shipped config on its own arch (bf16 for the "16" kind, fp32 for tf32/ieee; ieee
+    products are not wgmma) in the runtime combinations of :func:`_aot_combos`, with dropout as
+    its list says. sm_90: TMA (asserted), plus pointer loads for each list's first config (IEEE
+    fp32: pointers only); sm_80: pointers. ``exhaustive`` (default: ``FUSED_BLOCK_AOT_ALL=1``)
+    builds every combination and compiles a config in both a class's dropout and no-dropout
+    lists both ways; the default check compiles such a config once, with dropout."""
+    from fused_block.kernels import aot  # only the compile check needs it
+
+    if exhaustive is None:
+        exhaustive = os.environ.get("FUSED_BLOCK_AOT_ALL", "0") == "1"
+
+    def paths(arch, kind, cfgs):
+        # sm_90 runs a list on TMA (except IEEE fp32) and its first config on pointers too.
+        for i, cfg in enumerate(cfgs):
+            for tma in ((True, False) if i == 0 else (True,)) if arch == 90 and kind != "ieee" else (False,):
+                yield cfg, tma
+
+    specs = []
+    for kname, fn, tables in (("fwd", _attn_fwd, FWD_CONFIGS), ("bwd", _attn_bwd, BWD_CONFIGS)):
+        for arch, table in tables.items():
+            for (block_d, kind, dropout, cls), cfgs in table.items():
+                dt = "bf16" if kind == "16" else "fp32"
+                with_dropout = set(paths(arch, kind, table.get((block_d, kind, True, cls), ())))
+                for cfg, tma in paths(arch, kind, cfgs):
+                    if not dropout and not exhaustive and (cfg, tma) in with_dropout:
+                        continue
+                    m = cfg.meta()
+                    blocks = (f"{m['BLOCK_M']}x{m['BLOCK_N']}" if kname == "fwd" else
+                              f"{m['BLOCK_M1']}x{m['BLOCK_N1']}/{m['BLOCK_M2']}x{m['BLOCK_N2']}"
+                              f"{' split' if m['SPLIT_KV'] else ''}")
+                    blocks += " ws" if m.get("WS") else ""
+                    tag = "" if cls == "plain" else f" {cls}"
+                    spills = dropout and (arch, kname, block_d, kind) in _DROPOUT_BIAS_SPILLS
+                    for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive, spills):
+                        if kname == "bwd":
+                            flags = dict(flags, STAT_ALIGN=STAT_ALIGN)
+                        flags = {n: v for n, v in flags.items() if n in fn.arg_names}
+                        host = tma and not flags["VARLEN"]  # the forward's host-side descriptors
+                        specs.append(aot.KernelSpec(
+                            name=(f"attention_{kname} D{block_d} {kind}{' dropout' if dropout else ''}{tag} {blocks} "
+                                  f"{'tma' if tma else 'ptr'}: {combo_name}"),
+                            fn=fn, signature=_signature(fn, _data_ptrs(fn, dt, m, flags["BLOCK_D"], host)),
+                            constexprs=dict(HAS_DROPOUT=dropout, USE_TMA=tma, IEEE=kind == "ieee", INTERPRET=False,
+                                            **flags, **m),
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn),
+                            wgmma=kind != "ieee", tma=tma, archs=(arch,)))
+    for varlen, sinks in ((False, False), (True, False), (False, True), (True, True)):
+        specs.append(aot.KernelSpec(
+            name=f"attention_bwd_preprocess D128 bf16{' varlen' if varlen else ''}{' sinks' if sinks else ''}",
+            fn=_attn_bwd_preprocess,
+            signature=_signature(_attn_bwd_preprocess, {"O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
+                                                        "DLSE": "*fp32", "STATS": "*fp32", "CU_Q": "*i32",
+                                                        "SINKS": "*fp32", "DSINK": "*fp32"}),
+            constexprs=dict(HAS_DLSE=True, VARLEN=varlen, HAS_SINKS=sinks, BLOCK_D=128, BLOCK_M=PRE_BLOCK_M,
+                            STAT_ALIGN=STAT_ALIGN),
+            num_warps=4, aligned=_aligned_args(_attn_bwd_preprocess)))
+    # Split-KV decoding: every table entry at its smallest and largest row block, with every
+    # flag it takes (causal, window, padding, softcap, ALiBi: the heaviest step); TMA
+    # (device-side descriptors) and pointers on sm_90 (except IEEE fp32), pointers on sm_80.
+    for arch, table in DECODE_CONFIGS.items():
+        for (block_d, kind), cfgs in table.items():
+            dt = "bf16" if kind == "16" else "fp32"
+            block_ms = [m for m in DECODE_BLOCK_MS if m <= (32 if block_d > 128 or kind != "16" else 64)]
+            for cfg in cfgs:
+                for tma in (True, False) if arch == 90 and kind != "ieee" else (False,):
+                    for block_m in (block_ms[0], block_ms[-1]):
+                        specs.append(aot.KernelSpec(
+                            name=(f"attention_decode D{block_d} {kind} {block_m}x{cfg['BLOCK_N']} "
+                                  f"{'tma' if tma else 'ptr'}: causal window pad softcap alibi"),
+                            fn=_attn_decode_split,
+                            signature=_signature(_attn_decode_split, {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}",
+                                                                      "OP": "*fp32", "LSEP": "*fp32", "MASK": "*u8",
+                                                                      "SLOPES": "*fp32"}),
+                            constexprs=dict(IS_CAUSAL=True, WINDOW=True, HAS_PAD=True, SOFTCAP=True, HAS_ALIBI=True,
+                                            USE_TMA=tma, IEEE=kind == "ieee", EVEN_D=True, BLOCK_D=block_d,
+                                            BLOCK_M=block_m, INTERPRET=False, **cfg.meta()),
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            aligned=_aligned_args(_attn_decode_split), wgmma=False, tma=tma, archs=(arch,)))
+    specs.append(aot.KernelSpec(
+        name="attention_decode_combine D128 bf16 sinks", fn=_attn_decode_combine,
+        signature=_signature(_attn_decode_combine, {"OP": "*fp32", "LSEP": "*fp32", "O": "*bf16", "LSE": "*fp32",
+                                                    "SINKS": "*fp32"}),
+        constexprs=dict(HAS_SINKS=True, BLOCK_D=128, BLOCK_M=16, INTERPRET=False), num_warps=4,
+        aligned=_aligned_args(_attn_decode_combine)))
+    specs.append(aot.KernelSpec(
+        name="attention_kv_cache_append D128 bf16", fn=_kv_cache_append,
+        signature=_signature(_kv_cache_append, {"KC": "*bf16", "VC": "*bf16", "KN": "*bf16", "VN": "*bf16",
+                                                "SEQLENS": "*i32"}),
+        constexprs=dict(BLOCK_D=128, BLOCK_M=16), num_warps=4, aligned=_aligned_args(_kv_cache_append)))
+    specs.append(aot.KernelSpec(
+        name="attention_dropout_mask", fn=_dropout_mask_kernel,
+        signature=_signature(_dropout_mask_kernel, {"SEED": "*i64", "OUT": "*u8"}),
+        constexprs=dict(BLOCK_M=32, BLOCK_N=32), num_warps=4))
+    return specs

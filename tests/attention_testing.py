@@ -1,0 +1,90 @@
+"""Helpers of the attention feature tests: one comparison of a kernel call (output, LSE and the
+gradient of every input that requires one) with the float64 reference and PyTorch's own error
+in the inputs' dtype (``numerics.assert_close``'s rule).
+
+``run(*tensors)`` calls the kernels and ``ref(*tensors, compute_dtype=...)`` the reference;
+both return ``(out, lse)``. ``tensors`` are the kernel's inputs: floating-point tensors that
+require a gradient get one in all three computations; other tensors (masks, lengths) pass
+unchanged. The reference runs on float64 copies, the baseline on copies in the inputs' dtype.
+"""
+import pytest
+import torch
+
+from fused_block.kernels import common
+from fused_block.kernels.attention import launchers
+from gemm_testing import baseline_mode, fp32_mode
+from numerics import ATOL, assert_close, randn
+
+ON_CUDA = torch.cuda.is_available()
+HOPPER = ON_CUDA and torch.cuda.get_device_capability()[0] >= 9
+PATHS = ("tma", "pointer")
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Runs the test on one data path and checks afterwards that it was the one taken (import
+    it into a test module to use it)."""
+    if request.param == "tma" and ON_CUDA and not HOPPER:
+        pytest.skip("TMA needs Hopper")
+    monkeypatch.setattr(launchers, "FORCE_PATH", "pointer" if request.param == "pointer" else None)
+    before = common.LAUNCHES["attention_tma"]
+    yield request.param
+    took_tma = common.LAUNCHES["attention_tma"] > before
+    assert took_tma == expects_tma(request.param, request.node), f"the {request.param} path did not run"
+
+
+def expects_tma(path, node):
+    """Whether the kernels take TMA on ``path``. Hopper runs fp32 (these tests' IEEE products:
+    torch's default precision) from registers, on the pointer path (``launchers._use_tma``)."""
+    dtype = getattr(getattr(node, "callspec", None), "params", {}).get("dtype")
+    return path == "tma" and not (HOPPER and dtype == torch.float32)
+
+
+def _copies(tensors, dtype=None):
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            c = t.detach().to(dtype or t.dtype).clone()
+            out.append(c.requires_grad_(t.requires_grad))
+        else:
+            out.append(t)
+    return out
+
+
+def _grad_inputs(tensors):
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def check(run, ref, tensors, names, *, mode="ieee", lse_weight=False, grads=True, out_dtype=None):
+    """Compare ``run(*tensors)`` with ``ref`` (see the module docstring); ``names`` name the
+    tensors (for messages). ``lse_weight``: the loss also weighs the LSE (its gradient flows
+    into every input). Returns the kernel's ``(out, lse)``."""
+    dtype = out_dtype or next(t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
+    wanted = [n for n, t in zip(names, tensors) if isinstance(t, torch.Tensor) and t.requires_grad] if grads else []
+
+    def loss(out, lse, dout, w):
+        total = (out.float() * dout.float()).sum() if out.dtype != torch.float64 else (out * dout.double()).sum()
+        if w is not None:
+            finite = torch.isfinite(lse)
+            total = total + (torch.where(finite, lse, 0.0) * w.to(lse.dtype)).sum()
+        return total
+
+    with fp32_mode(mode):
+        out, lse = run(*tensors)
+        dout = randn(*out.shape, dtype=dtype, device=out.device)
+        w = randn(*lse.shape, dtype=torch.float32, device=lse.device) if lse_weight else None
+        got = torch.autograd.grad(loss(out, lse, dout, w), _grad_inputs(tensors)) if wanted else ()
+    t64 = _copies(tensors, torch.float64)
+    out64, lse64 = ref(*t64)
+    want64 = torch.autograd.grad(loss(out64, lse64, dout, w), _grad_inputs(t64)) if wanted else ()
+    tlp = _copies(tensors)
+    with baseline_mode(dtype, mode):
+        base, base_lse = ref(*tlp, compute_dtype=dtype)
+        want_lp = torch.autograd.grad(loss(base, base_lse, dout, w), _grad_inputs(tlp)) if wanted else ()
+    assert out.dtype == dtype
+    assert_close("out", out, out64, base)
+    assert lse.dtype == torch.float32
+    assert_close("lse", lse, lse64, base_lse, atol=ATOL[dtype])
+    for name, g, g64, gb in zip(wanted, got, want64, want_lp):
+        assert_close(f"d{name}", g, g64, gb)
+    return out, lse

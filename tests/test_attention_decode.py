@@ -1,0 +1,172 @@
+"""Split-KV decoding (``kernels/attention/decode.py``): few query rows against a long cache,
+keys split over programs and combined by their LSEs, chosen automatically; against the
+float64 reference, with the options it takes (causal, window, key padding, softcap, ALiBi,
+sinks, GQA), and the regular backward on its output.
+
+The threshold (``launchers.DECODE_MIN_KEYS``) is lowered so that interpreter-sized caches
+(130 to 300 keys, 32-key blocks) split into 3 to 5 chunks; the interpreter's stand-in SM count
+is 4 (two waves: 8 programs). fp32 runs under TF32 (torch's "high"): IEEE fp32 does not split
+(the forward kernel runs; test_decode_is_not_chosen_where_it_does_not_pay).
+"""
+import pytest
+import torch
+
+from attention_testing import check, path  # noqa: F401 - the fixture
+from fused_block import reference
+from fused_block.attention import attention
+from fused_block.kernels.attention import launchers
+from numerics import DTYPES, randn
+
+
+@pytest.fixture(autouse=True)
+def _short_caches(monkeypatch):
+    monkeypatch.setattr(launchers, "DECODE_MIN_KEYS", 64)
+
+
+# (B, Hq, Hkv, Lq, Lk, D, causal, window, padding), each with its reason.
+CASES = [
+    # One decode step, GQA 4:2 (the group's 4 rows in one program), 300 keys: 4 chunks, the last
+    # one partial.
+    pytest.param(1, 4, 2, 1, 300, 32, True, (-1, -1), False, id="step-gqa"),
+    # Speculative decoding: 5 query rows, causal bottom-right (the last keys masked per row),
+    # a 100-key window, GQA 8:2 (20 rows in a 32-row block).
+    pytest.param(1, 8, 2, 5, 260, 64, True, (100, -1), False, id="five-rows-window"),
+    # MQA, two batches, key padding on the cache's tail, non-causal, D = 16.
+    pytest.param(2, 2, 1, 3, 200, 16, False, (-1, -1), True, id="mqa-padding"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,window,padding", CASES)
+def test_decode_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, window, padding, dtype, device, path, launches):
+    q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True)
+    k, v = (randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    kpm = None
+    if padding:
+        kpm = torch.zeros(B, Lk, dtype=torch.bool, device=device)
+        kpm[0, -37:] = True
+
+    def run(q, k, v):
+        return attention(q, k, v, causal, None, kpm, window=window, return_lse=True)
+
+    def ref(q, k, v, compute_dtype=None):
+        return reference.attention(q, k, v, causal, None, kpm, window=window, return_lse=True,
+                                   compute_dtype=compute_dtype)
+
+    check(run, ref, (q, k, v), ("q", "k", "v"), lse_weight=True, mode="tf32")
+    assert launches["attention_decode"] == 1 and launches["attention_decode_combine"] == 1
+    assert launches["attention_fwd"] == 0 and launches["attention_bwd"] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_with_softcap_alibi_sinks(dtype, device, path, launches):
+    B, Hq, Hkv, Lq, Lk, D = 1, 4, 1, 2, 230, 32
+    q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True, scale=3.0)
+    k, v = (randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    sinks = randn(Hq, dtype=torch.float32, device=device, requires_grad=True)
+    slopes = (torch.rand(B, Hq) * 0.1).to(device)
+
+    def run(q, k, v, sinks):
+        return attention(q, k, v, True, softcap=4.0, sinks=sinks, alibi_slopes=slopes, return_lse=True)
+
+    def ref(q, k, v, sinks, compute_dtype=None):
+        return reference.attention(q, k, v, True, softcap=4.0, sinks=sinks, alibi_slopes=slopes, return_lse=True,
+                                   compute_dtype=compute_dtype)
+
+    check(run, ref, (q, k, v, sinks), ("q", "k", "v", "sinks"), lse_weight=True, mode="tf32")
+    assert launches["attention_decode"] == 1 and launches["attention_fwd"] == 0
+
+
+def test_decode_is_not_chosen_where_it_does_not_pay(device, launches):
+    """Many programs already (B * Hkv >= two waves), a short cache, more than 16 rows, dropout,
+    a bias, or IEEE fp32 (its FMA-unit tiles spill at decode's row blocks): the forward kernel."""
+    def qkv(B, H, Lq, Lk, dtype=torch.float16):
+        return tuple(torch.randn(B, H, L, 16, device=device).to(dtype) for L in (Lq, Lk, Lk))
+    attention(*qkv(8, 2, 1, 300))
+    attention(*qkv(1, 2, 1, 40))
+    attention(*qkv(1, 2, 17, 300))
+    attention(*qkv(1, 2, 1, 300), dropout_p=0.1)
+    attention(*qkv(1, 2, 1, 300), bias=torch.zeros(300, device=device, dtype=torch.float16))
+    attention(*qkv(1, 2, 1, 300, torch.float32))
+    assert launches["attention_decode"] == 0 and launches["attention_fwd"] == 6
+
+
+def test_decode_cache_without_visible_keys(device, launches):
+    """Lq > visible keys: a fully padded cache row gives 0 and LSE -inf, as the forward's."""
+    q, k, v = (torch.randn(1, 2, L, 16, device=device).half() for L in (2, 300, 300))
+    kpm = torch.ones(1, 300, dtype=torch.bool, device=device)
+    out, lse = attention(q, k, v, key_padding_mask=kpm, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    assert launches["attention_decode"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused KV-cache append, then a decode step on the cache
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_cache_append_then_decode(dtype, device, launches):
+    """New rows land at each batch's fill level (different per batch), in place, strided new
+    k/v (views of a (B, L, Hkv, D) projection); rows past the cache's end are dropped; the
+    decode step over the filled cache matches the reference on the same keys."""
+    import fused_block
+    B, Hkv, L_cache, D, L_new = 2, 2, 300, 16, 3
+    k_cache = torch.zeros(B, Hkv, L_cache, D, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    fill = torch.tensor([250, 298], dtype=torch.int32, device=device)  # batch 1: one row dropped
+    k_new, v_new = (randn(B, L_new, Hkv, D, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
+    fused_block.kv_cache_append(k_cache, v_cache, k_new, v_new, fill)
+    assert launches["attention_kv_append"] == 1
+    torch.testing.assert_close(k_cache[0, :, 250:253], k_new[0], atol=0, rtol=0)
+    torch.testing.assert_close(v_cache[1, :, 298:300], v_new[1, :, :2], atol=0, rtol=0)
+    assert (k_cache[0, :, 253:] == 0).all() and (k_cache[0, :, :250] == 0).all()
+    q = randn(B, 4, 1, D, dtype=dtype, device=device)
+    kpm = torch.arange(L_cache, device=device)[None] >= (fill + L_new).clamp(max=L_cache)[:, None]
+    out = attention(q, k_cache, v_cache, key_padding_mask=kpm)
+    want = reference.attention(q.double(), k_cache.double(), v_cache.double(), key_padding_mask=kpm)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
+    assert launches["attention_decode"] == (dtype != torch.float32)  # IEEE fp32 does not split
+
+
+def test_kv_cache_append_bad_input(device, launches):
+    import fused_block
+    kc = torch.zeros(2, 2, 10, 16, device=device)
+    kn = torch.zeros(2, 2, 1, 16, device=device)
+    fill = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="cache_seqlens must have dtype"):
+        fused_block.kv_cache_append(kc, kc.clone(), kn, kn, fill.long())
+    with pytest.raises(ValueError, match="k must have shape"):
+        fused_block.kv_cache_append(kc, kc.clone(), kn[:, :1], kn[:, :1], fill)
+    with pytest.raises(TypeError, match="v must have k_cache's dtype"):
+        fused_block.kv_cache_append(kc, kc.clone(), kn, kn.half(), fill)
+    with pytest.raises(ValueError, match="cache_seqlens must have shape"):
+        fused_block.kv_cache_append(kc, kc.clone(), kn, kn, fill[:1])
+    assert launches["attention_kv_append"] == 0
+
+
+def test_kv_cache_append_opcheck(device):
+    kc, vc = torch.zeros(2, 2, 40, 16, device=device), torch.zeros(2, 2, 40, 16, device=device)
+    kn, vn = torch.randn(2, 2, 3, 16, device=device), torch.randn(2, 2, 3, 16, device=device)
+    fill = torch.tensor([0, 30], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.fused_block.attention_kv_cache_append.default, (kc, vc, kn, vn, fill))
+
+
+def test_decode_torch_compile_fullgraph(device, launches):
+    """A decode step with the append, under torch.compile(fullgraph=True): both are opaque ops."""
+    import fused_block
+    B, Hkv, L, D = 1, 2, 200, 16
+    kc, vc = (torch.randn(B, Hkv, L, D, device=device).half() for _ in range(2))
+    fill = torch.tensor([150], dtype=torch.int32, device=device)
+    q, kn, vn = (torch.randn(B, n, 1, D, device=device).half() for n in (4, Hkv, Hkv))
+    kpm = torch.arange(L, device=device)[None] > 150
+
+    def step(q, kc, vc, kn, vn):
+        fused_block.kv_cache_append(kc, vc, kn, vn, fill)
+        return attention(q, kc, vc, key_padding_mask=kpm)
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, kc, vc, kn, vn)
+    want = step(q, kc2, vc2, kn, vn)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(kc, kc2)
+    assert launches["attention_decode"] == 2

@@ -1,0 +1,285 @@
+"""Score modifications: logit softcapping, attention sinks, ALiBi, an additive bias and a bool
+mask, alone and combined, against the float64 reference (forward, LSE and every gradient:
+q, k, v, sinks, bias), on both data paths.
+
+Interpreter blocks are 64 x 32 (forward), 32 x 64 / 64 x 32 (backward dK/dV, dQ): the lengths
+below (40 to 100) leave partial blocks on both axes, so bias and mask tiles are read with their
+bounds checked and unchecked.
+"""
+import pytest
+import torch
+
+from attention_testing import check, path  # noqa: F401 - the fixture
+from fused_block import reference
+from fused_block.attention import attention, attention_qkvpacked
+from numerics import DTYPES, randn
+
+
+def _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device, scale=1.0):
+    return (randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True, scale=scale),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True))
+
+
+def _launched_once(launches):
+    assert launches["attention_fwd"] == 1 and launches["attention_bwd_preprocess"] == 1
+    assert launches["attention_bwd"] == 1
+
+
+def _check(shape, dtype, device, *, causal=False, window=(-1, -1), softcap=None, sinks=False, alibi=None,
+           bias=None, bias_grad=False, mask=None, q_scale=1.0, lse_weight=True):
+    """``alibi``: None, "head" ((Hq,)) or "batch" ((B, Hq)); ``bias``/``mask``: the broadcast
+    shape (sizes of 1 broadcast) or None."""
+    B, Hq, Hkv, Lq, Lk, D = shape
+    tensors = list(_qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device, q_scale))
+    names = ["q", "k", "v"]
+    extra = {}
+    if sinks:
+        extra["sinks"] = randn(Hq, dtype=torch.float32, device=device, requires_grad=True)
+    if alibi is not None:
+        # Slopes as BLOOM's for 8 heads (2^-1 ... 2^-8), scaled down: a bias comparable to the scores.
+        slopes = 2.0 ** -torch.arange(1, Hq + 1, dtype=torch.float32) * 4
+        if alibi == "batch":
+            slopes = slopes[None] * torch.rand(B, 1) * 2
+        extra["alibi_slopes"] = slopes.to(device)
+    if bias is not None:
+        b = randn(*bias, dtype=dtype, device=device)
+        extra["bias"] = b.requires_grad_(bias_grad)
+    if mask is not None:
+        m = torch.rand(*mask, device=device) > 0.3
+        extra["mask"] = m
+    keys = list(extra)
+    tensors += [extra[k] for k in keys]
+    names += keys
+
+    def run(q, k, v, *rest):
+        return attention(q, k, v, causal, None, window=window, softcap=softcap, return_lse=True,
+                         **dict(zip(keys, rest)))
+
+    def ref(q, k, v, *rest, compute_dtype=None):
+        return reference.attention(q, k, v, causal, None, window=window, softcap=softcap, return_lse=True,
+                                   compute_dtype=compute_dtype, **dict(zip(keys, rest)))
+
+    return check(run, ref, tensors, names, lse_weight=lse_weight)
+
+
+# (B, Hq, Hkv, Lq, Lk, D) shapes: GQA 4:2 self-attention over 70 tokens (a partial block on
+# each axis); cross-attention 40 x 100 (Lq != Lk: causal is bottom-right).
+SELF = (1, 4, 2, 70, 70, 32)
+CROSS = (2, 2, 1, 40, 100, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_softcap(causal, dtype, device, path, launches):
+    # q scaled by 4: scores up to about +-8 against a cap of 3, so tanh saturates (the derivative
+    # 1 - tanh^2 matters) on many entries.
+    _check(SELF, dtype, device, causal=causal, softcap=3.0, q_scale=4.0)
+    _launched_once(launches)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sinks(causal, dtype, device, path, launches):
+    # Cross 40 x 100 with GQA: under causality every query sees keys; the sinks' gradient sums
+    # over both batches and every row.
+    _check(CROSS, dtype, device, causal=causal, sinks=True)
+    _launched_once(launches)
+
+
+def test_sinks_rows_without_keys(device, launches):
+    """Lq > Lk under causality: the first 60 queries see no key; with a sink they output 0,
+    their LSE is the sink's logit, and their gradients reach only the sinks (through dLSE)."""
+    out, lse = _check((1, 2, 2, 100, 40, 16), torch.float16, device, causal=True, sinks=True)
+    assert (out[:, :, :60] == 0).all()
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alibi,causal", [("head", True), ("batch", False)])
+def test_alibi(alibi, causal, dtype, device, path, launches):
+    _check(CROSS if alibi == "batch" else SELF, dtype, device, causal=causal, alibi=alibi)
+    _launched_once(launches)
+
+
+# Bias broadcast shapes over (B, Hq, Lq, Lk) = (2, 2, 40, 100): T5's per-head relative bias
+# (1, Hq, Lq, Lk); a per-batch key bias (B, 1, 1, Lk); the full shape; a 2-D (Lq, Lk) one.
+BIASES = [pytest.param((1, 2, 40, 100), id="t5"), pytest.param((2, 1, 1, 100), id="keys"),
+          pytest.param((2, 2, 40, 100), id="full"), pytest.param((40, 100), id="2d")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", BIASES)
+def test_bias(bias, dtype, device, path, launches):
+    _check(CROSS, dtype, device, causal=bias == (2, 1, 1, 100), bias=bias, bias_grad=True)
+    _launched_once(launches)
+
+
+def test_bias_without_grad(device, launches):
+    """A bias that requires no gradient gets none (no dS buffer), q, k, v still do."""
+    _check(CROSS, torch.bfloat16, device, bias=(1, 2, 40, 100), bias_grad=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask", [pytest.param((2, 1, 40, 100), id="per-batch"), pytest.param((40, 100), id="2d")])
+def test_mask(mask, dtype, device, path, launches):
+    _check(CROSS, dtype, device, mask=mask)
+    _launched_once(launches)
+
+
+def test_all_masked_rows(device, launches):
+    """Rows whose mask is all False (and a bias of -inf on a whole row) output 0 with LSE -inf
+    and zero gradients; the other rows are unaffected."""
+    B, Hq, Lq, Lk, D = 1, 2, 40, 100, 16
+    q, k, v = _qkv(B, Hq, Hq, Lq, Lk, D, torch.float16, device)
+    mask = torch.rand(B, Hq, Lq, Lk, device=device) > 0.5
+    mask[:, 0, 5] = False
+    bias = torch.zeros(Lq, Lk, dtype=torch.float16, device=device)
+    bias[7] = float("-inf")
+    out, lse = attention(q, k, v, mask=mask, bias=bias, return_lse=True)
+    assert (out[0, 0, 5] == 0).all() and (out[:, :, 7] == 0).all()
+    assert lse[0, 0, 5] == float("-inf") and (lse[:, :, 7] == float("-inf")).all()
+    dq, = torch.autograd.grad(out.float().sum(), (q,))
+    assert (dq[0, 0, 5] == 0).all() and (dq[:, :, 7] == 0).all() and torch.isfinite(dq).all()
+    assert launches["attention_fwd"] == 1 and launches["attention_bwd"] == 1
+
+
+# Everything at once: causal + a left window + softcap + sinks + ALiBi + bias + mask with GQA.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_everything_combined(dtype, device, path, launches):
+    _check(SELF, dtype, device, causal=True, window=(30, -1), softcap=5.0, sinks=True, alibi="head",
+           bias=(1, 4, 70, 70), bias_grad=True, mask=(70, 70))
+    _launched_once(launches)
+
+
+# Packed sequences: softcap, sinks and per-sequence ALiBi slopes (B, Hq) together, causal with
+# a left window; an empty sequence, one of length 1 and one crossing the 64-row blocks.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_varlen_softcap_sinks_alibi(dtype, device, path, launches):
+    from fused_block.attention import attention_varlen
+    lens = [5, 0, 70, 1]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    T, Hq, Hkv, D = sum(lens), 4, 2, 16
+    q = randn(T, Hq, D, dtype=dtype, device=device, requires_grad=True, scale=3.0)
+    k, v = (randn(T, Hkv, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    sinks = randn(Hq, dtype=torch.float32, device=device, requires_grad=True)
+    slopes = (torch.rand(len(lens), Hq) * 0.5).to(device)
+    options = dict(causal=True, window=(20, -1), softcap=4.0)
+
+    def run(q, k, v, sinks):
+        return attention_varlen(q, k, v, cu, cu, 70, 70, sinks=sinks, alibi_slopes=slopes, return_lse=True,
+                                **options)
+
+    def ref(q, k, v, sinks, compute_dtype=None):
+        return reference.attention_varlen(q, k, v, cu, cu, options["causal"], None, window=options["window"],
+                                          softcap=options["softcap"], sinks=sinks, alibi_slopes=slopes,
+                                          return_lse=True, compute_dtype=compute_dtype)
+
+    check(run, ref, (q, k, v, sinks), ("q", "k", "v", "sinks"), lse_weight=True)
+    _launched_once(launches)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library, torch.compile, bad input
+# ---------------------------------------------------------------------------------------------
+
+def test_scores_opcheck(device):
+    B, H, Lq, Lk, D = 1, 2, 20, 30, 16
+    q = torch.randn(B, H, Lq, D, device=device).half()
+    k, v = (torch.randn(B, H, Lk, D, device=device).half() for _ in range(2))
+    sinks, slopes = torch.randn(H, device=device), torch.rand(H, device=device)
+    bias = torch.randn(1, H, Lq, Lk, device=device).half()
+    mask = torch.rand(Lq, Lk, device=device) > 0.2
+    ops = torch.ops.fused_block
+    args = (None, None, True, 0.25, 0.0, 10, -1, 5.0, sinks, slopes, bias, mask)
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, *args))
+    out, lse = ops.attention_fwd(q, k, v, *args)
+    torch.library.opcheck(ops.attention_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), *args, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_scores_torch_compile_fullgraph(device, launches):
+    B, H, L, D = 1, 2, 40, 16
+    q, k, v = _qkv(B, H, H, L, L, D, torch.bfloat16, device)
+    sinks = torch.randn(H, device=device, requires_grad=True)
+    bias = torch.randn(1, H, L, L, device=device, dtype=torch.bfloat16, requires_grad=True)
+    slopes = torch.rand(H, device=device)
+
+    def f(q, k, v, sinks, bias):
+        out, lse = attention(q, k, v, True, softcap=4.0, sinks=sinks, alibi_slopes=slopes, bias=bias,
+                             return_lse=True)
+        return out.float().sum() + lse.sum()
+
+    inputs = (q, k, v, sinks, bias)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs)
+    g_got = torch.autograd.grad(got, inputs)
+    want = f(*inputs)
+    g_want = torch.autograd.grad(want, inputs)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b)
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
+
+
+def test_backward_is_deterministic(device):
+    """Bias and sinks gradients (summed over broadcast dims and programs) are bitwise
+    reproducible, as q's, k's and v's."""
+    q, k, v = _qkv(2, 2, 1, 70, 70, 16, torch.float16, device)
+    sinks = torch.randn(2, device=device, requires_grad=True)
+    bias = torch.randn(1, 2, 1, 70, device=device, dtype=torch.float16, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        out = attention(q, k, v, True, sinks=sinks, bias=bias, softcap=3.0)
+        runs.append(torch.autograd.grad(out.float().square().sum(), (q, k, v, sinks, bias)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def _bad_scores(device):
+    q = torch.zeros(2, 4, 10, 16, dtype=torch.float16, device=device)
+    k = torch.zeros(2, 2, 12, 16, dtype=torch.float16, device=device)
+    f32 = dict(dtype=torch.float32, device=device)
+    return [
+        (dict(softcap=0.0), ValueError, "softcap must be > 0"),
+        (dict(softcap=-1.0), ValueError, "softcap must be > 0"),
+        (dict(softcap=True), TypeError, "softcap must be a number"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
+        (dict(sinks=torch.zeros(3, **f32)), ValueError, r"sinks must have shape \(4,\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int32, device=device)), TypeError, "sinks must have dtype"),
+        (dict(sinks=torch.zeros(1, 4, **f32)), ValueError, "sinks must be 1-D"),
+        (dict(alibi_slopes=torch.zeros(3, **f32)), ValueError, r"alibi_slopes must have shape \(Hq,\)"),
+        (dict(alibi_slopes=torch.zeros(4, dtype=torch.float16, device=device)), TypeError,
+         "alibi_slopes must have dtype"),
+        (dict(alibi_slopes=torch.zeros(3, 4, **f32)), ValueError, "alibi_slopes must have shape"),
+        (dict(bias=torch.zeros(10, 13, **f32)), ValueError, "bias of shape .* does not broadcast"),
+        (dict(bias=torch.zeros(1, 1, 1, 10, 12, **f32)), ValueError, "bias must have at most 4 dims"),
+        (dict(bias=torch.zeros(10, 12, dtype=torch.bfloat16, device=device)), TypeError, "bias must have dtype"),
+        (dict(mask=torch.zeros(10, 12, **f32)), TypeError, "mask must have dtype"),
+        (dict(mask=torch.zeros(3, 1, 10, 12, dtype=torch.bool, device=device)), ValueError,
+         "mask of shape .* does not broadcast"),
+    ], q, k
+
+
+@pytest.mark.parametrize("index", range(15))
+def test_scores_bad_input(index, device, launches):
+    cases, q, k = _bad_scores(device)
+    kwargs, exc, match = cases[index]
+    with pytest.raises(exc, match=match):
+        attention(q, k, k, **kwargs)
+    assert launches["attention_fwd"] == 0
+
+
+def test_scores_bad_input_catalogue_is_complete(device):
+    assert len(_bad_scores(device)[0]) == 15
+
+
+def test_varlen_refuses_bias_and_mask(device, launches):
+    from fused_block.attention import attention_varlen
+    q = torch.zeros(10, 2, 16, dtype=torch.float16, device=device)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(Hq,\) = \(2,\) or \(B, Hq\) = \(2, 2\)"):
+        attention_varlen(q, q, q, cu, cu, 6, 6, alibi_slopes=torch.zeros(3, 2, device=device))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bias'"):
+        attention_varlen(q, q, q, cu, cu, 6, 6, bias=torch.zeros(1, device=device))
+    assert launches["attention_fwd"] == 0
