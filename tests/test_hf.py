@@ -165,8 +165,7 @@ def test_unfusable_inputs_run_the_original_code(device, launches):
     with torch.no_grad():
         want = model(ids, attention_mask=mask)
         before = launches["attention_fwd"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)
+        with _no_fallback():
             got = fused(ids, attention_mask=mask)
         assert launches["attention_fwd"] > before
         keep = mask[..., None] == 1  # padding queries: every key masked (HF's finite minimum)
@@ -322,8 +321,9 @@ def test_cast_model_rotary_frequencies_are_converted_once(device, launches):
 
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
-    unread (all-False included), a 4-D mask not seen before runs through SDPA; outside capture
-    the same masks are read (no padding -> no padding mask; causal 4-D -> the kernels)."""
+    unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,
+    unread; outside capture the same masks are read (no padding -> no padding mask; causal 4-D
+    -> the kernels' causal flag)."""
     B, L = 2, 5
     pad = torch.ones(B, L, dtype=torch.long)
     causal4d = torch.full((B, 1, L, L), torch.finfo(torch.float32).min).triu(1)
@@ -334,7 +334,7 @@ def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     plan = hf._attention.plan(pad, B, L, L, True, "sdpa")
     assert plan.kernel and plan.causal and plan.key_padding is not None
     plan = hf._attention.plan(causal4d, B, L, L, True, "sdpa")
-    assert not plan.kernel and plan.sdpa_mask is causal4d and "capture" in plan.reason
+    assert plan.kernel and plan.bias is causal4d and plan.mask is None and not plan.causal
     monkeypatch.undo()
     assert hf._attention.plan(pad, B, L, L, True, "sdpa").key_padding is None
     read = hf._attention.plan(causal4d, B, L, L, True, "sdpa")
