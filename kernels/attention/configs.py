@@ -186,7 +186,7 @@ _SCORE_FWD = {
          (128, "tf32", False): [_F(64, 32, 8, 2)], (128, "tf32", True): [_F(64, 32, 8, 2)],
          (64, "ieee", False): [_F(16, 16, 4, 2)], (64, "ieee", True): [_F(16, 16, 4, 2)],
          (128, "ieee", False): [_F(16, 16, 4, 2)], (128, "ieee", True): [_F(16, 16, 4, 2)]},
-    80: {(64, "16", False): [_F(64, 64, 8, 2)], (64, "16", True): [_F(64, 32, 8, 2)],
+    80: {(64, "16", False): [_F(64, 32, 8, 2)], (64, "16", True): [_F(64, 32, 8, 2)],
          (128, "16", False): [_F(64, 32, 8, 2)], (128, "16", True): [_F(64, 32, 8, 2)],
          (256, "16", False): [_F(32, 32, 8, 2)], (256, "16", True): [_F(32, 32, 8, 2)],
          (64, "tf32", False): [_F(64, 32, 8, 2)], (64, "tf32", True): [_F(64, 32, 8, 2)],
@@ -201,7 +201,9 @@ _SCORE_BWD = {arch: {
     (64, "ieee", False): [_B(16, 16, 16, 16, 4, 1, True)], (64, "ieee", True): [_B(16, 16, 16, 16, 4, 1, True)],
     (128, "ieee", False): [_B(16, 16, 16, 16, 8, 1, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)],
 } for arch in (90, 80)}
-_SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 1, True)]
+# sm_90 D = 256: the dropout list's (plain) config for both (it compiles clean but for ALiBi +
+# bias + mask: specs._DROPOUT_BIAS_SPILLS).
+_SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 3, True)]
 
 del _F, _B
 FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FWD),
