@@ -86,5 +86,7 @@ def check(run, ref, tensors, names, *, mode="ieee", lse_weight=False, grads=True
     assert lse.dtype == torch.float32
     assert_close("lse", lse, lse64, base_lse, atol=ATOL[dtype])
     for name, g, g64, gb in zip(wanted, got, want64, want_lp):
-        assert_close(f"d{name}", g, g64, gb)
+        # An fp32 leaf of a low-precision computation (sinks): its gradient carries the inputs'
+        # rounding (delta = rowsum(dO * O) from the rounded O), so the inputs' dtype's atol.
+        assert_close(f"d{name}", g, g64, gb, atol=ATOL[dtype] if g.dtype != dtype else None)
     return out, lse
