@@ -135,11 +135,11 @@ INTERFACE_MODELS = {
     "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5)),  # partial rotary
     "starcoder2": ("starcoder2", {}),
     "gemma3": ("gemma3_text", dict(layer_types=["sliding_attention", "full_attention"])),  # window 512
-    # a window of 4 over 9 tokens cuts keys: the sliding layers run SDPA, the full ones the kernel
+    # a window of 4 over 9 tokens cuts keys: the sliding layers run the kernel's window
     "gemma3-window": ("gemma3_text", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
-    "gemma2": ("gemma2", dict(sliding_window=4)),  # softcap 50: the model's eager attention
+    "gemma2": ("gemma2", dict(sliding_window=4)),  # softcap 50 and a window that cuts keys: the kernel's
     "gpt_oss": ("gpt_oss", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-                                num_local_experts=4, num_experts_per_tok=2)),  # sinks: eager
+                                num_local_experts=4, num_experts_per_tok=2)),  # sinks and windows: the kernel's
     # layer 0 global, layer 1 local (window 64 of 128: cuts nothing in 9 tokens)
     "modernbert": ("modernbert", dict(global_attn_every_n_layers=2, pad_token_id=V - 2, bos_token_id=None,
                                       eos_token_id=None, cls_token_id=1, sep_token_id=2)),
