@@ -583,7 +583,8 @@ def _check_heads(num_heads, num_kv_heads):
 
 
 def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=None, key_padding_mask=None,
-                        dropout_p=0.0, *, window=(-1, -1), batch_first=True, return_lse=False):
+                        dropout_p=0.0, *, window=(-1, -1), softcap=None, sinks=None, alibi_slopes=None,
+                        batch_first=True, return_lse=False):
     """Self-attention on a packed QKV projection, in the projection's own layout.
 
     ``qkv``: (B, L, (H + 2 Hkv) * D) with ``batch_first`` (else (L, B, ...)), the output of one
@@ -595,6 +596,9 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     Returns ``out`` (B, L, H * D) (or (L, B, H * D)), contiguous: the out-projection's input
     with no head merge; ``return_lse=True`` adds the LSE (B, H, L). The backward writes the
     gradients of q, k and v into one buffer of qkv's shape (no split, copy or cat).
+    ``softcap``, ``sinks`` and ``alibi_slopes`` (as :func:`attention`) run :func:`attention` on
+    q, k and v views of qkv instead: the same kernels, plus the output's head merge (a copy)
+    and the gradient's assembly into qkv's shape by autograd.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_heads(num_heads, num_kv_heads)
@@ -613,6 +617,12 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dropout_p = float(dropout_p)
+    if softcap is not None or sinks is not None or alibi_slopes is not None:
+        q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
+        out, lse = attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window, softcap=softcap,
+                             sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True)
+        out = (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
+        return (out, lse) if return_lse else out
     if not _backend.use_triton(qkv):
         q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
         out, lse = reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
@@ -758,14 +768,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_heads=None, *, causal=False,
-                               scale=None, dropout_p=0.0, window=(-1, -1), return_lse=False):
+                               scale=None, dropout_p=0.0, window=(-1, -1), softcap=None, sinks=None,
+                               alibi_slopes=None, return_lse=False):
     """Self-attention over packed sequences on a QKV projection in its own layout.
 
     ``qkv``: (T, (H + 2 Hkv) * D), rows [q; k; v] as :func:`attention_qkvpacked`'s; sequence b
     is tokens [cu_seqlens[b], cu_seqlens[b + 1]) (int32, (B + 1,)). Options as
     :func:`attention_varlen`. Returns ``out`` (T, H * D) contiguous (the out-projection's
     input), or ``(out, lse)`` with lse (H, T); the backward writes dQ, dK and dV into one
-    gradient buffer of qkv's shape.
+    gradient buffer of qkv's shape. ``softcap``, ``sinks`` and ``alibi_slopes`` run
+    :func:`attention_varlen` on q, k and v views of qkv instead (the head merge a copy, the
+    gradient assembled by autograd).
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_heads(num_heads, num_kv_heads)
@@ -781,6 +794,13 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dropout_p = float(dropout_p)
+    if softcap is not None or sinks is not None or alibi_slopes is not None:
+        q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)
+        out, lse = attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,
+                                    scale=scale, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks,
+                                    alibi_slopes=alibi_slopes, return_lse=True)
+        out = out.flatten(1)
+        return (out, lse) if return_lse else out
     if not _backend.use_triton(qkv):
         q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)
         out, lse = reference.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal, scale, dropout_p,

@@ -179,6 +179,54 @@ def test_varlen_softcap_sinks_alibi(dtype, device, path, launches):
     _launched_once(launches)
 
 
+# The packed-QKV forms take the score options too (through the unpacked functions on views of
+# qkv): softcap, sinks and ALiBi on a (B, L, (H + 2 Hkv) D) projection and on packed tokens.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qkvpacked_softcap_sinks_alibi(dtype, device, launches):
+    from fused_block.attention import attention_varlen_qkvpacked
+    B, L, H, Hkv, D = 2, 40, 4, 2, 16
+    qkv = randn(B, L, (H + 2 * Hkv) * D, dtype=dtype, device=device, requires_grad=True)
+    sinks = randn(H, dtype=torch.float32, device=device, requires_grad=True)
+    slopes = (torch.rand(H) * 0.5).to(device)
+    options = dict(window=(12, -1), softcap=4.0)
+
+    def split(t):  # (B, L, (H + 2 Hkv) D) -> q (B, H, L, D), k, v (B, Hkv, L, D)
+        t = t.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)
+        return t[:, :H], t[:, H:H + Hkv], t[:, H + Hkv:]
+
+    def run(qkv, sinks):
+        out, lse = attention_qkvpacked(qkv, H, Hkv, True, sinks=sinks, alibi_slopes=slopes, return_lse=True,
+                                       **options)
+        assert out.shape == (B, L, H * D)
+        return out.unflatten(-1, (H, D)).transpose(1, 2), lse
+
+    def ref(qkv, sinks, compute_dtype=None):
+        return reference.attention(*split(qkv), True, None, sinks=sinks, alibi_slopes=slopes, return_lse=True,
+                                   compute_dtype=compute_dtype, **options)
+
+    check(run, ref, (qkv, sinks), ("qkv", "sinks"), lse_weight=True)
+    _launched_once(launches)
+
+    lens = [7, 0, 33]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    tokens = randn(sum(lens), (H + 2 * Hkv) * D, dtype=dtype, device=device, requires_grad=True)
+
+    def run_varlen(tokens, sinks):
+        out, lse = attention_varlen_qkvpacked(tokens, cu, 33, H, Hkv, causal=True, sinks=sinks,
+                                              alibi_slopes=slopes, return_lse=True, **options)
+        assert out.shape == (sum(lens), H * D)
+        return out.unflatten(-1, (H, D)), lse
+
+    def ref_varlen(tokens, sinks, compute_dtype=None):
+        t = tokens.unflatten(-1, (H + 2 * Hkv, D))
+        return reference.attention_varlen(t[:, :H], t[:, H:H + Hkv], t[:, H + Hkv:], cu, cu, True, None,
+                                          sinks=sinks, alibi_slopes=slopes, return_lse=True,
+                                          compute_dtype=compute_dtype, **options)
+
+    check(run_varlen, ref_varlen, (tokens, sinks), ("tokens", "sinks"), lse_weight=True)
+    assert launches["attention_fwd"] == launches["attention_bwd"] == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library, torch.compile, bad input
 # ---------------------------------------------------------------------------------------------
