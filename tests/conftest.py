@@ -4,11 +4,12 @@
 test module imports fused_block. With a GPU the same tests run on CUDA tensors unchanged.
 Also here: output poisoning and the launch counter (fixtures), the ``gpu_quick`` marker the
 GPU check selects, the ``heavy`` marker (left out unless ``FUSED_BLOCK_HEAVY=1`` or ``-m
-heavy``), and ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run).
+heavy``), ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run), and each test's seed.
 """
 import os
 import sys
 import time
+import zlib
 
 import torch
 
@@ -33,6 +34,18 @@ def device():
 def poison_outputs(monkeypatch):
     """Every buffer a launcher allocates starts as NaN, so unwritten elements fail the test."""
     monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+
+
+# Each test draws its random inputs from torch's generator seeded by its own node id (xor this
+# base): the draws are random but do not depend on which tests ran before it in its process
+# (the order pytest-xdist gives), so a failure reproduces with the test alone. Another
+# FUSED_BLOCK_TEST_SEED draws other inputs everywhere.
+TEST_SEED = int(os.environ.get("FUSED_BLOCK_TEST_SEED", "0"))
+
+
+@pytest.fixture(autouse=True)
+def seeded_generator(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) ^ TEST_SEED)
 
 
 @pytest.fixture(autouse=True)
