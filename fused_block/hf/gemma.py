@@ -50,7 +50,6 @@ MLPS = ("GemmaMLP", "Gemma2MLP", "Gemma3MLP")
 # Hugging Face's tanh-approximated GELUs (``gelu_pytorch_tanh``, ``gelu_new``): the GeGLU epilogue's.
 _TANH_GELUS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation")
 _SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-_LINEAR = (nn.Linear,)
 
 
 def _norm_reason(name, n):
@@ -179,22 +178,12 @@ def run(layer, call, x):
 
 
 def tree(layer):
-    tree = {"self_attn": SAME, "input_layernorm": SAME, "post_attention_layernorm": SAME}
+    """The LLaMA family's tree, with Gemma 2/3's sandwich norms."""
+    tree = llama.tree(layer)
     if _sandwich(layer):
         tree.update((n, SAME) for n in _SANDWICH)
-    tree.update((f"self_attn.{p}_proj", _LINEAR) for p in "qkvo")
-    if getattr(layer.self_attn, "q_norm", None) is not None:
-        tree.update({"self_attn.q_norm": SAME, "self_attn.k_norm": SAME})
-    if layer._fused_block.fused_mlp:
-        tree.update({"mlp": SAME, "mlp.act_fn": SAME})
-        tree.update((f"mlp.{p}_proj", _LINEAR) for p in ("gate", "up", "down"))
     return tree
 
 
-def lora_paths(layer):
-    attn = tuple(f"self_attn.{p}_proj" for p in "qkvo")
-    return attn + (tuple(f"mlp.{p}_proj" for p in ("gate", "up", "down")) if layer._fused_block.fused_mlp else ())
-
-
-FAMILY = Family(check, check_call, run, tree, prepare=prepare, rotaries=ROTARIES, lora_paths=lora_paths,
+FAMILY = Family(check, check_call, run, tree, prepare=prepare, rotaries=ROTARIES, lora_paths=llama.lora_paths,
                 called=lambda layer: () if layer._fused_block.fused_mlp else ("mlp",))
