@@ -14,7 +14,7 @@ The rows (tokens) are processed in chunks of ``C`` rows (:func:`chunk_rows`); pe
    the row's weight (1 / n_valid for a mean, 1 for a sum, the incoming per-token gradient for
    reduction "none");
 3. ``dhidden[chunk] = dlogits @ W`` (``matmul.gemm``; complete over V, written once);
-4. ``dW (+)= dlogits.T @ hidden[chunk]`` (``_dw_kernel``): fp32 accumulation across chunks in
+4. ``dW (+)= dlogits.T @ hidden[chunk]`` (``_acc_matmul_kernel``): fp32 accumulation across chunks in
    a fixed order (deterministic, no atomics) in an fp32 (V, H) accumulator for 16-bit
    weights (the output itself for fp32 ones); the last chunk adds and writes the weight's dtype
    (a single chunk needs no accumulator);
@@ -26,16 +26,16 @@ Where that loop's fp32 (V, H) dW accumulator would break the memory rule (:func:
 rows: pass 1, the chunk's logits GEMM and ``_lse_chunk_kernel`` (the online log-sum-exp state
 (m, s, smoothing sum, target logit) of each row carried across chunks in a (4, N) fp32 buffer,
 merged in vocabulary order; the last chunk writes loss and lse); pass 2, the logits GEMM again,
-``_grad_chunk_kernel`` (dlogits in place, ``_ce_kernel``'s formula), ``_dw_kernel`` writing
+``_grad_chunk_kernel`` (dlogits in place, ``_ce_kernel``'s formula), ``_acc_matmul_kernel`` writing
 dW[chunk] over all N rows once (no accumulator), ``_colsum_kernel`` db[chunk], and
-``_dh_kernel`` adding dlogits @ W[chunk] into an fp32 (N, H) accumulator (dh itself for fp32),
+``_acc_matmul_kernel`` adding dlogits @ W[chunk] into an fp32 (N, H) accumulator (dh itself for fp32),
 the last chunk writing dh. 8 N V H FLOPs with gradients against the loop's 6 N V H.
 
 Before the chunks, ``_count_kernel`` counts the non-ignored tokens (on the device: no
 synchronization), which a mean's gradient weight and the final ``_sum_kernel`` read.
 ``_scale_kernel`` multiplies gradients produced in the forward by the incoming gradient.
 
-The accumulating launches (``_dw_kernel``, ``_colsum_kernel``) and the in-place CE kernel are
+The accumulating launches (``_acc_matmul_kernel``, ``_colsum_kernel``) and the in-place CE kernel are
 not idempotent, so each has one config per architecture and dtype class (never timed by
 ``common.ConfigCache``, which times candidates by running them repeatedly); the GEMMs are the
 library's, chosen and timed as everywhere else.
@@ -347,28 +347,38 @@ def _grad_chunk_kernel(
 
 
 @triton.jit
-def _dw_kernel(
-    A, B, ACC, OUT, K, V, H, lda, ldb,
-    LOAD_ACC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+def _acc_matmul_kernel(
+    A, B, ACC, OUT, R, K, H, lda, ldb,
+    LOAD_ACC: tl.constexpr, EVEN_K: tl.constexpr, A_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """OUT = (ACC if LOAD_ACC) + A.T @ B on one (BLOCK_V, BLOCK_H) tile: A (K, V) the chunk's
-    dlogits (row stride lda), B (K, H) its hidden rows (row stride ldb); ACC fp32 (V, H), OUT
-    (V, H) in its own dtype, both contiguous; ACC and OUT may be the same tensor (each element
-    is read, then written, by one program). fp32 accumulation; only K is masked: the tile's
-    entries past H wrap around to valid columns, those past V within A's row stride lda (the
-    chunk buffer's padding columns, 16-aligned: the A tile is loaded V-major with cp.async and
-    read by wgmma from shared memory as it is); neither is stored."""
-    pid_v = tl.program_id(0)
+    """OUT = (ACC if LOAD_ACC) + op(A) @ B on one (BLOCK_R, BLOCK_H) tile, op(A) (R, K) and B
+    (K, H) (row stride ldb); ACC fp32 (R, H), OUT (R, H) in its own dtype, both contiguous;
+    ACC and OUT may be the same tensor (each element is read, then written, by one program).
+    fp32 accumulation; only K is masked: the tile's rows past R and columns past H wrap around
+    to valid ones and are not stored.
+
+    - ``A_T`` (dW = dlogits.T @ hidden): A (K, R) a chunk's dlogits (row stride lda, R = V the
+      vocabulary), op(A) = A.T. The rows past V wrap within lda (the chunk buffer's padding
+      columns, 16-aligned): the A tile is loaded V-major with cp.async and read by wgmma from
+      shared memory as it is.
+    - else (the vocabulary-outer schedule's dh = dlogits @ W[chunk]): A (R, K) a vocabulary
+      chunk's dlogits (row stride lda, R = N the rows), B that chunk's weight rows."""
+    pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
-    v0 = pid_v * BLOCK_V
+    r0 = pid_r * BLOCK_R
     h0 = pid_h * BLOCK_H
-    rv = tl.arange(0, BLOCK_V)
+    rr = tl.arange(0, BLOCK_R)
     rh = tl.arange(0, BLOCK_H)
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = A + v0 + ((rv % (lda - v0))[:, None] + rk[None, :] * lda)  # (BLOCK_V, BLOCK_K), V-major
+    if A_T:
+        a_ptrs = A + r0 + ((rr % (lda - r0))[:, None] + rk[None, :] * lda)  # (BLOCK_R, BLOCK_K), R-major
+        a_step = BLOCK_K * lda
+    else:
+        a_ptrs = A + r0.to(tl.int64) * lda + ((rr % (R - r0))[:, None] * lda + rk[None, :])  # (BLOCK_R, BLOCK_K)
+        a_step = BLOCK_K
     b_ptrs = B + h0 + (rk[:, None] * ldb + (rh % (H - h0))[None, :])  # (BLOCK_K, BLOCK_H)
-    acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -378,50 +388,10 @@ def _dw_kernel(
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
         acc = common.dot(a, b, acc, INTERPRET, PRECISION)
-        a_ptrs += BLOCK_K * lda
+        a_ptrs += a_step
         b_ptrs += BLOCK_K * ldb
-    mask = (rv < V - v0)[:, None] & (rh < H - h0)[None, :]
-    offs = (v0.to(tl.int64) + rv)[:, None] * H + (h0 + rh)[None, :]
-    if LOAD_ACC:
-        acc += tl.load(ACC + offs, mask=mask, other=0.0)
-    tl.store(OUT + offs, common.cast(acc, OUT.dtype.element_ty, INTERPRET), mask=mask)
-
-
-@triton.jit
-def _dh_kernel(
-    A, B, ACC, OUT, M, K, H, lda, ldb,
-    LOAD_ACC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """OUT = (ACC if LOAD_ACC) + A @ B on one (BLOCK_M, BLOCK_H) tile: A (M, K) a vocabulary
-    chunk's dlogits (row stride lda, unit column stride), B (K, H) that chunk's weight rows (row
-    stride ldb); ACC fp32 (M, H), OUT (M, H) in its own dtype, both contiguous, possibly the
-    same tensor (each element read, then written, by one program): the vocabulary-outer
-    schedule's dhidden accumulation across chunks. ``_dw_kernel`` with A row-major: only K is
-    masked, the tile's rows past M and columns past H wrap to valid ones and are not stored."""
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    m0 = pid_m * BLOCK_M
-    h0 = pid_h * BLOCK_H
-    rm = tl.arange(0, BLOCK_M)
-    rh = tl.arange(0, BLOCK_H)
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = A + m0.to(tl.int64) * lda + ((rm % (M - m0))[:, None] * lda + rk[None, :])  # (BLOCK_M, BLOCK_K)
-    b_ptrs = B + h0 + (rk[:, None] * ldb + (rh % (H - h0))[None, :])  # (BLOCK_K, BLOCK_H)
-    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * ldb
-    mask = (rm < M - m0)[:, None] & (rh < H - h0)[None, :]
-    offs = (m0.to(tl.int64) + rm)[:, None] * H + (h0 + rh)[None, :]
+    mask = (rr < R - r0)[:, None] & (rh < H - h0)[None, :]
+    offs = (r0.to(tl.int64) + rr)[:, None] * H + (h0 + rh)[None, :]
     if LOAD_ACC:
         acc += tl.load(ACC + offs, mask=mask, other=0.0)
     tl.store(OUT + offs, common.cast(acc, OUT.dtype.element_ty, INTERPRET), mask=mask)
@@ -497,7 +467,7 @@ def _scale_kernel(G, X1, Y1, n1, X2, Y2, n2, X3, Y3, n3, BLOCK: tl.constexpr, IN
 # configs: one per architecture and dtype class (the accumulating launches are never timed)
 # ---------------------------------------------------------------------------------------------
 
-# _dw_kernel (BLOCK_V, BLOCK_H, BLOCK_K, warps, stages): matmul.py's sm_90/sm_80 128x128 tiles
+# _acc_matmul_kernel (BLOCK_R, BLOCK_H, BLOCK_K, warps, stages): matmul.py's sm_90/sm_80 128x128 tiles
 # for 16-bit and TF32 operands (64 fp32 accumulator registers per thread beside the loaded
 # accumulator tile of the epilogue), its 64x64x16 / 8-warp IEEE tile.
 DW_CONFIGS = {
@@ -513,14 +483,9 @@ def _kind(dtype, precision):
     return precision if dtype == torch.float32 else "16"
 
 
-def _dw_config(arch, dtype, precision):
-    bv, bh, bk, warps, stages = INTERPRETER_DW_CONFIG if arch == 0 else DW_CONFIGS[(arch, _kind(dtype, precision))]
-    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk)
-
-
-def _dh_config(arch, dtype, precision):
-    bv, bh, bk, warps, stages = INTERPRETER_DW_CONFIG if arch == 0 else DW_CONFIGS[(arch, _kind(dtype, precision))]
-    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bv, BLOCK_H=bh, BLOCK_K=bk)
+def _acc_config(arch, dtype, precision):
+    br, bh, bk, warps, stages = INTERPRETER_DW_CONFIG if arch == 0 else DW_CONFIGS[(arch, _kind(dtype, precision))]
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk)
 
 
 def ce_config(v: int) -> common.Config:
@@ -568,34 +533,29 @@ def ce_rows(logits, target, loss, lse, *, ignore_index, smoothing, z_loss, softc
                        INTERPRET=common.arch(logits.device) == 0), cfg)
 
 
+def _acc_matmul(name, a, b, acc, out, load_acc, a_t):
+    """``_acc_matmul_kernel`` on a (K, R) (``a_t``) or (R, K) and b (K, H), unit column strides."""
+    R, K = (a.shape[1], a.shape[0]) if a_t else a.shape
+    H = b.shape[1]
+    arch = common.arch(a.device)
+    precision = common.fp32_precision() if a.dtype == torch.float32 else "tf32"
+    cfg = _acc_config(arch, a.dtype, precision)
+    grid = (common.cdiv(R, cfg["BLOCK_R"]), common.cdiv(H, cfg["BLOCK_H"]))
+    common.launch(name, _acc_matmul_kernel, grid, (a, b, acc, out, R, K, H, a.stride(0), b.stride(0)),
+                  dict(LOAD_ACC=load_acc, EVEN_K=K % cfg["BLOCK_K"] == 0, A_T=a_t, PRECISION=precision,
+                       INTERPRET=arch == 0), cfg)
+
+
 def dw_accumulate(dlogits, hidden, acc, out, load_acc):
     """out = (acc if load_acc) + dlogits.T @ hidden: dlogits (K, V) and hidden (K, H) with unit
     column strides; acc fp32 and out (V, H) contiguous (possibly the same tensor)."""
-    K, V = dlogits.shape
-    H = hidden.shape[1]
-    arch = common.arch(dlogits.device)
-    precision = common.fp32_precision() if dlogits.dtype == torch.float32 else "tf32"
-    cfg = _dw_config(arch, dlogits.dtype, precision)
-    grid = (common.cdiv(V, cfg["BLOCK_V"]), common.cdiv(H, cfg["BLOCK_H"]))
-    common.launch("lce_dw", _dw_kernel, grid,
-                  (dlogits, hidden, acc, out, K, V, H, dlogits.stride(0), hidden.stride(0)),
-                  dict(LOAD_ACC=load_acc, EVEN_K=K % cfg["BLOCK_K"] == 0, PRECISION=precision,
-                       INTERPRET=arch == 0), cfg)
+    _acc_matmul("lce_dw", dlogits, hidden, acc, out, load_acc, True)
 
 
 def dh_accumulate(dlogits, w_chunk, acc, out, load_acc):
     """out = (acc if load_acc) + dlogits @ w_chunk: dlogits (M, K) and w_chunk (K, H) with unit
     column strides; acc fp32 and out (M, H) contiguous (possibly the same tensor)."""
-    M, K = dlogits.shape
-    H = w_chunk.shape[1]
-    arch = common.arch(dlogits.device)
-    precision = common.fp32_precision() if dlogits.dtype == torch.float32 else "tf32"
-    cfg = _dh_config(arch, dlogits.dtype, precision)
-    grid = (common.cdiv(M, cfg["BLOCK_M"]), common.cdiv(H, cfg["BLOCK_H"]))
-    common.launch("lce_dh", _dh_kernel, grid,
-                  (dlogits, w_chunk, acc, out, M, K, H, dlogits.stride(0), w_chunk.stride(0)),
-                  dict(LOAD_ACC=load_acc, EVEN_K=K % cfg["BLOCK_K"] == 0, PRECISION=precision,
-                       INTERPRET=arch == 0), cfg)
+    _acc_matmul("lce_dh", dlogits, w_chunk, acc, out, load_acc, False)
 
 
 def lse_chunk(logits, target, state, loss, lse, v0, V, *, ignore_index, smoothing, z_loss, softcap, first,
@@ -703,9 +663,9 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
     chunks (the chunk's logits GEMM, then ``_lse_chunk_kernel`` merging each row's online
     log-sum-exp state, in vocabulary order) gives every row's loss and lse; with gradients,
     pass 2 per chunk recomputes the logits, overwrites them with dlogits
-    (``_grad_chunk_kernel``), writes dW[chunk] = dlogits.T @ hidden (``_dw_kernel`` over all N
+    (``_grad_chunk_kernel``), writes dW[chunk] = dlogits.T @ hidden (``_acc_matmul_kernel`` over all N
     rows, once, in the weight's dtype: no accumulator), db[chunk] = colsum(dlogits), and
-    accumulates dh += dlogits @ W[chunk] (``_dh_kernel``) in fp32 (an (N, H) accumulator for
+    accumulates dh += dlogits @ W[chunk] (``_acc_matmul_kernel``) in fp32 (an (N, H) accumulator for
     16-bit hidden states, dh itself for fp32), the last chunk writing dh."""
     N, H = hidden.shape
     V = weight.shape[0]
@@ -799,33 +759,23 @@ def aot_specs():
                 tag = f"{xt} BLOCK_V={cfg['BLOCK_V']}{' softcap' if soft else ''} scale={mode}"
                 specs.append(aot.KernelSpec(f"lce_grad[{tag}]", _grad_chunk_kernel, sig, consts,
                                             num_warps=cfg.num_warps, aligned=("ld",)))
-    for (arch, kind), (bv, bh, bk, warps, stages) in DW_CONFIGS.items():
+    for (arch, kind), (br, bh, bk, warps, stages) in DW_CONFIGS.items():
         io = "bf16" if kind == "16" else "fp32"
         outs = ("fp32", "bf16") if kind == "16" else ("fp32",)
-        for load_acc, out in ((False, "fp32"), (True, "fp32"), (True, outs[-1])):
-            for even_k in (False, True):
-                sig = {"A": f"*{io}", "B": f"*{io}", "ACC": "*fp32", "OUT": f"*{out}", "M": "i32", "K": "i32",
-                       "H": "i32", "lda": "i32", "ldb": "i32"}
-                consts = dict(LOAD_ACC=load_acc, EVEN_K=even_k, BLOCK_M=bv, BLOCK_H=bh, BLOCK_K=bk,
-                              PRECISION="ieee" if kind == "ieee" else "tf32", INTERPRET=False)
-                sig.update({k: "constexpr" for k in consts})
-                tag = f"{kind} {bv}x{bh}x{bk} {'acc+' if load_acc else ''}->{out}{' even_k' if even_k else ''}"
-                specs.append(aot.KernelSpec(f"lce_dh[{tag}]", _dh_kernel, sig, consts, num_warps=warps,
-                                            num_stages=stages, aligned=("H", "lda", "ldb"), wgmma=kind != "ieee",
-                                            archs=(arch,)))
-    for (arch, kind), (bv, bh, bk, warps, stages) in DW_CONFIGS.items():
-        io = "bf16" if kind == "16" else "fp32"
-        outs = ("fp32", "bf16") if kind == "16" else ("fp32",)
-        for load_acc in (False, True):
-            for out in outs:
+        # dW: from zero or accumulating, into fp32 or the weight's dtype; dh (the vocabulary-outer
+        # schedule): from zero into the fp32 accumulator, accumulating into it or into dh.
+        dh_stores = list(dict.fromkeys([(False, "fp32"), (True, "fp32"), (True, outs[-1])]))
+        for name, a_t, stores in (("lce_dw", True, [(acc, out) for acc in (False, True) for out in outs]),
+                                  ("lce_dh", False, dh_stores)):
+            for load_acc, out in stores:
                 for even_k in (False, True):
-                    sig = {"A": f"*{io}", "B": f"*{io}", "ACC": "*fp32", "OUT": f"*{out}", "K": "i32", "V": "i32",
+                    sig = {"A": f"*{io}", "B": f"*{io}", "ACC": "*fp32", "OUT": f"*{out}", "R": "i32", "K": "i32",
                            "H": "i32", "lda": "i32", "ldb": "i32"}
-                    consts = dict(LOAD_ACC=load_acc, EVEN_K=even_k, BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk,
+                    consts = dict(LOAD_ACC=load_acc, EVEN_K=even_k, A_T=a_t, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk,
                                   PRECISION="ieee" if kind == "ieee" else "tf32", INTERPRET=False)
                     sig.update({k: "constexpr" for k in consts})
-                    tag = f"{kind} {bv}x{bh}x{bk} {'acc+' if load_acc else ''}->{out}{' even_k' if even_k else ''}"
-                    specs.append(aot.KernelSpec(f"lce_dw[{tag}]", _dw_kernel, sig, consts, num_warps=warps,
+                    tag = f"{kind} {br}x{bh}x{bk} {'acc+' if load_acc else ''}->{out}{' even_k' if even_k else ''}"
+                    specs.append(aot.KernelSpec(f"{name}[{tag}]", _acc_matmul_kernel, sig, consts, num_warps=warps,
                                                 num_stages=stages, aligned=("H", "lda", "ldb"), wgmma=kind != "ieee",
                                                 archs=(arch,)))
     for load_acc in (False, True):
