@@ -160,6 +160,25 @@ def _rope_kernel(Q, K, QO, KO, POS, FREQ, COS, SIN,
 
 
 @triton.jit
+def _packed_token(X, O, L, stride_xb, stride_xl, stride_ob, stride_ol):
+    """A packed-QKV program's token (int64), head block, batch, position, and its rows of X and O."""
+    token = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    b = token // L
+    t = token % L
+    return token, hb, b, t, X + b * stride_xb + t * stride_xl, O + b * stride_ob + t * stride_ol
+
+
+@triton.jit
+def _copy_tail(x, o, block, first, copy_len, BLOCK_C: tl.constexpr):
+    """Copy chunk ``block`` of the ``copy_len`` elements after a token's first ``first`` (v's
+    heads, unchanged); within one token's row, int32 offsets suffice."""
+    offs = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < copy_len
+    tl.store(o + first + offs, tl.load(x + first + offs, mask=ok), mask=ok)
+
+
+@triton.jit
 def _rope_packed_kernel(X, O, POS, FREQ, COS, SIN,
                         L, NROT, D, rot_blocks, copy_len,
                         stride_xb, stride_xl, stride_ob, stride_ol,
@@ -171,12 +190,7 @@ def _rope_packed_kernel(X, O, POS, FREQ, COS, SIN,
     """grid = (B * L, rot_blocks + cdiv(copy_len, BLOCK_C)). Per token: programs below
     ``rot_blocks`` rotate BLOCK_H of the first NROT heads (q, then k), the others copy a
     BLOCK_C chunk of the ``copy_len`` elements after them (v's heads) unchanged."""
-    token = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    b = token // L
-    t = token % L
-    x = X + b * stride_xb + t * stride_xl
-    o = O + b * stride_ob + t * stride_ol
+    token, hb, b, t, x, o = _packed_token(X, O, L, stride_xb, stride_xl, stride_ob, stride_ol)
     if hb < rot_blocks:
         pairs = tl.arange(0, BLOCK_P)
         pair_ok = pairs < ROT_HALF
@@ -186,10 +200,7 @@ def _rope_packed_kernel(X, O, POS, FREQ, COS, SIN,
         _rotate_heads(x, o, hb * BLOCK_H, NROT, D, D, cos, sin, pairs, pair_ok, rest, rest < D,
                       ROT_HALF, INTERLEAVED, HAS_REST, BLOCK_H, INTERPRET)
     else:
-        offs = (hb - rot_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok = offs < copy_len
-        first = NROT * D  # within one token's row: int32 suffices
-        tl.store(o + first + offs, tl.load(x + first + offs, mask=ok), mask=ok)
+        _copy_tail(x, o, hb - rot_blocks, NROT * D, copy_len, BLOCK_C)
 
 
 @triton.jit
@@ -280,12 +291,7 @@ def _rope_qknorm_packed_kernel(X, XIN, O, WQ, WK, DWQ, DWK, POS, FREQ, COS, SIN,
     the gradient X and the forward's input XIN and writes, per rotating program, one (D,) fp32
     row of the q weight's gradient and one of k's (DWQ, DWK: (B * L * rot_blocks, D)), summed
     on the host in a fixed order."""
-    token = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    b = token // L
-    t = token % L
-    x = X + b * stride_xb + t * stride_xl
-    o = O + b * stride_ob + t * stride_ol
+    token, hb, b, t, x, o = _packed_token(X, O, L, stride_xb, stride_xl, stride_ob, stride_ol)
     if hb < rot_blocks:
         pairs = tl.arange(0, BLOCK_P)
         pair_ok = pairs < ROT_HALF
@@ -297,10 +303,7 @@ def _rope_qknorm_packed_kernel(X, XIN, O, WQ, WK, DWQ, DWK, POS, FREQ, COS, SIN,
                            NQ, NROT, D, inv_d, eps, cos, sin, pairs, pair_ok, rest, rest < D, ROT_HALF, INTERLEAVED,
                            HAS_REST, CONJ, BLOCK_H, INTERPRET, W_OFFSET)
     else:
-        offs = (hb - rot_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok = offs < copy_len
-        first = NROT * D  # within one token's row: int32 suffices
-        tl.store(o + first + offs, tl.load(x + first + offs, mask=ok), mask=ok)
+        _copy_tail(x, o, hb - rot_blocks, NROT * D, copy_len, BLOCK_C)
 
 
 # ---------------------------------------------------------------------------------------------
