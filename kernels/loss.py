@@ -190,6 +190,33 @@ def _grad_tile(row, c, mask, t, lse, coef, hit, flat, cap, HAS_SOFTCAP: tl.const
 
 
 @triton.jit
+def _lse_row(row, n, m, s, y_sum, cap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+             BLOCK_V: tl.constexpr):
+    """Pass 1 over a row's first n logits: whole tiles unmasked, the last partial one masked."""
+    cols = tl.arange(0, BLOCK_V)
+    n_full = n - n % BLOCK_V
+    for v0 in range(0, n_full, BLOCK_V):
+        m, s, y_sum = _lse_tile(row, v0 + cols, cols, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, False)
+    if n_full < n:
+        m, s, y_sum = _lse_tile(row, n_full + cols, n_full + cols < n, m, s, y_sum, cap, HAS_SOFTCAP,
+                                HAS_SMOOTHING, True)
+    return m, s, y_sum
+
+
+@triton.jit
+def _grad_row(row, n, t, lse, coef, hit, flat, cap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """Pass 2 over a row's first n logits (t the target's column in them), as :func:`_lse_row`."""
+    cols = tl.arange(0, BLOCK_V)
+    n_full = n - n % BLOCK_V
+    for v0 in range(0, n_full, BLOCK_V):
+        _grad_tile(row, v0 + cols, cols, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, False, INTERPRET)
+    if n_full < n:
+        _grad_tile(row, n_full + cols, n_full + cols < n, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, True,
+                   INTERPRET)
+
+
+@triton.jit
 def _ce_kernel(
     LOGITS, TARGET, LOSS, LSE, SCALE, V, ld, ignore_index, smoothing, z_loss, cap, scale,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, GRAD: tl.constexpr, SCALE_MODE: tl.constexpr,
@@ -210,17 +237,11 @@ def _ce_kernel(
     t = tl.load(TARGET + pid)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
-    cols = tl.arange(0, BLOCK_V)
-    v_full = V - V % BLOCK_V
     # Pass 1: running max m and sum s of exp(y - m), per tile (one exp per element).
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.full([], 0.0, tl.float32)
     y_sum = tl.full([], 0.0, tl.float32)
-    for v0 in range(0, v_full, BLOCK_V):
-        m, s, y_sum = _lse_tile(row, v0 + cols, cols, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, False)
-    if v_full < V:
-        m, s, y_sum = _lse_tile(row, v_full + cols, v_full + cols < V, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING,
-                                True)
+    m, s, y_sum = _lse_row(row, V, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
     lse = m + tl.log(s)
     x_t = tl.load(row + tl.minimum(tl.maximum(t, 0), V - 1)).to(tl.float32)
     y_t, _ = _softcap(x_t, cap, HAS_SOFTCAP)
@@ -243,11 +264,7 @@ def _ce_kernel(
         hit = g * (1.0 - smoothing)
         flat = g * smoothing / V
         # Pass 2 (the row again, mostly from L2): the gradient, written over the logits.
-        for v0 in range(0, v_full, BLOCK_V):
-            _grad_tile(row, v0 + cols, cols, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, False, INTERPRET)
-        if v_full < V:
-            _grad_tile(row, v_full + cols, v_full + cols < V, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, True,
-                       INTERPRET)
+        _grad_row(row, V, t, lse, coef, hit, flat, cap, HAS_SOFTCAP, BLOCK_V, INTERPRET)
 
 
 @triton.jit
@@ -293,13 +310,7 @@ def _lse_chunk_kernel(
         s = tl.load(st + N)
         y_sum = tl.load(st + 2 * N)
         y_t = tl.load(st + 3 * N)
-    cols = tl.arange(0, BLOCK_V)
-    v_full = VC - VC % BLOCK_V
-    for v0 in range(0, v_full, BLOCK_V):
-        m, s, y_sum = _lse_tile(row, v0 + cols, cols, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, False)
-    if v_full < VC:
-        m, s, y_sum = _lse_tile(row, v_full + cols, v_full + cols < VC, m, s, y_sum, cap, HAS_SOFTCAP,
-                                HAS_SMOOTHING, True)
+    m, s, y_sum = _lse_row(row, VC, m, s, y_sum, cap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
     t_local = t - V0
     here = (t_local >= 0) & (t_local < VC)
     x_t = tl.load(row + tl.minimum(tl.maximum(t_local, 0), VC - 1)).to(tl.float32)
@@ -337,13 +348,7 @@ def _grad_chunk_kernel(
     lse = tl.load(LSE + pid)
     coef, hit, flat = _row_grad_coefs(SCALE, pid, t, V, ignore_index, smoothing, z_loss, lse, scale, SCALE_MODE)
     t_local = t - V0
-    cols = tl.arange(0, BLOCK_V)
-    v_full = VC - VC % BLOCK_V
-    for v0 in range(0, v_full, BLOCK_V):
-        _grad_tile(row, v0 + cols, cols, t_local, lse, coef, hit, flat, cap, HAS_SOFTCAP, False, INTERPRET)
-    if v_full < VC:
-        _grad_tile(row, v_full + cols, v_full + cols < VC, t_local, lse, coef, hit, flat, cap, HAS_SOFTCAP, True,
-                   INTERPRET)
+    _grad_row(row, VC, t_local, lse, coef, hit, flat, cap, HAS_SOFTCAP, BLOCK_V, INTERPRET)
 
 
 @triton.jit
