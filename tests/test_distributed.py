@@ -144,6 +144,24 @@ def _reference(name, dp_size, steps, bf16=False):
     return out
 
 
+def _sharded_step(model, opt, out, step, dp_rank, dp_size):
+    """One data-parallel training step on rank ``dp_rank``'s rows, recorded in ``out``; returns the rows."""
+    tokens = _tokens(step, ROWS * dp_size)[dp_rank * ROWS:(dp_rank + 1) * ROWS]
+    torch.manual_seed(_seed(step, dp_rank))
+    loss = _loss(model, tokens)
+    loss.backward()
+    out["loss"].append(loss.item())
+    out["grads"].append(_grads(model))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return tokens
+
+
+def _finish(out, model, watch):
+    out["params"] = _params(model)
+    out["warnings"], out["launches"] = watch.warnings, watch.launches
+
+
 class _Watch:
     """In a rank: every warning (FSDP2's view warning, fused_block's fallbacks) and the kernels'
     launch count over a block."""
@@ -222,16 +240,8 @@ def _fsdp_train(rank, world, case, checkpoint_dir):
                 msd, osd = get_state_dict(model, opt)
                 dcp.load({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
                 set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-            tokens = _tokens(step, ROWS * world)[rank * ROWS:(rank + 1) * ROWS]
-            torch.manual_seed(_seed(step, rank))
-            loss = _loss(model, tokens)
-            loss.backward()
-            out["loss"].append(loss.item())
-            out["grads"].append(_grads(model))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    out["params"] = _params(model)
-    out["warnings"], out["launches"] = watch.warnings, watch.launches
+            _sharded_step(model, opt, out, step, rank, world)
+    _finish(out, model, watch)
     return out
 
 
@@ -592,16 +602,8 @@ def _two_d_train(rank, world, sequence_parallel, steps, checkpoint_dir):
     out = {"loss": [], "grads": []}
     with _Watch() as watch:
         for step in range(steps):
-            tokens = _tokens(step, ROWS * 2)[dp_rank * ROWS:(dp_rank + 1) * ROWS]
-            torch.manual_seed(_seed(step, dp_rank))
-            loss = _loss(model, tokens)
-            loss.backward()
-            out["loss"].append(loss.item())
-            out["grads"].append(_grads(model))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    out["params"] = _params(model)
-    out["warnings"], out["launches"] = watch.warnings, watch.launches
+            tokens = _sharded_step(model, opt, out, step, dp_rank, 2)
+    _finish(out, model, watch)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
     model, opt = build()
@@ -646,16 +648,8 @@ def _compiled_train(rank, world, steps):
     out = {"loss": [], "grads": []}
     with _Watch() as watch:
         for step in range(steps):
-            tokens = _tokens(step, ROWS * world)[rank * ROWS:(rank + 1) * ROWS]
-            torch.manual_seed(_seed(step, rank))
-            loss = _loss(model, tokens)
-            loss.backward()
-            out["loss"].append(loss.item())
-            out["grads"].append(_grads(model))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    out["params"] = _params(model)
-    out["warnings"], out["launches"] = watch.warnings, watch.launches
+            _sharded_step(model, opt, out, step, rank, world)
+    _finish(out, model, watch)
     from torch._dynamo.utils import counters
     out["graphs"] = counters["stats"]["unique_graphs"]
     return out
