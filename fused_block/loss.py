@@ -16,7 +16,10 @@ in ``tests/test_loss.py``'s allocation records):
   through a retained graph gets the same answer).
 - ``reduction="none"``: **recomputed in the backward**, where the per-token incoming gradient
   weights each row of dlogits before the sums over tokens (dW, db) that no later scaling can
-  undo. The forward computes the loss only (2 N V H) and saves nothing but its inputs.
+  undo. The forward computes the loss only (2 N V H) and saves its inputs and the per-token
+  log-sum-exps (N fp32), so the backward runs the gradient pass alone: the logits GEMM, dlogits
+  from the saved LSE (no second softmax pass over the logits), dhidden and dW (6 N V H; 8 in
+  all, as the vocabulary-outer schedule's backward, which skips its pass 1).
 - Without gradients (eval, ``torch.no_grad()``): the loss only, 2 N V H.
 
 Schedules (``fused_block.kernels.loss.schedule``). The token-chunk loop keeps, for 16-bit
@@ -104,26 +107,23 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     return loss, lse, _empty_unless(dh, hidden), _empty_unless(dw, weight), _empty_unless(db, weight)
 
 
-def _bwd_fake(dloss, hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, need_dh, need_dw,
-              need_db):
+def _bwd_fake(dloss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap, need_dh,
+              need_dw, need_db):
     return _grads_fake(hidden, weight, bias, need_dh, need_dw, need_db)
 
 
 @_library.op("lce_bwd", fake=_bwd_fake)
-def _lce_bwd(dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
-             label_smoothing: float, z_loss: float, softcap: float, need_dh: bool, need_dw: bool,
+def _lce_bwd(dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
+             ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, need_dh: bool, need_dw: bool,
              need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of reduction "none" for the incoming per-token gradient dloss (N,) fp32:
-    the chunk loop again, each row of dlogits weighted by its dloss (dh, dw, db as in
-    ``lce_fwd``)."""
-    N = hidden.shape[0]
-    dev = hidden.device
+    """The gradients of reduction "none" for the incoming per-token gradient dloss (N,) fp32
+    and the forward's lse (N,) fp32: the chunk loop's gradient pass, each row of dlogits
+    weighted by its dloss (dh, dw, db as in ``lce_fwd``)."""
     with _backend.device_guard(hidden):
-        # The loss and lse are recomputed on the way (the kernel writes them): scratch here.
-        dh, dw, db = _k.chunked(hidden, weight, bias, target, common.empty((N,), torch.float32, dev),
-                                common.empty((N,), torch.float32, dev),
+        dh, dw, db = _k.chunked(hidden, weight, bias, target, None, lse,
                                 **_options(ignore_index, label_smoothing, z_loss, softcap), need_dh=need_dh,
-                                need_dw=need_dw, need_db=need_db, scale_mode=_k.SCALE_ROW, scale_t=dloss)
+                                need_dw=need_dw, need_db=need_db, scale_mode=_k.SCALE_ROW, scale_t=dloss,
+                                lse_known=True)
     return _empty_unless(dh, hidden), _empty_unless(dw, weight), _empty_unless(db, weight)
 
 
@@ -153,7 +153,7 @@ class _LCEFn(torch.autograd.Function):
         if reduction == "none":
             loss, lse = _lce_fwd(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap,
                                  reduction, False, False, False)[:2]
-            ctx.save_for_backward(hidden, weight, bias, target)
+            ctx.save_for_backward(hidden, weight, bias, target, lse)
             ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
         else:
             loss, lse, dh, dw, db = _lce_fwd(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss,
@@ -168,9 +168,9 @@ class _LCEFn(torch.autograd.Function):
         if dloss is None:
             return (None,) * 9
         if ctx.reduction == "none":
-            hidden, weight, bias, target = ctx.saved_tensors
-            dh, dw, db = _lce_bwd(dloss.float().contiguous(), hidden, weight, bias, target, *ctx.options, need_dh,
-                                  need_dw, need_db)
+            hidden, weight, bias, target, lse = ctx.saved_tensors
+            dh, dw, db = _lce_bwd(dloss.float().contiguous(), hidden, weight, bias, target, lse, *ctx.options,
+                                  need_dh, need_dw, need_db)
         else:
             dh, dw, db = _lce_scale(dloss.float(), *ctx.saved_tensors)
         return (dh if need_dh else None, dw if need_dw else None, db if need_db else None) + (None,) * 6

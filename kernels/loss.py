@@ -614,10 +614,14 @@ def scale(g, *tensors):
 
 
 def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoothing, z_loss, softcap,
-            need_dh, need_dw, need_db, scale_mode, scale_t=None, scale_value=1.0):
+            need_dh, need_dw, need_db, scale_mode, scale_t=None, scale_value=1.0, lse_known=False):
     """The chunk loop (module doc): hidden (N, H) and weight (V, H) with unit column strides,
     bias (V,) or None, target (N,) int64; writes loss_rows and lse (N,) fp32. Returns (dh, dw,
-    db), each None unless asked for; their rows are weighted as ``_ce_kernel``'s SCALE_MODE."""
+    db), each None unless asked for; their rows are weighted as ``_ce_kernel``'s SCALE_MODE.
+    ``lse_known`` (the gradients of reduction "none", in the backward): ``lse`` holds the
+    forward's log-sum-exps and only the gradient pass runs (``_grad_chunk_kernel``: no pass 1
+    over the logits; the vocabulary-outer schedule skips its whole pass 1, a logits GEMM);
+    ``loss_rows`` is not written (None)."""
     N, H = hidden.shape
     V = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
@@ -635,7 +639,7 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
     if sched == "vocab":
         _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, ignore_index=ignore_index,
                      smoothing=smoothing, z_loss=z_loss, softcap=softcap, grad=grad, scale_mode=scale_mode,
-                     scale_t=scale_t, scale_value=scale_value)
+                     scale_t=scale_t, scale_value=scale_value, lse_known=lse_known)
         return dh, dw, db
     C = chunk_rows(N, V, H, hidden.element_size())
     chunks = common.cdiv(N, C)
@@ -649,9 +653,14 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
         logits = buf[:r1 - r0, :V]
         h = hidden[r0:r1]
         _mm.gemm(h, weight.t(), logits, bias=bias)
-        ce_rows(logits, target[r0:r1], loss_rows[r0:r1], lse[r0:r1], ignore_index=ignore_index, smoothing=smoothing,
-                z_loss=z_loss, softcap=softcap, grad=grad, scale_mode=scale_mode,
-                scale_t=scale_t[r0:r1] if scale_mode == SCALE_ROW else scale_t, scale=scale_value)
+        rows_scale = scale_t[r0:r1] if scale_mode == SCALE_ROW else scale_t
+        if lse_known:
+            grad_chunk(logits, target[r0:r1], lse[r0:r1], 0, V, ignore_index=ignore_index, smoothing=smoothing,
+                       z_loss=z_loss, softcap=softcap, scale_mode=scale_mode, scale_t=rows_scale, scale=scale_value)
+        else:
+            ce_rows(logits, target[r0:r1], loss_rows[r0:r1], lse[r0:r1], ignore_index=ignore_index,
+                    smoothing=smoothing, z_loss=z_loss, softcap=softcap, grad=grad, scale_mode=scale_mode,
+                    scale_t=rows_scale, scale=scale_value)
         last = i == chunks - 1
         if need_dh:
             _mm.gemm(logits, weight, dh[r0:r1])
@@ -663,7 +672,7 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
 
 
 def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ignore_index, smoothing, z_loss,
-                 softcap, grad, scale_mode, scale_t, scale_value):
+                 softcap, grad, scale_mode, scale_t, scale_value, lse_known):
     """The vocabulary-outer schedule (:func:`schedule`), N > 0: pass 1 over the vocabulary
     chunks (the chunk's logits GEMM, then ``_lse_chunk_kernel`` merging each row's online
     log-sum-exp state, in vocabulary order) gives every row's loss and lse; with gradients,
@@ -679,13 +688,14 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
     VC = chunk_cols(N, V, elem)
     chunks = common.cdiv(V, VC)
     buf = common.empty((N, padded_stride(VC, elem)), dt, dev)
-    state = common.empty((4, N), torch.float32, dev) if chunks > 1 else None
     opts = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, softcap=softcap)
     bounds = [(c0, min(V, c0 + VC)) for c0 in range(0, V, VC)]
-    for i, (c0, c1) in enumerate(bounds):
-        logits = buf[:, :c1 - c0]
-        _mm.gemm(hidden, weight[c0:c1].t(), logits, bias=bias[c0:c1] if bias is not None else None)
-        lse_chunk(logits, target, state, loss_rows, lse, c0, V, first=i == 0, last=i == chunks - 1, **opts)
+    if not lse_known:
+        state = common.empty((4, N), torch.float32, dev) if chunks > 1 else None
+        for i, (c0, c1) in enumerate(bounds):
+            logits = buf[:, :c1 - c0]
+            _mm.gemm(hidden, weight[c0:c1].t(), logits, bias=bias[c0:c1] if bias is not None else None)
+            lse_chunk(logits, target, state, loss_rows, lse, c0, V, first=i == 0, last=i == chunks - 1, **opts)
     if not grad:
         return
     dh_acc = dh if dh is None or dh.dtype == torch.float32 or chunks == 1 else common.empty((N, H), torch.float32,

@@ -88,8 +88,10 @@ def test_linear_cross_entropy(case, dtype_mode, device, launches, monkeypatch):
     _check(dtype, mode, hidden, weight, bias, target, device, **options)
     chunks = -(-N // rows) if rows else 1
     none = options.get("reduction") == "none"
-    passes = 2 if none else 1  # "none" recomputes the chunks in the backward
-    assert launches["lce_ce"] == passes * chunks
+    passes = 2 if none else 1  # "none" recomputes the chunks' logits in the backward
+    # the loss (and, but for "none", the gradient) pass per chunk; "none"'s backward: the
+    # gradient pass alone, from the forward's saved LSE
+    assert launches["lce_ce"] == chunks and launches["lce_grad"] == (chunks if none else 0)
     # per chunk the logits GEMM and dhidden = dlogits @ W; dW and db in their own kernels
     assert launches["matmul"] == passes * chunks + chunks
     assert launches["lce_dw"] == chunks and launches["lce_colsum"] == (chunks if has_bias else 0)
@@ -119,10 +121,10 @@ def test_vocabulary_outer_schedule(case, dtype_mode, device, launches, monkeypat
     hidden, weight, bias, target = _inputs(N, V, H, dtype, device, bias=has_bias)
     _check(dtype, mode, hidden, weight, bias, target, device, **options)
     chunks = -(-V // 32)
-    passes = 2 if options.get("reduction") == "none" else 1  # "none": pass 1 again in the backward
     # pass 1: logits GEMM + lse merge per chunk; pass 2: logits GEMM again, dlogits, dW, dh (db)
-    assert launches["lce_lse"] == passes * chunks and launches["lce_grad"] == chunks
-    assert launches["matmul"] == passes * chunks + chunks
+    # ("none": pass 1 in the forward, pass 2 in the backward from the saved LSE)
+    assert launches["lce_lse"] == chunks and launches["lce_grad"] == chunks
+    assert launches["matmul"] == 2 * chunks
     assert launches["lce_dw"] == launches["lce_dh"] == chunks
     assert launches["lce_colsum"] == (chunks if has_bias else 0) and launches["lce_ce"] == 0
 
@@ -341,8 +343,9 @@ def test_torch_compile_fullgraph_and_opcheck(device, launches):
         torch.testing.assert_close(a, b)
     h, w, b = hidden.detach(), weight.detach(), bias.detach()
     torch.library.opcheck(lce._lce_fwd.default, (h, w, b, target, -100, 0.1, 0.01, 0.0, "mean", True, True, True))
-    torch.library.opcheck(lce._lce_bwd.default, (torch.rand(N, device=device), h, w, b, target, -100, 0.0, 0.0, 3.0,
-                                                 True, True, True))
+    lse = lce._lce_fwd(h, w, b, target, -100, 0.0, 0.0, 3.0, "none", False, False, False)[1]
+    torch.library.opcheck(lce._lce_bwd.default, (torch.rand(N, device=device), h, w, b, target, lse, -100, 0.0, 0.0,
+                                                 3.0, True, True, True))
     torch.library.opcheck(lce._lce_scale.default, (torch.tensor(0.5, device=device), h, w, b))
 
 
