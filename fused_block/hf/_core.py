@@ -152,10 +152,25 @@ def _is_capture_hook(fn):
     return getattr(fn, "__module__", None) == _CAPTURE_MODULE
 
 
-def _capture_reason():
+def _capture_key(fn):
+    """The output a capture hook records (the ``key`` its closure holds), or None if unreadable."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    names = getattr(code, "co_freevars", ())
+    if "key" in names and len(cells) == len(names):
+        key = cells[names.index("key")].cell_contents
+        return key if isinstance(key, str) else None
+    return None
+
+
+def _capture_reason(keys):
+    """Why the outputs the active collector asks for cannot be recorded: one of ``keys`` (those
+    the capture hooks of the submodules the fused path does not call record; None in it: a hook
+    of unknown key) other than the hidden states. Outputs of called submodules (gpt-oss's router
+    logits) are recorded by their own hooks."""
     collector = sys.modules[_CAPTURE_MODULE]._active_collector.get()
-    if collector and any(k != "hidden_states" and not k.startswith("_") for k in collector):
-        return "output capturing of attention weights (output_attentions=True)"
+    for k in collector or ():
+        if k != "hidden_states" and not k.startswith("_") and (k in keys or None in keys):
+            return f"output capturing of {k} (output_{k}=True) from a submodule the fused path does not call"
     return None
 
 
@@ -168,8 +183,9 @@ def _describe(layer):
     tp = layer.__dict__.get(_TP)
     why, watched = _guard.scan(layer, spec, tuple(state.family.called(layer)) + skip, _is_capture_hook,
                                None if tp is None else tp.accepts)
-    capture = any(_is_capture_hook(getattr(h, "func", h)) for m in watched for h in m._forward_hooks.values())
-    checks = ([_capture_reason] if capture else []) + ([lora.live(layer, wrapped)] if wrapped else [])
+    hooks = [getattr(h, "func", h) for m in watched for h in m._forward_hooks.values()]
+    keys = frozenset(_capture_key(fn) for fn in hooks if _is_capture_hook(fn))
+    checks = ([lambda: _capture_reason(keys)] if keys else []) + ([lora.live(layer, wrapped)] if wrapped else [])
     if len(checks) < 2:
         return why, watched, checks[0] if checks else None
     return why, watched, lambda: checks[0]() or checks[1]()
