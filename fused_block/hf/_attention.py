@@ -231,19 +231,27 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
     return attend(q, k, v, p, scale, dropout_p, name, softcap, sinks).transpose(1, 2).reshape(B, L, H * D)
 
 
-def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None):
-    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says."""
+def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, bias=None):
+    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says; ``bias``:
+    an additive float bias broadcastable to (B, H, Lq, Lk) beside the plan's mask (BLOOM's ALiBi)."""
     D = q.shape[-1]
     if p.kernel and not kernel_head_dim(D, q.dtype):
         p = Plan(False, sdpa_mask=_dense(p, q.shape[2], k.shape[2], q.device),
                  reason=f"head dim {D} in {q.dtype} (outside the attention kernel's range)")
     if p.kernel:
+        mask, extra = p.mask, p.bias
         if p.n_keys is not None:
             k, v = k[:, :, :p.n_keys], v[:, :, :p.n_keys]
+            bias = None if bias is None else bias[..., :p.n_keys]
+        if bias is not None:
+            extra = bias if extra is None else extra + bias
+            if mask is not None:  # one additive input: the mask's hidden keys at -inf
+                extra, mask = torch.where(mask, extra, float("-inf")), None
         return _attention(q, k, v, p.causal, scale, p.key_padding, dropout_p, window=p.window, softcap=softcap,
-                          sinks=sinks, mask=p.mask, bias=p.bias)
-    if softcap is not None or sinks is not None:
-        raise NotImplementedError(f"{name}: {p.reason}, with a softcap or sinks, which SDPA does not compute")
+                          sinks=sinks, mask=mask, bias=extra)
+    if softcap is not None or sinks is not None or bias is not None:
+        raise NotImplementedError(f"{name}: {p.reason}, with a softcap, sinks or a bias, which the fused path "
+                                  "does not pass to SDPA")
     warn_once((name, p.reason), f"{name}: {p.reason}; attention runs through "
               "torch.nn.functional.scaled_dot_product_attention with the model's mask (slower, same result)")
     if k.shape[1] != q.shape[1]:

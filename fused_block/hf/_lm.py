@@ -10,6 +10,7 @@ import functools
 import inspect
 import sys
 import types
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ def check(model):
     sig = inspect.signature(type(model).forward)
     params = list(sig.parameters.values())[1:]
     names = [p.name for p in params]
-    fields = getattr(sig.return_annotation, "__dataclass_fields__", {})
+    fields = getattr(_output_class(sig.return_annotation), "__dataclass_fields__", {})
     base_params = inspect.signature(type(base).forward).parameters
     own = ("labels", "logits_to_keep")
     if type(model).__name__ in ROUTER_AUX:
@@ -76,12 +77,20 @@ def check(model):
     return None
 
 
+def _output_class(annotation):
+    """The output dataclass of a forward annotated with it, or with ``tuple | it`` (BLOOM's)."""
+    if hasattr(annotation, "__dataclass_fields__"):
+        return annotation
+    found = [a for a in typing.get_args(annotation) if hasattr(a, "__dataclass_fields__")]
+    return found[0] if len(found) == 1 else None
+
+
 def patch(model):
     original = type(model).forward
     params = list(inspect.signature(original).parameters.values())[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     model.__dict__["_fused_block"] = _State(original, positional, model.base_model_prefix,
-                                            inspect.signature(original).return_annotation)
+                                            _output_class(inspect.signature(original).return_annotation))
 
     @functools.wraps(original)  # the original's signature: generate() and Trainer inspect it
     def forward(self, *args, **kwargs):
