@@ -68,6 +68,23 @@ def config(arch, layers=2, **overrides):
         cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=V - 1,
                   pad_token_id=None, **extra, **common)
+    elif arch == "bloom":
+        # ALiBi (4 heads: slopes 1/4, 1/16, 1/64, 1/256), Pre-LN, the fused per-head [q, k, v] GEMM
+        cfg = transformers.BloomConfig(hidden_size=64, n_layer=layers, n_head=4, hidden_dropout=0.0,
+                                       attention_dropout=0.0, bos_token_id=0, eos_token_id=V - 1,
+                                       tie_word_embeddings=overrides.pop("tie_word_embeddings", True), **common)
+    elif arch == "gpt_oss":
+        # A sliding layer and a full one (its default alternation); the window (4) cuts keys in
+        # 9 tokens and while generating. YaRN RoPE (its default type; factor 4 over 16 original
+        # positions: attention_scaling 1.14); 4 experts, top 2; the experts' loop
+        # (transformers' default grouped_mm takes no float64 reference).
+        cfg = transformers.GptOssConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"][:layers], num_local_experts=4, num_experts_per_tok=2,
+            rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                 original_max_position_embeddings=16, rope_theta=150000.0),
+            experts_implementation="eager", bos_token_id=0, eos_token_id=V - 1, pad_token_id=None, **common)
     else:
         cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
@@ -90,7 +107,8 @@ def model(arch, device, attn_implementation=None, **overrides):
            "llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "phi3": transformers.Phi3ForCausalLM, "gemma": transformers.GemmaForCausalLM,
-           "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
+           "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
+           "gpt_oss": transformers.GptOssForCausalLM, "bloom": transformers.BloomForCausalLM}[arch]
     model = cls(config(arch, **overrides)).to(device)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
@@ -104,6 +122,7 @@ def model(arch, device, attn_implementation=None, **overrides):
 
 def inputs(arch, device):
     """Token ids and a padding mask: left padding for decoders (as batched generation pads),
+    two tokens inside the second row for "bloom-middle" (BLOOM's ALiBi positions over the mask),
     right padding for BERT and for Gemma 2, whose model runs eager attention (in float64 a
     fully masked query row gives NaN there: see interface_inputs)."""
     g = torch.Generator().manual_seed(1)
@@ -111,6 +130,8 @@ def inputs(arch, device):
     mask = torch.ones(B, L, dtype=torch.long, device=device)
     if arch in ("bert", "gemma2"):
         mask[1, L - 3:] = 0  # right padding
+    elif arch == "bloom-middle":  # padding inside the row: BLOOM's ALiBi counts positions over the mask
+        mask[1, 3:5] = 0
     else:
         mask[1, :3] = 0  # left padding, as batched generation pads
     return ids, mask

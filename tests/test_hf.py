@@ -158,7 +158,7 @@ def test_state_dict_and_save_pretrained_round_trip(arch, device):
 def test_unfusable_inputs_run_the_original_code(device, launches):
     """output_attentions, a head dim below the kernel's range, a user hook on a skipped
     submodule: one-time warnings, the original's answers. A sliding window that cuts keys
-    (a general 4-D mask) runs the kernel with the model's mask, without a warning."""
+    (eager's 4-D mask, causal + padding + the window) runs the kernel's window, without a warning."""
     model = _model("mistral", device, attn_implementation="eager", sliding_window=4).eval()
     fused = fused_block.convert(copy.deepcopy(model))
     ids, mask = _inputs("mistral", device)
@@ -555,3 +555,301 @@ def test_gemma_softcap_and_windows_run_fused(device, launches):
     want = windowed(ids, attention_mask=mask).logits
     torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
     assert launches["attention_fwd"] == 3  # both layers
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt-oss: attention sinks, alternating sliding / full layers (window 4: cuts keys), YaRN RoPE,
+# q/k/v/o biases, GQA; the MoE MLP is Hugging Face's (see hf_testing.config)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("router_aux", [False, True])
+def test_gpt_oss_logits_and_gradients_match_the_original(router_aux, device, launches, monkeypatch):
+    """As test_logits_and_gradients_match_the_original, on a left-padded batch: the training
+    loss (fused linear + cross-entropy; with ``output_router_logits`` plus the router's
+    auxiliary loss, which the original adds), every parameter's gradient (the sinks', the
+    router's and the experts' included), then fp32 logits, against the original in float64;
+    both layers fused, no warning; the packed kernel got each layer's sinks and window (the
+    sliding layer's (3, 0): a query sees itself and 3 keys before it)."""
+    model = _model("gpt_oss", device).train()
+    fused = _converted(model)
+    seen = []
+    monkeypatch.setattr(hf._attention, "attention_qkvpacked", lambda *a, **k: seen.append(
+        (k["window"], k["sinks"] is not None)) or attention_qkvpacked(*a, **k))
+    ref = copy.deepcopy(model).double()
+    ids, mask = _inputs("gpt_oss", device)
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for name, m in (("ref", ref), ("base", model), ("fused", fused)):
+        with _no_fallback():
+            out = m(ids, attention_mask=mask, labels=labels, output_router_logits=router_aux)
+        out.loss.backward()
+        outs[name] = (out, dict(m.named_parameters()))
+    _assert_close("loss", outs["fused"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
+    if router_aux:
+        assert outs["fused"][0].aux_loss is not None
+        _assert_close("aux_loss", outs["fused"][0].aux_loss, outs["ref"][0].aux_loss, outs["base"][0].aux_loss,
+                      torch.float32, device)
+    else:
+        assert outs["fused"][0].aux_loss is None
+    for pname, p in outs["ref"][1].items():
+        g = outs["fused"][1][pname].grad
+        assert g is not None, pname
+        _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
+    assert outs["fused"][0].logits is None
+    assert seen == [((3, 0), True), ((-1, -1), True)]
+    assert launches["attention_fwd"] == launches["attention_bwd"] == 2
+    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == 4 and launches["rope_qkvpacked"] == 4
+    # per layer: the QKV and out projections, 1 GEMM forward and 2 backward each (the experts
+    # are Hugging Face's); the head's logits GEMM and dhidden of one chunk
+    assert launches["matmul"] == 2 * 6 + 2 and launches["lce_ce"] == launches["lce_dw"] == 1
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                  for m in (ref, model, fused)]
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+
+
+def test_gpt_oss_bf16_logits(device, launches):
+    model = _model("gpt_oss", device).eval()
+    ref = copy.deepcopy(model).double()
+    base = copy.deepcopy(model).to(torch.bfloat16)
+    fused = _converted(base)
+    ids, mask = _inputs("gpt_oss", device)
+    with torch.no_grad(), _no_fallback():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in (ref, base, fused)]
+    assert logits[2].dtype == torch.bfloat16
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.bfloat16, device)
+    assert launches["attention_fwd"] == 2
+
+
+def test_gpt_oss_fp32_norms_of_from_pretrained(device, launches):
+    """``from_pretrained(dtype=fp16)`` keeps the RMSNorms' weights in fp32
+    (``_keep_in_fp32_modules``): the fused norms read them as they are, the original's answer."""
+    model = _model("gpt_oss", device).eval()
+    ids, mask = _inputs("gpt_oss", device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        base = type(model).from_pretrained(tmp, dtype=torch.float16).to(device).eval()
+    layer = base.model.layers[0]
+    assert layer.input_layernorm.weight.dtype == torch.float32 and layer.self_attn.q_proj.weight.dtype == torch.float16
+    fused = _converted(base)
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad(), _no_fallback():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in (ref, base, fused)]
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float16, device)
+    assert launches["attention_fwd"] == 2 and launches["add_norm_fwd"] == 4
+
+
+def test_gpt_oss_greedy_generation_matches(device, launches):
+    """16 greedy tokens with the KV cache, both layer types: the sliding layer's cache
+    (transformers' sliding-window cache layer) and window (4 of up to 25 keys), the sinks
+    through decoding."""
+    model = _model("gpt_oss", device).eval()
+    fused = _converted(model)
+    ids, _ = _inputs("gpt_oss", device)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
+    want = model.generate(ids[:1], **kw)
+    with _no_fallback():
+        got = fused.generate(ids[:1], **kw)
+    assert want.shape[1] == L + 16 and len(set(want[0, L:].tolist())) > 3  # a real sequence, not one token
+    assert torch.equal(got, want)
+    assert launches["attention_fwd"] == 16 * 2 and launches["rope_qkvpacked"] == 16 * 2
+    assert launches["matmul"] == 16 * 2 * 2  # QKV and out per layer and token (the experts are HF's)
+
+
+def test_gpt_oss_batched_generation_with_left_padding(device, launches):
+    """A left-padded batch through prefill and decoding: eager's additive 4-D masks (the
+    sliding layer's with the window) read as causal + key padding (+ window) for the kernel."""
+    model = _model("gpt_oss", device).eval()
+    fused = _converted(model)
+    ids, mask = _inputs("gpt_oss", device)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=V - 1)
+    with _no_fallback():
+        got = fused.generate(ids, **kw)
+    assert torch.equal(got, model.generate(ids, **kw))
+    assert launches["attention_fwd"] == 3 * 2
+
+
+def test_gpt_oss_state_dict_and_save_pretrained_round_trip(device):
+    model = _model("gpt_oss", device).eval()
+    keys = list(model.state_dict())
+    fused = copy.deepcopy(model)
+    params = list(fused.parameters())
+    assert fused_block.convert(fused) is fused
+    assert list(fused.state_dict()) == keys
+    assert all(a is b for a, b in zip(fused.parameters(), params))
+    ids, mask = _inputs("gpt_oss", device)
+    with tempfile.TemporaryDirectory() as tmp:
+        fused.save_pretrained(tmp)
+        reloaded = type(model).from_pretrained(tmp).to(device).eval()
+        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
+        torch.testing.assert_close(again(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
+                                   atol=0, rtol=0)
+
+
+def test_gpt_oss_called_mlp_hooks_tables_and_fallbacks(device, launches):
+    """The MoE MLP is called, not bypassed: a hook on its experts runs and the layer stays
+    fused, and the router logits are recorded (``output_router_logits``). Without the model's
+    rotary module the layer reads its (B, L, D / 2) cos/sin tables. A hook on a bypassed
+    submodule (q_proj) and ``output_attentions`` run the original forward with a warning."""
+    model = _model("gpt_oss", device, layers=1).eval()
+    fused = _converted(model)
+    ids, mask = _inputs("gpt_oss", device)
+    keep = mask[..., None] == 1
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, output_router_logits=True)
+        seen = []
+        fused.model.layers[0].mlp.experts.register_forward_hook(lambda m, i, o: seen.append(o))
+        with _no_fallback():
+            got = fused(ids, attention_mask=mask, output_router_logits=True)
+        assert len(seen) == 1 and launches["attention_fwd"] == 1
+        torch.testing.assert_close(got.logits.masked_fill(~keep, 0), want.logits.masked_fill(~keep, 0),
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.router_logits[0], want.router_logits[0], atol=1e-5, rtol=0)
+        fused.model.layers[0]._fused_block.rotary = None  # as with no single standard rotary module
+        with _no_fallback():
+            got = fused(ids, attention_mask=mask).logits
+        assert launches["attention_fwd"] == 2
+        torch.testing.assert_close(got.masked_fill(~keep, 0), want.logits.masked_fill(~keep, 0), atol=1e-5, rtol=0)
+        with pytest.warns(UserWarning, match="output_attentions"):
+            got = fused(ids, attention_mask=mask, output_attentions=True)
+        want = model(ids, attention_mask=mask, output_attentions=True)
+        torch.testing.assert_close(got.attentions[0], want.attentions[0])
+        fused.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: None)
+        before = launches["attention_fwd"]
+        with pytest.warns(UserWarning, match="forward hook"):
+            got = fused(ids, attention_mask=mask).logits
+        assert launches["attention_fwd"] == before
+        torch.testing.assert_close(got, model(ids, attention_mask=mask).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# BLOOM: ALiBi (the model's tensor as the kernel's bias), Pre-LN LayerNorms, the per-head
+# interleaved query_key_value, bloom_gelu (see hf_testing.config)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("padding", ["right", "middle"])
+def test_bloom_logits_and_gradients_match_the_original(padding, device, launches):
+    """As test_logits_and_gradients_match_the_original: the training loss (fused linear +
+    cross-entropy) and every parameter's gradient, then fp32 logits, against the original in
+    float64, both layers fused, no warning. Right padding and padding inside a row, where
+    BLOOM's ALiBi positions (cumsum of the mask) are not the key indices: the kernel adds the
+    model's ALiBi tensor itself, so both are BLOOM's. (Not left padding: BLOOM's eager softmax
+    in fp32 of a float64 mask gives NaN for the fully masked padding queries, which then leaks
+    through the values; the generation tests run it.)"""
+    model = _model("bloom", device).train()
+    fused = _converted(model)
+    ref = copy.deepcopy(model).double()
+    ids, mask = _inputs("bert" if padding == "right" else "bloom-middle", device)
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for name, m in (("ref", ref), ("base", model), ("fused", fused)):
+        with _no_fallback():
+            out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outs[name] = (out, dict(m.named_parameters()))
+    _assert_close("loss", outs["fused"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
+    for pname, p in outs["ref"][1].items():
+        g = outs["fused"][1][pname].grad
+        assert g is not None, pname
+        _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
+    assert outs["fused"][0].logits is None
+    assert launches["attention_fwd"] == launches["attention_bwd"] == 2
+    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == 4
+    # per layer: query_key_value and dense 1 GEMM forward and 2 backward each, the MLP 2 and 4;
+    # the head's logits GEMM and dhidden of one chunk
+    assert launches["matmul"] == 2 * 12 + 2 and launches["act_grad"] == 0
+    assert launches["lce_ce"] == launches["lce_dw"] == 1
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                  for m in (ref, model, fused)]
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+
+
+def test_bloom_bf16_logits(device, launches):
+    model = _model("bloom", device).eval()
+    ref = copy.deepcopy(model).double()
+    base = copy.deepcopy(model).to(torch.bfloat16)
+    fused = _converted(base)
+    ids, mask = _inputs("bert", device)  # right padding (see test_bloom_logits_and_gradients_match_the_original)
+    with torch.no_grad(), _no_fallback():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in (ref, base, fused)]
+    assert logits[2].dtype == torch.bfloat16
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.bfloat16, device)
+    assert launches["attention_fwd"] == 2
+
+
+def test_bloom_greedy_generation_matches(device, launches):
+    """16 greedy tokens with the KV cache (ALiBi over the cached keys). One layer (each token is
+    a full interpreted forward), untied embeddings, weights of std 0.5 and the second prompt:
+    with the tied embeddings, std 0.2 or the first prompt this tiny model repeats one token."""
+    model = _model("bloom", device, layers=1, tie_word_embeddings=False, initializer_range=0.5).eval()
+    fused = _converted(model)
+    ids, _ = _inputs("bloom", device)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=V - 1)
+    want = model.generate(ids[1:], **kw)
+    with _no_fallback():
+        got = fused.generate(ids[1:], **kw)
+    assert want.shape[1] == L + 16 and len(set(want[0, L:].tolist())) > 3
+    assert torch.equal(got, want)
+    assert launches["attention_fwd"] == 16 and launches["matmul"] == 16 * 4
+
+
+def test_bloom_batched_generation_with_left_padding(device, launches):
+    """A left-padded batch through prefill and decoding: ALiBi's positions counted over the
+    growing mask, the padding as key padding."""
+    model = _model("bloom", device, layers=1, tie_word_embeddings=False).eval()
+    fused = _converted(model)
+    ids, mask = _inputs("bloom", device)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=V - 1)
+    with _no_fallback():
+        got = fused.generate(ids, **kw)
+    assert torch.equal(got, model.generate(ids, **kw))
+    assert launches["attention_fwd"] == 3
+
+
+def test_bloom_state_dict_and_save_pretrained_round_trip(device):
+    model = _model("bloom", device, layers=1).eval()
+    keys = list(model.state_dict())
+    fused = copy.deepcopy(model)
+    params = list(fused.parameters())
+    assert fused_block.convert(fused) is fused
+    assert list(fused.state_dict()) == keys
+    assert all(a is b for a, b in zip(fused.parameters(), params))
+    ids, mask = _inputs("bloom", device)
+    with tempfile.TemporaryDirectory() as tmp:
+        fused.save_pretrained(tmp)
+        reloaded = type(model).from_pretrained(tmp).to(device).eval()
+        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
+        torch.testing.assert_close(again(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
+                                   atol=0, rtol=0)
+
+
+def test_bloom_post_layernorm_residuals_and_fallbacks(device, launches):
+    """``apply_residual_connection_post_layernorm`` (the residuals are the norms' outputs) runs
+    fused, the original's answer; ``pretraining_tp`` 2 with ``slow_but_exact`` is left
+    unconverted and ``output_attentions`` runs the original forward, each with a warning."""
+    ids, mask = _inputs("bloom", device)
+    keep = mask[..., None] == 1
+    post = _model("bloom", device, layers=1, apply_residual_connection_post_layernorm=True).eval()
+    fused = _converted(post)
+    assert fused.transformer.h[0].apply_residual_connection_post_layernorm
+    with torch.no_grad(), _no_fallback():
+        got = fused(ids, attention_mask=mask).logits
+    want = post(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    assert launches["attention_fwd"] == 1
+    with torch.no_grad(), pytest.warns(UserWarning, match="output_attentions"):
+        got = fused(ids, attention_mask=mask, output_attentions=True)
+    assert launches["attention_fwd"] == 1
+    torch.testing.assert_close(got.attentions[0], post(ids, attention_mask=mask, output_attentions=True).attentions[0])
+    sliced = _model("bloom", device, layers=1, pretraining_tp=2, slow_but_exact=True).eval()
+    with pytest.warns(UserWarning, match="slow_but_exact"):
+        fused = fused_block.convert(copy.deepcopy(sliced))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, attention_mask=mask).logits, sliced(ids, attention_mask=mask).logits)

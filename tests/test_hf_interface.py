@@ -204,14 +204,16 @@ def test_torch_compile_fullgraph(device, launches):
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
 
 
-def test_converted_layers_read_the_interface_masks(device, launches):
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_converted_layers_read_the_interface_masks(name, device, launches):
     """convert() on a model running attn_implementation="fused_block": the whole layer is
-    fused (RoPE, GEMMs, norms) and reads the interface's masks, padding included; the
-    original's answer, no warning."""
-    model = interface_model("llama", device, "sdpa").eval()
+    fused (RoPE, GEMMs, norms) and reads the interface's masks, padding included (gpt-oss:
+    the sliding layer's window from the interface's mask, the sinks); the original's answer,
+    no warning."""
+    model = interface_model(name, device, _original(name)).eval()
     with no_fallback():
         ours = fused_block.convert(_ours(model))
-        ids, mask = interface_inputs("llama", device)
+        ids, mask = interface_inputs(name, device)
         with torch.no_grad():
             got = _masked(ours(ids, attention_mask=mask).logits, mask)
     with torch.no_grad():

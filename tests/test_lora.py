@@ -237,7 +237,10 @@ HF_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
               "gpt2": ["c_attn", "c_proj", "c_fc"], "bert": ["query", "value", "dense"],
               "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
               # q and v stacked into the QKV GEMM, down_proj's adapters on the GeGLU hidden activation
-              "gemma3": ["q_proj", "v_proj", "down_proj"]}
+              "gemma3": ["q_proj", "v_proj", "down_proj"],
+              # the attention's linears (the MoE experts are Hugging Face's, called as they are)
+              "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj"],
+              "bloom": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]}
 
 
 def _hf_peft(arch, device, order, dropout=0.0, targets=None):
@@ -257,7 +260,7 @@ def _hf_peft(arch, device, order, dropout=0.0, targets=None):
     return ref, got, hf_testing.inputs(arch, device)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "phi3", "gemma3", "gpt_oss", "bloom"])
 @pytest.mark.parametrize("order", ["convert_then_adapt", "adapt_then_convert"])
 def test_peft_lora_on_converted_hf_models_runs_fused(arch, order, device, launches):
     """Logits (eval) of PEFT's model through the fused layers, with the adapters on the

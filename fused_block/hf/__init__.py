@@ -5,9 +5,14 @@ Covered layer classes (their model classes, e.g. ``LlamaForCausalLM``, ``GPT2LMH
 family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``,
 ``Qwen3DecoderLayer``: Pre-RMSNorm, RoPE, GQA, gated MLP; Qwen3's per-head q/k norms), ``gemma``
 (``GemmaDecoderLayer``, ``Gemma2DecoderLayer``, ``Gemma3DecoderLayer``: (1 + w) RMSNorms, GeGLU MLP,
-Gemma 2/3's sandwich norms, Gemma 3's q/k norms; softcapped or windowed attention falls back), ``phi3``
-(``Phi3DecoderLayer``: the same with fused ``qkv_proj`` and ``gate_up_proj``), ``gpt2``
-(``GPT2Block``: Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU), ``bert`` (``BertLayer``:
+Gemma 2/3's sandwich norms, Gemma 3's q/k norms, softcapped and windowed attention in the kernel),
+``phi3`` (``Phi3DecoderLayer``: the same with fused ``qkv_proj`` and ``gate_up_proj``), ``gpt_oss``
+(``GptOssDecoderLayer``: LLaMA's attention with biases, attention sinks and the sliding layers'
+windows in the kernel, YaRN RoPE, both RMSNorms; its MoE MLP stays Hugging Face's, called as a
+submodule; ``GptOssForCausalLM``'s loss adds the router's auxiliary loss), ``gpt2``
+(``GPT2Block``: Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU), ``bloom`` (``BloomBlock``:
+Pre-LN, the per-head [q, k, v] ``query_key_value`` read as views, ALiBi as the kernel's bias,
+tanh GELU), ``bert`` (``BertLayer``:
 Post-LN encoder) and ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
 Pre-LN, causal self-attention with its cache, cross-attention with the cross-attention cache).
 Each family module says what its fused forward runs.
@@ -42,7 +47,7 @@ try:
 except ImportError as e:  # the hf extra is not installed
     raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
 
-from fused_block.hf import _core, _lm, bert, gemma, gpt2, llama, phi3, seq2seq
+from fused_block.hf import _core, _lm, bert, bloom, gemma, gpt2, gpt_oss, llama, phi3, seq2seq
 from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
@@ -57,7 +62,9 @@ FAMILIES = {
     "Gemma2DecoderLayer": gemma.FAMILY,
     "Gemma3DecoderLayer": gemma.FAMILY,
     "Phi3DecoderLayer": phi3.FAMILY,
+    "GptOssDecoderLayer": gpt_oss.FAMILY,
     "GPT2Block": gpt2.FAMILY,
+    "BloomBlock": bloom.FAMILY,
     "BertLayer": bert.FAMILY,
     "BartEncoderLayer": seq2seq.FAMILY,
     "BartDecoderLayer": seq2seq.FAMILY,
@@ -65,7 +72,8 @@ FAMILIES = {
     "WhisperDecoderLayer": seq2seq.FAMILY,
 }
 # Causal LMs whose training loss runs the fused linear + cross-entropy.
-CAUSAL_LMS = llama.CAUSAL_LMS + gemma.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt2.CAUSAL_LMS
+CAUSAL_LMS = (llama.CAUSAL_LMS + gemma.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt_oss.CAUSAL_LMS + gpt2.CAUSAL_LMS
+              + bloom.CAUSAL_LMS)
 
 
 register()

@@ -6,10 +6,12 @@ implementation's convention (:func:`mask_convention`): eager's and sdpa's None o
 additive masks, flash-attention's 2-D padding mask, or the light masks of the
 ``"fused_block"`` mask interface (:mod:`fused_block.hf.interface`: None, (B, Lk) causal +
 padding, (B, 1, 1, Lk) padding), which are taken as they are. A 4-D mask is checked once per
-mask object for being causal (bottom-right) and/or key padding; the kernel gets ``causal``
-and a (B, Lk) padding mask. Anything else (sliding windows that cut keys, packed sequences,
-other custom patterns, a 4-D mask under ``torch.compile`` where its values cannot be read)
-runs ``scaled_dot_product_attention`` with that very mask after a one-time warning.
+mask object for being causal (bottom-right) and/or key padding, with the layer's sliding
+window; the kernel gets ``causal``, a (B, Lk) padding mask and the window. Anything else
+(packed sequences, other custom patterns, a 4-D mask under ``torch.compile`` where its values
+cannot be read) the kernel reads tile by tile (its ``mask`` / ``bias``); a mask of a shape it
+does not broadcast runs ``scaled_dot_product_attention`` with that very mask after a one-time
+warning.
 """
 import weakref
 
@@ -182,7 +184,9 @@ def _read_mask(mask, B, Lq, Lk, causal, window):
         keep = mask == 0
         if not bool((keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
             return general
-    key_padding = ~keep[:, 0, -1, :]  # the last query sees every key that is not padding
+    # The keys no query sees: the padding (and, under a sliding window, keys before every
+    # query's window, which the window hides anyway); the comparison below decides.
+    key_padding = ~keep[:, 0].any(dim=-2)
     visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device, window=window)
     if not torch.equal(visible, keep.expand(visible.shape)):
         if window == (-1, -1):
@@ -205,14 +209,14 @@ def kernel_head_dim(D, dtype):
 
 
 def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name, softcap=None,
-                   sliding_window=None):
+                   sliding_window=None, sinks=None):
     """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
     out-projection's input. The cache (if any) stores k and v (views) and returns the keys to
     attend; when those are this call's own (L of them: nothing was cached before, as in
     training and prefill; every cache layer of transformers returns past + new keys, or its
     whole static buffer), the packed kernel reads qkv in place and writes one packed gradient.
-    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) and ``sliding_window`` (Hugging Face's
-    convention, :func:`window_of`) go to the kernel."""
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``sliding_window`` (Hugging Face's
+    convention, :func:`window_of`) and ``sinks`` (gpt-oss's, (H,)) go to the kernel."""
     B, L, _ = qkv.shape
     D = qkv.shape[2] // (H + 2 * Hkv)
     heads = qkv.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)  # (B, H + 2 Hkv, L, D) view
@@ -222,23 +226,32 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
     p = plan(mask, B, L, k.shape[2], causal, convention, window_of(sliding_window, causal))
     if p.kernel and p.light and p.n_keys is None and k.shape[2] == L and softcap is None \
             and kernel_head_dim(D, qkv.dtype):
-        return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window)
-    return attend(q, k, v, p, scale, dropout_p, name, softcap).transpose(1, 2).reshape(B, L, H * D)
+        return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window,
+                                   sinks=sinks)
+    return attend(q, k, v, p, scale, dropout_p, name, softcap, sinks).transpose(1, 2).reshape(B, L, H * D)
 
 
-def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None):
-    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says."""
+def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, bias=None):
+    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says; ``bias``:
+    an additive float bias broadcastable to (B, H, Lq, Lk) beside the plan's mask (BLOOM's ALiBi)."""
     D = q.shape[-1]
     if p.kernel and not kernel_head_dim(D, q.dtype):
         p = Plan(False, sdpa_mask=_dense(p, q.shape[2], k.shape[2], q.device),
                  reason=f"head dim {D} in {q.dtype} (outside the attention kernel's range)")
     if p.kernel:
+        mask, extra = p.mask, p.bias
         if p.n_keys is not None:
             k, v = k[:, :, :p.n_keys], v[:, :, :p.n_keys]
+            bias = None if bias is None else bias[..., :p.n_keys]
+        if bias is not None:
+            extra = bias if extra is None else extra + bias
+            if mask is not None:  # one additive input: the mask's hidden keys at -inf
+                extra, mask = torch.where(mask, extra, float("-inf")), None
         return _attention(q, k, v, p.causal, scale, p.key_padding, dropout_p, window=p.window, softcap=softcap,
-                          sinks=sinks, mask=p.mask, bias=p.bias)
-    if softcap is not None or sinks is not None:
-        raise NotImplementedError(f"{name}: {p.reason}, with a softcap or sinks, which SDPA does not compute")
+                          sinks=sinks, mask=mask, bias=extra)
+    if softcap is not None or sinks is not None or bias is not None:
+        raise NotImplementedError(f"{name}: {p.reason}, with a softcap, sinks or a bias, which the fused path "
+                                  "does not pass to SDPA")
     warn_once((name, p.reason), f"{name}: {p.reason}; attention runs through "
               "torch.nn.functional.scaled_dot_product_attention with the model's mask (slower, same result)")
     if k.shape[1] != q.shape[1]:

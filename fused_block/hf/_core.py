@@ -41,16 +41,18 @@ class Family:
     ``rotaries``: the class names of the model-level rotary module the family's RoPE reads;
     ``cross_attention``: ``run`` takes ``encoder_hidden_states`` (decoder layers of
     encoder-decoders); ``lora_paths(layer)``: the linears whose PEFT LoRA wrappers ``run``
-    fuses into its GEMMs (:mod:`fused_block.lora`). The tree is the call-time guard's spec
+    fuses into its GEMMs (:mod:`fused_block.lora`); ``returns_tensor``: the layer's return form
+    where its forward's annotation does not say (False: a tuple whose first item is the hidden
+    states, BLOOM's). The tree is the call-time guard's spec
     (:mod:`fused_block._guard`): a submodule outside it, of another class, wrapped (PEFT but
     at ``lora_paths``, quantization), hooked or with its own ``forward`` makes the layer run
     its original forward."""
 
     def __init__(self, check, check_call, run, tree, called=lambda layer: (), prepare=lambda layer: None,
-                 rotaries=(), cross_attention=False, lora_paths=lambda layer: ()):
+                 rotaries=(), cross_attention=False, lora_paths=lambda layer: (), returns_tensor=None):
         self.check, self.check_call, self.run, self.called = check, check_call, run, called
         self.tree, self.prepare, self.rotaries, self.cross_attention = tree, prepare, rotaries, cross_attention
-        self.lora_paths = lora_paths
+        self.lora_paths, self.returns_tensor = lora_paths, returns_tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ def convert_modules(model, families, causal_lms, patch_lm, lm_check):
         reason = family.check(m)
         if reason is None and ("forward" in m.__dict__ or any(hasattr(s, "_hf_hook") for s in m.modules())):
             reason = "its forward is already wrapped (accelerate's device hooks or another patch)"
-        if reason is None and _returns_tensor(type(m).forward) is None:
+        if reason is None and _returns_tensor(type(m).forward, family) is None:
             reason = f"the return type of {type(m).__name__}.forward is not recognised (transformers version?)"
         if reason is not None:
             warn_once(("convert", type(m).__name__, reason), f"{type(m).__name__} is left unconverted: {reason}")
@@ -152,10 +154,25 @@ def _is_capture_hook(fn):
     return getattr(fn, "__module__", None) == _CAPTURE_MODULE
 
 
-def _capture_reason():
+def _capture_key(fn):
+    """The output a capture hook records (the ``key`` its closure holds), or None if unreadable."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    names = getattr(code, "co_freevars", ())
+    if "key" in names and len(cells) == len(names):
+        key = cells[names.index("key")].cell_contents
+        return key if isinstance(key, str) else None
+    return None
+
+
+def _capture_reason(keys):
+    """Why the outputs the active collector asks for cannot be recorded: one of ``keys`` (those
+    the capture hooks of the submodules the fused path does not call record; None in it: a hook
+    of unknown key) other than the hidden states. Outputs of called submodules (gpt-oss's router
+    logits) are recorded by their own hooks."""
     collector = sys.modules[_CAPTURE_MODULE]._active_collector.get()
-    if collector and any(k != "hidden_states" and not k.startswith("_") for k in collector):
-        return "output capturing of attention weights (output_attentions=True)"
+    for k in collector or ():
+        if k != "hidden_states" and not k.startswith("_") and (k in keys or None in keys):
+            return f"output capturing of {k} (output_{k}=True) from a submodule the fused path does not call"
     return None
 
 
@@ -168,8 +185,9 @@ def _describe(layer):
     tp = layer.__dict__.get(_TP)
     why, watched = _guard.scan(layer, spec, tuple(state.family.called(layer)) + skip, _is_capture_hook,
                                None if tp is None else tp.accepts)
-    capture = any(_is_capture_hook(getattr(h, "func", h)) for m in watched for h in m._forward_hooks.values())
-    checks = ([_capture_reason] if capture else []) + ([lora.live(layer, wrapped)] if wrapped else [])
+    hooks = [getattr(h, "func", h) for m in watched for h in m._forward_hooks.values()]
+    keys = frozenset(_capture_key(fn) for fn in hooks if _is_capture_hook(fn))
+    checks = ([lambda: _capture_reason(keys)] if keys else []) + ([lora.live(layer, wrapped)] if wrapped else [])
     if len(checks) < 2:
         return why, watched, checks[0] if checks else None
     return why, watched, lambda: checks[0]() or checks[1]()
@@ -191,7 +209,7 @@ def _patch(module, family, rotary):
     forward = type(module).forward
     params = list(inspect.signature(forward).parameters.values())[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    state = _State(family, forward, positional, _returns_tensor(forward), rotary)
+    state = _State(family, forward, positional, _returns_tensor(forward, family), rotary)
     module.__dict__["_fused_block"] = state  # a plain attribute: no submodule, no state-dict entry
     module.forward = types.MethodType(_fused_forward, module)
 
@@ -200,9 +218,12 @@ def _unpatch(module):
     del module.__dict__["_fused_block"], module.__dict__["forward"]
 
 
-def _returns_tensor(forward):
-    """True if the layer returns a tensor, False for a 1-tuple (older transformers), None if unknown."""
+def _returns_tensor(forward, family):
+    """True if the layer returns a tensor, False for a tuple (older transformers; BLOOM), None if
+    unknown (no annotation and the family does not say)."""
     ann = inspect.signature(forward).return_annotation
+    if ann is inspect.Signature.empty:
+        return family.returns_tensor
     text = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
     if ann is torch.Tensor or text in ("torch.Tensor", "Tensor", "torch.FloatTensor"):
         return True

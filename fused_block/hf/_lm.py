@@ -10,6 +10,7 @@ import functools
 import inspect
 import sys
 import types
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,12 @@ _LOSS_MODULE = "transformers.loss.loss_utils"
 # Causal LMs whose forward softcaps the logits, ``c * tanh(logits / c)`` with c =
 # ``config.final_logit_softcapping`` (None: no softcap), before the loss: the fused loss applies it too.
 FINAL_SOFTCAP = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Mixture-of-experts causal LMs whose forward adds ``router_aux_loss_coef * aux_loss`` to the
+# loss when ``output_router_logits`` (the call's, else the config's), where ``aux_loss`` is its
+# module's ``load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok,
+# attention_mask)``: the fused loss adds the same, computed by that very function.
+ROUTER_AUX = ("GptOssForCausalLM",)
+_ROUTER_ATTRS = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
 _QUIET = "quiet"  # the call asks for Hugging Face's own path (no warning)
 
 
@@ -39,7 +46,7 @@ def check(model):
     The path mirrors ``*ForCausalLM.forward`` of these families (transformers 5): the base model
     called with every argument but ``labels`` and ``logits_to_keep``, ``lm_head`` on its last
     hidden state, ``self.loss_function`` (ForCausalLMLoss), an output dataclass with ``loss``
-    and ``logits``."""
+    and ``logits`` (:data:`ROUTER_AUX`: plus the router's auxiliary loss)."""
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear:
         return "lm_head is not a torch.nn.Linear"
@@ -51,15 +58,31 @@ def check(model):
     sig = inspect.signature(type(model).forward)
     params = list(sig.parameters.values())[1:]
     names = [p.name for p in params]
-    fields = getattr(sig.return_annotation, "__dataclass_fields__", {})
+    fields = getattr(_output_class(sig.return_annotation), "__dataclass_fields__", {})
     base_params = inspect.signature(type(base).forward).parameters
+    own = ("labels", "logits_to_keep")
+    if type(model).__name__ in ROUTER_AUX:
+        if not (callable(getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None))
+                and all(hasattr(model, a) for a in _ROUTER_ATTRS) and "output_router_logits" in names
+                and {"aux_loss", "router_logits"} <= set(fields)):
+            return (f"{type(model).__name__}'s router auxiliary loss is not recognised (load_balancing_loss_func, "
+                    "router_aux_loss_coef, output_router_logits: transformers version?)")
+        own += ("output_router_logits",)  # passed on to the base model's **kwargs
     if not ({"labels", "logits_to_keep"} <= set(names) and params[-1].kind is inspect.Parameter.VAR_KEYWORD
             and {"loss", "logits"} <= set(fields)
-            and all(n in base_params for n in names[:-1] if n not in ("labels", "logits_to_keep"))):
+            and all(n in base_params for n in names[:-1] if n not in own)):
         return f"the signature of {type(model).__name__}.forward is not recognised (transformers version?)"
     if head.out_features != getattr(model.config, "vocab_size", None):
         return "lm_head's out_features differ from config.vocab_size"
     return None
+
+
+def _output_class(annotation):
+    """The output dataclass of a forward annotated with it, or with ``tuple | it`` (BLOOM's)."""
+    if hasattr(annotation, "__dataclass_fields__"):
+        return annotation
+    found = [a for a in typing.get_args(annotation) if hasattr(a, "__dataclass_fields__")]
+    return found[0] if len(found) == 1 else None
 
 
 def patch(model):
@@ -67,7 +90,7 @@ def patch(model):
     params = list(inspect.signature(original).parameters.values())[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     model.__dict__["_fused_block"] = _State(original, positional, model.base_model_prefix,
-                                            inspect.signature(original).return_annotation)
+                                            _output_class(inspect.signature(original).return_annotation))
 
     @functools.wraps(original)  # the original's signature: generate() and Trainer inspect it
     def forward(self, *args, **kwargs):
@@ -114,14 +137,22 @@ def _forward(self, *args, **kwargs):
     return_dict = return_dict if passed is None else passed
     labels = call.pop("labels")
     call.pop("logits_to_keep", None)
+    router_aux = type(self).__name__ in ROUTER_AUX
+    if router_aux:  # the original's rule: the call's flag, else the config's, passed to the base model
+        flag = call.get("output_router_logits")
+        call["output_router_logits"] = router_aux = self.config.output_router_logits if flag is None else flag
     outputs = getattr(self, state.prefix)(**call)
     softcap = getattr(self.config, "final_logit_softcapping", None) if type(self).__name__ in FINAL_SOFTCAP else None
     loss = causal_lm_loss(self.lm_head, outputs.last_hidden_state, labels, num_items_in_batch=call.get(
         "num_items_in_batch"), ignore_index=call.get("ignore_index", -100), shift_labels=call.get("shift_labels"),
         softcap=softcap)
     fields = state.output.__dataclass_fields__
-    out = state.output(loss=loss, logits=None,
-                       **{f: getattr(outputs, f, None) for f in fields if f not in ("loss", "logits")})
+    extra = {f: getattr(outputs, f, None) for f in fields if f not in ("loss", "logits")}
+    if router_aux:
+        extra["aux_loss"] = sys.modules[type(self).__module__].load_balancing_loss_func(
+            outputs.router_logits, self.num_experts, self.num_experts_per_tok, call.get("attention_mask"))
+        loss = loss + self.router_aux_loss_coef * extra["aux_loss"].to(loss.device)
+    out = state.output(loss=loss, logits=None, **extra)
     return out if return_dict else out.to_tuple()
 
 

@@ -90,11 +90,12 @@ def rotary_positions(layer, call, B, L):
     return None
 
 
-def rope(layer, qkv, H, Hkv, call, unit_offset=False):
+def rope(layer, qkv, H, Hkv, call, unit_offset=False, half_tables=False):
     """RoPE on the packed QKV output: fp32 angles from position_ids and the rotary module's
     inv_freq when the model has one standard rotary module, else HF's cos/sin tables; with
     the attention's q_norm/k_norm (Qwen3; Gemma 3's with ``unit_offset``: 1 + w) each q and k
-    head normalized first, in the launch."""
+    head normalized first, in the launch. ``half_tables``: the model's tables hold each
+    frequency once, (B, L, D_rot / 2) (gpt-oss's), not twice as LLaMA's."""
     B, L = qkv.shape[:2]
     attn = layer.self_attn
     norms = {}
@@ -110,6 +111,8 @@ def rope(layer, qkv, H, Hkv, call, unit_offset=False):
                           lambda t: t[0].to(device=qkv.device, dtype=torch.float32))
         return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(state.rotary.attention_scaling), **norms)
     cos, sin = call["position_embeddings"]
+    if half_tables:
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     return rope_qkvpacked(qkv, H, Hkv, cos=cos.expand(B, -1, -1) if cos.shape[0] != B else cos,
                           sin=sin.expand(B, -1, -1) if sin.shape[0] != B else sin, **norms)
 
@@ -138,31 +141,39 @@ def prepare(layer):
 _NO_SHIFT = contextlib.nullcontext()
 
 
-def run(layer, call, x):
-    """The fused layer. Tensor parallel (``fused_block.distributed``), the projections hold this
-    rank's heads and MLP columns: the norms' outputs enter whole (all-gathered along the
-    sequence under sequence parallelism), o_proj's and down_proj's partial sums leave reduced,
-    and the residual is added after the MLP's reduction (no LoRA there: LayerParallel refuses it)."""
+def attention_sublayer(layer, call, n1, tp=None, sinks=None, half_tables=False):
+    """``self_attn`` on its normalized input ``n1``: one QKV GEMM, ``rope_qkvpacked``, the KV
+    cache, the attention kernel (the layer's sliding window; ``sinks``: gpt-oss's), o_proj;
+    returns o_proj's output (this rank's partial sums when tensor parallel: ``tp``)."""
     attn, state = layer.self_attn, layer._fused_block
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    tp = layer.__dict__.get(_TP_RUN)
     D = attn.head_dim
     H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
     Hkv = attn.k_proj.weight.shape[0] // D
-    n1, _ = add_rms_norm(x, None, ln1.weight, rms_eps(ln1))
     w = packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
     # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
     # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
     qkv = linear(n1 if tp is None else tp.enter(n1), w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
-    qkv = rope(layer, qkv, H, Hkv, call)  # q, k rotated and v copied into one packed tensor
+    qkv = rope(layer, qkv, H, Hkv, call, half_tables=half_tables)  # q, k rotated and v copied: one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
     with _NO_SHIFT if tp is None or p == 0 else tp.seeds([tp.rank]):  # each rank's heads, their own masks
         o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                            mask_convention(attn.config), attn.scaling, p, type(layer).__name__,
-                           sliding_window=sliding_window(attn))
-    o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
+                           sliding_window=sliding_window(attn), sinks=sinks)
+    return linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
+
+
+def run(layer, call, x):
+    """The fused layer. Tensor parallel (``fused_block.distributed``), the projections hold this
+    rank's heads and MLP columns: the norms' outputs enter whole (all-gathered along the
+    sequence under sequence parallelism), o_proj's and down_proj's partial sums leave reduced,
+    and the residual is added after the MLP's reduction (no LoRA there: LayerParallel refuses it)."""
+    state = layer._fused_block
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    tp = layer.__dict__.get(_TP_RUN)
+    n1, _ = add_rms_norm(x, None, ln1.weight, rms_eps(ln1))
+    o = attention_sublayer(layer, call, n1, tp)
     n2, h = add_rms_norm(_like(o if tp is None else tp.leave(o), x), x, ln2.weight, rms_eps(ln2))
     m = layer.mlp
     if tp is not None:
