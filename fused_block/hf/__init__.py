@@ -42,7 +42,7 @@ try:
 except ImportError as e:  # the hf extra is not installed
     raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
 
-from fused_block.hf import _core, _lm, bert, gemma, gpt2, llama, phi3, seq2seq
+from fused_block.hf import _core, _lm, bert, gemma, gpt2, llama, phi3, seq2seq, t5
 from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
@@ -63,6 +63,8 @@ FAMILIES = {
     "BartDecoderLayer": seq2seq.FAMILY,
     "WhisperEncoderLayer": seq2seq.FAMILY,
     "WhisperDecoderLayer": seq2seq.FAMILY,
+    "T5Block": t5.FAMILY,
+    "MT5Block": t5.FAMILY,
 }
 # Causal LMs whose training loss runs the fused linear + cross-entropy.
 CAUSAL_LMS = llama.CAUSAL_LMS + gemma.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt2.CAUSAL_LMS
