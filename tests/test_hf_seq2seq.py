@@ -275,3 +275,28 @@ def test_mt5_is_converted(device, launches):
             got = fused(**enc, labels=targets).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert launches["attention_fwd"] == 6
+
+
+def test_t5_with_peft_lora_runs_the_original(device, launches):
+    """PEFT LoRA on T5's q and v (its usual targets) is not fused into T5's GEMMs: a model
+    wrapped before convert keeps its layers unconverted, one wrapped after runs each layer's
+    original forward (the call-time guard); both after a warning, both PEFT's answer."""
+    peft = pytest.importorskip("peft")
+    model = seq2seq_model("t5", device, "sdpa").eval()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], init_lora_weights=False)
+    torch.manual_seed(0)
+    want_model = peft.get_peft_model(copy.deepcopy(model), cfg)
+    with pytest.warns(UserWarning, match="T5Block is left unconverted: layer.0.SelfAttention's q/k/v/o"):
+        before = fused_block.convert(peft.get_peft_model(copy.deepcopy(model), cfg))
+    after = peft.get_peft_model(_converted(copy.deepcopy(model)), cfg)
+    enc, targets = seq2seq_inputs("t5", device)
+    with torch.no_grad():
+        want = want_model(**enc, labels=targets).logits
+        for m in (before, after):
+            m.load_state_dict(want_model.state_dict())
+        got_before = before(**enc, labels=targets).logits
+        with pytest.warns(UserWarning, match="runs its original forward"):
+            got_after = after(**enc, labels=targets).logits
+    torch.testing.assert_close(got_before, want, atol=0, rtol=0)
+    torch.testing.assert_close(got_after, want, atol=0, rtol=0)
+    assert launches["attention_fwd"] == 0
