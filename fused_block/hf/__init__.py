@@ -8,8 +8,10 @@ family: ``llama`` (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2Decode
 Gemma 2/3's sandwich norms, Gemma 3's q/k norms; softcapped or windowed attention falls back), ``phi3``
 (``Phi3DecoderLayer``: the same with fused ``qkv_proj`` and ``gate_up_proj``), ``gpt2``
 (``GPT2Block``: Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU), ``bert`` (``BertLayer``:
-Post-LN encoder) and ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
-Pre-LN, causal self-attention with its cache, cross-attention with the cross-attention cache).
+Post-LN encoder), ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
+Pre-LN, causal self-attention with its cache, cross-attention with the cross-attention cache)
+and ``t5`` (``T5Block``, ``MT5Block``: Pre-RMSNorm, the relative position bias through the
+attention kernel's bias input, ReLU or gated-GELU FFN).
 Each family module says what its fused forward runs.
 
 How: each recognised layer keeps its class, submodules, parameters (so state dicts,
@@ -23,9 +25,9 @@ out-projection's layout, one packed gradient, no split, merge, copy or cat) when
 are this call's own: no cache, or a cache that held nothing before (training, prefill). With
 cached keys (decoding) q, k and v are views of the packed tensor and the cache returns the
 keys to attend. Masks: :mod:`fused_block.hf._attention`. Inputs the fused path does not
-express (output_attentions, head masks, cross-attention, hooks on the skipped submodules,
-unknown activations or signatures, float64) run the layer's original forward, with a one-time
-warning. Never a different answer, only a slower one.
+express (output_attentions, head masks, cross-attention outside the encoder-decoders' layers,
+hooks on the skipped submodules, unknown activations or signatures, float64) run the layer's
+original forward, with a one-time warning. Never a different answer, only a slower one.
 
 Adding a family: a module beside these with ``check``, ``check_call``, ``run`` and ``tree``
 (:class:`fused_block.hf._core.Family`), and its rows in :data:`FAMILIES`.

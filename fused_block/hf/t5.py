@@ -43,7 +43,7 @@ from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed
 from fused_block.linear import gated_linear, geglu, linear, mlp, swiglu
 from fused_block.norm import add_rms_norm
 
-_LINEAR, _DROPOUT, _EMBEDDING, _LIST = (nn.Linear,), (nn.Dropout,), (nn.Embedding,), (nn.ModuleList,)
+_LINEAR, _DROPOUT, _LIST = (nn.Linear,), (nn.Dropout,), (nn.ModuleList,)
 NORMS = ("T5LayerNorm", "MT5LayerNorm")
 # T5DenseGatedActDense's dense_act_fn -> the gated FFN that fuses it.
 GATED = {"gelu_new": geglu, "gelu_pytorch_tanh": geglu, "silu": swiglu, "swish": swiglu}
@@ -78,7 +78,8 @@ def check(layer):
         if not all(hasattr(attn, n) for n in ("n_heads", "key_value_proj_dim", "dropout", "scaling", "layer_idx",
                                               "has_relative_attention_bias", "compute_bias")):
             return f"{path} has no n_heads, key_value_proj_dim, dropout, scaling, layer_idx or compute_bias"
-        if attn.has_relative_attention_bias and type(getattr(attn, "relative_attention_bias", None)) is not nn.Embedding:
+        relative = getattr(attn, "relative_attention_bias", None)
+        if attn.has_relative_attention_bias and type(relative) is not nn.Embedding:
             return f"{path}.relative_attention_bias is not a torch.nn.Embedding"
     for sub in sublayers:
         norm = getattr(sub, "layer_norm", None)
@@ -267,18 +268,18 @@ def run(layer, call, x):
 
 
 def tree(layer):
-    tree = {"layer": _LIST, "layer.0": SAME, "layer.0.layer_norm": SAME, "layer.0.dropout": _DROPOUT}
-    for path, attn in _attentions(layer):
-        tree[path.rsplit(".", 1)[0]] = SAME
-        tree[path] = SAME
+    """Every submodule T5Block's forward calls (the relative-position embedding aside: :func:`called`)."""
+    tree = {"layer": _LIST}
+    for path, _ in _attentions(layer):
+        sub = path.rsplit(".", 1)[0]  # the sublayer: its norm, the attention, its dropout
+        tree.update({sub: SAME, f"{sub}.layer_norm": SAME, f"{sub}.dropout": _DROPOUT, path: SAME})
         tree.update((f"{path}.{p}", _LINEAR) for p in "qkvo")
-        tree[f"{path.rsplit('.', 1)[0]}.layer_norm"] = SAME
-        tree[f"{path.rsplit('.', 1)[0]}.dropout"] = _DROPOUT
     ff = f"layer.{len(layer.layer) - 1}"
     ffn = layer.layer[-1].DenseReluDense
     tree.update({ff: SAME, f"{ff}.layer_norm": SAME, f"{ff}.dropout": _DROPOUT, f"{ff}.DenseReluDense": SAME,
                  f"{ff}.DenseReluDense.dropout": _DROPOUT, f"{ff}.DenseReluDense.act": SAME})
-    tree.update((f"{ff}.DenseReluDense.{n}", _LINEAR) for n in (("wi_0", "wi_1", "wo") if _gated(ffn) else ("wi", "wo")))
+    linears = ("wi_0", "wi_1", "wo") if _gated(ffn) else ("wi", "wo")
+    tree.update((f"{ff}.DenseReluDense.{n}", _LINEAR) for n in linears)
     return tree
 
 
