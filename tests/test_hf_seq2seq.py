@@ -300,3 +300,28 @@ def test_t5_with_peft_lora_runs_the_original(device, launches):
     torch.testing.assert_close(got_before, want, atol=0, rtol=0)
     torch.testing.assert_close(got_after, want, atol=0, rtol=0)
     assert launches["attention_fwd"] == 0
+
+
+def test_t5_dropouts_run_fused_and_deterministic(device, launches):
+    """T5's dropouts (dropout_rate 0.1: the attention probabilities, each sublayer's output
+    before its residual add, the FFN's hidden activation) run inside the fused ops, without a
+    fallback: a training step under one seed gives the same loss and gradients twice (no
+    atomics), another than without dropout; in eval mode the original's answer. One layer each."""
+    model = seq2seq_model("t5", device, "sdpa", layers=1, dropout_rate=0.1)
+    fused = _converted(model, layers=2).train()
+    enc, targets = seq2seq_inputs("t5", device)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        fused.zero_grad()
+        with no_fallback():
+            loss = fused(**enc, labels=targets).loss
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in fused.parameters() if p.grad is not None]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=0, rtol=0)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with torch.no_grad():
+        plain = fused.eval()(**enc, labels=targets).loss
+        torch.testing.assert_close(plain, model.eval()(**enc, labels=targets).loss, atol=1e-5, rtol=1e-5)
+    assert (runs[0][0] - plain).abs() > 1e-4
