@@ -15,18 +15,18 @@
   (chunked or custom masks, static caches) gets transformers' own ``sdpa_mask``, a 4-D mask,
   which the kernel reads tile by tile (its ``mask`` / ``bias`` inputs).
   Models not declared to run all their attention through the interface (their classes do not
-  set ``_supports_attention_backend`` and the family is not one verified here: BLOOM, T5, ...)
-  get ``eager_mask``, which any attention code reads correctly, after a one-time warning
-  (T5, whose classes do not set it, routes every attention through the interface: verified).
+  set ``_supports_attention_backend`` and the family is not one verified here, ``_VERIFIED``:
+  BART, Whisper, T5 and mT5 are; BLOOM is not) get ``eager_mask``, which any attention code
+  reads correctly, after a one-time warning.
 - ``AttentionInterface``: :func:`attention` runs ``fused_block.attention`` (GQA, key
   padding, causal bottom-right, sliding windows, ``softcap``, sinks (``s_aux``), dropout,
   ``scaling``, general masks, T5's ``position_bias`` as the kernel's ``bias`` input with its
-  gradient) on what the model passes, and ``fused_block.attention_varlen``
-  for packed one-row batches (``cu_seq_lens_q/k``, a packed mask, or restarting
-  ``position_ids``), and returns the (B, Lq, H, D) output as ``sdpa_attention_forward``
-  does. What the kernel does not take (a position bias in a packed batch, head dims or dtypes
-  outside its range) runs transformers' ``sdpa_attention_forward`` with the equivalent mask, after a
-  one-time warning naming the reason (:func:`kernel_reason`).
+  gradient) on what the model passes, and ``fused_block.attention_varlen`` for packed
+  one-row batches (``cu_seq_lens_q/k``, a packed mask, or restarting ``position_ids``), and
+  returns the (B, Lq, H, D) output as ``sdpa_attention_forward`` does. What the kernel does
+  not take (a position bias in a packed batch, head dims or dtypes outside its range) runs
+  transformers' ``sdpa_attention_forward`` with the equivalent mask, after a one-time warning
+  naming the reason (:func:`kernel_reason`).
 
 Nothing reads a mask value. What synchronizes: the packed lengths (the longest sequence, once
 per forward: ``max_length_q/k`` when the collator passes them avoid it) and the restarting
