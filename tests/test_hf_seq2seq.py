@@ -325,3 +325,19 @@ def test_t5_dropouts_run_fused_and_deterministic(device, launches):
         plain = fused.eval()(**enc, labels=targets).loss
         torch.testing.assert_close(plain, model.eval()(**enc, labels=targets).loss, atol=1e-5, rtol=1e-5)
     assert (runs[0][0] - plain).abs() > 1e-4
+
+
+def test_t5_traces_under_torch_compile(device, launches):
+    """A converted T5's training step under torch.compile(fullgraph=True) (aot_eager: dynamo,
+    the ops' fake implementations, AOT autograd): no graph break (the 4-D masks are read by
+    the kernel as masks while tracing, the position bias reaches its bias input), the eager
+    step's loss. One layer each."""
+    model = _converted(seq2seq_model("t5", device, "sdpa", layers=1).train(), layers=2)
+    enc, targets = seq2seq_inputs("t5", device)
+    want = model(**enc, labels=targets).loss
+    torch._dynamo.reset()
+    before = launches["attention_fwd"]
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(**enc, labels=targets).loss
+    got.backward()
+    assert launches["attention_fwd"] - before == 3
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
