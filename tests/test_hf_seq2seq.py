@@ -341,3 +341,23 @@ def test_t5_traces_under_torch_compile(device, launches):
     got.backward()
     assert launches["attention_fwd"] - before == 3
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_t5_head_dim_outside_the_kernel_runs_sdpa_with_the_bias(device, launches):
+    """d_kv 8 (below the kernel's 16): the converted layers' attention runs SDPA after a warning,
+    the position bias inside its float mask (the padding and causality as finfo.min there),
+    its gradient reaching relative_attention_bias; the loss and that gradient the original's."""
+    model = seq2seq_model("t5", device, "sdpa", d_kv=8).train()
+    fused = _converted(model)
+    enc, targets = seq2seq_inputs("t5", device)
+    want = model(**enc, labels=targets).loss
+    want.backward()
+    with pytest.warns(UserWarning, match="head dim 8"):
+        got = fused(**enc, labels=targets).loss
+    got.backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for stack in ("encoder", "decoder"):
+        path = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        torch.testing.assert_close(fused.get_parameter(path).grad, model.get_parameter(path).grad, atol=1e-5,
+                                   rtol=1e-4)
+    assert launches["attention_fwd"] == 0 and launches["add_norm_fwd"] == 10

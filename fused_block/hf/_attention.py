@@ -280,13 +280,13 @@ def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, positio
     if position_bias is not None:  # one float mask: the bias where the mask lets a key through
         if causal:
             mask, causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(), False
+        bias = position_bias.to(q.dtype)
         if mask is None:
-            mask = position_bias
+            mask = bias
         elif mask.dtype == torch.bool:
-            mask = position_bias.masked_fill(~mask, torch.finfo(position_bias.dtype).min)
+            mask = bias.masked_fill(~mask, torch.finfo(q.dtype).min)
         else:
-            mask = mask + position_bias
-        mask = mask.to(q.dtype)
+            mask = (mask + bias).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                                           scale=scale)
 

@@ -42,10 +42,10 @@ class Family:
     ``cross_attention``: ``run`` takes ``encoder_hidden_states`` (decoder layers of
     encoder-decoders); ``lora_paths(layer)``: the linears whose PEFT LoRA wrappers ``run``
     fuses into its GEMMs (:mod:`fused_block.lora`); ``own_output``: ``run`` returns the layer's
-    whole output as its forward does (T5's tuple), not only the hidden states. The tree is the call-time guard's spec
-    (:mod:`fused_block._guard`): a submodule outside it, of another class, wrapped (PEFT but
-    at ``lora_paths``, quantization), hooked or with its own ``forward`` makes the layer run
-    its original forward."""
+    whole output as its forward does (T5's tuple), not only the hidden states. The tree is the
+    call-time guard's spec (:mod:`fused_block._guard`): a submodule outside it, of another
+    class, wrapped (PEFT but at ``lora_paths``, quantization), hooked or with its own
+    ``forward`` makes the layer run its original forward."""
 
     def __init__(self, check, check_call, run, tree, called=lambda layer: (), prepare=lambda layer: None,
                  rotaries=(), cross_attention=False, lora_paths=lambda layer: (), own_output=False):
