@@ -724,8 +724,8 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
 
 
 def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Optional[Tensor] = None, *,
-           b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
-           b_down: Optional[Tensor] = None) -> Tensor:
+           b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None, b_down: Optional[Tensor] = None,
+           dropout_p: float = 0.0, output_dropout_p: float = 0.0) -> Tensor:
     """LLaMA's FFN ``(silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down +
     residual`` in two GEMMs.
 
@@ -734,24 +734,29 @@ def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Op
     epilogue); w_down (D', F); biases (F,), (F,), (D',) or None; residual (..., D') or None.
     The gate and up projections are rounded to x's dtype before the SiLU-multiply, as eager
     PyTorch computes them. Backward: dGate and dUp in the epilogue of ``dH = dY @ w_down``,
-    then dW_gate/dW_up in one GEMM and dX reading both weights in place. Returns (..., D').
+    then dW_gate/dW_up in one GEMM and dX reading both weights in place. ``dropout_p`` (on the
+    hidden activation) and ``output_dropout_p`` (on the down projection's output, before the
+    residual add) as :func:`mlp`'s, in the same epilogues. Returns (..., D').
     """
-    return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "swiglu")
+    return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "swiglu", dropout_p, output_dropout_p)
 
 
 def geglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Optional[Tensor] = None, *,
-          b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
-          b_down: Optional[Tensor] = None) -> Tensor:
+          b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None, b_down: Optional[Tensor] = None,
+          dropout_p: float = 0.0, output_dropout_p: float = 0.0) -> Tensor:
     """Gemma's FFN ``(gelu_tanh(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down
     + residual`` (Hugging Face's ``GemmaMLP`` with ``gelu_pytorch_tanh``) in two GEMMs: as
-    :func:`swiglu` with the tanh GELU of the gate instead of its SiLU, in the same epilogues.
+    :func:`swiglu` with the tanh GELU of the gate instead of its SiLU, in the same epilogues
+    (T5 v1.1's ``T5DenseGatedActDense`` with ``gelu_new``; its dropouts ``dropout_p``, ``output_dropout_p``).
     """
-    return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "geglu")
+    return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "geglu", dropout_p, output_dropout_p)
 
 
-def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activation):
+def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activation, dropout_p, output_dropout_p):
     _validate.tensor("x", x, min_ndim=1)
     _backend.no_dtensor(activation, x, w_gate, w_up, w_down)
+    _validate.probability("dropout_p", dropout_p)
+    _validate.probability("output_dropout_p", output_dropout_p)
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = _autocast(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
     _check_layer("x", x, "w_up", w_up, "b_up", b_up)
@@ -761,12 +766,13 @@ def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activati
     _check_residual(x, residual, w_down.shape[0])
     if not _backend.use_triton(x):
         return reference.gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
-                                   activation=activation)
+                                   activation=activation, dropout_p=dropout_p, output_dropout_p=output_dropout_p)
     if (b_gate is None) != (b_up is None):
         # One kernel adds both biases or neither: a missing one is a zero vector.
         b_gate = b_gate if b_gate is not None else torch.zeros_like(b_up)
         b_up = b_up if b_up is not None else torch.zeros_like(b_gate)
-    return _ffn(x, w_gate, w_up, b_gate, b_up, w_down, b_down, residual, activation, 0.0, 0.0, False)
+    return _ffn(x, w_gate, w_up, b_gate, b_up, w_down, b_down, residual, activation, dropout_p, output_dropout_p,
+                False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -207,13 +207,15 @@ def interface_inputs(name, device, generating=False):
 
 
 # Encoder-decoders: BART (Post-LN, learned positions), Whisper (Pre-LN, a conv front end on
-# 8 mel bins x 16 frames, 8 encoder positions), T5 (relative position bias, gated GELU). d_model
-# 64 with 4 heads (head dim 16), 2 + 2 layers, 9 source tokens (one row right-padded), 5 targets.
+# 8 mel bins x 16 frames, 8 encoder positions), T5 (relative position bias, gated GELU: v1.1 /
+# Flan-T5; "t5-v1.0": the ReLU FFN). d_model 64 with 4 heads (head dim 16), 2 + 2 layers, 9
+# source tokens (one row right-padded), 5 targets.
 SEQ2SEQ = ("bart", "whisper", "t5")
 TARGET_LEN = 5
 
 
-def seq2seq_model(name, device, attn_implementation, layers=2, **overrides):
+def seq2seq_model(name, device, attn_implementation, layers=2, encoder_only=False, **overrides):
+    """``encoder_only``: T5's ``T5EncoderModel``."""
     if name == "bart":
         cfg = transformers.BartConfig(vocab_size=V, d_model=64, encoder_layers=layers, decoder_layers=layers,
                                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
@@ -229,13 +231,17 @@ def seq2seq_model(name, device, attn_implementation, layers=2, **overrides):
                                          begin_suppress_tokens=None, dropout=0.0)
     else:
         cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=layers, num_heads=4,
-                                    relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                    relative_attention_num_buckets=8,
+                                    feed_forward_proj="relu" if name == "t5-v1.0" else "gated-gelu",
                                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     cls = transformers.AutoModelForSpeechSeq2Seq if name == "whisper" else transformers.AutoModelForSeq2SeqLM
+    if encoder_only:
+        cls = transformers.T5EncoderModel
     torch.manual_seed(0)
-    model = cls.from_config(cfg, attn_implementation=attn_implementation).to(device)
+    make = cls._from_config if encoder_only else cls.from_config
+    model = make(cfg, attn_implementation=attn_implementation).to(device)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname.lower() or pname.endswith("bias"):

@@ -188,6 +188,26 @@ def test_mlp_gated_dropout_matches_reference_with_kernel_masks(act, dropouts, de
     check(f"mlp {act} dropout", seeded(ours, 9), ref, (x, w1, w2, r), torch.bfloat16, device)
 
 
+def test_geglu_dropouts_match_reference_with_kernel_masks(device, launches):
+    # geglu's own dropout_p / output_dropout_p (T5 v1.1's FFN dropout and its residual's; swiglu
+    # takes the same arguments), the gate and up weights read in place: the same kernels and
+    # masks as mlp's above.
+    M, D, F_ = 37, 24, 40
+    p1, p2 = 0.3, 0.2
+    x, wg, wu, wd, r, _, _, _ = _inputs("geglu", M, D, F_, False, True, torch.bfloat16, device)
+    m1, m2 = kernel_masks(9, device, (M, F_, p1), (M, D, p2))
+
+    def ours(x, wg, wu, wd, r):
+        return geglu(x, wg, wu, wd, r, dropout_p=p1, output_dropout_p=p2)
+
+    def ref(x, wg, wu, wd, r, compute_dtype=None):
+        return reference.geglu(x, wg, wu, wd, r, dropout_p=p1, output_dropout_p=p2, dropout_mask=m1,
+                               output_dropout_mask=m2, compute_dtype=compute_dtype)
+
+    check("geglu dropouts", seeded(ours, 9), ref, (x, wg, wu, wd, r), torch.bfloat16, device)
+    assert launches["matmul"] == 6  # forward 2, backward 4
+
+
 @pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[2]])
 def test_gated_linear_geglu_with_dropout(dtype_mode, device, launches):
     # The first half alone (the path of PEFT LoRA on down_proj): dGate and dUp from the
@@ -272,10 +292,13 @@ def _bad_cases(device):
         (lambda: mlp(x, torch.randn(15, 8, device=device), None, wd, None, "geglu"), ValueError, "^w1"),
         (lambda: gated_linear(x, wg, wu, activation="gelu"), ValueError, "^activation"),
         (lambda: gated_linear(x, wg, wu, activation=5), TypeError, "^activation"),
+        (lambda: geglu(x, wg, wu, wd, dropout_p=1.0), ValueError, "^dropout_p"),
+        (lambda: geglu(x, wg, wu, wd, output_dropout_p=-0.1), ValueError, "^output_dropout_p"),
+        (lambda: swiglu(x, wg, wu, wd, dropout_p=-0.5), ValueError, "^dropout_p"),
     ]
 
 
-@pytest.mark.parametrize("case", range(23))
+@pytest.mark.parametrize("case", range(26))
 def test_gated_bad_input(case, device, launches):
     fn, error, name = _bad_cases(device)[case]
     with pytest.raises(error, match=name):

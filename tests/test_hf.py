@@ -212,6 +212,14 @@ def test_bench_spec_cases_and_numerics():
     assert abs(train["gpt2-small"].flops / (3 * 2 * 8 * 1024 * 123.5e6) - 1) < 0.2
     gen = {c.shape["model"]: c for c in full if c.op == "hf_generate"}
     assert gen["llama-1b"].bytes == 1_100_048_384 * 2 * 32  # every bf16 weight once per generated token
+    # T5 at Flan-T5-base's shape: the decoder's matmul weights (but the cross-attention's k and v)
+    # and the untied LM head, per generated token; its step's linears on 8 x (512 + 128) tokens
+    d, f, layers, vocab = 768, 2048, 12, 32128
+    decoder = layers * (6 * d * d + 3 * d * f)  # self q/k/v/o, cross q/o, wi_0/wi_1/wo
+    assert gen["t5-base"].bytes == (decoder + vocab * d) * 2 * 32
+    encoder = layers * (4 * d * d + 3 * d * f)
+    linears = 2 * 8 * (512 * (encoder + layers * 2 * d * d) + 128 * (decoder + vocab * d))
+    assert abs(train["t5-base"].flops / (3 * linears) - 1) < 0.1  # the score products: ~9%
 
 
 def test_gradient_checkpointing_and_torch_compile(device, launches):

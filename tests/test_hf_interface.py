@@ -239,6 +239,40 @@ def test_calls_the_kernel_cannot_take_run_sdpa(case, device, launches):
     assert launches["attention_fwd"] == 0
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["kernel-bias", "packed-falls-back"])
+def test_position_bias_is_the_kernels_bias_with_its_gradient(packed, device, launches):
+    """T5's position_bias (1, H, Lq, Lk) beside a causal + padding light mask: the kernel's bias
+    input, the answer and the bias's gradient SDPA's (transformers' sdpa_attention_forward); in
+    a packed batch (cu_seq_lens), which the varlen kernel cannot bias, sdpa_attention_forward
+    after a warning. 2 x 4 heads x 6 tokens of head dim 16."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, L, D = 2, 4, 6, 16
+    q, k, v = (torch.randn(B, H, L, D, device=device, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, H, L, L, device=device, requires_grad=True)
+    if packed:
+        B = 1
+        q, k, v = (t[:1].detach().requires_grad_() for t in (q, k, v))
+        mask, extra = None, dict(cu_seq_lens_q=torch.tensor([0, 3, 6], device=device), max_length_q=3)
+    else:
+        mask, extra = _padding([L, L - 2], L, False, device), {}  # (B, Lk): causal, right padding (no empty row)
+    module = _Module(True, 1)
+    with pytest.warns(UserWarning, match="position bias in a packed batch") if packed else no_fallback():
+        got, _ = interface.attention(module, q, k, v, mask, scaling=1.0, position_bias=bias, **extra)
+    grads = torch.autograd.grad(got.sum(), (q, k, v, bias))
+    if packed:
+        seq = torch.tensor([0, 0, 0, 1, 1, 1], device=device)
+        dense = (seq[:, None] == seq[None, :]) & torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    else:
+        dense = mask[:, None, None, :] & torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    want, _ = sdpa_attention_forward(module, q, k, v, dense.expand(B, 1, L, L), scaling=1.0, position_bias=bias)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v, bias))
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    for name, a, b in zip(("q", "k", "v", "position_bias"), grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}.grad: {m}")
+    assert launches["attention_fwd"] == launches["attention_bwd"] == (0 if packed else 1)
+
+
 class _Module(torch.nn.Module):
     """What attention functions read from transformers' attention modules."""
 
@@ -337,7 +371,7 @@ def test_mask_for_models_outside_the_interface_is_eagers():
 # ---------------------------------------------------------------------------------------------
 
 # name -> (kernel launches per forward of 2 + 2 layers, the fallback warning or None)
-SEQ2SEQ_EXPECT = {"bart": (6, None), "whisper": (6, None), "t5": (0, "a position bias")}
+SEQ2SEQ_EXPECT = {"bart": (6, None), "whisper": (6, None), "t5": (6, None)}
 
 
 def _seq2seq_expecting(name):

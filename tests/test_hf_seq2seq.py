@@ -1,4 +1,6 @@
-"""Encoder-decoders converted by ``fused_block.convert``: BART (Post-LN) and Whisper (Pre-LN).
+"""Encoder-decoders converted by ``fused_block.convert``: BART (Post-LN), Whisper (Pre-LN) and
+T5 (Pre-RMSNorm, the relative position bias through the kernel's bias input; v1.1's gated GELU
+and v1.0's ReLU FFN).
 
 Tiny random models of tests/hf_testing.py (d_model 64, 4 heads of 16, 2 + 2 layers; 9 source
 tokens with one row right-padded, or Whisper's 8 x 16 features; 5 target tokens). Every layer
@@ -20,9 +22,10 @@ import fused_block  # noqa: E402
 import fused_block.hf  # noqa: E402
 from hf_testing import assert_close, no_fallback, seq2seq_inputs, seq2seq_model  # noqa: E402
 
-NAMES = ["bart", "whisper"]
+NAMES = ["bart", "whisper", "t5", "t5-v1.0"]
 # Per forward of 2 + 2 layers: the encoder's QKV, out, fc1, fc2 GEMMs; the decoder's QKV, out,
-# cross q, cross kv, cross out, fc1, fc2; attention: 2 encoder + 2 x 2 decoder; norms 2 + 3 each.
+# cross q, cross kv, cross out, fc1, fc2; attention: 2 encoder + 2 x 2 decoder; norms 2 + 3 each
+# (T5: the same counts, its FFN's wi (wi_0 and wi_1) and wo as fc1 and fc2, its final norm the model's).
 GEMMS, ATTENTIONS, NORMS = 2 * 4 + 2 * 7, 2 + 2 * 2, 2 * 2 + 2 * 3
 
 
@@ -33,13 +36,17 @@ def _converted(model, layers=4):
     return fused
 
 
+_GENERATION_STD = {"t5": dict(initializer_factor=3.0)}
+
+
 def _cast(enc, dtype):
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in enc.items()}
 
 
 # The three mask conventions the layers read: sdpa's bool masks, eager's additive ones, the
 # fused_block interface's light ones (BART's padded encoder: (B, 1, 1, Lk)).
-@pytest.mark.parametrize("name, implementation", [("bart", "sdpa"), ("bart", "fused_block"), ("whisper", "eager")])
+@pytest.mark.parametrize("name, implementation", [("bart", "sdpa"), ("bart", "fused_block"), ("whisper", "eager"),
+                                                  ("t5", "sdpa"), ("t5-v1.0", "fused_block")])
 def test_training_step_matches_the_original(name, implementation, device, launches):
     """The loss (labels: the decoder's inputs shifted right by the model), the logits and every
     parameter's gradient."""
@@ -85,12 +92,14 @@ def test_bf16_logits(name, device, launches):
     assert launches["attention_fwd"] == ATTENTIONS
 
 
-@pytest.mark.parametrize("name", NAMES)
+# (T5 v1.0's tiny model decodes one token over and over: its FFN is the only difference)
+@pytest.mark.parametrize("name", ["bart", "whisper", "t5"])
 def test_greedy_generation_with_both_caches_matches(name, device, launches):
     """generate(): the encoder once, then 16 decoder steps, each attending to its growing
     self-attention cache and to the cross-attention keys projected at the first step only.
-    One layer each; weights of std 0.5 (as tests/test_hf_interface.py's generation)."""
-    model = seq2seq_model(name, device, "sdpa", layers=1, init_std=0.5).eval()
+    One layer each; weights of std 0.5 (as tests/test_hf_interface.py's generation; T5's
+    initializer_factor 3)."""
+    model = seq2seq_model(name, device, "sdpa", layers=1, **_GENERATION_STD.get(name, dict(init_std=0.5))).eval()
     fused = _converted(model, layers=2)
     enc, _ = seq2seq_inputs(name, device)
     kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
@@ -104,7 +113,7 @@ def test_greedy_generation_with_both_caches_matches(name, device, launches):
     assert launches["matmul"] == 4 + 16 * 6 + 1
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["bart", "whisper", "t5"])
 def test_state_dict_and_save_pretrained_round_trip(name, device):
     model = seq2seq_model(name, device, "sdpa").eval()
     keys = list(model.state_dict())
@@ -124,12 +133,13 @@ def test_state_dict_and_save_pretrained_round_trip(name, device):
                                    atol=0, rtol=0)
 
 
-def test_activation_checkpointing_keeps_the_gradients(device, launches):
+@pytest.mark.parametrize("name", ["bart", "t5"])
+def test_activation_checkpointing_keeps_the_gradients(name, device, launches):
     """transformers' gradient checkpointing: the converted layers recompute in backward and the
     gradients are the plain step's, the encoder's included (it reaches the decoder's
-    cross-attention as a checkpointed input). One layer each."""
-    model = _converted(seq2seq_model("bart", device, "sdpa", layers=1).train(), layers=2)
-    enc, targets = seq2seq_inputs("bart", device)
+    cross-attention as a checkpointed input; T5's position bias too). One layer each."""
+    model = _converted(seq2seq_model(name, device, "sdpa", layers=1).train(), layers=2)
+    enc, targets = seq2seq_inputs(name, device)
     model(**enc, labels=targets).loss.backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -157,3 +167,197 @@ def test_a_hook_on_a_fused_submodule_runs_the_original(device, launches):
     with torch.no_grad():
         torch.testing.assert_close(got, model(**enc, labels=targets).logits, atol=2e-5, rtol=0)
     assert launches["attention_fwd"] == ATTENTIONS - 2  # the hooked layer's two attentions ran HF's code
+
+
+# ---------------------------------------------------------------------------------------------
+# T5: its encoder alone, wo kept in fp32, the fp16 clamps, converted and original layers mixed
+# ---------------------------------------------------------------------------------------------
+
+def test_t5_encoder_model_matches_the_original(device, launches):
+    """T5EncoderModel (2 layers, the padded batch): the last hidden state and every parameter's
+    gradient, relative_attention_bias.weight's included, against float64."""
+    model = seq2seq_model("t5", device, "sdpa", encoder_only=True).train()
+    ref = copy.deepcopy(model).double()
+    fused = _converted(model, layers=2)
+    enc, _ = seq2seq_inputs("t5", device)
+    outs = {}
+    for key, m in (("ref", ref), ("base", model), ("fused", fused)):
+        with no_fallback():
+            out = m(**enc).last_hidden_state
+        weights = torch.linspace(-1, 1, out.numel(), device=device, dtype=out.dtype).view_as(out)
+        (out * weights).sum().backward()
+        outs[key] = (out, dict(m.named_parameters()))
+    assert_close("last_hidden_state", outs["fused"][0], outs["ref"][0], outs["base"][0], torch.float32, device)
+    for pname, p in outs["ref"][1].items():
+        if p.grad is None:
+            continue
+        assert_close(f"{pname}.grad", outs["fused"][1][pname].grad, p.grad, outs["base"][1][pname].grad,
+                     torch.float32, device)
+    assert outs["fused"][1]["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].grad.abs().sum() > 0
+    assert launches["attention_fwd"] == launches["attention_bwd"] == 2
+    assert launches["add_norm_fwd"] == 4
+
+
+def test_t5_bf16_with_wo_kept_in_fp32(device, launches):
+    """from_pretrained(dtype=bfloat16) keeps the FFN's wo in fp32 (T5's _keep_in_fp32_modules):
+    the hidden activation is cast to fp32 for wo and the stream turns fp32 after the first FFN,
+    as in the original; no fallback."""
+    model = seq2seq_model("t5", device, "sdpa").eval()
+    ref, base = copy.deepcopy(model).double(), copy.deepcopy(model).to(torch.bfloat16)
+    for m in base.modules():
+        if type(m).__name__ == "T5DenseGatedActDense":
+            m.wo.float()
+    fused = _converted(base)
+    enc, targets = seq2seq_inputs("t5", device)
+    with torch.no_grad():
+        want = ref(**enc, labels=targets).logits
+        base_logits = base(**enc, labels=targets).logits
+        with no_fallback():
+            got = fused(**enc, labels=targets).logits
+    assert got.dtype == base_logits.dtype
+    assert_close("logits", got, want, base_logits, torch.bfloat16, device)
+    assert launches["attention_fwd"] == 6
+
+
+def test_t5_fp16_clamps_as_the_original(device, launches):
+    """An fp16 FFN output that overflows: T5Block clamps the stream to +-(max - 1000) where a
+    value is infinite; the converted layer too (the answer is the original fp16 model's)."""
+    model = seq2seq_model("t5", device, "sdpa").eval().half()
+    with torch.no_grad():
+        model.encoder.block[0].layer[-1].DenseReluDense.wo.weight.mul_(3e4)
+    fused = _converted(model)
+    enc, targets = seq2seq_inputs("t5", device)
+    with torch.no_grad():
+        h = model.encoder(**enc).last_hidden_state
+        want = model(**enc, labels=targets).logits
+        with no_fallback():
+            got_h = fused.encoder(**enc).last_hidden_state
+            got = fused(**enc, labels=targets).logits
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    assert torch.isfinite(h).all() and torch.isfinite(got_h).all()
+    torch.testing.assert_close(got_h, h, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, atol=5e-2 * want.abs().max().item(), rtol=0)
+
+
+def test_t5_converted_and_original_layers_mix(device, launches):
+    """Forward hooks make the encoder's second layer and the decoder's first run Hugging Face's
+    forward: the first takes the position bias a converted layer 0 computed, the second computes
+    its own biases (and the zeros of its cross-attention) for the converted layer after it. The
+    logits and the relative position bias's gradients are the original's."""
+    model = seq2seq_model("t5", device, "sdpa").train()
+    fused = _converted(model)
+    fused.encoder.block[1].layer[0].SelfAttention.q.register_forward_hook(lambda m, i, o: None)
+    fused.decoder.block[0].layer[1].EncDecAttention.k.register_forward_hook(lambda m, i, o: None)
+    enc, targets = seq2seq_inputs("t5", device)
+    want = model(**enc, labels=targets)
+    want.loss.backward()
+    with pytest.warns(UserWarning, match="has a forward hook"):
+        got = fused(**enc, labels=targets)
+    got.loss.backward()
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    for stack in ("encoder", "decoder"):
+        path = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        torch.testing.assert_close(fused.get_parameter(path).grad, model.get_parameter(path).grad, atol=1e-5,
+                                   rtol=1e-4)
+    assert launches["attention_fwd"] == 6 - 3  # the two hooked layers' attentions ran HF's code
+
+
+def test_mt5_is_converted(device, launches):
+    """MT5Block is T5Block's code: converted, the logits the original's."""
+    t5 = seq2seq_model("t5", device, "sdpa").eval()
+    model = transformers.MT5ForConditionalGeneration(transformers.MT5Config(**t5.config.to_dict())).to(device).eval()
+    model.load_state_dict(t5.state_dict())
+    fused = _converted(model)
+    enc, targets = seq2seq_inputs("t5", device)
+    with torch.no_grad():
+        want = model(**enc, labels=targets).logits
+        with no_fallback():
+            got = fused(**enc, labels=targets).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert launches["attention_fwd"] == 6
+
+
+def test_t5_with_peft_lora_runs_the_original(device, launches):
+    """PEFT LoRA on T5's q and v (its usual targets) is not fused into T5's GEMMs: a model
+    wrapped before convert keeps its layers unconverted, one wrapped after runs each layer's
+    original forward (the call-time guard); both after a warning, both PEFT's answer."""
+    peft = pytest.importorskip("peft")
+    model = seq2seq_model("t5", device, "sdpa").eval()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], init_lora_weights=False)
+    torch.manual_seed(0)
+    want_model = peft.get_peft_model(copy.deepcopy(model), cfg)
+    with pytest.warns(UserWarning, match="T5Block is left unconverted: layer.0.SelfAttention's q/k/v/o"):
+        before = fused_block.convert(peft.get_peft_model(copy.deepcopy(model), cfg))
+    after = peft.get_peft_model(_converted(copy.deepcopy(model)), cfg)
+    enc, targets = seq2seq_inputs("t5", device)
+    with torch.no_grad():
+        want = want_model(**enc, labels=targets).logits
+        for m in (before, after):
+            m.load_state_dict(want_model.state_dict())
+        got_before = before(**enc, labels=targets).logits
+        with pytest.warns(UserWarning, match="runs its original forward"):
+            got_after = after(**enc, labels=targets).logits
+    torch.testing.assert_close(got_before, want, atol=0, rtol=0)
+    torch.testing.assert_close(got_after, want, atol=0, rtol=0)
+    assert launches["attention_fwd"] == 0
+
+
+def test_t5_dropouts_run_fused_and_deterministic(device, launches):
+    """T5's dropouts (dropout_rate 0.1: the attention probabilities, each sublayer's output
+    before its residual add, the FFN's hidden activation) run inside the fused ops, without a
+    fallback: a training step under one seed gives the same loss and gradients twice (no
+    atomics), another than without dropout; in eval mode the original's answer. One layer each."""
+    model = seq2seq_model("t5", device, "sdpa", layers=1, dropout_rate=0.1)
+    fused = _converted(model, layers=2).train()
+    enc, targets = seq2seq_inputs("t5", device)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        fused.zero_grad()
+        with no_fallback():
+            loss = fused(**enc, labels=targets).loss
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in fused.parameters() if p.grad is not None]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=0, rtol=0)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with torch.no_grad():
+        plain = fused.eval()(**enc, labels=targets).loss
+        torch.testing.assert_close(plain, model.eval()(**enc, labels=targets).loss, atol=1e-5, rtol=1e-5)
+    assert (runs[0][0] - plain).abs() > 1e-4
+
+
+def test_t5_traces_under_torch_compile(device, launches):
+    """A converted T5's training step under torch.compile(fullgraph=True) (aot_eager: dynamo,
+    the ops' fake implementations, AOT autograd): no graph break (the 4-D masks are read by
+    the kernel as masks while tracing, the position bias reaches its bias input), the eager
+    step's loss. One layer each."""
+    model = _converted(seq2seq_model("t5", device, "sdpa", layers=1).train(), layers=2)
+    enc, targets = seq2seq_inputs("t5", device)
+    want = model(**enc, labels=targets).loss
+    torch._dynamo.reset()
+    before = launches["attention_fwd"]
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(**enc, labels=targets).loss
+    got.backward()
+    assert launches["attention_fwd"] - before == 3
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_t5_head_dim_outside_the_kernel_runs_sdpa_with_the_bias(device, launches):
+    """d_kv 8 (below the kernel's 16): the converted layers' attention runs SDPA after a warning,
+    the position bias inside its float mask (the padding and causality as finfo.min there),
+    its gradient reaching relative_attention_bias; the loss and that gradient the original's."""
+    model = seq2seq_model("t5", device, "sdpa", d_kv=8).train()
+    fused = _converted(model)
+    enc, targets = seq2seq_inputs("t5", device)
+    want = model(**enc, labels=targets).loss
+    want.backward()
+    with pytest.warns(UserWarning, match="head dim 8"):
+        got = fused(**enc, labels=targets).loss
+    got.backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for stack in ("encoder", "decoder"):
+        path = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        torch.testing.assert_close(fused.get_parameter(path).grad, model.get_parameter(path).grad, atol=1e-5,
+                                   rtol=1e-4)
+    assert launches["attention_fwd"] == 0 and launches["add_norm_fwd"] == 10

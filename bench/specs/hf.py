@@ -9,6 +9,11 @@ Models (random weights, bf16, the default SDPA attention implementation):
 - ``gemma-2b``: ``GemmaForCausalLM`` at Gemma-2B's shape (d 2048, 18 layers, 8 heads of 256
   with one KV head (MQA), GeGLU width 16384, vocabulary 256000, tied embeddings); the fused
   path runs its (1 + w) RMSNorms, the GeGLU epilogue and head dim 256. ``--quick``: 4 layers.
+- ``t5-base``: ``T5ForConditionalGeneration`` at Flan-T5-base's shape (d 768, 12 encoder + 12
+  decoder layers, 12 heads of 64, gated-GELU FFN of width 2048, 32 relative-position buckets,
+  vocabulary 32128, untied LM head); the fused path runs the relative position bias through the
+  attention kernel's bias input, T5's RMSNorms and the GeGLU epilogue, with the cross-attention.
+  Training: 512 source and 128 target tokens per sequence. ``--quick``: 4 + 4 layers.
 
 Providers:
 
@@ -21,14 +26,20 @@ Providers:
 
 Ops and modes:
 
-- ``hf_train`` (``fwd+bwd``): forward with ``labels`` (the causal-LM loss) and the gradient of
-  every parameter, batch x seq tokens. FLOPs: ``3 x (2 T P + 4 B S^2 d n_layer)`` with T tokens,
-  P the parameters of the linear layers (LM head included) and the attention's QK^T and PV
-  counted in full (the causal half is not subtracted, as nanoGPT's MFU does).
+- ``hf_train`` (``fwd+bwd``): forward with ``labels`` (the causal-LM loss; T5: the decoder's
+  loss on ``target`` tokens) and the gradient of every parameter, batch x seq tokens. FLOPs:
+  ``3 x (2 T P + 4 B S^2 d n_layer)`` with T tokens, P the parameters of the linear layers (LM
+  head included) and the attention's QK^T and PV counted in full (the causal half is not
+  subtracted, as nanoGPT's MFU does). T5: the encoder's linears on the source tokens, the
+  decoder's on the target tokens but for the cross-attention's k and v (source tokens), the
+  encoder's, the decoder's and the cross-attention's score products (d = heads x d_kv).
 - ``hf_generate`` (``fwd``): greedy generation of ``new`` tokens after a ``prompt``-token
-  prompt, batch 1, with the KV cache. Bytes: the weights read once per generated token (the
-  floor of memory-bound decoding; the KV cache and activations are not counted), so GB/s and
-  % of the copy ceiling say how close decoding is to reading the weights at full bandwidth.
+  prompt, batch 1, with the KV cache (T5: the prompt is the encoder's input; the decoder starts
+  from its start token, with both caches). Bytes: the weights read once per generated token
+  (the floor of memory-bound decoding; the KV cache and activations are not counted; T5: the
+  decoder's matmul weights and the LM head's, not the encoder's nor the cross-attention's k and
+  v, which run once), so GB/s and % of the copy ceiling say how close decoding is to reading the weights at
+  full bandwidth.
 """
 import torch
 
@@ -40,8 +51,10 @@ MODELS = {
     "gpt2-small": dict(arch="gpt2", n_layer=12, d_model=768, train_batch=8, seq=1024, prompt=128, new=32),
     "llama-1b": dict(arch="llama", n_layer=22, d_model=2048, train_batch=4, seq=2048, prompt=128, new=32),
     "gemma-2b": dict(arch="gemma", n_layer=18, d_model=2048, train_batch=4, seq=2048, prompt=128, new=32),
+    "t5-base": dict(arch="t5", n_layer=12, d_model=768, train_batch=8, seq=512, target=128, prompt=128, new=32),
 }
-QUICK = {"gpt2-small": dict(new=16), "llama-1b": dict(n_layer=4, new=16), "gemma-2b": dict(n_layer=4, new=16)}
+QUICK = {"gpt2-small": dict(new=16), "llama-1b": dict(n_layer=4, new=16), "gemma-2b": dict(n_layer=4, new=16),
+         "t5-base": dict(n_layer=4, new=16)}
 
 
 def _config(arch, n_layer):
@@ -49,6 +62,10 @@ def _config(arch, n_layer):
 
     if arch == "gpt2":
         return transformers.GPT2Config(n_layer=n_layer, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if arch == "t5":  # n_layer encoder and n_layer decoder layers
+        return transformers.T5Config(vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=n_layer,
+                                     num_heads=12, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                     dropout_rate=0.0)
     if arch == "gemma":
         return transformers.GemmaConfig(vocab_size=256000, hidden_size=2048, intermediate_size=16384,
                                         num_hidden_layers=n_layer, num_attention_heads=8, num_key_value_heads=1,
@@ -63,7 +80,7 @@ def _model(arch, n_layer, device):
 
     torch.manual_seed(0)
     cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
-           "gemma": transformers.GemmaForCausalLM}[arch]
+           "gemma": transformers.GemmaForCausalLM, "t5": transformers.T5ForConditionalGeneration}[arch]
     with torch.device(device):
         return cls(_config(arch, n_layer)).to(DTYPE)
 
@@ -77,6 +94,23 @@ def _linear_params(model):
 def train_flops(model, batch, seq, n_layer, d_model):
     tokens = batch * seq
     return 3 * (2 * tokens * _linear_params(model) + 4 * batch * seq * seq * d_model * n_layer)
+
+
+def _t5_linears(model):
+    """(encoder, decoder but the cross-attention's k and v, the cross-attention's k and v, LM
+    head) matmul weights of a T5ForConditionalGeneration."""
+    cross_kv = sum(_linear_params(layer.layer[1].EncDecAttention.k) + _linear_params(layer.layer[1].EncDecAttention.v)
+                   for layer in model.decoder.block)
+    return (_linear_params(model.encoder), _linear_params(model.decoder) - cross_kv, cross_kv,
+            _linear_params(model.lm_head))
+
+
+def seq2seq_train_flops(model, batch, src, tgt, n_layer):
+    enc, dec, cross_kv, head = _t5_linears(model)
+    d = model.config.num_heads * model.config.d_kv
+    linears = 2 * batch * (src * (enc + cross_kv) + tgt * (dec + head))
+    scores = 4 * batch * d * n_layer * (src * src + tgt * tgt + tgt * src)
+    return 3 * (linears + scores)
 
 
 def _provider(provider, spec, mode, quick):
@@ -94,9 +128,11 @@ def _provider(provider, spec, mode, quick):
                 if provider == "torch.compile" else model
 
             ids = torch.randint(0, vocab, (spec["train_batch"], spec["seq"]), device="cuda")
+            labels = ids if "target" not in spec else \
+                torch.randint(0, vocab, (spec["train_batch"], spec["target"]), device="cuda")
 
             def step():  # a step reads every weight and far more activations than L2 holds
-                return torch.autograd.grad(fn(ids, labels=ids).loss, params)
+                return torch.autograd.grad(fn(ids, labels=labels).loss, params)
             return step
         model.eval()
         ids = torch.randint(0, vocab, (1, spec["prompt"]), device="cuda")
@@ -119,6 +155,8 @@ def cases(quick: bool) -> list:
             providers = {p: _provider(p, spec, mode, quick) for p in ("fused_block", "eager", "torch.compile")}
             if mode == "fwd+bwd":
                 case_shape = dict(shape, batch=spec["train_batch"], seq=spec["seq"])
+                if "target" in spec:
+                    case_shape["target"] = spec["target"]
                 out.append(Case(op=op, shape=case_shape, dtype=DTYPE, mode=mode, providers=providers,
                                 flops=_count_train_flops(spec)))
             else:
@@ -133,11 +171,17 @@ def _meta_model(spec):
 
 
 def _count_train_flops(spec):
+    if spec["arch"] == "t5":
+        return seq2seq_train_flops(_meta_model(spec), spec["train_batch"], spec["seq"], spec["target"],
+                                   spec["n_layer"])
     return train_flops(_meta_model(spec), spec["train_batch"], spec["seq"], spec["n_layer"], spec["d_model"])
 
 
 def _count_weight_bytes(spec):
     model = _meta_model(spec)
+    if spec["arch"] == "t5":  # per decoding step: the decoder's and the LM head's weights
+        _, dec, _, head = _t5_linears(model)
+        return (dec + head) * DTYPE.itemsize
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
@@ -146,7 +190,8 @@ def _count_weight_bytes(spec):
 # ---------------------------------------------------------------------------------------------
 
 # One layer, hidden 64 with 4 heads (head dim 16, the kernel's smallest), 2 x 8 tokens with
-# left padding on the second sequence: small enough for the interpreter.
+# left padding on the second sequence: small enough for the interpreter. T5: one encoder and
+# one decoder layer, the 2 x 8 tokens (padded) as the source, 2 x 5 decoder tokens.
 NUMERICS_DTYPES = (torch.float32, torch.bfloat16)
 BLOCK_FACTOR = 4.0  # a layer chains about ten ops whose rounding points differ (tests/test_blocks.py)
 
@@ -159,6 +204,11 @@ def _tiny(arch):
         cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=1, n_head=4,
                                       initializer_range=0.2, bos_token_id=0, eos_token_id=95)
         return transformers.GPT2LMHeadModel(cfg)
+    if arch == "t5":
+        cfg = transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=96, num_layers=1, num_heads=4,
+                                    relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+        return transformers.T5ForConditionalGeneration(cfg)
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                    initializer_range=0.2)
@@ -172,22 +222,27 @@ def numerics() -> list:
         import fused_block
         import transformers  # noqa: F401 - optional dependency
     except Exception as exc:  # noqa: BLE001
-        return [harness.unavailable_row(op, harness.describe_error(exc)) for op in ("hf_gpt2", "hf_llama")]
+        return [harness.unavailable_row(op, harness.describe_error(exc)) for op in ("hf_gpt2", "hf_llama", "hf_t5")]
     dev = harness.DEVICE
     rows = []
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1)).to(dev)
     mask = torch.ones(2, 8, dtype=torch.long, device=dev)
     mask[1, :2] = 0
-    for arch in ("gpt2", "llama"):
+    targets = torch.randint(2, 96, (2, 5), generator=torch.Generator().manual_seed(2)).to(dev)
+    for arch in ("gpt2", "llama", "t5"):
         for dtype in NUMERICS_DTYPES:
             model = _tiny(arch).to(dev).eval()
             ref = copy.deepcopy(model).double()
             base = copy.deepcopy(model).to(dtype)
             ours = fused_block.convert(copy.deepcopy(base))
             with torch.no_grad():
-                logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
-                          for m in (ours, ref, base)]
+                if arch == "t5":  # every decoder position is a real token
+                    logits = [m(ids, attention_mask=mask, labels=targets).logits for m in (ours, ref, base)]
+                else:
+                    logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                              for m in (ours, ref, base)]
             scale = max(1.0, logits[1].abs().max().item())
-            rows.append(harness.compare(f"hf_{arch}", "2x8 (1 layer, d 64)", "logits", *logits,
+            case = "2x8->2x5 (1+1 layers, d 64)" if arch == "t5" else "2x8 (1 layer, d 64)"
+            rows.append(harness.compare(f"hf_{arch}", case, "logits", *logits,
                                         atol=harness.ATOL[dtype] * scale, factor=BLOCK_FACTOR))
     return rows

@@ -13,8 +13,10 @@ submodule; ``GptOssForCausalLM``'s loss adds the router's auxiliary loss), ``gpt
 (``GPT2Block``: Pre-LN, Conv1D weights, fused ``c_attn``, tanh GELU), ``bloom`` (``BloomBlock``:
 Pre-LN, the per-head [q, k, v] ``query_key_value`` read as views, ALiBi as the kernel's bias,
 tanh GELU), ``bert`` (``BertLayer``:
-Post-LN encoder) and ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
-Pre-LN, causal self-attention with its cache, cross-attention with the cross-attention cache).
+Post-LN encoder), ``seq2seq`` (BART's and Whisper's encoder and decoder layers: Post-LN /
+Pre-LN, causal self-attention with its cache, cross-attention with the cross-attention cache)
+and ``t5`` (``T5Block``, ``MT5Block``: Pre-RMSNorm, the relative position bias through the
+attention kernel's bias input, ReLU or gated-GELU FFN).
 Each family module says what its fused forward runs.
 
 How: each recognised layer keeps its class, submodules, parameters (so state dicts,
@@ -28,9 +30,9 @@ out-projection's layout, one packed gradient, no split, merge, copy or cat) when
 are this call's own: no cache, or a cache that held nothing before (training, prefill). With
 cached keys (decoding) q, k and v are views of the packed tensor and the cache returns the
 keys to attend. Masks: :mod:`fused_block.hf._attention`. Inputs the fused path does not
-express (output_attentions, head masks, cross-attention, hooks on the skipped submodules,
-unknown activations or signatures, float64) run the layer's original forward, with a one-time
-warning. Never a different answer, only a slower one.
+express (output_attentions, head masks, cross-attention outside the encoder-decoders' layers,
+hooks on the skipped submodules, unknown activations or signatures, float64) run the layer's
+original forward, with a one-time warning. Never a different answer, only a slower one.
 
 Adding a family: a module beside these with ``check``, ``check_call``, ``run`` and ``tree``
 (:class:`fused_block.hf._core.Family`), and its rows in :data:`FAMILIES`.
@@ -47,7 +49,7 @@ try:
 except ImportError as e:  # the hf extra is not installed
     raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
 
-from fused_block.hf import _core, _lm, bert, bloom, gemma, gpt2, gpt_oss, llama, phi3, seq2seq
+from fused_block.hf import _core, _lm, bert, bloom, gemma, gpt2, gpt_oss, llama, phi3, seq2seq, t5
 from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
@@ -70,6 +72,8 @@ FAMILIES = {
     "BartDecoderLayer": seq2seq.FAMILY,
     "WhisperEncoderLayer": seq2seq.FAMILY,
     "WhisperDecoderLayer": seq2seq.FAMILY,
+    "T5Block": t5.FAMILY,
+    "MT5Block": t5.FAMILY,
 }
 # Causal LMs whose training loss runs the fused linear + cross-entropy.
 CAUSAL_LMS = (llama.CAUSAL_LMS + gemma.CAUSAL_LMS + phi3.CAUSAL_LMS + gpt_oss.CAUSAL_LMS + gpt2.CAUSAL_LMS

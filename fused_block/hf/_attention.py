@@ -209,31 +209,61 @@ def kernel_head_dim(D, dtype):
 
 
 def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name, softcap=None,
-                   sliding_window=None, sinks=None):
+                   sliding_window=None, sinks=None, position_bias=None):
     """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
     out-projection's input. The cache (if any) stores k and v (views) and returns the keys to
     attend; when those are this call's own (L of them: nothing was cached before, as in
     training and prefill; every cache layer of transformers returns past + new keys, or its
     whole static buffer), the packed kernel reads qkv in place and writes one packed gradient.
     ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``sliding_window`` (Hugging Face's
-    convention, :func:`window_of`) and ``sinks`` (gpt-oss's, (H,)) go to the kernel."""
+    convention, :func:`window_of`) and ``sinks`` (gpt-oss's, (H,)) go to the kernel.
+    ``position_bias``: an additive bias broadcastable to (B, H, L, Lk) (T5's relative position
+    bias), or a function of Lk, the number of keys after the cache's update, returning it; it
+    goes to the kernel's ``bias`` input with its gradient (:func:`attend`)."""
     B, L, _ = qkv.shape
     D = qkv.shape[2] // (H + 2 * Hkv)
     heads = qkv.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)  # (B, H + 2 Hkv, L, D) view
     q, k, v = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
     if cache is not None:
         k, v = cache.update(k, v, layer_idx)
+    if callable(position_bias):
+        position_bias = position_bias(k.shape[2])
     p = plan(mask, B, L, k.shape[2], causal, convention, window_of(sliding_window, causal))
-    if p.kernel and p.light and p.n_keys is None and k.shape[2] == L and softcap is None \
+    if p.kernel and p.light and p.n_keys is None and k.shape[2] == L and softcap is None and position_bias is None \
             and kernel_head_dim(D, qkv.dtype):
         return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window,
                                    sinks=sinks)
-    return attend(q, k, v, p, scale, dropout_p, name, softcap, sinks).transpose(1, 2).reshape(B, L, H * D)
+    out = attend(q, k, v, p, scale, dropout_p, name, softcap, sinks, position_bias)
+    return out.transpose(1, 2).reshape(B, L, H * D)
 
 
-def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, bias=None):
-    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says; ``bias``:
-    an additive float bias broadcastable to (B, H, Lq, Lk) beside the plan's mask (BLOOM's ALiBi)."""
+def cross_keys(cache, layer_idx, project):
+    """The keys and values (B, H, Lk, D) of a cross-attention: from the cross-attention half of
+    an ``EncoderDecoderCache`` once it holds this layer's (every decoding step after the
+    first), else ``project()`` (the encoder's output through the k and v projections), kept in
+    that cache as transformers' attention keeps them."""
+    cross = getattr(cache, "cross_attention_cache", None)
+    if cross is not None and cache.is_updated.get(layer_idx):
+        return cross.layers[layer_idx].keys, cross.layers[layer_idx].values
+    k, v = project()
+    if cross is not None:
+        k, v = cross.update(k, v, layer_idx)
+        cache.is_updated[layer_idx] = True
+    return k, v
+
+
+def kv_heads(kv, H):
+    """The packed [k; v] projection (B, Lk, 2 H D) of a cross-attention as (k, v) views
+    (B, H, Lk, D)."""
+    kv = kv.unflatten(-1, (2 * H, kv.shape[-1] // (2 * H))).transpose(1, 2)
+    return kv[:, :H], kv[:, H:]
+
+
+def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, position_bias=None):
+    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says, with
+    ``position_bias`` (an additive float bias broadcastable to (B, H, Lq, Lk), T5's relative
+    position bias, BLOOM's ALiBi; its gradient flows) added to the scaled scores: the kernel's ``bias``
+    input beside its causal / padding / mask, or the bias inside SDPA's float mask."""
     D = q.shape[-1]
     if p.kernel and not kernel_head_dim(D, q.dtype):
         p = Plan(False, sdpa_mask=_dense(p, q.shape[2], k.shape[2], q.device),
@@ -242,22 +272,29 @@ def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, bias=No
         mask, extra = p.mask, p.bias
         if p.n_keys is not None:
             k, v = k[:, :, :p.n_keys], v[:, :, :p.n_keys]
-            bias = None if bias is None else bias[..., :p.n_keys]
-        if bias is not None:
-            extra = bias if extra is None else extra + bias
-            if mask is not None:  # one additive input: the mask's hidden keys at -inf
-                extra, mask = torch.where(mask, extra, float("-inf")), None
+            position_bias = None if position_bias is None else position_bias[..., :p.n_keys]
+        bias = p.bias if position_bias is None else position_bias if p.bias is None else p.bias + position_bias
         return _attention(q, k, v, p.causal, scale, p.key_padding, dropout_p, window=p.window, softcap=softcap,
-                          sinks=sinks, mask=mask, bias=extra)
-    if softcap is not None or sinks is not None or bias is not None:
-        raise NotImplementedError(f"{name}: {p.reason}, with a softcap, sinks or a bias, which the fused path "
-                                  "does not pass to SDPA")
+                          sinks=sinks, mask=p.mask, bias=bias)
+    if softcap is not None or sinks is not None:
+        raise NotImplementedError(f"{name}: {p.reason}, with a softcap or sinks, which SDPA does not compute")
     warn_once((name, p.reason), f"{name}: {p.reason}; attention runs through "
               "torch.nn.functional.scaled_dot_product_attention with the model's mask (slower, same result)")
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=p.sdpa_mask, dropout_p=dropout_p,
-                                          is_causal=p.sdpa_causal, scale=scale)
+    mask, causal = p.sdpa_mask, p.sdpa_causal
+    if position_bias is not None:  # one float mask: the bias where the mask lets a key through
+        if causal:
+            mask, causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(), False
+        bias = position_bias.to(q.dtype)
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, torch.finfo(q.dtype).min)
+        else:
+            mask = (mask + bias).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                          scale=scale)
 
 
 def _dense(p, Lq, Lk, device):

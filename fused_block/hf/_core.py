@@ -43,16 +43,18 @@ class Family:
     encoder-decoders); ``lora_paths(layer)``: the linears whose PEFT LoRA wrappers ``run``
     fuses into its GEMMs (:mod:`fused_block.lora`); ``returns_tensor``: the layer's return form
     where its forward's annotation does not say (False: a tuple whose first item is the hidden
-    states, BLOOM's). The tree is the call-time guard's spec
+    states, BLOOM's); ``own_output``: ``run`` returns the layer's whole output as its forward
+    does (T5's tuple), not only the hidden states. The tree is the call-time guard's spec
     (:mod:`fused_block._guard`): a submodule outside it, of another class, wrapped (PEFT but
     at ``lora_paths``, quantization), hooked or with its own ``forward`` makes the layer run
     its original forward."""
 
     def __init__(self, check, check_call, run, tree, called=lambda layer: (), prepare=lambda layer: None,
-                 rotaries=(), cross_attention=False, lora_paths=lambda layer: (), returns_tensor=None):
+                 rotaries=(), cross_attention=False, lora_paths=lambda layer: (), returns_tensor=None,
+                 own_output=False):
         self.check, self.check_call, self.run, self.called = check, check_call, run, called
         self.tree, self.prepare, self.rotaries, self.cross_attention = tree, prepare, rotaries, cross_attention
-        self.lora_paths, self.returns_tensor = lora_paths, returns_tensor
+        self.lora_paths, self.returns_tensor, self.own_output = lora_paths, returns_tensor, own_output
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +77,7 @@ def convert_modules(model, families, causal_lms, patch_lm, lm_check):
         reason = family.check(m)
         if reason is None and ("forward" in m.__dict__ or any(hasattr(s, "_hf_hook") for s in m.modules())):
             reason = "its forward is already wrapped (accelerate's device hooks or another patch)"
-        if reason is None and _returns_tensor(type(m).forward, family) is None:
+        if reason is None and not family.own_output and _returns_tensor(type(m).forward, family) is None:
             reason = f"the return type of {type(m).__name__}.forward is not recognised (transformers version?)"
         if reason is not None:
             warn_once(("convert", type(m).__name__, reason), f"{type(m).__name__} is left unconverted: {reason}")
@@ -250,7 +252,7 @@ def _fused_forward(self, *args, **kwargs):
         out = _checkpointed(self, call)
     else:
         out = _run(self, call, hidden)
-    if state.returns_tensor:
+    if state.returns_tensor or state.family.own_output:
         return out
     # Older transformers: a tuple, whose models read the updated cache after the hidden states
     # (when use_cache) or ignore what follows them.

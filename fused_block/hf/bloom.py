@@ -90,7 +90,7 @@ def run(block, call, x):
     alibi = call["alibi"].view(B, H, 1, -1)  # slope * key position, broadcast over the queries
     p = plan(call.get("attention_mask"), B, L, Lk, True, _CONVENTION)
     o = attend(q, k, v, p, attn.inv_norm_factor, attn.attention_dropout.p if block.training else 0.0, "BloomBlock",
-               bias=alibi)
+               position_bias=alibi)
     o = o.transpose(1, 2).reshape(B, L, H * D)
     o = linear(o, attn.dense.weight, attn.dense.bias, lora=lora.terms(attn.dense, o))
     p_attn = attn.hidden_dropout if block.training else 0.0

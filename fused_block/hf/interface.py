@@ -15,16 +15,18 @@
   (chunked or custom masks, static caches) gets transformers' own ``sdpa_mask``, a 4-D mask,
   which the kernel reads tile by tile (its ``mask`` / ``bias`` inputs).
   Models not declared to run all their attention through the interface (their classes do not
-  set ``_supports_attention_backend`` and the family is not one verified here: BLOOM, T5, ...)
-  get ``eager_mask``, which any attention code reads correctly, after a one-time warning.
+  set ``_supports_attention_backend`` and the family is not one verified here, ``_VERIFIED``:
+  BART, Whisper, T5 and mT5 are; BLOOM is not) get ``eager_mask``, which any attention code
+  reads correctly, after a one-time warning.
 - ``AttentionInterface``: :func:`attention` runs ``fused_block.attention`` (GQA, key
   padding, causal bottom-right, sliding windows, ``softcap``, sinks (``s_aux``), dropout,
-  ``scaling``, general masks) on what the model passes, and ``fused_block.attention_varlen``
-  for packed one-row batches (``cu_seq_lens_q/k``, a packed mask, or restarting
-  ``position_ids``), and returns the (B, Lq, H, D) output as ``sdpa_attention_forward``
-  does. What the kernel does not take (a position bias, head dims or dtypes outside its
-  range) runs transformers' ``sdpa_attention_forward`` with the equivalent mask, after a
-  one-time warning naming the reason (:func:`kernel_reason`).
+  ``scaling``, general masks, T5's ``position_bias`` as the kernel's ``bias`` input with its
+  gradient) on what the model passes, and ``fused_block.attention_varlen`` for packed
+  one-row batches (``cu_seq_lens_q/k``, a packed mask, or restarting ``position_ids``), and
+  returns the (B, Lq, H, D) output as ``sdpa_attention_forward`` does. What the kernel does
+  not take (a position bias in a packed batch, head dims or dtypes outside its range) runs
+  transformers' ``sdpa_attention_forward`` with the equivalent mask, after a one-time warning
+  naming the reason (:func:`kernel_reason`).
 
 Nothing reads a mask value. What synchronizes: the packed lengths (the longest sequence, once
 per forward: ``max_length_q/k`` when the collator passes them avoid it) and the restarting
@@ -172,7 +174,7 @@ def _closure(fn):
 _USES_INTERFACE = {}
 # Families whose every attention goes through the interface although their classes do not set
 # _supports_attention_backend (tests/test_hf_interface.py runs them).
-_VERIFIED = ("bart", "whisper")
+_VERIFIED = ("bart", "whisper", "t5", "mt5")
 
 
 @torch.compiler.assume_constant_result  # a class attribute lookup, constant while tracing
@@ -211,6 +213,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       pattern: chunks, custom overlays, static caches) is read by the kernel tile by tile as
       its ``mask`` (bool) or ``bias`` (float).
     - ``is_causal`` (else ``module.is_causal``) applies when the mask is None, as in SDPA.
+    - ``position_bias`` (T5's relative position bias, (1, H, Lq, Lk); T5 keeps the mask apart
+      from it) is added to the scaled scores as the kernel's ``bias`` input, its gradient
+      reaching ``relative_attention_bias``; the mask stays the kernel's causality / padding.
     """
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     B, _, Lq, _ = query.shape
@@ -218,18 +223,21 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     reason = kernel_reason(query, key, value, kwargs)
     if reason is None:
         packed = _packed_lengths(attention_mask, kwargs, B, Lq, Lk)
-        if packed is not None:
+        if packed is not None and kwargs.get("position_bias") is not None:
+            reason = "a position bias in a packed batch (the varlen kernel takes no bias)"
+        elif packed is not None:
             return _varlen(query, key, value, attention_mask, packed, causal, dropout, scaling, softcap, s_aux)
-        plan = light_plan(attention_mask, B, Lq, Lk, causal)
-        if plan is None:
-            plan = general_plan(attention_mask, B, Lq, Lk)
-        if not plan.kernel:
-            reason = plan.reason
+        else:
+            plan = light_plan(attention_mask, B, Lq, Lk, causal)
+            if plan is None:
+                plan = general_plan(attention_mask, B, Lq, Lk)
+            if not plan.kernel:
+                reason = plan.reason
     if reason is not None:
         return _fallback(module, query, key, value, attention_mask, reason, dropout, scaling, causal, softcap,
                          s_aux, kwargs)
     out = attend(query, key, value, plan, scaling, float(dropout), type(module).__name__, softcap=softcap,
-                 sinks=s_aux)
+                 sinks=s_aux, position_bias=kwargs.get("position_bias"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -244,8 +252,9 @@ def kernel_reason(query, key, value, kwargs):
         return f"head dim {D} in {query.dtype} (outside the attention kernel's range)"
     if key.shape[0] != query.shape[0] or query.shape[1] % key.shape[1] != 0:
         return "queries and keys of other batch sizes or head counts that do not divide"
-    if kwargs.get("position_bias") is not None:
-        return "a position bias"
+    bias = kwargs.get("position_bias")
+    if bias is not None and not (isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dim() == 4):
+        return "a position bias that is not a 4-D float tensor"
     return None
 
 

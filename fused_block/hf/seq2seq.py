@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from fused_block.blocks import _like
-from fused_block.hf._attention import (attend, implementation_reason, mask_convention, mask_reason, plan,
-                                       self_attention)
+from fused_block.hf._attention import (attend, cross_keys, implementation_reason, kv_heads, mask_convention,
+                                       mask_reason, plan, self_attention)
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed, packed_bias
 from fused_block.linear import linear, mlp
 from fused_block.norm import add_layer_norm
@@ -91,18 +91,9 @@ def _cross_attention(layer, call, x):
     B, Lq, _ = x.shape
     H, D = attn.num_heads, attn.head_dim
     q = linear(x, attn.q_proj.weight, attn.q_proj.bias).unflatten(-1, (H, D)).transpose(1, 2)
-    cache = kv_cache(call)
-    cross = getattr(cache, "cross_attention_cache", None)
-    if cross is not None and cache.is_updated.get(attn.layer_idx):
-        k, v = cross.layers[attn.layer_idx].keys, cross.layers[attn.layer_idx].values
-    else:
-        w = packed(state, "kv_weight", (attn.k_proj.weight, attn.v_proj.weight))
-        kv = linear(enc, w, packed_bias(state, "kv_bias", (attn.k_proj, attn.v_proj)))
-        kv = kv.unflatten(-1, (2 * H, D)).transpose(1, 2)  # (B, 2H, Lk, D) view
-        k, v = kv[:, :H], kv[:, H:]
-        if cross is not None:
-            k, v = cross.update(k, v, attn.layer_idx)
-            cache.is_updated[attn.layer_idx] = True
+    k, v = cross_keys(kv_cache(call), attn.layer_idx, lambda: kv_heads(
+        linear(enc, packed(state, "kv_weight", (attn.k_proj.weight, attn.v_proj.weight)),
+               packed_bias(state, "kv_bias", (attn.k_proj, attn.v_proj))), H))
     p = plan(call.get("encoder_attention_mask"), B, Lq, k.shape[2], False, mask_convention(attn.config))
     o = attend(q, k, v, p, attn.scaling, attn.dropout if layer.training else 0.0, type(layer).__name__)
     return linear(o.transpose(1, 2).reshape(B, Lq, H * D), attn.out_proj.weight, attn.out_proj.bias)
