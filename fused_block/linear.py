@@ -558,6 +558,8 @@ def _check_residual(x, residual, n):
 
 def _autocast(x, *tensors):
     """Under autocast, cast x and the layer's parameters as ``F.linear`` would (not the residual)."""
+    if not torch._C._is_any_autocast_enabled():  # the common case, without reading x's device
+        return (x, *tensors)
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
         return (x, *tensors)
