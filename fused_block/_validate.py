@@ -31,7 +31,8 @@ def same_device(ref_name, ref, **others):
 
 
 def shape(name, t, expected):
-    if t is not None and tuple(t.shape) != tuple(expected):
+    # torch.Size equals a tuple of the same sizes: the common (matching) case builds no tuples.
+    if t is not None and t.shape != expected and tuple(t.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
 
 

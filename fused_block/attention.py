@@ -58,6 +58,24 @@ def _split_packed(qkv: Tensor, num_heads: int, num_kv_heads: int, batch_first: b
     return t[:, :num_heads], t[:, num_heads:num_heads + num_kv_heads], t[:, num_heads + num_kv_heads:]
 
 
+def _head_views(t: Tensor, counts, batch_first: bool):
+    """For the ops' implementations (the kernels' arguments, outside autograd): the (B, n, L, D)
+    views of consecutive head groups of ``n`` heads each (``counts``) of (B, L, sum(n) * D) or
+    (L, B, sum(n) * D) ``t``, as :func:`_heads` and :func:`_split_packed` give them, one
+    ``as_strided`` each (their unflatten, transpose and slices cost about twice the host time)."""
+    E = t.shape[-1]
+    D = E // sum(counts)
+    if D * sum(counts) != E:
+        raise ValueError(f"a packed tensor's last dim {E} is not a multiple of its {sum(counts)} heads")
+    s0, s1, s2 = t.stride()
+    B, L, sb, sl = (t.shape[0], t.shape[1], s0, s1) if batch_first else (t.shape[1], t.shape[0], s1, s0)
+    strides, offset, views = (sb, D * s2, sl, s2), t.storage_offset(), []
+    for n in counts:
+        views.append(t.as_strided((B, n, L, D), strides, offset))
+        offset += n * D * s2
+    return views
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library ops
 # ---------------------------------------------------------------------------------------------
@@ -162,9 +180,10 @@ def attention_packed_fwd(qkv: Tensor, num_heads: int, num_kv_heads: int, batch_f
         out_shape, lse_shape = _packed_shapes(qkv, num_heads, num_kv_heads, batch_first)
         out = common.empty(out_shape, qkv.dtype, qkv.device)
         lse = common.empty(lse_shape, torch.float32, qkv.device)
-        q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
-        _kernels.forward(q, k, v, _heads(out, num_heads, batch_first), lse, key_padding_mask, seed, causal, scale,
-                         dropout_p, window=(window_left, window_right))
+        q, k, v = _head_views(qkv, (num_heads, num_kv_heads, num_kv_heads), batch_first)
+        (o,) = _head_views(out, (num_heads,), batch_first)
+        _kernels.forward(q, k, v, o, lse, key_padding_mask, seed, causal, scale, dropout_p,
+                         window=(window_left, window_right))
     return out, lse
 
 
@@ -181,10 +200,11 @@ def attention_packed_bwd(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, dl
     """dqkv, contiguous with qkv's shape: the kernel writes dQ, dK, dV into their slices."""
     with _backend.device_guard(qkv):
         dqkv = common.empty(qkv.shape, qkv.dtype, qkv.device)
-        q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
-        dq, dk, dv = _split_packed(dqkv, num_heads, num_kv_heads, batch_first)
-        _kernels.backward(_heads(dout, num_heads, batch_first), q, k, v, _heads(out, num_heads, batch_first), lse,
-                          dlse, dq, dk, dv, key_padding_mask, seed, causal, scale, dropout_p,
+        counts = (num_heads, num_kv_heads, num_kv_heads)
+        q, k, v = _head_views(qkv, counts, batch_first)
+        dq, dk, dv = _head_views(dqkv, counts, batch_first)
+        (do,), (o,) = _head_views(dout, counts[:1], batch_first), _head_views(out, counts[:1], batch_first)
+        _kernels.backward(do, q, k, v, o, lse, dlse, dq, dk, dv, key_padding_mask, seed, causal, scale, dropout_p,
                           window=(window_left, window_right))
     return dqkv
 
@@ -324,6 +344,9 @@ class _Attention(torch.autograd.Function):
                 dbias if bias_grad else None, None)
 
 
+_Attention_apply = _library.fast_apply(_Attention)
+
+
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, num_heads, num_kv_heads, batch_first, key_padding_mask, seed, causal, scale, dropout_p,
@@ -342,6 +365,9 @@ class _PackedAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else _unit_last_stride(dout)
         dqkv = attention_packed_bwd(dout, qkv, out, lse, dlse, *ctx.args, key_padding_mask, seed, *ctx.options)
         return dqkv, None, None, None, None, None, None, None, None, None, None
+
+
+_PackedAttention_apply = _library.fast_apply(_PackedAttention)
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -368,6 +394,9 @@ class _VarlenAttention(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 11 + (dsinks if sinks is not None else None, None)
 
 
+_VarlenAttention_apply = _library.fast_apply(_VarlenAttention)
+
+
 class _VarlenPackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, num_heads, num_kv_heads, seed, causal, scale, dropout_p,
@@ -386,6 +415,9 @@ class _VarlenPackedAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dqkv = attention_varlen_packed_bwd(dout, qkv, out, lse, dlse, cu_seqlens, *ctx.options, seed, *ctx.flags)
         return (dqkv,) + (None,) * 10
+
+
+_VarlenPackedAttention_apply = _library.fast_apply(_VarlenPackedAttention)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,7 +598,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     seed = _seed(dropout_p, q.device)
     args = (key_padding_mask, seed, causal, scale, dropout_p, *window, cap, sinks, alibi_slopes, bias, mask)
     if _backend.needs_autograd(q, k, v, sinks, bias):
-        out, lse = _Attention.apply(q, k, v, *args)
+        out, lse = _Attention_apply(q, k, v, *args)
     else:
         out, lse = attention_fwd(q, k, v, *args)
     return (out, lse) if return_lse else out
@@ -633,7 +665,7 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     args = (_unit_last_stride(qkv), num_heads, num_kv_heads, batch_first, key_padding_mask,
             _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):
-        out, lse = _PackedAttention.apply(*args)
+        out, lse = _PackedAttention_apply(*args)
     else:
         out, lse = attention_packed_fwd(*args)
     return (out, lse) if return_lse else out
@@ -761,7 +793,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             cap, sinks, alibi_slopes)
     if _backend.needs_autograd(q, k, v, sinks):
         same = cu_seqlens_k is cu_seqlens_q
-        out, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, None if same else cu_seqlens_k, *args)
+        out, lse = _VarlenAttention_apply(q, k, v, cu_seqlens_q, None if same else cu_seqlens_k, *args)
     else:
         out, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
     return (out, lse) if return_lse else out
@@ -811,7 +843,7 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
     args = (_unit_last_stride(qkv), cu_seqlens, int(max_seqlen), num_heads, num_kv_heads,
             _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):
-        out, lse = _VarlenPackedAttention.apply(*args)
+        out, lse = _VarlenPackedAttention_apply(*args)
     else:
         out, lse = attention_varlen_packed_fwd(*args)
     return (out, lse) if return_lse else out

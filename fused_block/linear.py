@@ -408,6 +408,9 @@ class _LinearFn(torch.autograd.Function):
                 dout if need_r else None, du if need_u else None, dlb if need_lb else None, None, None, None)
 
 
+_LinearFn_apply = _library.fast_apply(_LinearFn)
+
+
 class _GatedFn(torch.autograd.Function):
     """``gated_fwd``/``gated_bwd``; the weights' and LoRA B's gradients come as one stacked
     tensor each, split here into the gate and up parts."""
@@ -438,6 +441,9 @@ class _GatedFn(torch.autograd.Function):
         return (dx if need[0] else None, dwg if need[1] else None, dwu if need[2] else None,
                 dbg if need[3] else None, dbu if need[4] else None, du if need[5] else None,
                 dlbg if need[6] else None, dlbu if need[7] else None, None, None, None)
+
+
+_GatedFn_apply = _library.fast_apply(_GatedFn)
 
 
 def _gate_up_views(w1, b1):
@@ -502,6 +508,9 @@ class _FFNFn(torch.autograd.Function):
         return tuple(t if t is not None and ni[i] else None for i, t in enumerate(grads))
 
 
+_FFNFn_apply = _library.fast_apply(_FFNFn)
+
+
 # ---------------------------------------------------------------------------------------------
 # validation, autocast, public functions
 # ---------------------------------------------------------------------------------------------
@@ -549,6 +558,8 @@ def _check_residual(x, residual, n):
 
 def _autocast(x, *tensors):
     """Under autocast, cast x and the layer's parameters as ``F.linear`` would (not the residual)."""
+    if not torch._C._is_any_autocast_enabled():  # the common case, without reading x's device
+        return (x, *tensors)
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
         return (x, *tensors)
@@ -624,7 +635,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     act = activation or "none"
     if _backend.needs_autograd(x, weight, bias, residual, u, lb):
-        return _LinearFn.apply(x, weight, bias, residual, u, lb, act, seed, float(dropout_p))
+        return _LinearFn_apply(x, weight, bias, residual, u, lb, act, seed, float(dropout_p))
     args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n))
     if u is None:
         out = _linear_fwd(*args, act, False, seed, float(dropout_p))[0]
@@ -664,7 +675,7 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     x2 = _rows(x, x.shape[-1])
     if _backend.needs_autograd(x, w_gate, w_up, b_gate, b_up, u, lbg, lbu):
-        h = _GatedFn.apply(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, activation, seed, float(dropout_p))
+        h = _GatedFn_apply(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, activation, seed, float(dropout_p))
     else:
         h = _gated_fwd(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, activation, False, seed, float(dropout_p))[0]
     return h.view(*x.shape[:-1], f)
@@ -677,7 +688,7 @@ def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, outpu
     output_seed = _backend.dropout_seed(output_dropout_p, x.device) if output_dropout_p > 0 else None
     activation = activation or "none"
     if _backend.needs_autograd(x, w1, w1_up, b1, b1_up, w2, b2, residual):
-        return _FFNFn.apply(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
+        return _FFNFn_apply(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, seed, float(dropout_p),
                             output_seed, float(output_dropout_p), split_w1)
     if split_w1:
         w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)

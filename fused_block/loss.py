@@ -176,6 +176,9 @@ class _LCEFn(torch.autograd.Function):
         return (dh if need_dh else None, dw if need_dw else None, db if need_db else None) + (None,) * 6
 
 
+_LCEFn_apply = _library.fast_apply(_LCEFn)
+
+
 # ---------------------------------------------------------------------------------------------
 # validation and the public function
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +272,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     args = (x2, weight, bias, t, int(ignore_index), float(label_smoothing), float(z_loss),
             float(softcap) if softcap is not None else 0.0, reduction)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x2, weight, bias)):
-        loss, lse = _LCEFn.apply(*args)
+        loss, lse = _LCEFn_apply(*args)
     else:
         loss, lse = _lce_fwd(*args, False, False, False)[:2]
     if reduction == "none":

@@ -171,6 +171,9 @@ class _AddNorm(torch.autograd.Function):
         return dx if need_x else None, dres, dweight, dbias, None, None, None, None, None, None, None, None
 
 
+_AddNorm_apply = _library.fast_apply(_AddNorm)
+
+
 # ---------------------------------------------------------------------------------------------
 # public functions
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_i
             second = "residual_out"
         else:  # x itself, through the Function only when its gradient is wanted
             second = "x" if x.requires_grad else None
-        res = _AddNorm.apply(x, residual, *args, second)
+        res = _AddNorm_apply(x, residual, *args, second)
         return res if second is not None else (res, x)
     # Nothing to differentiate: the op alone, without the Function's bookkeeping.
     out, rout, _ = _forward(x, residual, args)

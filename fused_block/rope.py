@@ -63,6 +63,9 @@ class _RoPE(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
+_RoPE_apply = _library.fast_apply(_RoPE)
+
+
 def _check(q, k, positions, inv_freq, cos, sin, scale, interleaved):
     _validate.tensor("q", q, ndim=4)
     _validate.tensor("k", k, ndim=4)
@@ -145,7 +148,7 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
     q, k = _unit_last(q), _unit_last(k)
     if not _backend.needs_autograd(q, k):
         return _rope_op(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved, False)
-    return _RoPE.apply(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved)
+    return _RoPE_apply(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +186,9 @@ class _RoPEPacked(torch.autograd.Function):
         positions, inv_freq, cos, sin = ctx.saved_tensors
         dqkv = _rope_packed_op(_unit_last(grad), positions, inv_freq, cos, sin, *ctx.args, True)
         return (dqkv,) + (None,) * 10
+
+
+_RoPEPacked_apply = _library.fast_apply(_RoPEPacked)
 
 
 def _qknorm_fake(qkv, q_weight, k_weight, positions, inv_freq, cos, sin, n_q, n_rot, n_heads, batch_first, scale,
@@ -240,6 +246,9 @@ class _RoPEPackedQKNorm(torch.autograd.Function):
                                              *ctx.args)
         return (dqkv if ctx.needs_input_grad[0] else None, dwq.to(q_weight.dtype) if ctx.needs_input_grad[1] else None,
                 dwk.to(k_weight.dtype) if ctx.needs_input_grad[2] else None) + (None,) * 13
+
+
+_RoPEPackedQKNorm_apply = _library.fast_apply(_RoPEPackedQKNorm)
 
 
 def _check_qk_norm(qkv, D, q_weight, k_weight, eps):
@@ -322,10 +331,10 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
         args = (q_norm_weight, k_norm_weight, positions, inv_freq, cos, sin, num_heads, num_heads + num_kv_heads,
                 heads, batch_first, float(scale), rot_dim, interleaved, float(norm_eps), norm_unit_offset)
         if _backend.needs_autograd(qkv, q_norm_weight, k_norm_weight):
-            return _RoPEPackedQKNorm.apply(_unit_last(qkv), *args)
+            return _RoPEPackedQKNorm_apply(_unit_last(qkv), *args)
         return _rope_qknorm_op(_unit_last(qkv), *args)
     args = (positions, inv_freq, cos, sin, num_heads + num_kv_heads, heads, batch_first, float(scale), rot_dim,
             interleaved)
     if _backend.needs_autograd(qkv):
-        return _RoPEPacked.apply(_unit_last(qkv), *args)
+        return _RoPEPacked_apply(_unit_last(qkv), *args)
     return _rope_packed_op(_unit_last(qkv), *args, False)

@@ -109,9 +109,28 @@ def dot(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr = "tf32"):
 POISON_OUTPUTS = False
 
 
+def _contiguous_strides(shape):
+    """The strides ``torch.empty(shape)`` gives (a size-0 dim counts as 1, as in torch)."""
+    n = len(shape)
+    if n == 2:
+        return (shape[1], 1)
+    if n == 1:
+        return (1,)
+    strides = [1] * n
+    for i in range(n - 1, 0, -1):
+        strides[i - 1] = strides[i] * max(shape[i], 1)
+    return tuple(strides)
+
+
 def empty(shape, dtype, device):
-    """Allocate a launcher's output (NaN-filled while ``POISON_OUTPUTS`` is set)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+    """Allocate a launcher's output, contiguous (NaN-filled while ``POISON_OUTPUTS`` is set).
+
+    ``torch.empty_strided`` with the contiguous strides: the same tensor as ``torch.empty``'s,
+    in about 60% of its host time (torch.empty's memory-format path costs ~0.5 us more a call
+    on the CPU, and a training step allocates a few dozen outputs)."""
+    if type(shape) is int:
+        shape = (shape,)
+    t = torch.empty_strided(shape, _contiguous_strides(shape), dtype=dtype, device=device)
     if POISON_OUTPUTS and t.is_floating_point():
         t.fill_(float("nan"))
     return t
@@ -159,6 +178,23 @@ class Config:
 
     def meta(self) -> dict:
         return dict(self._meta)
+
+
+_CONSTEXPR_DICTS = {}
+
+
+def constexprs(**values) -> dict:
+    """The constexpr dict for ``values``, one object per distinct set of values: the direct
+    launch path finds a launch's layout by the identity of its constexpr dict and Config (a
+    dict built per call takes its slower lookup, which hashes the argument types). Callers
+    must not change the dict."""
+    key = (*values.items(), *map(type, values.values()))  # 1 and True differ here
+    out = _CONSTEXPR_DICTS.get(key)
+    if out is None:
+        if len(_CONSTEXPR_DICTS) > 4096:
+            _CONSTEXPR_DICTS.clear()
+        out = _CONSTEXPR_DICTS[key] = values
+    return out
 
 
 def launch(name: str, kernel, grid, args, constexprs: dict, config: Config) -> None:

@@ -997,8 +997,10 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         if lora and use_tma:  # the low-rank pair in a's and b's layouts, for descriptors
             lora_a = _laid_out(lora_a, a_t)
             lora_b, lora_b2 = _laid_out(lora_b, b_t), None if lora_b2 is None else _laid_out(lora_b2, b_t)
-        epi = [c] + [t for t in (c2, aux, aux2, residual, hout) if t is not None]
-        tma_epi = all(_rows_ok(t) for t in epi)
+        tma_epi = _rows_ok(c)  # and every other epilogue tensor (a loop: no list per call)
+        for t in (c2, aux, aux2, residual, hout):
+            if tma_epi and t is not None:
+                tma_epi = _rows_ok(t)
         if FORCE_PATH == "tma" and not (use_tma and tma_epi):
             raise ValueError("matmul: FORCE_PATH='tma' with operands a descriptor cannot read")
     if lora and lora_b2 is not None and lora_b2.stride() != lora_b.stride():
@@ -1043,18 +1045,34 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
 
 def _run(cfg, key, args, tail, M, N, K, K1, n_sm):
     """Launch ``cfg`` for the launch ``key`` describes (gemm's arguments and their tail)."""
+    plan = _PLANS.get(key)
+    if plan is None or plan[0] is not cfg:
+        plan = _plan(key, cfg)
+    _, bm, bn, bk, per_sm, dual, by_evenness = plan
+    tiles = -(-M // bm) * -(-N // bn)
+    progs = tiles if per_sm == 0 else min(tiles, n_sm * per_sm)
+    even_mn = M % bm == 0 and N % bn == 0
+    even_k = K % bk == 0 and (dual != 2 or K1 % bk == 0)
+    constexprs = by_evenness.get((even_k, even_mn))
+    if constexprs is None:
+        constexprs = by_evenness[(even_k, even_mn)] = _constexprs(key, cfg, even_k, even_mn)
+    common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail, constexprs, cfg)
+
+
+# launch key -> (config, BLOCK_M, BLOCK_N, BLOCK_K, programs per SM (0: one per tile), dual,
+# {(even_k, even_mn): constexprs}): what _run derives from the key and its config, once.
+_PLANS = {}
+
+
+def _plan(key, cfg):
     arch = key[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = -(-M // bm) * -(-N // bn)
-    if arch == 80:
-        progs = tiles
-    else:  # persistent; tiles below 128x128 fit two programs per SM
-        progs = min(tiles, n_sm * (1 if bm * bn >= 128 * 128 else 2))
-    even_mn = M % bm == 0 and N % bn == 0
-    dual = key[-1][10]
-    even_k = K % bk == 0 and (dual != 2 or K1 % bk == 0)
-    common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail,
-                  _constexprs(key, cfg, even_k, even_mn), cfg)
+    # sm_80: a program per tile; otherwise persistent, tiles below 128x128 fit two programs per SM
+    per_sm = 0 if arch == 80 else (1 if bm * bn >= 128 * 128 else 2)
+    if len(_PLANS) > 4096:
+        _PLANS.clear()
+    plan = _PLANS[key] = (cfg, bm, bn, bk, per_sm, key[-1][10], {})
+    return plan
 
 
 _CONSTEXPRS = {}
@@ -1132,6 +1150,9 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
 _ELEMENTWISE = common.Config.of(num_warps=4)
 
 
+_REDUCE_CONSTEXPRS = dict(BLOCK_R=REDUCE_BLOCK[0], BLOCK_N=REDUCE_BLOCK[1])
+
+
 def reduce_partials(part1, dtype, part2=None):
     """Column sums of fp32 partial buffers (rows, N), in a fixed order, cast to ``dtype``: one
     launch for one or two buffers. Returns (sum1, sum2 or None)."""
@@ -1149,7 +1170,7 @@ def reduce_partials(part1, dtype, part2=None):
         p2 = part2 if n2 else part1
         common.launch("bias_grad_reduce", _reduce_kernel, (blocks,),
                       (part1, out1, part1.shape[0], n1, p2, out2 if n2 else out1, p2.shape[0], n2),
-                      dict(BLOCK_R=br, BLOCK_N=bn), _ELEMENTWISE)
+                      _REDUCE_CONSTEXPRS, _ELEMENTWISE)
     return out1, out2
 
 

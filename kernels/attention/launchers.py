@@ -53,11 +53,28 @@ def _strides(t):
     return (sb if B > 1 else sh * H, sh, sl)
 
 
+_FOUR_WARPS = common.Config.of(num_warps=4)
+_DESC_BLOCKS = set()  # (block, block_d) pairs whose descriptor block shape Triton has validated
+
+
 def _tma_desc(t, strides, block: int, block_d: int):
     """Host-side TMA descriptor over the (B, H, L, D) view ``t`` (``strides`` from
     :func:`_strides`), block (1, 1, block, block_d): rows past L and columns past D read as
-    zero and are not written."""
-    return TensorDescriptor(t, list(t.shape), [*strides, 1], [1, 1, block, block_d])
+    zero and are not written.
+
+    ``TensorDescriptor``'s own checks run once per block shape; later descriptors are built
+    without them (its ``__post_init__`` costs a few microseconds a call): what they check of
+    ``t`` holds wherever the launchers build one, as :func:`_use_tma` checked the 16-byte
+    aligned base and strides, the launchers returned before any launch on an empty ``t``, and
+    its last stride is 1 (the ops' validation)."""
+    shape, desc_strides, block_shape = list(t.shape), [*strides, 1], [1, 1, block, block_d]
+    if (block, block_d) not in _DESC_BLOCKS:
+        desc = TensorDescriptor(t, shape, desc_strides, block_shape)
+        _DESC_BLOCKS.add((block, block_d))
+        return desc
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=shape, strides=desc_strides, block_shape=block_shape, padding="zero")
+    return desc
 
 
 def _aligned(t, strides) -> bool:
@@ -184,7 +201,7 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     tail = (*sq, *sk, *sv, *so, stride_mb, *strides, Hq, Hq // Hkv, Lq, Lk, D, nseq, win_left, win_right,
             float(scale), float(dropout_p), float(softcap))
     head = (q, k, v, out, lse, mask_pad, seed if dropout else q, cu_q, cu_k, q if sinks is None else sinks, *ptrs)
-    constexprs = dict(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
+    constexprs = common.constexprs(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
                       HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, HAS_SINKS=sinks is not None,
                       **flags, USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
                       INTERPRET=arch == 0)
@@ -325,9 +342,9 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     common.launch("attention_bwd_preprocess", _attn_bwd_preprocess, (_grid_size(n_pre * B * Hq),),
                   (out, do, lse, dlse if dlse is not None else lse, stats, cu_q, lse if sinks is None else sinks,
                    dsink_parts, *so, *sdo, Hq, Lq, D, nseq, n_pre, stride_stat),
-                  dict(HAS_DLSE=dlse is not None, VARLEN=varlen is not None, HAS_SINKS=sinks is not None,
-                       BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M, STAT_ALIGN=STAT_ALIGN),
-                  common.Config.of(num_warps=4))
+                  common.constexprs(HAS_DLSE=dlse is not None, VARLEN=varlen is not None, HAS_SINKS=sinks is not None,
+                                    BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M, STAT_ALIGN=STAT_ALIGN),
+                  _FOUR_WARPS)
     if sinks is not None:
         torch.sum(dsink_parts, (0, 2), out=dsinks)
 
@@ -344,7 +361,7 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
             q if dbias is None else dbias,
             *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides, *sdb, Hq, Hkv, groups, Lq, Lk, D, nseq,
             win_left, win_right, float(scale), float(dropout_p), float(softcap))
-    constexprs = dict(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
+    constexprs = common.constexprs(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
                       HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, **flags, HAS_DBIAS=dbias is not None,
                       USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
                       STAT_ALIGN=STAT_ALIGN, INTERPRET=arch == 0)
