@@ -46,8 +46,7 @@ def _check(shape, dtype, device, *, causal=False, window=(-1, -1), softcap=None,
         b = randn(*bias, dtype=dtype, device=device)
         extra["bias"] = b.requires_grad_(bias_grad)
     if mask is not None:
-        m = torch.rand(*mask, device=device) > 0.3
-        extra["mask"] = m
+        extra["mask"] = mask.to(device) if isinstance(mask, torch.Tensor) else torch.rand(*mask, device=device) > 0.3
     keys = list(extra)
     tensors += [extra[k] for k in keys]
     names += keys
@@ -167,6 +166,51 @@ def test_bias_without_grad(device, launches):
 def test_mask(mask, dtype, device, path, launches):
     _check(CROSS, dtype, device, mask=mask)
     _launched_once(launches)
+
+
+def _chunked(L, chunk):
+    """Chunked causal attention (Llama 4's local layers): query i sees keys j <= i of its chunk."""
+    i = torch.arange(L)
+    return (i[:, None] // chunk == i[None, :] // chunk) & (i[None, :] <= i[:, None])
+
+
+# A block-sparse mask over 96 tokens in chunks of 40, with GQA and a bias with its gradient:
+# with the interpreter's 64 x 32 / 32 x 64 / 64 x 32 blocks some tiles are hidden whole (and
+# skipped), some partly, and chunk borders cross blocks.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_sparse_mask(dtype, device, path, launches):
+    _check((1, 4, 2, 96, 96, 16), dtype, device, mask=_chunked(96, 40), bias=(1, 4, 96, 96), bias_grad=True)
+    _launched_once(launches)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masked_tiles_are_skipped(dtype, device, path, launches):
+    """Key blocks a bool mask hides from every query of a block are never read: with NaN in
+    keys 64..95 (hidden from all queries; 64 is a multiple of every block) the output, LSE and
+    gradients are finite and equal those of the keys 0..63 alone, dK and dV of the hidden keys
+    exactly 0. A read would poison them (0 * NaN in P V, dS^T Q, dP). Causal chunks of 48 add
+    tiles hidden by the pattern itself (queries 48..63 against keys 0..31)."""
+    B, H, L, D = 1, 2, 96, 16
+    q, k, v = _qkv(B, H, H, L, L, D, dtype, device)
+    mask = _chunked(L, 48).to(device)
+    mask[:, 64:] = False
+    with torch.no_grad():
+        k[:, :, 64:] = float("nan")
+        v[:, :, 64:] = float("nan")
+    out, lse = attention(q, k, v, mask=mask, return_lse=True)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad((out * dout).sum() + lse.nan_to_num(posinf=0, neginf=0).sum(), (q, k, v))
+    k0, v0 = (t.detach()[:, :, :64].clone().requires_grad_() for t in (k, v))
+    q0 = q.detach().clone().requires_grad_()
+    want_out, want_lse = attention(q0, k0, v0, mask=mask[:, :64], return_lse=True)
+    want = torch.autograd.grad((want_out * dout).sum() + want_lse.nan_to_num(posinf=0, neginf=0).sum(), (q0, k0, v0))
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g[:, :, :64], w)
+        assert (g[:, :, 64:] == 0).all()
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
 def test_all_masked_rows(device, launches):

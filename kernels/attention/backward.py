@@ -5,8 +5,8 @@ import triton.language as tl
 
 from fused_block.kernels import common
 from fused_block.kernels.attention.forward import _SHAPE_ARGS
-from fused_block.kernels.attention.helpers import (_desc, _desc3, _dropout_keep, _find_seq, _key_ranges, _load,
-                                                   _query_ranges, _score_mod, _store)
+from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _desc3, _dropout_keep, _find_seq,
+                                                   _key_ranges, _load, _query_ranges, _score_mod, _store)
 
 
 @triton.jit
@@ -190,7 +190,7 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                       stride_dkb, stride_dkh, stride_dkn, stride_stat,
                       Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                       softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm, stride_bn,
-                      stride_ab, stride_ah, stride_am, stride_an,
+                      stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                       IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
@@ -220,6 +220,10 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
     # past Lq (masked); [head_end, full_end) see every key of the block (unmasked).
     m_lo, head_end, full_end, m_end = _query_ranges(start_n, Lq, diag_hi, diag_lo, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                                     WINDOW, USE_TMA)
+    if HAS_AMASK:
+        # The query blocks the bool mask leaves any key of this block visible to (the group's heads').
+        qr = QR + b.to(tl.int64) * stride_qrb + hk.to(tl.int64) * stride_qrh + (start_n // BLOCK_N) * 2
+        m_lo, head_end, full_end, m_end = _clamp_ranges(m_lo, head_end, full_end, m_end, tl.load(qr), tl.load(qr + 1))
     n_head = (head_end - m_lo) // BLOCK_M
     n_full = (full_end - head_end) // BLOCK_M
     if VARLEN:
@@ -309,7 +313,7 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                     stride_dqb, stride_dqh, stride_dqm, stride_stat,
                     Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                     softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm, stride_bn,
-                    stride_ab, stride_ah, stride_am, stride_an,
+                    stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
                     HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
@@ -352,6 +356,9 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
     bias_bh = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
     amask_bh = AMASK + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
     lo, full_lo, full_hi, hi = _key_ranges(start_m, Lk, diag_hi, diag_lo, BLOCK_N, BLOCK_M, IS_CAUSAL, WINDOW)
+    if HAS_AMASK:
+        kr = KR + b.to(tl.int64) * stride_krb + h.to(tl.int64) * stride_krh + (start_m // BLOCK_M) * 2
+        lo, full_lo, full_hi, hi = _clamp_ranges(lo, full_lo, full_hi, hi, tl.load(kr), tl.load(kr + 1))
     for start_n in tl.range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
                       diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
@@ -381,7 +388,7 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BIAS, AMASK,
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BIAS, AMASK, KR, QR,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
@@ -390,7 +397,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
               stride_dkb, stride_dkh, stride_dkn,
               stride_mb, stride_stat, stride_slb,
               stride_bb, stride_bh, stride_bm, stride_bn,
-              stride_ab, stride_ah, stride_am, stride_an,
+              stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh, stride_qrb, stride_qrh,
               Hq, Hkv, GROUPS, Lq, Lk, D, NSEQ, win_left, win_right,
               scale, dropout_p, softcap,
               IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
@@ -447,7 +454,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                                   softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                                   HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
@@ -457,7 +464,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                                   softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                                   HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
@@ -467,7 +474,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                 stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_stat,
                                 Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                                 softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                                 IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                                 HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
                                 BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
@@ -477,7 +484,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                               stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                               Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                               softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                              stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                               IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                               HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
                               BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
@@ -487,7 +494,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                             stride_dqb, stride_dqh, stride_dqm, stride_stat,
                             Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                             softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                            stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                             IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
                             USE_TMA, IEEE, EVEN_D, BLOCK_D,
                             BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
@@ -515,7 +522,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                                   softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                                   HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
@@ -526,7 +533,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                                   softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                                   HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
@@ -539,7 +546,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                 stride_dqb, stride_dqh, stride_dqm, stride_stat,
                                 Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                                 softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                                 IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                                 HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
                                 BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
@@ -549,7 +556,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                               stride_dkb, stride_dkh, stride_dkn, stride_stat,
                               Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                               softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                              stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                               IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                               HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
                               BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
@@ -561,7 +568,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                             stride_dqb, stride_dqh, stride_dqm, stride_stat,
                             Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
                             softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                            stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                             IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
                             USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2,
                             BLOCK_N2, STAT_ALIGN, INTERPRET)

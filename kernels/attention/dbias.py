@@ -77,11 +77,11 @@ def _dbias_tile(acc, Q, K, V, DO, QD, KD, VD, DOD, STATS, MASK, SEED, SLOPES, BI
 
 @triton.jit(do_not_specialize=("Hq", "GROUPS", "Lq", "Lk", "stride_mb", "win_left", "win_right", "n_b", "n_h",
                                "n_m", "n_n", "out_h", "out_m", "out_n"))
-def _attn_dbias(Q, K, V, DO, QD, KD, VD, DOD, STATS, MASK, SEED, SLOPES, BIAS, AMASK, DBIAS,
+def _attn_dbias(Q, K, V, DO, QD, KD, VD, DOD, STATS, MASK, SEED, SLOPES, BIAS, AMASK, KR, DBIAS,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_dob, stride_doh, stride_dom, stride_mb, stride_stat, stride_slb,
                 stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
-                stride_dbb, stride_dbh, stride_dbm,
+                stride_dbb, stride_dbh, stride_dbm, stride_krb, stride_krh,
                 Hq, GROUPS, Lq, Lk, D, win_left, win_right, scale, dropout_p, softcap,
                 n_b, n_h, n_m, n_n, out_h, out_m, out_n,
                 IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -97,7 +97,8 @@ def _attn_dbias(Q, K, V, DO, QD, KD, VD, DOD, STATS, MASK, SEED, SLOPES, BIAS, A
     broadcasting over queries, ``n_m`` of them; ``SUM_N``: every key block, ``n_n``). It walks
     those n_b x n_h x n_m x n_n dS tiles in a fixed order, summing them in registers (no
     atomics, no partial buffers: deterministic), skips the tiles outside the band (their dS is
-    0), and stores the tile once (its column, row or total sum with ``SUM_M``/``SUM_N``).
+    0) and those the bool mask hides whole (``KR``: the forward's key-block ranges at these
+    blocks), and stores the tile once (its column, row or total sum with ``SUM_M``/``SUM_N``).
     Statistics as the backward's (``STATS``: LSE * log2(e), delta). ``USE_TMA``: ``QD``, ``KD``,
     ``VD``, ``DOD`` are host-side descriptors (blocks (1, 1, BLOCK_M or BLOCK_N, BLOCK_D)); the
     pointer path reads Q, K, V, DO."""
@@ -142,6 +143,9 @@ def _attn_dbias(Q, K, V, DO, QD, KD, VD, DOD, STATS, MASK, SEED, SLOPES, BIAS, A
             inside = start_n <= start_m + BLOCK_M - 1 + diag_hi
         if WINDOW:
             inside = inside & (start_n + BLOCK_N - 1 >= start_m + diag_lo)
+        if HAS_AMASK:
+            kr = KR + b.to(tl.int64) * stride_krb + h.to(tl.int64) * stride_krh + (start_m // BLOCK_M) * 2
+            inside = inside & (start_n >= tl.load(kr)) & (start_n < tl.load(kr + 1))
         if inside:
             acc = _dbias_tile(acc, Q, K, V, DO, QD, KD, VD, DOD, STATS, MASK, SEED, SLOPES, BIAS, AMASK, b, h,
                               start_m, start_n, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,

@@ -28,9 +28,9 @@ def _signature(fn, ptr_types: dict, floats=("scale", "dropout_p", "softcap")) ->
 
 def _aligned_args(fn):
     # Bias, mask and bias-gradient strides are 0 along broadcast dims and 1 along a contiguous
-    # Lk (the gradient's rows are the bias's): no hint.
+    # Lk (the gradient's rows are the bias's), the mask's block ranges' 0 or 2 x blocks: no hint.
     return tuple(n for n in fn.arg_names if n.startswith("stride_") and n != "stride_mb" and n != "stride_slb"
-                 and not n.startswith(("stride_b", "stride_a", "stride_db"))) + ("D",)
+                 and not n.startswith(("stride_b", "stride_a", "stride_db", "stride_kr", "stride_qr"))) + ("D",)
 
 
 def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
@@ -43,6 +43,7 @@ def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
             ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
     ptrs.update({p: "*fp32" for p in ("LSE", "STATS", "SINKS", "SLOPES", "DBIAS", "DSINK") if p in fn.arg_names})
     ptrs.update({p: t for p, t in (("MASK", "*u8"), ("SEED", "*i64"), ("CU_Q", "*i32"), ("CU_K", "*i32"),
+                                   ("KR", "*i32"), ("QR", "*i32"),
                                    ("BIAS", f"*{dt}"), ("AMASK", "*u8")) if p in fn.arg_names})
     return ptrs
 
