@@ -244,8 +244,9 @@ def _decode_block_m(rows: int, block_d: int, kind: str = "16") -> int:
 # class, operand kind); one config each, spill-free on its arch (the compile check), not
 # timed. sm_90: 64-row tiles (one warpgroup's wgmma M) with 64 keys at D <= 128 in 16 bits (4
 # warps; 8 at D = 128, and for TF32 at D = 64: 8 B of stack with 4), 32 keys where the four
-# operand tiles are wider. sm_80 holds mma.sync operands in registers: 64 x 64 spilled 64-272
-# B there, so 32 x 32 tiles (64 x 32 at D = 64 in 16 bits; 16 x 32 at D = 256 and for TF32 at
+# operand tiles are wider; IEEE fp32 32 x 32 with 4 warps (8 spilled 16 B at D = 128 with the
+# mask's key ranges and a sum over queries). sm_80 holds mma.sync operands in registers:
+# 64 x 64 spilled 64-272 B there, so 32 x 32 tiles (64 x 32 at D = 64 in 16 bits; 16 x 32 at D = 256 and for TF32 at
 # D = 128, where 32 x 32 spilled 160-264 B).
 def _dbias_cfg(bm, bn, warps):
     return common.Config.of(num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn)
@@ -254,7 +255,7 @@ def _dbias_cfg(bm, bn, warps):
 DBIAS_CONFIGS = {
     90: {(64, "16"): _dbias_cfg(64, 64, 4), (128, "16"): _dbias_cfg(64, 64, 8), (256, "16"): _dbias_cfg(64, 32, 8),
          (64, "tf32"): _dbias_cfg(64, 64, 8), (128, "tf32"): _dbias_cfg(64, 32, 8),
-         (64, "ieee"): _dbias_cfg(32, 32, 4), (128, "ieee"): _dbias_cfg(32, 32, 8)},
+         (64, "ieee"): _dbias_cfg(32, 32, 4), (128, "ieee"): _dbias_cfg(32, 32, 4)},
     80: {(64, "16"): _dbias_cfg(64, 32, 4), (128, "16"): _dbias_cfg(32, 32, 4), (256, "16"): _dbias_cfg(16, 32, 4),
          (64, "tf32"): _dbias_cfg(32, 32, 4), (128, "tf32"): _dbias_cfg(16, 32, 4),
          (64, "ieee"): _dbias_cfg(32, 32, 4), (128, "ieee"): _dbias_cfg(32, 32, 8)},
