@@ -117,21 +117,21 @@ def _extra_grads_fake(q, sinks, bias, bias_grad):
     return dsinks, dbias
 
 
-def _extra_grads(q, Lk, sinks, bias, bias_grad):
-    """Buffers of the sinks' and the bias's gradients: dsinks (Hq,) fp32 (or an empty stand-in)
-    and the full (B, Hq, Lq, Lk) fp32 dS (or None)."""
+def _extra_grads(q, sinks, bias, bias_grad):
+    """Buffers of the sinks' and the bias's gradients: dsinks (Hq,) fp32 (or None) and dbias in
+    the bias's own size and dtype (its shape with leading 1s to 4 dims: the kernel sums dS
+    over the broadcast dims into it), or None."""
     dsinks = torch.empty(q.shape[1], dtype=torch.float32, device=q.device) if sinks is not None else None
     dbias = None
     if bias is not None and bias_grad:
-        dbias = torch.empty((*q.shape[:3], Lk), dtype=torch.float32, device=q.device)
+        dbias = common.empty((1,) * (4 - bias.dim()) + tuple(bias.shape), bias.dtype, q.device)
     return dsinks, dbias
 
 
 def _finish_extra_grads(q, dsinks, dbias, sinks, bias):
-    """The gradients in the inputs' shapes and dtypes: dS summed over the bias's broadcast dims
-    (torch's reduction: deterministic), empty stand-ins where there is none."""
+    """The gradients in the inputs' shapes and dtypes, empty stand-ins where there is none."""
     ds = q.new_empty((0,)) if dsinks is None else dsinks.to(sinks.dtype)
-    db = q.new_empty((0,)) if dbias is None else dbias.sum_to_size(bias.shape).to(bias.dtype)
+    db = q.new_empty((0,)) if dbias is None else dbias.view(bias.shape)
     return ds, db
 
 
@@ -150,7 +150,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             return common.empty(s, dt, q.device)
         dq, dk, dv = _like(q, q.shape, q.dtype, alloc), _like(k, k.shape, k.dtype, alloc), \
             _like(k, v.shape, v.dtype, alloc)
-        dsinks, dbias = _extra_grads(q, k.shape[2], sinks, bias, bias_grad)
+        dsinks, dbias = _extra_grads(q, sinks, bias, bias_grad)
         _kernels.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, causal, scale,
                           dropout_p, window=(window_left, window_right), softcap=softcap, sinks=sinks, dsinks=dsinks,
                           alibi=alibi_slopes, bias=bias, dbias=dbias, mask=mask)
@@ -257,7 +257,7 @@ def attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         dq = common.empty(q.shape, q.dtype, q.device)
         dk = common.empty(k.shape, k.dtype, k.device)
         dv = common.empty(v.shape, v.dtype, v.device)
-        dsinks, _ = _extra_grads(q[None].transpose(1, 2), 0, sinks, None, False)
+        dsinks, _ = _extra_grads(q[None].transpose(1, 2), sinks, None, False)
         _kernels.backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse[None],
                           None if dlse is None else dlse[None], _tokens(dq), _tokens(dk), _tokens(dv), None, seed,
                           causal, scale, dropout_p, window=(window_left, window_right),

@@ -46,8 +46,7 @@ def _check(shape, dtype, device, *, causal=False, window=(-1, -1), softcap=None,
         b = randn(*bias, dtype=dtype, device=device)
         extra["bias"] = b.requires_grad_(bias_grad)
     if mask is not None:
-        m = torch.rand(*mask, device=device) > 0.3
-        extra["mask"] = m
+        extra["mask"] = mask.to(device) if isinstance(mask, torch.Tensor) else torch.rand(*mask, device=device) > 0.3
     keys = list(extra)
     tensors += [extra[k] for k in keys]
     names += keys
@@ -113,6 +112,48 @@ BIASES = [pytest.param((1, 2, 40, 100), id="t5"), pytest.param((2, 1, 1, 100), i
 def test_bias(bias, dtype, device, path, launches):
     _check(CROSS, dtype, device, causal=bias == (2, 1, 1, 100), bias=bias, bias_grad=True)
     _launched_once(launches)
+    assert launches["attention_dbias"] == 1
+
+
+# The bias gradient's broadcast cases over (B, Hq, Hkv, Lq, Lk) = (2, 4, 2, 70, 70), GQA and
+# causal (70: a partial block on each axis and blocks outside the band): the owner of a strip
+# walks the batches (T5's (1, Hq, L, L)), the heads across both kv heads ((B, 1, L, L)), both
+# ((1, 1, L, L), and the 3-D (Hq, L, L) with its leading 1), none (the full shape); a per-query
+# bias (B, 1, Lq, 1) sums over keys within the kernel (per key block), a per-head scalar
+# (1, Hq, 1, 1) over both axes.
+BROADCAST_BIASES = [pytest.param((1, 4, 70, 70), id="t5"), pytest.param((2, 1, 70, 70), id="batch-heads"),
+                    pytest.param((1, 1, 70, 70), id="shared"), pytest.param((2, 4, 70, 70), id="full"),
+                    pytest.param((4, 70, 70), id="3d"), pytest.param((2, 1, 70, 1), id="per-query"),
+                    pytest.param((1, 4, 1, 1), id="per-head")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", BROADCAST_BIASES)
+def test_bias_grad_broadcast(bias, dtype, device, launches):
+    _check((2, 4, 2, 70, 70, 16), dtype, device, causal=True, bias=bias, bias_grad=True)
+    _launched_once(launches)
+    assert launches["attention_dbias"] == 1
+
+
+# T5's (1, Hq, L, L) at B = 8, and a per-key bias (B, 1, 1, Lk) (summed over heads and queries).
+@pytest.mark.parametrize("bias", [pytest.param((1, 2, 64, 64), id="t5"), pytest.param((8, 1, 1, 64), id="keys")])
+def test_bias_grad_buffer_is_bias_sized(bias, device, launches):
+    """The backward allocates the bias gradient in the bias's own size and dtype, not a (B, Hq,
+    Lq, Lk) dS: with B = 8, nothing of B * Hq * Lq * Lk / 2 elements or more is allocated, and
+    the 4-D allocations besides dq, dk and dv (of q's shape) are that gradient alone."""
+    from memory_testing import Allocations
+    B, H, L, D = 8, 2, 64, 16
+    q, k, v = _qkv(B, H, H, L, L, D, torch.float16, device)
+    b = randn(*bias, dtype=torch.float16, device=device, requires_grad=True)
+    out = attention(q, k, v, bias=b)
+    dout = torch.randn_like(out)
+    with Allocations() as rec:
+        db, = torch.autograd.grad(out, (b,), dout)
+    assert db.shape == b.shape and db.dtype == b.dtype
+    assert not rec.with_numel_at_least(B * H * L * L // 2)
+    others = [a for a in rec.records if len(a.shape) == 4 and a.shape != q.shape]
+    assert [(a.shape, a.dtype) for a in others] == [(bias, torch.float16)], others
+    assert launches["attention_dbias"] == 1
 
 
 def test_bias_without_grad(device, launches):
@@ -125,6 +166,51 @@ def test_bias_without_grad(device, launches):
 def test_mask(mask, dtype, device, path, launches):
     _check(CROSS, dtype, device, mask=mask)
     _launched_once(launches)
+
+
+def _chunked(L, chunk):
+    """Chunked causal attention (Llama 4's local layers): query i sees keys j <= i of its chunk."""
+    i = torch.arange(L)
+    return (i[:, None] // chunk == i[None, :] // chunk) & (i[None, :] <= i[:, None])
+
+
+# A block-sparse mask over 96 tokens in chunks of 40, with GQA and a bias with its gradient:
+# with the interpreter's 64 x 32 / 32 x 64 / 64 x 32 blocks some tiles are hidden whole (and
+# skipped), some partly, and chunk borders cross blocks.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_sparse_mask(dtype, device, path, launches):
+    _check((1, 4, 2, 96, 96, 16), dtype, device, mask=_chunked(96, 40), bias=(1, 4, 96, 96), bias_grad=True)
+    _launched_once(launches)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_masked_tiles_are_skipped(dtype, device, path, launches):
+    """Key blocks a bool mask hides from every query of a block are never read: with NaN in
+    keys 64..95 (hidden from all queries; 64 is a multiple of every block) the output, LSE and
+    gradients are finite and equal those of the keys 0..63 alone, dK and dV of the hidden keys
+    exactly 0. A read would poison them (0 * NaN in P V, dS^T Q, dP). Causal chunks of 48 add
+    tiles hidden by the pattern itself (queries 48..63 against keys 0..31)."""
+    B, H, L, D = 1, 2, 96, 16
+    q, k, v = _qkv(B, H, H, L, L, D, dtype, device)
+    mask = _chunked(L, 48).to(device)
+    mask[:, 64:] = False
+    with torch.no_grad():
+        k[:, :, 64:] = float("nan")
+        v[:, :, 64:] = float("nan")
+    out, lse = attention(q, k, v, mask=mask, return_lse=True)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad((out * dout).sum() + lse.nan_to_num(posinf=0, neginf=0).sum(), (q, k, v))
+    k0, v0 = (t.detach()[:, :, :64].clone().requires_grad_() for t in (k, v))
+    q0 = q.detach().clone().requires_grad_()
+    want_out, want_lse = attention(q0, k0, v0, mask=mask[:, :64], return_lse=True)
+    want = torch.autograd.grad((want_out * dout).sum() + want_lse.nan_to_num(posinf=0, neginf=0).sum(), (q0, k0, v0))
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g[:, :, :64], w)
+        assert (g[:, :, 64:] == 0).all()
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
 def test_all_masked_rows(device, launches):
@@ -270,12 +356,15 @@ def test_scores_torch_compile_fullgraph(device, launches):
     assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
-def test_backward_is_deterministic(device):
+# A per-key bias (rows summed per query block, then by torch) and T5's (1, Hq, L, L) summed by
+# the strips' owners over the batch.
+@pytest.mark.parametrize("bias_shape", [pytest.param((1, 2, 1, 70), id="keys"), pytest.param((1, 2, 70, 70), id="t5")])
+def test_backward_is_deterministic(bias_shape, device):
     """Bias and sinks gradients (summed over broadcast dims and programs) are bitwise
     reproducible, as q's, k's and v's."""
     q, k, v = _qkv(2, 2, 1, 70, 70, 16, torch.float16, device)
     sinks = torch.randn(2, device=device, requires_grad=True)
-    bias = torch.randn(1, 2, 1, 70, device=device, dtype=torch.float16, requires_grad=True)
+    bias = torch.randn(*bias_shape, device=device, dtype=torch.float16, requires_grad=True)
     runs = []
     for _ in range(2):
         out = attention(q, k, v, True, sinks=sinks, bias=bias, softcap=3.0)

@@ -50,6 +50,11 @@ Kernels:
   in every K/V step of the forward and both backward halves; attention sinks in the forward's
   epilogue and the preprocess (their gradient). Feature classes "band" (window, varlen) and
   "score" have config entries of their own (``configs.py``).
+- ``_attn_dbias`` (``dbias.py``): the bias's gradient, when the bias requires one, after the
+  backward: one program per tile of the gradient (in the bias's own shape and dtype), which
+  recomputes and sums, in a fixed order and in registers, the dS tiles of every batch, head,
+  query and key block that broadcast into it (deterministic, no atomics, no (B, Hq, Lq, Lk)
+  buffer; two extra products per dS tile).
 - ``_dropout_keep``: keep = uniform(seed, (j, i, batch * Hq + h)) >= p: Philox counters are the
   key index, query index and flattened head, so every kernel (and ``dropout_keep_mask``, a test
   helper) regenerates the same mask without storing it.
@@ -68,6 +73,7 @@ Reading order (the data flow from ``fused_block.attention`` down to each kernel)
 - ``configs.py``: the per-architecture config tables and the keys that index them.
 - ``forward.py``: ``_attn_fwd`` (and its key-block step).
 - ``backward.py``: ``_attn_bwd_preprocess``, then ``_attn_bwd`` (dK/dV and dQ programs).
+- ``dbias.py``: ``_attn_dbias``, the bias's gradient (launched by ``launchers.backward``).
 - ``decode.py``: split-KV decoding (``_attn_decode_split``, ``_attn_decode_combine``), chosen by
   ``launchers.forward`` for few query rows over long caches, and the KV-cache append kernel.
 - ``helpers.py``: the device helpers the kernels share (tile loads and stores, descriptors,

@@ -5,8 +5,8 @@ import triton.language as tl
 
 from fused_block.kernels import common
 from fused_block.kernels.attention.forward import _SHAPE_ARGS
-from fused_block.kernels.attention.helpers import (_desc, _desc3, _dropout_keep, _find_seq, _key_ranges, _load,
-                                                   _query_ranges, _score_mod, _store)
+from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _desc3, _dropout_keep, _find_seq,
+                                                   _key_ranges, _load, _query_ranges, _score_mod, _store)
 
 
 @triton.jit
@@ -143,14 +143,13 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, st
 @triton.jit
 def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
              diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
-             Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an, dbias_bh,
-             stride_dbm, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
+             Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
+             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
              HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-             HAS_AMASK: tl.constexpr, HAS_DBIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+             HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
              EVEN_D: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """One key block's contribution to a query block's dQ; ``HAS_DBIAS``: also stores the
-    tile's dS (the scores' gradient: the bias's) at ``dbias_bh`` (row stride ``stride_dbm``)."""
+    """One key block's contribution to a query block's dQ."""
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     SCORE_MOD: tl.constexpr = SOFTCAP or HAS_ALIBI or HAS_BIAS or HAS_AMASK
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -179,9 +178,6 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
         keep = _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, IEEE)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
-    if HAS_DBIAS:
-        ptrs = dbias_bh + offs_m[:, None].to(tl.int64) * stride_dbm + offs_n[None, :]
-        tl.store(ptrs, ds, mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)  # d softcap(x) / dx = 1 - tanh^2
     dq = common.dot(common.cast(ds, k.dtype, INTERPRET), k, dq, INTERPRET, PRECISION)
@@ -193,11 +189,11 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                       stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
                       stride_dkb, stride_dkh, stride_dkn, stride_stat,
                       Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                      softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm, stride_bn,
-                      stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh, stride_dbm,
+                      softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm, stride_bn,
+                      stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                       IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_AMASK: tl.constexpr, HAS_DBIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+                      HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
                       EVEN_D: tl.constexpr,
                       PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
@@ -224,6 +220,10 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
     # past Lq (masked); [head_end, full_end) see every key of the block (unmasked).
     m_lo, head_end, full_end, m_end = _query_ranges(start_n, Lq, diag_hi, diag_lo, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                                     WINDOW, USE_TMA)
+    if HAS_AMASK:
+        # The query blocks the bool mask leaves any key of this block visible to (the group's heads').
+        qr = QR + b.to(tl.int64) * stride_qrb + hk.to(tl.int64) * stride_qrh + (start_n // BLOCK_N) * 2
+        m_lo, head_end, full_end, m_end = _clamp_ranges(m_lo, head_end, full_end, m_end, tl.load(qr), tl.load(qr + 1))
     n_head = (head_end - m_lo) // BLOCK_M
     n_full = (full_end - head_end) // BLOCK_M
     if VARLEN:
@@ -312,11 +312,11 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                     stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm, stride_stat,
                     Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                    softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm, stride_bn,
-                    stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh, stride_dbm,
+                    softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm, stride_bn,
+                    stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
                     HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    HAS_AMASK: tl.constexpr, HAS_DBIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+                    HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
                     EVEN_D: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAT_ALIGN: tl.constexpr,
                     INTERPRET: tl.constexpr):
@@ -355,32 +355,31 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
         slope2 = tl.load(SLOPES + b * stride_slb + h) * 1.4426950408889634
     bias_bh = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
     amask_bh = AMASK + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
-    dbias_bh = DBIAS + b.to(tl.int64) * stride_dbb + h.to(tl.int64) * stride_dbh
     lo, full_lo, full_hi, hi = _key_ranges(start_m, Lk, diag_hi, diag_lo, BLOCK_N, BLOCK_M, IS_CAUSAL, WINDOW)
+    if HAS_AMASK:
+        kr = KR + b.to(tl.int64) * stride_krb + h.to(tl.int64) * stride_krh + (start_m // BLOCK_M) * 2
+        lo, full_lo, full_hi, hi = _clamp_ranges(lo, full_lo, full_hi, hi, tl.load(kr), tl.load(kr + 1))
     for start_n in tl.range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
                       diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
-                      dbias_bh,
-                      stride_dbm, False, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
-                      SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
+                      False, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
+                      SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
                       BLOCK_D, INTERPRET)
     for start_n in tl.range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
                       diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
-                      dbias_bh,
-                      stride_dbm, True, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
-                      SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
+                      True, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
+                      SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
                       BLOCK_D, INTERPRET)
     if WINDOW:
         for start_n in tl.range(lo, full_lo, BLOCK_N):
             dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n,
                           offs_m, diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
                           inv_keep, Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am,
-                          stride_an, dbias_bh,
-                          stride_dbm, True, IS_CAUSAL, WINDOW, HAS_PAD,
-                          HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D,
+                          stride_an, True, IS_CAUSAL, WINDOW, HAS_PAD,
+                          HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D,
                           BLOCK_M,
                           BLOCK_N, BLOCK_D, INTERPRET)
     dq_desc = _desc(dq_base, Lq, D, stride_dqm, BLOCK_M, BLOCK_D, USE_TMA)
@@ -389,7 +388,7 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BIAS, AMASK, DBIAS,
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BIAS, AMASK, KR, QR,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
@@ -398,13 +397,12 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
               stride_dkb, stride_dkh, stride_dkn,
               stride_mb, stride_stat, stride_slb,
               stride_bb, stride_bh, stride_bm, stride_bn,
-              stride_ab, stride_ah, stride_am, stride_an,
-              stride_dbb, stride_dbh, stride_dbm,
+              stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh, stride_qrb, stride_qrh,
               Hq, Hkv, GROUPS, Lq, Lk, D, NSEQ, win_left, win_right,
               scale, dropout_p, softcap,
               IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_AMASK: tl.constexpr, HAS_DBIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+              HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
               BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
@@ -414,9 +412,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
     in the forward (``IS_CAUSAL``: keys j <= i + Lk - Lq + win_right; ``WINDOW``: j >= i + Lk
     - Lq - win_left).
 
-    Score modifications as the forward's (bias and mask: dense batches only); ``HAS_DBIAS``: the
-    dQ programs store dS into DBIAS, a (B, Hq, Lq, Lk) fp32 buffer (strides ``stride_db*``,
-    unit column stride) whose blocks outside the band stay as the launcher zeroed them.
+    Score modifications as the forward's (bias and mask: dense batches only; the bias's
+    gradient is :func:`dbias._attn_dbias`'s).
 
     ``VARLEN``: per kv head, the virtual key blocks of :func:`_find_seq` (twice with
     ``SPLIT_KV``), then the group's virtual query blocks; unused ones return at once."""
@@ -456,53 +453,50 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                   stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh,
-                                  stride_dbm,
+                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
+                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
             elif r < 2 * n_kv:
                 _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
                                   stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh,
-                                  stride_dbm,
+                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
+                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
             else:
                 _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, MASK, b, h, start, q0,
                                 stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
                                 stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_stat,
                                 Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh,
-                                stride_dbm,
+                                softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                                 IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                                HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
                                 BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
         elif r < n_kv:
             _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
                               stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
                               stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                               Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                              softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh, stride_dbm,
+                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                               IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                              HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
+                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
                               BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
         else:
             _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, MASK, b, h, start, q0,
                             stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
                             stride_dqb, stride_dqh, stride_dqm, stride_stat,
                             Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                            softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh, stride_dbm,
+                            softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                             IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
-                            HAS_DBIAS, USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                            USE_TMA, IEEE, EVEN_D, BLOCK_D,
                             BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
     else:
         num_n_blocks = tl.cdiv(Lk, BLOCK_N1)
@@ -527,11 +521,10 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                   stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh,
-                                  stride_dbm,
+                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
+                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
             elif r < 2 * num_n_blocks:
                 _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk,
@@ -539,11 +532,10 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                   stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
                                   stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
                                   Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh,
-                                  stride_dbm,
+                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                                   IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
+                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
                                   BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
             else:
                 r2 = r - 2 * num_n_blocks
@@ -553,21 +545,20 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                                 stride_dom,
                                 stride_dqb, stride_dqh, stride_dqm, stride_stat,
                                 Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh,
-                                stride_dbm,
+                                softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                                 IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                                HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
                                 BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
         elif r < num_n_blocks:
             _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1, 0, 0,
                               stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
                               stride_dkb, stride_dkh, stride_dkn, stride_stat,
                               Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                              softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh, stride_dbm,
+                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                               IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                              HAS_AMASK, HAS_DBIAS, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
+                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
                               BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
         else:
             r2 = r - num_n_blocks
@@ -576,9 +567,9 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
                             stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
                             stride_dqb, stride_dqh, stride_dqm, stride_stat,
                             Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                            softcap, SLOPES, BIAS, AMASK, DBIAS, stride_slb, stride_bb, stride_bh, stride_bm,
-                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_dbb, stride_dbh, stride_dbm,
+                            softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                             IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
-                            HAS_DBIAS, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2,
+                            USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2,
                             BLOCK_N2, STAT_ALIGN, INTERPRET)
 

@@ -175,12 +175,14 @@ _BAND_BWD = {
     90: {(128, "16", True): [_B(16, 128, 128, 32, 8, 2, True)], (64, "tf32", True): [_B(16, 128, 128, 32, 8, 2)],
          (64, "ieee", True): [_B(16, 32, 32, 16, 4, 2, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)]},
 }
-# "score": every K/V step carries tanh, the ALiBi distance and bias/mask tiles (and the
-# backward's dS store), so the plain 128-row tiles spill with all of them at once: 64-row
-# forward tiles (32 at D = 256, 16 on FMA-unit IEEE fp32), 16-query backward steps over 64
-# keys with dV and dK in programs of their own where both accumulators would not fit.
+# "score": every K/V step carries tanh, the ALiBi distance and bias/mask tiles, so the plain
+# 128-row tiles spill with all of them at once: 64-row forward tiles (32 at D = 256, 16 on
+# FMA-unit IEEE fp32), 16-query backward steps over 64 keys with dV and dK in programs of
+# their own where both accumulators would not fit. sm_90 D64 16-bit with dropout: 32-key
+# forward steps (64 x 64 spilled 8 B on the pointer path once the bool mask's key range was
+# loaded in the prologue).
 _SCORE_FWD = {
-    90: {(64, "16", False): [_F(64, 64, 4, 2)], (64, "16", True): [_F(64, 64, 4, 2)],
+    90: {(64, "16", False): [_F(64, 64, 4, 2)], (64, "16", True): [_F(64, 32, 4, 2)],
          (128, "16", False): [_F(64, 32, 4, 2)], (128, "16", True): [_F(64, 32, 4, 2)],
          (64, "tf32", False): [_F(64, 32, 4, 2)], (64, "tf32", True): [_F(64, 32, 4, 2)],
          (128, "tf32", False): [_F(64, 32, 8, 2)], (128, "tf32", True): [_F(64, 32, 8, 2)],
@@ -202,7 +204,7 @@ _SCORE_BWD = {arch: {
     (128, "ieee", False): [_B(16, 16, 16, 16, 8, 1, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)],
 } for arch in (90, 80)}
 # sm_90 D = 256: the dropout list's (plain) config for both (it compiles clean but for ALiBi +
-# bias + mask: specs._DROPOUT_BIAS_SPILLS).
+# bias + mask with dropout on the pointer path: specs._DROPOUT_BIAS_SPILLS).
 _SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 3, True)]
 
 del _F, _B
@@ -237,11 +239,34 @@ def _decode_block_m(rows: int, block_d: int, kind: str = "16") -> int:
     return min(max(16, common.next_pow2(rows)), 32 if block_d > 128 or kind != "16" else 64)
 
 
+# The bias's gradient (dbias._attn_dbias): a (BLOCK_M, BLOCK_N) dS tile per step, recomputed
+# from Q, K, V and dO (two products per tile, no accumulator besides the tile), by (head-dim
+# class, operand kind); one config each, spill-free on its arch (the compile check), not
+# timed. sm_90: 64-row tiles (one warpgroup's wgmma M) with 64 keys at D <= 128 in 16 bits (4
+# warps; 8 at D = 128, and for TF32 at D = 64: 8 B of stack with 4), 32 keys where the four
+# operand tiles are wider; IEEE fp32 32 x 32 with 4 warps (8 spilled 16 B at D = 128 with the
+# mask's key ranges and a sum over queries). sm_80 holds mma.sync operands in registers:
+# 64 x 64 spilled 64-272 B there, so 32 x 32 tiles (64 x 32 at D = 64 in 16 bits; 16 x 32 at D = 256 and for TF32 at
+# D = 128, where 32 x 32 spilled 160-264 B).
+def _dbias_cfg(bm, bn, warps):
+    return common.Config.of(num_warps=warps, num_stages=1, BLOCK_M=bm, BLOCK_N=bn)
+
+
+DBIAS_CONFIGS = {
+    90: {(64, "16"): _dbias_cfg(64, 64, 4), (128, "16"): _dbias_cfg(64, 64, 8), (256, "16"): _dbias_cfg(64, 32, 8),
+         (64, "tf32"): _dbias_cfg(64, 64, 8), (128, "tf32"): _dbias_cfg(64, 32, 8),
+         (64, "ieee"): _dbias_cfg(32, 32, 4), (128, "ieee"): _dbias_cfg(32, 32, 4)},
+    80: {(64, "16"): _dbias_cfg(64, 32, 4), (128, "16"): _dbias_cfg(32, 32, 4), (256, "16"): _dbias_cfg(16, 32, 4),
+         (64, "tf32"): _dbias_cfg(32, 32, 4), (128, "tf32"): _dbias_cfg(16, 32, 4),
+         (64, "ieee"): _dbias_cfg(32, 32, 4), (128, "ieee"): _dbias_cfg(32, 32, 8)},
+}
+
 # The interpreter runs one config: query and key blocks of different sizes (and different in
 # the two backward halves), so the tests cross both block grids and every masked/unmasked split.
 INTERPRET_FWD = _fwd_cfg(64, 32, 1, 1)
 INTERPRET_BWD = _bwd_cfg(32, 64, 64, 32, 1, 1)
 INTERPRET_DECODE = common.Config.of(num_warps=1, num_stages=1, BLOCK_N=32)
+INTERPRET_DBIAS = _dbias_cfg(32, 64, 1)
 PRE_BLOCK_M = 64
 # The backward's row statistics (STATS) are padded to a multiple of this: every query
 # block of the backward tables (BLOCK_M1, BLOCK_M2) and PRE_BLOCK_M divide it.

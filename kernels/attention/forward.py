@@ -3,7 +3,8 @@ import triton
 import triton.language as tl
 
 from fused_block.kernels import common
-from fused_block.kernels.attention.helpers import (_desc, _dropout_keep, _find_seq, _key_ranges, _load, _score_mod,
+from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _dropout_keep, _find_seq, _key_ranges, _load,
+                                                   _score_mod,
                                                    _store, _tile)
 
 
@@ -85,14 +86,14 @@ _SHAPE_ARGS = ("Hq", "Hkv", "GROUPS", "Lq", "Lk", "NSEQ", "stride_mb", "win_left
 
 
 @triton.jit(do_not_specialize=[a for a in _SHAPE_ARGS if a != "Hkv"])
-def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMASK, QD, KD, VD, OD,
+def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
               stride_ob, stride_oh, stride_om,
               stride_mb, stride_slb,
               stride_bb, stride_bh, stride_bm, stride_bn,
-              stride_ab, stride_ah, stride_am, stride_an,
+              stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh,
               Hq, GROUPS, Lq, Lk, D, NSEQ, win_left, win_right,
               scale, dropout_p, softcap,
               IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
@@ -115,8 +116,10 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMAS
 
     Score modifications: ``SOFTCAP`` (s <- softcap * tanh(s / softcap)), ``HAS_ALIBI`` (SLOPES
     (B or 1, Hq) fp32, batch stride ``stride_slb``), ``HAS_BIAS`` (BIAS, 4 strides, zero along
-    broadcast dims), ``HAS_AMASK`` (AMASK uint8, 1 = attend, 4 strides); ``HAS_SINKS``: SINKS
-    (Hq,) logits joining each row's denominator in the epilogue."""
+    broadcast dims), ``HAS_AMASK`` (AMASK uint8, 1 = attend, 4 strides; KR: per (batch, head,
+    query block) the key range [r0, r1) of the blocks the mask leaves visible, int32 pairs,
+    strides ``stride_kr*`` (0 along broadcast dims): key blocks outside it are skipped);
+    ``HAS_SINKS``: SINKS (Hq,) logits joining each row's denominator in the epilogue."""
     HOST: tl.constexpr = USE_TMA and not WS and not VARLEN
     # The query blocks of a head in reverse order: under a causal mask the last ones do the
     # most work. TMA: unsigned divisions (every operand is positive), shorter than signed
@@ -211,6 +214,9 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMAS
     if HAS_AMASK:
         amask_base = AMASK + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
     lo, full_lo, full_hi, hi = _key_ranges(start_m, Lk, diag_hi, diag_lo, BLOCK_N, BLOCK_M, IS_CAUSAL, WINDOW)
+    if HAS_AMASK:
+        kr = KR + b.to(tl.int64) * stride_krb + h.to(tl.int64) * stride_krh + (start_m // BLOCK_M) * 2
+        lo, full_lo, full_hi, hi = _clamp_ranges(lo, full_lo, full_hi, hi, tl.load(kr), tl.load(kr + 1))
     if WS:
         # Triton 3.6's Hopper warp specialization (a TMA producer, Q's rows split between two
         # consumer warpgroups) partitions a kernel with one K/V loop only (a second loop after

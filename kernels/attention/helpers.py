@@ -269,6 +269,19 @@ def _query_ranges(start_n, Lq, diag_hi, diag_lo, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
+def _clamp_ranges(lo, first_mid, end_mid, hi, r0, r1):
+    """A block range split (``lo``, ``first_mid``, ``end_mid``, ``hi``: the outputs of
+    :func:`_key_ranges` or :func:`_query_ranges`) narrowed to [r0, r1): the blocks a bool mask
+    leaves any visible element in (``launchers._mask_ranges``; r0 = r1 when none). The masked
+    and unmasked parts keep their order; every part is empty outside [r0, r1)."""
+    lo = tl.maximum(lo, r0)
+    hi = tl.maximum(tl.minimum(hi, r1), lo)
+    first_mid = tl.minimum(tl.maximum(first_mid, lo), hi)
+    end_mid = tl.minimum(tl.maximum(end_mid, first_mid), hi)
+    return lo, first_mid, end_mid, hi
+
+
+@triton.jit
 def _dropout_mask_kernel(SEED, OUT, Hq, Lq, Lk, num_m_blocks, num_n_blocks, dropout_p,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materializes the keep mask (B, Hq, Lq, Lk) as uint8 with the kernels' formula (tests)."""

@@ -8,9 +8,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fused_block.kernels import common
 from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
 from fused_block.kernels.attention import configs
-from fused_block.kernels.attention.configs import (BWD_CONFIGS, DECODE_CONFIGS, FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN,
-                                                   _bucket, _bwd_cfg, _block_d, _class, _decode_block_m, _fwd_cfg,
-                                                   _kind, _table_key)
+from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, DECODE_CONFIGS, FWD_CONFIGS,
+                                                   PRE_BLOCK_M, STAT_ALIGN, _bucket, _bwd_cfg, _block_d, _class,
+                                                   _decode_block_m, _fwd_cfg, _kind, _table_key)
+from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
 from fused_block.kernels.attention.forward import _attn_fwd
 from fused_block.kernels.attention.helpers import _dropout_mask_kernel
@@ -154,6 +155,40 @@ def _score_args(shape, softcap, alibi, bias, mask, dummy):
     return (slopes, bias_t, mask_t), (stride_slb, *sb, *sa), flags
 
 
+def _mask_ranges(mask, shape, block_rows: int, block_cols: int, by_keys: bool = False, groups: int = 1):
+    """Per (batch, head, row block) the range [r0, r1) of column blocks in which the bool
+    ``mask`` (broadcastable to ``shape`` = (B, Hq, Lq, Lk)) has any True element, as int32
+    pairs (Bm, Hm, row blocks, 2), positions in elements (r0 = r1 = 0: none), with the
+    batch and head strides (0 where the mask broadcasts). Rows are query blocks of
+    ``block_rows`` and columns key blocks of ``block_cols``; ``by_keys``: rows are key blocks
+    (``block_cols``) and columns query blocks (``block_rows``), the heads merged per GQA group
+    of ``groups``. The kernels skip the blocks outside the range (block-diagonal, chunked and
+    padding-like masks cost their visible blocks). Torch reductions on the device: no sync."""
+    B, Hq, Lq, Lk = shape
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    n_m, n_n = common.cdiv(Lq, block_rows), common.cdiv(Lk, block_cols)
+    tm = block_rows if m.shape[2] > 1 else 1
+    tn = block_cols if m.shape[3] > 1 else 1
+    padded = torch.nn.functional.pad(m.to(torch.uint8), (0, n_n * tn - m.shape[3], 0, n_m * tm - m.shape[2])
+                                     if m.shape[2] > 1 else (0, n_n * tn - m.shape[3]))
+    tiles = padded.view(m.shape[0], m.shape[1], -1, tm, n_n, tn).amax((3, 5))  # (Bm, Hm, n_m or 1, n_n)
+    tiles = tiles.expand(m.shape[0], m.shape[1], n_m, n_n)
+    if by_keys:
+        tiles = tiles.transpose(2, 3)
+        if m.shape[1] > 1 and groups > 1:
+            tiles = tiles.unflatten(1, (m.shape[1] // groups, groups)).amax(2)
+    blk = block_rows if by_keys else block_cols
+    n = tiles.shape[3]
+    idx = torch.arange(n, device=mask.device, dtype=torch.int32)
+    seen = tiles != 0
+    first = torch.where(seen, idx, n).amin(3)
+    last = torch.where(seen, idx, -1).amax(3)
+    r1 = (last + 1) * blk
+    r0 = torch.minimum(first * blk, r1)
+    ranges = torch.stack((r0, r1), -1).to(torch.int32).contiguous()
+    return ranges, tuple(0 if ranges.shape[i] == 1 else ranges.stride(i) for i in (0, 1))
+
+
 def _mask_arg(key_padding_mask, dummy):
     if key_padding_mask is None:
         return dummy, 0
@@ -198,8 +233,8 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
                    win_left, win_right, arch, kind, use_tma, block_d):
             return
     ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
-    tail = (*sq, *sk, *sv, *so, stride_mb, *strides, Hq, Hq // Hkv, Lq, Lk, D, nseq, win_left, win_right,
-            float(scale), float(dropout_p), float(softcap))
+    tail_strides = (*sq, *sk, *sv, *so, stride_mb, *strides)
+    tail = (Hq, Hq // Hkv, Lq, Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap))
     head = (q, k, v, out, lse, mask_pad, seed if dropout else q, cu_q, cu_k, q if sinks is None else sinks, *ptrs)
     constexprs = common.constexprs(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
                       HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, HAS_SINKS=sinks is not None,
@@ -216,13 +251,14 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
         triton.set_allocator(_allocator(q.device))  # device-side descriptors' scratch
 
     def args(cfg):
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         if host_descs and not cfg["WS"]:
-            bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
             descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
                      _tma_desc(out, so, bm, block_d))
         else:
             descs = (q, k, v, out)  # unused
-        return head + descs + tail
+        kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, (B, Hq, Lq, Lk), bm, bn)
+        return head + (kr,) + descs + tail_strides + skr + tail
 
     def grid(cfg):
         if varlen is not None:  # the virtual query blocks of every sequence (helpers._find_seq)
@@ -304,17 +340,15 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     ``do`` has out's shape (any strides, contiguous last dim); ``lse`` is the forward's;
     ``dlse`` ((B, Hq, Lq) fp32) or None is the gradient of the LSE output. ``window`` and
     ``varlen`` as in :func:`forward`, and the score modifications; ``dsinks`` ((Hq,) fp32) receives
-    the sinks' gradient, ``dbias`` ((B, Hq, Lq, Lk) contiguous fp32, zeroed here) the scores'
-    gradient dS (the caller sums it over the bias's broadcast dims).
+    the sinks' gradient, ``dbias`` (contiguous, the bias's dtype and shape with leading 1s to
+    4 dims) the bias's: dS summed over its broadcast dims (:func:`_dbias`).
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    if dbias is not None:
-        dbias.zero_()  # blocks outside the band are never written
     if Lq == 0 or Lk == 0 or B == 0:
         # No query (nothing to differentiate) or no key (every row outputs the constant 0; the
         # LSE is the sink: d sink = sum of dLSE).
-        for t in (dq, dk, dv):
+        for t in (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias):
             t.zero_()
         if dsinks is not None:
             if dlse is None or Lq == 0 or B == 0:
@@ -356,13 +390,19 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     groups = Hq // Hkv
     is_causal, has_window, win_left, win_right = _band(causal, window)
     ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
-    sdb = dbias.stride()[:3] if dbias is not None else (0, 0, 0)
-    args = (q, k, v, do, dq, dk, dv, stats, mask_pad, seed if dropout else q, cu_q, cu_k, *ptrs,
-            q if dbias is None else dbias,
-            *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides, *sdb, Hq, Hkv, groups, Lq, Lk, D, nseq,
-            win_left, win_right, float(scale), float(dropout_p), float(softcap))
+
+    def args(cfg):
+        if mask is None:
+            kr, skr, qr, sqr = q, (0, 0), q, (0, 0)
+        else:
+            kr, skr = _mask_ranges(mask, (B, Hq, Lq, Lk), cfg["BLOCK_M2"], cfg["BLOCK_N2"])
+            qr, sqr = _mask_ranges(mask, (B, Hq, Lq, Lk), cfg["BLOCK_M1"], cfg["BLOCK_N1"], by_keys=True,
+                                   groups=groups)
+        return (q, k, v, do, dq, dk, dv, stats, mask_pad, seed if dropout else q, cu_q, cu_k, *ptrs, kr, qr,
+                *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides, *skr, *sqr, Hq, Hkv, groups, Lq,
+                Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap))
     constexprs = common.constexprs(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
-                      HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, **flags, HAS_DBIAS=dbias is not None,
+                      HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, **flags,
                       USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
                       STAT_ALIGN=STAT_ALIGN, INTERPRET=arch == 0)
     if use_tma and arch:
@@ -380,10 +420,48 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     key = (arch, _table_key(block_d, kind, dropout, cls), is_causal,
            key_padding_mask is not None, use_tma, _bucket(max_q), _bucket(max_k))
     cfg = _BWD_CACHE.get(key, _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key[1], use_tma),
-                         lambda c: common.launch("attention_bwd", _attn_bwd, grid(c), args, constexprs, c))
+                         lambda c: common.launch("attention_bwd", _attn_bwd, grid(c), args(c), constexprs, c))
     if use_tma:
         common.count_launch("attention_tma")
-    common.launch("attention_bwd", _attn_bwd, grid(cfg), args, constexprs, cfg)
+    common.launch("attention_bwd", _attn_bwd, grid(cfg), args(cfg), constexprs, cfg)
+    if dbias is not None:
+        _dbias(do, q, k, v, stats, stride_stat, mask_pad, stride_mb, seed, dropout_p, ptrs, strides, flags, dbias,
+               mask, is_causal, has_window, win_left, win_right, scale, softcap, arch, kind, block_d, use_tma)
+
+
+def _dbias(do, q, k, v, stats, stride_stat, mask_pad, stride_mb, seed, dropout_p, ptrs, strides, flags, dbias,
+           mask, is_causal, has_window, win_left, win_right, scale, softcap, arch, kind, block_d, use_tma) -> None:
+    """The bias's gradient into ``dbias`` (``dbias._attn_dbias``): one program per tile of
+    it, each summing the dS tiles of the batches, heads, query and key blocks that broadcast
+    into it (in a fixed order). ``stats``: the backward's row statistics."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    cfg = DBIAS_CONFIGS[arch][_table_key(block_d, kind, False)[:2]] if arch else configs.INTERPRET_DBIAS
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    nm, nn = common.cdiv(Lq, bm), common.cdiv(Lk, bn)
+    walk_b, walk_h = dbias.shape[0] == 1 and B > 1, dbias.shape[1] == 1 and Hq > 1
+    sum_m, sum_n = dbias.shape[2] == 1 and Lq > 1, dbias.shape[3] == 1 and Lk > 1
+    out = (1 if walk_b else B, 1 if walk_h else Hq, 1 if sum_m else nm, 1 if sum_n else nn)
+    walk = (B if walk_b else 1, Hq if walk_h else 1, nm if sum_m else 1, nn if sum_n else 1)
+    sdb = (0 if walk_b else dbias.stride(0), 0 if walk_h else dbias.stride(1), dbias.stride(2))
+    slopes, bias_t, mask_t = ptrs
+    sq, sk, sv, sdo = _strides(q), _strides(k), _strides(v), _strides(do)
+    if use_tma:
+        descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
+                 _tma_desc(do, sdo, bm, block_d))
+    else:
+        descs = (q, k, v, do)  # unused
+    kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, (B, Hq, Lq, Lk), bm, bn)
+    common.launch("attention_dbias", _attn_dbias, (_grid_size(out[0] * out[1] * out[2] * out[3]),),
+                  (q, k, v, do, *descs, stats, mask_pad, seed if dropout_p > 0 else q, slopes, bias_t, mask_t, kr,
+                   dbias, *sq, *sk, *sv, *sdo, stride_mb, stride_stat, *strides, *sdb, *skr,
+                   Hq, Hq // Hkv, Lq, Lk, D, win_left, win_right, float(scale), float(dropout_p), float(softcap),
+                   *walk, *out[1:]),
+                  dict(IS_CAUSAL=is_causal, WINDOW=has_window, HAS_PAD=mask_pad is not q, HAS_DROPOUT=dropout_p > 0,
+                       SOFTCAP=flags["SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"], HAS_AMASK=flags["HAS_AMASK"],
+                       SUM_M=sum_m, SUM_N=sum_n, USE_TMA=use_tma, IEEE=kind == "ieee", BLOCK_D=block_d,
+                       INTERPRET=arch == 0),
+                  cfg)
 
 
 def dropout_keep_mask(seed, B: int, Hq: int, Lq: int, Lk: int, dropout_p: float, device) -> torch.Tensor:

@@ -3,8 +3,9 @@
 import os
 
 from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
-from fused_block.kernels.attention.configs import (BWD_CONFIGS, DECODE_BLOCK_MS, DECODE_CONFIGS, FWD_CONFIGS,
-                                                   PRE_BLOCK_M, STAT_ALIGN)
+from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, DECODE_BLOCK_MS, DECODE_CONFIGS,
+                                                   FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN)
+from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
 from fused_block.kernels.attention.forward import _attn_fwd
 from fused_block.kernels.attention.helpers import _dropout_mask_kernel
@@ -26,29 +27,32 @@ def _signature(fn, ptr_types: dict, floats=("scale", "dropout_p", "softcap")) ->
 
 
 def _aligned_args(fn):
-    # Bias and mask strides are 0 along broadcast dims and 1 along a contiguous Lk: no hint.
+    # Bias, mask and bias-gradient strides are 0 along broadcast dims and 1 along a contiguous
+    # Lk (the gradient's rows are the bias's), the mask's block ranges' 0 or 2 x blocks: no hint.
     return tuple(n for n in fn.arg_names if n.startswith("stride_") and n != "stride_mb" and n != "stride_slb"
-                 and not n.startswith(("stride_b", "stride_a"))) + ("D",)
+                 and not n.startswith(("stride_b", "stride_a", "stride_db", "stride_kr", "stride_qr"))) + ("D",)
 
 
 def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
     """Argument types: data pointers, and the forward's descriptor arguments (host-side
     descriptors on its TMA path without warp specialization, else the tensors)."""
-    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "QD", "KD", "VD", "OD")
+    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "QD", "KD", "VD", "OD", "DOD")
             if p in fn.arg_names}
     if tma and meta is not None and "WS" in meta and not meta["WS"]:
         for p, block in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
             ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
     ptrs.update({p: "*fp32" for p in ("LSE", "STATS", "SINKS", "SLOPES", "DBIAS", "DSINK") if p in fn.arg_names})
     ptrs.update({p: t for p, t in (("MASK", "*u8"), ("SEED", "*i64"), ("CU_Q", "*i32"), ("CU_K", "*i32"),
+                                   ("KR", "*i32"), ("QR", "*i32"),
                                    ("BIAS", f"*{dt}"), ("AMASK", "*u8")) if p in fn.arg_names})
     return ptrs
 
 
 # Known spills outside the default check (README): the sm_90 backward of the "score" class
-# with dropout at D = 256 (16-bit) and D = 128 (TF32) spills 8-16 B with ALiBi + bias + mask
-# (every smaller or split tile tried spilled more); softcap + sinks and varlen compile clean.
-_DROPOUT_BIAS_SPILLS = {(90, "bwd", 256, "16"), (90, "bwd", 128, "tf32")}
+# with dropout at D = 256 (16-bit) spills 16 B with ALiBi + bias + mask on the pointer path
+# (unaligned layouts; TMA compiles clean; the 16 x 32 / 32 x 16 tiles that are clean there
+# spill 576 B with TMA); softcap + sinks and varlen compile clean.
+_DROPOUT_BIAS_SPILLS = {(90, "bwd", 256, "16", False)}  # (arch, kernel, BLOCK_D, kind, TMA)
 
 
 def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool, dropout_bias_spills: bool = False):
@@ -73,7 +77,7 @@ def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool, dropo
                 f"{' pad' if pad else ''}{f' D{bd}' if bd != block_d_class else ''}{'' if even else ' ragged'}"
                 f"{''.join(' ' + m for m in score)}")
         mods = dict(SOFTCAP="softcap" in score, HAS_SINKS="sinks" in score, HAS_ALIBI="alibi" in score,
-                    HAS_BIAS="bias" in score, HAS_AMASK="mask" in score, HAS_DBIAS="bias" in score)
+                    HAS_BIAS="bias" in score, HAS_AMASK="mask" in score)
         return dict(IS_CAUSAL=causal, WINDOW=window, VARLEN=varlen, HAS_PAD=pad, BLOCK_D=bd, EVEN_D=even,
                     **mods), name
 
@@ -140,7 +144,7 @@ def aot_specs(exhaustive=None) -> list:
                               f"{' split' if m['SPLIT_KV'] else ''}")
                     blocks += " ws" if m.get("WS") else ""
                     tag = "" if cls == "plain" else f" {cls}"
-                    spills = dropout and (arch, kname, block_d, kind) in _DROPOUT_BIAS_SPILLS
+                    spills = dropout and (arch, kname, block_d, kind, tma) in _DROPOUT_BIAS_SPILLS
                     for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive, spills):
                         if kname == "bwd":
                             flags = dict(flags, STAT_ALIGN=STAT_ALIGN)
@@ -154,6 +158,28 @@ def aot_specs(exhaustive=None) -> list:
                                             **flags, **m),
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn),
                             wgmma=kind != "ieee", tma=tma, archs=(arch,)))
+    # The bias's gradient: every table entry with every flag it takes (the heaviest tile), its
+    # tile stored whole and summed over queries (a broadcast query axis).
+    # TMA (host-side descriptors) and pointers on sm_90 (IEEE fp32: pointers), pointers on sm_80.
+    for arch, table in DBIAS_CONFIGS.items():
+        for (block_d, kind), cfg in table.items():
+            dt = "bf16" if kind == "16" else "fp32"
+            for tma in (True, False) if arch == 90 and kind != "ieee" else (False,):
+                ptrs = {**_data_ptrs(_attn_dbias, dt), "DBIAS": f"*{dt}"}
+                if tma:
+                    for p, block in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("DOD", "BLOCK_M")):
+                        ptrs[p] = f"tensordesc<{dt}[1, 1, {cfg[block]}, {block_d}]>"
+                for sum_m in (False, True):
+                    specs.append(aot.KernelSpec(
+                        name=(f"attention_dbias D{block_d} {kind} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} "
+                              f"{'tma' if tma else 'ptr'}: causal window pad dropout softcap alibi mask"
+                              f"{' sum-queries' if sum_m else ''}"),
+                        fn=_attn_dbias, signature=_signature(_attn_dbias, ptrs),
+                        constexprs=dict(IS_CAUSAL=True, WINDOW=True, HAS_PAD=True, HAS_DROPOUT=True, SOFTCAP=True,
+                                        HAS_ALIBI=True, HAS_AMASK=True, SUM_M=sum_m, SUM_N=False, USE_TMA=tma,
+                                        IEEE=kind == "ieee", BLOCK_D=block_d, INTERPRET=False, **cfg.meta()),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(_attn_dbias),
+                        wgmma=kind != "ieee", tma=tma, archs=(arch,)))
     for varlen, sinks in ((False, False), (True, False), (False, True), (True, True)):
         specs.append(aot.KernelSpec(
             name=f"attention_bwd_preprocess D128 bf16{' varlen' if varlen else ''}{' sinks' if sinks else ''}",
