@@ -18,7 +18,8 @@ Models (random weights, bf16, the default SDPA attention implementation):
 Providers:
 
 - ``fused_block``: the model after ``fused_block.convert`` (eager).
-- ``eager``: the unconverted model.
+- ``eager``: the unconverted model in eager PyTorch, with transformers' default attention
+  implementation for it (``sdpa`` for every model here).
 - ``torch.compile``: the unconverted model under ``torch.compile`` (default mode with
   ``--quick``, ``max-autotune`` in the full run) for the training step; for generation,
   transformers' own compiled decoding (``cache_implementation="static"``, which compiles the
