@@ -22,8 +22,9 @@ $(STAMP): requirements-dev.txt pyproject.toml
 # runs in one process.
 TESTS ?= tests
 PYTEST_ARGS ?= -n 2
+# --durations: every run lists its 25 slowest tests, so growth of the suite shows in CI's log.
 test: $(STAMP)
-	$(PY) -m pytest -q $(TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(TESTS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
