@@ -203,8 +203,9 @@ _SCORE_BWD = {arch: {
     (64, "ieee", False): [_B(16, 16, 16, 16, 4, 1, True)], (64, "ieee", True): [_B(16, 16, 16, 16, 4, 1, True)],
     (128, "ieee", False): [_B(16, 16, 16, 16, 8, 1, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)],
 } for arch in (90, 80)}
-# sm_90 D = 256: the dropout list's (plain) config for both (it compiles clean but for ALiBi +
-# bias + mask with dropout on the pointer path: specs._DROPOUT_BIAS_SPILLS).
+# sm_90 D = 256: the dropout list's (plain) config for both (spill-free in every combination
+# of the check; with dropout, ALiBi, a bias and a mask on the pointer path since the backward
+# knows its kv head index is non-negative: 8 B spilled before).
 _SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 3, True)]
 
 del _F, _B

@@ -48,14 +48,7 @@ def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
     return ptrs
 
 
-# Known spills outside the default check (README): the sm_90 backward of the "score" class
-# with dropout at D = 256 (16-bit) spills 16 B with ALiBi + bias + mask on the pointer path
-# (unaligned layouts; TMA compiles clean; the 16 x 32 / 32 x 16 tiles that are clean there
-# spill 576 B with TMA); softcap + sinks and varlen compile clean.
-_DROPOUT_BIAS_SPILLS = {(90, "bwd", 256, "16", False)}  # (arch, kernel, BLOCK_D, kind, TMA)
-
-
-def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool, dropout_bias_spills: bool = False):
+def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool):
     """The runtime combinations of one table entry the compile check builds, as (flags, name):
     the constexprs IS_CAUSAL, WINDOW, HAS_PAD, BLOCK_D and EVEN_D, and the spec name's tail.
 
@@ -87,8 +80,7 @@ def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool, dropo
         # sequences with a window, softcap, ALiBi and sinks. ``exhaustive`` adds every
         # modification at once (not shipped spill-free: see README).
         yield combo(True, False, block_d_class, True, score=("softcap", "sinks"))
-        if exhaustive or not dropout_bias_spills:
-            yield combo(False, False, block_d_class, True, score=("alibi", "bias", "mask"))
+        yield combo(False, False, block_d_class, True, score=("alibi", "bias", "mask"))
         yield combo(True, False, block_d_class, True, window=True, varlen=True, score=("softcap", "alibi", "sinks"))
         if exhaustive:
             yield combo(True, False, block_d_class, True, score=("softcap", "alibi", "sinks", "bias", "mask"))
@@ -144,8 +136,7 @@ def aot_specs(exhaustive=None) -> list:
                               f"{' split' if m['SPLIT_KV'] else ''}")
                     blocks += " ws" if m.get("WS") else ""
                     tag = "" if cls == "plain" else f" {cls}"
-                    spills = dropout and (arch, kname, block_d, kind, tma) in _DROPOUT_BIAS_SPILLS
-                    for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive, spills):
+                    for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive):
                         if kname == "bwd":
                             flags = dict(flags, STAT_ALIGN=STAT_ALIGN)
                         flags = {n: v for n, v in flags.items() if n in fn.arg_names}
