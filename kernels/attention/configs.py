@@ -225,8 +225,11 @@ BWD_CONFIGS = _with_classes(BWD_CONFIGS, {"band": _derived(BWD_CONFIGS, _BAND_BW
 # rows stop at 32 at D64 and 16 at D128 (32 spilled 24-464 B with a bias and a mask).
 # "bias" entries that spilled as the plain ones (8-128 B):
 # 8 warps at D128 16-bit (64 rows on sm_80, 16 rows on sm_90's pointer path), 32-key blocks
-# at D64 16-bit on sm_80 (64 rows), one stage for sm_90 TF32 D64 (16 rows: 2 stages spilled
-# 8 B on the pointer path, 8 warps on the TMA path), 16-key blocks for IEEE fp32.
+# at D64 16-bit on sm_80 (64 rows), 16-key blocks for IEEE fp32. sm_90 at D64 (since the
+# softcap's rational tanh, ptxas held the 16-row builds to 128 registers and spilled 8-16 B
+# there): 8 warps for 16-bit (4 spilled with 64-key blocks at any stage count) and for TF32
+# with one stage (4 warps spilled at every stage count and block size), 4 warps for IEEE fp32
+# (8 spilled 16 B at 32 rows with 16-key blocks).
 _D = common.Config.of
 _DECODE_PLAIN = {
     (64, "16"): [_D(num_warps=4, num_stages=3, BLOCK_N=64)],
@@ -240,8 +243,10 @@ _DECODE_PLAIN = {
 _IEEE_BIAS = {(64, "ieee"): [_D(num_warps=8, num_stages=2, BLOCK_N=16)],
               (128, "ieee"): [_D(num_warps=8, num_stages=2, BLOCK_N=16)]}
 _DECODE_BIAS = {
-    90: {(128, "16"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)],
-         (64, "tf32"): [_D(num_warps=4, num_stages=1, BLOCK_N=32)], **_IEEE_BIAS},
+    90: {(64, "16"): [_D(num_warps=8, num_stages=3, BLOCK_N=64)],
+         (128, "16"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)],
+         (64, "tf32"): [_D(num_warps=8, num_stages=1, BLOCK_N=32)], **_IEEE_BIAS,
+         (64, "ieee"): [_D(num_warps=4, num_stages=2, BLOCK_N=16)]},
     80: {(64, "16"): [_D(num_warps=4, num_stages=3, BLOCK_N=32)],
          (128, "16"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)], **_IEEE_BIAS},
 }
