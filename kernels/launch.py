@@ -170,10 +170,12 @@ def clear() -> None:
     _BY_IDENTITY.clear()
 
 
-# (id(kernel), id(constexprs), id(config)) -> (constexprs, config, argument types, layout): the
-# launchers pass the same constexpr dict and Config objects for the same launch (cached per
-# key), so the layout is found by identity without hashing their contents. The entry holds
-# the dict and Config, so their ids cannot be reused while it lives; bounded.
+# id(constexprs) -> (constexprs, config, kernel, argument types, layout): the launchers pass the
+# same constexpr dict and Config objects for the same launch (cached per key), so the layout is
+# found by identity without hashing their contents; a launch whose dict, Config, kernel or
+# argument types differ from the entry's takes the slower lookup (which hashes them) and
+# replaces it. The entry holds the dict, Config and kernel, so their ids cannot be reused while
+# it lives; bounded.
 _BY_IDENTITY = {}
 _MAX_BY_IDENTITY = 4096
 
@@ -182,10 +184,9 @@ def launch(kernel, grid, args: tuple, constexprs: dict, config) -> None:
     """``kernel[grid](*args, **constexprs, **config)`` on the current device and stream:
     directly once Triton's own launch has chosen the compiled kernel for this key."""
     types = tuple(map(type, args))
-    fast = (id(kernel), id(constexprs), id(config))
-    hit = _BY_IDENTITY.get(fast)
-    if hit is not None and hit[0] is constexprs and hit[1] is config and hit[2] == types:
-        lay = hit[3]
+    hit = _BY_IDENTITY.get(id(constexprs))
+    if hit is not None and hit[0] is constexprs and hit[1] is config and hit[2] is kernel and hit[3] == types:
+        lay = hit[4]
     else:
         lay = _LAYOUTS.get((id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
                             tuple(constexprs.values()), types))
@@ -193,14 +194,14 @@ def launch(kernel, grid, args: tuple, constexprs: dict, config) -> None:
             lay = _new_layout(kernel, args, constexprs, config)
         if len(_BY_IDENTITY) >= _MAX_BY_IDENTITY:
             _BY_IDENTITY.clear()
-        _BY_IDENTITY[fast] = (constexprs, config, types, lay)
+        _BY_IDENTITY[id(constexprs)] = (constexprs, config, kernel, types, lay)
     rt = knobs.runtime
     if (lay.key is None or type(grid) is not tuple or rt.debug or knobs.compilation.instrumentation_mode
             or rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or kernel.pre_run_hooks):
         STATS["unkeyed"] += 1
         kernel[grid](*args, **lay.kwargs)
         return
-    drv = driver.active
+    drv = driver._active or driver.active  # the property's value, without the property call
     device = drv.get_current_device()
     key = lay.key(args, device)
     hit = lay.compiled.get(key)
