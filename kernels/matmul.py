@@ -42,8 +42,6 @@ accumulation, and constexpr switches for everything else:
   computes every product exactly in fp32.
 - Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
-import threading
-
 import torch
 import triton
 import triton.language as tl
@@ -898,15 +896,11 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
 # host side: the launch path
 # ---------------------------------------------------------------------------------------------
 
-def _alloc(size, alignment, stream):
-    """Global scratch for device-side tensor descriptors (``triton.set_allocator``)."""
-    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
-
-
-def _desc_ok(t):
+def _desc_ok(t, strides=None):
     """Can ``t`` (2-D) be read through a TMA descriptor: one unit stride, 16-byte aligned base
-    and other stride. Returns (ok, transposed), transposed meaning its first stride is 1."""
-    s0, s1 = t.stride()
+    and other stride. Returns (ok, transposed), transposed meaning its first stride is 1.
+    ``strides``: ``t.stride()`` where the caller has read it."""
+    s0, s1 = t.stride() if strides is None else strides
     if s1 == 1:
         lead, transposed = s0, False
     elif s0 == 1:
@@ -916,9 +910,10 @@ def _desc_ok(t):
     return lead > 0 and t.data_ptr() % 16 == 0 and (lead * t.element_size()) % 16 == 0, transposed
 
 
-def _rows_ok(t):
+def _rows_ok(t, strides=None):
     """Epilogue tensors: unit column stride, 16-byte aligned base and row stride."""
-    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    s0, s1 = t.stride() if strides is None else strides
+    return s1 == 1 and t.data_ptr() % 16 == 0 and (s0 * t.element_size()) % 16 == 0
 
 
 def _laid_out(t, transposed):
@@ -943,6 +938,10 @@ def _has_dropout(seed, dropout_p):
     return True
 
 
+_STRIDE_LIMIT = 2**31 // 256  # strides from 2^23 elements: int32 in-tile offsets could overflow
+_FP32 = torch.float32
+
+
 def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=None, aux=None,
          aux2=None, hout=None, part=None, seed=None, dropout_p=0.0, activation=0, act_grad=False,
          store_pre=False, round_pre=False, rowsum=False, lora_a=None, lora_b=None, lora_b2=None):
@@ -965,30 +964,37 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     N = b.shape[1]
     if M == 0 or N == 0:
         return
-    K = K1 + (a2.shape[1] if a2 is not None else 0)
-    dual = 2 if a2 is not None else (1 if b2 is not None else 0)
-    # The second operands are read with the first ones' strides: equal layouts (the two
-    # weights of a SwiGLU stored differently are the rare case that pays for a copy).
-    if dual and b2.stride() != b.stride():
-        b, b2 = b.contiguous(), b2.contiguous()
-    if dual == 2 and a2.stride() != a.stride():
-        a, a2 = a.contiguous(), a2.contiguous()
-    has_dropout = _has_dropout(seed, dropout_p)
+    if a2 is None and b2 is None:
+        K, dual = K1, 0
+    else:
+        K = K1 + (a2.shape[1] if a2 is not None else 0)
+        dual = 2 if a2 is not None else 1
+        # The second operands are read with the first ones' strides: equal layouts (the two
+        # weights of a SwiGLU stored differently are the rare case that pays for a copy).
+        if b2.stride() != b.stride():
+            b, b2 = b.contiguous(), b2.contiguous()
+        if dual == 2 and a2.stride() != a.stride():
+            a, a2 = a.contiguous(), a2.contiguous()
+    has_dropout = bool(dropout_p) and _has_dropout(seed, dropout_p)
     lora = lora_a is not None
     R = lora_a.shape[1] if lora else 0
-    strides = (*a.stride(), *b.stride(), *(residual.stride() if residual is not None else (0, 0)))
-    if max(max(strides), -min(strides), c.stride(0)) >= 2**31 // 256:
+    sa = a.stride()
+    sb = b.stride()
+    sr = residual.stride() if residual is not None else (0, 0)
+    sc = c.stride()
+    if max(*sa, *sb, *sr, sc[0], -min(*sa, *sb, *sr)) >= _STRIDE_LIMIT:
         raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
     device = a.device
     arch = common.arch(device)
-    precision = common.fp32_precision() if a.dtype == torch.float32 else "tf32"
+    dtype = a.dtype
+    precision = common.fp32_precision() if dtype is _FP32 else "tf32"
 
     use_tma = tma_epi = False
     a_t = b_t = False
     if (FORCE_PATH != "pointer" and (arch == 90 or arch == 0) and K1 > 0
             and (dual != 2 or K > K1)):
-        ok_a, a_t = _desc_ok(a)
-        ok_b, b_t = _desc_ok(b)
+        ok_a, a_t = _desc_ok(a, sa)
+        ok_b, b_t = _desc_ok(b, sb)
         use_tma = ok_a and ok_b
         if dual:
             ok_a2, a2_t = _desc_ok(a2) if a2 is not None else (True, a_t)
@@ -997,8 +1003,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         if lora and use_tma:  # the low-rank pair in a's and b's layouts, for descriptors
             lora_a = _laid_out(lora_a, a_t)
             lora_b, lora_b2 = _laid_out(lora_b, b_t), None if lora_b2 is None else _laid_out(lora_b2, b_t)
-        tma_epi = _rows_ok(c)  # and every other epilogue tensor (a loop: no list per call)
-        for t in (c2, aux, aux2, residual, hout):
+        tma_epi = _rows_ok(c, sc) and (residual is None or _rows_ok(residual, sr))
+        for t in (c2, aux, aux2, hout):  # every other epilogue tensor (a loop: no list per call)
             if tma_epi and t is not None:
                 tma_epi = _rows_ok(t)
         if FORCE_PATH == "tma" and not (use_tma and tma_epi):
@@ -1007,9 +1013,7 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         lora_b, lora_b2 = lora_b.contiguous(), lora_b2.contiguous()
     flags = (activation, act_grad, bias is not None, residual is not None, store_pre, round_pre, hout is not None,
              part is not None and act_grad, rowsum, has_dropout, dual, lora, use_tma, tma_epi, a_t, b_t)
-    key = (arch, a.dtype, c.dtype, precision, min(common.next_pow2(M), 65536),
-           N, K, flags)
-    drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
+    key = (arch, dtype, c.dtype, precision, min(common.next_pow2(M), 65536), N, K, flags)
     dummy = c
     args = (a, a2 if a2 is not None else a, b, b2 if b2 is not None else b, c, c2 if c2 is not None else c,
             bias if bias is not None else dummy, bias2 if bias2 is not None else dummy,
@@ -1018,26 +1022,26 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             part if part is not None else dummy, seed if has_dropout else dummy,
             lora_a if lora else a, lora_b if lora else b, lora_b2 if lora_b2 is not None else (lora_b if lora else b),
             M, N, K, K1, R)
-    tail = (strides[0], strides[1], strides[2], strides[3], c.stride(0), strides[4], strides[5],
+    tail = (sa[0], sa[1], sb[0], sb[1], sc[0], sr[0], sr[1],
             aux.stride(0) if aux is not None else 0, part.stride(0) if part is not None else 0,
             *(lora_a.stride() if lora else (0, 0)), *(lora_b.stride() if lora else (0, 0)),
-            drop_thresh, drop_scale)
+            *(drop_params(dropout_p) if has_dropout else (0, 1.0)))
     n_sm = common.sm_count(device)
     if use_tma or tma_epi:
-        _set_allocator()
+        common.scratch_allocator()  # device-side descriptors' scratch
     if arch == 0:
         simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
-        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, dtype is _FP32, a_t, b_t)
         _run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws), key, args, tail, M, N, K, K1,
              n_sm)
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
         simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
-        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, dtype is _FP32, a_t, b_t)
         heavy = _heavy(act_grad, activation, has_dropout)
         outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
-        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
+        cfg = _CACHE.get(key, _candidates(arch, dtype, precision, dual == 1, heavy, M, N, device,
                                           use_tma, tma_epi, simple, outputs, ws, lora),
                          lambda c: _run(c, key, args, tail, M, N, K, K1, n_sm))
     _run(cfg, key, args, tail, M, N, K, K1, n_sm)
@@ -1050,13 +1054,12 @@ def _run(cfg, key, args, tail, M, N, K, K1, n_sm):
         plan = _plan(key, cfg)
     _, bm, bn, bk, per_sm, dual, by_evenness = plan
     tiles = -(-M // bm) * -(-N // bn)
-    progs = tiles if per_sm == 0 else min(tiles, n_sm * per_sm)
-    even_mn = M % bm == 0 and N % bn == 0
-    even_k = K % bk == 0 and (dual != 2 or K1 % bk == 0)
-    constexprs = by_evenness.get((even_k, even_mn))
+    progs = tiles if per_sm == 0 or tiles < n_sm * per_sm else n_sm * per_sm
+    constexprs = by_evenness.get((K % bk == 0 and (dual != 2 or K1 % bk == 0), M % bm == 0 and N % bn == 0))
     if constexprs is None:
+        even_k, even_mn = K % bk == 0 and (dual != 2 or K1 % bk == 0), M % bm == 0 and N % bn == 0
         constexprs = by_evenness[(even_k, even_mn)] = _constexprs(key, cfg, even_k, even_mn)
-    common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail, constexprs, cfg)
+    common.launch("matmul", _gemm_kernel, (progs,), (*args, progs, *tail), constexprs, cfg)
 
 
 # launch key -> (config, BLOCK_M, BLOCK_N, BLOCK_K, programs per SM (0: one per tile), dual,
@@ -1100,17 +1103,6 @@ def _constexprs(key, cfg, even_k, even_mn):
             _CONSTEXPRS.clear()
         _CONSTEXPRS[ck] = out
     return out
-
-
-_ALLOCATOR = threading.local()
-
-
-def _set_allocator():
-    """``triton.set_allocator`` for device-side descriptors, once per thread (it is a ContextVar:
-    autograd's backward thread needs its own)."""
-    if not getattr(_ALLOCATOR, "set", False):
-        triton.set_allocator(_alloc)
-        _ALLOCATOR.set = True
 
 
 def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None):
