@@ -142,8 +142,10 @@ def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropou
         if need_lb:
             dlb = common.empty(lora_b.shape, g.dtype, g.device)
             _k.gemm(dpre.t(), lora_u, dlb)
-    empty = g.new_empty(0)
-    return (dx, dw, db if need_b else empty, du if need_u else empty, dlb if need_lb else empty)
+    db = db if need_b else g.new_empty(0)
+    if lora_u is None:  # linear_bwd's three outputs
+        return dx, dw, db
+    return dx, dw, db, du if need_u else g.new_empty(0), dlb if need_lb else g.new_empty(0)
 
 
 @_library.op("linear_bwd", fake=_linear_bwd_fake)
@@ -154,7 +156,7 @@ def _linear_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: O
     (N,)), each empty unless needed. x is needed for dw, weight for dx, pre when there is an
     activation, seed when ``dropout_p > 0``."""
     return _linear_backward(g, x, weight, pre, seed, None, None, activation, dropout_p, need_x, need_w, need_b,
-                            False, False)[:3]
+                            False, False)
 
 
 def _linear_lora_bwd_fake(g, x, weight, pre, seed, lora_u, lora_b, activation, dropout_p, need_x, need_w,
@@ -244,8 +246,7 @@ def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: O
             _k.gemm(dpre[:, :F], lora_b_gate, du, a2=dpre[:, F:], b2=lora_b_up)
         if need_lb:
             _k.gemm(dpre.t(), lora_u, dlb)
-    empty = g.new_empty(0)
-    return dx, dw, db if need_b else empty, du, dlb
+    return dx, dw, db if need_b else g.new_empty(0), du, dlb
 
 
 def _ffn_fwd_fake(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
@@ -348,8 +349,7 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
             db1 = _k.reduce_partials(part1, dt)[0]
         elif need_b2:
             db2 = _k.reduce_partials(part2, dt)[0]
-    empty = g.new_empty(0)
-    return dx, dw1, db1 if need_b1 else empty, dw2, db2 if need_b2 else empty
+    return dx, dw1, db1 if need_b1 else g.new_empty(0), dw2, db2 if need_b2 else g.new_empty(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ class _LinearFn(torch.autograd.Function):
             else:
                 dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
                                          need_x, need_w, need_b)
-            dx = dx.view(ctx.x_shape) if need_x else None
+            dx = dx.view(*ctx.x_shape) if need_x else None
         return (dx, dw if need_w else None, db if need_b else None,
                 dout if need_r else None, du if need_u else None, dlb if need_lb else None, None, None, None)
 
@@ -522,8 +522,24 @@ def _check_activation(activation, allowed=ACTIVATIONS):
         raise ValueError(f"activation must be one of {allowed}, got {activation!r}")
 
 
+_TENSOR_TYPES = (Tensor, torch.nn.Parameter)  # the plain types: no subclass to look at
+
+
+def _layer_ok(x, weight, bias, k) -> bool:
+    """The common case of the layer checks in one expression: weight (N, k) and bias (N,) or None,
+    plain tensors of x's dtype and device (False: run the checks, which raise the error)."""
+    dtype, device = x.dtype, x.device
+    return (dtype in _validate.FLOAT_DTYPES and type(weight) in _TENSOR_TYPES and weight.dtype is dtype
+            and weight.dim() == 2
+            and weight.shape[1] == k and weight.device == device
+            and (bias is None or (type(bias) in _TENSOR_TYPES and bias.dtype is dtype and bias.dim() == 1
+                                  and bias.shape[0] == weight.shape[0] and bias.device == device)))
+
+
 def _check_layer(x_name, x, w_name, weight, b_name, bias):
     """weight (N, K) matches x (..., K) in dtype, device and K; bias is (N,)."""
+    if _layer_ok(x, weight, bias, x.shape[-1]):
+        return
     _validate.tensor(w_name, weight, ndim=2)
     _validate.tensor(b_name, bias, ndim=1, optional=True)
     _validate.same_device(x_name, x, **{w_name: weight, b_name: bias})
@@ -538,6 +554,8 @@ def _check_layer(x_name, x, w_name, weight, b_name, bias):
 
 def _check_second_layer(x, w_name, weight, b_name, bias, hidden, hidden_name):
     """The FFN's second layer: weight (D', hidden) on x's dtype and device, bias (D',)."""
+    if _layer_ok(x, weight, bias, hidden):
+        return
     _validate.tensor(w_name, weight, ndim=2)
     if weight.shape[1] != hidden:
         raise ValueError(f"{w_name} has in_features {weight.shape[1]} (shape {tuple(weight.shape)}) but "
@@ -551,6 +569,11 @@ def _check_second_layer(x, w_name, weight, b_name, bias, hidden, hidden_name):
 
 
 def _check_residual(x, residual, n):
+    if residual is None:
+        return
+    if (type(residual) in _TENSOR_TYPES and residual.dtype in _validate.FLOAT_DTYPES and residual.dim() == x.dim()
+            and residual.shape[-1] == n and residual.shape[:-1] == x.shape[:-1] and residual.device == x.device):
+        return  # the common case of the checks below
     _validate.tensor("residual", residual, optional=True)
     _validate.same_device("x", x, residual=residual)
     _validate.shape("residual", residual, (*x.shape[:-1], n))

@@ -79,8 +79,13 @@ def _unit_last_stride(t):
 
 
 def _rows(t):
-    """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride."""
-    return None if t is None else _unit_last_stride(t.reshape(-1, t.shape[-1]))
+    """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride.
+    A contiguous ``t`` takes ``view`` (``reshape`` works out whether it can view first)."""
+    if t is None:
+        return None
+    if t.is_contiguous():
+        return t if t.dim() == 2 else t.view(-1, t.shape[-1])
+    return _unit_last_stride(t.reshape(-1, t.shape[-1]))
 
 
 def _forward(x, residual, args):
@@ -89,8 +94,9 @@ def _forward(x, residual, args):
     outs = _add_norm_fwd(_rows(x), _rows(residual), *args)
     out, rout = outs[0], outs[1] if args[7] else None
     if x.dim() != 2:
-        out = out.view(x.shape)
-        rout = None if rout is None else rout.view(x.shape)
+        shape = x.shape
+        out = out.view(*shape)
+        rout = None if rout is None else rout.view(*shape)
     return out, rout, outs
 
 
@@ -156,11 +162,11 @@ class _AddNorm(torch.autograd.Function):
         grads = _add_norm_bwd(_rows(dout), _rows(dout2), _rows(drout), h, weight, mean, rstd, seed, ctx.dropout_p,
                               ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None, dw_dtype, db_dtype,
                               ctx.unit_offset)
-        dx = grads[0].view(ctx.shape)
+        dx = grads[0].view(*ctx.shape)
         i = 1
         dres = None
         if separate:
-            dres, i = grads[1].view(ctx.shape), 2
+            dres, i = grads[1].view(*ctx.shape), 2
         elif ctx.has_residual and need_res:
             dres = dx
         dweight = dbias = None
@@ -178,7 +184,23 @@ _AddNorm_apply = _library.fast_apply(_AddNorm)
 # public functions
 # ---------------------------------------------------------------------------------------------
 
+_TENSOR_TYPES = (Tensor, torch.nn.Parameter)  # the plain types: no subclass to look at
+
+
+def _vector_ok(t, n, device) -> bool:
+    return t is None or (type(t) in _TENSOR_TYPES and t.dtype in _validate.FLOAT_DTYPES and t.dim() == 1
+                         and t.shape[0] == n and t.device == device)
+
+
 def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual):
+    if (type(x) in _TENSOR_TYPES and x.dtype in _validate.FLOAT_DTYPES and x.dim() >= 1
+            and 0 < x.shape[-1] <= MAX_HIDDEN and type(eps) is float and eps > 0 and type(dropout_p) is float
+            and 0.0 <= dropout_p < 1.0 and type(residual_in_fp32) is bool and type(out_is_residual) is bool):
+        device = x.device
+        if ((residual is None or (type(residual) in _TENSOR_TYPES and residual.dtype in _validate.FLOAT_DTYPES
+                                  and residual.shape == x.shape and residual.device == device))
+                and _vector_ok(weight, x.shape[-1], device) and _vector_ok(bias, x.shape[-1], device)):
+            return  # the common case of the checks below
     _validate.tensor("x", x, min_ndim=1)
     _validate.tensor("residual", residual, optional=True)
     _validate.tensor("weight", weight, optional=True)
