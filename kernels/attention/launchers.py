@@ -289,34 +289,44 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     key = (arch, _table_key(block_d, kind, dropout, cls), is_causal, key_padding_mask is not None, use_tma,
            _bucket(max_q), _bucket(max_k), min(Lk & -Lk, 128))
     host_descs = use_tma and varlen is None  # varlen: per-sequence descriptors built on the device
-
-    def args(cfg):
-        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        if host_descs and not cfg["WS"]:
-            descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
-                     _tma_desc(out, so, bm, block_d))
-        else:
-            descs = (q, k, v, out)  # unused
-        kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, (B, Hq, Lq, Lk), bm, bn)
-        return (*head, kr, *descs, *tail_strides, *skr, *tail)
-
-    def grid(cfg):
-        if varlen is not None:  # the virtual query blocks of every sequence (helpers._find_seq)
-            return (_grid_size((Lq // cfg["BLOCK_M"] + nseq) * Hq),)
-        return (_grid_size(common.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq),)
-
+    # What the launch takes besides the config (a tuple, not a closure: no cells per call).
+    launch = (q, k, v, out, sq, sk, sv, so, block_d, host_descs, mask, (B, Hq, Lq, Lk), head, tail_strides, tail,
+              varlen, nseq, constexprs)
     cfg = _FWD_CACHE.chosen.get(key)
     if cfg is None:
         cands = _fwd_candidates(arch, key[1], use_tma, is_causal, Lk)
         if use_tma and arch and (not host_descs or any(c["WS"] for c in cands)):
             common.scratch_allocator()  # device-side descriptors' scratch, for the candidates' timing
-        cfg = _FWD_CACHE.get(key, cands,
-                             lambda c: common.launch("attention_fwd", _attn_fwd, grid(c), args(c), constexprs, c))
+        cfg = _choose(_FWD_CACHE, key, cands, _fwd_launch, launch)
     if use_tma and arch and (not host_descs or cfg["WS"]):
         common.scratch_allocator()  # device-side descriptors' scratch
     if use_tma:
         common.count_launch("attention_tma")
-    common.launch("attention_fwd", _attn_fwd, grid(cfg), args(cfg), constexprs, cfg)
+    _fwd_launch(cfg, launch)
+
+
+def _choose(cache, key, candidates, launch_fn, launch):
+    """``cache``'s config for ``key``, timing ``candidates`` through ``launch_fn(cfg, launch)``."""
+    return cache.get(key, candidates, lambda c: launch_fn(c, launch))
+
+
+def _fwd_launch(cfg, launch):
+    """The forward's launch with ``cfg``: its descriptors (host-side TMA) and grid."""
+    (q, k, v, out, sq, sk, sv, so, block_d, host_descs, mask, shape, head, tail_strides, tail, varlen, nseq,
+     constexprs) = launch
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if host_descs and not cfg["WS"]:
+        descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
+                 _tma_desc(out, so, bm, block_d))
+    else:
+        descs = (q, k, v, out)  # unused
+    kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, shape, bm, bn)
+    B, Hq, Lq, _ = shape
+    if varlen is not None:  # the virtual query blocks of every sequence (helpers._find_seq)
+        grid = (_grid_size((Lq // bm + nseq) * Hq),)
+    else:
+        grid = (_grid_size(-(-Lq // bm) * B * Hq),)
+    common.launch("attention_fwd", _attn_fwd, grid, (*head, kr, *descs, *tail_strides, *skr, *tail), constexprs, cfg)
 
 
 def _decode_splits(B, Hkv, n_rb, Lk, block_n, device) -> int:
@@ -440,43 +450,47 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         score_flags = tuple(flags.values())
     else:
         ptrs, strides, flags, score_flags = (q, q, q), _NO_SCORE_STRIDES, None, _NO_SCORE_FLAGS
-
-    def args(cfg):
-        if mask is None:
-            kr, skr, qr, sqr = q, (0, 0), q, (0, 0)
-        else:
-            kr, skr = _mask_ranges(mask, (B, Hq, Lq, Lk), cfg["BLOCK_M2"], cfg["BLOCK_N2"])
-            qr, sqr = _mask_ranges(mask, (B, Hq, Lq, Lk), cfg["BLOCK_M1"], cfg["BLOCK_N1"], by_keys=True,
-                                   groups=groups)
-        return (q, k, v, do, dq, dk, dv, stats, mask_pad, seed if dropout else q, cu_q, cu_k, *ptrs, kr, qr,
-                *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides, *skr, *sqr, Hq, Hkv, groups, Lq,
-                Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap))
     constexprs = _bwd_constexprs(is_causal, has_window, varlen is not None, key_padding_mask is not None, dropout,
                                  score_flags, use_tma, kind == "ieee", D == block_d, block_d, arch == 0)
     if use_tma and arch:
         common.scratch_allocator()  # device-side descriptors' scratch
-
-    def grid(cfg):
-        if varlen is not None:  # virtual key and query blocks (helpers._find_seq)
-            n_kv, n_q = Lk // cfg["BLOCK_N1"] + nseq, Lq // cfg["BLOCK_M2"] + nseq
-        else:
-            n_kv, n_q = common.cdiv(Lk, cfg["BLOCK_N1"]), common.cdiv(Lq, cfg["BLOCK_M2"])
-        per_head = n_kv * (2 if cfg["SPLIT_KV"] else 1) + n_q * groups
-        return (_grid_size(per_head * B * Hkv),)
-
+    # The launch's arguments but the mask ranges, and what its grid and ranges take (no closure).
+    launch = ((q, k, v, do, dq, dk, dv, stats, mask_pad, seed if dropout else q, cu_q, cu_k, *ptrs),
+              (*sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides),
+              (Hq, Hkv, groups, Lq, Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap)),
+              mask, (B, Hq, Lq, Lk), groups, varlen, nseq, Hkv, constexprs)
     cls = _class(has_window, varlen is not None, score_mod)
     key = (arch, _table_key(block_d, kind, dropout, cls), is_causal,
            key_padding_mask is not None, use_tma, _bucket(max_q), _bucket(max_k))
     cfg = _BWD_CACHE.chosen.get(key)
     if cfg is None:
-        cfg = _BWD_CACHE.get(key, _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key[1], use_tma),
-                             lambda c: common.launch("attention_bwd", _attn_bwd, grid(c), args(c), constexprs, c))
+        cfg = _choose(_BWD_CACHE, key, _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key[1], use_tma),
+                      _bwd_launch, launch)
     if use_tma:
         common.count_launch("attention_tma")
-    common.launch("attention_bwd", _attn_bwd, grid(cfg), args(cfg), constexprs, cfg)
+    _bwd_launch(cfg, launch)
     if dbias is not None:
         _dbias(do, q, k, v, stats, stride_stat, mask_pad, stride_mb, seed, dropout_p, ptrs, strides, flags, dbias,
                mask, is_causal, has_window, win_left, win_right, scale, softcap, arch, kind, block_d, use_tma)
+
+
+def _bwd_launch(cfg, launch):
+    """The backward's launch with ``cfg``: its mask ranges (with a general mask) and grid."""
+    ptrs, strides, tail, mask, shape, groups, varlen, nseq, Hkv, constexprs = launch
+    q = ptrs[0]
+    if mask is None:
+        kr, skr, qr, sqr = q, (0, 0), q, (0, 0)
+    else:
+        kr, skr = _mask_ranges(mask, shape, cfg["BLOCK_M2"], cfg["BLOCK_N2"])
+        qr, sqr = _mask_ranges(mask, shape, cfg["BLOCK_M1"], cfg["BLOCK_N1"], by_keys=True, groups=groups)
+    B, _, Lq, Lk = shape
+    if varlen is not None:  # virtual key and query blocks (helpers._find_seq)
+        n_kv, n_q = Lk // cfg["BLOCK_N1"] + nseq, Lq // cfg["BLOCK_M2"] + nseq
+    else:
+        n_kv, n_q = -(-Lk // cfg["BLOCK_N1"]), -(-Lq // cfg["BLOCK_M2"])
+    per_head = n_kv * (2 if cfg["SPLIT_KV"] else 1) + n_q * groups
+    common.launch("attention_bwd", _attn_bwd, (_grid_size(per_head * B * Hkv),), (*ptrs, kr, qr, *strides, *skr, *sqr,
+                                                                                    *tail), constexprs, cfg)
 
 
 def _dbias(do, q, k, v, stats, stride_stat, mask_pad, stride_mb, seed, dropout_p, ptrs, strides, flags, dbias,
