@@ -152,7 +152,13 @@ def empty(shape, dtype, device):
     if type(shape) is int:
         shape = (shape,)
     n = len(shape)
-    strides = (shape[1] or 1, 1) if n == 2 else (1,) if n == 1 else _contiguous_strides(shape)
+    if n == 2:
+        strides = (shape[1] or 1, 1)
+    elif n == 3:
+        s1 = shape[2] or 1
+        strides = (s1 * (shape[1] or 1), s1, 1)
+    else:
+        strides = _contiguous_strides(shape)
     t = _empty_strided(shape, strides, dtype=dtype, device=device)
     if POISON_OUTPUTS and t.is_floating_point():
         t.fill_(float("nan"))

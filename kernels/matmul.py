@@ -917,6 +917,9 @@ def _mat(t):
     one of another rank, whose rows are all its dims but the last (read in place, no view)."""
     if t.dim() == 2:
         return t.shape, t.stride()
+    if not t.is_contiguous():
+        raise ValueError(f"a GEMM operand of {t.dim()} dims must be contiguous (a 2-D one may have any strides), "
+                         f"got strides {t.stride()}")
     n = t.shape[-1]
     return (t.numel() // n if n else 0, n), (n, 1)
 
