@@ -34,13 +34,15 @@ and reduce their partial sums, the norms run on the layer's layout.
 
 Masks: ``is_causal`` and a causal ``src_mask`` (``nn.Transformer.generate_square_subsequent_mask``
 or its bool form) run the causal kernel, a bool or 0/-inf float key padding mask runs the
-padding mask. Any other mask (a general float/bool ``src_mask``/``memory_mask``, a per-head
-3-D mask, a float padding mask with other values, a causal mask with L != S) is merged into
-one additive float mask, as torch's MultiheadAttention builds it, and the kernel reads it as
-its ``bias`` (gradient included when the mask requires one). Only head dims outside the
-kernel's range run attention through ``torch.nn.functional.scaled_dot_product_attention``,
-after a one-time warning: slower, never a wrong answer. A query whose keys are all masked
-gives 0 here (torch's layers give NaN).
+padding mask. Any other bool ``src_mask``/``tgt_mask``/``memory_mask`` (2-D or per-head 3-D;
+a float one of only 0 and -inf, which requires no gradient, too) is the kernel's bool
+``mask`` beside the padding flag: summarized per launch, the blocks it hides whole are
+skipped. The rest (other float masks, a float padding mask with other values, a causal mask
+with L != S) is merged into one additive float mask, as torch's MultiheadAttention builds
+it, and the kernel reads it as its ``bias`` (gradient included when the mask requires one).
+Only head dims outside the kernel's range run attention through
+``torch.nn.functional.scaled_dot_product_attention``, after a one-time warning: slower, never
+a wrong answer. A query whose keys are all masked gives 0 here (torch's layers give NaN).
 """
 import contextlib
 import weakref
@@ -128,9 +130,9 @@ def _is_zero_mask(mask):
     return not bool(mask.any())
 
 
-def _is_padding_float_mask(kpm):
-    """Only 0 and -inf: an additive form of a bool padding mask."""
-    return bool(((kpm == 0) | torch.isneginf(kpm)).all())
+def _is_additive_bool_mask(mask):
+    """Only 0 and -inf: the additive form of a bool mask."""
+    return bool(((mask == 0) | torch.isneginf(mask)).all())
 
 
 # Verdicts on masks' values, by (check, id(mask)): (weak reference, version counter, verdict).
@@ -200,13 +202,16 @@ def _check_padding_mask(name, mask, B, S, batched):
 
 
 class _Masks:
-    """What the attention kernel gets: ``causal``, a bool ``key_padding`` (B, S), or else a
-    ``general`` additive float mask broadcastable to (B, H, L, S) for the SDPA fallback."""
+    """What the attention kernel gets: ``causal``, a bool ``key_padding`` (B, S) and a bool
+    ``hidden`` mask (torch's convention, True = masked; (L, S) or (B, H, L, S)), or else a
+    ``general`` additive float mask broadcastable to (B, H, L, S) (the kernel's bias, and the
+    SDPA fallback's mask)."""
 
-    __slots__ = ("causal", "key_padding", "general", "reason")
+    __slots__ = ("causal", "key_padding", "hidden", "general", "reason")
 
-    def __init__(self, causal=False, key_padding=None, general=None, reason=None):
-        self.causal, self.key_padding, self.general, self.reason = causal, key_padding, general, reason
+    def __init__(self, causal=False, key_padding=None, hidden=None, general=None, reason=None):
+        self.causal, self.key_padding, self.hidden, self.general = causal, key_padding, hidden, general
+        self.reason = reason
 
 
 def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names):
@@ -236,7 +241,7 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
         attn_mask = None  # torch trusts the is_causal hint as well
     kpm = key_padding_mask
     if kpm is not None and kpm.dtype != torch.bool:
-        is_padding = _verdict(_is_padding_float_mask, kpm)
+        is_padding = _verdict(_is_additive_bool_mask, kpm)
         if is_padding:
             kpm = torch.isneginf(kpm)
         else:
@@ -244,6 +249,12 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
                       else f"a float {kpm_name}{unread} (pass a bool mask)")
             return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=reason)
     if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.requires_grad:
+            if _verdict(_is_additive_bool_mask, attn_mask):
+                attn_mask = torch.isneginf(attn_mask)
+        if attn_mask.dtype == torch.bool:
+            # The kernel's bool mask (causal is False here): read per tile, blocks it hides skipped.
+            return _Masks(key_padding=kpm, hidden=attn_mask if attn_mask.dim() == 2 else attn_mask.view(B, H, L, S))
         return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=mask_reason)
     if causal and L != S:
         # torch's hinted causal mask is top-left aligned; the kernel's is bottom-right.
@@ -454,22 +465,22 @@ class MultiheadAttention(nn.MultiheadAttention):
         if D not in _KERNEL_HEAD_DIMS or (dtype == torch.float32 and D > MAX_FP32_HEAD_DIM):
             reason = (f"head dim {D} in {dtype} (the kernel takes multiples of 8 in [{MIN_HEAD_DIM}, "
                       f"{MAX_HEAD_DIM}], up to {MAX_FP32_HEAD_DIM} in fp32)")
-            if masks.general is None and (masks.key_padding is not None or masks.causal):
-                masks.general = _merge_masks(None, masks.key_padding, masks.causal, B, H, L, S, dtype)
+            if masks.general is None and (masks.key_padding is not None or masks.causal or masks.hidden is not None):
+                masks.general = _merge_masks(masks.hidden, masks.key_padding, masks.causal, B, H, L, S, dtype)
         elif masks.general is not None:
             # A mask the causal/padding flags cannot express: the kernel's additive bias.
             bias = masks.general
         varlen = _VARLEN[0]
         if varlen is not None:  # a jagged batch as one row of packed tokens (_forward_nested)
             if not (packed and reason is None and bias is None and ops is _FUSED and not self.rope
-                    and masks.key_padding is None):
+                    and masks.key_padding is None and masks.hidden is None):
                 raise RuntimeError("fused_block: packed (varlen) tokens reached an attention that cannot take them")
             cu, longest = varlen
             o = _attention_varlen_qkvpacked(qkv[0] if bf else qkv[:, 0], cu, longest, H, Hkv, causal=masks.causal,
                                             dropout_p=dropout_p)
             return ops.linear(o[None] if bf else o[:, None], self.out_proj.weight, self.out_proj.bias)
         if packed:
-            if reason is None and bias is None and ops is _FUSED:
+            if reason is None and bias is None and masks.hidden is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
                 out_proj = self._modules["out_proj"]._parameters
@@ -479,7 +490,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         if reason is None and bias is not None:
             o = ops.attention(q, k, v, False, None, None, dropout_p, bias=bias)
         elif reason is None:
-            o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p)
+            keep = None if masks.hidden is None else ~masks.hidden  # the kernel's mask: True = attend
+            o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p, mask=keep)
         else:
             _warn_once(reason, f"fused_block: {reason}; attention runs through "
                        "torch.nn.functional.scaled_dot_product_attention (slower, same result)")

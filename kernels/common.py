@@ -119,6 +119,34 @@ def scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+# tanh(x) = x P(x^2) / sqrt(Q(x^2)) on |x| <= 8, P of degree 2 and Q of degree 5 (so that the
+# quotient tends to a constant as tanh does): a relative minimax fit (least squares reweighted
+# towards the largest error, on [0, 8] plus the clamp's tail), coefficients rounded to fp32.
+# Past 8, tanh(x) = +-1 within 2.3e-7 and x is clamped there.
+_TANH_X = tl.constexpr(8.0)
+_TANH_P1 = tl.constexpr(0.13284260034561157)
+_TANH_P2 = tl.constexpr(0.0032212932128459215)
+_TANH_Q1 = tl.constexpr(0.9323533177375793)
+_TANH_Q2 = tl.constexpr(0.26787659525871277)
+_TANH_Q3 = tl.constexpr(0.024048147723078728)
+_TANH_Q4 = tl.constexpr(0.0008562943548895419)
+_TANH_Q5 = tl.constexpr(1.037469246512046e-05)
+
+
+@triton.jit
+def tanh(x):
+    """tanh on an fp32 tile without libdevice (which the interpreter lacks): the rational form
+    above, 12 instructions and one MUFU (rsqrt) on sm_90, the clamp a single FMNMX. Relative
+    error below 5e-7 over all fp32 inputs (measured against float64:
+    tests/test_attention_scores.py::test_tanh_against_float64), so tanh(x) ~ x keeps its
+    precision near 0 (the softcap's c * tanh(x / c) with a large c); odd, NaN stays NaN."""
+    xc = tl.clamp(x, -_TANH_X, _TANH_X, propagate_nan=tl.PropagateNan.ALL)
+    z = xc * xc
+    p = (_TANH_P2 * z + _TANH_P1) * z + 1.0
+    q = ((((_TANH_Q5 * z + _TANH_Q4) * z + _TANH_Q3) * z + _TANH_Q2) * z + _TANH_Q1) * z + 1.0
+    return xc * p * tl.math.rsqrt(q)
+
+
 # Tests set this so that every buffer a launcher allocates starts as NaN: a kernel that
 # leaves any element unwritten then fails the comparison with the reference.
 POISON_OUTPUTS = False

@@ -135,10 +135,10 @@ def padded_stride(v: int, elem: int) -> int:
 
 @triton.jit
 def _softcap(x, cap, HAS_SOFTCAP: tl.constexpr):
-    """(cap * tanh(x / cap), tanh(x / cap)) on an fp32 tile; tanh from the sigmoid
-    (``tanh(u) = 2 sigmoid(2u) - 1``: no libdevice call, which the interpreter lacks)."""
+    """(cap * tanh(x / cap), tanh(x / cap)) on an fp32 tile (:func:`common.tanh`; x times the
+    reciprocal of the scalar cap, one multiply per element instead of a division)."""
     if HAS_SOFTCAP:
-        t = 2.0 * tl.sigmoid(2.0 * x / cap) - 1.0
+        t = common.tanh(x * (1.0 / cap))
         return cap * t, t
     else:
         return x, x

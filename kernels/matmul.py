@@ -66,6 +66,9 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _TANH_K0 = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 _TANH_K1 = tl.constexpr(0.044715)
+# -2u log2(e) = x (E0 + E1 x^2): the exponent of 2 in sigmoid(2u) = 1 / (1 + 2^(-2u log2 e)).
+_TANH_E0 = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634)
+_TANH_E1 = tl.constexpr(-2.0 * 0.7978845608028654 * 0.044715 * 1.4426950408889634)
 # Phi(-a) = 0.5 * erfc(a / sqrt(2)) ~ 2^-T(a) for a >= 0, T(a) = 1 + c1 a + ... + c5 a^5: the
 # weighted minimax fit (linear program on [0, 5]; weight max(1, a) * Phi(-a), i.e. the absolute
 # error of Phi and of the GELU x * Phi(x)), coefficients rounded to fp32. T(0) = 1 keeps Phi
@@ -136,16 +139,20 @@ def _act_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
         # which does not cancel where tanh(u) is near +-1 (FAST: 1 - s, whose absolute error
         # there is an ulp of 1).
         x2 = x * x
-        u2 = x * (2.0 * _TANH_K0 + (2.0 * _TANH_K0 * _TANH_K1) * x2)
-        s = _sigmoid(u2, FAST)
         if FAST:
-            s_neg = 1.0 - s
+            # exp(-2u) as 2^(x (c0 + c1 x^2)), log2(e) folded into the constants; s (1 - s)
+            # as one FMA, s - s^2.
+            r = tl.math.rsqrt(1.0 + tl.exp2(x * (_TANH_E0 + _TANH_E1 * x2)))
+            s = r * r
+            q = s - s * s
         else:
-            s_neg = tl.sigmoid(-u2)
+            u2 = x * (2.0 * _TANH_K0 + (2.0 * _TANH_K0 * _TANH_K1) * x2)
+            s = tl.sigmoid(u2)
+            q = s * tl.sigmoid(-u2)
         # d = s + s sigmoid(-2u) x d(2u)/dx, with d(2u)/dx = 2 K0 (1 + 3 K1 x^2), multiplied
-        # left to right: for large |x| one of s, sigmoid(-2u) is 0 while x^3 overflows.
+        # left to right: for large |x| q is 0 while x^3 overflows.
         du2 = 2.0 * _TANH_K0 + (6.0 * _TANH_K0 * _TANH_K1) * x2
-        d = s + s * s_neg * x * du2
+        d = s + q * x * du2
         y = x * s
     elif ACTIVATION == 3:
         d = tl.where(x > 0.0, 1.0, 0.0)
@@ -159,7 +166,11 @@ def _gate_grad(g, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     the tanh GELU for GeGLU (5)."""
     if ACTIVATION == 4:
         s = _sigmoid(g, FAST)
-        return s * (1.0 + g * (1.0 - s)), g * s
+        if FAST:
+            d = s + g * (s - s * s)
+        else:
+            d = s * (1.0 + g * (1.0 - s))
+        return d, g * s
     else:
         return _act_grad(g, 2, FAST)
 

@@ -34,10 +34,12 @@ def path(request, monkeypatch):
 
 
 def expects_tma(path, node):
-    """Whether the kernels take TMA on ``path``. Hopper runs fp32 (these tests' IEEE products:
-    torch's default precision) from registers, on the pointer path (``launchers._use_tma``)."""
-    dtype = getattr(getattr(node, "callspec", None), "params", {}).get("dtype")
-    return path == "tma" and not (HOPPER and dtype == torch.float32)
+    """Whether the kernels take TMA on ``path``. Hopper runs IEEE fp32 (torch's default
+    precision) from registers, on the pointer path (``launchers._use_tma``); a test whose
+    ``mode`` parameter is "tf32" runs its fp32 products in TF32, on TMA."""
+    params = getattr(getattr(node, "callspec", None), "params", {})
+    ieee = params.get("dtype") == torch.float32 and params.get("mode", "ieee") == "ieee"
+    return path == "tma" and not (HOPPER and ieee)
 
 
 def _copies(tensors, dtype=None):

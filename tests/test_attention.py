@@ -28,13 +28,18 @@ from numerics import ATOL, DTYPES, assert_close, randn
 ON_CUDA, HOPPER = attention_testing.ON_CUDA, attention_testing.HOPPER
 
 
+@pytest.mark.parametrize("mode", [None, "ieee", "tf32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_path_check_agrees_with_the_kernels_on_hopper(dtype, monkeypatch):
+def test_path_check_agrees_with_the_kernels_on_hopper(dtype, mode, monkeypatch):
     """The ``path`` fixture's expectation on Hopper is the launcher's own choice for aligned
-    inputs at torch's default fp32 precision (TMA, except IEEE fp32 on pointers)."""
+    inputs at the test's fp32 precision (its ``mode`` parameter, else torch's default): TMA,
+    except IEEE fp32 on pointers."""
     monkeypatch.setattr(attention_testing, "HOPPER", True)
-    node = type("Item", (), {"callspec": type("CallSpec", (), {"params": {"dtype": dtype}})()})()
-    assert attention_testing.expects_tma("tma", node) == launchers._use_tma(90, configs._kind(dtype), ())
+    params = {"dtype": dtype} if mode is None else {"dtype": dtype, "mode": mode}
+    node = type("Item", (), {"callspec": type("CallSpec", (), {"params": params})()})()
+    with fp32_mode(mode or "ieee"):
+        kind = configs._kind(dtype)
+    assert attention_testing.expects_tma("tma", node) == launchers._use_tma(90, kind, ())
     assert not attention_testing.expects_tma("pointer", node)
 
 

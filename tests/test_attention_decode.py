@@ -1,12 +1,12 @@
 """Split-KV decoding (``kernels/attention/decode.py``): few query rows against a long cache,
 keys split over programs and combined by their LSEs, chosen automatically; against the
 float64 reference, with the options it takes (causal, window, key padding, softcap, ALiBi,
-sinks, GQA), and the regular backward on its output.
+sinks, an additive bias, a bool mask, GQA), and the regular backward on its output.
 
 The threshold (``launchers.DECODE_MIN_KEYS``) is lowered so that interpreter-sized caches
 (130 to 300 keys, 32-key blocks) split into 3 to 5 chunks; the interpreter's stand-in SM count
-is 4 (two waves: 8 programs). fp32 runs under TF32 (torch's "high"): IEEE fp32 does not split
-(the forward kernel runs; test_decode_is_not_chosen_where_it_does_not_pay).
+is 4 (two waves: 8 programs). fp32 runs both IEEE (torch's default "highest") and TF32
+("high"): every dtype and precision splits.
 """
 import pytest
 import torch
@@ -16,6 +16,10 @@ from fused_block import reference
 from fused_block.attention import attention
 from fused_block.kernels.attention import launchers
 from numerics import DTYPES, randn
+
+# (dtype, the kernels' fp32 mode); the mode is irrelevant to fp16/bf16.
+DTYPE_MODES = [pytest.param(torch.float32, "ieee", id="fp32"), pytest.param(torch.float32, "tf32", id="fp32-tf32"),
+               pytest.param(torch.float16, "ieee", id="fp16"), pytest.param(torch.bfloat16, "ieee", id="bf16")]
 
 
 @pytest.fixture(autouse=True)
@@ -33,12 +37,15 @@ CASES = [
     pytest.param(1, 8, 2, 5, 260, 64, True, (100, -1), False, id="five-rows-window"),
     # MQA, two batches, key padding on the cache's tail, non-causal, D = 16.
     pytest.param(2, 2, 1, 3, 200, 16, False, (-1, -1), True, id="mqa-padding"),
+    # D = 128 (fp32: the widest fp32 head dim, IEEE fp32's 16-row blocks), GQA 2:1, causal.
+    pytest.param(1, 2, 1, 2, 180, 128, True, (-1, -1), False, id="d128"),
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,window,padding", CASES)
-def test_decode_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, window, padding, dtype, device, path, launches):
+def test_decode_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, window, padding, dtype, mode, device, path,
+                                  launches):
     q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True)
     k, v = (randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
     kpm = None
@@ -53,13 +60,13 @@ def test_decode_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, window, padding
         return reference.attention(q, k, v, causal, None, kpm, window=window, return_lse=True,
                                    compute_dtype=compute_dtype)
 
-    check(run, ref, (q, k, v), ("q", "k", "v"), lse_weight=True, mode="tf32")
+    check(run, ref, (q, k, v), ("q", "k", "v"), lse_weight=True, mode=mode)
     assert launches["attention_decode"] == 1 and launches["attention_decode_combine"] == 1
     assert launches["attention_fwd"] == 0 and launches["attention_bwd"] == 1
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_with_softcap_alibi_sinks(dtype, device, path, launches):
+@pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
+def test_decode_with_softcap_alibi_sinks(dtype, mode, device, path, launches):
     B, Hq, Hkv, Lq, Lk, D = 1, 4, 1, 2, 230, 32
     q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True, scale=3.0)
     k, v = (randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
@@ -73,22 +80,78 @@ def test_decode_with_softcap_alibi_sinks(dtype, device, path, launches):
         return reference.attention(q, k, v, True, softcap=4.0, sinks=sinks, alibi_slopes=slopes, return_lse=True,
                                    compute_dtype=compute_dtype)
 
-    check(run, ref, (q, k, v, sinks), ("q", "k", "v", "sinks"), lse_weight=True, mode="tf32")
+    check(run, ref, (q, k, v, sinks), ("q", "k", "v", "sinks"), lse_weight=True, mode=mode)
+    assert launches["attention_decode"] == 1 and launches["attention_fwd"] == 0
+
+
+def _window_mask(B, Hq, Lq, Lk, device):
+    """A bool (B, Hq, Lq, Lk) mask (True = attend): head h sees keys [100 + 10 h, 200 + 10 h)
+    with a fifth of them hidden at random; keys below 100 and from 230 on are hidden from every
+    row (key blocks of 32: 0..95 and 256.. whole, for every head of a GQA group of 2)."""
+    j = torch.arange(Lk)
+    lo = 100 + 10 * torch.arange(Hq)[:, None, None]
+    mask = (j >= lo) & (j < lo + 100) & (torch.rand(B, Hq, Lq, Lk) > 0.2)
+    mask[..., 150] = True  # every row sees a key
+    return mask.to(device)
+
+
+@pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
+def test_decode_with_bias_and_mask(dtype, mode, device, path, launches):
+    """T5's generation (a position bias (1, Hq, Lq, Lk) with its gradient) and Hugging Face
+    decoding (a 4-D bool mask, per head here) together, causal, GQA 4:2: the split kernels read
+    both for the few query rows, as the forward does; the bias gradient by the dbias kernel."""
+    B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 3, 260, 16
+    q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True)
+    k, v = (randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    bias = randn(1, Hq, Lq, Lk, dtype=dtype, device=device, requires_grad=True)
+    mask = _window_mask(B, Hq, Lq, Lk, device)
+
+    def run(q, k, v, bias):
+        return attention(q, k, v, True, bias=bias, mask=mask, return_lse=True)
+
+    def ref(q, k, v, bias, compute_dtype=None):
+        return reference.attention(q, k, v, True, bias=bias, mask=mask, return_lse=True, compute_dtype=compute_dtype)
+
+    check(run, ref, (q, k, v, bias), ("q", "k", "v", "bias"), lse_weight=True, mode=mode)
+    assert launches["attention_decode"] == 1 and launches["attention_fwd"] == 0
+    assert launches["attention_bwd"] == 1 and launches["attention_dbias"] == 1
+
+
+@pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
+def test_decode_skips_key_blocks_the_mask_hides(dtype, mode, device, path, launches):
+    """Key blocks a bool mask hides from every row of a GQA group are never read by the split
+    kernels: with NaN in keys 0..95 and 256..299 (outside every head's visible range, whole
+    32-key blocks) output, LSE and gradients are finite and match the reference on keys
+    96..255 alone; a read would poison them (0 * NaN in P V). The heads of each group see
+    different ranges (the skipped range is their union)."""
+    B, Hq, Hkv, Lq, Lk, D = 1, 4, 2, 2, 300, 16
+    q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True)
+    k, v = (randn(B, Hkv, 160, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    mask = _window_mask(B, Hq, Lq, Lk, device)
+    head = torch.full((B, Hkv, 96, D), float("nan"), dtype=dtype, device=device)
+    tail = torch.full((B, Hkv, Lk - 256, D), float("nan"), dtype=dtype, device=device)
+
+    def run(q, k, v):
+        full = [torch.cat((head, t, tail), 2) for t in (k, v)]
+        return attention(q, *full, mask=mask, return_lse=True)
+
+    def ref(q, k, v, compute_dtype=None):
+        return reference.attention(q, k, v, mask=mask[..., 96:256], return_lse=True, compute_dtype=compute_dtype)
+
+    check(run, ref, (q, k, v), ("q", "k", "v"), lse_weight=True, mode=mode)
     assert launches["attention_decode"] == 1 and launches["attention_fwd"] == 0
 
 
 def test_decode_is_not_chosen_where_it_does_not_pay(device, launches):
-    """Many programs already (B * Hkv >= two waves), a short cache, more than 16 rows, dropout,
-    a bias, or IEEE fp32 (its FMA-unit tiles spill at decode's row blocks): the forward kernel."""
+    """Many programs already (B * Hkv >= two waves), a short cache, more than 16 rows or dropout:
+    the forward kernel."""
     def qkv(B, H, Lq, Lk, dtype=torch.float16):
         return tuple(torch.randn(B, H, L, 16, device=device).to(dtype) for L in (Lq, Lk, Lk))
     attention(*qkv(8, 2, 1, 300))
     attention(*qkv(1, 2, 1, 40))
     attention(*qkv(1, 2, 17, 300))
     attention(*qkv(1, 2, 1, 300), dropout_p=0.1)
-    attention(*qkv(1, 2, 1, 300), bias=torch.zeros(300, device=device, dtype=torch.float16))
-    attention(*qkv(1, 2, 1, 300, torch.float32))
-    assert launches["attention_decode"] == 0 and launches["attention_fwd"] == 6
+    assert launches["attention_decode"] == 0 and launches["attention_fwd"] == 4
 
 
 def test_decode_cache_without_visible_keys(device, launches):
@@ -125,7 +188,7 @@ def test_kv_cache_append_then_decode(dtype, device, launches):
     out = attention(q, k_cache, v_cache, key_padding_mask=kpm)
     want = reference.attention(q.double(), k_cache.double(), v_cache.double(), key_padding_mask=kpm)
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
-    assert launches["attention_decode"] == (dtype != torch.float32)  # IEEE fp32 does not split
+    assert launches["attention_decode"] == 1
 
 
 def test_kv_cache_append_bad_input(device, launches):

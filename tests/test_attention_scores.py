@@ -8,10 +8,13 @@ bounds checked and unchecked.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from attention_testing import check, path  # noqa: F401 - the fixture
 from fused_block import reference
 from fused_block.attention import attention, attention_qkvpacked
+from fused_block.kernels import common
 from numerics import DTYPES, randn
 
 
@@ -75,6 +78,46 @@ def test_softcap(causal, dtype, device, path, launches):
     # 1 - tanh^2 matters) on many entries.
     _check(SELF, dtype, device, causal=causal, softcap=3.0, q_scale=4.0)
     _launched_once(launches)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap_far_above_the_scores(dtype, device, path, launches):
+    # A cap 1000 times the scores: softcap(s) = s (1 - s^2 / (3 c^2) ...) with s / c ~ 1e-3, so
+    # the scores reach exp2 through tanh's values near 0, scaled back up by c. A tanh with an
+    # absolute error of 1e-7 there (2 sigmoid(2x) - 1) gave every score an error of 1e-4, ten
+    # times fp32's atol in the output; a relative one keeps it at the scores' own rounding.
+    _check(SELF, dtype, device, causal=True, softcap=1000.0)
+    _launched_once(launches)
+
+
+@triton.jit
+def _tanh_probe(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, common.tanh(tl.load(X + offs, mask=offs < n)), mask=offs < n)
+
+
+def _tanh(x):
+    y = torch.empty_like(x)
+    common.launch("tanh_probe", _tanh_probe, (common.cdiv(x.numel(), 4096),), (x, y, x.numel()),
+                  dict(BLOCK=4096), common.Config.of(num_warps=4))
+    return y
+
+
+def test_tanh_against_float64(device):
+    # common.tanh (the softcap's, attention and loss) over the fp32 range: a fine grid where it
+    # bends (|x| < 32, spacing 2^-12) and 200 magnitudes per decade from 1e-37 to 1e38 both
+    # ways, then infinities. Relative error (measured: 3.2e-7 in the interpreter's arithmetic;
+    # sm_90's rsqrt approximation, 2^-22.9, adds at most 1.3e-7): a few ulps everywhere, also
+    # near 0 where tanh(x) ~ x.
+    x = torch.cat([torch.arange(-2**17, 2**17 + 1) * 2.0**-12, torch.logspace(-37, 38, 15001),
+                   -torch.logspace(-37, 38, 15001), torch.tensor([float("inf"), float("-inf")])]).to(device)
+    x = x[x != 0]
+    ref = torch.tanh(x.double())
+    err = (_tanh(x).double() / ref - 1).abs().max().item()
+    assert err < 5e-7, err
+    # Odd at 0 (the sign of -0 kept); NaN stays NaN.
+    y = _tanh(torch.tensor([0.0, -0.0, float("nan")], device=device))
+    assert y[0] == 0 and not y[0].signbit() and y[1] == 0 and y[1].signbit() and y[2].isnan()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -222,7 +222,8 @@ def test_decoder_matches_torch_fp32(norm_first, batch_first, mask, mode, device,
 
 def test_decoder_general_masks_run_the_kernel(device, launches):
     """A random bool tgt_mask (every query keeps its own key) and a float memory_mask (cross
-    attention, L != S) reach the kernels as biases: both attentions launch, no SDPA."""
+    attention, L != S) reach the kernels, as the bool mask and as a bias: both attentions
+    launch, no SDPA."""
     t, f = _layers("decoder", norm_first=True, batch_first=True)
     tgt = torch.rand(L, L, device=device) < 0.3
     tgt[torch.arange(L), torch.arange(L)] = False  # torch's bool masks: True = masked out
@@ -266,8 +267,9 @@ def test_is_causal_without_mask(device):
 
 @pytest.mark.parametrize("kind", ["random_float", "per_head_3d_bool", "float_padding"])
 def test_general_masks_run_the_kernel_with_a_bias(kind, device, launches, monkeypatch):
-    """Masks the causal and padding flags cannot express reach the kernel as one merged additive
-    bias (torch's own merge): no SDPA fallback, no warning."""
+    """Masks the causal and padding flags cannot express reach the kernel, a bool mask as its
+    bool ``mask``, the others as one merged additive bias (torch's own merge): no SDPA
+    fallback, no warning."""
     monkeypatch.setattr(_backend, "WARNED", set())
     t, f = _layers("encoder", norm_first=True, batch_first=True)
     if kind == "random_float":
@@ -284,6 +286,41 @@ def test_general_masks_run_the_kernel_with_a_bias(kind, device, launches, monkey
         warnings.simplefilter("error", UserWarning)
         _three_ways(t, f, [_x(True, L, device)], kwargs, torch.float32, device)
     assert launches["attention_fwd"] >= 1
+
+
+# Every dtype with the bool mask; its float form and the per-head one once each (interpreter time).
+@pytest.mark.parametrize("kind,dtype", [
+    pytest.param("bool", torch.float32, id="bool-fp32"), pytest.param("bool", torch.float16, id="bool-fp16"),
+    pytest.param("bool", torch.bfloat16, id="bool-bf16"),
+    pytest.param("float_0_neg_inf", torch.float32, id="float-fp32"),
+    pytest.param("per_head_3d_bool", torch.bfloat16, id="per-head-bf16")])
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the NaN tokens' own rows
+def test_block_diagonal_src_mask_skips_hidden_blocks(kind, dtype, device, launches):
+    """A block-diagonal src_mask (tokens 0..63 and 64..95 in chunks of their own; bool, its 0 /
+    -inf float form, or per head) reaches the kernel as its bool mask, whose summary skips the
+    key (and, backward, query) blocks it hides: with NaN inputs at tokens 64..95 the outputs of
+    tokens 0..63 and their input gradients are finite and equal those of the layer on tokens
+    0..63 alone. As a merged float bias the hidden tiles were read (probability 0 times NaN)."""
+    n, chunk = 96, 64  # 64: a multiple of every interpreter block
+    f = fused_block.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=True)
+    f = f.to(device=device, dtype=dtype)
+    i = torch.arange(n, device=device)
+    hidden = i[:, None] // chunk != i[None, :] // chunk  # torch's convention: True = masked out
+    masks = {"bool": hidden, "per_head_3d_bool": hidden.expand(H, n, n),  # batch 1: (B * H, L, L)
+             "float_0_neg_inf": torch.zeros(n, n, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))}
+    mask = masks[kind]
+    x = numerics.randn(1, n, D, dtype=dtype, device=device)
+    x[:, chunk:] = float("nan")
+    x.requires_grad_(True)
+    dout = numerics.randn(1, chunk, D, dtype=dtype, device=device)
+    out = f(x, src_mask=mask)
+    dx, = torch.autograd.grad(out[:, :chunk], (x,), dout)
+    x0 = x.detach()[:, :chunk].clone().requires_grad_(True)
+    out0 = f(x0, src_mask=mask[..., :chunk, :chunk])
+    dx0, = torch.autograd.grad(out0, (x0,), dout)
+    torch.testing.assert_close(out[:, :chunk], out0)
+    torch.testing.assert_close(dx[:, :chunk], dx0)
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
 def test_float_padding_mask_of_zeros_and_neg_inf_uses_kernel(device, launches):

@@ -134,9 +134,12 @@ def test_batched_generation_with_left_padding(implementation, device, launches):
     assert launches["attention_fwd"] == 3
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt2"])
-def test_state_dict_and_save_pretrained_round_trip(arch, device):
-    model = _model(arch, device).eval()
+# The families with their own layer code (LLaMA's stands for Mistral and Qwen2); one layer
+# where a layer is the slow part in the interpreter.
+@pytest.mark.parametrize("arch,layers", [("llama", 2), ("qwen3", 2), ("phi3", 2), ("gpt2", 2), ("gemma3", 1),
+                                         ("gpt_oss", 2), ("bloom", 1)])
+def test_state_dict_and_save_pretrained_round_trip(arch, layers, device):
+    model = _model(arch, device, layers=layers).eval()
     keys = list(model.state_dict())
     fused = copy.deepcopy(model)
     params = list(fused.parameters())
@@ -144,10 +147,13 @@ def test_state_dict_and_save_pretrained_round_trip(arch, device):
     assert list(fused.state_dict()) == keys
     assert all(a is b for a, b in zip(fused.parameters(), params))  # the same Parameter objects
     ids, mask = _inputs(arch, device)
+    # from_pretrained would pick gpt-oss's grouped_mm experts (another summation order than the
+    # constructor's eager ones: 2e-6 apart without any conversion); load with the original's.
+    load = dict(experts_implementation=model.config._experts_implementation) if arch == "gpt_oss" else {}
     with tempfile.TemporaryDirectory() as tmp:
         fused.save_pretrained(tmp)
-        reloaded = type(model).from_pretrained(tmp).to(device).eval()  # loads into the plain model
-        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
+        reloaded = type(model).from_pretrained(tmp, **load).to(device).eval()  # loads into the plain model
+        again = fused_block.convert(type(model).from_pretrained(tmp, **load).to(device).eval())
     with torch.no_grad():
         want = model(ids, attention_mask=mask).logits
         torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
@@ -435,8 +441,6 @@ def test_causal_lm_falls_back_with_a_warning(device, launches):
     assert launches["lce_ce"] == before + 1
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Gemma 1/2/3: (1 + w) RMSNorms, GeGLU MLP, sandwich norms (2/3), q/k norms and local/global
 # RoPE bases (3), the final logit softcap in the loss (2); see hf_testing.config
@@ -517,27 +521,6 @@ def test_gemma_greedy_generation_matches(arch, device, launches):
     assert torch.equal(got, want)
     assert launches["attention_fwd"] == 16 * layers
     assert launches["matmul"] == 16 * 4 * layers
-
-
-@pytest.mark.parametrize("arch", ["gemma3"])
-def test_gemma_state_dict_and_save_pretrained_round_trip(arch, device):
-    model = _model(arch, device, layers=1).eval()
-    keys = list(model.state_dict())
-    fused = copy.deepcopy(model)
-    params = list(fused.parameters())
-    assert fused_block.convert(fused) is fused
-    assert list(fused.state_dict()) == keys
-    assert all(a is b for a, b in zip(fused.parameters(), params))
-    ids, mask = _inputs(arch, device)
-    with tempfile.TemporaryDirectory() as tmp:
-        fused.save_pretrained(tmp)
-        reloaded = type(model).from_pretrained(tmp).to(device).eval()
-        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
-    with torch.no_grad():
-        want = model(ids, attention_mask=mask).logits
-        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
-        torch.testing.assert_close(again(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
-                                   atol=0, rtol=0)
 
 
 def test_gemma_softcap_and_windows_run_fused(device, launches):
@@ -677,26 +660,6 @@ def test_gpt_oss_batched_generation_with_left_padding(device, launches):
     assert launches["attention_fwd"] == 3 * 2
 
 
-def test_gpt_oss_state_dict_and_save_pretrained_round_trip(device):
-    model = _model("gpt_oss", device).eval()
-    keys = list(model.state_dict())
-    fused = copy.deepcopy(model)
-    params = list(fused.parameters())
-    assert fused_block.convert(fused) is fused
-    assert list(fused.state_dict()) == keys
-    assert all(a is b for a, b in zip(fused.parameters(), params))
-    ids, mask = _inputs("gpt_oss", device)
-    with tempfile.TemporaryDirectory() as tmp:
-        fused.save_pretrained(tmp)
-        reloaded = type(model).from_pretrained(tmp).to(device).eval()
-        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
-    with torch.no_grad():
-        want = model(ids, attention_mask=mask).logits
-        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
-        torch.testing.assert_close(again(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
-                                   atol=0, rtol=0)
-
-
 def test_gpt_oss_called_mlp_hooks_tables_and_fallbacks(device, launches):
     """The MoE MLP is called, not bypassed: a hook on its experts runs and the layer stays
     fused, and the router logits are recorded (``output_router_logits``). Without the model's
@@ -816,26 +779,6 @@ def test_bloom_batched_generation_with_left_padding(device, launches):
         got = fused.generate(ids, **kw)
     assert torch.equal(got, model.generate(ids, **kw))
     assert launches["attention_fwd"] == 3
-
-
-def test_bloom_state_dict_and_save_pretrained_round_trip(device):
-    model = _model("bloom", device, layers=1).eval()
-    keys = list(model.state_dict())
-    fused = copy.deepcopy(model)
-    params = list(fused.parameters())
-    assert fused_block.convert(fused) is fused
-    assert list(fused.state_dict()) == keys
-    assert all(a is b for a, b in zip(fused.parameters(), params))
-    ids, mask = _inputs("bloom", device)
-    with tempfile.TemporaryDirectory() as tmp:
-        fused.save_pretrained(tmp)
-        reloaded = type(model).from_pretrained(tmp).to(device).eval()
-        again = fused_block.convert(type(model).from_pretrained(tmp).to(device).eval())
-    with torch.no_grad():
-        want = model(ids, attention_mask=mask).logits
-        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
-        torch.testing.assert_close(again(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
-                                   atol=0, rtol=0)
 
 
 def test_bloom_post_layernorm_residuals_and_fallbacks(device, launches):

@@ -71,7 +71,10 @@ def test_fp32_precision_follows_torch_at_call_time(mode, device, monkeypatch):
 def _activation_probe(X, Y, D, n, ACTIVATION: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < n)
-    d, y = kmatmul._act_grad(x, ACTIVATION, FAST)
+    if ACTIVATION == kmatmul.SWIGLU:
+        d, y = kmatmul._gate_grad(x, ACTIVATION, FAST)  # the gate's SiLU
+    else:
+        d, y = kmatmul._act_grad(x, ACTIVATION, FAST)
     tl.store(Y + offs, y, mask=offs < n)
     tl.store(D + offs, d, mask=offs < n)
 
@@ -85,10 +88,14 @@ def _probe(x, activation, fast):
     return y, d
 
 
-def _gelu64(x, tanh):
-    """GELU and its derivative in float64: x * Phi(x) (erf) or x * sigmoid(2u) (tanh)."""
+def _act64(x, kind):
+    """The activation and its derivative in float64: the GELU as x * Phi(x) (erf) or
+    x * sigmoid(2u) (tanh), SiLU as x * sigmoid(x)."""
     x = x.double()
-    if tanh:
+    if kind == "silu":
+        s = torch.sigmoid(x)
+        return x * s, s + x * s * (1 - s)
+    if kind == "tanh":
         k0, k1 = (2 / torch.pi) ** 0.5, 0.044715
         s = torch.sigmoid(2 * k0 * (x + k1 * x**3))
         return x * s, s + 2 * x * s * (1 - s) * k0 * (1 + 3 * k1 * x * x)
@@ -103,20 +110,28 @@ _GRID = torch.cat([torch.arange(-2**17, 2**17 + 1) * 2.0**-12,
                    torch.logspace(-30, 18, 9601), -torch.logspace(-30, 18, 9601), torch.zeros(1)])
 
 
-@pytest.mark.parametrize("tanh", [False, True], ids=["erf", "tanh"])
-def test_fast_gelu_against_float64(tanh, device):
+# kind: (activation code, bounds (activation, derivative) of the fast form, then of the full one)
+_FAST_FORMS = {"erf": (kmatmul.ACTIVATIONS["gelu"], (1e-6, 1e-6), (3e-7, 3e-7)),
+               "tanh": (kmatmul.ACTIVATIONS["gelu_tanh"], (1e-6, 1e-5), (3e-7, 3e-7)),
+               "silu": (kmatmul.SWIGLU, (1e-6, 5e-6), (3e-7, 2e-6))}
+
+
+@pytest.mark.parametrize("kind", list(_FAST_FORMS))
+def test_fast_gelu_against_float64(kind, device):
     # The short forms 16-bit outputs get (fp32 FMAs, one or two MUFU ops): the erf GELU from a
     # degree-5 fit of log2 Phi (measured: 7.0e-7 in the GELU, 7.5e-7 in its derivative), the
-    # tanh GELU's sigmoid as rsqrt(1 + 2^-z)^2 (2.7e-7; the derivative's 1 - s 5.4e-6 where
-    # x^3 scales it). Errors of the GELU relative to max(1, |x|), as the numerics rule measures
-    # them against the largest output: a 500th (derivative of the tanh form: a 90th) of the
-    # rounding that rule allows a 16-bit output at 1.0 (half an ulp: fp16 4.9e-4, bf16
-    # 3.9e-3). The fp32 outputs' full-accuracy forms: 1e-7 to 1.7e-7.
+    # tanh GELU's sigmoid as rsqrt(1 + 2^-z)^2 (2.7e-7; the derivative's s (1 - s) 5.4e-6 where
+    # x^3 scales it), SwiGLU's gate SiLU with the same sigmoid (2.6e-7; its derivative 2.6e-6
+    # at x ~ 16, where s (1 - s) ~ 1e-7 is an ulp of 1). Errors of the activation relative to
+    # max(1, |x|), as the numerics rule measures them against the largest output: a 500th
+    # (derivatives: a 90th) of the rounding that rule allows a 16-bit output at 1.0 (half an
+    # ulp: fp16 4.9e-4, bf16 3.9e-3). The fp32 outputs' full-accuracy forms: 1e-7 to 1.7e-7
+    # (SiLU's derivative s (1 + x (1 - s)): 9.8e-7, the same ulp of 1 in 1 - s).
+    act, fast_bounds, full_bounds = _FAST_FORMS[kind]
     x = _GRID.to(device)
-    ref_y, ref_d = _gelu64(x, tanh)
-    act = kmatmul.ACTIVATIONS["gelu_tanh" if tanh else "gelu"]
+    ref_y, ref_d = _act64(x, kind)
     scale = x.double().abs().clamp(min=1.0)
-    for fast, bound_y, bound_d in ((True, 1e-6, 1e-5 if tanh else 1e-6), (False, 3e-7, 3e-7)):
+    for fast, (bound_y, bound_d) in ((True, fast_bounds), (False, full_bounds)):
         y, d = _probe(x, act, fast)
         err_y = ((y.double() - ref_y).abs() / scale).max().item()
         err_d = (d.double() - ref_d).abs().max().item()

@@ -506,6 +506,10 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
         r = pid % per_head
         b = bhk // Hkv
         hk = bhk % Hkv
+        # Known non-negative, hk's int64 offsets are zero-extended: no sign word held across the
+        # loops for the epilogue (ptxas spilled it, 8 B at D = 256 with dropout, ALiBi, a bias
+        # and a mask on sm_90's pointer path).
+        tl.assume(hk >= 0)
         k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
         v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
         pad_base = MASK + b.to(tl.int64) * stride_mb

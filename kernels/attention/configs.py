@@ -203,8 +203,9 @@ _SCORE_BWD = {arch: {
     (64, "ieee", False): [_B(16, 16, 16, 16, 4, 1, True)], (64, "ieee", True): [_B(16, 16, 16, 16, 4, 1, True)],
     (128, "ieee", False): [_B(16, 16, 16, 16, 8, 1, True)], (128, "ieee", True): [_B(16, 16, 16, 16, 8, 1, True)],
 } for arch in (90, 80)}
-# sm_90 D = 256: the dropout list's (plain) config for both (it compiles clean but for ALiBi +
-# bias + mask with dropout on the pointer path: specs._DROPOUT_BIAS_SPILLS).
+# sm_90 D = 256: the dropout list's (plain) config for both (spill-free in every combination
+# of the check; with dropout, ALiBi, a bias and a mask on the pointer path since the backward
+# knows its kv head index is non-negative: 8 B spilled before).
 _SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 3, True)]
 
 del _F, _B
@@ -213,30 +214,55 @@ FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FW
 BWD_CONFIGS = _with_classes(BWD_CONFIGS, {"band": _derived(BWD_CONFIGS, _BAND_BWD),
                                           "score": _derived(BWD_CONFIGS, _SCORE_BWD)})
 
-# Split-KV decoding (decode.py): BLOCK_N keys per step, by (head-dim class, operand kind); the
-# query rows (the GQA group's GROUPS * Lq <= 16 * GROUPS) take BLOCK_M = 16 .. 64
-# (:func:`_decode_block_m`). Memory-bound: 4 warps, 64-key blocks at D64 (flash-decoding's),
-# 32 where the compile check found spills with more. IEEE fp32 (FMA-unit products from
-# registers, which spilled KBs at these tiles) and TF32 D128 (8 B on sm_90's TMA path) do not
-# split: the forward runs (launchers: only the keys of this table split).
-_D = common.Config
+# Split-KV decoding (decode.py): BLOCK_N keys per step, by (head-dim class, operand kind,
+# class); the query rows (the GQA group's GROUPS * Lq <= 16 * GROUPS) take BLOCK_M = 16 .. 64
+# (:func:`_decode_block_m`). Every dtype, precision and head dim of the forward splits.
+# Classes: "plain" (causal, window, key padding, softcap, ALiBi: nothing read per score but K
+# and V) and "bias" (an additive bias or a bool mask too: a tile of each per step).
+# Memory-bound: 4 warps, 64-key blocks at D64 (flash-decoding's), 32 where the compile check
+# found spills with more; 8 warps at D256, for TF32 D128 (4 spilled 8 B on sm_90's pointer
+# path) and for IEEE fp32 (FMA-unit products from registers: 4 warps spilled 24-32 B), whose
+# rows stop at 32 at D64 and 16 at D128 (32 spilled 24-464 B with a bias and a mask).
+# "bias" entries that spilled as the plain ones (8-128 B):
+# 8 warps at D128 16-bit (64 rows on sm_80, 16 rows on sm_90's pointer path), 32-key blocks
+# at D64 16-bit on sm_80 (64 rows), one stage for sm_90 TF32 D64 (16 rows: 2 stages spilled
+# 8 B on the pointer path, 8 warps on the TMA path), 16-key blocks for IEEE fp32.
+_D = common.Config.of
+_DECODE_PLAIN = {
+    (64, "16"): [_D(num_warps=4, num_stages=3, BLOCK_N=64)],
+    (128, "16"): [_D(num_warps=4, num_stages=2, BLOCK_N=32)],
+    (256, "16"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)],
+    (64, "tf32"): [_D(num_warps=4, num_stages=2, BLOCK_N=32)],
+    (128, "tf32"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)],
+    (64, "ieee"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)],
+    (128, "ieee"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)],
+}
+_IEEE_BIAS = {(64, "ieee"): [_D(num_warps=8, num_stages=2, BLOCK_N=16)],
+              (128, "ieee"): [_D(num_warps=8, num_stages=2, BLOCK_N=16)]}
+_DECODE_BIAS = {
+    90: {(128, "16"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)],
+         (64, "tf32"): [_D(num_warps=4, num_stages=1, BLOCK_N=32)], **_IEEE_BIAS},
+    80: {(64, "16"): [_D(num_warps=4, num_stages=3, BLOCK_N=32)],
+         (128, "16"): [_D(num_warps=8, num_stages=2, BLOCK_N=32)], **_IEEE_BIAS},
+}
 DECODE_CONFIGS = {
-    arch: {
-        (64, "16"): [_D.of(num_warps=4, num_stages=3, BLOCK_N=64)],
-        (128, "16"): [_D.of(num_warps=4, num_stages=2, BLOCK_N=32)],
-        (256, "16"): [_D.of(num_warps=8, num_stages=2, BLOCK_N=32)],
-        (64, "tf32"): [_D.of(num_warps=4, num_stages=2, BLOCK_N=32)],
-    }
+    arch: {**{(*key, "plain"): cfgs for key, cfgs in _DECODE_PLAIN.items()},
+           **{(*key, "bias"): _DECODE_BIAS[arch].get(key, cfgs) for key, cfgs in _DECODE_PLAIN.items()}}
     for arch in (90, 80)
 }
-del _D
+del _D, _IEEE_BIAS, _DECODE_PLAIN, _DECODE_BIAS
 DECODE_BLOCK_MS = (16, 32, 64)
 
 
 def _decode_block_m(rows: int, block_d: int, kind: str = "16") -> int:
     """Decode row block for ``rows`` = GROUPS * Lq query rows: the next power of two from 16,
-    at most 64 (32 at D = 256 and for TF32: the fp32 tiles' registers)."""
-    return min(max(16, common.next_pow2(rows)), 32 if block_d > 128 or kind != "16" else 64)
+    at most 64 (32 at D = 256, for TF32 and for IEEE fp32 at D <= 64, 16 for IEEE fp32 at
+    D = 128: the fp32 tiles' registers)."""
+    if kind == "ieee" and block_d > 64:
+        cap = 16
+    else:
+        cap = 32 if block_d > 128 or kind != "16" else 64
+    return min(max(16, common.next_pow2(rows)), cap)
 
 
 # The bias's gradient (dbias._attn_dbias): a (BLOCK_M, BLOCK_N) dS tile per step, recomputed

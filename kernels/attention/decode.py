@@ -11,7 +11,8 @@ is read once per group, not once per query head.
   denominator) and its LSE (log2 domain, -inf where no key of the chunk is visible). Key
   blocks inside the chunk that every row sees run unmasked (the forward's key step,
   :func:`forward._fwd_step`), the others masked; causal (bottom-right), window, key padding,
-  softcap and ALiBi as the forward's.
+  softcap, ALiBi, an additive bias and a bool mask as the forward's (key blocks the mask hides
+  from every row of the program skipped).
 - ``_attn_decode_combine``: per (batch, head) and rows, out = sum_s 2^(lse_s - m) out_s / sum_s
   2^(lse_s - m) (+ the sink's 2^(sink - m) in the denominator), LSE in natural log.
 
@@ -22,26 +23,35 @@ import triton.language as tl
 
 from fused_block.kernels import common
 from fused_block.kernels.attention.forward import _fwd_step
-from fused_block.kernels.attention.helpers import _desc
+from fused_block.kernels.attention.helpers import _clamp_ranges, _desc
 
 
 @triton.jit(do_not_specialize=["Hq", "GROUPS", "Lq", "Lk", "stride_mb", "win_left", "win_right", "n_splits",
                                "split_len"])
-def _attn_decode_split(Q, K, V, OP, LSEP, MASK, SLOPES,
+def _attn_decode_split(Q, K, V, OP, LSEP, MASK, SLOPES, BIAS, AMASK, KR,
                        stride_qb, stride_qh, stride_qm,
                        stride_kb, stride_kh, stride_kn,
                        stride_vb, stride_vh, stride_vn,
                        stride_mb, stride_slb,
+                       stride_bb, stride_bh, stride_bm, stride_bn,
+                       stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh,
                        Hq, Hkv, GROUPS, Lq, Lk, D, win_left, win_right, n_splits, split_len,
                        scale, softcap,
                        IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
-                       HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                       HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr,
+                       USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        INTERPRET: tl.constexpr):
     """Program (((b * Hkv + hk) * n_row_blocks + row block) * n_splits + split): rows [r0, r0 +
     BLOCK_M) of the group's GROUPS * Lq rows against keys [split * split_len, (split + 1) *
     split_len) (split_len a multiple of BLOCK_N). OP: (B * Hq, n_splits, Lq, BLOCK_D) fp32,
-    LSEP: (B * Hq, n_splits, Lq) fp32 (log2 domain)."""
+    LSEP: (B * Hq, n_splits, Lq) fp32 (log2 domain).
+
+    ``HAS_BIAS`` / ``HAS_AMASK``: the forward's additive bias and bool mask (4 strides each over
+    (B, Hq, Lq, Lk), 0 along broadcast dims), read at each row's (head, query); KR: per (batch,
+    kv head) the key range [r0, r1) of the blocks the mask leaves visible to any query of the
+    GQA group (``launchers._mask_ranges`` with one query block, heads merged per group), int32
+    pairs, strides ``stride_kr*``: the chunk's blocks outside it are skipped."""
     pid = tl.program_id(0)
     split = pid % n_splits
     n_rb = tl.cdiv(GROUPS * Lq, BLOCK_M)
@@ -88,28 +98,38 @@ def _attn_decode_split(Q, K, V, OP, LSEP, MASK, SLOPES,
         full_lo = tl.minimum(full_lo, tl.maximum(lo, tl.cdiv(hi, BLOCK_N) * BLOCK_N))
     full_hi = tl.maximum(full_hi, full_lo)
     hi = tl.maximum(hi, lo)
+    # Bias and mask rows per row (its head's, its query's): the steps add the key offsets only.
+    b64, h64, qi64 = b.to(tl.int64), h.to(tl.int64), qi.to(tl.int64)
+    bias_base = BIAS
+    if HAS_BIAS:
+        bias_base = BIAS + (b64 * stride_bb + h64 * stride_bh + qi64 * stride_bm)[:, None]
+    amask_base = AMASK
+    if HAS_AMASK:
+        amask_base = AMASK + (b64 * stride_ab + h64 * stride_ah + qi64 * stride_am)[:, None]
+        kr = KR + b64 * stride_krb + hk.to(tl.int64) * stride_krh
+        lo, full_lo, full_hi, hi = _clamp_ranges(lo, full_lo, full_hi, hi, tl.load(kr), tl.load(kr + 1))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in tl.range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, 0, start_n, qi,
                                   diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, 0, 0, 0.0, cap_in,
-                                  cap_out, slope2, MASK, 0, 0, MASK, 0, 0, False, IS_CAUSAL, WINDOW, HAS_PAD, False,
-                                  SOFTCAP, HAS_ALIBI, False, False, USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
-                                  BLOCK_D, INTERPRET)
+                                  cap_out, slope2, bias_base, 0, stride_bn, amask_base, 0, stride_an,
+                                  False, IS_CAUSAL, WINDOW, HAS_PAD, False, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
+                                  USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
     for start_n in tl.range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, 0, start_n, qi,
                                   diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, 0, 0, 0.0, cap_in,
-                                  cap_out, slope2, MASK, 0, 0, MASK, 0, 0, True, IS_CAUSAL, WINDOW, HAS_PAD, False,
-                                  SOFTCAP, HAS_ALIBI, False, False, USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
-                                  BLOCK_D, INTERPRET)
+                                  cap_out, slope2, bias_base, 0, stride_bn, amask_base, 0, stride_an,
+                                  True, IS_CAUSAL, WINDOW, HAS_PAD, False, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
+                                  USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
     if WINDOW:
         for start_n in tl.range(lo, full_lo, BLOCK_N):
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, 0, start_n,
                                       qi, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, 0, 0, 0.0,
-                                      cap_in, cap_out, slope2, MASK, 0, 0, MASK, 0, 0, True, IS_CAUSAL, WINDOW,
-                                      HAS_PAD, False, SOFTCAP, HAS_ALIBI, False, False, USE_TMA, False, IEEE, EVEN_D,
-                                      BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                                      cap_in, cap_out, slope2, bias_base, 0, stride_bn, amask_base, 0, stride_an,
+                                      True, IS_CAUSAL, WINDOW, HAS_PAD, False, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                                      HAS_AMASK, USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
     empty = l_i == 0.0
     out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))

@@ -23,14 +23,23 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
     modifications (softcap, ALiBi, bias, bool mask: :func:`helpers._score_mod`) where their
     flags are set."""
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
-    SCORE_MOD: tl.constexpr = SOFTCAP or HAS_ALIBI or HAS_BIAS or HAS_AMASK
+    # Softcap alone: the scores stay tanh's values, cap * log2(e) riding in the max and in
+    # exp2's FMA below as the scale does without modifications (max(t) * c = max(t * c), c > 0).
+    CAP_ONLY: tl.constexpr = SOFTCAP and not (HAS_ALIBI or HAS_BIAS or HAS_AMASK)
+    SCALED: tl.constexpr = (SOFTCAP or HAS_ALIBI or HAS_BIAS or HAS_AMASK) and not CAP_ONLY
+    if CAP_ONLY:
+        s_scale = cap_out
+    else:
+        s_scale = qk_scale
     if HOST:
         k = _tile(k_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
     else:
         k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if SCORE_MOD:
+    if CAP_ONLY:
+        qk = common.tanh(qk * cap_in)
+    if SCALED:
         # Scores in the log2 domain (scale applied).
         qk, _ = _score_mod(qk, offs_m, offs_n, Lq, Lk, qk_scale, cap_in, cap_out, slope2, Lk - Lq, bias_base,
                            stride_bm, stride_bn, amask_base, stride_am, stride_an, True, MASKED, False, SOFTCAP,
@@ -45,20 +54,20 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
     if HAS_PAD:
         pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
         qk = tl.where((pad == 0)[None, :], qk, float("-inf"))
-    if SCORE_MOD:
+    if SCALED:
         m_new = tl.maximum(m_i, tl.max(qk, 1))
     else:
         # scale > 0, so max(qk) * scale = max(qk * scale): the scale rides in exp2's FMA below.
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
     if MASKED or HAS_PAD or HAS_BIAS or HAS_AMASK:
         # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    if SCORE_MOD:
+    if SCALED:
         p = tl.math.exp2(qk - m_use[:, None])
     else:
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        p = tl.math.exp2(qk * s_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_ij = tl.sum(p, 1)
     if HAS_DROPOUT:

@@ -4,6 +4,8 @@ queries, and the kernel that materializes the keep mask for tests."""
 import triton
 import triton.language as tl
 
+from fused_block.kernels import common
+
 
 @triton.jit
 def _load(desc, base, row0, L, stride, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -132,13 +134,6 @@ def _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from the sigmoid, 2 sigmoid(2x) - 1 (``libdevice.tanh`` fails in the interpreter):
-    one exp2 and one reciprocal, absolute error about 1e-7 (relative to tanh's range)."""
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
 def _score_mod(qk, offs_r, offs_c, Lr, Lc, qk_scale, cap_in, cap_out, slope2, diag0, bias_base, stride_br,
                stride_bc, amask_base, stride_ar, stride_ac, CHECK_R: tl.constexpr, CHECK_C: tl.constexpr,
                TRANSPOSED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -154,7 +149,7 @@ def _score_mod(qk, offs_r, offs_c, Lr, Lc, qk_scale, cap_in, cap_out, slope2, di
     (diag0 = Lk - Lq, bottom-right). Bias and mask pointers: ``*_base`` at the (batch, head),
     row and column strides (0 along broadcast dims)."""
     if SOFTCAP:
-        t = _tanh(qk * cap_in)
+        t = common.tanh(qk * cap_in)
         s = t * cap_out
     else:
         t = qk

@@ -201,9 +201,10 @@ def _mask_ranges(mask, shape, block_rows: int, block_cols: int, by_keys: bool = 
     pairs (Bm, Hm, row blocks, 2), positions in elements (r0 = r1 = 0: none), with the
     batch and head strides (0 where the mask broadcasts). Rows are query blocks of
     ``block_rows`` and columns key blocks of ``block_cols``; ``by_keys``: rows are key blocks
-    (``block_cols``) and columns query blocks (``block_rows``), the heads merged per GQA group
-    of ``groups``. The kernels skip the blocks outside the range (block-diagonal, chunked and
-    padding-like masks cost their visible blocks). Torch reductions on the device: no sync."""
+    (``block_cols``) and columns query blocks (``block_rows``). ``groups`` > 1: the heads
+    merged per GQA group of ``groups`` (the head axis is then the kv head's). The kernels skip
+    the blocks outside the range (block-diagonal, chunked and padding-like masks cost their
+    visible blocks). Torch reductions on the device: no sync."""
     B, Hq, Lq, Lk = shape
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     n_m, n_n = common.cdiv(Lq, block_rows), common.cdiv(Lk, block_cols)
@@ -215,8 +216,8 @@ def _mask_ranges(mask, shape, block_rows: int, block_cols: int, by_keys: bool = 
     tiles = tiles.expand(m.shape[0], m.shape[1], n_m, n_n)
     if by_keys:
         tiles = tiles.transpose(2, 3)
-        if m.shape[1] > 1 and groups > 1:
-            tiles = tiles.unflatten(1, (m.shape[1] // groups, groups)).amax(2)
+    if m.shape[1] > 1 and groups > 1:
+        tiles = tiles.unflatten(1, (m.shape[1] // groups, groups)).amax(2)
     blk = block_rows if by_keys else block_cols
     n = tiles.shape[3]
     idx = torch.arange(n, device=mask.device, dtype=torch.int32)
@@ -267,10 +268,9 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     is_causal, has_window, win_left, win_right = _band(causal, window)
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (q, q, Lq, Lk)
     nseq = cu_q.numel() - 1 if varlen is not None else B
-    if (varlen is None and not dropout and bias is None and mask is None and Lq <= DECODE_MAX_LQ
-            and Lk >= DECODE_MIN_KEYS and _table_key(block_d, kind, False)[:2] in DECODE_CONFIGS[90]):
-        if _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, softcap, scale, is_causal, has_window,
-                   win_left, win_right, arch, kind, use_tma, block_d):
+    if varlen is None and not dropout and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_KEYS:
+        if _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, bias, mask, softcap, scale, is_causal,
+                   has_window, win_left, win_right, arch, kind, use_tma, block_d):
             return
     score_mod = _score_mod(softcap, alibi, bias, mask)
     if score_mod:
@@ -339,16 +339,19 @@ def _decode_splits(B, Hkv, n_rb, Lk, block_n, device) -> int:
     return max(1, min(common.cdiv(Lk, 2 * block_n), common.cdiv(target, programs)))
 
 
-def _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, softcap, scale, is_causal, has_window, win_left,
-            win_right, arch, kind, use_tma, block_d) -> bool:
+def _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, bias, mask, softcap, scale, is_causal,
+            has_window, win_left, win_right, arch, kind, use_tma, block_d) -> bool:
     """Split-KV decoding (``decode.py``) where it pays: few query rows, a long cache, too few
-    programs otherwise. Returns False (nothing launched) where the forward kernel should run."""
+    programs otherwise. Returns False (nothing launched) where the forward kernel should run.
+    ``bias`` / ``mask``: the forward's score modifications (the mask summarized per (batch,
+    kv head) over the group's Lq queries at the decode's key blocks: :func:`_mask_ranges`)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     groups = Hq // Hkv
     block_m = _decode_block_m(groups * Lq, block_d, kind)
-    cfg = _DECODE_CACHE.get((arch, _table_key(block_d, kind, False)[:2], use_tma, block_m),
-                            _candidates_decode(arch, _table_key(block_d, kind, False)[:2]), lambda c: None)
+    table_key = (*_table_key(block_d, kind, False)[:2], "plain" if bias is None and mask is None else "bias")
+    cfg = _DECODE_CACHE.get((arch, table_key, use_tma, block_m), _candidates_decode(arch, table_key),
+                            lambda c: None)
     block_n = cfg["BLOCK_N"]
     n_rb = common.cdiv(groups * Lq, block_m)
     n_splits = _decode_splits(B, Hkv, n_rb, Lk, block_n, q.device)
@@ -359,17 +362,18 @@ def _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, softcap, scale
     sq, sk, sv, so = _strides(q), _strides(k), _strides(v), _strides(out)
     parts = common.empty((B * Hq, n_splits, Lq, block_d), torch.float32, q.device)
     lse_parts = common.empty((B * Hq, n_splits, Lq), torch.float32, q.device)
-    slopes, stride_slb = (q, 0) if alibi is None else (alibi, alibi.stride(0) if alibi.dim() == 2 else 0)
+    ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
+    kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, (B, Hq, Lq, Lk), Lq, block_n, groups=groups)
     if use_tma and arch:
         common.scratch_allocator()
     if use_tma:
         common.count_launch("attention_tma")
     common.launch("attention_decode", _attn_decode_split, (_grid_size(B * Hkv * n_rb * n_splits),),
-                  (q, k, v, parts, lse_parts, mask_pad, slopes, *sq, *sk, *sv, stride_mb, stride_slb, Hq, Hkv, groups,
-                   Lq, Lk, D, win_left, win_right, n_splits, split_len, float(scale), float(softcap)),
-                  dict(IS_CAUSAL=is_causal, WINDOW=has_window, HAS_PAD=mask_pad is not q, SOFTCAP=bool(softcap),
-                       HAS_ALIBI=alibi is not None, USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d,
-                       BLOCK_D=block_d, BLOCK_M=block_m, INTERPRET=arch == 0),
+                  (q, k, v, parts, lse_parts, mask_pad, *ptrs, kr, *sq, *sk, *sv, stride_mb, *strides, *skr, Hq, Hkv,
+                   groups, Lq, Lk, D, win_left, win_right, n_splits, split_len, float(scale), float(softcap)),
+                  common.constexprs(IS_CAUSAL=is_causal, WINDOW=has_window, HAS_PAD=mask_pad is not q, **flags,
+                                    USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
+                                    BLOCK_M=block_m, INTERPRET=arch == 0),
                   cfg)
     common.launch("attention_decode_combine", _attn_decode_combine, (_grid_size(B * Hq * common.cdiv(Lq, 16)),),
                   (parts, lse_parts, out, lse, q if sinks is None else sinks, *so, Hq, Lq, D, n_splits),

@@ -4,7 +4,7 @@ import os
 
 from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
 from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, DECODE_BLOCK_MS, DECODE_CONFIGS,
-                                                   FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN)
+                                                   FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN, _decode_block_m)
 from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
 from fused_block.kernels.attention.forward import _attn_fwd
@@ -48,14 +48,7 @@ def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
     return ptrs
 
 
-# Known spills outside the default check (README): the sm_90 backward of the "score" class
-# with dropout at D = 256 (16-bit) spills 16 B with ALiBi + bias + mask on the pointer path
-# (unaligned layouts; TMA compiles clean; the 16 x 32 / 32 x 16 tiles that are clean there
-# spill 576 B with TMA); softcap + sinks and varlen compile clean.
-_DROPOUT_BIAS_SPILLS = {(90, "bwd", 256, "16", False)}  # (arch, kernel, BLOCK_D, kind, TMA)
-
-
-def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool, dropout_bias_spills: bool = False):
+def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool):
     """The runtime combinations of one table entry the compile check builds, as (flags, name):
     the constexprs IS_CAUSAL, WINDOW, HAS_PAD, BLOCK_D and EVEN_D, and the spec name's tail.
 
@@ -87,8 +80,7 @@ def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool, dropo
         # sequences with a window, softcap, ALiBi and sinks. ``exhaustive`` adds every
         # modification at once (not shipped spill-free: see README).
         yield combo(True, False, block_d_class, True, score=("softcap", "sinks"))
-        if exhaustive or not dropout_bias_spills:
-            yield combo(False, False, block_d_class, True, score=("alibi", "bias", "mask"))
+        yield combo(False, False, block_d_class, True, score=("alibi", "bias", "mask"))
         yield combo(True, False, block_d_class, True, window=True, varlen=True, score=("softcap", "alibi", "sinks"))
         if exhaustive:
             yield combo(True, False, block_d_class, True, score=("softcap", "alibi", "sinks", "bias", "mask"))
@@ -144,8 +136,7 @@ def aot_specs(exhaustive=None) -> list:
                               f"{' split' if m['SPLIT_KV'] else ''}")
                     blocks += " ws" if m.get("WS") else ""
                     tag = "" if cls == "plain" else f" {cls}"
-                    spills = dropout and (arch, kname, block_d, kind, tma) in _DROPOUT_BIAS_SPILLS
-                    for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive, spills):
+                    for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive):
                         if kname == "bwd":
                             flags = dict(flags, STAT_ALIGN=STAT_ALIGN)
                         flags = {n: v for n, v in flags.items() if n in fn.arg_names}
@@ -191,25 +182,30 @@ def aot_specs(exhaustive=None) -> list:
                             STAT_ALIGN=STAT_ALIGN),
             num_warps=4, aligned=_aligned_args(_attn_bwd_preprocess)))
     # Split-KV decoding: every table entry at its smallest and largest row block, with every
-    # flag it takes (causal, window, padding, softcap, ALiBi: the heaviest step); TMA
-    # (device-side descriptors) and pointers on sm_90 (except IEEE fp32), pointers on sm_80.
+    # flag its class takes (causal, window, padding, softcap, ALiBi; "bias": a bias and a bool
+    # mask too: the heaviest step);
+    # TMA (device-side descriptors) and pointers on sm_90 (except IEEE fp32), pointers on sm_80.
     for arch, table in DECODE_CONFIGS.items():
-        for (block_d, kind), cfgs in table.items():
+        for (block_d, kind, cls), cfgs in table.items():
             dt = "bf16" if kind == "16" else "fp32"
-            block_ms = [m for m in DECODE_BLOCK_MS if m <= (32 if block_d > 128 or kind != "16" else 64)]
+            block_ms = [m for m in DECODE_BLOCK_MS if m <= _decode_block_m(1 << 20, block_d, kind)]
             for cfg in cfgs:
                 for tma in (True, False) if arch == 90 and kind != "ieee" else (False,):
-                    for block_m in (block_ms[0], block_ms[-1]):
+                    for block_m in sorted({block_ms[0], block_ms[-1]}):
                         specs.append(aot.KernelSpec(
-                            name=(f"attention_decode D{block_d} {kind} {block_m}x{cfg['BLOCK_N']} "
-                                  f"{'tma' if tma else 'ptr'}: causal window pad softcap alibi"),
+                            name=(f"attention_decode D{block_d} {kind} {cls} {block_m}x{cfg['BLOCK_N']} "
+                                  f"{'tma' if tma else 'ptr'}: causal window pad softcap alibi"
+                                  f"{' bias mask' if cls == 'bias' else ''}"),
                             fn=_attn_decode_split,
                             signature=_signature(_attn_decode_split, {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}",
                                                                       "OP": "*fp32", "LSEP": "*fp32", "MASK": "*u8",
-                                                                      "SLOPES": "*fp32"}),
+                                                                      "SLOPES": "*fp32", "BIAS": f"*{dt}",
+                                                                      "AMASK": "*u8", "KR": "*i32"}),
                             constexprs=dict(IS_CAUSAL=True, WINDOW=True, HAS_PAD=True, SOFTCAP=True, HAS_ALIBI=True,
-                                            USE_TMA=tma, IEEE=kind == "ieee", EVEN_D=True, BLOCK_D=block_d,
-                                            BLOCK_M=block_m, INTERPRET=False, **cfg.meta()),
+                                            HAS_BIAS=cls == "bias", HAS_AMASK=cls == "bias", USE_TMA=tma,
+                                            IEEE=kind == "ieee",
+                                            EVEN_D=True, BLOCK_D=block_d, BLOCK_M=block_m, INTERPRET=False,
+                                            **cfg.meta()),
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                             aligned=_aligned_args(_attn_decode_split), wgmma=False, tma=tma, archs=(arch,)))
     specs.append(aot.KernelSpec(
