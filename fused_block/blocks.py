@@ -103,6 +103,14 @@ def _ops(x):
 # (``_modules``, ``_parameters``), where nn.Module.__getattr__ finds them after the instance
 # lookup fails: the same objects, without that failed lookup and its AttributeError on every
 # access (the guard, _guard.reason, holds the modules to the classes whose attributes these are).
+# A parameter that is not in the registry (torch.nn.utils.parametrize moves it into
+# ``parametrizations`` and serves it through a property) is read as an attribute.
+
+
+def _params(module, *names):
+    """``module``'s parameters ``names`` as attribute access gives them."""
+    reg = module._parameters
+    return [reg[n] if n in reg else getattr(module, n) for n in names]
 
 
 def _warn_once(key, message):
@@ -443,8 +451,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         packed = key is None and self._qkv_same_embed_dim
         if packed:
             S = L
-            params = self._parameters
-            qkv = ops.linear(x, params["in_proj_weight"], params["in_proj_bias"])  # (.., (H + 2 Hkv) * D): one matmul
+            qkv = ops.linear(x, *_params(self, "in_proj_weight", "in_proj_bias"))  # (.., (H + 2 Hkv) * D): one matmul
             if self.rope:
                 qkv = self._rotate(qkv, ops)
             dtype = qkv.dtype
@@ -483,8 +490,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             if reason is None and bias is None and masks.hidden is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
-                out_proj = self._modules["out_proj"]._parameters
-                return ops.linear(o, out_proj["weight"], out_proj["bias"])
+                return ops.linear(o, *_params(self._modules["out_proj"], "weight", "bias"))
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
         if reason is None and bias is not None:
@@ -644,11 +650,11 @@ class _LayerMixin:
         # Tensor parallel: the residual stream is replicated (one mask on every rank), or split
         # along the sequence (each rank's tokens draw their own).
         with _NO_SEED_BLOCK if run is None or dropout_p == 0 else run.seeds([run.rank if run.sequence_parallel else 0]):
-            params = module._parameters
             if self.norm == "layer":
-                return ops.add_layer_norm(x, residual, params["weight"], params["bias"], module.eps, dropout_p, False,
-                                          out_is_residual)
-            return ops.add_rms_norm(x, residual, params["weight"], module.eps, dropout_p, False, out_is_residual)
+                return ops.add_layer_norm(x, residual, *_params(module, "weight", "bias"), module.eps, dropout_p,
+                                          False, out_is_residual)
+            return ops.add_rms_norm(x, residual, *_params(module, "weight"), module.eps, dropout_p, False,
+                                    out_is_residual)
 
     def _ffn(self, x, residual=None, output_dropout=True):
         """``residual + dropout2(linear2(dropout(act(linear1(x)))))``: one ``mlp`` with both
@@ -678,8 +684,8 @@ class _LayerMixin:
         if lora.is_lora(l1) or lora.is_lora(l2):
             return self._ffn_lora(x, residual, p_in, p_out, name, ops)
         if name is not None:
-            w1, w2 = l1._parameters, l2._parameters
-            return ops.mlp(x, w1["weight"], w1["bias"], w2["weight"], w2["bias"], name, residual, p_in, p_out)
+            return ops.mlp(x, *_params(l1, "weight", "bias"), *_params(l2, "weight", "bias"), name, residual, p_in,
+                           p_out)
         # A custom activation callable runs between the GEMMs, so its dropout does too.
         hid = self.activation(ops.linear(x, l1.weight, l1.bias))
         hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
