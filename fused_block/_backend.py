@@ -74,11 +74,16 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+# A Parameter of a DTensor is a DTensor (torch.nn.Parameter keeps a tensor subclass's type), so
+# these two types are never one.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def no_dtensor(name, *tensors):
     """The fused ops take local tensors: a clear error for a DTensor (its storage is not the
     tensor's data, which the kernels would read)."""
     for t in tensors:
-        if type(t) is torch.Tensor or t is None or not is_dtensor(t):
+        if t is None or type(t) in _PLAIN_TENSORS or not is_dtensor(t):
             continue
         raise TypeError(f"fused_block.{name}: got a DTensor (placements {tuple(t.placements)}); the kernels take "
                         "local tensors. Tensor-parallel layers run their ops on their shards "

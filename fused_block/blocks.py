@@ -99,6 +99,20 @@ def _ops(x):
     return _FUSED if x.dtype in _KERNEL_DTYPES else _REFERENCE
 
 
+# The fused forwards read the submodules and parameters of a layer's step from the registries
+# (``_modules``, ``_parameters``), where nn.Module.__getattr__ finds them after the instance
+# lookup fails: the same objects, without that failed lookup and its AttributeError on every
+# access (the guard, _guard.reason, holds the modules to the classes whose attributes these are).
+# A parameter that is not in the registry (torch.nn.utils.parametrize moves it into
+# ``parametrizations`` and serves it through a property) is read as an attribute.
+
+
+def _params(module, *names):
+    """``module``'s parameters ``names`` as attribute access gives them."""
+    reg = module._parameters
+    return [reg[n] if n in reg else getattr(module, n) for n in names]
+
+
 def _warn_once(key, message):
     _backend.warn_once(key, message, stacklevel=4)
 
@@ -437,7 +451,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         packed = key is None and self._qkv_same_embed_dim
         if packed:
             S = L
-            qkv = ops.linear(x, self.in_proj_weight, self.in_proj_bias)  # (.., (H + 2 Hkv) * D): one matmul
+            qkv = ops.linear(x, *_params(self, "in_proj_weight", "in_proj_bias"))  # (.., (H + 2 Hkv) * D): one matmul
             if self.rope:
                 qkv = self._rotate(qkv, ops)
             dtype = qkv.dtype
@@ -476,7 +490,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             if reason is None and bias is None and masks.hidden is None and ops is _FUSED:
                 o = _attention_qkvpacked(qkv, H, Hkv, masks.causal, None, masks.key_padding, dropout_p,
                                          batch_first=bf)
-                return ops.linear(o, self.out_proj.weight, self.out_proj.bias)
+                return ops.linear(o, *_params(self._modules["out_proj"], "weight", "bias"))
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
         if reason is None and bias is not None:
@@ -637,9 +651,10 @@ class _LayerMixin:
         # along the sequence (each rank's tokens draw their own).
         with _NO_SEED_BLOCK if run is None or dropout_p == 0 else run.seeds([run.rank if run.sequence_parallel else 0]):
             if self.norm == "layer":
-                return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps, dropout_p, False,
-                                          out_is_residual)
-            return ops.add_rms_norm(x, residual, module.weight, module.eps, dropout_p, False, out_is_residual)
+                return ops.add_layer_norm(x, residual, *_params(module, "weight", "bias"), module.eps, dropout_p,
+                                          False, out_is_residual)
+            return ops.add_rms_norm(x, residual, *_params(module, "weight"), module.eps, dropout_p, False,
+                                    out_is_residual)
 
     def _ffn(self, x, residual=None, output_dropout=True):
         """``residual + dropout2(linear2(dropout(act(linear1(x)))))``: one ``mlp`` with both
@@ -660,15 +675,17 @@ class _LayerMixin:
         return y if residual is None else y + residual
 
     def _ffn_local(self, x, residual, output_dropout):
-        p_in = self.dropout.p if self.training else 0.0
+        mods = self._modules
+        p_in = mods["dropout"].p if self.training else 0.0
         p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
         name = self._activation()
-        l1, l2 = self.linear1, self.linear2
+        l1, l2 = mods["linear1"], mods["linear2"]
         ops = _ops(x)
         if lora.is_lora(l1) or lora.is_lora(l2):
             return self._ffn_lora(x, residual, p_in, p_out, name, ops)
         if name is not None:
-            return ops.mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, name, residual, p_in, p_out)
+            return ops.mlp(x, *_params(l1, "weight", "bias"), *_params(l2, "weight", "bias"), name, residual, p_in,
+                           p_out)
         # A custom activation callable runs between the GEMMs, so its dropout does too.
         hid = self.activation(ops.linear(x, l1.weight, l1.bias))
         hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
@@ -833,7 +850,7 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
     _ATTENTIONS, _NORMS, _DROPOUTS = ("self_attn",), ("norm1", "norm2"), ("dropout", "dropout1", "dropout2")
 
     def _ffn_dropout(self):
-        return self.dropout2
+        return self._modules["dropout2"]
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
         nested = isinstance(src, Tensor) and src.is_nested
@@ -852,7 +869,8 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         return self._fused_forward(src, src_mask, src_key_padding_mask, is_causal)
 
     def _fused_forward(self, src, src_mask, src_key_padding_mask, is_causal):
-        attn = self.self_attn
+        mods = self._modules
+        attn = mods["self_attn"]
         _check_input("src", src, attn.embed_dim)
         x, batched = _batch(src, attn.batch_first)
         B, L = _dims(x, attn.batch_first)
@@ -861,20 +879,21 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         _check_padding_mask("src_key_padding_mask", src_key_padding_mask, B, L, batched)
         kpm = src_key_padding_mask if batched or src_key_padding_mask is None else src_key_padding_mask[None]
         names = ("src_mask", "src_key_padding_mask")
-        p1 = self.dropout1.p if self.training else 0.0
+        p1 = mods["dropout1"].p if self.training else 0.0
+        p2 = mods["dropout2"].p
 
         def sa(inp):
             return attn._attend(inp, None, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
 
-        with self._seed_block(x, p1, self.dropout2.p, self.dropout.p, attn.dropout):
+        with self._seed_block(x, p1, p2, mods["dropout"].p, attn.dropout):
             if self.norm_first:
-                n1, x = self._add_norm(self.norm1, x)              # x's two gradients summed in norm1's kernel
-                n2, h = self._add_norm(self.norm2, sa(n1), x, p1)  # h = x + drop1(attn)
-                y = self._ffn(n2, residual=h)                      # h + drop2(ffn), add in the epilogue
+                n1, x = self._add_norm(mods["norm1"], x)              # x's two gradients summed in norm1's kernel
+                n2, h = self._add_norm(mods["norm2"], sa(n1), x, p1)  # h = x + drop1(attn)
+                y = self._ffn(n2, residual=h)                         # h + drop2(ffn), add in the epilogue
             else:
-                h, r = self._add_norm(self.norm1, _like(sa(x), x), x, p1, True)  # r: h for the next add
+                h, r = self._add_norm(mods["norm1"], _like(sa(x), x), x, p1, True)  # r: h for the next add
                 f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
-                y, _ = self._add_norm(self.norm2, _like(f, h), r, self.dropout2.p if self.training else 0.0)
+                y, _ = self._add_norm(mods["norm2"], _like(f, h), r, p2 if self.training else 0.0)
         return _unbatch(y, batched, attn.batch_first)
 
     def _forward_nested(self, src, src_mask, src_key_padding_mask, is_causal):

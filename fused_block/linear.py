@@ -63,31 +63,38 @@ def _empty(shape, dtype, device, needed):
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library ops on 2-D tensors
+# torch.library ops on rows: an activation (x, residual, their gradients) is a 2-D (rows, features)
+# tensor with any strides, or a contiguous one of another rank whose rows are all its dims but the
+# last (the caller's (batch, sequence, features), read in place: kernels.matmul._mat); outputs take
+# its leading dims
 # ---------------------------------------------------------------------------------------------
 
+def _n_rows(t):
+    return t.shape[0] if t.dim() == 2 else t.numel() // t.shape[-1] if t.shape[-1] else 0
+
+
 def _linear_fwd_fake(x, weight, bias, residual, activation, save_pre, seed, dropout_p):
-    shape = (x.shape[0], weight.shape[0])
+    shape = (*x.shape[:-1], weight.shape[0])
     return (x.new_empty(shape, dtype=_out_dtype(x, residual)),
             x.new_empty(shape if save_pre and activation != "none" else (0,)))
 
 
 def _linear_forward(x, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed, dropout_p):
     store = save_pre and activation != "none"
-    out = common.empty((x.shape[0], weight.shape[0]), _out_dtype(x, residual), x.device)
+    out = common.empty((*x.shape[:-1], weight.shape[0]), _out_dtype(x, residual), x.device)
     pre = _empty(out.shape, x.dtype, x.device, store)
     with _backend.device_guard(x):
-        _k.gemm(x, weight.t(), out, bias=bias, residual=residual, aux=pre if store else None,
+        _k.gemm(x, weight, out, bias=bias, residual=residual, aux=pre if store else None,
                 store_pre=store, activation=_code(activation), seed=seed, dropout_p=dropout_p,
-                lora_a=lora_u, lora_b=None if lora_b is None else lora_b.t())
+                lora_a=lora_u, lora_b=None if lora_b is None else lora_b.t(), transpose_b=True)
     return out, pre
 
 
 @_library.op("linear_fwd", fake=_linear_fwd_fake)
 def _linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
                 activation: str, save_pre: bool, seed: Optional[Tensor], dropout_p: float) -> tuple[Tensor, Tensor]:
-    """x (M, K), weight (N, K) -> (out (M, N), pre (M, N), or empty unless saved). seed: int64
-    (1,) when ``dropout_p > 0``, else None."""
+    """x (..., K) rows, weight (N, K) -> (out (..., N), pre (..., N), or empty unless saved), in
+    x's leading dims. seed: int64 (1,) when ``dropout_p > 0``, else None."""
     return _linear_forward(x, weight, bias, residual, None, None, activation, save_pre, seed, dropout_p)
 
 
@@ -100,23 +107,25 @@ def _linear_lora_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual
                      lora_u: Tensor, lora_b: Tensor, activation: str, save_pre: bool, seed: Optional[Tensor],
                      dropout_p: float) -> tuple[Tensor, Tensor]:
     """As ``linear_fwd`` with a LoRA update inside the GEMM: ``x @ weight.T + lora_u @
-    lora_b.T`` before the epilogue; lora_u (M, R), lora_b (N, R), R a multiple of 16."""
+    lora_b.T`` before the epilogue; lora_u (M, R) (a row per row of x), lora_b (N, R), R a
+    multiple of 16."""
     return _linear_forward(x, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed, dropout_p)
 
 
 def _linear_bwd_fake(g, x, weight, pre, seed, activation, dropout_p, need_x, need_w, need_b):
-    M, N = g.shape
-    K = weight.shape[1] if weight is not None else (x.shape[1] if x is not None else 0)
-    return (g.new_empty((M, K) if need_x else (0,)), g.new_empty((N, K) if need_w else (0,)),
+    N = g.shape[-1]
+    K = weight.shape[1] if weight is not None else (x.shape[-1] if x is not None else 0)
+    return (g.new_empty((*g.shape[:-1], K) if need_x else (0,)), g.new_empty((N, K) if need_w else (0,)),
             g.new_empty((N,) if need_b else (0,)))
 
 
 def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropout_p, need_x, need_w, need_b,
                      need_u, need_lb):
-    M, N = g.shape
-    K = weight.shape[1] if weight is not None else (x.shape[1] if x is not None else 0)
+    N = g.shape[-1]
+    M = _n_rows(g)
+    K = weight.shape[1] if weight is not None else (x.shape[-1] if x is not None else 0)
     act = _code(activation)
-    dx = _empty((M, K), g.dtype, g.device, need_x)
+    dx = _empty((*g.shape[:-1], K), g.dtype, g.device, need_x)
     dw = _empty((N, K), g.dtype, g.device, need_w)
     du = dlb = db = None
     with _backend.device_guard(g):
@@ -131,7 +140,7 @@ def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropou
             rowsum = need_b and part is None  # dB = colsum(dY) from the dW GEMM's reads of dY
             if rowsum:
                 part = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), N), torch.float32, g.device)
-            _k.gemm(dpre.t(), x, dw, part=part if rowsum else None, rowsum=rowsum)
+            _k.gemm(dpre, x, dw, part=part if rowsum else None, rowsum=rowsum, transpose_a=True)
         elif need_b and part is None:
             part = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_b:
@@ -141,20 +150,22 @@ def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropou
             _k.gemm(dpre, lora_b, du)
         if need_lb:
             dlb = common.empty(lora_b.shape, g.dtype, g.device)
-            _k.gemm(dpre.t(), lora_u, dlb)
-    empty = g.new_empty(0)
-    return (dx, dw, db if need_b else empty, du if need_u else empty, dlb if need_lb else empty)
+            _k.gemm(dpre, lora_u, dlb, transpose_a=True)
+    db = db if need_b else g.new_empty(0)
+    if lora_u is None:  # linear_bwd's three outputs
+        return dx, dw, db
+    return dx, dw, db, du if need_u else g.new_empty(0), dlb if need_lb else g.new_empty(0)
 
 
 @_library.op("linear_bwd", fake=_linear_bwd_fake)
 def _linear_bwd(g: Tensor, x: Optional[Tensor], weight: Optional[Tensor], pre: Optional[Tensor],
                 seed: Optional[Tensor], activation: str, dropout_p: float, need_x: bool, need_w: bool,
                 need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``linear`` from g = dOut (M, N) in x's dtype: (dx (M, K), dw (N, K), db
-    (N,)), each empty unless needed. x is needed for dw, weight for dx, pre when there is an
-    activation, seed when ``dropout_p > 0``."""
+    """Gradients of ``linear`` from g = dOut (..., N) rows in x's dtype: (dx (..., K) in g's
+    leading dims, dw (N, K), db (N,)), each empty unless needed. x (rows) is needed for dw,
+    weight for dx, pre when there is an activation, seed when ``dropout_p > 0``."""
     return _linear_backward(g, x, weight, pre, seed, None, None, activation, dropout_p, need_x, need_w, need_b,
-                            False, False)[:3]
+                            False, False)
 
 
 def _linear_lora_bwd_fake(g, x, weight, pre, seed, lora_u, lora_b, activation, dropout_p, need_x, need_w,
@@ -196,11 +207,11 @@ def _gated_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor]
     pre = common.empty((M, 2 * F), x.dtype, x.device) if save_pre else None
     lora = lora_u is not None
     with _backend.device_guard(x):
-        _k.gemm(x, w_gate.t(), h, b2=w_up.t(), bias=b_gate, bias2=b_up, aux=pre,
+        _k.gemm(x, w_gate, h, b2=w_up, bias=b_gate, bias2=b_up, aux=pre,
                 aux2=pre[:, F:] if pre is not None else None, store_pre=save_pre, round_pre=True,
                 activation=_code(activation),
                 seed=seed, dropout_p=dropout_p, lora_a=lora_u, lora_b=lora_b_gate.t() if lora else None,
-                lora_b2=lora_b_up.t() if lora else None)
+                lora_b2=lora_b_up.t() if lora else None, transpose_b=True)
     return h, pre if save_pre else x.new_empty(0)
 
 
@@ -237,23 +248,22 @@ def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: O
         if need_x:
             _k.gemm(dpre[:, :F], w_gate, dx, a2=dpre[:, F:], b2=w_up)
         if need_w:
-            _k.gemm(dpre.t(), x, dw)  # [dWg; dWu] = [dGate | dUp].T @ x: one GEMM
+            _k.gemm(dpre, x, dw, transpose_a=True)  # [dWg; dWu] = [dGate | dUp].T @ x: one GEMM
         if need_b:
             db = _k.reduce_partials(part, dt)[0]
         if need_u:
             _k.gemm(dpre[:, :F], lora_b_gate, du, a2=dpre[:, F:], b2=lora_b_up)
         if need_lb:
-            _k.gemm(dpre.t(), lora_u, dlb)
-    empty = g.new_empty(0)
-    return dx, dw, db if need_b else empty, du, dlb
+            _k.gemm(dpre, lora_u, dlb, transpose_a=True)
+    return dx, dw, db if need_b else g.new_empty(0), du, dlb
 
 
 def _ffn_fwd_fake(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
                   output_seed, output_dropout_p):
-    M, F = x.shape[0], w1.shape[0]
+    M, F = _n_rows(x), w1.shape[0]
     width = 2 * F if activation in GATED else F
     saved = (M, width) if save == SAVE_PRE else ((M, F) if save == SAVE_H else (0,))
-    return x.new_empty((M, w2.shape[0]), dtype=_out_dtype(x, residual)), x.new_empty(saved)
+    return x.new_empty((*x.shape[:-1], w2.shape[0]), dtype=_out_dtype(x, residual)), x.new_empty(saved)
 
 
 @_library.op("ffn_fwd", fake=_ffn_fwd_fake)
@@ -261,23 +271,26 @@ def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor
              w2: Tensor, b2: Optional[Tensor], residual: Optional[Tensor], activation: str, save: int,
              seed: Optional[Tensor], dropout_p: float, output_seed: Optional[Tensor],
              output_dropout_p: float) -> tuple[Tensor, Tensor]:
-    """x (M, D), w1 (F, D), w2 (D', F) -> (out (M, D'), saved).
+    """x (..., D) rows (M of them), w1 (F, D), w2 (D', F) -> (out (..., D') in x's leading dims,
+    saved).
 
     hidden = dropout(act(x @ w1.T + b1)) with ``seed``, or for SwiGLU dropout(silu(x @ w1.T +
     b1) * (x @ w1_up.T + b1_up)) (one GEMM, two accumulators); out = dropout(hidden @ w2.T +
     b2) with ``output_seed``, + residual. saved: the pre-activation (M, F), for SwiGLU [gate |
     up] (M, 2F) (``save == SAVE_PRE``), the hidden activation (``SAVE_H``), or empty.
     """
-    M, F = x.shape[0], w1.shape[0]
+    M, F = _n_rows(x), w1.shape[0]
     swiglu = activation in GATED
     h = common.empty((M, F), x.dtype, x.device)
     pre = common.empty((M, 2 * F if swiglu else F), x.dtype, x.device) if save == SAVE_PRE else None
-    out = common.empty((M, w2.shape[0]), _out_dtype(x, residual), x.device)
+    out = common.empty((*x.shape[:-1], w2.shape[0]), _out_dtype(x, residual), x.device)
     with _backend.device_guard(x):
-        _k.gemm(x, w1.t(), h, b2=w1_up.t() if swiglu else None, bias=b1, bias2=b1_up if swiglu else None,
+        _k.gemm(x, w1, h, b2=w1_up if swiglu else None, bias=b1, bias2=b1_up if swiglu else None,
                 aux=pre, aux2=pre[:, F:] if swiglu and pre is not None else None, store_pre=pre is not None,
-                round_pre=activation != "none", activation=_code(activation), seed=seed, dropout_p=dropout_p)
-        _k.gemm(h, w2.t(), out, bias=b2, residual=residual, seed=output_seed, dropout_p=output_dropout_p)
+                round_pre=activation != "none", activation=_code(activation), seed=seed, dropout_p=dropout_p,
+                transpose_b=True)
+        _k.gemm(h, w2, out, bias=b2, residual=residual, seed=output_seed, dropout_p=output_dropout_p,
+                transpose_b=True)
     if save == SAVE_PRE:
         return out, pre
     return out, (h if save == SAVE_H else x.new_empty(0))
@@ -285,10 +298,10 @@ def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor
 
 def _ffn_bwd_fake(g, x, w1, w1_up, w2, saved, seed, output_seed, activation, dropout_p, output_dropout_p,
                   save, d_in, need_x, need_w1, need_b1, need_w2, need_b2):
-    M, D2 = g.shape
+    D2 = g.shape[-1]
     F = w2.shape[1]
     F1 = 2 * F if activation in GATED else F
-    return (g.new_empty((M, d_in) if need_x else (0,)), g.new_empty((F1, d_in) if need_w1 else (0,)),
+    return (g.new_empty((*g.shape[:-1], d_in) if need_x else (0,)), g.new_empty((F1, d_in) if need_w1 else (0,)),
             g.new_empty((F1,) if need_b1 else (0,)), g.new_empty((D2, F) if need_w2 else (0,)),
             g.new_empty((D2,) if need_b2 else (0,)))
 
@@ -298,16 +311,17 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
              saved: Optional[Tensor], seed: Optional[Tensor], output_seed: Optional[Tensor], activation: str,
              dropout_p: float, output_dropout_p: float, save: int, d_in: int, need_x: bool, need_w1: bool,
              need_b1: bool, need_w2: bool, need_b2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``_ffn_fwd`` from g = dOut (M, D') in x's dtype: (dx (M, d_in), dw1 (F1,
-    d_in), db1 (F1,), dw2 (D', F), db2 (D',)), each empty unless needed; F1 = 2F for SwiGLU
-    (gate rows, then up rows)."""
-    M, D2 = g.shape
+    """Gradients of ``_ffn_fwd`` from g = dOut (..., D') rows in x's dtype: (dx (..., d_in) in g's
+    leading dims, dw1 (F1, d_in), db1 (F1,), dw2 (D', F), db2 (D',)), each empty unless needed;
+    F1 = 2F for SwiGLU (gate rows, then up rows)."""
+    D2 = g.shape[-1]
+    M = _n_rows(g)
     F = w2.shape[1]
     swiglu = activation in GATED
     F1 = 2 * F if swiglu else F
     need_hidden = need_x or need_w1 or need_b1
     dt, dev = g.dtype, g.device
-    dx = _empty((M, d_in), dt, dev, need_x)
+    dx = _empty((*g.shape[:-1], d_in), dt, dev, need_x)
     dw1 = _empty((F1, d_in), dt, dev, need_w1)
     dw2 = _empty((D2, F), dt, dev, need_w2)
     part1 = part2 = None
@@ -331,11 +345,11 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
             rowsum = need_b2 and part2 is None
             if rowsum:
                 part2 = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), D2), torch.float32, dev)
-            _k.gemm(g.t(), h, dw2, part=part2 if rowsum else None, rowsum=rowsum)
+            _k.gemm(g, h, dw2, part=part2 if rowsum else None, rowsum=rowsum, transpose_a=True)
         elif need_b2 and part2 is None:
             part2 = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_w1:
-            _k.gemm(dpre.t(), x, dw1)
+            _k.gemm(dpre, x, dw1, transpose_a=True)
         if need_x:
             if swiglu:
                 _k.gemm(dpre[:, :F], w1, dx, a2=dpre[:, F:], b2=w1_up)
@@ -348,8 +362,7 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
             db1 = _k.reduce_partials(part1, dt)[0]
         elif need_b2:
             db2 = _k.reduce_partials(part2, dt)[0]
-    empty = g.new_empty(0)
-    return dx, dw1, db1 if need_b1 else empty, dw2, db2 if need_b2 else empty
+    return dx, dw1, db1 if need_b1 else g.new_empty(0), dw2, db2 if need_b2 else g.new_empty(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,17 +378,17 @@ def _output(out, lead):
 
 
 class _LinearFn(torch.autograd.Function):
-    """x (..., K) and residual (..., N) keep their shapes: the (rows, K) views are taken in here
-    and in the backward, where autograd does not record them, and the output comes back in x's
-    leading dims (:func:`_output`)."""
+    """x (..., K) and residual (..., N) keep their shapes: the ops read them in place as rows
+    (:func:`_rows`; a (rows, K) view, taken in here and in the backward where autograd does not
+    record it, only for a tensor that is neither 2-D nor contiguous), and the output comes back
+    in x's leading dims (the op's own, or :func:`_output` of the view's)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, lora_u, lora_b, activation, seed, dropout_p):
         need_x, need_w, need_b, _, need_u, need_lb = ctx.needs_input_grad[:6]
         need = need_x or need_w or need_b or need_u or need_lb
         save_pre = need and activation != "none"
-        n = weight.shape[0]
-        x2, residual = _rows(x, x.shape[-1]), _rows(residual, n)
+        x2, residual = _rows(x), _rows(residual)
         if lora_u is None:
             out, pre = _linear_fwd(x2, weight, bias, residual, activation, save_pre, seed, dropout_p)
         else:
@@ -387,7 +400,7 @@ class _LinearFn(torch.autograd.Function):
                               lora_b if need_u else None)
         ctx.activation, ctx.dropout_p, ctx.x_dtype, ctx.x_shape = activation, dropout_p, x.dtype, x.shape
         ctx.lora = lora_u is not None
-        return _output(out, x.shape[:-1])
+        return out if x2 is x else _output(out, x.shape[:-1])
 
     @staticmethod
     def backward(ctx, dout):
@@ -395,15 +408,17 @@ class _LinearFn(torch.autograd.Function):
         dx = dw = db = du = dlb = None
         if dout is not None and (need_x or need_w or need_b or need_u or need_lb):
             x, weight, pre, seed, lora_u, lora_b = ctx.saved_tensors
-            g = dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype)  # residual promoted out
-            g = _rows(g, g.shape[-1])
+            g = _rows(dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype))  # residual promoted out
             if ctx.lora:
                 dx, dw, db, du, dlb = _linear_lora_bwd(g, x, weight, pre, seed, lora_u, lora_b, ctx.activation,
                                                        ctx.dropout_p, need_x, need_w, need_b, need_u, need_lb)
             else:
                 dx, dw, db = _linear_bwd(g, x, weight, pre, seed, ctx.activation, ctx.dropout_p,
                                          need_x, need_w, need_b)
-            dx = dx.view(ctx.x_shape) if need_x else None
+            if need_x and dx.dim() != len(ctx.x_shape):  # from a (rows, N) view of dout
+                dx = dx.view(*ctx.x_shape)
+            elif not need_x:
+                dx = None
         return (dx, dw if need_w else None, db if need_b else None,
                 dout if need_r else None, du if need_u else None, dlb if need_lb else None, None, None, None)
 
@@ -470,8 +485,8 @@ class _FFNFn(torch.autograd.Function):
             save = SAVE_H if need_w2 else SAVE_NONE
         if split_w1:
             w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
-        lead, x = x.shape[:-1], _rows(x, x.shape[-1])
-        out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, _rows(residual, w2.shape[0]), activation, save,
+        lead, x_in, x = x.shape[:-1], x, _rows(x)
+        out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, _rows(residual), activation, save,
                               seed, dropout_p, output_seed, output_dropout_p)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x if need_w1 else None, w1 if need_x else None, w1_up if need_x else None, w2,
@@ -481,8 +496,8 @@ class _FFNFn(torch.autograd.Function):
                               else None)
         ctx.activation, ctx.save, ctx.split_w1 = activation, save, split_w1
         ctx.dropout_p, ctx.output_dropout_p = dropout_p, output_dropout_p
-        ctx.x_dtype, ctx.d_in, ctx.lead = x.dtype, x.shape[1], lead
-        return _output(out, lead)
+        ctx.x_dtype, ctx.d_in, ctx.lead = x.dtype, x.shape[-1], lead
+        return out if x is x_in else _output(out, lead)
 
     @staticmethod
     def backward(ctx, dout):
@@ -493,11 +508,13 @@ class _FFNFn(torch.autograd.Function):
             return tuple(grads)
         if need_x or need_w1 or need_b1 or need_w2 or need_b2:
             x, w1, w1_up, w2, saved, seed, output_seed = ctx.saved_tensors
-            g = _rows(dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype), dout.shape[-1])
+            g = _rows(dout if dout.dtype == ctx.x_dtype else dout.to(ctx.x_dtype))
             dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1, w1_up, w2, saved, seed, output_seed, ctx.activation,
                                               ctx.dropout_p, ctx.output_dropout_p, ctx.save, ctx.d_in,
                                               need_x, need_w1, need_b1, need_w2, need_b2)
-            grads[0], grads[5], grads[6] = dx.view(*ctx.lead, ctx.d_in) if need_x else None, dw2, db2
+            if need_x and dx.dim() != len(ctx.lead) + 1:  # from a (rows, D') view of dout
+                dx = dx.view(*ctx.lead, ctx.d_in)
+            grads[0], grads[5], grads[6] = dx if need_x else None, dw2, db2
             if ctx.activation in GATED and not ctx.split_w1:
                 f = w2.shape[1]
                 grads[1], grads[2] = (dw1[:f], dw1[f:]) if need_w1 else (None, None)
@@ -522,8 +539,24 @@ def _check_activation(activation, allowed=ACTIVATIONS):
         raise ValueError(f"activation must be one of {allowed}, got {activation!r}")
 
 
+_TENSOR_TYPES = (Tensor, torch.nn.Parameter)  # the plain types: no subclass to look at
+
+
+def _layer_ok(x, weight, bias, k) -> bool:
+    """The common case of the layer checks in one expression: weight (N, k) and bias (N,) or None,
+    plain tensors of x's dtype and device (False: run the checks, which raise the error)."""
+    dtype, device = x.dtype, x.device
+    return (dtype in _validate.FLOAT_DTYPES and type(weight) in _TENSOR_TYPES and weight.dtype is dtype
+            and weight.dim() == 2
+            and weight.shape[1] == k and weight.device == device
+            and (bias is None or (type(bias) in _TENSOR_TYPES and bias.dtype is dtype and bias.dim() == 1
+                                  and bias.shape[0] == weight.shape[0] and bias.device == device)))
+
+
 def _check_layer(x_name, x, w_name, weight, b_name, bias):
     """weight (N, K) matches x (..., K) in dtype, device and K; bias is (N,)."""
+    if _layer_ok(x, weight, bias, x.shape[-1]):
+        return
     _validate.tensor(w_name, weight, ndim=2)
     _validate.tensor(b_name, bias, ndim=1, optional=True)
     _validate.same_device(x_name, x, **{w_name: weight, b_name: bias})
@@ -538,6 +571,8 @@ def _check_layer(x_name, x, w_name, weight, b_name, bias):
 
 def _check_second_layer(x, w_name, weight, b_name, bias, hidden, hidden_name):
     """The FFN's second layer: weight (D', hidden) on x's dtype and device, bias (D',)."""
+    if _layer_ok(x, weight, bias, hidden):
+        return
     _validate.tensor(w_name, weight, ndim=2)
     if weight.shape[1] != hidden:
         raise ValueError(f"{w_name} has in_features {weight.shape[1]} (shape {tuple(weight.shape)}) but "
@@ -551,6 +586,11 @@ def _check_second_layer(x, w_name, weight, b_name, bias, hidden, hidden_name):
 
 
 def _check_residual(x, residual, n):
+    if residual is None:
+        return
+    if (type(residual) in _TENSOR_TYPES and residual.dtype in _validate.FLOAT_DTYPES and residual.dim() == x.dim()
+            and residual.shape[-1] == n and residual.shape[:-1] == x.shape[:-1] and residual.device == x.device):
+        return  # the common case of the checks below
     _validate.tensor("residual", residual, optional=True)
     _validate.same_device("x", x, residual=residual)
     _validate.shape("residual", residual, (*x.shape[:-1], n))
@@ -567,12 +607,20 @@ def _autocast(x, *tensors):
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in (x, *tensors))
 
 
-def _rows(t, n):
+def _flat(t):
     """(rows, n) view of (..., n) ``t`` (also when n or the rows are 0). No Python arithmetic
     on the sizes, so a ``torch.jit.trace`` of it follows the input's shape."""
     if t is None:
         return None
     return t.unsqueeze(0) if t.dim() == 1 else t.flatten(0, -2)
+
+
+def _rows(t):
+    """``t`` as the ops read activations: itself when 2-D or contiguous (rows read in place), else
+    its (rows, n) view (:func:`_flat`)."""
+    if t is None or t.dim() == 2 or t.is_contiguous():
+        return t
+    return _flat(t)
 
 
 # LoRA ranks are padded to a multiple of this (zero columns): aligned rows for the GEMM's
@@ -599,7 +647,7 @@ def _check_lora(x, lora, outs):
         _validate.shape(f"lora B{i}", b, (n, R))
     _validate.same_device("x", x, lora_U=u, **{f"lora_B{i}": b for i, b in enumerate(bs)})
     pad = -R % LORA_RANK_ALIGN
-    u = _rows(u, R)
+    u = _flat(u)
     if pad:
         u, bs = F.pad(u, (0, pad)), tuple(F.pad(b, (0, pad)) for b in bs)
     return (u, *bs)
@@ -636,12 +684,13 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     act = activation or "none"
     if _backend.needs_autograd(x, weight, bias, residual, u, lb):
         return _LinearFn_apply(x, weight, bias, residual, u, lb, act, seed, float(dropout_p))
-    args = (_rows(x, x.shape[-1]), weight, bias, _rows(residual, n))
+    x2 = _rows(x)
+    args = (x2, weight, bias, _rows(residual))
     if u is None:
         out = _linear_fwd(*args, act, False, seed, float(dropout_p))[0]
     else:
         out = _linear_lora_fwd(*args, u, lb, act, False, seed, float(dropout_p))[0]
-    return out.view(*x.shape[:-1], n)
+    return out if x2 is x else out.view(*x.shape[:-1], n)
 
 
 def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor] = None,
@@ -673,7 +722,7 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
     if not _backend.use_triton(x):
         return reference.gated(x, w_gate, w_up, b_gate, b_up, dropout_p=dropout_p, lora=lora, activation=activation)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    x2 = _rows(x, x.shape[-1])
+    x2 = _flat(x)
     if _backend.needs_autograd(x, w_gate, w_up, b_gate, b_up, u, lbg, lbu):
         h = _GatedFn_apply(x2, w_gate, w_up, b_gate, b_up, u, lbg, lbu, activation, seed, float(dropout_p))
     else:
@@ -692,9 +741,10 @@ def _ffn(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, dropout_p, outpu
                             output_seed, float(output_dropout_p), split_w1)
     if split_w1:
         w1, w1_up, b1, b1_up = _gate_up_views(w1, b1)
-    out = _ffn_fwd(_rows(x, x.shape[-1]), w1, w1_up, b1, b1_up, w2, b2, _rows(residual, n), activation, SAVE_NONE,
+    x2 = _rows(x)
+    out = _ffn_fwd(x2, w1, w1_up, b1, b1_up, w2, b2, _rows(residual), activation, SAVE_NONE,
                    seed, float(dropout_p), output_seed, float(output_dropout_p))[0]
-    return out.view(*x.shape[:-1], n)
+    return out if x2 is x else out.view(*x.shape[:-1], n)
 
 
 def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],

@@ -23,16 +23,21 @@ MAX_HIDDEN = _k.MAX_HIDDEN
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library ops on 2-D (rows, hidden) tensors with a unit last stride
+# torch.library ops on rows of ``hidden`` elements: (rows, hidden) tensors with any row stride and
+# a unit last stride, or contiguous tensors of any rank (their rows: every dim but the last)
 # ---------------------------------------------------------------------------------------------
+
+
+def _n_rows(t):
+    return t.shape[0] if t.dim() == 2 else t.numel() // t.shape[-1]
 
 
 def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
               unit_offset=False):
-    M, N = x.shape
-    outs = [x.new_empty((M, N))]
+    M = _n_rows(x)
+    outs = [x.new_empty(x.shape)]
     if store_residual:
-        outs.append(x.new_empty((M, N), dtype=residual_dtype))
+        outs.append(x.new_empty(x.shape, dtype=residual_dtype))
     if not is_rms:
         outs.append(x.new_empty((M,), dtype=torch.float32))
     outs.append(x.new_empty((M,), dtype=torch.float32))
@@ -43,8 +48,9 @@ def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_
 def _add_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
                   seed: Tensor | None, eps: float, dropout_p: float, is_rms: bool,
                   residual_dtype: torch.dtype, store_residual: bool, unit_offset: bool = False) -> list[Tensor]:
-    """``[out, residual_out (if store_residual), mean (LayerNorm), rstd]``; see kernels.norm.add_norm_fwd.
-    ``unit_offset``: the row scaled by ``1 + weight`` (Gemma's RMSNorm)."""
+    """``[out, residual_out (if store_residual), mean (LayerNorm), rstd]``: out and residual_out in
+    x's shape, mean and rstd one per row; see kernels.norm.add_norm_fwd. ``unit_offset``: the
+    row scaled by ``1 + weight`` (Gemma's RMSNorm)."""
     with _backend.device_guard(x):
         return _k.add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms,
                                residual_dtype, store_residual, unit_offset)
@@ -52,10 +58,10 @@ def _add_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, bia
 
 def _bwd_fake(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms, x_dtype,
               dres_dtype, dw_dtype, db_dtype, unit_offset=False):
-    M, N = h.shape
-    outs = [h.new_empty((M, N), dtype=x_dtype)]
+    N = h.shape[-1]
+    outs = [h.new_empty(h.shape, dtype=x_dtype)]
     if dres_dtype is not None:
-        outs.append(h.new_empty((M, N), dtype=dres_dtype))
+        outs.append(h.new_empty(h.shape, dtype=dres_dtype))
     for dtype in (dw_dtype, db_dtype):
         if dtype is not None:
             outs.append(h.new_empty((N,), dtype=dtype))
@@ -67,8 +73,8 @@ def _add_norm_bwd(dout: Tensor | None, dout2: Tensor | None, dresidual_out: Tens
                   weight: Tensor | None, mean: Tensor | None, rstd: Tensor, seed: Tensor | None, dropout_p: float,
                   is_rms: bool, x_dtype: torch.dtype, dres_dtype: torch.dtype | None, dw_dtype: torch.dtype | None,
                   db_dtype: torch.dtype | None, unit_offset: bool = False) -> list[Tensor]:
-    """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``; see
-    kernels.norm.add_norm_bwd."""
+    """``[dx, dresidual (if dres_dtype), dweight (if dw_dtype), dbias (if db_dtype)]``, dx and
+    dresidual in h's shape; see kernels.norm.add_norm_bwd."""
     with _backend.device_guard(h):
         return _k.add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropout_p, is_rms,
                                x_dtype, dres_dtype, dw_dtype, db_dtype, unit_offset)
@@ -79,18 +85,23 @@ def _unit_last_stride(t):
 
 
 def _rows(t):
-    """(rows, hidden) view (copy only when the leading dims cannot be flattened), unit last stride."""
-    return None if t is None else _unit_last_stride(t.reshape(-1, t.shape[-1]))
+    """``t`` as the ops take it: itself when contiguous (no view), else a (rows, hidden) view
+    (a copy only when the leading dims cannot be flattened) with a unit last stride."""
+    if t is None or t.is_contiguous():
+        return t
+    return _unit_last_stride(t.reshape(-1, t.shape[-1]))
 
 
 def _forward(x, residual, args):
     """The forward op on x and residual of any shape; ``(out, residual_out or None)`` in x's
     shape, and the op's outputs."""
-    outs = _add_norm_fwd(_rows(x), _rows(residual), *args)
+    rows = _rows(x)
+    outs = _add_norm_fwd(rows, _rows(residual), *args)
     out, rout = outs[0], outs[1] if args[7] else None
-    if x.dim() != 2:
-        out = out.view(x.shape)
-        rout = None if rout is None else rout.view(x.shape)
+    if rows is not x and x.dim() != 2:  # the op's outputs are (rows, hidden)
+        shape = x.shape
+        out = out.view(*shape)
+        rout = None if rout is None else rout.view(*shape)
     return out, rout, outs
 
 
@@ -156,11 +167,16 @@ class _AddNorm(torch.autograd.Function):
         grads = _add_norm_bwd(_rows(dout), _rows(dout2), _rows(drout), h, weight, mean, rstd, seed, ctx.dropout_p,
                               ctx.is_rms, ctx.x_dtype, ctx.residual_dtype if separate else None, dw_dtype, db_dtype,
                               ctx.unit_offset)
-        dx = grads[0].view(ctx.shape)
+        shape = ctx.shape
+        dx = grads[0]
+        if dx.shape != shape:  # h (rows, hidden): x was not contiguous
+            dx = dx.view(*shape)
         i = 1
         dres = None
         if separate:
-            dres, i = grads[1].view(ctx.shape), 2
+            dres, i = grads[1], 2
+            if dres.shape != shape:
+                dres = dres.view(*shape)
         elif ctx.has_residual and need_res:
             dres = dx
         dweight = dbias = None
@@ -178,7 +194,23 @@ _AddNorm_apply = _library.fast_apply(_AddNorm)
 # public functions
 # ---------------------------------------------------------------------------------------------
 
+_TENSOR_TYPES = (Tensor, torch.nn.Parameter)  # the plain types: no subclass to look at
+
+
+def _vector_ok(t, n, device) -> bool:
+    return t is None or (type(t) in _TENSOR_TYPES and t.dtype in _validate.FLOAT_DTYPES and t.dim() == 1
+                         and t.shape[0] == n and t.device == device)
+
+
 def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual):
+    if (type(x) in _TENSOR_TYPES and x.dtype in _validate.FLOAT_DTYPES and x.dim() >= 1
+            and 0 < x.shape[-1] <= MAX_HIDDEN and type(eps) is float and eps > 0 and type(dropout_p) is float
+            and 0.0 <= dropout_p < 1.0 and type(residual_in_fp32) is bool and type(out_is_residual) is bool):
+        device = x.device
+        if ((residual is None or (type(residual) in _TENSOR_TYPES and residual.dtype in _validate.FLOAT_DTYPES
+                                  and residual.shape == x.shape and residual.device == device))
+                and _vector_ok(weight, x.shape[-1], device) and _vector_ok(bias, x.shape[-1], device)):
+            return  # the common case of the checks below
     _validate.tensor("x", x, min_ndim=1)
     _validate.tensor("residual", residual, optional=True)
     _validate.tensor("weight", weight, optional=True)

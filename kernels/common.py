@@ -14,6 +14,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from fused_block.kernels import launch as _direct
 
@@ -104,6 +105,20 @@ def dot(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr = "tf32"):
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
+def _scratch(size, alignment, stream):
+    """Global scratch for device-side tensor descriptors, on the current device (where Triton
+    launches)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def scratch_allocator() -> None:
+    """``triton.set_allocator`` for the scratch of device-side tensor descriptors, where it is not
+    already set: a ContextVar, so each thread (autograd's backward thread too) and context sets
+    its own; a ContextVar read where it is."""
+    if _allocation._allocator.get() is not _scratch:
+        triton.set_allocator(_scratch)
+
+
 # tanh(x) = x P(x^2) / sqrt(Q(x^2)) on |x| <= 8, P of degree 2 and Q of degree 5 (so that the
 # quotient tends to a constant as tanh does): a relative minimax fit (least squares reweighted
 # towards the largest error, on [0, 8] plus the clamp's tail), coefficients rounded to fp32.
@@ -141,13 +156,19 @@ def _contiguous_strides(shape):
     """The strides ``torch.empty(shape)`` gives (a size-0 dim counts as 1, as in torch)."""
     n = len(shape)
     if n == 2:
-        return (shape[1], 1)
+        return (shape[1] or 1, 1)
     if n == 1:
         return (1,)
+    if n == 3:
+        s1 = shape[2] or 1
+        return (s1 * (shape[1] or 1), s1, 1)
     strides = [1] * n
     for i in range(n - 1, 0, -1):
         strides[i - 1] = strides[i] * max(shape[i], 1)
     return tuple(strides)
+
+
+_empty_strided = torch.empty_strided
 
 
 def empty(shape, dtype, device):
@@ -158,7 +179,15 @@ def empty(shape, dtype, device):
     on the CPU, and a training step allocates a few dozen outputs)."""
     if type(shape) is int:
         shape = (shape,)
-    t = torch.empty_strided(shape, _contiguous_strides(shape), dtype=dtype, device=device)
+    n = len(shape)
+    if n == 2:
+        strides = (shape[1] or 1, 1)
+    elif n == 3:
+        s1 = shape[2] or 1
+        strides = (s1 * (shape[1] or 1), s1, 1)
+    else:
+        strides = _contiguous_strides(shape)
+    t = _empty_strided(shape, strides, dtype=dtype, device=device)
     if POISON_OUTPUTS and t.is_floating_point():
         t.fill_(float("nan"))
     return t

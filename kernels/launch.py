@@ -12,7 +12,11 @@ training step launches a few dozen kernels. As inductor's generated launchers do
   :class:`_Layout`: the values of the trailing constexpr parameters (the C launcher takes
   every parameter), a key function generated for those types (as Triton generates its
   binder) and, per key, the ``CompiledKernel`` that Triton's own ``run`` returned for
-  arguments with that key (its launcher, handle and packed metadata).
+  arguments with that key (its launcher, handle and packed metadata). A launch finds its
+  layout by the identity of its constexpr dict (the launchers keep one per launch), Config
+  and kernel; the key function then checks what the layout assumes of the arguments (the
+  scalars' exact types; tensors and descriptors by the attributes it reads, the count by its
+  unpacking), and arguments of other types take the layout of their own types.
 - **The key** is at least as fine as Triton's specialization, so a cached kernel is only ever
   launched with arguments Triton would have launched it with: the current device; the
   arguments' Python types (tensor, host tensor descriptor, int, bool, float, None: the
@@ -112,7 +116,13 @@ def _key_function(types, exact_ints: bool, same=()):
     ``same``: (i, j) pairs of tensor positions that held one object when the layout was made;
     while ``args[i] is args[j]`` for all of them, the key reads only the first of each (its
     ``_SAME`` form), otherwise every tensor (the full form): either describes the
-    specialization exactly, the forms never equal each other."""
+    specialization exactly, the forms never equal each other.
+
+    The key is for arguments of these types (the layout is found by the launch's constexpr dict,
+    Config and kernel, not by the types): the scalars' exact types are checked (None is returned
+    for others: ``True == 1 == 1.0``), a tensor's and a descriptor's by the attributes read
+    (another object raises AttributeError, another argument count ValueError); a tensor
+    subclass is keyed as a tensor, as Triton specializes it."""
     names = [f"a{i}" for i in range(len(types))]
     tensors = [n for n, t in zip(names, types) if issubclass(t, torch.Tensor)]
     descs = [n for n, t in zip(names, types) if t is TensorDescriptor]
@@ -129,6 +139,9 @@ def _key_function(types, exact_ints: bool, same=()):
                                 *(f"{n}.data_ptr() & 15" for n in ts), *rest]) + ",)"
 
     unpack = f"    {', '.join(names)}, = args\n" if names else ""
+    scalars = [n for n, t in zip(names, types) if t in _SCALARS]
+    if scalars:
+        unpack += f"    if ({', '.join(f'_type({n})' for n in scalars)},) != _SCALAR_TYPES:\n        return None\n"
     full = form(tensors, [])
     if same:
         dropped = {f"a{i}" for i, _ in same}
@@ -137,8 +150,8 @@ def _key_function(types, exact_ints: bool, same=()):
         body = f"    if {test}:\n        return {fast}\n    return {full}\n"
     else:
         body = f"    return {full}\n"
-    src = f"def key(args, device):\n{unpack}{body}"
-    scope = {"_CLASSES": _CLASSES, "_SAME": _SAME}
+    src = f"def key(args, device, _type=type):\n{unpack}{body}"
+    scope = {"_CLASSES": _CLASSES, "_SAME": _SAME, "_SCALAR_TYPES": tuple(t for t in types if t in _SCALARS)}
     exec(src, scope)  # noqa: S102 - generated from argument positions only
     return scope["key"]
 
@@ -170,10 +183,13 @@ def clear() -> None:
     _BY_IDENTITY.clear()
 
 
-# (id(kernel), id(constexprs), id(config)) -> (constexprs, config, argument types, layout): the
-# launchers pass the same constexpr dict and Config objects for the same launch (cached per
-# key), so the layout is found by identity without hashing their contents. The entry holds
-# the dict and Config, so their ids cannot be reused while it lives; bounded.
+# id(constexprs) -> (constexprs, config, kernel, layout): the launchers pass the same constexpr
+# dict and Config objects for the same launch (cached per key), so the layout is found by
+# identity, without hashing their contents or the argument types (the layout's key function
+# checks those it must: :func:`_key_function`); a launch whose dict, Config or kernel differ
+# from the entry's, or whose arguments the layout's key cannot take, takes the slower lookup
+# (:func:`_layout`, by the argument types) and replaces the entry. The entry holds the dict,
+# Config and kernel, so their ids cannot be reused while it lives; bounded.
 _BY_IDENTITY = {}
 _MAX_BY_IDENTITY = 4096
 
@@ -181,28 +197,30 @@ _MAX_BY_IDENTITY = 4096
 def launch(kernel, grid, args: tuple, constexprs: dict, config) -> None:
     """``kernel[grid](*args, **constexprs, **config)`` on the current device and stream:
     directly once Triton's own launch has chosen the compiled kernel for this key."""
-    types = tuple(map(type, args))
-    fast = (id(kernel), id(constexprs), id(config))
-    hit = _BY_IDENTITY.get(fast)
-    if hit is not None and hit[0] is constexprs and hit[1] is config and hit[2] == types:
+    hit = _BY_IDENTITY.get(id(constexprs))
+    if hit is not None and hit[0] is constexprs and hit[1] is config and hit[2] is kernel:
         lay = hit[3]
     else:
-        lay = _LAYOUTS.get((id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
-                            tuple(constexprs.values()), types))
-        if lay is None:
-            lay = _new_layout(kernel, args, constexprs, config)
-        if len(_BY_IDENTITY) >= _MAX_BY_IDENTITY:
-            _BY_IDENTITY.clear()
-        _BY_IDENTITY[fast] = (constexprs, config, types, lay)
+        lay = _layout(kernel, args, constexprs, config)
     rt = knobs.runtime
-    if (lay.key is None or type(grid) is not tuple or rt.debug or knobs.compilation.instrumentation_mode
+    if (type(grid) is not tuple or rt.debug or knobs.compilation.instrumentation_mode
             or rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or kernel.pre_run_hooks):
         STATS["unkeyed"] += 1
         kernel[grid](*args, **lay.kwargs)
         return
-    drv = driver.active
+    drv = driver._active or driver.active  # the property's value, without the property call
     device = drv.get_current_device()
-    key = lay.key(args, device)
+    try:
+        key = lay.key(args, device) if lay.key is not None else None
+    except (ValueError, AttributeError, TypeError):  # another argument structure than the layout's
+        key = None
+    if key is None:
+        lay = _layout(kernel, args, constexprs, config)  # the layout of these argument types
+        if lay.key is None:  # calls keys cannot describe
+            STATS["unkeyed"] += 1
+            kernel[grid](*args, **lay.kwargs)
+            return
+        key = lay.key(args, device)
     hit = lay.compiled.get(key)
     if hit is None:
         STATS["fallback"] += 1
@@ -214,6 +232,18 @@ def launch(kernel, grid, args: tuple, constexprs: dict, config) -> None:
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, drv.get_current_stream(device), function,
         packed, None, None, None, *args, *lay.tail)
+
+
+def _layout(kernel, args, constexprs, config):
+    """The layout of these argument types (made on first use), remembered by identity."""
+    lay = _LAYOUTS.get((id(kernel), config.kwargs, config.num_warps, config.num_stages, tuple(constexprs),
+                        tuple(constexprs.values()), tuple(map(type, args))))
+    if lay is None:
+        lay = _new_layout(kernel, args, constexprs, config)
+    if len(_BY_IDENTITY) >= _MAX_BY_IDENTITY:
+        _BY_IDENTITY.clear()
+    _BY_IDENTITY[id(constexprs)] = (constexprs, config, kernel, lay)
+    return lay
 
 
 def _new_layout(kernel, args, constexprs, config):

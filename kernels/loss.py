@@ -652,7 +652,7 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
         r1 = min(N, r0 + C)
         logits = buf[:r1 - r0, :V]
         h = hidden[r0:r1]
-        _mm.gemm(h, weight.t(), logits, bias=bias)
+        _mm.gemm(h, weight, logits, bias=bias, transpose_b=True)
         rows_scale = scale_t[r0:r1] if scale_mode == SCALE_ROW else scale_t
         if lse_known:
             grad_chunk(logits, target[r0:r1], lse[r0:r1], 0, V, ignore_index=ignore_index, smoothing=smoothing,
@@ -694,7 +694,7 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
         state = common.empty((4, N), torch.float32, dev) if chunks > 1 else None
         for i, (c0, c1) in enumerate(bounds):
             logits = buf[:, :c1 - c0]
-            _mm.gemm(hidden, weight[c0:c1].t(), logits, bias=bias[c0:c1] if bias is not None else None)
+            _mm.gemm(hidden, weight[c0:c1], logits, bias=bias[c0:c1] if bias is not None else None, transpose_b=True)
             lse_chunk(logits, target, state, loss_rows, lse, c0, V, first=i == 0, last=i == chunks - 1, **opts)
     if not grad:
         return
@@ -703,7 +703,7 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
     for i, (c0, c1) in enumerate(bounds):
         logits = buf[:, :c1 - c0]
         w = weight[c0:c1]
-        _mm.gemm(hidden, w.t(), logits, bias=bias[c0:c1] if bias is not None else None)
+        _mm.gemm(hidden, w, logits, bias=bias[c0:c1] if bias is not None else None, transpose_b=True)
         grad_chunk(logits, target, lse, c0, V, scale_mode=scale_mode, scale_t=scale_t, scale=scale_value, **opts)
         if dw is not None:
             dw_accumulate(logits, hidden, dw[c0:c1], dw[c0:c1], False)

@@ -42,7 +42,7 @@ accumulation, and constexpr switches for everything else:
   computes every product exactly in fp32.
 - Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
-import threading
+import functools
 
 import torch
 import triton
@@ -909,15 +909,11 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
 # host side: the launch path
 # ---------------------------------------------------------------------------------------------
 
-def _alloc(size, alignment, stream):
-    """Global scratch for device-side tensor descriptors (``triton.set_allocator``)."""
-    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
-
-
-def _desc_ok(t):
+def _desc_ok(t, strides=None):
     """Can ``t`` (2-D) be read through a TMA descriptor: one unit stride, 16-byte aligned base
-    and other stride. Returns (ok, transposed), transposed meaning its first stride is 1."""
-    s0, s1 = t.stride()
+    and other stride. Returns (ok, transposed), transposed meaning its first stride is 1.
+    ``strides``: ``t.stride()`` where the caller has read it."""
+    s0, s1 = t.stride() if strides is None else strides
     if s1 == 1:
         lead, transposed = s0, False
     elif s0 == 1:
@@ -927,9 +923,22 @@ def _desc_ok(t):
     return lead > 0 and t.data_ptr() % 16 == 0 and (lead * t.element_size()) % 16 == 0, transposed
 
 
-def _rows_ok(t):
+def _mat(t):
+    """``(rows, cols), (row stride, col stride)`` of a GEMM operand: a 2-D tensor, or a contiguous
+    one of another rank, whose rows are all its dims but the last (read in place, no view)."""
+    if t.dim() == 2:
+        return t.shape, t.stride()
+    if not t.is_contiguous():
+        raise ValueError(f"a GEMM operand of {t.dim()} dims must be contiguous (a 2-D one may have any strides), "
+                         f"got strides {t.stride()}")
+    n = t.shape[-1]
+    return (t.numel() // n if n else 0, n), (n, 1)
+
+
+def _rows_ok(t, strides=None):
     """Epilogue tensors: unit column stride, 16-byte aligned base and row stride."""
-    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    s0, s1 = t.stride() if strides is None else strides
+    return s1 == 1 and t.data_ptr() % 16 == 0 and (s0 * t.element_size()) % 16 == 0
 
 
 def _laid_out(t, transposed):
@@ -954,10 +963,23 @@ def _has_dropout(seed, dropout_p):
     return True
 
 
+_STRIDE_LIMIT = 2**31 // 256  # strides from 2^23 elements: int32 in-tile offsets could overflow
+_FP32 = torch.float32
+
+
 def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=None, aux=None,
          aux2=None, hout=None, part=None, seed=None, dropout_p=0.0, activation=0, act_grad=False,
-         store_pre=False, round_pre=False, rowsum=False, lora_a=None, lora_b=None, lora_b2=None):
+         store_pre=False, round_pre=False, rowsum=False, lora_a=None, lora_b=None, lora_b2=None, transpose_a=False,
+         transpose_b=False):
     """Launch ``c = epilogue(a @ b)``; see ``_gemm_kernel`` for the roles of the arguments.
+
+    ``transpose_a`` / ``transpose_b``: ``a`` is given as (K, M) (``a2`` must be None) / ``b``
+    (and ``b2``) as (N, K), and their transposes are the operands: the launch reads the tensor
+    with its strides swapped, as it would read the ``.t()`` view (the same pointer, dtype and
+    alignment), without making the view (a linear's ``x @ W.T``, a weight gradient's
+    ``dY.T @ X``). a, b, c, residual and aux may also be contiguous tensors of another rank than
+    2, read as the (rows, last dim) matrix of their rows (:func:`_mat`): a linear's activations
+    in the caller's shape, with no flattening view.
 
     ``lora_a`` (M, R) with ``lora_b`` (R, N) (and ``lora_b2`` for SwiGLU's up half): a LoRA
     update ``lora_a @ lora_b`` joining the reduction before the epilogue (R a multiple of 16;
@@ -972,55 +994,76 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     per PARTIAL_ROWS rows, with ``rowsum`` the row sums of a per PARTIAL_ROWS columns. Sizes
     past 2^23 in a stride are rejected (int32 in-tile offsets).
     """
-    M, K1 = a.shape
-    N = b.shape[1]
+    shape = a.shape  # 2-D, or rows of another rank (_mat, inline for 2-D: a call per operand shows)
+    (M, K1), sa = (shape, a.stride()) if len(shape) == 2 else _mat(a)
+    if transpose_a:
+        if a2 is not None:
+            raise ValueError("matmul: transpose_a takes no a2")
+        M, K1, sa = K1, M, sa[::-1]
+    shape = b.shape
+    (b_rows, N), sb = (shape, b.stride()) if len(shape) == 2 else _mat(b)
+    if transpose_b:
+        N, sb = b_rows, sb[::-1]
     if M == 0 or N == 0:
         return
-    K = K1 + (a2.shape[1] if a2 is not None else 0)
-    dual = 2 if a2 is not None else (1 if b2 is not None else 0)
-    # The second operands are read with the first ones' strides: equal layouts (the two
-    # weights of a SwiGLU stored differently are the rare case that pays for a copy).
-    if dual and b2.stride() != b.stride():
-        b, b2 = b.contiguous(), b2.contiguous()
-    if dual == 2 and a2.stride() != a.stride():
-        a, a2 = a.contiguous(), a2.contiguous()
-    has_dropout = _has_dropout(seed, dropout_p)
+    if a2 is None and b2 is None:
+        K, dual = K1, 0
+    else:
+        K = K1 + (a2.shape[1] if a2 is not None else 0)
+        dual = 2 if a2 is not None else 1
+        # The second operands are read with the first ones' strides: equal layouts (the two
+        # weights of a SwiGLU stored differently are the rare case that pays for a copy).
+        if b2.stride() != b.stride():
+            b, b2 = b.contiguous(), b2.contiguous()
+            sb = b.stride()[::-1] if transpose_b else b.stride()
+        if dual == 2 and a2.stride() != a.stride():
+            a, a2 = a.contiguous(), a2.contiguous()
+            sa = a.stride()
+    has_dropout = bool(dropout_p) and _has_dropout(seed, dropout_p)
     lora = lora_a is not None
     R = lora_a.shape[1] if lora else 0
-    strides = (*a.stride(), *b.stride(), *(residual.stride() if residual is not None else (0, 0)))
-    if max(max(strides), -min(strides), c.stride(0)) >= 2**31 // 256:
+    sr = (0, 0) if residual is None else residual.stride() if residual.dim() == 2 else _mat(residual)[1]
+    sc = c.stride() if c.dim() == 2 else _mat(c)[1]
+    sam, sak = sa
+    sbk, sbn = sb
+    srm, srn = sr
+    if (max(sam, sak, sbk, sbn, srm, srn, sc[0]) >= _STRIDE_LIMIT
+            or min(sam, sak, sbk, sbn, srm, srn) <= -_STRIDE_LIMIT):
         raise ValueError("matmul: a stride exceeds 2^23 elements; make the operand contiguous")
     device = a.device
     arch = common.arch(device)
-    precision = common.fp32_precision() if a.dtype == torch.float32 else "tf32"
+    dtype = a.dtype
+    precision = common.fp32_precision() if dtype is _FP32 else "tf32"
 
     use_tma = tma_epi = False
     a_t = b_t = False
     if (FORCE_PATH != "pointer" and (arch == 90 or arch == 0) and K1 > 0
             and (dual != 2 or K > K1)):
-        ok_a, a_t = _desc_ok(a)
-        ok_b, b_t = _desc_ok(b)
+        ok_a, a_t = _desc_ok(a, sa)
+        ok_b, b_t = _desc_ok(b, sb)
         use_tma = ok_a and ok_b
         if dual:
             ok_a2, a2_t = _desc_ok(a2) if a2 is not None else (True, a_t)
-            ok_b2, b2_t = _desc_ok(b2)
+            ok_b2, b2_t = _desc_ok(b2, b2.stride()[::-1] if transpose_b else None)
             use_tma = use_tma and ok_a2 and ok_b2 and a2_t == a_t and b2_t == b_t
         if lora and use_tma:  # the low-rank pair in a's and b's layouts, for descriptors
             lora_a = _laid_out(lora_a, a_t)
             lora_b, lora_b2 = _laid_out(lora_b, b_t), None if lora_b2 is None else _laid_out(lora_b2, b_t)
-        tma_epi = _rows_ok(c)  # and every other epilogue tensor (a loop: no list per call)
-        for t in (c2, aux, aux2, residual, hout):
+        tma_epi = _rows_ok(c, sc) and (residual is None or _rows_ok(residual, sr))
+        for t in (c2, aux, aux2, hout):  # every other epilogue tensor (a loop: no list per call)
             if tma_epi and t is not None:
-                tma_epi = _rows_ok(t)
+                tma_epi = _rows_ok(t, _mat(t)[1])
         if FORCE_PATH == "tma" and not (use_tma and tma_epi):
             raise ValueError("matmul: FORCE_PATH='tma' with operands a descriptor cannot read")
     if lora and lora_b2 is not None and lora_b2.stride() != lora_b.stride():
         lora_b, lora_b2 = lora_b.contiguous(), lora_b2.contiguous()
-    flags = (activation, act_grad, bias is not None, residual is not None, store_pre, round_pre, hout is not None,
-             part is not None and act_grad, rowsum, has_dropout, dual, lora, use_tma, tma_epi, a_t, b_t)
-    key = (arch, a.dtype, c.dtype, precision, min(common.next_pow2(M), 65536),
-           N, K, flags)
-    drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
+    # The launch's flags as bits (_constexprs reads them back): activation code (3 bits), then ACT_GRAD,
+    # HAS_BIAS, HAS_RESIDUAL, STORE_PRE, ROUND_PRE, STORE_H, HAS_DBIAS, ROWSUM, HAS_DROPOUT (bits 3-11), DUAL
+    # (2 bits at 12), LORA, USE_TMA, TMA_EPI, A_T, B_T (bits 14-18).
+    flags = (activation | act_grad << 3 | (bias is not None) << 4 | (residual is not None) << 5 | store_pre << 6
+             | round_pre << 7 | (hout is not None) << 8 | (part is not None and act_grad) << 9 | rowsum << 10
+             | has_dropout << 11 | dual << 12 | lora << 14 | use_tma << 15 | tma_epi << 16 | a_t << 17 | b_t << 18)
+    key = (arch, dtype, c.dtype, precision, min(common.next_pow2(M), 65536), N, K, flags)  # flat: cheap to hash
     dummy = c
     args = (a, a2 if a2 is not None else a, b, b2 if b2 is not None else b, c, c2 if c2 is not None else c,
             bias if bias is not None else dummy, bias2 if bias2 is not None else dummy,
@@ -1029,29 +1072,34 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
             part if part is not None else dummy, seed if has_dropout else dummy,
             lora_a if lora else a, lora_b if lora else b, lora_b2 if lora_b2 is not None else (lora_b if lora else b),
             M, N, K, K1, R)
-    tail = (strides[0], strides[1], strides[2], strides[3], c.stride(0), strides[4], strides[5],
-            aux.stride(0) if aux is not None else 0, part.stride(0) if part is not None else 0,
+    tail = (sam, sak, sbk, sbn, sc[0], srm, srn,
+            _mat(aux)[1][0] if aux is not None else 0, part.stride(0) if part is not None else 0,
             *(lora_a.stride() if lora else (0, 0)), *(lora_b.stride() if lora else (0, 0)),
-            drop_thresh, drop_scale)
+            *(drop_params(dropout_p) if has_dropout else (0, 1.0)))
     n_sm = common.sm_count(device)
     if use_tma or tma_epi:
-        _set_allocator()
+        common.scratch_allocator()  # device-side descriptors' scratch
     if arch == 0:
         simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
-        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, dtype is _FP32, a_t, b_t)
         _run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws), key, args, tail, M, N, K, K1,
              n_sm)
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
         simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
-        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, a.dtype == torch.float32, a_t, b_t)
+        ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, dtype is _FP32, a_t, b_t)
         heavy = _heavy(act_grad, activation, has_dropout)
         outputs = 1 + sum(t is not None for t in (c2, hout)) + (store_pre and (2 if dual == 1 else 1))
-        cfg = _CACHE.get(key, _candidates(arch, a.dtype, precision, dual == 1, heavy, M, N, device,
-                                          use_tma, tma_epi, simple, outputs, ws, lora),
-                         lambda c: _run(c, key, args, tail, M, N, K, K1, n_sm))
+        cfg = _choose(key, _candidates(arch, dtype, precision, dual == 1, heavy, M, N, device, use_tma, tma_epi,
+                                       simple, outputs, ws, lora), (args, tail, M, N, K, K1, n_sm))
     _run(cfg, key, args, tail, M, N, K, K1, n_sm)
+
+
+def _choose(key, candidates, launch):
+    """The config cache's choice for ``key``, timing ``candidates`` with ``launch``'s arguments
+    (a function of its own: the closure's cells would otherwise be made on every gemm call)."""
+    return _CACHE.get(key, candidates, lambda c: _run(c, key, *launch))
 
 
 def _run(cfg, key, args, tail, M, N, K, K1, n_sm):
@@ -1061,17 +1109,16 @@ def _run(cfg, key, args, tail, M, N, K, K1, n_sm):
         plan = _plan(key, cfg)
     _, bm, bn, bk, per_sm, dual, by_evenness = plan
     tiles = -(-M // bm) * -(-N // bn)
-    progs = tiles if per_sm == 0 else min(tiles, n_sm * per_sm)
-    even_mn = M % bm == 0 and N % bn == 0
-    even_k = K % bk == 0 and (dual != 2 or K1 % bk == 0)
-    constexprs = by_evenness.get((even_k, even_mn))
+    progs = tiles if per_sm == 0 or tiles < n_sm * per_sm else n_sm * per_sm
+    even_k, even_mn = K % bk == 0 and (dual != 2 or K1 % bk == 0), M % bm == 0 and N % bn == 0
+    constexprs = by_evenness[even_k << 1 | even_mn]
     if constexprs is None:
-        constexprs = by_evenness[(even_k, even_mn)] = _constexprs(key, cfg, even_k, even_mn)
-    common.launch("matmul", _gemm_kernel, (progs,), args + (progs,) + tail, constexprs, cfg)
+        constexprs = by_evenness[even_k << 1 | even_mn] = _constexprs(key, cfg, even_k, even_mn)
+    common.launch("matmul", _gemm_kernel, (progs,), (*args, progs, *tail), constexprs, cfg)
 
 
 # launch key -> (config, BLOCK_M, BLOCK_N, BLOCK_K, programs per SM (0: one per tile), dual,
-# {(even_k, even_mn): constexprs}): what _run derives from the key and its config, once.
+# [constexprs by even_k * 2 + even_mn]): what _run derives from the key and its config, once.
 _PLANS = {}
 
 
@@ -1082,7 +1129,7 @@ def _plan(key, cfg):
     per_sm = 0 if arch == 80 else (1 if bm * bn >= 128 * 128 else 2)
     if len(_PLANS) > 4096:
         _PLANS.clear()
-    plan = _PLANS[key] = (cfg, bm, bn, bk, per_sm, key[-1][10], {})
+    plan = _PLANS[key] = (cfg, bm, bn, bk, per_sm, key[-1] >> 12 & 3, [None] * 4)
     return plan
 
 
@@ -1094,9 +1141,10 @@ def _constexprs(key, cfg, even_k, even_mn):
     ck = (key, cfg, even_k, even_mn)
     out = _CONSTEXPRS.get(ck)
     if out is None:
-        arch, precision = key[0], key[3]
-        (activation, act_grad, has_bias, has_residual, store_pre, round_pre, store_h, has_dbias, rowsum, has_dropout,
-         dual, lora, use_tma, tma_epi, a_t, b_t) = key[-1]
+        arch, precision, flags = key[0], key[3], key[-1]
+        activation, dual = flags & 7, flags >> 12 & 3
+        (act_grad, has_bias, has_residual, store_pre, round_pre, store_h, has_dbias, rowsum, has_dropout, lora, use_tma,
+         tma_epi, a_t, b_t) = (bool(flags >> i & 1) for i in (*range(3, 12), *range(14, 19)))
         # Hopper warp specialization needs the tile loop unflattened (09-persistent-matmul); a
         # second K loop (dual-K, LoRA) keeps it unflattened too.
         flatten = arch == 90 and use_tma and dual != 2 and not lora and not rowsum and not cfg["WARP_SPECIALIZE"]
@@ -1113,17 +1161,6 @@ def _constexprs(key, cfg, even_k, even_mn):
     return out
 
 
-_ALLOCATOR = threading.local()
-
-
-def _set_allocator():
-    """``triton.set_allocator`` for device-side descriptors, once per thread (it is a ContextVar:
-    autograd's backward thread needs its own)."""
-    if not getattr(_ALLOCATOR, "set", False):
-        triton.set_allocator(_alloc)
-        _ALLOCATOR.set = True
-
-
 def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None):
     """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its fp32
     partial column sums (cdiv(M, PARTIAL_ROWS), N). The keep factor (``dropout_p > 0``) is
@@ -1131,10 +1168,11 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
     and ``pre2`` are the gate and up pre-activations (same strides); returns dGate and dUp
     side by side, (M, 2N), with (cdiv(M, PARTIAL_ROWS), 2N) partials.
 
-    g and pre (M, N), any strides (pre unused when ``activation`` is 0). Returns ``(dpre,
-    part)``: dpre contiguous in g's dtype (None unless ``store_dpre``), part or None.
+    g and pre (M, N), any strides, or contiguous of another rank (their rows: :func:`_mat`; pre
+    unused when ``activation`` is 0). Returns ``(dpre, part)``: dpre (M, width) contiguous in g's
+    dtype (None unless ``store_dpre``), part or None.
     """
-    M, N = g.shape
+    (M, N), sg = _mat(g)
     swiglu = activation in GATED
     width = 2 * N if swiglu else N
     dpre = common.empty((M, width), g.dtype, g.device) if store_dpre or swiglu else None
@@ -1150,12 +1188,18 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
     d1, d2 = (out[:, :N], out[:, N:]) if swiglu else (out, out)
     common.launch("act_grad", _act_grad_kernel, grid,
                   (g, pre_t, pre2 if swiglu else pre_t, d1, d2, part if part is not None else g,
-                   seed if has_dropout else g, M, N, g.stride(0), g.stride(1), pre_t.stride(0),
-                   pre_t.stride(1), width, drop_thresh, drop_scale),
-                  dict(ACTIVATION=activation, STORE_DPRE=store_dpre or swiglu, HAS_DBIAS=dbias,
-                       HAS_DROPOUT=has_dropout, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=common.arch(g.device) == 0),
+                   seed if has_dropout else g, M, N, *sg, *(sg if pre is None else _mat(pre_t)[1]), width,
+                   drop_thresh, drop_scale),
+                  _act_grad_constexprs(activation, store_dpre or swiglu, dbias, has_dropout,
+                                       common.arch(g.device) == 0),
                   _ELEMENTWISE)
     return dpre, part
+
+
+@functools.lru_cache(maxsize=None, typed=True)  # typed: 1 and True are other constexprs
+def _act_grad_constexprs(activation, store_dpre, dbias, dropout, interpret):
+    return dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=dropout,
+                BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=interpret)
 
 
 _ELEMENTWISE = common.Config.of(num_warps=4)

@@ -610,22 +610,38 @@ def _keep_scale(dropout_p):
     return 1.0 / (1.0 - dropout_p)
 
 
+def _rows(t, n):
+    """(rows, row stride) of a launcher's row tensor: (M, n) with any row stride, or contiguous
+    of another rank (..., n), whose rows follow each other (no view needed to flatten it)."""
+    if t.dim() == 2:
+        return t.shape[0], t.stride(0)
+    if not t.is_contiguous():
+        raise ValueError(f"a norm operand of {t.dim()} dims must be contiguous (a 2-D one may have any row stride), "
+                         f"got strides {t.stride()}")
+    return t.numel() // n, n
+
+
 def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
                  weight_offset=False):
-    """Launch the forward on (M, N) inputs whose last dim has unit stride. ``weight_offset``:
-    the row is scaled by ``1 + weight`` (Gemma's RMSNorm) instead of ``weight``.
+    """Launch the forward on x and residual of one shape (..., N): each (M, N) with any row stride
+    and a unit last stride, or contiguous of any other rank (its M rows: every dim but the last).
+    ``weight_offset``: the row is scaled by ``1 + weight`` (Gemma's RMSNorm) instead of
+    ``weight``.
 
     ``seed`` is an int64 tensor of one element, or None when ``dropout_p == 0``. Returns a list:
-    ``out`` (x's dtype), then ``residual_out`` ((M, N), ``residual_dtype``) when
-    ``store_residual``, then ``mean`` ((M,) fp32) unless ``is_rms``, then ``rstd`` ((M,) fp32).
+    ``out`` (x's shape and dtype, contiguous), then ``residual_out`` (x's shape,
+    ``residual_dtype``) when ``store_residual``, then ``mean`` ((M,) fp32) unless ``is_rms``,
+    then ``rstd`` ((M,) fp32).
     """
-    M, N = x.shape
+    N = x.shape[-1]
+    M, stride_x = _rows(x, N)
     dev = x.device
-    out = common.empty((M, N), x.dtype, dev)
+    shape = x.shape
+    out = common.empty(shape, x.dtype, dev)
     outs = [out]
     rout = mean = None
     if store_residual:
-        rout = common.empty((M, N), residual_dtype, dev)
+        rout = common.empty(shape, residual_dtype, dev)
         outs.append(rout)
     if not is_rms:
         mean = common.empty((M,), torch.float32, dev)
@@ -643,7 +659,7 @@ def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residu
     # Absent pointers get x (never dereferenced: their use is constexpr-guarded).
     args = (x, residual if has_res else x, weight if has_w else x, bias if has_b else x, out,
             rout if store_residual else x, mean if mean is not None else rstd, rstd, seed if has_drop else x,
-            x.stride(0), residual.stride(0) if has_res else 0, M, N, 1.0 / N, eps, dropout_p,
+            stride_x, _rows(residual, N)[1] if has_res else 0, M, N, 1.0 / N, eps, dropout_p,
             _keep_scale(dropout_p))
     cfg = _FWD_CACHE.chosen.get(key)
     if cfg is None:
@@ -673,13 +689,15 @@ def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropou
 
     ``dout`` (the gradient of out), ``dout2`` (a second gradient of out, summed with the first in
     the kernel; only with ``dout``, never with ``dresidual_out``: the compile check covers each
-    alone) and ``dresidual_out`` may each be None; all have unit stride in the last dim.
-    Returns a list: ``dx`` (``x_dtype``), then ``dresidual`` when ``dres_dtype`` is not None (a
-    separate tensor: dropout or a dtype change between them; else dresidual is dx), then
+    alone) and ``dresidual_out`` may each be None; h and these are each (M, N) with any row
+    stride and a unit last stride, or contiguous of another rank (rows as the forward's).
+    Returns a list: ``dx`` (``x_dtype``, h's shape), then ``dresidual`` when ``dres_dtype`` is not
+    None (a separate tensor: dropout or a dtype change between them; else dresidual is dx), then
     ``dweight`` in ``dw_dtype`` and ``dbias`` in ``db_dtype`` when those are not None (they need
     ``dout``).
     """
-    M, N = h.shape
+    N = h.shape[-1]
+    M, stride_h = _rows(h, N)
     dev = h.device
     has_dout = dout is not None
     has_dw, has_db = dw_dtype is not None, db_dtype is not None
@@ -687,11 +705,11 @@ def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropou
         raise ValueError("add_norm_bwd: dweight/dbias and dout2 need the gradient of out")
     if dout2 is not None and dresidual_out is not None:
         raise ValueError("add_norm_bwd: dout2 and dresidual_out are exclusive")
-    dx = common.empty((M, N), x_dtype, dev)
+    dx = common.empty(h.shape, x_dtype, dev)
     outs = [dx]
     dres = dw = db = None
     if dres_dtype is not None:
-        dres = common.empty((M, N), dres_dtype, dev)
+        dres = common.empty(h.shape, dres_dtype, dev)
         outs.append(dres)
     if has_dw:
         dw = common.empty((N,), dw_dtype, dev)
@@ -712,8 +730,8 @@ def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropou
         ptrs = (h, weight if has_w else h, dout if has_dout else h, dout2 if has_dout2 else h,
                 dresidual_out if has_drout else h, mean if mean is not None else rstd, rstd,
                 seed if has_drop else h, dx, dres if dres is not None else dx)
-        strides = (h.stride(0), dout.stride(0) if has_dout else 0, dout2.stride(0) if has_dout2 else 0,
-                   dresidual_out.stride(0) if has_drout else 0, M, N, 1.0 / N, dropout_p,
+        strides = (stride_h, _rows(dout, N)[1] if has_dout else 0, _rows(dout2, N)[1] if has_dout2 else 0,
+                   _rows(dresidual_out, N)[1] if has_drout else 0, M, N, 1.0 / N, dropout_p,
                    _keep_scale(dropout_p))
         target = bwd_programs(N, common.sm_count(dev))
         cfg = _BWD_CACHE.chosen.get(key)
@@ -754,13 +772,13 @@ def _bwd_launch(cfg, M, N, target, ptrs, strides, key, dev):
     per_program = -(-groups // min(target, groups)) * rows
     n_prog = -(-M // per_program)
     has_dw, has_db = key[6], key[7]
-    # One allocation for both (n_prog, N) partials; every row is written by its program
-    # (poisoned in the tests).
+    # The (n_prog, N) partials, an allocation each (cheaper on the host than two views of one);
+    # every row is written by its program (poisoned in the tests).
     part_w = part_b = ptrs[8]  # dx
-    if has_dw or has_db:
-        parts = common.empty((has_dw + has_db, n_prog, N), torch.float32, dev)
-        part_w = parts[0] if has_dw else part_w
-        part_b = parts[-1] if has_db else part_b
+    if has_dw:
+        part_w = common.empty((n_prog, N), torch.float32, dev)
+    if has_db:
+        part_b = common.empty((n_prog, N), torch.float32, dev)
     common.launch("add_norm_bwd", _add_norm_bwd_kernel, (n_prog,), ptrs + (part_w, part_b) + strides + (per_program,),
                   _bwd_constexprs(key), cfg)
     return n_prog, part_w, part_b

@@ -173,6 +173,22 @@ def test_a_bool_where_an_int_was_is_another_kernel(fake):
     _same(*_both(fake, SCALE, _args(flag=1)))
 
 
+def test_a_reused_constexpr_dict_with_other_argument_types(fake):
+    """A launcher's constexpr dict finds its layout by identity (no look at the argument types
+    first): arguments of other types through the same dict (the flag an int, a bool or a float;
+    a Parameter or a misaligned view where a tensor was) still run the kernel Triton runs."""
+    constexprs = {"FLAG": True}
+    base = torch.randn(80)
+    kernels = set()
+    for flag in (1, True, 2.5, 1, False, 0, 2.5):
+        ours, theirs = _both(fake, SCALE, _args(base, flag=flag), constexprs)
+        _same(ours, theirs)
+        kernels.add(id(ours.compiled))
+    assert len(kernels) == 4  # 1: the constant 1; True and False: u1; 2.5: fp32; 0: i32
+    for x in (torch.nn.Parameter(torch.randn(80)), base[1:], base):
+        _same(*_both(fake, SCALE, _args(x), constexprs))
+
+
 INTS = st.sampled_from([1, 17, 16, 0, 2, 33, 48, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, -2**31 - 1, 2**40])
 # One field of the previous launch's arguments changed at a time: n, stride, the pointer's
 # offset (elements), its dtype, the flag (an int, a bool or a float), the constexpr.
@@ -194,12 +210,13 @@ def test_fuzz_direct_launch_never_runs_another_specialization(changes, exact_key
     monkeypatch.setattr(launch, "EXACT_KEYS", exact_keys)
     kernel = SCALE_DNS if dns else SCALE
     call = [64, 1, 0, torch.float32, 0, True]
+    dicts = {flag: {"FLAG": flag} for flag in (True, False)}  # one per value, as the launchers keep them
     with fake_driver.installed() as fake:
         for field, value in changes:
             call[field] = value
             n, stride, offset, dtype, flag, constexpr = call
             x = torch.randn(80).to(dtype)[offset:]
-            _same(*_both(fake, kernel, _args(x, n, stride, 0.5, flag), {"FLAG": constexpr}))
+            _same(*_both(fake, kernel, _args(x, n, stride, 0.5, flag), dicts[constexpr]))
 
 
 def test_class_keys_after_many_exact_ones(fake, monkeypatch):

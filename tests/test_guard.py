@@ -339,8 +339,9 @@ def test_hf_quantized_subclass_before_conversion(device, where, match):
 
 
 def test_parametrized_weights_are_read_through(device, launches):
-    """torch.nn.utils.parametrize on linear1's weight: the fused path reads the parametrized
-    weight (no fallback), and gives torch's layer's answer with the same parametrization."""
+    """torch.nn.utils.parametrize on linear1's, norm1's and the attention's weights: the fused
+    path reads the parametrized weights (no fallback), and gives torch's layer's answer with the
+    same parametrizations."""
     from torch.nn.utils import parametrize
 
     class Doubled(nn.Module):
@@ -349,7 +350,9 @@ def test_parametrized_weights_are_read_through(device, launches):
 
     ref, fused = _pair(device)
     for layer in (ref, fused):
-        parametrize.register_parametrization(layer.linear1, "weight", Doubled())
+        for module, name in ((layer.linear1, "weight"), (layer.norm1, "weight"), (layer.self_attn, "in_proj_weight"),
+                             (layer.self_attn.out_proj, "weight")):
+            parametrize.register_parametrization(module, name, Doubled())
     x = torch.randn(B, L, D, device=device, requires_grad=True)
     with _no_fallback():
         got = fused(x)
@@ -357,5 +360,7 @@ def test_parametrized_weights_are_read_through(device, launches):
     assert launches["matmul"] > 0
     got.sum().backward()
     ref(x).sum().backward()
-    torch.testing.assert_close(fused.linear1.parametrizations.weight.original.grad,
-                               ref.linear1.parametrizations.weight.original.grad, **TOL)
+    for get in (lambda m: m.linear1.parametrizations.weight, lambda m: m.norm1.parametrizations.weight,
+                lambda m: m.self_attn.parametrizations.in_proj_weight,
+                lambda m: m.self_attn.out_proj.parametrizations.weight):
+        torch.testing.assert_close(get(fused).original.grad, get(ref).original.grad, **TOL)

@@ -269,6 +269,31 @@ def test_linear_warp_specialized_tile_loop(dtype_mode, device, launches, monkeyp
     assert launches["matmul"] == 4
 
 
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[3]])
+def test_non_contiguous_activations(dtype_mode, device, launches):
+    # The ops read a contiguous (batch, sequence, features) activation in place as rows; one
+    # with other strides (here the sequence-first layout's transpose) takes a (rows, features)
+    # view or copy first, and its gradient comes back in its own shape.
+    dtype, mode = dtype_mode
+    x = randn(3, 2, 40, dtype=dtype, device=device).transpose(0, 1).requires_grad_()
+    r = randn(3, 2, 24, dtype=dtype, device=device).transpose(0, 1).requires_grad_()
+    w = randn(24, 40, dtype=dtype, device=device, scale=40 ** -0.5, requires_grad=True)
+    w1 = randn(32, 40, dtype=dtype, device=device, scale=40 ** -0.5, requires_grad=True)
+    w2 = randn(24, 32, dtype=dtype, device=device, scale=32 ** -0.5, requires_grad=True)
+    b1, b2 = randn(32, dtype=dtype, device=device), randn(24, dtype=dtype, device=device)
+
+    def ref_linear(x, w, r, compute_dtype=None):
+        return reference.linear(x, w, None, "gelu", r, compute_dtype=compute_dtype)
+
+    def ref_mlp(x, w1, w2, r, compute_dtype=None):
+        return reference.mlp(x, w1, b1, w2, b2, "gelu", r, compute_dtype=compute_dtype)
+
+    check("linear", lambda x, w, r: linear(x, w, None, "gelu", r), ref_linear, (x, w, r), dtype, device, mode)
+    check("mlp", lambda x, w1, w2, r: mlp(x, w1, b1, w2, b2, "gelu", r), ref_mlp, (x, w1, w2, r), dtype, device,
+          mode)
+    assert launches["matmul"] == 3 + 6
+
+
 def test_linear_one_dim_input_and_no_grad(device, launches):
     x = randn(40, dtype=torch.float16, device=device)
     w = randn(24, 40, dtype=torch.float16, device=device, scale=40 ** -0.5, requires_grad=True)
@@ -751,6 +776,17 @@ def test_opcheck(device):
                                                 24, True, True, True, True, True))
     torch.library.opcheck(ops.ffn_bwd.default, (gy, None, None, None, w2, h, None, None, "none", 0.0, 0.0, 2,
                                                 24, False, False, False, True, True))
+    # Activations of another rank, contiguous: read in place as rows, outputs in their leading dims.
+    x3, r3, g3 = x[None], r[None], randn(1, 37, 40, dtype=dt, device=device)
+    torch.library.opcheck(ops.linear_fwd.default, (x3, w1, b1, g3.detach(), "gelu", True, seed, 0.25))
+    torch.library.opcheck(ops.linear_bwd.default, (g3, x3, w1, g3, seed, "gelu", 0.3, True, True, True))
+    torch.library.opcheck(ops.ffn_fwd.default, (x3, w1, None, b1, None, w2, b2, r3, "gelu", 1, seed, 0.3,
+                                                seed + 1, 0.2))
+    torch.library.opcheck(ops.ffn_bwd.default, (gy[None], x3, w1, None, w2, pre, seed, seed + 1, "gelu", 0.3, 0.2,
+                                                1, 24, True, True, True, True, True))
+    # A non-contiguous one is refused, not read as if contiguous.
+    with pytest.raises(ValueError, match="must be contiguous"):
+        ops.linear_fwd(torch.cat([x3, x3]).transpose(0, 1), w1, b1, None, "gelu", False, None, 0.0)
 
 
 def test_torch_compile_fullgraph(device, launches):

@@ -2,7 +2,6 @@
 config lookup and the launches. Inputs are validated by ``fused_block.attention``; every last
 dim is contiguous."""
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_block.kernels import common
@@ -30,31 +29,21 @@ _DECODE_CACHE = common.ConfigCache("attention_decode")
 DECODE_MAX_LQ = 16
 DECODE_MIN_KEYS = 1024
 _BWD_CACHE = common.ConfigCache("attention_bwd")
-_ALLOCATORS = {}
-
-
-def _allocator(device):
-    """``triton.set_allocator`` callback: descriptor scratch on ``device``'s caching allocator."""
-    alloc = _ALLOCATORS.get(device)
-    if alloc is None:
-        def alloc(size, alignment, stream):
-            return torch.empty(size, dtype=torch.int8, device=device)
-        _ALLOCATORS[device] = alloc
-    return alloc
 
 
 def _strides(t):
     """(batch, head, row) strides of a (B, H, L, D) view. A size-1 dim's stride is never used to
     move, so it gets a stand-in that never blocks TMA: an aligned nonzero value (the next
     inner dim's extent; descriptor strides)."""
-    B, H, L = t.shape[:3]
-    sb, sh, sl = t.stride()[:3]
+    B, H, L, _ = t.shape
+    sb, sh, sl, _ = t.stride()
     sl = sl if L > 1 else 16
     sh = sh if H > 1 else sl * L
     return (sb if B > 1 else sh * H, sh, sl)
 
 
 _FOUR_WARPS = common.Config.of(num_warps=4)
+_new_object = object.__new__
 _DESC_BLOCKS = set()  # (block, block_d) pairs whose descriptor block shape Triton has validated
 
 
@@ -73,16 +62,17 @@ def _tma_desc(t, strides, block: int, block_d: int):
         desc = TensorDescriptor(t, shape, desc_strides, block_shape)
         _DESC_BLOCKS.add((block, block_d))
         return desc
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=shape, strides=desc_strides, block_shape=block_shape, padding="zero")
+    desc = _new_object(TensorDescriptor)
+    desc.__dict__ = {"base": t, "shape": shape, "strides": desc_strides, "block_shape": block_shape, "padding": "zero"}
     return desc
 
 
 def _aligned(t, strides) -> bool:
     """TMA-able: 16-byte aligned base and strides, and no broadcast (zero-stride) head or row."""
     es = t.element_size()
-    return (t.data_ptr() % 16 == 0 and all(s * es % 16 == 0 for s in strides)
-            and strides[1] != 0 and strides[2] != 0)
+    sb, sh, sl = strides
+    return (t.data_ptr() % 16 == 0 and sb * es % 16 == 0 and sh * es % 16 == 0 and sl * es % 16 == 0
+            and sh != 0 and sl != 0)
 
 
 def _use_tma(arch: int, kind: str, pairs) -> bool:
@@ -91,7 +81,10 @@ def _use_tma(arch: int, kind: str, pairs) -> bool:
     products run on FMA units from registers: pointer loads there (TMA staging spills)."""
     if FORCE_PATH == "pointer" or arch not in (0, 90) or (arch == 90 and kind == "ieee"):
         return False
-    return all(_aligned(t, s) for t, s in pairs)
+    for t, s in pairs:
+        if not _aligned(t, s):
+            return False
+    return True
 
 
 def _grid_size(n_programs: int) -> int:
@@ -153,6 +146,53 @@ def _score_args(shape, softcap, alibi, bias, mask, dummy):
     flags = dict(SOFTCAP=bool(softcap), HAS_ALIBI=alibi is not None, HAS_BIAS=bias is not None,
                  HAS_AMASK=mask is not None)
     return (slopes, bias_t, mask_t), (stride_slb, *sb, *sa), flags
+
+
+_NO_SCORE_STRIDES = (0,) * 9  # stride_slb, the bias's and the mask's 4
+_NO_SCORE_FLAGS = (False, False, False, False)  # SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK
+
+
+_CONSTEXPRS = {}  # (kernel, flags...) -> the constexpr dict: one object per distinct set (launch.py)
+
+
+def _fwd_constexprs(is_causal, window, varlen, has_pad, dropout, has_sinks, score_flags, use_tma, ieee, even_d,
+                    block_d, interpret):
+    """The forward's constexpr dict (``score_flags``: SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK)."""
+    key = ("fwd", is_causal, window, varlen, has_pad, dropout, has_sinks, score_flags, use_tma, ieee, even_d,
+           block_d, interpret)
+    out = _CONSTEXPRS.get(key)
+    if out is None:
+        softcap, alibi, bias, amask = score_flags
+        out = _CONSTEXPRS[key] = dict(
+            IS_CAUSAL=is_causal, WINDOW=window, VARLEN=varlen, HAS_PAD=has_pad, HAS_DROPOUT=dropout,
+            HAS_SINKS=has_sinks, SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_BIAS=bias, HAS_AMASK=amask, USE_TMA=use_tma,
+            IEEE=ieee, EVEN_D=even_d, BLOCK_D=block_d, INTERPRET=interpret)
+    return out
+
+
+def _bwd_constexprs(is_causal, window, varlen, has_pad, dropout, score_flags, use_tma, ieee, even_d, block_d,
+                    interpret):
+    """The backward's constexpr dict (``score_flags`` as :func:`_fwd_constexprs`')."""
+    key = ("bwd", is_causal, window, varlen, has_pad, dropout, score_flags, use_tma, ieee, even_d, block_d,
+           interpret)
+    out = _CONSTEXPRS.get(key)
+    if out is None:
+        softcap, alibi, bias, amask = score_flags
+        out = _CONSTEXPRS[key] = dict(
+            IS_CAUSAL=is_causal, WINDOW=window, VARLEN=varlen, HAS_PAD=has_pad, HAS_DROPOUT=dropout,
+            SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_BIAS=bias, HAS_AMASK=amask, USE_TMA=use_tma, IEEE=ieee,
+            EVEN_D=even_d, BLOCK_D=block_d, STAT_ALIGN=STAT_ALIGN, INTERPRET=interpret)
+    return out
+
+
+def _pre_constexprs(has_dlse, varlen, has_sinks, block_d):
+    """The backward preprocess's constexpr dict."""
+    key = ("pre", has_dlse, varlen, has_sinks, block_d)
+    out = _CONSTEXPRS.get(key)
+    if out is None:
+        out = _CONSTEXPRS[key] = dict(HAS_DLSE=has_dlse, VARLEN=varlen, HAS_SINKS=has_sinks, BLOCK_D=block_d,
+                                      BLOCK_M=PRE_BLOCK_M, STAT_ALIGN=STAT_ALIGN)
+    return out
 
 
 def _mask_ranges(mask, shape, block_rows: int, block_cols: int, by_keys: bool = False, groups: int = 1):
@@ -232,44 +272,61 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
         if _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, bias, mask, softcap, scale, is_causal,
                    has_window, win_left, win_right, arch, kind, use_tma, block_d):
             return
-    ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
+    score_mod = _score_mod(softcap, alibi, bias, mask)
+    if score_mod:
+        ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
+        flags = tuple(flags.values())
+    else:
+        ptrs, strides, flags = (q, q, q), _NO_SCORE_STRIDES, _NO_SCORE_FLAGS
     tail_strides = (*sq, *sk, *sv, *so, stride_mb, *strides)
     tail = (Hq, Hq // Hkv, Lq, Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap))
     head = (q, k, v, out, lse, mask_pad, seed if dropout else q, cu_q, cu_k, q if sinks is None else sinks, *ptrs)
-    constexprs = common.constexprs(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
-                      HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, HAS_SINKS=sinks is not None,
-                      **flags, USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
-                      INTERPRET=arch == 0)
+    constexprs = _fwd_constexprs(is_causal, has_window, varlen is not None, key_padding_mask is not None, dropout,
+                                 sinks is not None, flags, use_tma, kind == "ieee", D == block_d, block_d, arch == 0)
     # Lk's power-of-two factor (up to 128) is part of the key: it decides which warp-specialized
     # candidates (whole key blocks only, without causality) may run.
-    cls = _class(has_window, varlen is not None, _score_mod(softcap, alibi, bias, mask))
+    cls = _class(has_window, varlen is not None, score_mod)
     key = (arch, _table_key(block_d, kind, dropout, cls), is_causal, key_padding_mask is not None, use_tma,
            _bucket(max_q), _bucket(max_k), min(Lk & -Lk, 128))
-    cands = _fwd_candidates(arch, key[1], use_tma, is_causal, Lk)
     host_descs = use_tma and varlen is None  # varlen: per-sequence descriptors built on the device
-    if use_tma and arch and (not host_descs or any(c["WS"] for c in cands)):
-        triton.set_allocator(_allocator(q.device))  # device-side descriptors' scratch
-
-    def args(cfg):
-        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        if host_descs and not cfg["WS"]:
-            descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
-                     _tma_desc(out, so, bm, block_d))
-        else:
-            descs = (q, k, v, out)  # unused
-        kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, (B, Hq, Lq, Lk), bm, bn)
-        return head + (kr,) + descs + tail_strides + skr + tail
-
-    def grid(cfg):
-        if varlen is not None:  # the virtual query blocks of every sequence (helpers._find_seq)
-            return (_grid_size((Lq // cfg["BLOCK_M"] + nseq) * Hq),)
-        return (_grid_size(common.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq),)
-
-    cfg = _FWD_CACHE.get(key, cands,
-                         lambda c: common.launch("attention_fwd", _attn_fwd, grid(c), args(c), constexprs, c))
+    # What the launch takes besides the config (a tuple, not a closure: no cells per call).
+    launch = (q, k, v, out, sq, sk, sv, so, block_d, host_descs, mask, (B, Hq, Lq, Lk), head, tail_strides, tail,
+              varlen, nseq, constexprs)
+    cfg = _FWD_CACHE.chosen.get(key)
+    if cfg is None:
+        cands = _fwd_candidates(arch, key[1], use_tma, is_causal, Lk)
+        if use_tma and arch and (not host_descs or any(c["WS"] for c in cands)):
+            common.scratch_allocator()  # device-side descriptors' scratch, for the candidates' timing
+        cfg = _choose(_FWD_CACHE, key, cands, _fwd_launch, launch)
+    if use_tma and arch and (not host_descs or cfg["WS"]):
+        common.scratch_allocator()  # device-side descriptors' scratch
     if use_tma:
         common.count_launch("attention_tma")
-    common.launch("attention_fwd", _attn_fwd, grid(cfg), args(cfg), constexprs, cfg)
+    _fwd_launch(cfg, launch)
+
+
+def _choose(cache, key, candidates, launch_fn, launch):
+    """``cache``'s config for ``key``, timing ``candidates`` through ``launch_fn(cfg, launch)``."""
+    return cache.get(key, candidates, lambda c: launch_fn(c, launch))
+
+
+def _fwd_launch(cfg, launch):
+    """The forward's launch with ``cfg``: its descriptors (host-side TMA) and grid."""
+    (q, k, v, out, sq, sk, sv, so, block_d, host_descs, mask, shape, head, tail_strides, tail, varlen, nseq,
+     constexprs) = launch
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if host_descs and not cfg["WS"]:
+        descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
+                 _tma_desc(out, so, bm, block_d))
+    else:
+        descs = (q, k, v, out)  # unused
+    kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, shape, bm, bn)
+    B, Hq, Lq, _ = shape
+    if varlen is not None:  # the virtual query blocks of every sequence (helpers._find_seq)
+        grid = (_grid_size((Lq // bm + nseq) * Hq),)
+    else:
+        grid = (_grid_size(-(-Lq // bm) * B * Hq),)
+    common.launch("attention_fwd", _attn_fwd, grid, (*head, kr, *descs, *tail_strides, *skr, *tail), constexprs, cfg)
 
 
 def _decode_splits(B, Hkv, n_rb, Lk, block_n, device) -> int:
@@ -308,7 +365,7 @@ def _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, bias, mask, so
     ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
     kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, (B, Hq, Lq, Lk), Lq, block_n, groups=groups)
     if use_tma and arch:
-        triton.set_allocator(_allocator(q.device))
+        common.scratch_allocator()
     if use_tma:
         common.count_launch("attention_tma")
     common.launch("attention_decode", _attn_decode_split, (_grid_size(B * Hkv * n_rb * n_splits),),
@@ -380,9 +437,7 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     common.launch("attention_bwd_preprocess", _attn_bwd_preprocess, (_grid_size(n_pre * B * Hq),),
                   (out, do, lse, dlse if dlse is not None else lse, stats, cu_q, lse if sinks is None else sinks,
                    dsink_parts, *so, *sdo, Hq, Lq, D, nseq, n_pre, stride_stat),
-                  common.constexprs(HAS_DLSE=dlse is not None, VARLEN=varlen is not None, HAS_SINKS=sinks is not None,
-                                    BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M, STAT_ALIGN=STAT_ALIGN),
-                  _FOUR_WARPS)
+                  _pre_constexprs(dlse is not None, varlen is not None, sinks is not None, block_d), _FOUR_WARPS)
     if sinks is not None:
         torch.sum(dsink_parts, (0, 2), out=dsinks)
 
@@ -393,44 +448,53 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     mask_pad, stride_mb = _mask_arg(key_padding_mask, q)
     groups = Hq // Hkv
     is_causal, has_window, win_left, win_right = _band(causal, window)
-    ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
-
-    def args(cfg):
-        if mask is None:
-            kr, skr, qr, sqr = q, (0, 0), q, (0, 0)
-        else:
-            kr, skr = _mask_ranges(mask, (B, Hq, Lq, Lk), cfg["BLOCK_M2"], cfg["BLOCK_N2"])
-            qr, sqr = _mask_ranges(mask, (B, Hq, Lq, Lk), cfg["BLOCK_M1"], cfg["BLOCK_N1"], by_keys=True,
-                                   groups=groups)
-        return (q, k, v, do, dq, dk, dv, stats, mask_pad, seed if dropout else q, cu_q, cu_k, *ptrs, kr, qr,
-                *sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides, *skr, *sqr, Hq, Hkv, groups, Lq,
-                Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap))
-    constexprs = common.constexprs(IS_CAUSAL=is_causal, WINDOW=has_window, VARLEN=varlen is not None,
-                      HAS_PAD=key_padding_mask is not None, HAS_DROPOUT=dropout, **flags,
-                      USE_TMA=use_tma, IEEE=kind == "ieee", EVEN_D=D == block_d, BLOCK_D=block_d,
-                      STAT_ALIGN=STAT_ALIGN, INTERPRET=arch == 0)
+    score_mod = _score_mod(softcap, alibi, bias, mask)
+    if score_mod:
+        ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)
+        score_flags = tuple(flags.values())
+    else:
+        ptrs, strides, flags, score_flags = (q, q, q), _NO_SCORE_STRIDES, None, _NO_SCORE_FLAGS
+    constexprs = _bwd_constexprs(is_causal, has_window, varlen is not None, key_padding_mask is not None, dropout,
+                                 score_flags, use_tma, kind == "ieee", D == block_d, block_d, arch == 0)
     if use_tma and arch:
-        triton.set_allocator(_allocator(q.device))
-
-    def grid(cfg):
-        if varlen is not None:  # virtual key and query blocks (helpers._find_seq)
-            n_kv, n_q = Lk // cfg["BLOCK_N1"] + nseq, Lq // cfg["BLOCK_M2"] + nseq
-        else:
-            n_kv, n_q = common.cdiv(Lk, cfg["BLOCK_N1"]), common.cdiv(Lq, cfg["BLOCK_M2"])
-        per_head = n_kv * (2 if cfg["SPLIT_KV"] else 1) + n_q * groups
-        return (_grid_size(per_head * B * Hkv),)
-
-    cls = _class(has_window, varlen is not None, _score_mod(softcap, alibi, bias, mask))
+        common.scratch_allocator()  # device-side descriptors' scratch
+    # The launch's arguments but the mask ranges, and what its grid and ranges take (no closure).
+    launch = ((q, k, v, do, dq, dk, dv, stats, mask_pad, seed if dropout else q, cu_q, cu_k, *ptrs),
+              (*sq, *sk, *sv, *sdo, *sdq, *sdk, stride_mb, stride_stat, *strides),
+              (Hq, Hkv, groups, Lq, Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap)),
+              mask, (B, Hq, Lq, Lk), groups, varlen, nseq, Hkv, constexprs)
+    cls = _class(has_window, varlen is not None, score_mod)
     key = (arch, _table_key(block_d, kind, dropout, cls), is_causal,
            key_padding_mask is not None, use_tma, _bucket(max_q), _bucket(max_k))
-    cfg = _BWD_CACHE.get(key, _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key[1], use_tma),
-                         lambda c: common.launch("attention_bwd", _attn_bwd, grid(c), args(c), constexprs, c))
+    cfg = _BWD_CACHE.chosen.get(key)
+    if cfg is None:
+        cfg = _choose(_BWD_CACHE, key, _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key[1], use_tma),
+                      _bwd_launch, launch)
     if use_tma:
         common.count_launch("attention_tma")
-    common.launch("attention_bwd", _attn_bwd, grid(cfg), args(cfg), constexprs, cfg)
+    _bwd_launch(cfg, launch)
     if dbias is not None:
         _dbias(do, q, k, v, stats, stride_stat, mask_pad, stride_mb, seed, dropout_p, ptrs, strides, flags, dbias,
                mask, is_causal, has_window, win_left, win_right, scale, softcap, arch, kind, block_d, use_tma)
+
+
+def _bwd_launch(cfg, launch):
+    """The backward's launch with ``cfg``: its mask ranges (with a general mask) and grid."""
+    ptrs, strides, tail, mask, shape, groups, varlen, nseq, Hkv, constexprs = launch
+    q = ptrs[0]
+    if mask is None:
+        kr, skr, qr, sqr = q, (0, 0), q, (0, 0)
+    else:
+        kr, skr = _mask_ranges(mask, shape, cfg["BLOCK_M2"], cfg["BLOCK_N2"])
+        qr, sqr = _mask_ranges(mask, shape, cfg["BLOCK_M1"], cfg["BLOCK_N1"], by_keys=True, groups=groups)
+    B, _, Lq, Lk = shape
+    if varlen is not None:  # virtual key and query blocks (helpers._find_seq)
+        n_kv, n_q = Lk // cfg["BLOCK_N1"] + nseq, Lq // cfg["BLOCK_M2"] + nseq
+    else:
+        n_kv, n_q = -(-Lk // cfg["BLOCK_N1"]), -(-Lq // cfg["BLOCK_M2"])
+    per_head = n_kv * (2 if cfg["SPLIT_KV"] else 1) + n_q * groups
+    common.launch("attention_bwd", _attn_bwd, (_grid_size(per_head * B * Hkv),), (*ptrs, kr, qr, *strides, *skr, *sqr,
+                                                                                    *tail), constexprs, cfg)
 
 
 def _dbias(do, q, k, v, stats, stride_stat, mask_pad, stride_mb, seed, dropout_p, ptrs, strides, flags, dbias,
