@@ -31,11 +31,14 @@ Kernels:
   causal diagonal or the end of the keys pay for masking, and blocks above the diagonal are
   never visited. K/V loops are software pipelined (``tl.range``, the config's stages).
   Saves only O and the fp32 natural-log LSE (B, Hq, Lq).
-- ``_attn_bwd_preprocess``: the backward's row statistics, (B * Hq, 2, Lq rounded up to
-  ``STAT_ALIGN``) fp32: LSE * log2(e) (+inf where P must be 0: rows with no visible key,
-  padding rows) and delta = rowsum(dO * O) - dLSE (0 on padding rows). The dLSE term makes
-  the LSE output differentiable: d lse_i / d s_ij = P_ij. Padded and pre-scaled, they load
-  unmasked, vectorized (TMA on Hopper) and without selects in the backward's loops.
+- ``_attn_bwd_preprocess``: the backward's row statistics, (B * Hq + 1, 2, Lq rounded up to
+  ``STAT_ALIGN``) fp32 (the last slab a spare, never written): LSE * log2(e) (+inf where P
+  must be 0: rows with no visible key, padding rows) and delta = rowsum(dO * O) - dLSE (0 on
+  padding rows). The dLSE term makes the LSE output differentiable: d lse_i / d s_ij = P_ij.
+  Padded and pre-scaled, they load unmasked, vectorized and without selects in the
+  backward's loops (on Hopper's TMA path with 16-bit operands and query blocks of at most
+  32 rows, the dK/dV loops load each step's one step ahead, into registers, the loads past
+  the last head reading the spare slab; elsewhere a TMA tile or pointer loads in the step).
 - ``_attn_bwd``: one kernel for dK/dV and dQ (flex_attention's split): per (batch, kv head),
   programs [0, kv_blocks) accumulate dK/dV of one key block over the group's query heads
   and query blocks, in one flat loop per mask kind over (head, block) pairs walked with

@@ -17,11 +17,12 @@ def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS, CU_Q, SINKS, DSINK,
                          HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr,
                          STAT_ALIGN: tl.constexpr):
-    """The backward's per-row statistics ``STATS`` (B * Hq, 2, stride_stat) fp32, rows padded
-    to ``stride_stat`` (a multiple of every backward query block, so the backward loads them
-    unmasked): [:, 0] = LSE * log2(e) (+inf for rows with no visible key and for padding
+    """The backward's per-row statistics ``STATS`` (B * Hq + 1, 2, stride_stat) fp32, rows
+    padded to ``stride_stat`` (a multiple of every backward query block, so the backward loads
+    them unmasked): [:, 0] = LSE * log2(e) (+inf for rows with no visible key and for padding
     rows: P = 0 there without a select in the backward's loops), [:, 1] = delta =
-    rowsum(dO * O) - dLSE (0 for padding rows).
+    rowsum(dO * O) - dLSE (0 for padding rows). The last (batch, head) slab is a spare, never
+    written: the dK/dV loops' loads one step ahead read it after the last head.
 
     ``VARLEN`` (B = 1, Lq = total tokens): each head's rows are the virtual STAT_ALIGN-row
     blocks of :func:`_find_seq`, every sequence padded to a multiple of STAT_ALIGN.
@@ -67,18 +68,32 @@ def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS, CU_Q, SINKS, DSINK,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, bh, h, start_m, start_n,
-               offs_n, Lq, diag_hi, diag_lo, D, stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed,
-               dropout_p, inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b,
-               stride_ah, stride_am, stride_an, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-               HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr,
-               IEEE: tl.constexpr, EVEN_D: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
+def _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M: tl.constexpr, AHEAD: tl.constexpr):
+    """``AHEAD``: LSE * log2(e) and delta of rows [start_m, start_m + BLOCK_M) of the head
+    whose statistics are at ``stats_h`` (the next step's, loaded a step ahead); else nothing
+    to carry (the step loads its own)."""
+    if AHEAD:
+        stats = stats_h + start_m + tl.arange(0, BLOCK_M)
+        return tl.load(stats), tl.load(stats + stride_stat)
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc, stats_h, stride_stat, bh, h,
+               start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D, stride_qh, stride_qm, stride_doh, stride_dom,
+               qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm,
+               stride_bn, amask_b, stride_ah, stride_am, stride_an, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+               EVEN_D: tl.constexpr, PART: tl.constexpr, AHEAD: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     """Query block [start_m, start_m + BLOCK_M) of head ``h`` (flat ``bh``, statistics at
     ``stats_h``: the head's rows of STATS): its contribution to a key block's dK and dV (scores
     computed transposed); ``PART`` 1 / 2: only dV / only dK. ``q_desc``/``do_desc`` are
     (H, L, D) descriptors of the batch (TMA), ``Q_b``/``DO_b`` the batch's base pointers.
+    ``AHEAD``: the rows' statistics are ``lse2`` and ``delta``, loaded by the caller; else the
+    step loads them (``stats_desc``, a TMA tile, or at ``stats_h``).
 
     Keys past Lk need no mask: their rows of dK/dV are never stored. Queries past Lq (zero
     rows of Q and dO) and rows with no visible key have LSE * log2(e) = +inf, hence P = 0: the
@@ -96,13 +111,14 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, st
                   EVEN_D, False)
         do = _load(do_desc, DO_b + h.to(tl.int64) * stride_doh, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D,
                    MASKED, EVEN_D, False)
-    if USE_TMA:
-        # One (2, BLOCK_M) tile: this block's LSE * log2(e) and delta rows.
-        lse2, delta = tl.split(tl.trans(stats_desc.load([h, 0, start_m]).reshape([2, BLOCK_M])))
-    else:
-        # A scalar address + arange: constant offsets, no 64-bit add per element.
-        stats = stats_h + start_m + tl.arange(0, BLOCK_M)
-        lse2 = tl.load(stats)
+    if not AHEAD:
+        if USE_TMA:
+            # One (2, BLOCK_M) tile: this block's LSE * log2(e) and delta rows.
+            lse2, delta = tl.split(tl.trans(stats_desc.load([h, 0, start_m]).reshape([2, BLOCK_M])))
+        else:
+            # A scalar address + arange: constant offsets, no 64-bit add per element.
+            stats = stats_h + start_m + tl.arange(0, BLOCK_M)
+            lse2 = tl.load(stats)
     qkT = common.dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
     if SCORE_MOD:
         slope2 = 0.0
@@ -131,7 +147,7 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, st
         dpT = common.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
         if HAS_DROPOUT:
             dpT = tl.where(keep, dpT * inv_keep, 0.0)
-        if not USE_TMA:
+        if not AHEAD and not USE_TMA:
             delta = tl.load(stats + stride_stat)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
@@ -242,6 +258,18 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
     # step): the block advances, and past its segment's end moves on to the next segment or
     # wraps to the next head. One flat loop, not a nest: the pipeline runs across heads.
     # The unmasked loop comes first (ptxas allocates the first loop's registers better).
+    #
+    # ``AHEAD`` (Hopper's TMA path, 16-bit operands, dK and dV together, query blocks of at
+    # most 32 rows): each step's row statistics are loaded one step ahead, into registers. A
+    # load that reaches the products only through the loop's carried values is left to ptxas
+    # by the pipeliner: two plain global loads, without the shared-memory stage, barrier wait
+    # and fence of a TMA tile of their own, their latency hidden behind the step's products
+    # (D128, 32x128 blocks: 242 instructions a trip against 262). The loads after a group's
+    # last step read the next group's first head or, past the last head, STATS' spare slab.
+    # The others load them in the step: the split dV / dK programs and fp32 operands (configs
+    # at 255 registers), the pointer path, and 64-row blocks (their carried statistics cost
+    # the D64 causal loops 17 instructions a trip).
+    AHEAD: tl.constexpr = USE_TMA and PART == 0 and Q.dtype.element_ty != tl.float32 and BLOCK_M <= 32
     h0 = hk * GROUPS
     if VARLEN:
         stats0 = STATS_b + h0.to(tl.int64) * (2 * stride_stat)  # the group's first head
@@ -250,19 +278,21 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
     h = h0
     stats_h = stats0
     start_m = head_end
+    lse2, delta = _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M, AHEAD)
     for _ in tl.range(0, GROUPS * n_full):
         start_m = tl.multiple_of(start_m, BLOCK_M)
-        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat, b * Hq + h,
-                            h, start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D, stride_qh, stride_qm, stride_doh,
-                            stride_dom, qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b,
-                            stride_bh, stride_bm, stride_bn, amask_b, stride_ah, stride_am, stride_an, False,
-                            IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE,
-                            EVEN_D, PART, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc, stats_h, stride_stat,
+                            b * Hq + h, h, start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D, stride_qh, stride_qm,
+                            stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out,
+                            slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b, stride_ah, stride_am,
+                            stride_an, False, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                            HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
         start_m += BLOCK_M
         wrap = start_m >= full_end
         start_m = tl.where(wrap, head_end, start_m)
         h += wrap.to(tl.int32)
         stats_h += tl.where(wrap, 2 * stride_stat, 0)
+        lse2, delta = _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M, AHEAD)
     if IS_CAUSAL or WINDOW or not USE_TMA:
         # The masked blocks of each head: [m_lo, head_end), then [full_end, m_end).
         n_masked = n_head + (m_end - full_end) // BLOCK_M
@@ -270,21 +300,23 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
         h = h0
         stats_h = stats0
         start_m = first
+        lse2, delta = _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M, AHEAD)
         for _ in tl.range(0, GROUPS * n_masked):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, stats_desc, stats_h, stride_stat,
-                                b * Hq + h, h, start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D, stride_qh,
-                                stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep, Lk, cap_in,
-                                cap_out, slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b, stride_ah,
-                                stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, HAS_ALIBI,
-                                HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, BLOCK_M, BLOCK_N, BLOCK_D,
-                                INTERPRET)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc, stats_h,
+                                stride_stat, b * Hq + h, h, start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D,
+                                stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep, Lk,
+                                cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b,
+                                stride_ah, stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
+                                HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N,
+                                BLOCK_D, INTERPRET)
             start_m += BLOCK_M
             start_m = tl.where(start_m == head_end, full_end, start_m)
             wrap = start_m >= m_end
             start_m = tl.where(wrap, first, start_m)
             h += wrap.to(tl.int32)
             stats_h += tl.where(wrap, 2 * stride_stat, 0)
+            lse2, delta = _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M, AHEAD)
     dk = dk * scale
     if HAS_PAD:
         # A padded key is invisible to every query: its dK and dV are exactly 0.

@@ -427,7 +427,9 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         stride_stat = (Lq // STAT_ALIGN + nseq) * STAT_ALIGN
     else:
         stride_stat = common.cdiv(Lq, STAT_ALIGN) * STAT_ALIGN
-    stats = common.empty((B * Hq, 2, stride_stat), torch.float32, q.device)
+    # A spare (batch, head) slab, never written: the dK/dV loops' loads a step past a group's
+    # last head read it (backward._bwd_dkdv_program).
+    stats = common.empty((B * Hq + 1, 2, stride_stat), torch.float32, q.device)
     n_pre = stride_stat // PRE_BLOCK_M
     # Per preprocess program, its part of the sinks' gradient (summed below: deterministic).
     dsink_parts = common.empty((B, Hq, n_pre), torch.float32, q.device) if sinks is not None else stats
