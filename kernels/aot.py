@@ -12,6 +12,7 @@ issue/tensor ratio); ``--resources-only`` skips that (the test suite's compile c
 """
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -54,6 +55,10 @@ class KernelSpec:
     # The architectures this config ships for: each arch's config table is compiled (and held
     # to "no spills") on its own architecture only.
     archs: tuple = (80, 90)
+    # The default test suite's compile check builds it (every shipped config is built there at
+    # least once per arch and data path); False: a further flag combination of a config, built
+    # by the heavy check (tests/test_compile.py, FUSED_BLOCK_HEAVY=1) and `make compile-report`.
+    ci: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +124,10 @@ def compile_spec(spec: KernelSpec, arch: int, module: str = "", sass_costs: bool
     )
 
 
+SUBSETS = ("all", "ci", "rest")  # every spec; the default check's (spec.ci); the heavy check's
+
+
+@functools.lru_cache(maxsize=None)
 def specs_of(module: str) -> list:
     return importlib.import_module(f"fused_block.kernels.{module}").aot_specs()
 
@@ -128,11 +137,13 @@ def _compile_one(job):
     return compile_spec(specs_of(module)[index], arch, module, sass_costs)
 
 
-def compile_all(modules=MODULES, archs=ARCHS, jobs=None, sass_costs=False) -> list:
-    """Compile every spec of ``modules`` for every arch, in parallel worker processes; with
-    ``sass_costs``, each sm_90 report carries its SASS regions."""
+def compile_all(modules=MODULES, archs=ARCHS, jobs=None, sass_costs=False, subset="all") -> list:
+    """Compile every spec of ``modules`` in ``subset`` (:data:`SUBSETS`) for every arch, in
+    parallel worker processes; with ``sass_costs``, each sm_90 report carries its SASS regions."""
+    if subset not in SUBSETS:
+        raise ValueError(f"subset must be one of {SUBSETS}, got {subset!r}")
     work = [(m, i, a, sass_costs) for m in modules for i, spec in enumerate(specs_of(m)) for a in archs
-            if a in spec.archs]
+            if a in spec.archs and (subset == "all" or spec.ci == (subset == "ci"))]
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
         return [_compile_one(w) for w in work]
@@ -166,7 +177,7 @@ def format_costs(reports) -> str:
     return "\n".join(lines)
 
 
-def compile_all_subprocess(modules=MODULES, jobs=None) -> list:
+def compile_all_subprocess(modules=MODULES, jobs=None, subset="all") -> list:
     """:func:`compile_all` in a fresh interpreter with ``TRITON_INTERPRET`` off.
 
     Under the interpreter ``triton.jit`` makes interpreted functions, which cannot be compiled
@@ -176,7 +187,7 @@ def compile_all_subprocess(modules=MODULES, jobs=None) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "reports.json")
         cmd = [sys.executable, "-m", "fused_block.kernels.aot", "--json", path, "--quiet", "--resources-only"]
-        cmd += [f"--module={m}" for m in modules] + ([f"--jobs={jobs}"] if jobs else [])
+        cmd += [f"--module={m}" for m in modules] + ([f"--jobs={jobs}"] if jobs else []) + [f"--subset={subset}"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if not os.path.exists(path):
             raise RuntimeError(f"compile run failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -189,12 +200,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--module", action="append", choices=MODULES, help="only these kernel modules")
     parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--subset", choices=SUBSETS, default="all",
+                        help="ci: the default test suite's specs; rest: the heavy check's (default: all)")
     parser.add_argument("--json", help="also write the reports to this JSON file")
     parser.add_argument("--quiet", action="store_true", help="print only the summary line")
     parser.add_argument("--resources-only", action="store_true",
                         help="no SASS costs (disassembling every sm_90 config takes about a second each)")
     args = parser.parse_args(argv)
-    reports = compile_all(tuple(args.module or MODULES), jobs=args.jobs, sass_costs=not args.resources_only)
+    reports = compile_all(tuple(args.module or MODULES), jobs=args.jobs, sass_costs=not args.resources_only,
+                          subset=args.subset)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in reports], f)

@@ -42,6 +42,7 @@ accumulation, and constexpr switches for everything else:
   computes every product exactly in fp32.
 - Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
+import dataclasses
 import functools
 
 import torch
@@ -924,15 +925,8 @@ def _desc_ok(t, strides=None):
 
 
 def _mat(t):
-    """``(rows, cols), (row stride, col stride)`` of a GEMM operand: a 2-D tensor, or a contiguous
-    one of another rank, whose rows are all its dims but the last (read in place, no view)."""
-    if t.dim() == 2:
-        return t.shape, t.stride()
-    if not t.is_contiguous():
-        raise ValueError(f"a GEMM operand of {t.dim()} dims must be contiguous (a 2-D one may have any strides), "
-                         f"got strides {t.stride()}")
-    n = t.shape[-1]
-    return (t.numel() // n if n else 0, n), (n, 1)
+    """``(rows, cols), (row stride, col stride)`` of a GEMM operand (:func:`common.rows`)."""
+    return common.rows(t, "a GEMM operand")
 
 
 def _rows_ok(t, strides=None):
@@ -1372,11 +1366,14 @@ def aot_specs():
     (whole tiles) and without wherever it changes the code; sm_80's pointer path with a masked
     K loop on each 16-bit config's forward. sm_90's tiles for views a descriptor cannot read:
     pointer loads (_FALLBACK_90_CFGS) with every size and stride unaligned, and TMA loads with
-    a pointer epilogue (the table's smallest tile) with N and the epilogue's strides unaligned. The elementwise kernels (activation gradient with and
-    without dropout, the bias-gradient reduction, the test-only dropout mask)."""
+    a pointer epilogue (the table's smallest tile) with N and the epilogue's strides unaligned. The
+    elementwise kernels (activation gradient with and without dropout, the bias-gradient
+    reduction, the test-only dropout mask). The default test suite builds a table's whole-tile
+    twins on its first config only (``KernelSpec.ci``); the heavy check the others."""
     from fused_block.kernels import aot
 
-    def add(arch, kind, cfg, variant, **kw):
+    def add(arch, kind, cfg, variant, twin_ci=True, **kw):
+        # twin_ci: the default test suite also builds the whole-tile twin (else the heavy check).
         flags = _VARIANTS[variant][1]
         heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0), flags.get("HAS_DROPOUT", False))
         if heavy and not _light(cfg):
@@ -1387,14 +1384,15 @@ def aot_specs():
         # build EVEN_MN on every config).
         both = _even_mn_matters(flags, tma_epi) and not flags.get("LORA", False)
         for even_mn in (False, True) if both else (False,):
-            specs.append(_gemm_spec(arch, kind, cfg, variant, even_mn=even_mn, **kw))
+            spec = _gemm_spec(arch, kind, cfg, variant, even_mn=even_mn, **kw)
+            specs.append(spec if twin_ci or not even_mn else dataclasses.replace(spec, ci=False))
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
         variants = _TABLE_VARIANTS[(kind, dual)]
         for i, cfg in enumerate(cfgs):
             for v in variants + (_LORA_VARIANTS[(kind, dual)] if i in _lora_configs(arch, dual, len(cfgs)) else ()):
-                add(arch, kind, cfg, v)
+                add(arch, kind, cfg, v, twin_ci=i == 0)
             if kind == "16" and not dual and arch == 80:
                 # Pointer loads with a masked K loop (sm_80's path for K not a multiple of BLOCK_K).
                 add(arch, kind, cfg, "fwd", even_k=False)

@@ -1,21 +1,41 @@
 """Every shipped kernel config compiles for sm_80 and sm_90: no errors, no spills, wgmma on sm_90.
 
 The interpreter accepts code the GPU compiler rejects, so this is the CPU suite's check of
-the GPU build. Compiled kernels are cached by Triton, so reruns are fast.
+the GPU build. The default run builds every config on each arch and data path, with the flag
+combinations of a config list taken in turn (``KernelSpec.ci``); the heavy check
+(``FUSED_BLOCK_HEAVY=1`` or ``-m heavy``) builds the rest of the product, which a kernel
+change must pass too. Compiled kernels are cached by Triton, so reruns are fast.
 """
 import importlib.util
+import json
+import pathlib
 
 import pytest
 
-from fused_block.kernels import aot
+from fused_block.kernels import aot, fake_driver
+from fused_block.kernels.attention import specs as attention_specs
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = [m for m in aot.MODULES if importlib.util.find_spec(f"fused_block.kernels.{m}") is not None]
+
+# One worker compiles (with its own processes); the other runs the interpreter tests meanwhile.
+pytestmark = pytest.mark.xdist_group("compile")
+
+
+def _problems(reports) -> str:
+    messages = []
+    for what, bad in (("register spills", [r for r in reports if r.spills]),
+                      ("no wgmma on sm_90", [r for r in reports if r.wgmma_required and not r.wgmma_found]),
+                      ("no TMA (cp.async.bulk.tensor) on sm_90", [r for r in reports if r.tma_required and not r.tma_found])):
+        if bad:
+            messages.append(f"{what}:\n" + aot.format_table(bad))
+    return "\n".join(messages)
 
 
 @pytest.fixture(scope="module")
 def reports():
     # In a subprocess: the suite runs with TRITON_INTERPRET=1, whose kernels cannot be compiled.
-    return aot.compile_all_subprocess(tuple(MODULES))
+    return aot.compile_all_subprocess(tuple(MODULES), subset="ci")
 
 
 def test_every_kernel_module_ships_specs(reports):
@@ -38,3 +58,45 @@ def test_sm90_products_use_wgmma(reports):
 def test_sm90_tma_paths_use_tma(reports):
     missing = [r for r in reports if r.tma_required and not r.tma_found]
     assert not missing, "no TMA (cp.async.bulk.tensor) on sm_90:\n" + aot.format_table(missing)
+
+
+@pytest.mark.heavy
+def test_the_rest_of_the_flag_product_compiles_clean():
+    reports = aot.compile_all_subprocess(tuple(MODULES), subset="rest")
+    assert reports, "the heavy check compiled nothing"
+    problems = _problems(reports)
+    assert not problems, problems
+
+
+_LIST_SPECS = """
+import json, sys
+from fused_block.kernels import aot
+json.dump({m: [(s.archs, s.name, s.ci) for s in aot.specs_of(m)] for m in ("attention", "matmul")}, sys.stdout)
+"""
+
+
+def _config(archs, name) -> tuple:
+    """A spec's config and data path without its flag combination (after the colon) or its
+    whole-tile twin."""
+    return tuple(archs), name.split(":")[0].replace(" even_mn", "")
+
+
+def test_the_default_check_builds_every_config():
+    # The specs are built where the kernels are JITFunctions (not under the suite's interpreter).
+    proc = fake_driver.run_without_interpreter(["-c", _LIST_SPECS], cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for module, specs in json.loads(proc.stdout).items():
+        # Split-KV decoding's row blocks (part of its names) take turns: a launch-time choice.
+        everything = {_config(a, n) for a, n, _ in specs if "attention_decode " not in n}
+        built = {_config(a, n) for a, n, ci in specs if ci}
+        assert everything <= built, f"{module} configs left to the heavy check: {sorted(everything - built)[:5]}"
+        assert not all(ci for _, _, ci in specs), f"{module}: the default check builds the whole product"
+
+
+def test_the_default_check_takes_every_combination_in_turn():
+    specs = [f"spec{i}" for i in range(10)]
+    # A group of three configs with two combinations each, a one-config group of three, and a
+    # spec of no group.
+    items = {"a": [[0, 1], [2, 3], [4, 5]], "b": [[6, 7, 8]]}
+    marked = attention_specs._mark_ci([aot.KernelSpec(n, None, {}, {}, 4) for n in specs], items)
+    assert [s.name for s in marked if s.ci] == ["spec0", "spec3", "spec4", "spec6", "spec7", "spec8", "spec9"]

@@ -1,5 +1,6 @@
 """Ahead-of-time compile specs of the attention kernels: every shipped config on its own arch
 (``kernels/aot.py`` compiles them; ``tests/test_compile.py`` holds them spill-free)."""
+import dataclasses
 import os
 
 from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
@@ -103,6 +104,26 @@ def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool):
                 yield combo(causal, pad, bd, even)
 
 
+def _mark_ci(specs: list, items: dict) -> list:
+    """The default test suite's share of the forward and backward specs (``KernelSpec.ci``).
+
+    ``items`` maps each (kernel, arch, class, data path) to its table entries' configs in
+    table order, each as the indices of its specs in ``specs``, one per flag combination
+    (the heaviest first). The configs take the combinations in turn, one each, continuing
+    from entry to entry, so every config is compiled on its arch and path, and every
+    combination of the group at least once (a group with fewer configs than combinations
+    builds the rest on its last config). The heavy check builds the remaining product; specs
+    outside ``items`` stay in the default check."""
+    ci, grouped = set(), set()
+    for group in items.values():
+        for turn, indices in enumerate(group):
+            ci.add(indices[turn % len(indices)])
+            grouped.update(indices)
+        last = group[-1]
+        ci.update(last[k] for k in range(len(group), len(last)))
+    return [dataclasses.replace(s, ci=False) if i in grouped - ci else s for i, s in enumerate(specs)]
+
+
 def aot_specs(exhaustive=None) -> list:
     """Every shipped config on its own arch (bf16 for the "16" kind, fp32 for tf32/ieee; ieee
     products are not wgmma) in the runtime combinations of :func:`_aot_combos`, with dropout as
@@ -121,22 +142,24 @@ def aot_specs(exhaustive=None) -> list:
             for tma in ((True, False) if i == 0 else (True,)) if arch == 90 and kind != "ieee" else (False,):
                 yield cfg, tma
 
-    specs = []
+    specs, items = [], {}
     for kname, fn, tables in (("fwd", _attn_fwd, FWD_CONFIGS), ("bwd", _attn_bwd, BWD_CONFIGS)):
         for arch, table in tables.items():
             for (block_d, kind, dropout, cls), cfgs in table.items():
                 dt = "bf16" if kind == "16" else "fp32"
                 with_dropout = set(paths(arch, kind, table.get((block_d, kind, True, cls), ())))
-                for cfg, tma in paths(arch, kind, cfgs):
-                    if not dropout and not exhaustive and (cfg, tma) in with_dropout:
-                        continue
+                built = [(cfg, tma) for cfg, tma in paths(arch, kind, cfgs)
+                         if dropout or exhaustive or (cfg, tma) not in with_dropout]
+                for cfg, tma in built:
                     m = cfg.meta()
                     blocks = (f"{m['BLOCK_M']}x{m['BLOCK_N']}" if kname == "fwd" else
                               f"{m['BLOCK_M1']}x{m['BLOCK_N1']}/{m['BLOCK_M2']}x{m['BLOCK_N2']}"
                               f"{' split' if m['SPLIT_KV'] else ''}")
                     blocks += " ws" if m.get("WS") else ""
                     tag = "" if cls == "plain" else f" {cls}"
+                    items.setdefault((kname, arch, cls, tma), []).append([])
                     for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive):
+                        items[kname, arch, cls, tma][-1].append(len(specs))
                         if kname == "bwd":
                             flags = dict(flags, STAT_ALIGN=STAT_ALIGN)
                         flags = {n: v for n, v in flags.items() if n in fn.arg_names}
@@ -160,7 +183,9 @@ def aot_specs(exhaustive=None) -> list:
                 if tma:
                     for p, block in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("DOD", "BLOCK_M")):
                         ptrs[p] = f"tensordesc<{dt}[1, 1, {cfg[block]}, {block_d}]>"
+                items.setdefault(("dbias", arch, tma), []).append([])
                 for sum_m in (False, True):
+                    items["dbias", arch, tma][-1].append(len(specs))
                     specs.append(aot.KernelSpec(
                         name=(f"attention_dbias D{block_d} {kind} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} "
                               f"{'tma' if tma else 'ptr'}: causal window pad dropout softcap alibi mask"
@@ -191,7 +216,9 @@ def aot_specs(exhaustive=None) -> list:
             block_ms = [m for m in DECODE_BLOCK_MS if m <= _decode_block_m(1 << 20, block_d, kind)]
             for cfg in cfgs:
                 for tma in (True, False) if arch == 90 and kind != "ieee" else (False,):
+                    items.setdefault(("decode", arch, tma), []).append([])
                     for block_m in sorted({block_ms[0], block_ms[-1]}):
+                        items["decode", arch, tma][-1].append(len(specs))
                         specs.append(aot.KernelSpec(
                             name=(f"attention_decode D{block_d} {kind} {cls} {block_m}x{cfg['BLOCK_N']} "
                                   f"{'tma' if tma else 'ptr'}: causal window pad softcap alibi"
@@ -223,4 +250,4 @@ def aot_specs(exhaustive=None) -> list:
         name="attention_dropout_mask", fn=_dropout_mask_kernel,
         signature=_signature(_dropout_mask_kernel, {"SEED": "*i64", "OUT": "*u8"}),
         constexprs=dict(BLOCK_M=32, BLOCK_N=32), num_warps=4))
-    return specs
+    return _mark_ci(specs, items)
