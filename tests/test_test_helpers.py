@@ -1,12 +1,16 @@
-"""The tests' own helpers: the fp32 precision context and the fuzz profiles."""
+"""The tests' own helpers: the fp32 precision context, the fuzz profiles and the interpreter's
+speed-ups."""
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fuzzing
+import interpreter_speed
 from fused_block.kernels import common
 from numerics import FP32_PRECISIONS, fp32_matmul_precision
 
@@ -55,3 +59,39 @@ def test_unknown_fuzz_profile_is_refused():
                           timeout=300)
     assert proc.returncode != 0 and "FUSED_BLOCK_FUZZ must be" in proc.stderr
 
+
+
+@triton.jit
+def _scaled_bits(x, k):
+    return (x * k).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+
+
+@triton.jit
+def _helper_heavy_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    acc = tl.zeros([BLOCK], dtype=tl.uint32)
+    for k in range(3):
+        acc += _scaled_bits(x, k + 1.5).to(tl.uint32)
+    tl.store(OUT + offs, acc.to(tl.int32), mask=offs < n)
+
+
+@pytest.mark.skipif(not common.interpreting(), reason="the speed-ups are the interpreter's")
+def test_interpreter_speedups_give_the_interpreters_answers():
+    from triton.runtime import interpreter
+
+    x = torch.randn(100)
+    outs = []
+    try:
+        for install in (False, True):
+            (interpreter_speed.install if install else interpreter_speed.uninstall)()
+            out = torch.full((100,), -1, dtype=torch.int32)
+            _helper_heavy_kernel[(4,)](x, out, 100, BLOCK=32)
+            outs.append(out)
+    finally:
+        interpreter_speed.install()
+    assert torch.equal(outs[0], outs[1]) and (outs[1] > 0).any()
+    types = [tl.int1, tl.float16, tl.bfloat16, tl.float32, tl.int64, tl.uint8, tl.pointer_type(tl.float32),
+             tl.block_type(tl.bfloat16, [4, 8]), tl.block_type(tl.pointer_type(tl.int32), [8])]
+    assert [interpreter._get_np_dtype(t) for t in types] == [interpreter_speed._original_np_dtype(t) for t in types]
+    assert interpreter._get_np_dtype is interpreter_speed._get_np_dtype  # installed (the suite's state)

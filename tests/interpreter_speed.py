@@ -1,0 +1,85 @@
+"""Two pure overheads of Triton 3.6's interpreter removed for the test suite.
+
+One patch of triton.language per interpreted launch instead of one per device-function call.
+
+Triton 3.6's interpreter maps the language onto numpy by patching ``triton.language`` (its
+builtins, ``tensor``, ``math``, ``core``) when a kernel starts, and restores it when the kernel
+ends; but every call of a ``@triton.jit`` helper inside the kernel patches it again
+(``InterpretedFunction.__call__``), which walks every member of those modules with
+``inspect.getmembers``: about a millisecond per helper call, a quarter of the time of an
+interpreted model forward here. The repeated patch installs the same wrappers over the same
+builder, so this skips it when the running kernel's patch already covers the helper's modules
+(a helper that sees a module the kernel did not, such as ``triton.language.core`` imported by
+name, is patched as before). Nothing else of the interpreter changes: the kernels run the
+same interpreted code.
+
+And ``_get_np_dtype`` (Triton type -> numpy storage type), which builds a dict of twenty types
+on each of its calls (tens of thousands per test), remembers its answers: a pure function.
+
+``tests/test_test_helpers.py`` checks that a helper-heavy kernel gives the same answer with
+and without these.
+"""
+import inspect
+
+import triton.language as tl
+from triton.runtime import interpreter
+
+_original_patch_lang = interpreter._patch_lang
+_original_grid_call = interpreter.GridExecutor.__call__
+_original_np_dtype = interpreter._get_np_dtype
+_patched = None  # ids of the language modules the running kernel patched; None outside a kernel
+_langs = {}  # function -> ids of the language modules its globals see
+_np_dtypes = {}  # Triton type -> numpy type
+
+
+def _languages(fn) -> set:
+    langs = _langs.get(fn)
+    if langs is None:
+        langs = _langs[fn] = {id(v) for v in fn.__globals__.values()
+                              if inspect.ismodule(v) and (v is tl or v is tl.core)}
+    return langs
+
+
+def _get_np_dtype(tt_dtype):
+    if isinstance(tt_dtype, tl.block_type):  # a block's storage is its element's (unhashable)
+        tt_dtype = tt_dtype.element_ty
+    try:
+        return _np_dtypes[tt_dtype]
+    except KeyError:
+        out = _np_dtypes[tt_dtype] = _original_np_dtype(tt_dtype)
+        return out
+    except TypeError:  # another unhashable type
+        return _original_np_dtype(tt_dtype)
+
+
+def _patch_lang(fn):
+    global _patched
+    if _patched is None:
+        return _original_patch_lang(fn)
+    langs = _languages(fn)
+    if langs <= _patched:
+        return interpreter._LangPatchScope()  # nothing patched, nothing to restore
+    scope = _original_patch_lang(fn)
+    _patched |= langs
+    return scope
+
+
+def _grid_call(self, *args, **kwargs):
+    global _patched
+    outer, _patched = _patched, set()
+    try:
+        return _original_grid_call(self, *args, **kwargs)
+    finally:
+        _patched = outer
+
+
+def install() -> None:
+    interpreter._patch_lang = _patch_lang
+    interpreter.GridExecutor.__call__ = _grid_call
+    interpreter._get_np_dtype = _get_np_dtype
+
+
+def uninstall() -> None:
+    interpreter._patch_lang = _original_patch_lang
+    interpreter.GridExecutor.__call__ = _original_grid_call
+    interpreter._get_np_dtype = _original_np_dtype
