@@ -21,7 +21,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 # compile check's ahead-of-time compiles (~15 min on 2 cores instead of ~18); PYTEST_ARGS=
 # runs in one process.
 TESTS ?= tests
-PYTEST_ARGS ?= -n 2
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 # --durations: every run lists its 25 slowest tests, so growth of the suite shows in CI's log.
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 $(TESTS) $(PYTEST_ARGS)

@@ -17,6 +17,9 @@ from fused_block.kernels import fake_driver, sass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# One xdist worker compiles the benchmark kernels once (`make test` runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("sass")
+
 
 @pytest.fixture(scope="module")
 def costs(tmp_path_factory):
