@@ -171,6 +171,18 @@ def _contiguous_strides(shape):
 _empty_strided = torch.empty_strided
 
 
+def rows(t, operand: str):
+    """``(rows, cols), (row stride, col stride)`` of a launcher's operand: a 2-D tensor with any
+    strides, or a contiguous one of another rank, whose rows are all its dims but the last
+    (read in place, no view). Any other layout is a ValueError naming ``operand``."""
+    if t.dim() == 2:
+        return t.shape, t.stride()
+    if not t.is_contiguous():
+        raise ValueError(f"{operand} of {t.dim()} dims must be contiguous, got strides {t.stride()}")
+    n = t.shape[-1]
+    return (t.numel() // n if n else 0, n), (n, 1)
+
+
 def empty(shape, dtype, device):
     """Allocate a launcher's output, contiguous (NaN-filled while ``POISON_OUTPUTS`` is set).
 

@@ -610,15 +610,11 @@ def _keep_scale(dropout_p):
     return 1.0 / (1.0 - dropout_p)
 
 
-def _rows(t, n):
-    """(rows, row stride) of a launcher's row tensor: (M, n) with any row stride, or contiguous
-    of another rank (..., n), whose rows follow each other (no view needed to flatten it)."""
-    if t.dim() == 2:
-        return t.shape[0], t.stride(0)
-    if not t.is_contiguous():
-        raise ValueError(f"a norm operand of {t.dim()} dims must be contiguous (a 2-D one may have any row stride), "
-                         f"got strides {t.stride()}")
-    return t.numel() // n, n
+def _rows(t):
+    """(rows, row stride) of a launcher's row tensor: (M, N) with any row stride (its last
+    stride is 1), or contiguous of another rank (..., N)."""
+    (m, _), (stride, _) = common.rows(t, "a norm operand")
+    return m, stride
 
 
 def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
@@ -634,7 +630,7 @@ def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residu
     then ``rstd`` ((M,) fp32).
     """
     N = x.shape[-1]
-    M, stride_x = _rows(x, N)
+    M, stride_x = _rows(x)
     dev = x.device
     shape = x.shape
     out = common.empty(shape, x.dtype, dev)
@@ -659,7 +655,7 @@ def add_norm_fwd(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residu
     # Absent pointers get x (never dereferenced: their use is constexpr-guarded).
     args = (x, residual if has_res else x, weight if has_w else x, bias if has_b else x, out,
             rout if store_residual else x, mean if mean is not None else rstd, rstd, seed if has_drop else x,
-            stride_x, _rows(residual, N)[1] if has_res else 0, M, N, 1.0 / N, eps, dropout_p,
+            stride_x, _rows(residual)[1] if has_res else 0, M, N, 1.0 / N, eps, dropout_p,
             _keep_scale(dropout_p))
     cfg = _FWD_CACHE.chosen.get(key)
     if cfg is None:
@@ -697,7 +693,7 @@ def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropou
     ``dout``).
     """
     N = h.shape[-1]
-    M, stride_h = _rows(h, N)
+    M, stride_h = _rows(h)
     dev = h.device
     has_dout = dout is not None
     has_dw, has_db = dw_dtype is not None, db_dtype is not None
@@ -730,8 +726,8 @@ def add_norm_bwd(dout, dout2, dresidual_out, h, weight, mean, rstd, seed, dropou
         ptrs = (h, weight if has_w else h, dout if has_dout else h, dout2 if has_dout2 else h,
                 dresidual_out if has_drout else h, mean if mean is not None else rstd, rstd,
                 seed if has_drop else h, dx, dres if dres is not None else dx)
-        strides = (stride_h, _rows(dout, N)[1] if has_dout else 0, _rows(dout2, N)[1] if has_dout2 else 0,
-                   _rows(dresidual_out, N)[1] if has_drout else 0, M, N, 1.0 / N, dropout_p,
+        strides = (stride_h, _rows(dout)[1] if has_dout else 0, _rows(dout2)[1] if has_dout2 else 0,
+                   _rows(dresidual_out)[1] if has_drout else 0, M, N, 1.0 / N, dropout_p,
                    _keep_scale(dropout_p))
         target = bwd_programs(N, common.sm_count(dev))
         cfg = _BWD_CACHE.chosen.get(key)

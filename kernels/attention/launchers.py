@@ -155,34 +155,23 @@ _NO_SCORE_FLAGS = (False, False, False, False)  # SOFTCAP, HAS_ALIBI, HAS_BIAS, 
 _CONSTEXPRS = {}  # (kernel, flags...) -> the constexpr dict: one object per distinct set (launch.py)
 
 
-def _fwd_constexprs(is_causal, window, varlen, has_pad, dropout, has_sinks, score_flags, use_tma, ieee, even_d,
-                    block_d, interpret):
-    """The forward's constexpr dict (``score_flags``: SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK)."""
-    key = ("fwd", is_causal, window, varlen, has_pad, dropout, has_sinks, score_flags, use_tma, ieee, even_d,
-           block_d, interpret)
-    out = _CONSTEXPRS.get(key)
-    if out is None:
-        softcap, alibi, bias, amask = score_flags
-        out = _CONSTEXPRS[key] = dict(
-            IS_CAUSAL=is_causal, WINDOW=window, VARLEN=varlen, HAS_PAD=has_pad, HAS_DROPOUT=dropout,
-            HAS_SINKS=has_sinks, SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_BIAS=bias, HAS_AMASK=amask, USE_TMA=use_tma,
-            IEEE=ieee, EVEN_D=even_d, BLOCK_D=block_d, INTERPRET=interpret)
-    return out
-
-
-def _bwd_constexprs(is_causal, window, varlen, has_pad, dropout, score_flags, use_tma, ieee, even_d, block_d,
-                    interpret):
-    """The backward's constexpr dict (``score_flags`` as :func:`_fwd_constexprs`')."""
-    key = ("bwd", is_causal, window, varlen, has_pad, dropout, score_flags, use_tma, ieee, even_d, block_d,
-           interpret)
+def _attn_constexprs(extra, is_causal, window, varlen, has_pad, dropout, score_flags, use_tma, ieee, even_d,
+                     block_d, interpret):
+    """The forward's or the backward's constexpr dict: ``score_flags`` are SOFTCAP, HAS_ALIBI,
+    HAS_BIAS and HAS_AMASK, ``extra`` the kernel's own (name, value) pairs (the forward's
+    HAS_SINKS, the backward's STAT_ALIGN), which also tell the two kernels' keys apart."""
+    key = (extra, is_causal, window, varlen, has_pad, dropout, score_flags, use_tma, ieee, even_d, block_d, interpret)
     out = _CONSTEXPRS.get(key)
     if out is None:
         softcap, alibi, bias, amask = score_flags
         out = _CONSTEXPRS[key] = dict(
             IS_CAUSAL=is_causal, WINDOW=window, VARLEN=varlen, HAS_PAD=has_pad, HAS_DROPOUT=dropout,
             SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_BIAS=bias, HAS_AMASK=amask, USE_TMA=use_tma, IEEE=ieee,
-            EVEN_D=even_d, BLOCK_D=block_d, STAT_ALIGN=STAT_ALIGN, INTERPRET=interpret)
+            EVEN_D=even_d, BLOCK_D=block_d, INTERPRET=interpret, **dict(extra))
     return out
+
+
+_BWD_EXTRA = (("STAT_ALIGN", STAT_ALIGN),)
 
 
 def _pre_constexprs(has_dlse, varlen, has_sinks, block_d):
@@ -281,8 +270,9 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     tail_strides = (*sq, *sk, *sv, *so, stride_mb, *strides)
     tail = (Hq, Hq // Hkv, Lq, Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap))
     head = (q, k, v, out, lse, mask_pad, seed if dropout else q, cu_q, cu_k, q if sinks is None else sinks, *ptrs)
-    constexprs = _fwd_constexprs(is_causal, has_window, varlen is not None, key_padding_mask is not None, dropout,
-                                 sinks is not None, flags, use_tma, kind == "ieee", D == block_d, block_d, arch == 0)
+    constexprs = _attn_constexprs((("HAS_SINKS", sinks is not None),), is_causal, has_window, varlen is not None,
+                                  key_padding_mask is not None, dropout, flags, use_tma, kind == "ieee", D == block_d,
+                                  block_d, arch == 0)
     # Lk's power-of-two factor (up to 128) is part of the key: it decides which warp-specialized
     # candidates (whole key blocks only, without causality) may run.
     cls = _class(has_window, varlen is not None, score_mod)
@@ -456,8 +446,8 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         score_flags = tuple(flags.values())
     else:
         ptrs, strides, flags, score_flags = (q, q, q), _NO_SCORE_STRIDES, None, _NO_SCORE_FLAGS
-    constexprs = _bwd_constexprs(is_causal, has_window, varlen is not None, key_padding_mask is not None, dropout,
-                                 score_flags, use_tma, kind == "ieee", D == block_d, block_d, arch == 0)
+    constexprs = _attn_constexprs(_BWD_EXTRA, is_causal, has_window, varlen is not None, key_padding_mask is not None,
+                                  dropout, score_flags, use_tma, kind == "ieee", D == block_d, block_d, arch == 0)
     if use_tma and arch:
         common.scratch_allocator()  # device-side descriptors' scratch
     # The launch's arguments but the mask ranges, and what its grid and ranges take (no closure).
