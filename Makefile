@@ -18,10 +18,10 @@ $(STAMP): requirements-dev.txt pyproject.toml
 
 # TESTS narrows the run (e.g. TESTS=tests/test_install.py); PYTEST_ARGS sets pytest's options:
 # by default two worker processes (pytest-xdist), so the interpreter tests run beside the
-# compile check's ahead-of-time compiles (~15 min on 2 cores instead of ~18); PYTEST_ARGS=
+# compile check's ahead-of-time compiles (once per run: the conftest's run_once); PYTEST_ARGS=
 # runs in one process.
 TESTS ?= tests
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2
 # --durations: every run lists its 25 slowest tests, so growth of the suite shows in CI's log.
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 $(TESTS) $(PYTEST_ARGS)

@@ -177,23 +177,29 @@ def format_costs(reports) -> str:
     return "\n".join(lines)
 
 
-def compile_all_subprocess(modules=MODULES, jobs=None, subset="all") -> list:
-    """:func:`compile_all` in a fresh interpreter with ``TRITON_INTERPRET`` off.
+def compile_all_subprocess(modules=MODULES, jobs=None, subset="all", path=None) -> list:
+    """:func:`compile_all` in a fresh interpreter with ``TRITON_INTERPRET`` off; with ``path``,
+    the reports stay in that JSON file (:func:`load_reports`).
 
     Under the interpreter ``triton.jit`` makes interpreted functions, which cannot be compiled
     for a GPU; the test suite (which runs with ``TRITON_INTERPRET=1``) uses this.
     """
     env = dict(os.environ, TRITON_INTERPRET="0")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "reports.json")
-        cmd = [sys.executable, "-m", "fused_block.kernels.aot", "--json", path, "--quiet", "--resources-only"]
+        out = str(path or os.path.join(tmp, "reports.json"))
+        cmd = [sys.executable, "-m", "fused_block.kernels.aot", "--json", out, "--quiet", "--resources-only"]
         cmd += [f"--module={m}" for m in modules] + ([f"--jobs={jobs}"] if jobs else []) + [f"--subset={subset}"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if not os.path.exists(path):
+        if not os.path.exists(out):
             raise RuntimeError(f"compile run failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-        with open(path) as f:
-            return [CompileReport(**{**r, "regions": tuple(sass.Region(**x) for x in r["regions"])})
-                    for r in json.load(f)]
+        return load_reports(out)
+
+
+def load_reports(path) -> list:
+    """The reports a ``--json`` run wrote."""
+    with open(path) as f:
+        return [CompileReport(**{**r, "regions": tuple(sass.Region(**x) for x in r["regions"])})
+                for r in json.load(f)]
 
 
 def main(argv=None) -> int:

@@ -61,6 +61,27 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(_backend, "WARNED", set())
 
 
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory, worker_id):
+    """``run_once(name, make)``: ``make(path)`` writes the file ``name`` once per test run and
+    every xdist worker gets its path (the first to ask makes it, the others wait for it): for
+    the module fixtures that compile kernels (tests/test_compile.py, tests/test_sass_budgets.py),
+    which would otherwise compile once per worker."""
+    import filelock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base if worker_id == "master" else base.parent  # the run's directory, common to the workers
+
+    def once(name, make):
+        path = root / name
+        with filelock.FileLock(f"{path}.lock"):
+            if not path.exists():
+                make(path)
+        return path
+
+    return once
+
+
 @pytest.fixture
 def launches():
     """Launch counts since the start of the test: proves the Triton path ran."""

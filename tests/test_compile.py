@@ -18,10 +18,6 @@ from fused_block.kernels.attention import specs as attention_specs
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = [m for m in aot.MODULES if importlib.util.find_spec(f"fused_block.kernels.{m}") is not None]
 
-# One worker compiles (with its own processes); the other runs the interpreter tests meanwhile.
-pytestmark = pytest.mark.xdist_group("compile")
-
-
 def _problems(reports) -> str:
     messages = []
     for what, bad in (("register spills", [r for r in reports if r.spills]),
@@ -33,9 +29,11 @@ def _problems(reports) -> str:
 
 
 @pytest.fixture(scope="module")
-def reports():
+def reports(run_once):
     # In a subprocess: the suite runs with TRITON_INTERPRET=1, whose kernels cannot be compiled.
-    return aot.compile_all_subprocess(tuple(MODULES), subset="ci")
+    # Once per run: every xdist worker that runs a test of this module reads the same reports.
+    path = run_once("compile-ci.json", lambda p: aot.compile_all_subprocess(tuple(MODULES), subset="ci", path=p))
+    return aot.load_reports(path)
 
 
 def test_every_kernel_module_ships_specs(reports):
