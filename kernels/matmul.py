@@ -1368,16 +1368,18 @@ def aot_specs():
     pointer loads (_FALLBACK_90_CFGS) with every size and stride unaligned, and TMA loads with
     a pointer epilogue (the table's smallest tile) with N and the epilogue's strides unaligned. The
     elementwise kernels (activation gradient with and without dropout, the bias-gradient
-    reduction, the test-only dropout mask). The default test suite builds a table's whole-tile
-    twins on its first config only (``KernelSpec.ci``); the heavy check the others."""
+    reduction, the test-only dropout mask). The default test suite (``KernelSpec.ci``) builds a
+    table's first config with every variant and its whole-tile twins, the later configs with the
+    table's variants in turn (each at least one) and no twins; the heavy check the rest."""
     from fused_block.kernels import aot
 
-    def add(arch, kind, cfg, variant, twin_ci=True, **kw):
-        # twin_ci: the default test suite also builds the whole-tile twin (else the heavy check).
+    def add(arch, kind, cfg, variant, ci=True, twin_ci=True, **kw):
+        # ci: the default test suite builds it, twin_ci: also its whole-tile twin (else the
+        # heavy check). Returns how many specs it added.
         flags = _VARIANTS[variant][1]
         heavy = _heavy(flags.get("ACT_GRAD", False), flags.get("ACTIVATION", 0), flags.get("HAS_DROPOUT", False))
         if heavy and not _light(cfg):
-            return
+            return 0
         tma = kw.get("tma", True) and arch == 90
         tma_epi = kw.get("tma_epi", tma) and tma
         # LoRA variants: masked edges only (whole tiles only drop masks; the non-LoRA variants
@@ -1385,14 +1387,22 @@ def aot_specs():
         both = _even_mn_matters(flags, tma_epi) and not flags.get("LORA", False)
         for even_mn in (False, True) if both else (False,):
             spec = _gemm_spec(arch, kind, cfg, variant, even_mn=even_mn, **kw)
-            specs.append(spec if twin_ci or not even_mn else dataclasses.replace(spec, ci=False))
+            built = ci and (twin_ci or not even_mn)
+            specs.append(spec if built else dataclasses.replace(spec, ci=False))
+        return 2 if both else 1
 
     specs = []
     for (arch, kind, dual), cfgs in CONFIGS.items():
         variants = _TABLE_VARIANTS[(kind, dual)]
         for i, cfg in enumerate(cfgs):
-            for v in variants + (_LORA_VARIANTS[(kind, dual)] if i in _lora_configs(arch, dual, len(cfgs)) else ()):
-                add(arch, kind, cfg, v, twin_ci=i == 0)
+            # The default check: the table's first config with every variant, the others (the
+            # tuner's candidates) with the variants in turn, at least one each.
+            start = len(specs)
+            for j, v in enumerate(variants + (_LORA_VARIANTS[(kind, dual)]
+                                              if i in _lora_configs(arch, dual, len(cfgs)) else ())):
+                add(arch, kind, cfg, v, ci=i == 0 or j % (len(cfgs) - 1) == i - 1, twin_ci=i == 0)
+            if len(specs) > start and not any(spec.ci for spec in specs[start:]):
+                specs[start] = dataclasses.replace(specs[start], ci=True)
             if kind == "16" and not dual and arch == 80:
                 # Pointer loads with a masked K loop (sm_80's path for K not a multiple of BLOCK_K).
                 add(arch, kind, cfg, "fwd", even_k=False)

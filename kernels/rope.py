@@ -492,7 +492,14 @@ def aot_specs():
                                       **cfg.meta())
                         specs.append(aot.KernelSpec(f"rope[{tag}]", _rope_kernel, _sig(xt, xt), consts,
                                                     num_warps=cfg.num_warps))
-    return specs + _packed_specs(aot) + _qknorm_specs(aot)
+    # The default test suite builds each config (dtype, head dim) with the flag combinations in
+    # turn (aot.take_turns); each function's specs run config by config, its combinations inside.
+    parts = (("rope", specs, 8), ("packed", _packed_specs(aot), 12), ("qknorm", _qknorm_specs(aot), 4))
+    every, groups = [], {}
+    for name, part, combos in parts:
+        groups[name] = [list(range(len(every) + i, len(every) + i + combos)) for i in range(0, len(part), combos)]
+        every += part
+    return aot.take_turns(every, groups)
 
 
 def _packed_sig(xt):

@@ -9,11 +9,11 @@ change must pass too. Compiled kernels are cached by Triton, so reruns are fast.
 import importlib.util
 import json
 import pathlib
+import re
 
 import pytest
 
 from fused_block.kernels import aot, fake_driver
-from fused_block.kernels.attention import specs as attention_specs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = [m for m in aot.MODULES if importlib.util.find_spec(f"fused_block.kernels.{m}") is not None]
@@ -74,9 +74,10 @@ json.dump({m: [(s.archs, s.name, s.ci) for s in aot.specs_of(m)] for m in ("atte
 
 
 def _config(archs, name) -> tuple:
-    """A spec's config and data path without its flag combination (after the colon) or its
-    whole-tile twin."""
-    return tuple(archs), name.split(":")[0].replace(" even_mn", "")
+    """A spec's config and data path without its flag combination (attention: after the colon;
+    a GEMM: its variant and the epilogue split that follows from it) or its whole-tile twin."""
+    name = re.sub(r"^matmul\[\S+ (\d+x\d+x\d+)/\d+", r"matmul[\1", name.split(":")[0])
+    return tuple(archs), name.replace(" even_mn", "")
 
 
 def test_the_default_check_builds_every_config():
@@ -96,5 +97,17 @@ def test_the_default_check_takes_every_combination_in_turn():
     # A group of three configs with two combinations each, a one-config group of three, and a
     # spec of no group.
     items = {"a": [[0, 1], [2, 3], [4, 5]], "b": [[6, 7, 8]]}
-    marked = attention_specs._mark_ci([aot.KernelSpec(n, None, {}, {}, 4) for n in specs], items)
+    marked = aot.take_turns([aot.KernelSpec(n, None, {}, {}, 4) for n in specs], items)
     assert [s.name for s in marked if s.ci] == ["spec0", "spec3", "spec4", "spec6", "spec7", "spec8", "spec9"]
+
+
+def test_the_norms_default_check_takes_every_variant_in_turn():
+    from fused_block.kernels import norm
+
+    specs = [aot.KernelSpec(f"spec{i}", None, {}, {}, 4) for i in range(8)]
+    # Three configs of one kernel: the first with variants a, b, c, the second a, b, the third
+    # a only; a second kernel's config with variant d; spec7 of no config.
+    families = {(90, "fwd"): {"c1": [("a", 0), ("b", 1), ("c", 2)], "c2": [("a", 3), ("b", 4)], "c3": [("a", 5)]},
+                (90, "bwd"): {"c1": [("d", 6)]}}
+    marked = norm._thin(specs, families)
+    assert [s.name for s in marked if s.ci] == ["spec0", "spec2", "spec4", "spec5", "spec6", "spec7"]

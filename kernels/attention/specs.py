@@ -1,6 +1,5 @@
 """Ahead-of-time compile specs of the attention kernels: every shipped config on its own arch
 (``kernels/aot.py`` compiles them; ``tests/test_compile.py`` holds them spill-free)."""
-import dataclasses
 import os
 
 from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
@@ -102,26 +101,6 @@ def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool):
         for bd in (16, 32, 64) if block_d_class == 64 else (block_d_class,):
             for even in (True,) if tma or bd < 64 else (True, False):
                 yield combo(causal, pad, bd, even)
-
-
-def _mark_ci(specs: list, items: dict) -> list:
-    """The default test suite's share of the forward and backward specs (``KernelSpec.ci``).
-
-    ``items`` maps each (kernel, arch, class, data path) to its table entries' configs in
-    table order, each as the indices of its specs in ``specs``, one per flag combination
-    (the heaviest first). The configs take the combinations in turn, one each, continuing
-    from entry to entry, so every config is compiled on its arch and path, and every
-    combination of the group at least once (a group with fewer configs than combinations
-    builds the rest on its last config). The heavy check builds the remaining product; specs
-    outside ``items`` stay in the default check."""
-    ci, grouped = set(), set()
-    for group in items.values():
-        for turn, indices in enumerate(group):
-            ci.add(indices[turn % len(indices)])
-            grouped.update(indices)
-        last = group[-1]
-        ci.update(last[k] for k in range(len(group), len(last)))
-    return [dataclasses.replace(s, ci=False) if i in grouped - ci else s for i, s in enumerate(specs)]
 
 
 def aot_specs(exhaustive=None) -> list:
@@ -250,4 +229,4 @@ def aot_specs(exhaustive=None) -> list:
         name="attention_dropout_mask", fn=_dropout_mask_kernel,
         signature=_signature(_dropout_mask_kernel, {"SEED": "*i64", "OUT": "*u8"}),
         constexprs=dict(BLOCK_M=32, BLOCK_N=32), num_warps=4))
-    return _mark_ci(specs, items)
+    return aot.take_turns(specs, items)
