@@ -15,6 +15,9 @@ same interpreted code.
 
 And ``_get_np_dtype`` (Triton type -> numpy storage type), which builds a dict of twenty types
 on each of its calls (tens of thousands per test), remembers its answers: a pure function.
+And ``tuple_type`` (the type of every tensor's shape tuple, built for each interpreted op)
+writes its name string when first read rather than when built: its equality compares types
+and fields, not the name.
 
 ``tests/test_test_helpers.py`` checks that a helper-heavy kernel gives the same answer with
 and without these.
@@ -27,6 +30,7 @@ from triton.runtime import interpreter
 _original_patch_lang = interpreter._patch_lang
 _original_grid_call = interpreter.GridExecutor.__call__
 _original_np_dtype = interpreter._get_np_dtype
+_original_tuple_type_init = tl.core.tuple_type.__init__
 _patched = None  # ids of the language modules the running kernel patched; None outside a kernel
 _langs = {}  # function -> ids of the language modules its globals see
 _np_dtypes = {}  # Triton type -> numpy type
@@ -64,6 +68,18 @@ def _patch_lang(fn):
     return scope
 
 
+def _tuple_type_init(self, types, fields=None):
+    self.types = types
+    self.fields = fields or [""] * len(types)
+
+
+def _tuple_type_name(self, attr):
+    if attr != "name":
+        raise AttributeError(attr)
+    self.name = "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]"  # as tuple_type's
+    return self.name
+
+
 def _grid_call(self, *args, **kwargs):
     global _patched
     outer, _patched = _patched, set()
@@ -77,9 +93,14 @@ def install() -> None:
     interpreter._patch_lang = _patch_lang
     interpreter.GridExecutor.__call__ = _grid_call
     interpreter._get_np_dtype = _get_np_dtype
+    tl.core.tuple_type.__init__ = _tuple_type_init
+    tl.core.tuple_type.__getattr__ = _tuple_type_name
 
 
 def uninstall() -> None:
     interpreter._patch_lang = _original_patch_lang
     interpreter.GridExecutor.__call__ = _original_grid_call
     interpreter._get_np_dtype = _original_np_dtype
+    tl.core.tuple_type.__init__ = _original_tuple_type_init
+    if "__getattr__" in vars(tl.core.tuple_type):
+        del tl.core.tuple_type.__getattr__
