@@ -171,6 +171,7 @@ def _attn_constexprs(extra, is_causal, window, varlen, has_pad, dropout, score_f
     return out
 
 
+_FWD_EXTRA = ((("HAS_SINKS", False),), (("HAS_SINKS", True),))  # by whether sinks are given
 _BWD_EXTRA = (("STAT_ALIGN", STAT_ALIGN),)
 
 
@@ -270,7 +271,7 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     tail_strides = (*sq, *sk, *sv, *so, stride_mb, *strides)
     tail = (Hq, Hq // Hkv, Lq, Lk, D, nseq, win_left, win_right, float(scale), float(dropout_p), float(softcap))
     head = (q, k, v, out, lse, mask_pad, seed if dropout else q, cu_q, cu_k, q if sinks is None else sinks, *ptrs)
-    constexprs = _attn_constexprs((("HAS_SINKS", sinks is not None),), is_causal, has_window, varlen is not None,
+    constexprs = _attn_constexprs(_FWD_EXTRA[sinks is not None], is_causal, has_window, varlen is not None,
                                   key_padding_mask is not None, dropout, flags, use_tma, kind == "ieee", D == block_d,
                                   block_d, arch == 0)
     # Lk's power-of-two factor (up to 128) is part of the key: it decides which warp-specialized
