@@ -11,10 +11,11 @@ is 4 (two waves: 8 programs). fp32 runs both IEEE (torch's default "highest") an
 import pytest
 import torch
 
-from attention_testing import check, path  # noqa: F401 - the fixture
+from attention_testing import ON_CUDA, check, path  # noqa: F401 - the fixture
 from fused_block import reference
 from fused_block.attention import attention
-from fused_block.kernels.attention import launchers
+from fused_block.kernels import common
+from fused_block.kernels.attention import configs, launchers
 from numerics import DTYPES, randn
 
 # (dtype, the kernels' fp32 mode); the mode is irrelevant to fp16/bf16.
@@ -84,15 +85,29 @@ def test_decode_with_softcap_alibi_sinks(dtype, mode, device, path, launches):
     assert launches["attention_decode"] == 1 and launches["attention_fwd"] == 0
 
 
+# Every key block size the split kernels can run with: the decode tables' (each architecture's)
+# and the interpreter's. Keys the tests below hide from every row span whole blocks of each.
+DECODE_BLOCK_NS = sorted({c["BLOCK_N"] for table in configs.DECODE_CONFIGS.values() for cfgs in table.values()
+                          for c in cfgs} | {configs.INTERPRET_DECODE["BLOCK_N"]})
+HIDDEN_HEAD, HIDDEN_FROM = 128, 256  # keys [0, 128) and [256, Lk) are hidden from every row
+
+
 def _window_mask(B, Hq, Lq, Lk, device):
-    """A bool (B, Hq, Lq, Lk) mask (True = attend): head h sees keys [100 + 10 h, 200 + 10 h)
-    with a fifth of them hidden at random; keys below 100 and from 230 on are hidden from every
-    row (key blocks of 32: 0..95 and 256.. whole, for every head of a GQA group of 2)."""
+    """A bool (B, Hq, Lq, Lk) mask (True = attend): head h sees keys [128 + 8 h, 228 + 8 h)
+    with a fifth of them hidden at random; keys below 128 and from 256 on are hidden from every
+    row (whole key blocks of every size in ``DECODE_BLOCK_NS``, for every head of a GQA group)."""
     j = torch.arange(Lk)
-    lo = 100 + 10 * torch.arange(Hq)[:, None, None]
+    lo = HIDDEN_HEAD + 8 * torch.arange(Hq)[:, None, None]
     mask = (j >= lo) & (j < lo + 100) & (torch.rand(B, Hq, Lq, Lk) > 0.2)
-    mask[..., 150] = True  # every row sees a key
+    mask[..., 200] = True  # every row sees a key
     return mask.to(device)
+
+
+def test_hidden_key_ranges_are_whole_blocks_of_every_shipped_config():
+    """The NaN-filled ranges of ``test_decode_skips_key_blocks_the_mask_hides`` are whole key
+    blocks of every decode config (the H200 ran its 64-key blocks over a range chosen for the
+    interpreter's 32, read the NaN keys 64..95 beside visible ones and computed 0 * NaN)."""
+    assert DECODE_BLOCK_NS and all(HIDDEN_HEAD % n == 0 and HIDDEN_FROM % n == 0 for n in DECODE_BLOCK_NS)
 
 
 @pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
@@ -117,26 +132,34 @@ def test_decode_with_bias_and_mask(dtype, mode, device, path, launches):
     assert launches["attention_bwd"] == 1 and launches["attention_dbias"] == 1
 
 
+# On the interpreter every shipped key block size in turn (the block the kernels skip is the
+# config's); on a GPU its own tables' configs.
+@pytest.mark.parametrize("block_n", [None] if ON_CUDA else DECODE_BLOCK_NS,
+                         ids=lambda n: "device-config" if n is None else f"bn{n}")
 @pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
-def test_decode_skips_key_blocks_the_mask_hides(dtype, mode, device, path, launches):
+def test_decode_skips_key_blocks_the_mask_hides(dtype, mode, block_n, device, path, launches, monkeypatch):
     """Key blocks a bool mask hides from every row of a GQA group are never read by the split
-    kernels: with NaN in keys 0..95 and 256..299 (outside every head's visible range, whole
-    32-key blocks) output, LSE and gradients are finite and match the reference on keys
-    96..255 alone; a read would poison them (0 * NaN in P V). The heads of each group see
-    different ranges (the skipped range is their union)."""
-    B, Hq, Hkv, Lq, Lk, D = 1, 4, 2, 2, 300, 16
+    kernels: with NaN in keys 0..127 and 256..319 (outside every head's visible range, whole
+    blocks of every shipped key block size) output, LSE and gradients are finite and match the
+    reference on keys 128..255 alone; a read would poison them (0 * NaN in P V). The heads of
+    each group see different ranges (the skipped range is their union)."""
+    if block_n is not None:
+        monkeypatch.setattr(configs, "INTERPRET_DECODE", common.Config.of(num_warps=1, num_stages=1, BLOCK_N=block_n))
+    B, Hq, Hkv, Lq, Lk, D = 1, 4, 2, 2, 320, 16
+    visible = HIDDEN_FROM - HIDDEN_HEAD
     q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True)
-    k, v = (randn(B, Hkv, 160, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    k, v = (randn(B, Hkv, visible, D, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
     mask = _window_mask(B, Hq, Lq, Lk, device)
-    head = torch.full((B, Hkv, 96, D), float("nan"), dtype=dtype, device=device)
-    tail = torch.full((B, Hkv, Lk - 256, D), float("nan"), dtype=dtype, device=device)
+    head = torch.full((B, Hkv, HIDDEN_HEAD, D), float("nan"), dtype=dtype, device=device)
+    tail = torch.full((B, Hkv, Lk - HIDDEN_FROM, D), float("nan"), dtype=dtype, device=device)
 
     def run(q, k, v):
         full = [torch.cat((head, t, tail), 2) for t in (k, v)]
         return attention(q, *full, mask=mask, return_lse=True)
 
     def ref(q, k, v, compute_dtype=None):
-        return reference.attention(q, k, v, mask=mask[..., 96:256], return_lse=True, compute_dtype=compute_dtype)
+        return reference.attention(q, k, v, mask=mask[..., HIDDEN_HEAD:HIDDEN_FROM], return_lse=True,
+                                   compute_dtype=compute_dtype)
 
     check(run, ref, (q, k, v), ("q", "k", "v"), lse_weight=True, mode=mode)
     assert launches["attention_decode"] == 1 and launches["attention_fwd"] == 0
