@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fused_block import _backend, _library, _validate, reference
+from fused_block import _attn_sdpa, _backend, _library, _validate, reference
 from fused_block.kernels import attention as _kernels
 from fused_block.kernels import common
 
@@ -579,7 +579,12 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     (B, L, H, D)-ordered projection, ``out.transpose(1, 2)`` is contiguous), or ``(out, lse)``.
     Saved for backward: q, k, v, out, lse (and the mask and seed). CUDA tensors (and CPU
     tensors under ``TRITON_INTERPRET=1``) run the Triton kernels, other CPU tensors
-    ``fused_block.reference.attention``.
+    ``fused_block.reference.attention``. Where SDPA computes exactly this function (16-bit,
+    none of the options above but ``causal`` with Lq == Lk, GQA and ``scale``), its cuDNN and
+    flash backends are candidates beside our kernels, timed once per shape bucket on CUDA and the
+    fastest kept (``fused_block._attn_sdpa``: ``choices()`` lists the verdicts,
+    ``FUSED_BLOCK_ATTENTION=triton|sdpa_cudnn|sdpa_flash`` forces one; our kernels under
+    ``torch.use_deterministic_algorithms(True)`` and ``FUSED_BLOCK_TUNE=0``).
     """
     _check(q, k, v, causal, scale, key_padding_mask, dropout_p)
     _backend.no_dtensor("attention", q, k, v)
@@ -595,9 +600,22 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
                                    return_lse=return_lse)
     _check_fp32_width("q", q, q.shape[-1])
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    grad = _backend.needs_autograd(q, k, v, sinks, bias)
+    if (q.is_cuda or _attn_sdpa.forced_sdpa()) and _attn_sdpa.expresses(
+            q, k, v, causal, key_padding_mask, dropout_p, window, cap, sinks, alibi_slopes, bias, mask, return_lse):
+        def timed():
+            fns = {_attn_sdpa.TRITON: lambda q, k, v: _Attention_apply(q, k, v, None, None, causal, scale, 0.0, -1,
+                                                                        -1, 0.0, None, None, None, None)[0]}
+            for c in (_attn_sdpa.CUDNN, _attn_sdpa.FLASH):
+                fns[c] = lambda q, k, v, c=c: _attn_sdpa.run(c, q, k, v, causal, scale)
+            return _attn_sdpa.leaves_of(q, k, v, grad=grad), fns
+
+        choice = _attn_sdpa.choose(q, k, causal, grad, timed)
+        if choice != _attn_sdpa.TRITON:
+            return _attn_sdpa.run(choice, q, k, v, causal, scale)
     seed = _seed(dropout_p, q.device)
     args = (key_padding_mask, seed, causal, scale, dropout_p, *window, cap, sinks, alibi_slopes, bias, mask)
-    if _backend.needs_autograd(q, k, v, sinks, bias):
+    if grad:
         out, lse = _Attention_apply(q, k, v, *args)
     else:
         out, lse = attention_fwd(q, k, v, *args)
@@ -662,6 +680,10 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
         out = (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
         return (out, lse) if return_lse else out
     _check_fp32_width("qkv", qkv, D)
+    choice = _packed_choice(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask, dropout_p, window,
+                            batch_first, return_lse)
+    if choice != _attn_sdpa.TRITON:
+        return _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first)
     args = (_unit_last_stride(qkv), num_heads, num_kv_heads, batch_first, key_padding_mask,
             _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):
@@ -669,6 +691,36 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     else:
         out, lse = attention_packed_fwd(*args)
     return (out, lse) if return_lse else out
+
+
+def _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first):
+    """:func:`attention_qkvpacked` through SDPA's backend ``choice`` (views of qkv; autograd
+    assembles their gradients)."""
+    q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
+    out = _attn_sdpa.run(choice, q, k, v, causal, scale)
+    return (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
+
+
+def _packed_choice(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask, dropout_p, window, batch_first,
+                   return_lse):
+    """The packed call's candidate (``_attn_sdpa``): our packed kernels unless SDPA expresses the
+    case and wins (or is forced)."""
+    if not (qkv.is_cuda or _attn_sdpa.forced_sdpa()) or return_lse or key_padding_mask is not None or dropout_p:
+        return _attn_sdpa.TRITON
+    q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
+    if not _attn_sdpa.expresses(q, k, v, causal, key_padding_mask, dropout_p, window, 0.0, None, None, None, None,
+                                return_lse):
+        return _attn_sdpa.TRITON
+    grad = _backend.needs_autograd(qkv)
+
+    def timed():
+        fns = {_attn_sdpa.TRITON: lambda t: _PackedAttention_apply(t, num_heads, num_kv_heads, batch_first, None,
+                                                                   None, causal, scale, 0.0, -1, -1)[0]}
+        for c in (_attn_sdpa.CUDNN, _attn_sdpa.FLASH):
+            fns[c] = lambda t, c=c: _packed_sdpa(c, t, num_heads, num_kv_heads, causal, scale, batch_first)
+        return _attn_sdpa.leaves_of(_unit_last_stride(qkv), grad=grad), fns
+
+    return _attn_sdpa.choose(q, k, causal, grad, timed)
 
 
 # ---------------------------------------------------------------------------------------------

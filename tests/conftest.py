@@ -54,6 +54,18 @@ def seeded_generator(request):
 
 
 @pytest.fixture(autouse=True)
+def triton_attention():
+    """The attention tests check our kernels: on a GPU the timed choice could hand a case SDPA
+    expresses to cuDNN or flash (``fused_block._attn_sdpa``), so our kernels are forced; the
+    tests of that choice (tests/test_attention_sdpa.py) set their own."""
+    from fused_block import _attn_sdpa
+
+    before = _attn_sdpa.force(_attn_sdpa.TRITON)
+    yield
+    _attn_sdpa.force(before)
+
+
+@pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees its own one-time warnings (fused_block's fallbacks warn once per reason)."""
     from fused_block import _backend

@@ -1,0 +1,149 @@
+"""PyTorch's SDPA backends as candidates beside the Triton attention kernels.
+
+Where ``torch.nn.functional.scaled_dot_product_attention`` computes exactly the same function
+(:func:`expresses`: CUDA, fp16/bf16, no key padding, mask, bias, window, softcap, sinks, ALiBi
+or dropout, causal only with Lq == Lk since SDPA's causal mask is top-left aligned and ours
+bottom-right, no LSE asked for), ``fused_block.attention`` and ``attention_qkvpacked`` choose
+once per shape bucket (:func:`choose`) among the Triton kernels and SDPA's cuDNN and flash
+backends, timing forward (+ backward when a gradient is needed) on the call's own tensors like
+the kernels' configs (``kernels.common.ConfigCache``). The Triton kernels stay the path
+
+- on the interpreter, with ``FUSED_BLOCK_TUNE=0`` (no timing; the documented static rule: our
+  kernels, since which SDPA backend takes a case is only known by trying it), during CUDA graph
+  capture or ``torch.compile`` tracing when the bucket has no verdict yet (no timing there);
+- under ``torch.use_deterministic_algorithms(True)`` (our backward is atomic-free);
+- with ``FUSED_BLOCK_ATTENTION=triton`` (``=sdpa_cudnn`` / ``=sdpa_flash`` force that backend
+  where it expresses the case; tests use this to check each candidate's numerics).
+
+:func:`choices` returns every verdict (bucket -> candidate, with the timings); set
+``FUSED_BLOCK_PRINT_TUNING=1`` to print each as it is made.
+"""
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from fused_block.kernels import common
+
+TRITON, CUDNN, FLASH = "triton", "sdpa_cudnn", "sdpa_flash"
+CANDIDATES = (TRITON, CUDNN, FLASH)
+_FORCED = os.environ.get("FUSED_BLOCK_ATTENTION", "").strip().lower() or None
+if _FORCED is not None and _FORCED not in CANDIDATES:
+    raise ValueError(f"FUSED_BLOCK_ATTENTION must be one of {', '.join(CANDIDATES)}, got {_FORCED!r}")
+_CHOSEN = {}  # bucket -> (candidate, {candidate: ms})
+
+
+def force(candidate):
+    """Forces ``candidate`` (one of :data:`CANDIDATES`, or None for the timed choice) for every
+    call SDPA expresses; returns the previous setting (tests; ``FUSED_BLOCK_ATTENTION``)."""
+    global _FORCED
+    if candidate is not None and candidate not in CANDIDATES:
+        raise ValueError(f"candidate must be one of {', '.join(CANDIDATES)} or None, got {candidate!r}")
+    before, _FORCED = _FORCED, candidate
+    return before
+
+
+def forced_sdpa():
+    """Whether an SDPA backend is forced (then it runs on any device, CPU tensors too)."""
+    return _FORCED is not None and _FORCED != TRITON
+
+
+def choices():
+    """Every verdict made in this process: {bucket: (candidate, {candidate: milliseconds})}."""
+    return dict(_CHOSEN)
+
+
+def expresses(q, k, v, causal, key_padding_mask, dropout_p, window, softcap, sinks, alibi_slopes, bias, mask,
+              return_lse):
+    """Whether SDPA computes this call's function exactly (see the module's docstring; the
+    callers check that the tensors are on CUDA)."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and not return_lse and key_padding_mask is None and mask is None and bias is None and not dropout_p
+            and tuple(window) == (-1, -1) and not softcap and sinks is None and alibi_slopes is None
+            and (not causal or q.shape[2] == k.shape[2]))
+
+
+def _bucket(q, k, causal, grad):
+    B, Hq, Lq, D = q.shape
+    return (common.arch(q.device), q.dtype, bool(causal), bool(grad), D, Hq // k.shape[1],
+            common.next_pow2(B * Hq), common.next_pow2(Lq), common.next_pow2(k.shape[2]))
+
+
+def backend_of(candidate):
+    """torch's ``SDPBackend`` for a candidate (tests on the CPU substitute the math backend)."""
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend.CUDNN_ATTENTION if candidate == CUDNN else SDPBackend.FLASH_ATTENTION
+
+
+def run(candidate, q, k, v, causal, scale):
+    """SDPA through ``candidate``'s backend (q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D))."""
+    from torch.nn.attention import sdpa_kernel
+
+    backend = backend_of(candidate)
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), scale=scale, **gqa)
+
+
+def choose(q, k, causal, grad, timed):
+    """The candidate for a call with queries ``q`` and keys ``k`` (SDPA's layout): forced,
+    remembered for its bucket, or timed now. ``timed()`` returns ``(leaves, {candidate:
+    fn(*leaves) -> out})``: the call's tensors as fresh leaves and each candidate's forward."""
+    if _FORCED is not None:
+        return _FORCED
+    if common.interpreting() or torch.are_deterministic_algorithms_enabled():
+        return TRITON
+    key = _bucket(q, k, causal, grad)
+    hit = _CHOSEN.get(key)
+    if hit is not None:
+        return hit[0]
+    if not common.TUNE or torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return TRITON
+    times = _time_all(grad, *timed())
+    best = min(times, key=times.get)
+    _CHOSEN[key] = (best, times)
+    if os.environ.get("FUSED_BLOCK_PRINT_TUNING"):
+        print(f"[fused_block] attention {key}: " + ", ".join(f"{c}={t:.4f}ms" for c, t in sorted(
+            times.items(), key=lambda ct: ct[1])))
+    return best
+
+
+def leaves_of(*tensors, grad):
+    """Fresh leaves (same strides and values) of the call's tensors, for timing."""
+    return [t.detach().requires_grad_(grad) for t in tensors]
+
+
+def _time_all(grad, leaves, fns):
+    """Milliseconds per candidate that runs this case (a backend that refuses it is left out)."""
+    from triton.testing import do_bench
+
+    douts = {}
+
+    def step(name, fn):
+        def go():
+            out = fn(*leaves)
+            if grad:
+                if name not in douts:
+                    douts[name] = torch.randn_like(out)
+                torch.autograd.grad(out, leaves, douts[name])
+        return go
+
+    times = {}
+    counts = common.LAUNCHES.copy()  # the timing's launches are not the caller's
+    try:
+        for name, fn in fns.items():
+            go = step(name, fn)
+            try:
+                with warnings.catch_warnings():  # a backend's reasons for refusing the case
+                    warnings.simplefilter("ignore")
+                    go()  # first call: compiles, and raises if the backend refuses the case
+                times[name] = do_bench(go, warmup=5, rep=25)
+            except RuntimeError:
+                if name == TRITON:
+                    raise
+    finally:
+        common.LAUNCHES.clear()
+        common.LAUNCHES.update(counts)
+    return times
