@@ -6,7 +6,7 @@ generated.
   names, and the keywords of calls into the library bind to the callable's signature.
 - The README's quickstarts run (on CPU through the Triton interpreter when there is no GPU:
   ``device = "cuda"`` becomes the test device), the Hugging Face one on a tiny saved LLaMA
-  (``path``), with kernel launches counted.
+  (``path``), with kernel launches counted and no fallback warning.
 - ``bash`` blocks name make targets the Makefile has, ``python -m`` modules that exist, options
   their parsers accept, and files that exist.
 - Relative links (and their ``#anchors``) resolve; docs/README.md lists every page.
@@ -21,6 +21,7 @@ import pathlib
 import re
 import shlex
 import sys
+import warnings
 
 import pytest
 import torch
@@ -200,7 +201,9 @@ def test_readme_quickstart_runs(index, device, launches, request):
     if "from_pretrained(path" in code:
         scope["path"] = request.getfixturevalue("tiny_llama_path")
     torch.manual_seed(0)
-    exec(compile(code, f"README.md:{line}", "exec"), scope)  # noqa: S102 - the README's own code
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fused_block:")  # nothing falls back to the original path
+        exec(compile(code, f"README.md:{line}", "exec"), scope)  # noqa: S102 - the README's own code
     from fused_block.kernels import common
 
     assert sum(launches[name] for name in common.LAUNCHES) > 0, "the quickstart ran no fused kernel"
