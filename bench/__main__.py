@@ -1,7 +1,10 @@
 """python -m bench: the main job, GPU timings or (without a GPU) the numerics report.
 
-On a CUDA GPU: measures the ceilings, times every spec's cases, checks numerics, and writes
-``<gpu-slug>-<date>[-quick].json``, ``.md`` and PNG plots under ``--out``. Without one: says
+On a CUDA GPU: measures the ceilings, times every spec's cases (a progress line per spec with
+its estimated time), checks numerics, writes ``<gpu-slug>-<date>[-quick].json`` (with the
+commit it ran at), ``.md`` and PNG plots under ``--out``, and ends with a summary sorted by op,
+ours' speedup over each peer marked above or below 1, and where the files went
+(``python -m bench.report`` turns a committed results file into the README's table). Without one: says
 that timings need an NVIDIA GPU and prints the numerics report (the kernels run through the
 Triton interpreter), with each spec's time; ``--compile-report`` adds the compiled-kernel
 resource table (it compiles every config for sm_80 and sm_90: minutes). Exits 1 if a numerics
