@@ -180,12 +180,11 @@ def render_readme(data, path, plot_path=None) -> str:
              "mean over the cases (range in brackets); % of ceiling: ours' GB/s of the copy bandwidth or "
              "TFLOP/s of cuBLAS's rate, whichever binds. Every case: "
              f"[{_rel(FULL_PAGE)}]({_rel(FULL_PAGE)}).", ""]
-    rows = summary_rows(data)
-    peers = list(dict.fromkeys(p for r in rows for p in r[4]))
-    lines.append("| op | mode | cases | ours, % of ceiling | " + " | ".join(f"vs {p}" for p in peers) + " |")
-    lines.append("|---|---|---:|---:|" + "---:|" * len(peers))
-    for op, mode, n, pct, peer_text in rows:
-        lines.append(f"| {op} | {mode} | {n} | {pct} | " + " | ".join(peer_text.get(p, "-") for p in peers) + " |")
+    lines.append("| op | mode | cases | ours, % of ceiling | ours' speedup over each peer |")
+    lines.append("|---|---|---:|---:|---|")
+    for op, mode, n, pct, peer_text in summary_rows(data):
+        peers = "; ".join(f"{p} {t}" for p, t in peer_text.items()) or "no peer ran"
+        lines.append(f"| {op} | {mode} | {n} | {pct} | {peers} |")
     if plot_path is not None:
         lines += ["", f"![ours' speedup over each peer, per case]({_rel(plot_path)})"]
     return "\n".join(lines)
@@ -220,7 +219,8 @@ def render_full(data, path) -> str:
 
 
 def plot_speedups(data: dict, out_path) -> str:
-    """A horizontal bar chart of ours' speedup over each peer per case (log scale, 1x marked)."""
+    """A horizontal bar chart of ours' speedup over each peer per case: bars from 1x (log scale),
+    right where ours is faster, left where slower."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -233,10 +233,10 @@ def plot_speedups(data: dict, out_path) -> str:
     for j, peer in enumerate(peers):
         ys = [i + j * height for i, r in enumerate(rows) if peer in r[5]]
         xs = [r[5][peer]["ms"] / r[4]["ms"] for r in rows if peer in r[5]]
-        ax.barh(ys, xs, height=height, label=f"vs {peer}")
+        ax.barh(ys, [x - 1.0 for x in xs], left=1.0, height=height, label=f"vs {peer}")  # from 1x to x
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xscale("log")
-    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(rows))])
+    ax.set_yticks([i + (len(peers) - 1) * height / 2 for i in range(len(rows))])  # the middle of each group
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ours' speedup (peer time / ours'; right of 1: ours faster)")
