@@ -89,8 +89,11 @@ def test_python_block_names_real_api(page, line, code):
             module = importlib.import_module(node.module)  # the module, even where a function shadows its name
             for a in node.names:
                 if not hasattr(module, a.name):
-                    assert importlib.util.find_spec(f"{node.module}.{a.name}"), (
-                        f"{page.name}:{line}: from {node.module} import {a.name}: no such name")
+                    try:
+                        spec = importlib.util.find_spec(f"{node.module}.{a.name}")
+                    except ImportError:  # node.module is a module, not a package
+                        spec = None
+                    assert spec, f"{page.name}:{line}: from {node.module} import {a.name}: no such name"
                     aliases[a.asname or a.name] = importlib.import_module(f"{node.module}.{a.name}")
                 else:
                     aliases[a.asname or a.name] = getattr(module, a.name)
