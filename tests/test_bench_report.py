@@ -84,7 +84,8 @@ def test_files_without_any_timing_are_not_results_to_show(tmp_path):
         report.newest([bad])
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command (where it is missing, every *.json counts)")
+@pytest.mark.skipif(shutil.which("git") is None,
+                    reason="needs the git command (where it is missing, every *.json counts)")
 def test_only_files_git_tracks_count(tmp_path):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     tracked = _write(tmp_path, _env("2026-12-01T10:00:00+00:00"))
@@ -109,15 +110,18 @@ def test_readme_section_caption_and_summary(tmp_path):
             "torch.compile 0.80x ▼ (0.80-0.80) |") in body
     assert "| attention | fwd+bwd | 1 | 50% | sdpa_flash 0.90x ▼ |" in body
     assert "liger" not in body  # a peer that never ran is not listed
-    assert body.endswith(f"![ours' speedup over each peer, per case]({path.with_name(path.stem + '-speedup.png').name})")
+    plot = path.with_name(path.stem + "-speedup.png").name
+    assert body.endswith(f"![ours' speedup over each peer, per case]({plot})")
 
 
 def test_full_page_has_every_case_with_peers_side_by_side(tmp_path):
     path = _write(tmp_path, _env("2026-12-03T10:00:00+00:00", commit=None), quick=True)
     text = report.render_full(report.load(path), path)
     assert "`python -m bench --quick`" in text and "commit not recorded in the results file" in text
-    assert "| shape | dtype | mode | ours ms | ours rate | % of ceiling | eager ms (speedup) | torch.compile ms (speedup) |" in text
-    assert "| 16384x4096 | bfloat16 | fwd | 0.4000 | 1342 GB/s | 34% | 0.6000 (1.50x ▲) | 0.3200 (0.80x ▼) |" in text
+    assert ("| shape | dtype | mode | ours ms | ours rate | % of ceiling | eager ms (speedup) "
+            "| torch.compile ms (speedup) |") in text
+    assert ("| 16384x4096 | bfloat16 | fwd | 0.4000 | 1342 GB/s | 34% | 0.6000 (1.50x ▲) "
+            "| 0.3200 (0.80x ▼) |") in text
     assert "| 4x2048 | bfloat16 | fwd+bwd | 2.5000 | 400.0 TFLOP/s | 50% | 2.2500 (0.90x ▼) |" in text
 
 
