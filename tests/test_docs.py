@@ -6,7 +6,7 @@ generated.
   names, and the keywords of calls into the library bind to the callable's signature.
 - The README's quickstarts run (on CPU through the Triton interpreter when there is no GPU:
   ``device = "cuda"`` becomes the test device), the Hugging Face one on a tiny saved LLaMA
-  (``path``), with kernel launches counted and no fallback warning.
+  (its ``path = "..."`` replaced), with kernel launches counted and no fallback warning.
 - ``bash`` blocks name make targets the Makefile has, ``python -m`` modules that exist, options
   their parsers accept, and files that exist.
 - Relative links (and their ``#anchors``) resolve; docs/README.md lists every page.
@@ -201,8 +201,10 @@ def test_readme_quickstart_runs(index, device, launches, request):
         "a quickstart names its device once, as device = \"cuda\", so this test can run it anywhere")
     code = code.replace('"cuda"', repr(device.type))
     scope = {"__name__": "readme_quickstart"}
-    if "from_pretrained(path" in code:
-        scope["path"] = request.getfixturevalue("tiny_llama_path")
+    if "from_pretrained(path" in code:  # no download here: the README's checkpoint becomes a tiny saved LLaMA
+        named = re.search(r'^path = ("[^"]+")', code, re.M)
+        assert named, "the Hugging Face quickstart names its checkpoint as path = \"...\""
+        code = code.replace(named.group(0), f"path = {request.getfixturevalue('tiny_llama_path')!r}")
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fused_block:")  # nothing falls back to the original path
