@@ -114,6 +114,16 @@ def test_readme_section_caption_and_summary(tmp_path):
     assert body.endswith(f"![ours' speedup over each peer, per case]({plot})")
 
 
+def test_variants_of_ours_are_listed_after_the_peers(tmp_path):
+    case = {"d": 1024}
+    ms = [Measurement("block", case, "bfloat16", "fwd+bwd", p, ms=t)
+          for p, t in (("fused_block", 2.0), ("fused_block+graph", 1.6), ("eager", 3.0))]
+    harness.fill_speedups(ms, "fused_block")
+    path = _write(tmp_path, _env("2026-12-03T10:00:00+00:00"), measurements=ms)
+    body = report.render_readme(report.load(path), path)
+    assert "| block | fwd+bwd | 1 | - | eager 1.50x ▲; ours' variants: fused_block+graph 0.80x ▼ |" in body
+
+
 def test_full_page_has_every_case_with_peers_side_by_side(tmp_path):
     path = _write(tmp_path, _env("2026-12-03T10:00:00+00:00", commit=None), quick=True)
     text = report.render_full(report.load(path), path)
