@@ -1,7 +1,10 @@
 """python -m bench: the main job, GPU timings or (without a GPU) the numerics report.
 
-On a CUDA GPU: measures the ceilings, times every spec's cases, checks numerics, and writes
-``<gpu-slug>-<date>[-quick].json``, ``.md`` and PNG plots under ``--out``. Without one: says
+On a CUDA GPU: measures the ceilings, times every spec's cases (a progress line per spec with
+its estimated time), checks numerics, writes ``<gpu-slug>-<date>[-quick].json`` (with the
+commit it ran at), ``.md`` and PNG plots under ``--out``, and ends with a summary sorted by op,
+ours' speedup over each peer marked above or below 1, and where the files went
+(``python -m bench.report`` turns a committed results file into the README's table). Without one: says
 that timings need an NVIDIA GPU and prints the numerics report (the kernels run through the
 Triton interpreter), with each spec's time; ``--compile-report`` adds the compiled-kernel
 resource table (it compiles every config for sm_80 and sm_90: minutes). Exits 1 if a numerics
@@ -24,6 +27,12 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from bench import harness, specs  # noqa: E402
+
+# A rough cost of one provider's timing when no earlier run of the spec recorded its time: the
+# first call (a Triton autotune or a torch.compile compile can take far longer), then do_bench's
+# warm-up and repetitions.
+EST_S_PER_PROVIDER = 1.5
+COLOR = {"faster": "\033[32m", "slower": "\033[31m", "end": "\033[0m"}
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # Spec name -> the kernel module whose compiled configs belong to it.
@@ -82,6 +91,97 @@ def compile_table(only) -> str:
     return text
 
 
+def commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files), or
+    ``$FUSED_BLOCK_COMMIT`` where there is no git checkout (a copy of the tree), else None."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("FUSED_BLOCK_COMMIT") or None
+
+
+def previous_seconds(out_dir: str, quick: bool) -> dict:
+    """Seconds per spec of the newest earlier results file in ``out_dir`` of the same kind
+    (quick or full), from its ``environment.seconds.specs``: the estimates' first source."""
+    import glob
+    import json
+
+    best = (None, {})
+    for path in glob.glob(os.path.join(out_dir, "*.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            env = data["environment"]
+            if bool(data.get("quick")) != quick:
+                continue
+            date = env.get("date") or ""
+            if best[0] is None or date > best[0]:
+                best = (date, dict((env.get("seconds") or {}).get("specs") or {}))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return best[1]
+
+
+def estimate_line(name: str, cases: list, previous: dict, budget) -> str:
+    """``spec norm: 6 cases, 24 provider timings, about 40 s (the last run's time)``."""
+    timings = sum(len(c.providers) for c in cases)
+    if name in previous:
+        est = f"about {previous[name]:.0f} s (its time in the last results file here)"
+    else:
+        est = (f"roughly {timings * EST_S_PER_PROVIDER:.0f} s ({EST_S_PER_PROVIDER:g} s per timing; "
+               "torch.compile's compiles and autotuning add to it)")
+    line = f"spec {name}: {len(cases)} cases, {timings} provider timings, {est}"
+    if budget is not None:
+        line += f"; budget {budget:.0f} s"
+    return line
+
+
+def _speedup_text(x: float, color: bool) -> str:
+    text = f"{x:.2f}x " + ("\u25b2" if x >= 1 else "\u25bc")
+    if color:
+        text = COLOR["faster" if x >= 1 else "slower"] + text + COLOR["end"]
+    return text
+
+
+def format_summary(measurements: list, ours: dict = None, color: bool = False) -> str:
+    """The final table a person reads: ops sorted by name, one line per case with ours' time, rate
+    and % of ceiling, then ours' speedup over each peer that ran (the peer's time / ours':
+    \u25b2 above 1, ours faster; \u25bc below 1, ours slower; green / red with ``color``).
+    ``ours`` maps ``(op, label, dtype, mode)`` to the case's ``ours`` provider (default
+    ``"fused_block"``)."""
+    groups = {}
+    for m in measurements:
+        groups.setdefault((m.op, m.label, m.dtype, m.mode), {})[m.provider] = m
+    lines = ["== speedups: the peer's time / ours' (\u25b2 ours faster, \u25bc ours slower) =="]
+    for op in sorted({k[0] for k in groups}):
+        lines.append(op)
+        for (o, label, dtype, mode), by in groups.items():
+            if o != op:
+                continue
+            mine = (ours or {}).get((o, label, dtype, mode), "fused_block")
+            ours_m = by.get(mine)
+            if ours_m is None or not ours_m.ms:
+                lines.append(f"  {label} {dtype} {mode}: ours did not run")
+                continue
+            rate = f"{ours_m.gbps:.0f} GB/s" if ours_m.gbps is not None else (
+                f"{ours_m.tflops:.1f} TFLOP/s" if ours_m.tflops is not None else "")
+            pct = "" if ours_m.pct_of_ceiling is None else f", {ours_m.pct_of_ceiling:.0f}% of ceiling"
+            peers = ", ".join(f"{p} {_speedup_text(m.speedup_of_ours, color)}" for p, m in by.items()
+                              if p != mine and m.speedup_of_ours)
+            lines.append(f"  {label} {dtype} {mode}: {mine} {ours_m.ms:.4f} ms {rate}{pct}"
+                         + (f"; {peers}" if peers else ""))
+    return "\n".join(lines)
+
+
+def _use_color() -> bool:
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
 def run_cpu(args, found) -> int:
     print("Timings need an NVIDIA GPU: torch.cuda.is_available() is False, so nothing is timed and "
           "no results file is written.\nBelow: the numerics report (kernels through the Triton "
@@ -99,7 +199,12 @@ def run_cpu(args, found) -> int:
             print(f"spec {name}: cases() failed: {harness.describe_error(exc)}")
     print("\n== numerics: max |error| vs the float64 reference; ours must be <= 2 x torch's + atol ==",
           flush=True)
-    rows, seconds = harness.timed_numerics(found)
+    rows, seconds = [], {}
+    for name, mod in found.items():
+        print(f"spec {name}: numerics (budget {harness.NUMERICS_BUDGET_S:.0f} s) ...", flush=True)
+        spec_rows, spec_seconds = harness.timed_numerics({name: mod})
+        rows += spec_rows
+        seconds.update(spec_seconds)
     print(harness.format_numerics(rows), flush=True)
     print(harness.format_numerics_times(seconds, harness.NUMERICS_BUDGET_S), flush=True)
     print_reports(found, args.quick)
@@ -117,6 +222,8 @@ def run_cpu(args, found) -> int:
 
 def run_cuda(args, found) -> int:
     env = harness.environment()
+    env["commit"] = commit()
+    previous = previous_seconds(args.out, args.quick)
     print(f"{env['gpu']}: driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
           f"triton {env['triton']}", flush=True)
     rows, seconds = harness.timed_numerics(found)
@@ -128,7 +235,7 @@ def run_cuda(args, found) -> int:
     ceilings = harness.measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, cuBLAS bf16 "
           f"{ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
-    measurements = []
+    measurements, ours = [], {}
     carry = 0.0  # --spec-budget seconds earlier specs left unused: the next spec may use them
     for name, mod in found.items():
         if isinstance(mod, str):
@@ -141,7 +248,9 @@ def run_cuda(args, found) -> int:
             continue
         start = time.monotonic()
         budget = None if args.spec_budget is None else args.spec_budget + carry
+        print(estimate_line(name, cases, previous, budget), flush=True)
         for case in cases:
+            ours[(case.op, case.label, harness.dtype_name(case.dtype), case.mode)] = case.ours
             if budget is not None and time.monotonic() - start > budget:
                 results = harness.not_run(case, f"not run: spec {name} used its {budget:.0f} s "
                                                 "budget (--spec-budget and what earlier specs left)")
@@ -159,6 +268,7 @@ def run_cuda(args, found) -> int:
             env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
             # Rewritten after each case so a run cut short still leaves what it measured.
             harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
+        print(f"spec {name}: done in {env['seconds']['specs'].get(name, 0.0):.0f} s", flush=True)
         if budget is not None:
             carry = max(0.0, budget - (time.monotonic() - start))
     try:
@@ -167,8 +277,13 @@ def run_cuda(args, found) -> int:
         print(f"plots failed: {harness.describe_error(exc)}")
         paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
     print()
-    print(harness.format_markdown(env, ceilings, measurements))
-    print("wrote " + ", ".join(paths))
+    print(format_summary(measurements, ours, color=_use_color()))
+    print()
+    tables = [p for p in paths if not p.endswith(".png")]
+    plots = [p for p in paths if p.endswith(".png")]
+    print("results (every provider, the reasons of those that did not run): " + ", ".join(tables))
+    print("plots: " + (", ".join(plots) if plots else "none drawn"))
+    print("the README's table: commit the results file, then python -m bench.report")
     return 1 if any(r.get("ok") is False for r in rows) else 0
 
 

@@ -64,7 +64,7 @@ def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool):
     ``exhaustive`` also without causality.
 
     Strides and D carry the 16-divisibility hint in both: head dims that are odd multiples of
-    8 (24, 40, 72, ...) give the pointer path neither, and it spills there (see README)."""
+    8 (24, 40, 72, ...) give the pointer path neither, and it spills there (see docs/attention.md)."""
     def combo(causal, pad, bd, even, window=False, varlen=False, score=()):
         name = (f"{'varlen ' if varlen else ''}{'causal' if causal else 'full'}{' window' if window else ''}"
                 f"{' pad' if pad else ''}{f' D{bd}' if bd != block_d_class else ''}{'' if even else ' ragged'}"
@@ -78,7 +78,7 @@ def _aot_combos(cls: str, block_d_class: int, tma: bool, exhaustive: bool):
         # The models' combinations: causal softcap + sinks (Gemma 2, gpt-oss), a bias with its
         # gradient + a bool mask + ALiBi (T5, BLOOM, the layers' merged masks), and packed
         # sequences with a window, softcap, ALiBi and sinks. ``exhaustive`` adds every
-        # modification at once (not shipped spill-free: see README).
+        # modification at once (not shipped spill-free: see docs/attention.md).
         yield combo(True, False, block_d_class, True, score=("softcap", "sinks"))
         yield combo(False, False, block_d_class, True, score=("alibi", "bias", "mask"))
         yield combo(True, False, block_d_class, True, window=True, varlen=True, score=("softcap", "alibi", "sinks"))
