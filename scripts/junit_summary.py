@@ -81,7 +81,7 @@ def read_cases(paths):
 def summarize(collected, cases, first=()):
     """The outcome of every collected test, {nodeid: (status, message)} in collection order;
     the JUnit cases that match no collected test, {(classname, name): (status, message)}; the
-    ``first`` ids that are not collected."""
+    ``first`` ids that are not collected though their file is."""
     outcome, matched = {}, set()
     for nodeid in collected:
         key = junit_name(nodeid)
@@ -92,7 +92,8 @@ def summarize(collected, cases, first=()):
         else:
             outcome[nodeid] = ("not run", "")
     unmatched = {k: min(v, key=lambda sm: STATUSES.index(sm[0])) for k, v in cases.items() if k not in matched}
-    return outcome, unmatched, [f for f in first if f not in outcome]
+    files = {nodeid.split("::")[0] for nodeid in collected}  # a run of some files lacks the others' ids
+    return outcome, unmatched, [f for f in first if f not in outcome and f.split("::")[0] in files]
 
 
 def _first_line(message, width=200):

@@ -32,7 +32,8 @@ def _files(tmp_path):
     junit, collected, first = tmp_path / "junit.xml", tmp_path / "collected.txt", tmp_path / "first.txt"
     junit.write_text(JUNIT)
     collected.write_text("".join(n + "\n" for n in COLLECTED) + "\n3 tests collected in 0.1s\n")
-    first.write_text("# comment\ntests/test_a.py::test_bad\ntests/test_a.py::test_renamed\n")
+    first.write_text("# comment\ntests/test_a.py::test_bad\ntests/test_a.py::test_renamed\n"
+                     "tests/test_other.py::test_of_a_file_not_run\n")
     return junit, collected, first
 
 
