@@ -62,6 +62,7 @@ step bench "$bench_limit" "$PY" -m bench --quick --spec-budget "$spec_budget" --
 cp "$RESULTS"/*.json "$RESULTS"/*.md "$OUT/results/" 2>/dev/null
 tar -czf "$OUT/results.tar.gz" -C "$RESULTS" .
 echo "=== results: $(ls "$RESULTS" | tr '\n' ' ')" | tee -a "$LOG"
-# No failures.txt: the tool brings back 8 files, the ones above (the ids are in summary.txt).
-FAILURES_OUT="" summarize gpu_check "$OUT/junit-gpu.xml" "$OUT/junit-quick.xml"
+# No failures.txt nor not-run.txt: the tool brings back 8 files, the ones above (the ids are in
+# summary.txt).
+FAILURES_OUT="" NOT_RUN_OUT="" summarize gpu_check "$OUT/junit-gpu.xml" "$OUT/junit-quick.xml"
 finish gpu_check

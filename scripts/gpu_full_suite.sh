@@ -16,7 +16,9 @@
 # Output under $OUT (6 files): gpu_check.log (all output; the summary, then one line of
 # verdict last), steps.tsv, junit-suite.xml, summary.txt (versions, date, the table, every
 # failed, skipped and not-run test: commit it under bench/results/), failures.txt (the failed
-# ids: FUSED_BLOCK_FIRST=failures.txt for the next run). Environment: see scripts/gpu_lib.sh.
+# ids: FUSED_BLOCK_FIRST=failures.txt for the next run), not-run.txt (the tests that did not
+# run: a second call runs them, `bash scripts/gpu_full_suite.sh @not-run.txt`). Environment:
+# see scripts/gpu_lib.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET="${BUDGET:-540}"

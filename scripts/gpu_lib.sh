@@ -97,7 +97,8 @@ install_and_versions() {
 }
 
 # NAME JUNIT...: the per-file summary of the test steps (their lists in $WORK/collected-*.txt),
-# and the failed ids in FAILURES_OUT ($OUT/failures.txt; empty: none written).
+# the failed ids in FAILURES_OUT ($OUT/failures.txt) and those not run in NOT_RUN_OUT
+# ($OUT/not-run.txt; `pytest @not-run.txt` runs them); empty: not written.
 summarize() {
     local name="$1"; shift
     {
@@ -110,10 +111,10 @@ summarize() {
     local args=()
     for j in "$@"; do args+=(--junit "$j"); done
     [ -n "$FUSED_BLOCK_FIRST" ] && args+=(--first "$FUSED_BLOCK_FIRST")
-    local failures="${FAILURES_OUT-$OUT/failures.txt}"
+    local failures="${FAILURES_OUT-$OUT/failures.txt}" not_run="${NOT_RUN_OUT-$OUT/not-run.txt}"
     [ -n "$failures" ] && args+=(--failures "$failures")
-    echo "=== summary (also in summary.txt${failures:+; $(basename "$failures"): the failed ids, a FUSED_BLOCK_FIRST file})" \
-        | tee -a "$LOG"
+    [ -n "$not_run" ] && args+=(--not-run "$not_run")
+    echo "=== summary (also in summary.txt${failures:+; failures.txt, not-run.txt: the node ids})" | tee -a "$LOG"
     timeout 60 "$PY" scripts/junit_summary.py --collected "$WORK/collected.txt" --header "$WORK/header.txt" \
         --out "$OUT/summary.txt" "${args[@]}" 2>&1 | tee -a "$LOG"
 }

@@ -1,7 +1,7 @@
 """Which tests of a run passed, failed, were skipped, and which never ran, per file.
 
     python scripts/junit_summary.py --collected COLLECTED --junit JUNIT.xml [--junit ...]
-        [--first FIRST] [--header FILE] [--out SUMMARY] [--failures FAILURES]
+        [--first FIRST] [--header FILE] [--out SUMMARY] [--failures FAILURES] [--not-run NOT_RUN]
 
 ``COLLECTED``: the run's selected tests, one node id a line (FUSED_BLOCK_COLLECTED,
 tests/conftest.py, or the ``::`` lines of ``pytest --collect-only -q``). Each JUnit file's test
@@ -16,7 +16,8 @@ and errors with their messages, the skips with their reasons, every test that di
 the ``--first`` ids (scripts/gpu_first.txt) that name no collected test, and cases that match
 no collected test. Standard output shows the not-run tests per file only; ``SUMMARY`` names
 each. ``--failures``: the failed and erroring node ids, one a line (a FUSED_BLOCK_FIRST file
-for the next run). Exit status 0 when the summary was written, whatever the tests did.
+for the next run); ``--not-run``: the tests that did not run, one a line (``pytest
+@NOT_RUN`` runs them). Exit status 0 when the summary was written, whatever the tests did.
 """
 import argparse
 import collections
@@ -153,6 +154,7 @@ def main(argv=None):
     p.add_argument("--header", help="a text file printed at the top (versions, GPU)")
     p.add_argument("--out", help="write the full summary here")
     p.add_argument("--failures", help="write the failed and erroring node ids here, one a line")
+    p.add_argument("--not-run", help="write the node ids of the tests that did not run here, one a line")
     args = p.parse_args(argv)
     try:
         collected = read_node_ids(args.collected)
@@ -173,9 +175,10 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(full)
-    if args.failures:
-        with open(args.failures, "w") as f:
-            f.writelines(n + "\n" for n, (s, _) in outcome.items() if s in ("failed", "error"))
+    for path, statuses in ((args.failures, ("failed", "error")), (args.not_run, ("not run",))):
+        if path:
+            with open(path, "w") as f:
+                f.writelines(n + "\n" for n, (s, _) in outcome.items() if s in statuses)
     sys.stdout.write(short)
     return 0
 

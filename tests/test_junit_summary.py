@@ -60,11 +60,13 @@ def test_every_collected_test_has_one_outcome(tmp_path):
 
 def test_the_script_writes_the_summary_and_the_failures(tmp_path):
     junit, collected, first = _files(tmp_path)
-    header, out, failures = tmp_path / "versions.txt", tmp_path / "summary.txt", tmp_path / "failures.txt"
+    header, out, failures, not_run = (tmp_path / name for name in ("versions.txt", "summary.txt", "failures.txt",
+                                                                    "not-run.txt"))
     header.write_text("gpu NVIDIA H200 driver 570\n")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "junit_summary.py"), "--collected",
                            str(collected), "--junit", str(junit), "--junit", str(tmp_path / "killed.xml"), "--first",
-                           str(first), "--header", str(header), "--out", str(out), "--failures", str(failures)],
+                           str(first), "--header", str(header), "--out", str(out), "--failures", str(failures),
+                           "--not-run", str(not_run)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
@@ -83,6 +85,7 @@ def test_the_script_writes_the_summary_and_the_failures(tmp_path):
     assert "tests/test_a.py::test_bad: AssertionError" in proc.stdout
     assert failures.read_text().splitlines() == ["tests/test_a.py::test_bad", "tests/test_a.py::TestGroup::test_in_class",
                                                  "tests/test_b.py::test_twice"]
+    assert not_run.read_text().splitlines() == ["tests/test_b.py::test_late", "tests/test_b.py::test_never"]
 
 
 def test_without_a_collected_list_the_script_says_so(tmp_path):
