@@ -13,8 +13,9 @@ was killed before pytest wrote it).
 Prints, and writes to ``SUMMARY`` (``--out``): ``--header``'s text (versions, GPU, date), the
 totals, a table per file (collected, passed, failed, errors, skipped, not run), the failures
 and errors with their messages, the skips with their reasons, every test that did not run,
-the ``--first`` ids (scripts/gpu_first.txt) that name no collected test, and cases that match
-no collected test. Standard output shows the not-run tests per file only; ``SUMMARY`` names
+the ``--first`` ids (scripts/gpu_first.txt) that name no collected test of a file the run
+collected (renamed tests, or ones a selection left out), and cases that match no collected
+test. Standard output shows the not-run tests per file only; ``SUMMARY`` names
 each. ``--failures``: the failed and erroring node ids, one a line (a FUSED_BLOCK_FIRST file
 for the next run); ``--not-run``: the tests that did not run, one a line (``pytest
 @NOT_RUN`` runs them). Exit status 0 when the summary was written, whatever the tests did.
@@ -134,7 +135,8 @@ def report(outcome, unmatched, missing_first, header="", notes=()):
     else:
         short.append("every collected test ran")
         lines.append("every collected test ran")
-    for title, rows in ((f"listed first but not collected ({len(missing_first)})", missing_first),
+    for title, rows in ((f"listed first but not in this run ({len(missing_first)}; renamed, removed, or outside a "
+                         f"selection of its file)", missing_first),
                         (f"JUnit cases matching no collected test ({len(unmatched)}; a module's collection "
                          f"error or skip is one)",
                          [f"{c}::{n}: {s} {_first_line(m)}" if c else f"{n}: {s} {_first_line(m)}"

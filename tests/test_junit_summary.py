@@ -79,7 +79,7 @@ def test_the_script_writes_the_summary_and_the_failures(tmp_path):
                      "tests/test_b.py": ["4", "0", "0", "1", "1", "2"]}
     assert "killed.xml: no JUnit report" in text
     assert "  tests/test_b.py::test_never\n" in text and "  tests/test_b.py::test_late\n" in text
-    assert "listed first but not collected (1):\n  tests/test_a.py::test_renamed\n" in text
+    assert "listed first but not in this run (1; " in text and "):\n  tests/test_a.py::test_renamed\n" in text
     # Standard output: the table and the failures, the not-run tests counted, not named.
     assert "tests/test_b.py::test_never" not in proc.stdout and "not run (2)" in proc.stdout
     assert "tests/test_a.py::test_bad: AssertionError" in proc.stdout
