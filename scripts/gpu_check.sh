@@ -45,11 +45,11 @@ RESULTS="$(mktemp -d)"
 mkdir -p "$OUT/results"
 
 install_and_versions
-step gpu-tests 110 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-gpu.txt" "$PY" -m pytest -q -rfEs -p no:cacheprovider --durations=10 --junitxml="$OUT/junit-gpu.xml" \
-    tests/test_gpu.py
+step gpu-tests 110 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-gpu.txt" "$PY" -m pytest -q -rfEs \
+    -p no:cacheprovider --durations=10 --junitxml="$OUT/junit-gpu.xml" tests/test_gpu.py
 # shellcheck disable=SC2046  # xdist_args is a list of options
-step quick 170 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_COLLECTED="$WORK/collected-quick.txt" "$PY" -m pytest -q -rfE -p no:cacheprovider \
-    --durations=25 --junitxml="$OUT/junit-quick.xml" $(xdist_args "$WORKERS") -m gpu_quick tests \
+step quick 170 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_COLLECTED="$WORK/collected-quick.txt" \
+    "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=25 --junitxml="$OUT/junit-quick.xml" $(xdist_args "$WORKERS") -m gpu_quick tests \
     --ignore=tests/test_gpu.py --ignore=tests/test_compile.py
 # What is left goes to the benchmark: about 60 s of numerics and ceilings, the rest shared
 # among the specs with one share kept for the case running when a spec's share ends.

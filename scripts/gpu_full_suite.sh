@@ -12,7 +12,8 @@
 # FUSED_BLOCK_TUNE=0 by default (each kernel's first config, no timing: a third of the
 # compiles, and no timing of large cases); FUSED_BLOCK_TUNE=1 times the candidates as users
 # run them. FUSED_BLOCK_FUZZ=quick by default (a quarter of the fuzz examples, derandomized:
-# each new shape is a compile here); FUSED_BLOCK_FUZZ=ci runs CI's count. PYTEST ARGS narrow the run (a part: files, -k, -m) or add to it (-m heavy).
+# each new shape is a compile here); FUSED_BLOCK_FUZZ=ci runs CI's count. PYTEST ARGS narrow
+# the run (a part: files, -k, -m, @FILE of node ids) or add to it (-m heavy).
 # Output under $OUT (6 files): gpu_check.log (all output; the summary, then one line of
 # verdict last), steps.tsv, junit-suite.xml, summary.txt (versions, date, the table, every
 # failed, skipped and not-run test: commit it under bench/results/), failures.txt (the failed
