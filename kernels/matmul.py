@@ -1076,8 +1076,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     if arch == 0:
         simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
         ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, dtype is _FP32, a_t, b_t)
-        _run(_config(INTERPRETER_CONFIG, simple, tma_epi, common.WARP_SPECIALIZE and ws), key, args, tail, M, N, K, K1,
-             n_sm)
+        _run(_config(INTERPRETER_CONFIG, simple, tma_epi, common.WARP_SPECIALIZE and ws), key, args, tail, M, N, K,
+             K1, n_sm)
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:
