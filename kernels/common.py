@@ -289,6 +289,15 @@ def launch(name: str, kernel, grid, args, constexprs: dict, config: Config) -> N
 # (quicker test runs on a GPU; every candidate is still compiled by the AOT check).
 TUNE = os.environ.get("FUSED_BLOCK_TUNE", "1") != "0"
 
+# FUSED_BLOCK_WS=1 opts in to the sm_90 warp-specialized candidates (the GEMM's tile loop,
+# matmul.WS_CONFIGS, and the attention forward's K/V loop, configs.FWD_CONFIGS' ``WS``
+# entries; Triton's ``tl.range(..., warp_specialize=True)``): they come first among a
+# launch's candidates where it can run them (so FUSED_BLOCK_TUNE=0 runs them, the tuner times
+# them against the rest), and the interpreter runs their code path. Off by default: they
+# compile spill-free (tests/test_compile.py) but have not yet run on a GPU, and a kernel that
+# never ran on one is not the default (docs/gpu-check.md says how to verify them).
+WARP_SPECIALIZE = os.environ.get("FUSED_BLOCK_WS", "0") == "1"
+
 
 class ConfigCache:
     """Chooses one config per key among candidates, once, and remembers it.

@@ -12,7 +12,8 @@ accumulation, and constexpr switches for everything else:
   GROUP_M row tiles per group for L2 reuse; each program builds its descriptors once) with the
   TMA path's tile loop flattened into the K loop so the next tile's loads overlap this tile's
   epilogue (Triton's 09-persistent-matmul); one program per tile on sm_80. ``WARP_SPECIALIZE``
-  (sm_90 candidates, WS_CONFIGS): the tile loop unflattened and warp-specialized instead.
+  (sm_90 candidates, WS_CONFIGS, opt-in: FUSED_BLOCK_WS=1): the tile loop unflattened and
+  warp-specialized instead.
   ``DUAL == 1``: a second B operand and a second accumulator over the same A tiles (SwiGLU's
   gate and up projections, read from two weight tensors with no concatenation). ``DUAL == 2``:
   a second (A, B) pair continuing the K reduction (``dGate @ W_gate + dUp @ W_up``).
@@ -761,8 +762,9 @@ CONFIGS = {
     (80, "ieee", False): ((64, 64, 16, 8, 2, 1),),
     (80, "ieee", True): ((64, 64, 16, 8, 2, 1),),
 }
-# sm_90 warp-specialized candidates, tried right after their table's first config (the
-# CUDA tuner keeps them where they time faster; FUSED_BLOCK_TUNE=0 never takes them): the
+# sm_90 warp-specialized candidates, opt-in (FUSED_BLOCK_WS=1, common.WARP_SPECIALIZE: they
+# have not yet run on a GPU): then tried first where a launch can run them (the CUDA tuner
+# keeps them where they time faster; FUSED_BLOCK_TUNE=0 takes them). The
 # unflattened tile loop with ``tl.range(..., warp_specialize=True)`` on device descriptors, as
 # Triton 3.6's 09-persistent-matmul pairs them on Hopper. Its Hopper pass applies at 4 warps
 # (one warpgroup, 8 warps compile unspecialized): a producer warpgroup issues the TMA loads,
@@ -776,8 +778,6 @@ WS_CONFIGS = {(90, "16"): ((128, 256, 64, 4, 3, 1), (128, 128, 64, 4, 4, 1)),
 # included) rather than per element, so a large tile with an unsliced epilogue is quickest;
 # tests swap in other tiles to cover the sliced epilogue and multi-tile persistent grids.
 INTERPRETER_CONFIG = (256, 256, 128, 4, 1, 1)
-# Tests set this to run INTERPRETER_CONFIG warp-specialized where a launch is eligible.
-INTERPRETER_WS = False
 # Tests set this to "tma" or "pointer" to force the main loop and epilogue path (the
 # interpreter runs tensor descriptors); None chooses by architecture and alignment.
 FORCE_PATH = None
@@ -876,7 +876,7 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
     the device's shared memory, no 128-row tiles for M <= 64 (decoding) nor 256-column tiles
     for N <= 128. Tables end with their smallest tile, the fallback. ``simple``: the epilogue's
     slices (_epi_split); ``outputs``: its TMA stores per slice; ``ws``: the launch may run the
-    warp-specialized candidates (second and on, after the table's first); ``lora``: a LoRA
+    warp-specialized candidates (first, with FUSED_BLOCK_WS=1 only); ``lora``: a LoRA
     launch, which takes the table's first and last configs only (what the compile check builds).
 
     sm_90 with a tensor a descriptor cannot read (rows not 16-byte aligned): pointer loads
@@ -901,8 +901,8 @@ def _candidates(arch, dtype, precision, dual_n, heavy, M, N, device, use_tma=Tru
     usable = [i for i, c in enumerate(raw) if (not heavy or _light(c)) and fits(c)
               and (not lora or i in _lora_configs(arch, dual_n, len(raw)))] or [len(raw) - 1]
     chosen = [table[i] for i in ([i for i in usable if sized(raw[i])] or usable[-1:])]
-    if ws and (arch, kind) in WS_CONFIGS:
-        chosen[1:1] = [cfg for c, cfg in zip(WS_CONFIGS[(arch, kind)], _WS_TABLES[kind]) if fits(c) and sized(c)]
+    if ws and common.WARP_SPECIALIZE and (arch, kind) in WS_CONFIGS:
+        chosen[:0] = [cfg for c, cfg in zip(WS_CONFIGS[(arch, kind)], _WS_TABLES[kind]) if fits(c) and sized(c)]
     return chosen
 
 
@@ -1076,8 +1076,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     if arch == 0:
         simple = _simple_epilogue(act_grad, residual is not None, store_pre, has_dropout, dual)
         ws = not lora and _ws_eligible(simple, dual, use_tma, tma_epi, dtype is _FP32, a_t, b_t)
-        _run(_config(INTERPRETER_CONFIG, simple, tma_epi, INTERPRETER_WS and ws), key, args, tail, M, N, K, K1,
-             n_sm)
+        _run(_config(INTERPRETER_CONFIG, simple, tma_epi, common.WARP_SPECIALIZE and ws), key, args, tail, M, N, K,
+             K1, n_sm)
         return
     cfg = _CACHE.chosen.get(key)  # the hot path: a dict lookup
     if cfg is None:

@@ -6,6 +6,16 @@
 # limit in $OUT/steps.tsv. SIGINT first, so pytest still prints its summary and writes its
 # JUnit file; SIGKILL KILL_AFTER seconds later.
 # A step's failure never stops the script: the later steps still run and report.
+# `summarize NAME JUNIT...` (scripts/junit_summary.py) ends a script: per file what passed,
+# failed, was skipped and never ran, into $OUT/summary.txt and the log.
+#
+# Environment: PYTHON (python3), OUT (/tmp/gpu-check-out), BUDGET (seconds), WORKERS (pytest-xdist
+# workers, 16: the machine's cores; 0 runs in one process), INSTALL (1; 0 skips the offline
+# install and runs from the source tree: the CPU dry run, which must not repoint a shared
+# environment's editable install), TRITON_CACHE_DIR (default .triton-cache in the checkout:
+# ignored by git, so it stays on a warm device machine and a second call there reuses the
+# kernels the first compiled; docs/gpu-check.md), COMMIT (the summary's commit where the copy
+# has no .git).
 
 PY="${PYTHON:-python3}"
 OUT="${OUT:-/tmp/gpu-check-out}"
@@ -13,7 +23,14 @@ BUDGET="${BUDGET:-540}"     # seconds of wall time for the whole script
 RESERVE=10                   # kept for packing the results after the last step
 KILL_AFTER=10
 GRACE=30                     # seconds between the tests' deadline and the step's limit
+WORKERS="${WORKERS:-16}"
 LOG="$OUT/gpu_check.log"
+WORK="$(mktemp -d)"          # what the summary reads besides the JUnit files: not brought back
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
+# The test steps' tests/conftest.py options: scripts/gpu_first.txt's tests run first unless the
+# caller names another file (or none: FUSED_BLOCK_FIRST=); each step sets FUSED_BLOCK_COLLECTED
+# to $WORK/collected-<step>.txt for the summary.
+export FUSED_BLOCK_FIRST="${FUSED_BLOCK_FIRST-scripts/gpu_first.txt}"
 mkdir -p "$OUT"
 : >"$LOG"
 printf 'step\texit\tseconds\tlimit\n' >"$OUT/steps.tsv"
@@ -62,20 +79,50 @@ step() {
 
 install_and_versions() {
     # Offline: the machine's own torch, triton and setuptools; nothing is downloaded.
-    step install 60 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check -e .
-    if ! (cd / && "$PY" -c "import fused_block.kernels") >/dev/null 2>&1; then
-        # The install step failed (it is still reported as failed): run the later steps from
-        # the source tree, kernels/ linked where the package expects it.
-        echo "=== fused_block.kernels does not import after the install: running from the source tree" | tee -a "$LOG"
+    if [ "${INSTALL:-1}" = 1 ]; then
+        step install 60 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check -e .
+    else
+        echo "=== install: skipped (INSTALL=0)" | tee -a "$LOG"
+    fi
+    if [ "${INSTALL:-1}" != 1 ] || ! (cd / && "$PY" -c "import fused_block.kernels") >/dev/null 2>&1; then
+        # No install, or it failed (still reported as failed): run the later steps from the
+        # source tree, kernels/ linked where the package expects it.
+        echo "=== fused_block.kernels not installed: running from the source tree" | tee -a "$LOG"
         ln -sfn ../kernels fused_block/kernels
         export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    step versions 20 "$PY" scripts/versions.py
+    # shellcheck disable=SC2016  # expanded by the inner bash
+    step versions 20 bash -o pipefail -c '"$1" scripts/versions.py | tee "$2"' versions "$PY" "$WORK/versions.txt"
     step nvidia-smi 15 nvidia-smi
 }
 
-xdist_args() {  # "-n N" when pytest-xdist is installed, else nothing (and a note)
-    if "$PY" -c "import xdist" >/dev/null 2>&1; then
+# NAME JUNIT...: the per-file summary of the test steps (their lists in $WORK/collected-*.txt),
+# the failed ids in FAILURES_OUT ($OUT/failures.txt) and those not run in NOT_RUN_OUT
+# ($OUT/not-run.txt; `pytest @not-run.txt` runs them); empty: not written.
+summarize() {
+    local name="$1"; shift
+    {
+        echo "$name: $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+        cat "$WORK/versions.txt" 2>/dev/null
+        echo "steps (name, exit, seconds, limit):"
+        tail -n +2 "$OUT/steps.tsv"
+    } >"$WORK/header.txt"
+    cat "$WORK"/collected-*.txt >"$WORK/collected.txt" 2>/dev/null
+    local args=()
+    for j in "$@"; do args+=(--junit "$j"); done
+    [ -n "$FUSED_BLOCK_FIRST" ] && args+=(--first "$FUSED_BLOCK_FIRST")
+    local failures="${FAILURES_OUT-$OUT/failures.txt}" not_run="${NOT_RUN_OUT-$OUT/not-run.txt}"
+    [ -n "$failures" ] && args+=(--failures "$failures")
+    [ -n "$not_run" ] && args+=(--not-run "$not_run")
+    echo "=== summary (also in summary.txt${failures:+; failures.txt, not-run.txt: the node ids})" | tee -a "$LOG"
+    timeout 60 "$PY" scripts/junit_summary.py --collected "$WORK/collected.txt" --header "$WORK/header.txt" \
+        --out "$OUT/summary.txt" "${args[@]}" 2>&1 | tee -a "$LOG"
+}
+
+xdist_args() {  # "-n N" when pytest-xdist is installed and N > 0, else nothing (and a note)
+    if [ "$1" = 0 ]; then
+        return
+    elif "$PY" -c "import xdist" >/dev/null 2>&1; then
         echo "-n $1"
     else
         echo "pytest-xdist is not installed: the tests run in one process" | tee -a "$LOG" >&2

@@ -4,7 +4,9 @@
 test module imports fused_block. With a GPU the same tests run on CUDA tensors unchanged.
 Also here: output poisoning and the launch counter (fixtures), the ``gpu_quick`` marker the
 GPU check selects, the ``heavy`` marker (left out unless ``FUSED_BLOCK_HEAVY=1`` or ``-m
-heavy``), ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run), and each test's seed.
+heavy``), ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run), ``FUSED_BLOCK_FIRST`` and
+``FUSED_BLOCK_COLLECTED`` (the GPU scripts' run order and list of collected tests), and each
+test's seed.
 """
 import os
 import sys
@@ -139,19 +141,33 @@ def gpu_quick_selection(items) -> list:
 
 
 def breadth_first(items, chosen) -> list:
-    """``items`` in rounds: every test function's first case, then every function's second, ...
-    (within a function the ``chosen`` cases before the others; otherwise collection order).
+    """The ``chosen`` items, then the others, each part in rounds: every test function's first
+    case, then every function's second, ... (otherwise collection order).
 
     A run with a deadline (the GPU scripts) takes them in this order, so one cut short has still
-    run every test function once rather than the first files in full.
+    run every test function once rather than the first files in full, and the gpu_quick subset
+    (``chosen``) before the cases it leaves out.
     """
     first = {id(item) for item in chosen}
     count, rank = {}, {}
-    for item in sorted(items, key=lambda item: id(item) not in first):  # stable: chosen first
-        function = item.nodeid.split("[", 1)[0]
+    for item in items:
+        function = item.nodeid.split("[", 1)[0], id(item) not in first
         rank[id(item)] = count.get(function, 0)
         count[function] = rank[id(item)] + 1
-    return sorted(items, key=lambda item: rank[id(item)])
+    return sorted(items, key=lambda item: (id(item) not in first, rank[id(item)]))
+
+
+def first_listed(items, listed) -> list:
+    """``items`` with those whose node id is in ``listed`` first, in ``listed``'s order (ids
+    that name no item, renamed or removed tests, are passed over)."""
+    where = {nodeid: i for i, nodeid in enumerate(listed)}
+    return sorted(items, key=lambda item: where.get(item.nodeid, len(where)))  # stable: the rest as they were
+
+
+def read_node_ids(path) -> list:
+    """Node ids from a file, one a line; blank lines and ``#`` comments ignored."""
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +193,29 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.gpu_quick)
     if DEADLINE != float("inf"):
         items[:] = breadth_first(items, chosen)
+    if FIRST:
+        items[:] = first_listed(items, read_node_ids(FIRST))
+
+
+# ---------------------------------------------------------------------------------------------
+# FUSED_BLOCK_FIRST: node ids run first; FUSED_BLOCK_COLLECTED: the run's tests, written out
+# ---------------------------------------------------------------------------------------------
+
+# FUSED_BLOCK_FIRST names a file of node ids (one a line, ``#`` comments; scripts/gpu_first.txt)
+# that run before every other test, in the file's order (with xdist too: each worker collects
+# in this order and the scheduler hands tests out from the front); scripts/junit_summary.py
+# names the ids that match no collected test. FUSED_BLOCK_COLLECTED names a file the run
+# writes its selected tests' node ids to, one a line in run order (after ``-m``, ``-k`` and
+# the heavy marker; with xdist the first worker writes it): scripts/junit_summary.py compares
+# it with the JUnit file, so a test that never ran is named, not just missing.
+FIRST = os.environ.get("FUSED_BLOCK_FIRST")
+COLLECTED = os.environ.get("FUSED_BLOCK_COLLECTED")
+
+
+def pytest_collection_finish(session):
+    if COLLECTED and os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
+        with open(COLLECTED, "w") as f:
+            f.writelines(item.nodeid + "\n" for item in session.items)
 
 
 # ---------------------------------------------------------------------------------------------

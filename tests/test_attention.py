@@ -141,30 +141,28 @@ def test_attention_pointer_path(B, Hq, Hkv, Lq, Lk, D, causal, padding, device, 
     assert launches["attention_tma"] == 0
 
 
-# The warp-specialized forward (Hopper WS candidates; device-side descriptors, one K/V loop,
-# every block masked under causality): (B, Hq, Hkv, Lq, Lk, D, causal, padding).
+# The warp-specialized forward (Hopper WS candidates, opt-in: FUSED_BLOCK_WS=1; device-side
+# descriptors, one K/V loop, every block masked under causality): (B, Hq, Hkv, Lq, Lk, D,
+# causal, padding).
 WS_CASES = [
-    # Non-causal over whole key blocks (Lk = 96: three of the interpreter's 32; WS candidates
-    # need them), a ragged query block (Lq = 70), GQA 2:1, padding with a fully padded row.
-    pytest.param(2, 2, 1, 70, 96, 64, False, True, id="full-pad-gqa"),
+    # Non-causal over whole key blocks (Lk = 128: four of the interpreter's 32, two of the sm_90
+    # WS candidates' 64; WS candidates need them), a ragged query block (Lq = 70), GQA 2:1,
+    # padding with a fully padded row.
+    pytest.param(2, 2, 1, 70, 128, 64, False, True, id="full-pad-gqa"),
     # Causal with a ragged key end (Lk = 50) and offset diagonal; D = 80 (zero-padded columns).
     pytest.param(1, 2, 2, 40, 50, 80, True, False, id="causal-ragged-d80"),
 ]
 
 
-def _ws_forward(monkeypatch, D):
-    """Makes the forward run its warp-specialized candidate: the interpreter's config, or on
-    Hopper this head-dim class's WS candidate as the only one."""
+def _ws_forward(monkeypatch, switch=True):
+    """Sets FUSED_BLOCK_WS's switch (``switch``) for this test, with a fresh forward config
+    cache and on CUDA each key's first candidate taken (FUSED_BLOCK_TUNE=0: with the switch, a
+    WS candidate where the launch can run it); returns the list the forward's launches append
+    their config's ``WS`` to."""
     if ON_CUDA and not HOPPER:
         pytest.skip("warp specialization is a Hopper candidate")
-    if ON_CUDA:
-        key = configs._table_key(configs._block_d(D), "16", False)
-        table = configs.FWD_CONFIGS[90]
-        monkeypatch.setitem(table, key, [c for c in table[key] if c["WS"]][:1])
-    else:
-        c = configs.INTERPRET_FWD
-        monkeypatch.setattr(configs, "INTERPRET_FWD", configs._fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps,
-                                                                       c.num_stages, True))
+    monkeypatch.setattr(common, "WARP_SPECIALIZE", switch)
+    monkeypatch.setattr(common, "TUNE", False)
     monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
     ws = []
     launch = common.launch
@@ -183,7 +181,7 @@ def _ws_forward(monkeypatch, D):
 def test_warp_specialized_forward(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype, device, launches, monkeypatch):
     """The WS forward's code path (the interpreter ignores ``warp_specialize`` but runs the
     body it marks) against the reference, with gradients through the regular backward."""
-    ws = _ws_forward(monkeypatch, D)
+    ws = _ws_forward(monkeypatch)
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
     mask = _padding(B, Lk, device) if padding else None
     _compare(q, k, v, causal, mask)
@@ -194,10 +192,28 @@ def test_warp_specialized_forward(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype,
 def test_warp_specialized_forward_needs_whole_key_blocks(device, launches, monkeypatch):
     """Without causality a ragged key end (Lk = 50) would need a masked block: the WS
     candidate is not run there (its single loop is unmasked), the regular forward is."""
-    ws = _ws_forward(monkeypatch, 64)
+    ws = _ws_forward(monkeypatch)
     q, k, v = _qkv(1, 2, 2, 33, 50, 64, torch.bfloat16, device)
     _compare(q, k, v, False, grads=False)
     assert ws and not any(ws)
+
+
+def test_warp_specialized_forward_is_opt_in(device, monkeypatch):
+    """Without FUSED_BLOCK_WS=1 no WS candidate is run (nor timed), also where one could run
+    (whole key blocks); with it, the sm_90 tables' WS candidates come first."""
+    ws = _ws_forward(monkeypatch, switch=False)
+    q, k, v = _qkv(1, 2, 2, 33, 64, 64, torch.bfloat16, device)
+    _compare(q, k, v, False, grads=False)
+    assert ws and not any(ws)
+    key = configs._table_key(64, "16", False)
+    assert not any(c["WS"] for c in launchers._fwd_candidates(90, key, True, False, 128))
+    monkeypatch.setattr(common, "WARP_SPECIALIZE", True)
+    cands = launchers._fwd_candidates(90, key, True, False, 128)
+    assert cands[0]["WS"] and [c for c in cands if not c["WS"]] == [c for c in configs.FWD_CONFIGS[90][key]
+                                                                     if not c["WS"]]
+    # A ragged key end without causality: no WS candidate; the pointer path: its first config.
+    assert not any(c["WS"] for c in launchers._fwd_candidates(90, key, True, False, 100))
+    assert launchers._fwd_candidates(90, key, False, True, 128) == configs.FWD_CONFIGS[90][key][:1]
 
 
 def test_ws_candidates_follow_the_first():

@@ -118,6 +118,37 @@ def test_breadth_first_runs_every_function_once_before_any_twice():
                                                                           "a.py::op[b-f32]"]
 
 
+def test_breadth_first_takes_the_quick_subset_before_the_rest():
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    items = [_Item("a.py::op[f32]", dtype=f32), _Item("a.py::op[f16]", dtype=f16), _Item("a.py::op[bf16]", dtype=bf16),
+             _Item("b.py::late[x-f32]", act="x", dtype=f32), _Item("b.py::late[y-f32]", act="y", dtype=f32),
+             _Item("b.py::late[x-f16]", act="x", dtype=f16)]
+    chosen = items[:4]  # late's other cases left out of the quick subset
+    order = [i.nodeid for i in breadth_first(items, chosen)]
+    assert order == ["a.py::op[f32]", "b.py::late[x-f32]", "a.py::op[f16]", "a.py::op[bf16]", "b.py::late[y-f32]",
+                     "b.py::late[x-f16]"]
+
+
+def test_first_listed_tests_run_first_and_the_run_writes_its_tests(tmp_path):
+    """FUSED_BLOCK_FIRST's ids first, in its order (an id naming no test passed over), then the
+    deadline's order; FUSED_BLOCK_COLLECTED gets the selected tests in that order."""
+    first, collected = tmp_path / "first.txt", tmp_path / "collected.txt"
+    first.write_text("# the second case first\ntests/test_rope.py::test_no_such_test\n"
+                     "tests/test_gpu_quick.py::test_breadth_first_takes_the_quick_subset_before_the_rest\n"
+                     "tests/test_gpu_quick.py::test_selection_rule\n")
+    env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() + 3600), FUSED_BLOCK_FIRST=str(first),
+               FUSED_BLOCK_COLLECTED=str(collected))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu_quick.py", "-k", "selection_rule or breadth_first"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    listed = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert collected.read_text().splitlines() == listed
+    assert [n.split("::")[1] for n in listed] == [
+        "test_breadth_first_takes_the_quick_subset_before_the_rest", "test_selection_rule",
+        "test_breadth_first_runs_every_function_once_before_any_twice", "test_a_deadline_run_collects_breadth_first"]
+
+
 def test_a_deadline_run_collects_breadth_first():
     env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() + 3600))
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",

@@ -335,9 +335,10 @@ def _cuda_branch_calls(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     """The launchers' CUDA branches (this arch's config tables, every candidate, TMA choices,
-    persistent grids) run on CPU tensors with the launches recorded: each one binds every
-    parameter of its kernel exactly once and its grid is within CUDA's limits. (The
-    interpreter's runs check only the arch-0 branches.)"""
+    persistent grids; the warp-specialized candidates switched on, FUSED_BLOCK_WS=1) run on
+    CPU tensors with the launches recorded: each one binds every parameter of its kernel
+    exactly once and its grid is within CUDA's limits. (The interpreter's runs check only the
+    arch-0 branches.)"""
     from triton.runtime import _allocation
 
     from fused_block.kernels import matmul, norm
@@ -368,6 +369,7 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     monkeypatch.setattr(common, "sm_count", lambda device: 132)
     monkeypatch.setattr(common, "_INTERPRET", False)
     monkeypatch.setattr(common, "TUNE", True)
+    monkeypatch.setattr(common, "WARP_SPECIALIZE", True)
     monkeypatch.setattr(common.ConfigCache, "_fastest", time_every_candidate)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(matmul, "_smem_limit", lambda device: 232448 if arch == 90 else 166912)

@@ -234,14 +234,19 @@ def test_linear_leading_dims_strided_weight_and_partial_grads(dtype_mode, device
 
 @pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[1], DTYPE_MODES[3]])
 def test_linear_warp_specialized_tile_loop(dtype_mode, device, launches, monkeypatch):
-    # sm_90's warp-specialized candidates (WS_CONFIGS) run the unflattened tile loop with
-    # tl.range(warp_specialize=True) on one of their tiles: 300x136 outputs make 6 tiles of
-    # 128x128 for the interpreter's 4 persistent programs. Eligible: simple epilogues on one K
+    # sm_90's warp-specialized candidates (WS_CONFIGS, opt-in: FUSED_BLOCK_WS=1) run the
+    # unflattened tile loop with tl.range(warp_specialize=True) on one of their tiles: 300x136
+    # outputs make 6 tiles of 128x128 for the interpreter's 4 persistent programs (on sm_90
+    # the first eligible WS candidate, FUSED_BLOCK_TUNE=0). Eligible: simple epilogues on one K
     # loop, here the backward's GEMMs (dx, dW with its row sums for dB) and a forward that
-    # saves nothing; TF32 only with x @ W.T's K-major operands.
+    # saves nothing; TF32 only with x @ W.T's K-major operands. Without the switch: none.
     dtype, mode = dtype_mode
+    if device.type == "cuda" and common.arch(device) != 90:
+        pytest.skip("warp specialization is an sm_90 candidate")
     monkeypatch.setattr(kmatmul, "INTERPRETER_CONFIG", kmatmul.WS_CONFIGS[(90, "16")][1][:4] + (1, 1))
-    monkeypatch.setattr(kmatmul, "INTERPRETER_WS", True)
+    monkeypatch.setattr(common, "WARP_SPECIALIZE", True)
+    monkeypatch.setattr(common, "TUNE", False)
+    monkeypatch.setattr(kmatmul, "_CACHE", common.ConfigCache("matmul"))
     seen = []
     launch = common.launch
 
@@ -267,6 +272,12 @@ def test_linear_warp_specialized_tile_loop(dtype_mode, device, launches, monkeyp
     assert [ws for ws, _ in seen] == [False, not fp32, not fp32, True]
     assert all(not (ws and flatten) for ws, flatten in seen)
     assert launches["matmul"] == 4
+    monkeypatch.setattr(common, "WARP_SPECIALIZE", False)
+    monkeypatch.setattr(kmatmul, "_CACHE", common.ConfigCache("matmul"))
+    with fp32_mode(mode), torch.no_grad():
+        out = linear(x, w, b, "gelu")
+    assert_close("linear without ws", out, ref(*leaves((x, w, b), torch.float64)), base)
+    assert [ws for ws, _ in seen[4:]] == [False]
 
 
 @pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[3]])

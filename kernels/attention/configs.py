@@ -25,9 +25,10 @@ from fused_block.kernels import common
 # sm_90 forward: flex's D64 128x128 with 4 warps is not shipped (one warpgroup over 128 rows
 # serializes its wgmma: 24 waits per trip, 255 registers, 8 B of stack with host descriptors).
 # Warp-specialized candidates (``ws``, Triton's Hopper WS: a TMA producer and Q's rows split
-# between two consumer warpgroups, 4 warps requested) come after the proven first candidate,
-# for the timing to pick where faster; 128x128 WS tiles fail to compile with causality or
-# padding (Triton 3.6), so 128x64 only.
+# between two consumer warpgroups, 4 warps requested) come after the proven first candidate;
+# they are opt-in (FUSED_BLOCK_WS=1, common.WARP_SPECIALIZE: not yet run on a GPU), and then
+# tried first (launchers._fwd_candidates) for the timing to pick where faster; 128x128 WS
+# tiles fail to compile with causality or padding (Triton 3.6), so 128x64 only.
 # sm_80 (sass_loops --arch 80; non-MMA instructions per mma.sync in the unmasked K/V loop):
 # D64 128x128/8 warps first (3.9, against 5.4 at 128x32/4 warps). FlashAttention-2's A100
 # tiles do not fit Triton's register budget: D128 128x64/4 warps spills 6.4 KB, 128x64/8

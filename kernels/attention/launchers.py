@@ -107,10 +107,19 @@ def _candidates(tables, interpret_cfg, arch, key, use_tma):
 
 
 def _fwd_candidates(arch, key, use_tma, causal, Lk):
-    """The forward's candidates; warp-specialized ones only where their single unmasked K/V
-    loop is exact (causal, or whole key blocks). The interpreter's one config runs without
-    warp specialization otherwise."""
+    """The forward's candidates. Warp-specialized ones (the tables' ``WS`` entries) only with
+    FUSED_BLOCK_WS=1 (common.WARP_SPECIALIZE; they have not yet run on a GPU), then first,
+    and only where their single unmasked K/V loop is exact (causal, or whole key blocks):
+    the interpreter then runs its one config warp-specialized there, on the TMA path under
+    the keys a GPU table has WS candidates for, and without otherwise."""
     cands = _candidates(FWD_CONFIGS, configs.INTERPRET_FWD, arch, key, use_tma)
+    if not common.WARP_SPECIALIZE:
+        return [c for c in cands if not c["WS"]]
+    if arch == 0 and use_tma and any(c["WS"] for t in FWD_CONFIGS.values() for c in t.get(key, ())):
+        c = cands[0]
+        cands = [_fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages, True)]
+    else:
+        cands = sorted(cands, key=lambda c: not c["WS"])  # stable: WS first, then the table's order
     ok = [c for c in cands if not c["WS"] or causal or Lk % c["BLOCK_N"] == 0]
     if ok:
         return ok
