@@ -25,9 +25,11 @@ import pytest  # noqa: E402
 from fused_block.kernels import common  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_numpy  # noqa: E402
     import interpreter_speed  # noqa: E402
 
     interpreter_speed.install()  # one language patch per interpreted launch (see the module)
+    interpreter_numpy.install()  # scalar loop bounds read as numpy 2.5 allows (see the module)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -113,10 +113,12 @@ def model(arch, device, attn_implementation=None, **overrides):
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     one = 0.0 if arch in GEMMAS else 1.0  # Gemma's norm weights are offsets from 1 (HF initializes them to 0)
-    with torch.no_grad():  # non-trivial norm weights and biases (HF initializes them to 1 and 0)
+    # Non-trivial norm weights and biases (HF initializes them to 1 and 0), drawn on the CPU like
+    # the rest: the same model on every device (the GPU's generator draws other numbers).
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name.lower() or name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.3 + (one if name.endswith("weight") else 0.0))
+                p.copy_(torch.randn(p.shape, dtype=p.dtype) * 0.3 + (one if name.endswith("weight") else 0.0))
     return model
 
 

@@ -7,12 +7,23 @@ bytes still alive after each op, hence the peak. Kernel launches allocate nothin
 (their outputs come from ``common.empty``, i.e. ``aten.empty``), so this is everything an op
 of the library allocates, also inside ``_backend.host_only()`` on meta tensors, where model
 sizes cost nothing.
+
+On a GPU, Triton's launcher also allocates through ``triton.set_allocator`` the global scratch
+of kernels that build tensor descriptors on the device (``common._scratch``: 1-D int8, a
+128-byte descriptor per program and descriptor, tens of KiB); each such record says
+``scratch=True``, and ``buffers()`` leaves them out: what a test says of an op's tensors
+(a gradient's size, no (L, L) buffer) is about the others.
 """
 import dataclasses
+import sys
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fused_block.kernels import common
+
+_SCRATCH = common._scratch.__code__
 
 
 @dataclasses.dataclass
@@ -21,6 +32,16 @@ class Allocation:
     shape: tuple
     dtype: torch.dtype
     nbytes: int
+    scratch: bool = False  # the descriptor scratch Triton's launcher asked common._scratch for
+
+
+def _from_scratch_allocator() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _SCRATCH:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Allocations(TorchDispatchMode):
@@ -38,7 +59,8 @@ class Allocations(TorchDispatchMode):
             aliased = i < len(returns) and returns[i].alias_info is not None
             if isinstance(t, torch.Tensor) and not aliased:
                 storage = t.untyped_storage()
-                self.records.append(Allocation(str(func), tuple(t.shape), t.dtype, storage.nbytes()))
+                self.records.append(Allocation(str(func), tuple(t.shape), t.dtype, storage.nbytes(),
+                                               _from_scratch_allocator()))
                 self._live.append((StorageWeakRef(storage), storage.nbytes()))
         self._live = [(ref, n) for ref, n in self._live if not ref.expired()]
         self.peak = max(self.peak, sum(n for _, n in self._live))
@@ -49,6 +71,11 @@ class Allocations(TorchDispatchMode):
         rest = [a for a in self.records if a.shape not in {tuple(s) for s in exclude_shapes}]
         return max(rest, key=lambda a: a.nbytes, default=None)
 
+    def buffers(self):
+        """The allocations but Triton's descriptor scratch."""
+        return [a for a in self.records if not a.scratch]
+
     def with_numel_at_least(self, numel):
+        """The allocations of ``numel`` elements or more, Triton's descriptor scratch included."""
         return [a for a in self.records if torch.Size(a.shape).numel() >= numel]
 

@@ -166,15 +166,33 @@ def test_decode_skips_key_blocks_the_mask_hides(dtype, mode, block_n, device, pa
 
 
 def test_decode_is_not_chosen_where_it_does_not_pay(device, launches):
-    """Many programs already (B * Hkv >= two waves), a short cache, more than 16 rows or dropout:
-    the forward kernel."""
+    """Many programs already (B * Hkv row blocks fill two waves over the device's SMs), a short
+    cache, more than 16 rows or dropout: the forward kernel. Two waves is the device's: B = 4
+    on the interpreter's 4 stand-in SMs, 132 on an H200 (where B = 8 splits, rightly: 16
+    programs on 132 SMs)."""
+    from fused_block.kernels import common
+
     def qkv(B, H, Lq, Lk, dtype=torch.float16):
         return tuple(torch.randn(B, H, L, 16, device=device).to(dtype) for L in (Lq, Lk, Lk))
-    attention(*qkv(8, 2, 1, 300))
+    attention(*qkv(common.cdiv(2 * common.sm_count(device), 2), 2, 1, 300))
     attention(*qkv(1, 2, 1, 40))
     attention(*qkv(1, 2, 17, 300))
     attention(*qkv(1, 2, 1, 300), dropout_p=0.1)
     assert launches["attention_decode"] == 0 and launches["attention_fwd"] == 4
+
+
+@pytest.mark.parametrize("sms", [4, 132], ids=["interpreter", "h200"])
+def test_decode_splits_below_two_waves_of_the_devices_sms(sms, device, monkeypatch):
+    """The split count's rule on any SM count (the interpreter's stand-in 4, an H200's 132):
+    programs (B * Hkv * row blocks) at two waves or more, no split; one batch fewer, a split,
+    of at least two key blocks a chunk."""
+    from fused_block.kernels import common
+
+    monkeypatch.setattr(common, "sm_count", lambda d: sms)
+    B = common.cdiv(2 * sms, 2)
+    assert launchers._decode_splits(B, 2, 1, 300, 32, device) == 1
+    assert launchers._decode_splits(B - 1, 2, 1, 300, 32, device) == min(5, common.cdiv(2 * sms, 2 * (B - 1)))
+    assert launchers._decode_splits(8, 2, 1, 300, 32, device) == (1 if sms == 4 else 5)  # the H200's failing case
 
 
 def test_decode_cache_without_visible_keys(device, launches):

@@ -182,8 +182,11 @@ def test_bias_grad_broadcast(bias, dtype, device, launches):
 @pytest.mark.parametrize("bias", [pytest.param((1, 2, 64, 64), id="t5"), pytest.param((8, 1, 1, 64), id="keys")])
 def test_bias_grad_buffer_is_bias_sized(bias, device, launches):
     """The backward allocates the bias gradient in the bias's own size and dtype, not a (B, Hq,
-    Lq, Lk) dS: with B = 8, nothing of B * Hq * Lq * Lk / 2 elements or more is allocated, and
-    the 4-D allocations besides dq, dk and dv (of q's shape) are that gradient alone."""
+    Lq, Lk) dS: with B = 8, no buffer of B * Hq * Lq * Lk / 2 elements or more is allocated, and
+    the 4-D allocations besides dq, dk and dv (of q's shape) are that gradient alone. On a GPU
+    the TMA path's launches also allocate Triton's descriptor scratch (1-D int8, 45,056 bytes
+    on an H200 here: a descriptor per program, not a buffer of the op): memory_testing tells it
+    by its allocator and it counts for neither rule."""
     from memory_testing import Allocations
     B, H, L, D = 8, 2, 64, 16
     q, k, v = _qkv(B, H, H, L, L, D, torch.float16, device)
@@ -193,8 +196,9 @@ def test_bias_grad_buffer_is_bias_sized(bias, device, launches):
     with Allocations() as rec:
         db, = torch.autograd.grad(out, (b,), dout)
     assert db.shape == b.shape and db.dtype == b.dtype
-    assert not rec.with_numel_at_least(B * H * L * L // 2)
-    others = [a for a in rec.records if len(a.shape) == 4 and a.shape != q.shape]
+    buffers = rec.buffers()
+    assert not [a for a in buffers if torch.Size(a.shape).numel() >= B * H * L * L // 2], buffers
+    others = [a for a in buffers if len(a.shape) == 4 and a.shape != q.shape]
     assert [(a.shape, a.dtype) for a in others] == [(bias, torch.float16)], others
     assert launches["attention_dbias"] == 1
 

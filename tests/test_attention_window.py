@@ -172,7 +172,7 @@ def _blocks(a, b, step):
 @pytest.mark.parametrize("causal,window", [(True, (16, -1)), (False, (20, 7)), (False, (0, 0)),
                                            (True, (300, -1)), (False, (-1, 3)), (True, (-1, -1)),
                                            (False, (5, -1))])
-def test_block_ranges_cover_the_band_and_nothing_else(Lq, Lk, causal, window, use_tma):
+def test_block_ranges_cover_the_band_and_nothing_else(Lq, Lk, causal, window, use_tma, device):
     """``_key_ranges`` (forward, dQ: per query block) and ``_query_ranges`` (dK/dV: per key
     block) against brute force: the masked and unmasked ranges are disjoint, visit every block
     holding a visible pair and no block whose pairs are all invisible (counting the rows and
@@ -185,7 +185,7 @@ def test_block_ranges_cover_the_band_and_nothing_else(Lq, Lk, causal, window, us
     is_causal, has_window = right >= 0, left >= 0
     diag_hi, diag_lo = Lk - Lq + max(right, 0), Lk - Lq - max(left, 0)
     nm, nn = -(-Lq // BM), -(-Lk // BN)
-    out = torch.zeros((nm + nn) * 4, dtype=torch.int32)
+    out = torch.zeros((nm + nn) * 4, dtype=torch.int32, device=device)  # compiled on a GPU, interpreted here
     _ranges_kernel[(nm + nn,)](out, Lq, Lk, diag_hi, diag_lo, BM, BN, is_causal, has_window, use_tma)
     r = out.view(-1, 4).tolist()
     ext = _band(nm * BM, nn * BN, Lq, Lk, causal, window)  # with the partial blocks' extra rows and keys

@@ -32,6 +32,7 @@ import torch
 import fused_block
 from fused_block import models
 import dist_testing
+import interpreter_numpy
 
 FP32 = dict(atol=2e-5, rtol=1e-5)
 GPT = models.DecoderOnlyConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
@@ -172,8 +173,9 @@ class _Watch:
         self._catch = warnings.catch_warnings(record=True)
         self.caught = self._catch.__enter__()
         warnings.simplefilter("always")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)  # the interpreter's numpy warnings
+        warnings.filterwarnings("ignore", category=DeprecationWarning)  # numpy's and torch's deprecations
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecations of its own APIs
+        interpreter_numpy.strict()  # but not numpy's array-to-scalar conversion, an error on numpy >= 2.4
         return self
 
     def __exit__(self, *exc):

@@ -98,3 +98,64 @@ def test_interpreter_speedups_give_the_interpreters_answers():
     shape = tl.core.tuple_type([tl.float32, tl.core.constexpr_type(4)], ["a", "b"])
     assert shape.name == str(shape) == "[a:fp32,b:constexpr_type[4]]"
     assert shape == tl.core.tuple_type([tl.float32, tl.core.constexpr_type(4)], ["a", "b"])
+
+
+_NUMPY_SCALARS = """
+import sys, warnings
+import torch, triton, triton.language as tl
+from triton.runtime.errors import InterpreterError
+import interpreter_numpy
+
+@triton.jit
+def strided_sums(X, OUT, n, step):  # runtime loop bounds: the interpreter reads them as Python ints
+    pid = tl.program_id(0)
+    acc = 0.0
+    for i in tl.range(pid, n, step):
+        acc += tl.load(X + i)
+    tl.store(OUT + pid, acc)
+
+x = torch.randn(10, dtype=torch.float64)
+out = torch.full((3,), float("nan"), dtype=torch.float64)
+interpreter_numpy.strict()
+interpreter_numpy.uninstall()
+try:
+    strided_sums[(3,)](x, out, 10, 3)
+    raised = ""
+except InterpreterError as e:
+    raised = str(e)
+interpreter_numpy.install()
+strided_sums[(3,)](x, out, 10, 3)
+assert torch.equal(out, torch.stack([x[i::3].sum() for i in range(3)])), (out, x)
+print(raised)
+"""
+
+
+def test_interpreter_reads_scalar_loop_bounds_on_every_numpy():
+    """Triton 3.6's interpreter converts a scalar loop bound (a one-element 1-d array) with
+    int(), which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"; numpy 1.25-2.3 warn, an error under interpreter_numpy.strict()): the distributed
+    tests' ranks failed so on the GPU machine (numpy 2.5). With interpreter_numpy installed the
+    loop runs, on this machine's numpy (a fresh interpreted process, also on a GPU machine)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", _NUMPY_SCALARS], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    # without it, the same loop fails: what the ranks hit
+    assert "0-dimensional arrays" in proc.stdout or "Conversion of an array with ndim > 0" in proc.stdout
+
+
+def test_allocations_tell_descriptor_scratch_from_buffers(monkeypatch):
+    """Triton's launcher allocates the scratch of device-side descriptors through
+    common._scratch (on a GPU only): Allocations marks those records, buffers() leaves them
+    out, and every other allocation, however large, stays in."""
+    from memory_testing import Allocations
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # common._scratch's device, here
+    with Allocations() as rec:
+        common._scratch(45056, 128, None)
+        big = torch.empty(8, 2, 64, 64, dtype=torch.float16)
+    assert [(a.shape, a.dtype, a.scratch) for a in rec.records] == [
+        ((45056,), torch.int8, True), (tuple(big.shape), torch.float16, False)]
+    assert rec.buffers() == rec.records[1:]
+    assert len(rec.with_numel_at_least(45056)) == 2
