@@ -31,11 +31,9 @@ Descriptors are host-side, over the whole (B, H, L, D) views with block (1, 1, r
 past a head's L read as zero and are not written, and any strides TMA accepts work without
 a copy (the launchers' ``_strides`` / ``_aligned``).
 """
-import math
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -55,9 +53,8 @@ CONFIGS = {64: (128, 3), 128: (64, 3)}
 _LOG2E = 1.4426950408889634
 
 
-def enabled() -> bool:
-    """The opt-in switch, read at call time (``FUSED_BLOCK_HOPPER_ATTN=1``)."""
-    return os.environ.get(ENV, "0") == "1"
+# The opt-in switch, read once at import (no environment lookup per call); tests set it.
+ENABLED = os.environ.get(ENV, "0") == "1"
 
 
 @gluon.constexpr_function
@@ -237,11 +234,11 @@ def _layout(rows: int, d: int, dtype):
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-def supports(q, k, v, out, *, arch: int, dropout_p: float, key_padding_mask, window, varlen, softcap, sinks, alibi,
-             bias, mask, aligned: bool) -> bool:
-    """Whether this kernel computes the call exactly as ``forward.py``'s would (the rest of the
-    features run there): sm_90, 16-bit, D in :data:`HEAD_DIMS`, causal or not (+ GQA), TMA-able
-    layouts, no other feature."""
+def supports(q, *, arch: int, dropout_p: float, key_padding_mask, window, varlen, softcap, sinks, alibi, bias,
+             mask, aligned: bool) -> bool:
+    """Whether this kernel takes the call (``launchers.forward``'s arguments; the rest run
+    ``forward.py``): sm_90, 16-bit, D in :data:`HEAD_DIMS`, causal or not (+ GQA), TMA-able
+    layouts (``aligned``), no other feature."""
     return (arch == 90 and q.dtype in DTYPES and q.shape[3] in HEAD_DIMS and aligned and dropout_p == 0.0
             and key_padding_mask is None and tuple(window) == (-1, -1) and varlen is None and not softcap
             and sinks is None and alibi is None and bias is None and mask is None)

@@ -7,6 +7,7 @@ from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, D
                                                    FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN, _decode_block_m)
 from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
+from fused_block.kernels.attention import hopper
 from fused_block.kernels.attention.forward import _attn_fwd
 from fused_block.kernels.attention.helpers import _dropout_mask_kernel
 
@@ -229,4 +230,15 @@ def aot_specs(exhaustive=None) -> list:
         name="attention_dropout_mask", fn=_dropout_mask_kernel,
         signature=_signature(_dropout_mask_kernel, {"SEED": "*i64", "OUT": "*u8"}),
         constexprs=dict(BLOCK_M=32, BLOCK_N=32), num_warps=4))
+    # The opt-in Gluon Hopper forward (hopper.py): sm_90 only, each head dim causal and not, bf16
+    # (fp16 is the same code with another element type).
+    for block_d in hopper.HEAD_DIMS:
+        for causal in (False, True):
+            sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal)
+            block_n = hopper.CONFIGS[block_d][0]
+            specs.append(aot.KernelSpec(
+                name=f"attention_fwd_hopper (Gluon) D{block_d} 16 {hopper.BLOCK_M}x{block_n}: "
+                     f"{'causal' if causal else 'full'}",
+                fn=hopper._attn_fwd_hopper, signature=sig, constexprs=constexprs, num_warps=hopper.NUM_WARPS,
+                wgmma=True, tma=True, archs=(90,)))
     return aot.take_turns(specs, items)
