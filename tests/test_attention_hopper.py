@@ -194,3 +194,18 @@ def test_gluon_forward_on_strided_views(D, launches, monkeypatch):
     out, lse = attention(q, k, v, True, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1
     _check(q, k, v, True, out, lse)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D,cand", [(d, i) for d, c in hopper.CONFIGS.items() for i in range(len(c))])
+def test_every_gluon_candidate_matches_reference(D, cand, causal, launches, monkeypatch):
+    """Each tile/ring-depth candidate the launcher may time and keep (1000 x 1000: ragged
+    blocks, the ring wrapping many times; GQA 2:1)."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "_CANDIDATES", {D: [hopper._CANDIDATES[D][cand]]})
+    monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
+    q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1
+    _check(q, k, v, causal, out, lse)

@@ -41,15 +41,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fused_block.kernels import common
+from fused_block.kernels.attention.configs import _bucket
 
 ENV = "FUSED_BLOCK_HOPPER_ATTN"
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 128
 NUM_WARPS = 8
-# Per head dim: (BLOCK_N, STAGES). Shared memory at BLOCK_M 128, 16-bit: D64 Q 16 KB + K/V
-# 3 x 2 x 16 KB + O 16 KB = 128 KB; D128 Q 32 KB + 2 x 2 x 32 KB + O 32 KB = 192 KB (of 227).
-CONFIGS = {64: (128, 3), 128: (64, 3)}
+# Per head dim, the candidates (BLOCK_N, STAGES), timed once per key on the GPU (``ConfigCache``;
+# the first with FUSED_BLOCK_TUNE=0). All compile without spills (the compile check): D64 at
+# BLOCK_N 128 235-241 registers, 64 ~165; D128 at 64 182-197 (BLOCK_N 128 spills there: S, P
+# and O do not fit 255 registers). Shared memory at BLOCK_M 128, 16-bit: Q + O + STAGES x
+# (K + V) tiles, 96-192 KB of 227.
+CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((64, 3), (64, 2), (64, 4))}
+_CANDIDATES = {d: [common.Config.of(num_warps=NUM_WARPS, BLOCK_N=n, STAGES=st) for n, st in c]
+               for d, c in CONFIGS.items()}
+_CACHE = common.ConfigCache("attention_fwd_hopper")
 _LOG2E = 1.4426950408889634
 
 
@@ -248,8 +255,18 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     """Writes ``out`` and ``lse`` (as ``launchers.forward``) for a call :func:`supports` took:
     ``strides`` are the launchers' ``_strides`` of q, k, v and out."""
     B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
+    key = (D, bool(causal), _bucket(Lq), _bucket(Lk))
+    cfg = _CACHE.get(key, _CANDIDATES[D], lambda c: _launch(c, launch))
+    _launch(cfg, launch)
+
+
+def _launch(cfg, launch) -> None:
+    q, k, v, out, lse, causal, qk_scale, strides = launch
+    B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    block_n, stages = CONFIGS[D]
+    block_n = cfg["BLOCK_N"]
     gdt = _GL_DTYPES[q.dtype]
     descs = []
     for t, s, rows in ((q, strides[0], BLOCK_M), (k, strides[1], block_n), (v, strides[2], block_n),
@@ -259,13 +276,12 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
         return
-    _attn_fwd_hopper[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, float(scale) * _LOG2E, IS_CAUSAL=bool(causal),
-                           BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=D, STAGES=stages, num_warps=NUM_WARPS)
+    _attn_fwd_hopper[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale, IS_CAUSAL=causal, BLOCK_M=BLOCK_M,
+                           BLOCK_N=block_n, HEAD_D=D, STAGES=cfg["STAGES"], num_warps=NUM_WARPS)
 
 
-def aot_spec_args(dtype: str, head_d: int, causal: bool) -> tuple:
+def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
-    block_n, stages = CONFIGS[head_d]
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     sig = {}
     for name, rows in (("QD", BLOCK_M), ("KD", block_n), ("VD", block_n), ("OD", BLOCK_M)):
