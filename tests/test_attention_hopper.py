@@ -152,7 +152,7 @@ def _check(q, k, v, causal, out, lse, grads=None):
             assert_close(name, g, g64, gb)
 
 
-# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_M is 128, BLOCK_N 128 (D64) / 64 (D128).
+# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_M is 128, BLOCK_N 128 or 64 (the candidates).
 GPU_CASES = [
     # Whole blocks; causal diagonal blocks and blocks skipped above them.
     pytest.param(2, 4, 4, 256, 256, id="256"),

@@ -49,11 +49,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 128
 NUM_WARPS = 8
 # Per head dim, the candidates (BLOCK_N, STAGES), timed once per key on the GPU (``ConfigCache``;
-# the first with FUSED_BLOCK_TUNE=0). All compile without spills (the compile check): D64 at
-# BLOCK_N 128 235-241 registers, 64 ~165; D128 at 64 182-197 (BLOCK_N 128 spills there: S, P
-# and O do not fit 255 registers). Shared memory at BLOCK_M 128, 16-bit: Q + O + STAGES x
-# (K + V) tiles, 96-192 KB of 227.
-CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((64, 3), (64, 2), (64, 4))}
+# the first with FUSED_BLOCK_TUNE=0). All compile without spills (the compile check): at
+# BLOCK_N 128 about 196-236 registers, at 64 about 120-171. Shared memory at BLOCK_M 128,
+# 16-bit: Q + O + STAGES x (K + V) tiles, 96-192 KB of 227.
+CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4))}
 _CANDIDATES = {d: [common.Config.of(num_warps=NUM_WARPS, BLOCK_N=n, STAGES=st) for n, st in c]
                for d, c in CONFIGS.items()}
 _CACHE = common.ConfigCache("attention_fwd_hopper")
@@ -76,24 +75,29 @@ def _softmax_step(s, m_i, l_i, col0, row, Lk, off, qk_scale, MASKED: gl.constexp
                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One online-softmax step on the raw scores ``s`` of the key block starting at ``col0``:
     the new running max (log2 units), the rescale factor of the old accumulator, P (fp32) and
-    the new running sum. Rows that see no key of the block (so far) keep max -inf, P = 0."""
+    the new running sum. The scale is positive (validated), so max(s) * scale = max(s * scale)
+    and it rides in exp2's FMA, as in ``forward.py``. Only masked blocks can hold rows that
+    have seen no key yet: they keep max -inf, and P = 0 there (0 subtracted, not -inf)."""
     if MASKED:
         col = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(col < Lk, 0)
         if IS_CAUSAL:
             keep = keep & (gl.expand_dims(col, 0) <= gl.expand_dims(row + off, 1))
-        s = gl.where(keep, s * qk_scale, float("-inf"))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        s = s * qk_scale
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        m_use = m_new
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return m_new, alpha, p, l_i
 
 
-@gluon.jit
+# Shape arguments are not specialized (as forward.py's): the compile check builds exactly
+# what runs, whatever the head counts and lengths.
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
 def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
                      IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
