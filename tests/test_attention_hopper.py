@@ -56,11 +56,13 @@ def _call(q, k, v, causal=False, **features):
 _B, _H, _L = 1, 2, 40
 
 
+@pytest.mark.parametrize("ws", [False, True], ids=["wg2", "wspec"])
 @pytest.mark.parametrize("D", hopper.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_supported_calls_take_the_gluon_forward(D, dtype, causal, monkeypatch):
+def test_supported_calls_take_the_gluon_forward(D, dtype, causal, ws, monkeypatch):
     taken = _route(monkeypatch)
+    monkeypatch.setattr(hopper, "WS", ws)
     _call(*_qkv(_B, 4, 2, _L, _L + 7, D, dtype, "cpu"), causal)  # GQA 2:1, cross lengths
     assert taken == ["hopper"]
 
@@ -165,6 +167,10 @@ GPU_CASES = [
 ]
 
 gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only")
+# Both kernels; the warp-specialized one's cases have "wspec" in their ids, so that a GPU run can
+# take them apart (``-k "not wspec"``, then ``-k wspec``): a deadlock there (it has never run) would
+# hang its run, not the other kernel's.
+VARIANTS = [pytest.param(False, id="wg2"), pytest.param(True, id="wspec")]
 
 
 @gpu
@@ -172,8 +178,10 @@ gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only"
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
-def test_gluon_forward_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_forward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
     monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", ws)
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, "cuda", grad=True)
     out, lse = attention(q, k, v, causal, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1 and launches["attention_fwd"] == 0
@@ -184,10 +192,12 @@ def test_gluon_forward_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, dtype, l
 
 @gpu
 @pytest.mark.parametrize("D", hopper.HEAD_DIMS)
-def test_gluon_forward_on_strided_views(D, launches, monkeypatch):
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
     """Views of one (B, L, 3 H, D) projection (SDPA's transposed layout): the descriptors take
     the strides, no copy; the output written into a (B, L, H, D) buffer's view."""
     monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", ws)
     B, L, H = 2, 333, 4
     qkv = randn(B, L, 3 * H, D, dtype=torch.bfloat16, device="cuda")
     q, k, v = (t.transpose(1, 2) for t in qkv.split(H, dim=2))
@@ -198,12 +208,16 @@ def test_gluon_forward_on_strided_views(D, launches, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D,cand", [(d, i) for d, c in hopper.CONFIGS.items() for i in range(len(c))])
-def test_every_gluon_candidate_matches_reference(D, cand, causal, launches, monkeypatch):
+@pytest.mark.parametrize("ws,D,cand", [(ws, d, i) for ws in (False, True)
+                                       for d, c in (hopper.WS_CONFIGS if ws else hopper.CONFIGS).items()
+                                       for i in range(len(c))],
+                         ids=lambda v: {False: "wg2", True: "wspec"}.get(v, str(v)) if isinstance(v, bool) else str(v))
+def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, monkeypatch):
     """Each tile/ring-depth candidate the launcher may time and keep (1000 x 1000: ragged
     blocks, the ring wrapping many times; GQA 2:1)."""
     monkeypatch.setattr(hopper, "ENABLED", True)
-    monkeypatch.setattr(hopper, "_CANDIDATES", {D: [hopper._CANDIDATES[D][cand]]})
+    monkeypatch.setattr(hopper, "WS", ws)
+    monkeypatch.setattr(hopper, "_CANDIDATES", {(D, ws): [hopper._CANDIDATES[D, ws][cand]]})
     monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
     q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
     out, lse = attention(q, k, v, causal, return_lse=True)

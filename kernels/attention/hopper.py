@@ -53,14 +53,18 @@ NUM_WARPS = 8
 # BLOCK_N 128 about 196-236 registers, at 64 about 120-171. Shared memory at BLOCK_M 128,
 # 16-bit: Q + O + STAGES x (K + V) tiles, 96-192 KB of 227.
 CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4))}
-_CANDIDATES = {d: [common.Config.of(num_warps=NUM_WARPS, BLOCK_N=n, STAGES=st) for n, st in c]
-               for d, c in CONFIGS.items()}
+# The warp-specialized variant's (``_attn_fwd_hopper_ws``): consumers at 240 registers.
+WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3))}
+_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws)
+                         for n, st in (WS_CONFIGS if ws else CONFIGS)[d]]
+               for d in HEAD_DIMS for ws in (False, True)}
 _CACHE = common.ConfigCache("attention_fwd_hopper")
 _LOG2E = 1.4426950408889634
 
-
-# The opt-in switch, read once at import (no environment lookup per call); tests set it.
-ENABLED = os.environ.get(ENV, "0") == "1"
+# The opt-in switch, read once at import (no environment lookup per call; tests set these):
+# "1" the single-partition kernel, "ws" the warp-specialized one.
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws")
+WS = os.environ.get(ENV, "0") == "ws"
 
 
 @gluon.constexpr_function
@@ -235,6 +239,170 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
 
 
 # ---------------------------------------------------------------------------------------------
+# warp-specialized variant: a TMA loader warp and two consumer warpgroups (FA3's partitions)
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _ws_consumer(q_s, o_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, OD, LSE, b, h, r0, Hq, Lq, Lk,
+                 cdiag, n_blocks, n_full, qk_scale):
+    """One consumer warpgroup: query rows [r0, r0 + 64) (Q in ``q_s``, O out through ``o_s``)
+    against every key block the loader streams (both consumers take every block: each
+    releases each slot). The step is the single-partition kernel's; a slot is released by an
+    arrive on its empty barrier (count 2, one per consumer) instead of a CTA barrier, so the
+    two warpgroups drift apart and one's softmax runs under the other's products. Partitions
+    take no constexpr arguments: tile sizes come from the buffers' shapes, and the causal
+    bound is ``cdiag`` (Lk - Lq; Lk without causality: every in-bounds key passes)."""
+    HALF_M: gl.constexpr = q_s.shape[2]
+    HEAD_D: gl.constexpr = q_s.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    dtype: gl.constexpr = OD.dtype
+    s_layout: gl.constexpr = _mma_layout(HALF_M, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(HALF_M, HEAD_D, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row = r0 + gl.arange(0, HALF_M, layout=row_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    o = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    q2 = q_s.reshape([HALF_M, HEAD_D])
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    k2 = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
+    s = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False)
+    mbarrier.arrive(k_empty.index(0))
+    if n_full > 0:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, cdiag, qk_scale, False, True, BLOCK_N,
+                                           s_layout)
+    else:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, cdiag, qk_scale, True, True, BLOCK_N,
+                                           s_layout)
+    p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
+        v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
+        s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(slot))
+        if j < n_full:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, False, True,
+                                               BLOCK_N, s_layout)
+        else:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, True, True,
+                                               BLOCK_N, s_layout)
+        o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(prev))
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+    last = n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    v2 = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D])
+    o = warpgroup_mma(p_prev, v2, o)
+    mbarrier.arrive(v_empty.index(last % STAGES))
+
+    empty = l_i == 0.0
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+    o = o / gl.expand_dims(l_o, 1)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
+    o_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], o_s)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_loader(QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv, m0,
+               n_blocks):
+    """The TMA warp: both halves of Q, then K_j and V_j into slot j % STAGES once both consumers
+    released the slot's previous block (its empty barrier's previous phase)."""
+    HALF_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    for i in gl.static_range(2):
+        mbarrier.expect(q_bar.index(i), QD.block_type.nbytes)
+        tma.async_copy_global_to_shared(QD, [b, h, m0 + i * HALF_M, 0], q_bar.index(i), q_smem.index(i))
+    kv_bytes: gl.constexpr = KD.block_type.nbytes
+    for j in range(n_blocks):
+        slot = j % STAGES
+        # Round r = j // STAGES of a slot waits for both consumers' release of round r - 1.
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase, pred=j >= STAGES)
+        mbarrier.expect(k_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(KD, [b, hkv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase, pred=j >= STAGES)
+        mbarrier.expect(v_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(VD, [b, hkv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
+def _attn_fwd_hopper_ws(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
+                        IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_fwd_hopper`` with FA3's partitions: the default partition (4 warps) and a 4-warp
+    worker are the two consumer warpgroups (64 query rows each, 240 registers asked), a 1-warp
+    worker the TMA loader (24). Q and O descriptors have 64-row blocks."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = QD.dtype
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    pid = gl.program_id(0)
+    mblk = n_m - 1 - pid % n_m
+    bh = pid // n_m
+    b = bh // Hq
+    h = bh % Hq
+    hkv = h // GROUP
+    m0 = mblk * BLOCK_M
+    off = Lk - Lq
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, m0 + BLOCK_M + off)
+        full = gl.maximum(gl.minimum(Lk, m0 + off + 1), 0)
+        cdiag = off
+    else:
+        hi = Lk
+        full = Lk
+        cdiag = Lk
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    n_full = full // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2] + QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2] + OD.block_type.shape, OD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
+                        v_empty, OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
+        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
+                        v_empty, OD, LSE, b, h, m0 + HALF_M, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
+        (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv, m0,
+                      n_blocks)),
+    ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
 
@@ -261,8 +429,8 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
-    key = (D, bool(causal), _bucket(Lq), _bucket(Lk))
-    cfg = _CACHE.get(key, _CANDIDATES[D], lambda c: _launch(c, launch))
+    key = (D, WS, bool(causal), _bucket(Lq), _bucket(Lk))
+    cfg = _CACHE.get(key, _CANDIDATES[D, WS], lambda c: _launch(c, launch))
     _launch(cfg, launch)
 
 
@@ -270,29 +438,32 @@ def _launch(cfg, launch) -> None:
     q, k, v, out, lse, causal, qk_scale, strides = launch
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    block_n = cfg["BLOCK_N"]
+    block_n, ws = cfg["BLOCK_N"], cfg["WS"]
+    q_rows = BLOCK_M // 2 if ws else BLOCK_M  # the WS kernel's consumers load and store 64 rows each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
-    for t, s, rows in ((q, strides[0], BLOCK_M), (k, strides[1], block_n), (v, strides[2], block_n),
-                       (out, strides[3], BLOCK_M)):
+    for t, s, rows in ((q, strides[0], q_rows), (k, strides[1], block_n), (v, strides[2], block_n),
+                       (out, strides[3], q_rows)):
         descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, D], _layout(rows, D, gdt)))
     grid = (common.cdiv(Lq, BLOCK_M) * B * Hq,)
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
         return
-    _attn_fwd_hopper[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale, IS_CAUSAL=causal, BLOCK_M=BLOCK_M,
-                           BLOCK_N=block_n, HEAD_D=D, STAGES=cfg["STAGES"], num_warps=NUM_WARPS)
+    kernel = _attn_fwd_hopper_ws if ws else _attn_fwd_hopper
+    kernel[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                 HEAD_D=D, STAGES=cfg["STAGES"], num_warps=cfg.num_warps)
 
 
-def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int) -> tuple:
+def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+    q_rows = BLOCK_M // 2 if ws else BLOCK_M
     sig = {}
-    for name, rows in (("QD", BLOCK_M), ("KD", block_n), ("VD", block_n), ("OD", BLOCK_M)):
+    for name, rows in (("QD", q_rows), ("KD", block_n), ("VD", block_n), ("OD", q_rows)):
         sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
     sig.update(LSE="*fp32", Hq="i32", GROUP="i32", Lq="i32", Lk="i32", qk_scale="fp32")
     constexprs = dict(IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
-                      num_warps=NUM_WARPS)
+                      num_warps=4 if ws else NUM_WARPS)
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs
