@@ -1,17 +1,21 @@
-"""Opt-in Hopper attention forward in Gluon (``triton.experimental.gluon``): explicit wgmma,
-TMA and mbarriers, with FlashAttention-3's intra-warpgroup overlap.
+"""Opt-in Hopper attention forwards in Gluon (``triton.experimental.gluon``): explicit wgmma,
+TMA and mbarriers, with FlashAttention-3's intra-warpgroup overlap; ``_attn_fwd_hopper`` in
+one partition, ``_attn_fwd_hopper_ws`` with FA3's partitions (a TMA loader warp and two
+consumer warpgroups, ``gl.warp_specialize``).
 
-Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` is set, on sm_90 CUDA, for the cases it supports
-(:func:`supports`): 16-bit q/k/v, head dim 64 or 128, no dropout, padding mask, window,
-varlen, softcap, sinks, ALiBi, bias or bool mask; causal (bottom-right, as the other kernels)
-or not; GQA/MQA; 16-byte aligned layouts (TMA). Everything else, and every call without the
-switch, runs the Triton kernels of ``forward.py``, which stay the default and the
-interpreter's path (the interpreter cannot run Gluon). This kernel has not yet run on a GPU:
-``docs/attention-hopper.md`` says how to check it, and it stays opt-in until a committed GPU
-run of ``tests/test_attention_hopper.py`` and ``bench/attention_hopper.py`` verifies it.
+Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first) or ``=ws`` (the second) is set, on
+sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64 or 128,
+no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
+(bottom-right, as the other kernels) or not; GQA/MQA; 16-byte aligned layouts (TMA).
+Everything else, and every call without the switch, runs the Triton kernels of
+``forward.py``, which stay the default and the interpreter's path (the interpreter cannot
+run Gluon). These kernels have not yet run on a GPU: ``docs/attention-hopper.md`` says how
+to check them, and they stay opt-in until a committed GPU run of
+``tests/test_attention_hopper.py`` and ``bench/attention_hopper.py`` verifies them.
 
-Structure (one program per (query block, batch * head), query blocks in reverse order: under
-a causal mask the last blocks are the heaviest and start first):
+Structure of ``_attn_fwd_hopper`` (one program per (query block, batch * head), query blocks
+in reverse order: under a causal mask the last blocks are the heaviest and start first; the
+warp-specialized kernel differs as its docstring says):
 
 - 8 warps = two consumer warpgroups of 64 query rows each (BLOCK_M = 128); the wgmma
   accumulators S (128 x BLOCK_N) and O (128 x D) are in registers, P goes to the PV product
