@@ -36,6 +36,7 @@ def _route(monkeypatch, arch=90, enabled=True):
     taken = []
     monkeypatch.setattr(hopper, "ENABLED", enabled)
     monkeypatch.setattr(common, "arch", lambda device: arch)
+    monkeypatch.setattr(common, "TUNE", False)  # no candidate timing (on a GPU machine too)
     monkeypatch.setattr(hopper, "forward", lambda *a, **k: taken.append("hopper"))
     monkeypatch.setattr(launchers, "_fwd_launch", lambda cfg, launch: taken.append("triton"))
     return taken
