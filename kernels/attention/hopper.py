@@ -109,6 +109,8 @@ def _softmax_step(s, m_i, l_i, col0, row, Lk, off, qk_scale, MASKED: gl.constexp
 def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
                      IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The single-partition forward (the module docstring's structure): ``QD``..``OD`` host-side
+    (B, H, L, D) descriptors, ``LSE`` (B, Hq, Lq) fp32, ``qk_scale`` = scale * log2(e)."""
     dtype: gl.constexpr = QD.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
     o_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_D, num_warps)
