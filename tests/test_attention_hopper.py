@@ -230,3 +230,67 @@ def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, 
     out, lse = attention(q, k, v, causal, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1
     _check(q, k, v, causal, out, lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch path (CPU, through the fake CUDA driver): what runs is what the compile check built
+# ---------------------------------------------------------------------------------------------
+
+_LAUNCH_SCRIPT = """
+import json, sys, torch
+import fused_block
+from fused_block import _backend
+from fused_block.kernels import common, fake_driver
+from fused_block.kernels.attention import hopper
+
+common.TUNE = False  # the first candidate of each (nothing to time on)
+out = []
+with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
+        _backend.host_only(stub=False):
+    hopper.ENABLED = True
+    for ws in (False, True):
+        hopper.WS = ws
+        for D in hopper.HEAD_DIMS:
+            for causal in (False, True):
+                fake.launches.clear()
+                # GQA 4:2, Lq 300 (3 query blocks), cross lengths; a strided q (a packed projection).
+                qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
+                q = qkv[:, :, :4].transpose(1, 2)
+                k = torch.randn(1, 2, 333, D, dtype=torch.bfloat16)
+                v = torch.randn(1, 2, 333, D, dtype=torch.bfloat16)
+                fused_block.attention(q, k, v, causal=causal)
+                (rec,) = fake.launches
+                src = rec.compiled.src
+                out.append(dict(ws=ws, D=D, causal=causal, name=rec.compiled.name, grid=list(rec.grid),
+                                signature=src.signature,
+                                constants={src.fn.arg_names[i[0]]: getattr(v, "value", v)
+                                           for i, v in src.constants.items()},
+                                num_warps=rec.compiled.options["num_warps"]))
+json.dump(out, sys.stdout)
+"""
+
+
+def test_gluon_launches_match_the_compiled_specs():
+    """Both Gluon forwards launched through Triton's own launch path on CPU tensors (the fake
+    driver checks every argument against the specialization): one launch each, the grid of
+    3 query blocks x 4 heads, and exactly the signature and constexprs the compile check
+    builds (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
+    import json
+    import pathlib
+
+    from fused_block.kernels import fake_driver
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = json.loads(proc.stdout)
+    assert len(launches) == 8
+    for rec in launches:
+        ws, D, causal = rec["ws"], rec["D"], rec["causal"]
+        block_n, stages = (hopper.WS_CONFIGS if ws else hopper.CONFIGS)[D][0]
+        sig, constexprs = hopper.aot_spec_args("bf16", D, causal, block_n, stages, ws)
+        assert rec["name"] == ("_attn_fwd_hopper_ws" if ws else "_attn_fwd_hopper")
+        assert rec["grid"] == [3 * 4, 1, 1]
+        assert rec["signature"] == sig
+        assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
+        assert rec["num_warps"] == constexprs["num_warps"]
