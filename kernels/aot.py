@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from fused_block.kernels import sass
 
@@ -125,7 +126,9 @@ def compile_spec(spec: KernelSpec, arch: int, module: str = "", sass_costs: bool
     for i, a in enumerate(args):
         if spec.signature[a].startswith("*") or a in spec.aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    # Gluon kernels (``gluon.jit``) build through their own source class (layouts are explicit).
+    source = GluonASTSource if getattr(spec.fn, "is_gluon", lambda: False)() else ASTSource
+    src = source(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)

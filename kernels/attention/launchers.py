@@ -13,6 +13,7 @@ from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, D
 from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
 from fused_block.kernels.attention.forward import _attn_fwd
+from fused_block.kernels.attention import hopper
 from fused_block.kernels.attention.helpers import _dropout_mask_kernel
 
 # Tests set this to "pointer" to run the pointer path where TMA would be taken (the interpreter
@@ -271,6 +272,11 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
         if _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, bias, mask, softcap, scale, is_causal,
                    has_window, win_left, win_right, arch, kind, use_tma, block_d):
             return
+    if hopper.ENABLED and hopper.supports(q, arch=arch, dropout_p=dropout_p, key_padding_mask=key_padding_mask,
+                                          window=window, varlen=varlen, softcap=softcap, sinks=sinks,
+                                          alibi=alibi, bias=bias, mask=mask, aligned=use_tma):
+        hopper.forward(q, k, v, out, lse, is_causal, scale, (sq, sk, sv, so))  # opt-in (hopper.py)
+        return
     score_mod = _score_mod(softcap, alibi, bias, mask)
     if score_mod:
         ptrs, strides, flags = _score_args((B, Hq, Lq, Lk), softcap, alibi, bias, mask, q)

@@ -7,6 +7,7 @@ from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, D
                                                    FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN, _decode_block_m)
 from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
+from fused_block.kernels.attention import hopper
 from fused_block.kernels.attention.forward import _attn_fwd
 from fused_block.kernels.attention.helpers import _dropout_mask_kernel
 
@@ -229,4 +230,20 @@ def aot_specs(exhaustive=None) -> list:
         name="attention_dropout_mask", fn=_dropout_mask_kernel,
         signature=_signature(_dropout_mask_kernel, {"SEED": "*i64", "OUT": "*u8"}),
         constexprs=dict(BLOCK_M=32, BLOCK_N=32), num_warps=4))
+    # The opt-in Gluon Hopper forward (hopper.py), single-partition and warp-specialized: sm_90
+    # only, every candidate causal and not (in turn in the default check), bf16 (fp16 is the
+    # same code with another element type).
+    for ws, table in ((False, hopper.CONFIGS), (True, hopper.WS_CONFIGS)):
+        for block_d, cands in table.items():
+            for block_n, stages in cands:
+                items.setdefault(("hopper", ws, block_d), []).append([])
+                for causal in (True, False):
+                    items["hopper", ws, block_d][-1].append(len(specs))
+                    sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws)
+                    specs.append(aot.KernelSpec(
+                        name=(f"attention_fwd_hopper{'_ws' if ws else ''} (Gluon) D{block_d} 16 "
+                              f"{hopper.BLOCK_M}x{block_n}/{stages}: {'causal' if causal else 'full'}"),
+                        fn=hopper._attn_fwd_hopper_ws if ws else hopper._attn_fwd_hopper, signature=sig,
+                        constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
+                        tma=True, archs=(90,)))
     return aot.take_turns(specs, items)

@@ -1,0 +1,475 @@
+"""Opt-in Hopper attention forwards in Gluon (``triton.experimental.gluon``): explicit wgmma,
+TMA and mbarriers, with FlashAttention-3's intra-warpgroup overlap; ``_attn_fwd_hopper`` in
+one partition, ``_attn_fwd_hopper_ws`` with FA3's partitions (a TMA loader warp and two
+consumer warpgroups, ``gl.warp_specialize``).
+
+Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first) or ``=ws`` (the second) is set, on
+sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64 or 128,
+no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
+(bottom-right, as the other kernels) or not; GQA/MQA; 16-byte aligned layouts (TMA).
+Everything else, and every call without the switch, runs the Triton kernels of
+``forward.py``, which stay the default and the interpreter's path (the interpreter cannot
+run Gluon). These kernels have not yet run on a GPU: ``docs/attention-hopper.md`` says how
+to check them, and they stay opt-in until a committed GPU run of
+``tests/test_attention_hopper.py`` and ``bench/attention_hopper.py`` verifies them.
+
+Structure of ``_attn_fwd_hopper`` (one program per (query block, batch * head), query blocks
+in reverse order: under a causal mask the last blocks are the heaviest and start first; the
+warp-specialized kernel differs as its docstring says):
+
+- 8 warps = two consumer warpgroups of 64 query rows each (BLOCK_M = 128); the wgmma
+  accumulators S (128 x BLOCK_N) and O (128 x D) are in registers, P goes to the PV product
+  from registers (no shared-memory round trip).
+- Q is loaded once by TMA; K and V each through a ring of ``STAGES`` shared-memory slots with
+  one mbarrier per slot, refilled by TMA as soon as the products that read a slot finished
+  (a CTA barrier first, as both warpgroups read every slot), one step ahead of their use.
+- Step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} asynchronously, waits for S_j only
+  (wgmma groups retire in order), runs the online softmax of S_j while the PV product runs
+  on the tensor cores, then waits for it and rescales O (FA3's intra-warpgroup overlap).
+- Key blocks that every row of the query block sees in bounds run without masks; only the
+  blocks on the causal diagonal or past the last key are masked.
+- The epilogue writes O through shared memory and a TMA store (rows past Lq are clipped by
+  the descriptor) and the fp32 natural-log LSE, -inf (and O = 0) for rows with no visible key.
+
+Descriptors are host-side, over the whole (B, H, L, D) views with block (1, 1, rows, D): rows
+past a head's L read as zero and are not written, and any strides TMA accepts work without
+a copy (the launchers' ``_strides`` / ``_aligned``).
+"""
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from fused_block.kernels import common
+from fused_block.kernels.attention.configs import _bucket
+
+ENV = "FUSED_BLOCK_HOPPER_ATTN"
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+BLOCK_M = 128
+NUM_WARPS = 8
+# Per head dim, the candidates (BLOCK_N, STAGES), timed once per key on the GPU (``ConfigCache``;
+# the first with FUSED_BLOCK_TUNE=0). All compile without spills (the compile check): at
+# BLOCK_N 128 about 196-236 registers, at 64 about 120-171. Shared memory at BLOCK_M 128,
+# 16-bit: Q + O + STAGES x (K + V) tiles, 96-192 KB of 227.
+CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4))}
+# The warp-specialized variant's (``_attn_fwd_hopper_ws``): consumers at 240 registers.
+WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3))}
+_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws)
+                         for n, st in (WS_CONFIGS if ws else CONFIGS)[d]]
+               for d in HEAD_DIMS for ws in (False, True)}
+_CACHE = common.ConfigCache("attention_fwd_hopper")
+_LOG2E = 1.4426950408889634
+
+# The opt-in switch, read once at import (no environment lookup per call; tests set these):
+# "1" the single-partition kernel, "ws" the warp-specialized one.
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws")
+WS = os.environ.get(ENV, "0") == "ws"
+
+
+@gluon.constexpr_function
+def _mma_layout(block_m, block_n, num_warps):
+    """The wgmma accumulator layout of a (block_m, block_n) tile: warps stacked along M (one
+    warpgroup per 64 rows), one instruction as wide as the tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 16])
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, col0, row, Lk, off, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One online-softmax step on the raw scores ``s`` of the key block starting at ``col0``:
+    the new running max (log2 units), the rescale factor of the old accumulator, P (fp32) and
+    the new running sum. The scale is positive (validated), so max(s) * scale = max(s * scale)
+    and it rides in exp2's FMA, as in ``forward.py``. Only masked blocks can hold rows that
+    have seen no key yet: they keep max -inf, and P = 0 there (0 subtracted, not -inf)."""
+    if MASKED:
+        col = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(col < Lk, 0)
+        if IS_CAUSAL:
+            keep = keep & (gl.expand_dims(col, 0) <= gl.expand_dims(row + off, 1))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return m_new, alpha, p, l_i
+
+
+# Shape arguments are not specialized (as forward.py's): the compile check builds exactly
+# what runs, whatever the head counts and lengths.
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
+def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
+                     IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The single-partition forward (the module docstring's structure): ``QD``..``OD`` host-side
+    (B, H, L, D) descriptors, ``LSE`` (B, Hq, Lq) fp32, ``qk_scale`` = scale * log2(e)."""
+    dtype: gl.constexpr = QD.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
+    o_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_D, num_warps)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    pid = gl.program_id(0)
+    mblk = n_m - 1 - pid % n_m
+    bh = pid // n_m
+    b = bh // Hq
+    h = bh % Hq
+    hkv = h // GROUP
+    m0 = mblk * BLOCK_M
+    off = Lk - Lq  # bottom-right causal alignment: row i sees keys j <= i + off
+
+    # Key range: [0, hi) visible to some row, [0, full) to every row of the block, in bounds.
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, m0 + BLOCK_M + off)
+        full = gl.maximum(gl.minimum(Lk, m0 + off + 1), 0)
+    else:
+        hi = Lk
+        full = Lk
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # at least one (all masked: rows see nothing)
+    n_full = full // BLOCK_N
+
+    # Shared memory: Q, the K and V rings, O; one mbarrier for Q and one per K and V slot.
+    q_smem = gl.allocate_shared_memory(dtype, QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    o_smem = gl.allocate_shared_memory(dtype, OD.block_type.shape, OD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+
+    kv_bytes: gl.constexpr = KD.block_type.nbytes
+    mbarrier.expect(q_bar, QD.block_type.nbytes)
+    tma.async_copy_global_to_shared(QD, [b, h, m0, 0], q_bar, q_smem)
+    for i in gl.static_range(STAGES):
+        pred = i < n_blocks
+        mbarrier.expect(k_bar.index(i), kv_bytes, pred=pred)
+        tma.async_copy_global_to_shared(KD, [b, hkv, i * BLOCK_N, 0], k_bar.index(i), k_smem.index(i), pred=pred)
+        mbarrier.expect(v_bar.index(i), kv_bytes, pred=pred)
+        tma.async_copy_global_to_shared(VD, [b, hkv, i * BLOCK_N, 0], v_bar.index(i), v_smem.index(i), pred=pred)
+
+    q2 = q_smem.reshape([BLOCK_M, HEAD_D])
+    row = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    o = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    # Step 0: S_0, its softmax; then K slot 0 takes K_STAGES.
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    k2 = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
+    s = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False)
+    if n_full > 0:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, off, qk_scale, False, IS_CAUSAL, BLOCK_N,
+                                           s_layout)
+    else:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, off, qk_scale, True, IS_CAUSAL, BLOCK_N,
+                                           s_layout)
+    p_prev = gl.convert_layout(p.to(dtype), p_layout)
+    gl.thread_barrier()
+    nxt = STAGES < n_blocks
+    mbarrier.expect(k_bar.index(0), kv_bytes, pred=nxt)
+    tma.async_copy_global_to_shared(KD, [b, hkv, STAGES * BLOCK_N, 0], k_bar.index(0), k_smem.index(0), pred=nxt)
+
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
+        v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
+        # The last step's S registers are dead: S_j overwrites them (use_acc=False).
+        s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        if j < n_full:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, off, qk_scale, False,
+                                               IS_CAUSAL, BLOCK_N, s_layout)
+        else:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, off, qk_scale, True,
+                                               IS_CAUSAL, BLOCK_N, s_layout)
+        o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        # Both warpgroups are past K_j and V_{j-1}: refill their slots with K_{j+STAGES} and
+        # V_{j-1+STAGES}, needed a step from now.
+        gl.thread_barrier()
+        nk = j + STAGES
+        pk = nk < n_blocks
+        mbarrier.expect(k_bar.index(slot), kv_bytes, pred=pk)
+        tma.async_copy_global_to_shared(KD, [b, hkv, nk * BLOCK_N, 0], k_bar.index(slot), k_smem.index(slot),
+                                        pred=pk)
+        nv = j - 1 + STAGES
+        pv = nv < n_blocks
+        mbarrier.expect(v_bar.index(prev), kv_bytes, pred=pv)
+        tma.async_copy_global_to_shared(VD, [b, hkv, nv * BLOCK_N, 0], v_bar.index(prev), v_smem.index(prev),
+                                        pred=pv)
+
+    # The last block's PV product.
+    last = n_blocks - 1
+    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
+    v2 = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D])
+    o = warpgroup_mma(p_prev, v2, o)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+
+    # Epilogue: O / l (0 where no key was visible), LSE = (m + log2 l) ln 2 (-inf there).
+    empty = l_i == 0.0
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+    o = o / gl.expand_dims(l_o, 1)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse_ptr = LSE + (b * Hq + h).to(gl.int64) * Lq + row
+    gl.store(lse_ptr, lse, mask=row < Lq)
+    o_smem.reshape([BLOCK_M, HEAD_D]).store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(OD, [b, h, m0, 0], o_smem)
+    tma.store_wait(pendings=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# warp-specialized variant: a TMA loader warp and two consumer warpgroups (FA3's partitions)
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _ws_consumer(q_s, o_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, OD, LSE, b, h, r0, Hq, Lq, Lk,
+                 cdiag, n_blocks, n_full, qk_scale):
+    """One consumer warpgroup: query rows [r0, r0 + 64) (Q in ``q_s``, O out through ``o_s``)
+    against every key block the loader streams (both consumers take every block: each
+    releases each slot). The step is the single-partition kernel's; a slot is released by an
+    arrive on its empty barrier (count 2, one per consumer) instead of a CTA barrier, so the
+    two warpgroups drift apart and one's softmax runs under the other's products. Partitions
+    take no constexpr arguments: tile sizes come from the buffers' shapes, and the causal
+    bound is ``cdiag`` (Lk - Lq; Lk without causality: every in-bounds key passes)."""
+    HALF_M: gl.constexpr = q_s.shape[2]
+    HEAD_D: gl.constexpr = q_s.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    dtype: gl.constexpr = OD.dtype
+    s_layout: gl.constexpr = _mma_layout(HALF_M, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(HALF_M, HEAD_D, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row = r0 + gl.arange(0, HALF_M, layout=row_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    o = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    q2 = q_s.reshape([HALF_M, HEAD_D])
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    k2 = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
+    s = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False)
+    mbarrier.arrive(k_empty.index(0))
+    if n_full > 0:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, cdiag, qk_scale, False, True, BLOCK_N,
+                                           s_layout)
+    else:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, cdiag, qk_scale, True, True, BLOCK_N,
+                                           s_layout)
+    p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
+        v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
+        s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(slot))
+        if j < n_full:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, False, True,
+                                               BLOCK_N, s_layout)
+        else:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, True, True,
+                                               BLOCK_N, s_layout)
+        o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(prev))
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+    last = n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    v2 = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D])
+    o = warpgroup_mma(p_prev, v2, o)
+    mbarrier.arrive(v_empty.index(last % STAGES))
+
+    empty = l_i == 0.0
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+    o = o / gl.expand_dims(l_o, 1)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
+    o_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], o_s)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_loader(QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv, m0,
+               n_blocks):
+    """The TMA warp: both halves of Q, then K_j and V_j into slot j % STAGES once both consumers
+    released the slot's previous block (its empty barrier's previous phase)."""
+    HALF_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    for i in gl.static_range(2):
+        mbarrier.expect(q_bar.index(i), QD.block_type.nbytes)
+        tma.async_copy_global_to_shared(QD, [b, h, m0 + i * HALF_M, 0], q_bar.index(i), q_smem.index(i))
+    kv_bytes: gl.constexpr = KD.block_type.nbytes
+    for j in range(n_blocks):
+        slot = j % STAGES
+        # Round r = j // STAGES of a slot waits for both consumers' release of round r - 1.
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase, pred=j >= STAGES)
+        mbarrier.expect(k_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(KD, [b, hkv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase, pred=j >= STAGES)
+        mbarrier.expect(v_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(VD, [b, hkv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
+def _attn_fwd_hopper_ws(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
+                        IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_fwd_hopper`` with FA3's partitions: the default partition (4 warps) and a 4-warp
+    worker are the two consumer warpgroups (64 query rows each, 240 registers asked), a 1-warp
+    worker the TMA loader (24). Q and O descriptors have 64-row blocks."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = QD.dtype
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    pid = gl.program_id(0)
+    mblk = n_m - 1 - pid % n_m
+    bh = pid // n_m
+    b = bh // Hq
+    h = bh % Hq
+    hkv = h // GROUP
+    m0 = mblk * BLOCK_M
+    off = Lk - Lq
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, m0 + BLOCK_M + off)
+        full = gl.maximum(gl.minimum(Lk, m0 + off + 1), 0)
+        cdiag = off
+    else:
+        hi = Lk
+        full = Lk
+        cdiag = Lk
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    n_full = full // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2] + QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2] + OD.block_type.shape, OD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
+                        v_empty, OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
+        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
+                        v_empty, OD, LSE, b, h, m0 + HALF_M, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
+        (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv, m0,
+                      n_blocks)),
+    ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+
+def _layout(rows: int, d: int, dtype):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], dtype)
+
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def supports(q, *, arch: int, dropout_p: float, key_padding_mask, window, varlen, softcap, sinks, alibi, bias,
+             mask, aligned: bool) -> bool:
+    """Whether this kernel takes the call (``launchers.forward``'s arguments; the rest run
+    ``forward.py``): sm_90, 16-bit, D in :data:`HEAD_DIMS`, causal or not (+ GQA), TMA-able
+    layouts (``aligned``), no other feature."""
+    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in HEAD_DIMS and aligned and dropout_p == 0.0
+            and key_padding_mask is None and tuple(window) == (-1, -1) and varlen is None and not softcap
+            and sinks is None and alibi is None and bias is None and mask is None)
+
+
+def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
+    """Writes ``out`` and ``lse`` (as ``launchers.forward``) for a call :func:`supports` took:
+    ``strides`` are the launchers' ``_strides`` of q, k, v and out."""
+    B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
+    key = (D, WS, bool(causal), _bucket(Lq), _bucket(Lk))
+    cfg = _CACHE.get(key, _CANDIDATES[D, WS], lambda c: _launch(c, launch))
+    _launch(cfg, launch)
+
+
+def _launch(cfg, launch) -> None:
+    q, k, v, out, lse, causal, qk_scale, strides = launch
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    block_n, ws = cfg["BLOCK_N"], cfg["WS"]
+    q_rows = BLOCK_M // 2 if ws else BLOCK_M  # the WS kernel's consumers load and store 64 rows each
+    gdt = _GL_DTYPES[q.dtype]
+    descs = []
+    for t, s, rows in ((q, strides[0], q_rows), (k, strides[1], block_n), (v, strides[2], block_n),
+                       (out, strides[3], q_rows)):
+        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, D], _layout(rows, D, gdt)))
+    grid = (common.cdiv(Lq, BLOCK_M) * B * Hq,)
+    common.count_launch("attention_fwd_hopper")
+    if common.STUB_LAUNCHES:
+        return
+    kernel = _attn_fwd_hopper_ws if ws else _attn_fwd_hopper
+    kernel[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                 HEAD_D=D, STAGES=cfg["STAGES"], num_warps=cfg.num_warps)
+
+
+def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False) -> tuple:
+    """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
+    gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+    q_rows = BLOCK_M // 2 if ws else BLOCK_M
+    sig = {}
+    for name, rows in (("QD", q_rows), ("KD", block_n), ("VD", block_n), ("OD", q_rows)):
+        sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
+    sig.update(LSE="*fp32", Hq="i32", GROUP="i32", Lq="i32", Lk="i32", qk_scale="fp32")
+    constexprs = dict(IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
+                      num_warps=4 if ws else NUM_WARPS)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig, constexprs

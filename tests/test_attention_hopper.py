@@ -1,0 +1,296 @@
+"""The opt-in Gluon Hopper forward (``kernels/attention/hopper.py``, ``FUSED_BLOCK_HOPPER_ATTN=1``).
+
+On the CPU (the interpreter cannot run Gluon): which calls the launcher hands to it (only with
+the switch, only on sm_90, only the cases it supports; everything else runs the Triton
+forward), and that the interpreter keeps its own path with the switch on. On an sm_90 GPU:
+the Gluon kernel's output and LSE against the float64 reference with PyTorch's own error as
+the baseline (``numerics.assert_close``'s 2x rule), and gradients through the regular
+backward from its LSE; those tests are skipped (never passed) elsewhere.
+"""
+import pytest
+import torch
+
+from fused_block import reference
+from fused_block.attention import attention
+from fused_block.kernels import common
+from fused_block.kernels.attention import hopper, launchers
+from gemm_testing import baseline_mode
+from numerics import ATOL, assert_close, randn
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device, grad=False):
+    return (randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=grad),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad))
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch (CPU): the launcher's choice, with the architecture faked and both kernels recorded
+# ---------------------------------------------------------------------------------------------
+
+def _route(monkeypatch, arch=90, enabled=True):
+    """Fake ``arch`` and the switch; record which forward ``launchers.forward`` launches (neither
+    runs: the outputs keep their poison, unchecked here)."""
+    taken = []
+    monkeypatch.setattr(hopper, "ENABLED", enabled)
+    monkeypatch.setattr(common, "arch", lambda device: arch)
+    monkeypatch.setattr(common, "TUNE", False)  # no candidate timing (on a GPU machine too)
+    monkeypatch.setattr(hopper, "forward", lambda *a, **k: taken.append("hopper"))
+    monkeypatch.setattr(launchers, "_fwd_launch", lambda cfg, launch: taken.append("triton"))
+    return taken
+
+
+def _call(q, k, v, causal=False, **features):
+    B, Hq, Lq, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32)
+    seed = torch.zeros(1, dtype=torch.int64)
+    kw = dict(key_padding_mask=None, dropout_p=0.0)
+    kw.update(features)
+    launchers.forward(q, k, v, out, lse, kw.pop("key_padding_mask"), seed, causal, D ** -0.5, kw.pop("dropout_p"),
+                      **kw)
+
+
+# Lq = 40 > DECODE_MAX_LQ: never the split-KV decoding path.
+_B, _H, _L = 1, 2, 40
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["wg2", "wspec"])
+@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_supported_calls_take_the_gluon_forward(D, dtype, causal, ws, monkeypatch):
+    taken = _route(monkeypatch)
+    monkeypatch.setattr(hopper, "WS", ws)
+    _call(*_qkv(_B, 4, 2, _L, _L + 7, D, dtype, "cpu"), causal)  # GQA 2:1, cross lengths
+    assert taken == ["hopper"]
+
+
+@pytest.mark.parametrize("arch,enabled", [(90, False), (80, True)], ids=["switch-off", "sm80"])
+def test_the_switch_and_sm90_are_required(arch, enabled, monkeypatch):
+    taken = _route(monkeypatch, arch=arch, enabled=enabled)
+    _call(*_qkv(_B, _H, _H, _L, _L, 64, torch.bfloat16, "cpu"), True)
+    assert taken == ["triton"]
+
+
+def _unsupported():
+    """(name, tensors, features) of calls the Gluon forward does not take."""
+    bf = torch.bfloat16
+    qkv = _qkv(_B, _H, _H, _L, _L, 64, bf, "cpu")
+    q, k, v = qkv
+    pad = torch.zeros(_B, _L, dtype=torch.bool)
+    # A head dim whose rows are 16-byte aligned but not 64/128, fp32, and a row stride that
+    # TMA cannot take (an odd number of elements: 2-byte misaligned rows).
+    odd = torch.randn(_B, _H, _L, 65, dtype=torch.float32).to(bf)[..., :64]
+    return [
+        ("d80", _qkv(_B, _H, _H, _L, _L, 80, bf, "cpu"), {}),
+        ("d256", _qkv(_B, _H, _H, _L, _L, 256, bf, "cpu"), {}),
+        ("fp32", _qkv(_B, _H, _H, _L, _L, 64, torch.float32, "cpu"), {}),
+        ("dropout", qkv, dict(dropout_p=0.1)),
+        ("padding", qkv, dict(key_padding_mask=pad)),
+        ("window", qkv, dict(window=(8, 0))),
+        ("softcap", qkv, dict(softcap=30.0)),
+        ("sinks", qkv, dict(sinks=torch.zeros(_H))),
+        ("alibi", qkv, dict(alibi=torch.ones(_H))),
+        ("bias", qkv, dict(bias=torch.zeros(_L, _L, dtype=bf))),
+        ("mask", qkv, dict(mask=torch.ones(_L, _L, dtype=torch.bool))),
+        ("unaligned", (odd, k, v), {}),
+    ]
+
+
+@pytest.mark.parametrize("name,tensors,features", _unsupported(), ids=[c[0] for c in _unsupported()])
+def test_unsupported_calls_take_the_triton_forward(name, tensors, features, monkeypatch):
+    taken = _route(monkeypatch)
+    _call(*tensors, True, **features)
+    assert taken == ["triton"], name
+
+
+def test_supports_names_every_feature():
+    q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
+    base = dict(arch=90, dropout_p=0.0, key_padding_mask=None, window=(-1, -1), varlen=None, softcap=0.0, sinks=None,
+                alibi=None, bias=None, mask=None, aligned=True)
+    assert hopper.supports(q, **base)
+    changes = dict(arch=80, dropout_p=0.5, key_padding_mask=q, window=(4, -1), varlen=(q, q, 1, 1), softcap=5.0,
+                   sinks=q, alibi=q, bias=q, mask=q, aligned=False)
+    for name, value in changes.items():
+        assert not hopper.supports(q, **{**base, name: value}), name
+
+
+def test_interpreter_keeps_the_triton_forward(device, launches, monkeypatch):
+    """With the switch on, the interpreter (and any non-sm_90 device) runs the Triton forward:
+    same results as the reference, no Gluon launch."""
+    if SM90:
+        pytest.skip("sm_90 takes the Gluon forward: tested below")
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    q, k, v = _qkv(1, 2, 2, 33, 50, 64, torch.bfloat16, device)
+    out, lse = attention(q, k, v, True, return_lse=True)
+    _check(q, k, v, True, out, lse)
+    assert launches["attention_fwd"] == 1 and launches["attention_fwd_hopper"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics (sm_90 only)
+# ---------------------------------------------------------------------------------------------
+
+def _check(q, k, v, causal, out, lse, grads=None):
+    """``out``/``lse`` (and ``grads``, the kernels' dq, dk, dv for ``dout``) against the float64
+    reference, PyTorch's error in q's dtype the baseline."""
+    dtype = q.dtype
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref64, lse64 = reference.attention(*leaves64, causal, return_lse=True)
+    leaves_lp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with baseline_mode(dtype, "ieee"):
+        base, base_lse = reference.attention(*leaves_lp, causal, compute_dtype=dtype, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close("out", out, ref64, base)
+    assert_close("lse", lse, lse64, base_lse, atol=ATOL[dtype])
+    if grads is not None:
+        got, dout = grads
+        want64 = torch.autograd.grad(ref64, leaves64, dout.double())
+        with baseline_mode(dtype, "ieee"):
+            want_lp = torch.autograd.grad(base, leaves_lp, dout)
+        for name, g, g64, gb in zip(("dq", "dk", "dv"), got, want64, want_lp):
+            assert_close(name, g, g64, gb)
+
+
+# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_M is 128, BLOCK_N 128 or 64 (the candidates).
+GPU_CASES = [
+    # Whole blocks; causal diagonal blocks and blocks skipped above them.
+    pytest.param(2, 4, 4, 256, 256, id="256"),
+    # 1000: partial last query and key blocks (rows past L zero-read, clipped on store); GQA 4:1.
+    pytest.param(1, 8, 2, 1000, 1000, id="1000-gqa"),
+    # Lq < Lk: bottom-right causal offset 577, not a block multiple; the K/V ring wraps many times.
+    pytest.param(1, 2, 1, 300, 877, id="cross-300x877-mqa"),
+    # Lq > Lk: under causal the first 330 queries see no key (output 0, LSE -inf).
+    pytest.param(1, 2, 2, 400, 70, id="cross-400x70"),
+]
+
+gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only")
+# Both kernels. The warp-specialized one's cases are heavy (deselected unless FUSED_BLOCK_HEAVY=1
+# or -m heavy) and have "wspec" in their ids: a deadlock there (it has never run) must not hang
+# the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``).
+_WS = pytest.param(True, id="wspec", marks=pytest.mark.heavy)
+VARIANTS = [pytest.param(False, id="wg2"), _WS]
+
+
+@gpu
+@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_forward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", ws)
+    # Gradients (the Triton backward from the Gluon output and LSE) in bf16: the backward's
+    # own dtypes are its tests'; here they check what the backward reads of the forward.
+    grad = dtype == torch.bfloat16
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, "cuda", grad=grad)
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1 and launches["attention_fwd"] == 0
+    grads = None
+    if grad:
+        dout = randn(*out.shape, dtype=dtype, device="cuda")
+        grads = (torch.autograd.grad(out, (q, k, v), dout), dout)
+    _check(q, k, v, causal, out, lse, grads)
+
+
+@gpu
+@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
+    """Views of one (B, L, 3 H, D) projection (SDPA's transposed layout): the descriptors take
+    the strides, no copy; the output written into a (B, L, H, D) buffer's view."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", ws)
+    B, L, H = 2, 333, 4
+    qkv = randn(B, L, 3 * H, D, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.transpose(1, 2) for t in qkv.split(H, dim=2))
+    out, lse = attention(q, k, v, True, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1
+    _check(q, k, v, True, out, lse)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ws,D,cand", [
+    pytest.param(ws, d, i, id=f"{'wspec' if ws else 'wg2'}-D{d}-{i}", marks=[pytest.mark.heavy] if ws else [])
+    for ws in (False, True) for d, c in (hopper.WS_CONFIGS if ws else hopper.CONFIGS).items()
+    for i in range(len(c))])
+def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, monkeypatch):
+    """Each tile/ring-depth candidate the launcher may time and keep (1000 x 1000: ragged
+    blocks, the ring wrapping many times; GQA 2:1)."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", ws)
+    monkeypatch.setattr(hopper, "_CANDIDATES", {(D, ws): [hopper._CANDIDATES[D, ws][cand]]})
+    monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
+    q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1
+    _check(q, k, v, causal, out, lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch path (CPU, through the fake CUDA driver): what runs is what the compile check built
+# ---------------------------------------------------------------------------------------------
+
+_LAUNCH_SCRIPT = """
+import json, sys, torch
+import fused_block
+from fused_block import _backend
+from fused_block.kernels import common, fake_driver
+from fused_block.kernels.attention import hopper
+
+common.TUNE = False  # the first candidate of each (nothing to time on)
+out = []
+with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
+        _backend.host_only(stub=False):
+    hopper.ENABLED = True
+    for ws in (False, True):
+        hopper.WS = ws
+        for D in hopper.HEAD_DIMS:
+            for causal in (False, True):
+                fake.launches.clear()
+                # GQA 4:2, Lq 300 (3 query blocks), cross lengths; a strided q (a packed projection).
+                qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
+                q = qkv[:, :, :4].transpose(1, 2)
+                k = torch.randn(1, 2, 333, D, dtype=torch.bfloat16)
+                v = torch.randn(1, 2, 333, D, dtype=torch.bfloat16)
+                fused_block.attention(q, k, v, causal=causal)
+                (rec,) = fake.launches
+                src = rec.compiled.src
+                out.append(dict(ws=ws, D=D, causal=causal, name=rec.compiled.name, grid=list(rec.grid),
+                                signature=src.signature,
+                                constants={src.fn.arg_names[i[0]]: getattr(v, "value", v)
+                                           for i, v in src.constants.items()},
+                                num_warps=rec.compiled.options["num_warps"]))
+json.dump(out, sys.stdout)
+"""
+
+
+def test_gluon_launches_match_the_compiled_specs():
+    """Both Gluon forwards launched through Triton's own launch path on CPU tensors (the fake
+    driver checks every argument against the specialization): one launch each, the grid of
+    3 query blocks x 4 heads, and exactly the signature and constexprs the compile check
+    builds (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
+    import json
+    import pathlib
+
+    from fused_block.kernels import fake_driver
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = json.loads(proc.stdout)
+    assert len(launches) == 8
+    for rec in launches:
+        ws, D, causal = rec["ws"], rec["D"], rec["causal"]
+        block_n, stages = (hopper.WS_CONFIGS if ws else hopper.CONFIGS)[D][0]
+        sig, constexprs = hopper.aot_spec_args("bf16", D, causal, block_n, stages, ws)
+        assert rec["name"] == ("_attn_fwd_hopper_ws" if ws else "_attn_fwd_hopper")
+        assert rec["grid"] == [3 * 4, 1, 1]
+        assert rec["signature"] == sig
+        assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
+        assert rec["num_warps"] == constexprs["num_warps"]
