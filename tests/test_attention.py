@@ -722,7 +722,9 @@ CLASS_FEATURES = {"plain": {}, "band": {"window": (100, -1)}}
 
 
 def _shipped_configs():
-    """(kernel, class key, index, path) of every config this GPU's tables can launch."""
+    """(kernel, class key, index, path) of every config this GPU's tables can launch: the
+    warp-specialized forwards only with FUSED_BLOCK_WS=1 (opt-in: on the first H200 run the one
+    at D64 gave NaN in the last rows of this test's case, L = 300 with causality and padding)."""
     if not ON_CUDA:
         return []
     arch = common.arch(torch.device("cuda"))
@@ -730,6 +732,8 @@ def _shipped_configs():
     for kname, tables in (("fwd", configs.FWD_CONFIGS), ("bwd", configs.BWD_CONFIGS)):
         for key, cfgs in tables[arch].items():
             for i in range(len(cfgs)):
+                if cfgs[i].meta().get("WS") and not common.WARP_SPECIALIZE:
+                    continue
                 tma_paths = ("tma", "pointer") if i == 0 else ("tma",)
                 for path in tma_paths if arch == 90 and key[1] != "ieee" else ("pointer",):
                     out.append(pytest.param(kname, key, i, path, id=f"{kname}-D{key[0]}-{key[1]}"
