@@ -197,6 +197,10 @@ def pytest_collection_modifyitems(config, items):
         items[:] = breadth_first(items, chosen)
     if FIRST:
         items[:] = first_listed(items, read_node_ids(FIRST))
+    if ONLY:
+        listed = set(read_node_ids(ONLY))
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in listed])
+        items[:] = [item for item in items if item.nodeid in listed]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +216,9 @@ def pytest_collection_modifyitems(config, items):
 # it with the JUnit file, so a test that never ran is named, not just missing.
 FIRST = os.environ.get("FUSED_BLOCK_FIRST")
 COLLECTED = os.environ.get("FUSED_BLOCK_COLLECTED")
+# FUSED_BLOCK_ONLY names such a file too: only its tests run (the others are deselected; an id
+# that names no test is passed over, where pytest would stop on it as an argument).
+ONLY = os.environ.get("FUSED_BLOCK_ONLY")
 
 
 def pytest_collection_finish(session):

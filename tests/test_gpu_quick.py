@@ -149,6 +149,19 @@ def test_first_listed_tests_run_first_and_the_run_writes_its_tests(tmp_path):
         "test_breadth_first_runs_every_function_once_before_any_twice", "test_a_deadline_run_collects_breadth_first"]
 
 
+def test_only_listed_tests_run(tmp_path):
+    """FUSED_BLOCK_ONLY: the listed ids alone (an id naming no test passed over, where pytest
+    would stop on it as an argument: the GPU scripts' list holds ids of the GPU's parameters)."""
+    only = tmp_path / "only.txt"
+    only.write_text("# a comment\ntests/test_rope.py::test_no_such_test\n"
+                    "tests/test_gpu_quick.py::test_selection_rule\n")
+    env = dict(os.environ, FUSED_BLOCK_ONLY=str(only))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu_quick.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [line for line in proc.stdout.splitlines() if "::" in line] == ["tests/test_gpu_quick.py::test_selection_rule"]
+
+
 def test_a_deadline_run_collects_breadth_first():
     env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() + 3600))
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
