@@ -7,6 +7,8 @@ non-ignored tokens, 1/16 of them ignored). Providers:
   products on cuBLAS, the softmax/loss/gradient pass in Triton; at LLaMA-3's head below 32K
   tokens its vocabulary-outer schedule (4 GEMMs, no fp32 (V, H) dW accumulator), at GPT-2's
   from 8K tokens the token-chunk loop (3 GEMMs);
+- ``fused_block rows``: the same op with the token-chunk loop forced (3 GEMMs and an fp32
+  (V, H) dW accumulator: the speed the vocabulary-outer schedule trades for memory);
 - ``eager``: ``F.linear`` then ``F.cross_entropy`` on the logits upcast to fp32, as Hugging
   Face's ``ForCausalLMLoss`` computes it;
 - ``torch.compile`` of the eager function (``max-autotune`` in the full run, the default mode
@@ -79,7 +81,19 @@ def _torch_chunked():
     return fn
 
 
-IMPLS = {"fused_block": lambda: _ours, "eager": lambda: _eager,
+def _ours_rows():
+    from fused_block.kernels import loss as kloss
+
+    def fn(hidden, weight, target):
+        before, kloss.FORCE_SCHEDULE = kloss.FORCE_SCHEDULE, "rows"
+        try:
+            return _ours(hidden, weight, target)
+        finally:
+            kloss.FORCE_SCHEDULE = before
+    return fn
+
+
+IMPLS = {"fused_block": lambda: _ours, "fused_block rows": _ours_rows, "eager": lambda: _eager,
          "torch.compile": lambda: harness.compiled(_eager, mode="max-autotune"), "liger": _liger,
          "torch.linear_cross_entropy": _torch_chunked}
 
