@@ -96,8 +96,7 @@ def chunk_rows(n: int, v: int, h: int, elem: int) -> int:
     the hidden dtype is at most CHUNK_BUDGET_BYTES and 1/MAX_LOGITS_FRACTION of the fp32
     (n, v) logits: about n / 4 rows for 16-bit inputs, n / 8 for fp32. The cap holds from
     SMALL_N tokens up; below, where the logits are small anyway, chunks keep MIN_CHUNK_ROWS
-    rows. A multiple of 64 (whole K
-    steps of a GEMM's K loop in the dW product) from 128 rows up.
+    rows. A multiple of 64 (whole tiles of the GEMMs' M and K) from 128 rows up.
     """
     if FORCE_CHUNK_ROWS is not None:
         return max(1, min(n, FORCE_CHUNK_ROWS))
