@@ -12,9 +12,13 @@ no parametrization the fused path cannot read through. A layer describes what it
 
 Cost: the verdict is cached per layer and recomputed only after something that could change it:
 
-- any module, parameter or buffer registered or assigned anywhere (torch's global registration
-  hooks; PEFT, quantization libraries, ``parametrize`` and plain ``layer.linear1 = ...`` all
-  go through them) bumps a global epoch;
+- a module, parameter or buffer registered or assigned on a guarded layer or on any module
+  under it (torch's global registration hooks; PEFT, quantization libraries, ``parametrize``
+  and plain ``layer.linear1 = ...`` all go through them) bumps a global epoch. A positive
+  verdict marks the layer's whole module tree (an instance attribute); registrations on other
+  modules cannot change a verdict and leave it alone: Hugging Face's ``self.layers[:n]``
+  builds a new ``ModuleList`` on every forward, which registers the layers on that new list,
+  not under them (and, under torch.compile, a graph that bumped the epoch would guard on it);
 - registering or removing a hook on a bypassed submodule bumps it too: a positive verdict
   gives those submodules hook dicts that bump it on change (:class:`_HookDict`); a dict that
   already holds tolerated hooks (and so may have handles) is kept and its length checked;
@@ -35,6 +39,11 @@ from torch.nn.modules import module as _module
 from torch.nn.utils import parametrize
 
 _EPOCH = 0
+# The instance attribute that marks every module in the tree of a layer with a cached positive
+# verdict (and perhaps some that have left it since, or copies: they only cost a spurious bump).
+# An attribute, not a global set of modules: a registration traced by torch.compile then reads
+# the registering module only, so no graph guards on the set of guarded modules.
+_MARK = "_fused_block_guarded"
 
 
 def _bump(*_args):
@@ -42,11 +51,21 @@ def _bump(*_args):
     _EPOCH += 1
 
 
+def _registered(module, _name, _value):
+    """torch's global registration hook: bump the epoch if ``module`` is in a guarded tree.
+
+    Traced by torch.compile too (HF's ``self.layers[:n]`` registers inside the traced
+    forward): a new module is not marked, so the graph neither bumps nor guards on the epoch;
+    a traced registration on a marked module bumps it when the graph runs."""
+    if _MARK in module.__dict__:
+        _bump()
+
+
 # torch calls these on every register_module/register_parameter/register_buffer and module,
 # parameter or buffer assignment; returning None keeps the value.
-_module.register_module_module_registration_hook(_bump)
-_module.register_module_parameter_registration_hook(_bump)
-_module.register_module_buffer_registration_hook(_bump)
+_module.register_module_module_registration_hook(_registered)
+_module.register_module_parameter_registration_hook(_registered)
+_module.register_module_buffer_registration_hook(_registered)
 
 _HOOK_DICTS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
                "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook"}
@@ -237,5 +256,7 @@ def reason(layer, describe):
 
     verdict = _Verdict(weakref.ref(layer, forget), _EPOCH, tuple((m, type(m)) for m in watched),
                        tuple(counted), live)
+    for m in layer.modules():  # registrations here may change the verdict from now on
+        m.__dict__[_MARK] = True
     _VERDICTS[key] = verdict
     return None if live is None else live()

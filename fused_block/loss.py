@@ -2,7 +2,10 @@
 
 ``loss = F.cross_entropy(softcap(hidden @ weight.T + bias), target)`` (+ ``z_loss * lse^2``
 per token), computed chunk by chunk (``fused_block.kernels.loss``): the (N, V) logits never
-exist, only one chunk of them at a time, in a buffer of at most 1/8 of their fp32 size.
+exist, only one chunk of them at a time, in a buffer of at most 1/8 of their fp32 size (and
+at most ``kernels.loss.CHUNK_BUDGET_BYTES``). The products run on cuBLAS (``torch.mm`` /
+``addmm`` into the chunk buffer and the gradients), the softmax, loss and dlogits in one
+Triton pass over each chunk's logits.
 
 Where the gradients are computed (measured in FLOPs, N tokens, vocabulary V, hidden H; memory
 in ``tests/test_loss.py``'s allocation records):
@@ -32,8 +35,9 @@ adds dlogits @ W[chunk] into an fp32 (N, H) dhidden accumulator (within the rule
 the fp32 logits. fp32 weights accumulate dW in dW itself and keep the token loop.
 
 Precision: fp32 log-sum-exp and loss; the logits and dlogits of a chunk are rounded to the
-hidden dtype (as eager ``F.linear`` and a bf16 model's gradient are); GEMMs and the dW/db sums
-accumulate in fp32 (fp32 inputs follow torch's matmul precision, as ``linear`` does).
+hidden dtype (as eager ``F.linear`` and a bf16 model's gradient are); the products and the
+dW/db sums accumulate in fp32 (cuBLAS's own; across chunks an fp32 accumulator); fp32 inputs
+follow torch's matmul precision because the products are torch's.
 Deterministic: a fixed chunk order, no atomics. The loss is fp32 whatever the input dtype.
 """
 from typing import Optional

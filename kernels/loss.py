@@ -2,9 +2,11 @@
 
 The rows (tokens) are processed in chunks of ``C`` rows (:func:`chunk_rows`); per chunk:
 
-1. ``logits = hidden[chunk] @ W.T + b`` (the library's GEMM, ``matmul.gemm``) into one
-   (C, V) buffer of the hidden dtype, reused by every chunk (its row stride padded to 16
-   bytes so the GEMMs read and write it through tensor descriptors);
+1. ``logits = hidden[chunk] @ W.T + b`` on cuBLAS (``torch.mm``/``torch.addmm`` with ``out=``:
+   the products have no epilogue worth fusing, so they run at torch's GEMM speed and
+   precision, TF32 included, by construction) into one (C, V) buffer of the hidden dtype,
+   reused by every chunk (its row stride padded to 16 elements: aligned rows for the CE
+   kernel's vector loads; cuBLAS takes the strided view as its output, no copy);
 2. ``_ce_kernel``, one program per row: an online log-sum-exp over V in ``BLOCK_V`` tiles
    (fp32; the optional softcap ``c * tanh(x / c)`` applied on load), the target logit, the mean
    logit (label smoothing) and the row's loss ``(1 - eps) (lse - y_t) + eps (lse - mean_j y_j)
@@ -13,11 +15,14 @@ The rows (tokens) are processed in chunks of ``C`` rows (:func:`chunk_rows`); pe
    - (1 - eps) onehot - eps / V) * softcap'`` in place, rounded to the buffer's dtype, ``g``
    the row's weight (1 / n_valid for a mean, 1 for a sum, the incoming per-token gradient for
    reduction "none");
-3. ``dhidden[chunk] = dlogits @ W`` (``matmul.gemm``; complete over V, written once);
-4. ``dW (+)= dlogits.T @ hidden[chunk]`` (``_acc_matmul_kernel``): fp32 accumulation across chunks in
-   a fixed order (deterministic, no atomics) in an fp32 (V, H) accumulator for 16-bit
-   weights (the output itself for fp32 ones); the last chunk adds and writes the weight's dtype
-   (a single chunk needs no accumulator);
+3. ``dhidden[chunk] = dlogits @ W`` (``torch.mm`` into dhidden's rows; complete over V,
+   written once);
+4. ``dW (+)= dlogits.T @ hidden[chunk]`` (:func:`_product`, ``torch.addmm`` in place): fp32
+   accumulation across chunks in a fixed order (deterministic, no atomics) in an fp32 (V, H)
+   accumulator for 16-bit weights (cuBLAS's ``out_dtype=torch.float32``: 16-bit operands, fp32
+   output and accumulation; the CPU, which lacks it, upcasts the chunk's operands), the output
+   itself for fp32 ones; the last chunk adds and the accumulator is rounded into the weight's
+   dtype (a single chunk needs no accumulator);
 5. ``db (+)= colsum(dlogits)`` (``_colsum_kernel``, with a bias gradient), the same way.
 
 Where that loop's fp32 (V, H) dW accumulator would break the memory rule (:func:`schedule`:
@@ -26,19 +31,25 @@ Where that loop's fp32 (V, H) dW accumulator would break the memory rule (:func:
 rows: pass 1, the chunk's logits GEMM and ``_lse_chunk_kernel`` (the online log-sum-exp state
 (m, s, smoothing sum, target logit) of each row carried across chunks in a (4, N) fp32 buffer,
 merged in vocabulary order; the last chunk writes loss and lse); pass 2, the logits GEMM again,
-``_grad_chunk_kernel`` (dlogits in place, ``_ce_kernel``'s formula), ``_acc_matmul_kernel`` writing
-dW[chunk] over all N rows once (no accumulator), ``_colsum_kernel`` db[chunk], and
-``_acc_matmul_kernel`` adding dlogits @ W[chunk] into an fp32 (N, H) accumulator (dh itself for fp32),
-the last chunk writing dh. 8 N V H FLOPs with gradients against the loop's 6 N V H.
+``_grad_chunk_kernel`` (dlogits in place, ``_ce_kernel``'s formula), then
+dW[chunk] = dlogits.T @ hidden over all N rows once (``torch.mm``, no accumulator),
+``_colsum_kernel`` db[chunk], and dlogits @ W[chunk] added into an fp32 (N, H) accumulator
+(dh itself for fp32; :func:`_product`), the last chunk writing dh. 8 N V H FLOPs with gradients
+against the loop's 6 N V H: the loop is the faster where its accumulator fits.
+
+Chunk sizes come from a memory budget: the chunk buffer at most ``CHUNK_BUDGET_BYTES`` and at
+most 1/MAX_LOGITS_FRACTION of the fp32 (N, V) logits (:func:`chunk_rows`, :func:`chunk_cols`).
+
+The products count themselves in ``common.LAUNCHES`` (``lce_logits``, ``lce_dh``, ``lce_dw``)
+like the Triton launches, so that tests see them run.
 
 Before the chunks, ``_count_kernel`` counts the non-ignored tokens (on the device: no
 synchronization), which a mean's gradient weight and the final ``_sum_kernel`` read.
 ``_scale_kernel`` multiplies gradients produced in the forward by the incoming gradient.
 
-The accumulating launches (``_acc_matmul_kernel``, ``_colsum_kernel``) and the in-place CE kernel are
-not idempotent, so each has one config per architecture and dtype class (never timed by
-``common.ConfigCache``, which times candidates by running them repeatedly); the GEMMs are the
-library's, chosen and timed as everywhere else.
+The accumulating launch (``_colsum_kernel``) and the in-place CE kernel are not idempotent,
+so each has one config (never timed by ``common.ConfigCache``, which times candidates by
+running them repeatedly).
 
 Offsets: row and vocabulary origins are int64, so more than 2^31 logits elements in all (many
 chunks) and (V, H) weights past 2^31 elements work.
@@ -48,7 +59,6 @@ import triton
 import triton.language as tl
 
 from fused_block.kernels import common
-from fused_block.kernels import matmul as _mm
 
 # Rows per chunk (see chunk_rows): the chunk buffer at most 1/MAX_LOGITS_FRACTION of the fp32
 # (N, V) logits from SMALL_N tokens up; below, MIN_CHUNK_ROWS (the GEMMs' 128-row tiles would
@@ -56,10 +66,14 @@ from fused_block.kernels import matmul as _mm
 MAX_LOGITS_FRACTION = 8
 MIN_CHUNK_ROWS = 64
 SMALL_N = 512
-# The dW kernel reads and writes the fp32 accumulator (8 bytes per weight element) once per
+# The dW product reads and writes the fp32 accumulator (8 bytes per weight element) once per
 # chunk for 2 C FLOPs per weight element: at C = 1024, 256 FLOP per byte, above H100/H200's
 # ~206 (989 TFLOP/s bf16 over 4.8 TB/s), so the accumulation stays compute-bound.
 TARGET_CHUNK_ROWS = 1024
+# The chunk buffer's size limit in bytes (both schedules): LLaMA-3's head (vocabulary 128,256)
+# in bf16 at 1,024 rows is 263 MB, within it; the vocabulary-outer schedule's (N, Vc) buffer at
+# 8,192 tokens takes Vc = 16,384 columns (8 chunks).
+CHUNK_BUDGET_BYTES = 256 << 20
 # Tests set these to force a chunk size (several chunks on interpreter-sized inputs) and a
 # schedule ("rows" or "vocab", see schedule()).
 FORCE_CHUNK_ROWS = None
@@ -79,14 +93,15 @@ def chunk_rows(n: int, v: int, h: int, elem: int) -> int:
 
     Liger-Kernel's rule (the chunk's logits about the size of the hidden states: n h / v rows)
     raised to TARGET_CHUNK_ROWS, and capped so that the chunk buffer (C, padded_stride(v)) in
-    the hidden dtype is at most 1/MAX_LOGITS_FRACTION of the fp32 (n, v) logits: about n / 4
-    rows for 16-bit inputs, n / 8 for fp32. The cap holds from SMALL_N tokens up; below, where
-    the logits are small anyway, chunks keep MIN_CHUNK_ROWS rows. A multiple of 64 (whole K
-    steps of the dW kernel) from 128 rows up.
+    the hidden dtype is at most CHUNK_BUDGET_BYTES and 1/MAX_LOGITS_FRACTION of the fp32
+    (n, v) logits: about n / 4 rows for 16-bit inputs, n / 8 for fp32. The cap holds from
+    SMALL_N tokens up; below, where the logits are small anyway, chunks keep MIN_CHUNK_ROWS
+    rows. A multiple of 64 (whole tiles of the GEMMs' M and K) from 128 rows up.
     """
     if FORCE_CHUNK_ROWS is not None:
         return max(1, min(n, FORCE_CHUNK_ROWS))
-    cap = max(1, 4 * n * v // (MAX_LOGITS_FRACTION * elem * padded_stride(v, elem)))
+    row_bytes = elem * padded_stride(v, elem)
+    cap = max(1, min(4 * n * v // (MAX_LOGITS_FRACTION * row_bytes), CHUNK_BUDGET_BYTES // row_bytes))
     if n < SMALL_N:
         cap = max(cap, MIN_CHUNK_ROWS)
     c = min(n, cap, max(TARGET_CHUNK_ROWS, common.cdiv(n * h, max(v, 1))))
@@ -96,11 +111,11 @@ def chunk_rows(n: int, v: int, h: int, elem: int) -> int:
 def chunk_cols(n: int, v: int, elem: int) -> int:
     """Vocabulary entries per chunk of the vocabulary-outer schedule (:func:`schedule`): the
     (n, padded_stride(Vc)) chunk buffer in the hidden dtype at most 1/MAX_LOGITS_FRACTION of
-    the fp32 (n, v) logits whatever n (Vc <= v / 4 for 16-bit logits, v / 8 for fp32), a
-    multiple of 64 (whole K steps of the dhidden kernel, whole 16-byte rows) where v allows."""
+    the fp32 (n, v) logits whatever n (Vc <= v / 4 for 16-bit logits, v / 8 for fp32) and at
+    most CHUNK_BUDGET_BYTES, a multiple of 64 (whole 16-byte rows) where v allows."""
     if FORCE_CHUNK_COLS is not None:
         return max(1, min(v, FORCE_CHUNK_COLS))
-    c = 4 * v // (MAX_LOGITS_FRACTION * elem)
+    c = min(4 * v // (MAX_LOGITS_FRACTION * elem), CHUNK_BUDGET_BYTES // (max(n, 1) * elem))
     return max(1, min(v, c - c % 64 if c >= 64 else c - c % 16 if c >= 16 else c))
 
 
@@ -114,7 +129,8 @@ def schedule(n: int, v: int, h: int, elem: int, weight_fp32: bool, need_dh: bool
     the memory rule (more than 1/MAX_LOGITS_FRACTION of the fp32 (N, V) logits, i.e. N < 8 H)
     and its own extra allocations keep it: its fp32 (N, H) dhidden accumulator (4 N H bytes,
     16-bit hidden states only) within the same bound, i.e. H <= V / 8 (LLaMA-3's 4,096 <= 16,032,
-    GPT-2's 768 <= 6,282), and a weight with unit column stride (its dhidden kernel reads rows).
+    GPT-2's 768 <= 6,282), and a weight with unit column stride (its vocabulary chunks are row
+    slices).
     fp32 weights accumulate dW in dW itself (no accumulator): always "rows"."""
     if not need_dw or weight_fp32 or chunk_rows(n, v, h, elem) >= n:
         return "rows"
@@ -124,8 +140,8 @@ def schedule(n: int, v: int, h: int, elem: int, weight_fp32: bool, need_dh: bool
 
 
 def padded_stride(v: int, elem: int) -> int:
-    """The chunk buffer's row stride: v rounded up to 16 elements (16-byte aligned rows for the
-    GEMMs' tensor descriptors, and a stride Triton specializes as divisible by 16)."""
+    """The chunk buffer's row stride: v rounded up to 16 elements (aligned rows, a stride
+    Triton specializes as divisible by 16: the CE kernel's vector loads)."""
     return common.cdiv(v, 16) * 16
 
 
@@ -352,57 +368,6 @@ def _grad_chunk_kernel(
 
 
 @triton.jit
-def _acc_matmul_kernel(
-    A, B, ACC, OUT, R, K, H, lda, ldb,
-    LOAD_ACC: tl.constexpr, EVEN_K: tl.constexpr, A_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """OUT = (ACC if LOAD_ACC) + op(A) @ B on one (BLOCK_R, BLOCK_H) tile, op(A) (R, K) and B
-    (K, H) (row stride ldb); ACC fp32 (R, H), OUT (R, H) in its own dtype, both contiguous;
-    ACC and OUT may be the same tensor (each element is read, then written, by one program).
-    fp32 accumulation; only K is masked: the tile's rows past R and columns past H wrap around
-    to valid ones and are not stored.
-
-    - ``A_T`` (dW = dlogits.T @ hidden): A (K, R) a chunk's dlogits (row stride lda, R = V the
-      vocabulary), op(A) = A.T. The rows past V wrap within lda (the chunk buffer's padding
-      columns, 16-aligned): the A tile is loaded V-major with cp.async and read by wgmma from
-      shared memory as it is.
-    - else (the vocabulary-outer schedule's dh = dlogits @ W[chunk]): A (R, K) a vocabulary
-      chunk's dlogits (row stride lda, R = N the rows), B that chunk's weight rows."""
-    pid_r = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    r0 = pid_r * BLOCK_R
-    h0 = pid_h * BLOCK_H
-    rr = tl.arange(0, BLOCK_R)
-    rh = tl.arange(0, BLOCK_H)
-    rk = tl.arange(0, BLOCK_K)
-    if A_T:
-        a_ptrs = A + r0 + ((rr % (lda - r0))[:, None] + rk[None, :] * lda)  # (BLOCK_R, BLOCK_K), R-major
-        a_step = BLOCK_K * lda
-    else:
-        a_ptrs = A + r0.to(tl.int64) * lda + ((rr % (R - r0))[:, None] * lda + rk[None, :])  # (BLOCK_R, BLOCK_K)
-        a_step = BLOCK_K
-    b_ptrs = B + h0 + (rk[:, None] * ldb + (rh % (H - h0))[None, :])  # (BLOCK_K, BLOCK_H)
-    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
-        a_ptrs += a_step
-        b_ptrs += BLOCK_K * ldb
-    mask = (rr < R - r0)[:, None] & (rh < H - h0)[None, :]
-    offs = (r0.to(tl.int64) + rr)[:, None] * H + (h0 + rh)[None, :]
-    if LOAD_ACC:
-        acc += tl.load(ACC + offs, mask=mask, other=0.0)
-    tl.store(OUT + offs, common.cast(acc, OUT.dtype.element_ty, INTERPRET), mask=mask)
-
-
-@triton.jit
 def _colsum_kernel(A, ACC, OUT, K, V, lda, LOAD_ACC: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr):
     """OUT[v] = (ACC[v] if LOAD_ACC) + sum_k A[k, v] for A (K, V) (row stride lda), rows in a
@@ -469,28 +434,10 @@ def _scale_kernel(G, X1, Y1, n1, X2, Y2, n2, X3, Y3, n3, BLOCK: tl.constexpr, IN
 
 
 # ---------------------------------------------------------------------------------------------
-# configs: one per architecture and dtype class (the accumulating launches are never timed)
+# configs: one per vocabulary width (the in-place and accumulating launches are never timed)
 # ---------------------------------------------------------------------------------------------
 
-# _acc_matmul_kernel (BLOCK_R, BLOCK_H, BLOCK_K, warps, stages): matmul.py's sm_90/sm_80 128x128 tiles
-# for 16-bit and TF32 operands (64 fp32 accumulator registers per thread beside the loaded
-# accumulator tile of the epilogue), its 64x64x16 / 8-warp IEEE tile.
-DW_CONFIGS = {
-    (90, "16"): (128, 128, 64, 8, 3), (90, "tf32"): (128, 128, 32, 8, 3), (90, "ieee"): (64, 64, 16, 8, 2),
-    (80, "16"): (128, 128, 64, 8, 3), (80, "tf32"): (128, 128, 32, 8, 3), (80, "ieee"): (64, 64, 16, 8, 2),
-}
-# The interpreter's cost is per program and per op: one program covers the tests' shapes.
-INTERPRETER_DW_CONFIG = (128, 64, 64, 4, 1)
 _ELEMENTWISE = common.Config.of(num_warps=4)
-
-
-def _kind(dtype, precision):
-    return precision if dtype == torch.float32 else "16"
-
-
-def _acc_config(arch, dtype, precision):
-    br, bh, bk, warps, stages = INTERPRETER_DW_CONFIG if arch == 0 else DW_CONFIGS[(arch, _kind(dtype, precision))]
-    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk)
 
 
 def ce_config(v: int) -> common.Config:
@@ -538,29 +485,57 @@ def ce_rows(logits, target, loss, lse, *, ignore_index, smoothing, z_loss, softc
                        INTERPRET=common.arch(logits.device) == 0), cfg)
 
 
-def _acc_matmul(name, a, b, acc, out, load_acc, a_t):
-    """``_acc_matmul_kernel`` on a (K, R) (``a_t``) or (R, K) and b (K, H), unit column strides."""
-    R, K = (a.shape[1], a.shape[0]) if a_t else a.shape
-    H = b.shape[1]
-    arch = common.arch(a.device)
-    precision = common.fp32_precision() if a.dtype == torch.float32 else "tf32"
-    cfg = _acc_config(arch, a.dtype, precision)
-    grid = (common.cdiv(R, cfg["BLOCK_R"]), common.cdiv(H, cfg["BLOCK_H"]))
-    common.launch(name, _acc_matmul_kernel, grid, (a, b, acc, out, R, K, H, a.stride(0), b.stride(0)),
-                  dict(LOAD_ACC=load_acc, EVEN_K=K % cfg["BLOCK_K"] == 0, A_T=a_t, PRECISION=precision,
-                       INTERPRET=arch == 0), cfg)
+def logits_product(h, weight, bias, out):
+    """out = h @ weight.T (+ bias) on cuBLAS into the chunk buffer's view ``out`` (row stride
+    padded, unit column stride: cuBLAS writes it in place), torch's precision for fp32."""
+    common.count_launch("lce_logits")
+    if bias is None:
+        torch.mm(h, weight.t(), out=out)
+    else:
+        torch.addmm(bias, h, weight.t(), out=out)
+
+
+def _addmm_fp32(acc, a, b, beta):
+    """acc (fp32) = beta * acc + a @ b in place for 16-bit a, b: cuBLAS with fp32 output and
+    accumulation (``out_dtype``). The CPU has no such product: it upcasts b and a half of a's
+    rows at a time (temporaries no larger than a itself, so within the memory rule)."""
+    if acc.device.type != "cpu":
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+        return
+    b32 = b.float()
+    step = max(1, common.cdiv(a.shape[0], 2))
+    for r0 in range(0, a.shape[0], step):
+        acc[r0:r0 + step].addmm_(a[r0:r0 + step].float(), b32, beta=beta)
+
+
+def _product(name, a, b, acc, out, load_acc):
+    """out = (acc if load_acc) + a @ b, fp32-accumulated across calls: a (R, K), b (K, H) views
+    with a unit stride; acc fp32 (R, H) (the output itself for fp32 operands, or when one call
+    is all there is) and out (R, H) contiguous, possibly the same tensor. A 16-bit out that is
+    not acc is the last call: acc is completed, then rounded into out once."""
+    common.count_launch(name)
+    beta = 1 if load_acc else 0
+    if acc.dtype == a.dtype:
+        if load_acc:
+            torch.addmm(acc, a, b, out=out)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    _addmm_fp32(acc, a, b, beta)
+    if out is not acc:
+        out.copy_(acc)
 
 
 def dw_accumulate(dlogits, hidden, acc, out, load_acc):
     """out = (acc if load_acc) + dlogits.T @ hidden: dlogits (K, V) and hidden (K, H) with unit
-    column strides; acc fp32 and out (V, H) contiguous (possibly the same tensor)."""
-    _acc_matmul("lce_dw", dlogits, hidden, acc, out, load_acc, True)
+    column strides; acc fp32 (or out) and out (V, H) contiguous (possibly the same tensor)."""
+    _product("lce_dw", dlogits.t(), hidden, acc, out, load_acc)
 
 
 def dh_accumulate(dlogits, w_chunk, acc, out, load_acc):
     """out = (acc if load_acc) + dlogits @ w_chunk: dlogits (M, K) and w_chunk (K, H) with unit
-    column strides; acc fp32 and out (M, H) contiguous (possibly the same tensor)."""
-    _acc_matmul("lce_dh", dlogits, w_chunk, acc, out, load_acc, False)
+    column strides; acc fp32 (or out) and out (M, H) contiguous (possibly the same tensor)."""
+    _product("lce_dh", dlogits, w_chunk, acc, out, load_acc)
 
 
 def lse_chunk(logits, target, state, loss, lse, v0, V, *, ignore_index, smoothing, z_loss, softcap, first,
@@ -652,7 +627,7 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
         r1 = min(N, r0 + C)
         logits = buf[:r1 - r0, :V]
         h = hidden[r0:r1]
-        _mm.gemm(h, weight, logits, bias=bias, transpose_b=True)
+        logits_product(h, weight, bias, logits)
         rows_scale = scale_t[r0:r1] if scale_mode == SCALE_ROW else scale_t
         if lse_known:
             grad_chunk(logits, target[r0:r1], lse[r0:r1], 0, V, ignore_index=ignore_index, smoothing=smoothing,
@@ -663,7 +638,7 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
                     scale_t=rows_scale, scale=scale_value)
         last = i == chunks - 1
         if need_dh:
-            _mm.gemm(logits, weight, dh[r0:r1])
+            dh_accumulate(logits, weight, dh[r0:r1], dh[r0:r1], False)
         if need_dw:
             dw_accumulate(logits, h, dw_acc, dw if last else dw_acc, i > 0)
         if need_db:
@@ -677,9 +652,9 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
     chunks (the chunk's logits GEMM, then ``_lse_chunk_kernel`` merging each row's online
     log-sum-exp state, in vocabulary order) gives every row's loss and lse; with gradients,
     pass 2 per chunk recomputes the logits, overwrites them with dlogits
-    (``_grad_chunk_kernel``), writes dW[chunk] = dlogits.T @ hidden (``_acc_matmul_kernel`` over all N
+    (``_grad_chunk_kernel``), writes dW[chunk] = dlogits.T @ hidden (cuBLAS over all N
     rows, once, in the weight's dtype: no accumulator), db[chunk] = colsum(dlogits), and
-    accumulates dh += dlogits @ W[chunk] (``_acc_matmul_kernel``) in fp32 (an (N, H) accumulator for
+    accumulates dh += dlogits @ W[chunk] (:func:`_product`) in fp32 (an (N, H) accumulator for
     16-bit hidden states, dh itself for fp32), the last chunk writing dh."""
     N, H = hidden.shape
     V = weight.shape[0]
@@ -694,7 +669,7 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
         state = common.empty((4, N), torch.float32, dev) if chunks > 1 else None
         for i, (c0, c1) in enumerate(bounds):
             logits = buf[:, :c1 - c0]
-            _mm.gemm(hidden, weight[c0:c1], logits, bias=bias[c0:c1] if bias is not None else None, transpose_b=True)
+            logits_product(hidden, weight[c0:c1], bias[c0:c1] if bias is not None else None, logits)
             lse_chunk(logits, target, state, loss_rows, lse, c0, V, first=i == 0, last=i == chunks - 1, **opts)
     if not grad:
         return
@@ -703,7 +678,7 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
     for i, (c0, c1) in enumerate(bounds):
         logits = buf[:, :c1 - c0]
         w = weight[c0:c1]
-        _mm.gemm(hidden, w, logits, bias=bias[c0:c1] if bias is not None else None, transpose_b=True)
+        logits_product(hidden, w, bias[c0:c1] if bias is not None else None, logits)
         grad_chunk(logits, target, lse, c0, V, scale_mode=scale_mode, scale_t=scale_t, scale=scale_value, **opts)
         if dw is not None:
             dw_accumulate(logits, hidden, dw[c0:c1], dw[c0:c1], False)
@@ -727,9 +702,8 @@ _CE_FLAGS = (  # (HAS_SOFTCAP, HAS_SMOOTHING, GRAD, SCALE_MODE): the heaviest gr
 
 def aot_specs():
     """Every shipped config: the CE kernel at both vocabulary tiles with the flag combinations
-    above (bf16 and fp32 logits); the dW kernel at its config for each architecture and dtype
-    class, first/middle/last chunk (LOAD_ACC and the output dtype) with K masked and whole
-    (EVEN_K); the bias column sums and the small reductions."""
+    above (bf16 and fp32 logits); the vocabulary-outer schedule's row kernels; the bias column
+    sums and the small reductions (the products are cuBLAS's)."""
     from fused_block.kernels import aot
 
     specs = []
@@ -774,25 +748,6 @@ def aot_specs():
                 tag = f"{xt} BLOCK_V={cfg['BLOCK_V']}{' softcap' if soft else ''} scale={mode}"
                 specs.append(aot.KernelSpec(f"lce_grad[{tag}]", _grad_chunk_kernel, sig, consts,
                                             num_warps=cfg.num_warps, aligned=("ld",)))
-    for (arch, kind), (br, bh, bk, warps, stages) in DW_CONFIGS.items():
-        io = "bf16" if kind == "16" else "fp32"
-        outs = ("fp32", "bf16") if kind == "16" else ("fp32",)
-        # dW: from zero or accumulating, into fp32 or the weight's dtype; dh (the vocabulary-outer
-        # schedule): from zero into the fp32 accumulator, accumulating into it or into dh.
-        dh_stores = list(dict.fromkeys([(False, "fp32"), (True, "fp32"), (True, outs[-1])]))
-        for name, a_t, stores in (("lce_dw", True, [(acc, out) for acc in (False, True) for out in outs]),
-                                  ("lce_dh", False, dh_stores)):
-            for load_acc, out in stores:
-                for even_k in (False, True):
-                    sig = {"A": f"*{io}", "B": f"*{io}", "ACC": "*fp32", "OUT": f"*{out}", "R": "i32", "K": "i32",
-                           "H": "i32", "lda": "i32", "ldb": "i32"}
-                    consts = dict(LOAD_ACC=load_acc, EVEN_K=even_k, A_T=a_t, BLOCK_R=br, BLOCK_H=bh, BLOCK_K=bk,
-                                  PRECISION="ieee" if kind == "ieee" else "tf32", INTERPRET=False)
-                    sig.update({k: "constexpr" for k in consts})
-                    tag = f"{kind} {br}x{bh}x{bk} {'acc+' if load_acc else ''}->{out}{' even_k' if even_k else ''}"
-                    specs.append(aot.KernelSpec(f"{name}[{tag}]", _acc_matmul_kernel, sig, consts, num_warps=warps,
-                                                num_stages=stages, aligned=("H", "lda", "ldb"), wgmma=kind != "ieee",
-                                                archs=(arch,)))
     for load_acc in (False, True):
         sig = {"A": "*bf16", "ACC": "*fp32", "OUT": "*bf16", "K": "i32", "V": "i32", "lda": "i32"}
         consts = dict(LOAD_ACC=load_acc, BLOCK_K=COLSUM_BLOCK[0], BLOCK_V=COLSUM_BLOCK[1], INTERPRET=False)

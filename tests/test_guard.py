@@ -364,3 +364,113 @@ def test_parametrized_weights_are_read_through(device, launches):
                 lambda m: m.self_attn.parametrizations.in_proj_weight,
                 lambda m: m.self_attn.out_proj.parametrizations.weight):
         torch.testing.assert_close(get(fused).original.grad, get(ref).original.grad, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# The guard costs no compiled graph and no recomputed verdict (issue 29, item 5)
+# ---------------------------------------------------------------------------------------------
+
+class _Graphs:
+    """A torch.compile backend that counts the graphs dynamo hands it (each compile or
+    recompile); it runs them as traced. A function, not a CompileCounter instance: transformers
+    deep-copies its CompileConfig, and a copied counter would count elsewhere."""
+
+    def __init__(self):
+        self.count = 0
+
+    def backend(self):
+        def run(gm, example_inputs, **_options):
+            self.count += 1
+            return gm.forward
+        return run
+
+
+def _count_describes(monkeypatch, module, name="_describe"):
+    """Count the eager full checks of ``module.<name>`` (not the traced ones: a list appended
+    to while dynamo traces would be guarded on)."""
+    calls = []
+    real = getattr(module, name)
+
+    def counted(layer):
+        if not torch.compiler.is_compiling():
+            calls.append(layer)
+        return real(layer)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_registrations_elsewhere_keep_the_verdict(device, monkeypatch):
+    """A registration outside the layer's tree (a new ModuleList holding the layer, as HF's
+    ``self.layers[:n]`` builds on every forward; an unrelated module) leaves the cached verdict
+    and the epoch alone; one on a module under the layer still bumps it."""
+    _, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    calls = _count_describes(monkeypatch, blocks, "_describe_layer")
+    with torch.no_grad():
+        fused(x)
+        epoch = _guard._EPOCH
+        nn.ModuleList([fused])[:1]
+        nn.Linear(2, 2).register_buffer("extra", torch.zeros(1))
+        fused(x)
+        assert _guard._EPOCH == epoch and len(calls) == 1
+        fused.linear1.extra = nn.Identity()  # under the layer: checked again
+        assert _guard._EPOCH > epoch
+        with pytest.warns(UserWarning, match="linear1.extra .* is a submodule the fused path does not know"):
+            fused(x)
+        assert len(calls) == 2
+
+
+def test_hf_llama_compiles_once_beside_the_import(device, monkeypatch):
+    """The issue's case: importing fused_block made torch.compile(fullgraph=True) of a plain
+    HF LLaMA recompile on every call (its forward slices ``self.layers``, which registered
+    modules, which bumped the guard's epoch, which the graph guarded on). Now one graph for
+    five same-shape calls, with a converted model's eager calls in between."""
+    hf_testing = pytest.importorskip("hf_testing")
+    from fused_block.hf import _core
+
+    model = hf_testing.model("llama", device).eval()
+    fused = fused_block.convert(copy.deepcopy(model))
+    ids, mask = hf_testing.inputs("llama", device)
+    calls = _count_describes(monkeypatch, _core)
+    graphs = _Graphs()
+    compiled = torch.compile(model, backend=graphs.backend(), fullgraph=True)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        for _ in range(5):
+            torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, want, **TOL)
+            fused(ids, attention_mask=mask)
+    assert graphs.count == 1
+    assert len(calls) == model.config.num_hidden_layers  # one verdict per layer over five forwards
+
+
+def test_converted_hf_llama_compiles_once_and_decodes_with_a_static_cache(device, launches, monkeypatch):
+    """A converted LLaMA under torch.compile(fullgraph=True): one graph over three same-shape
+    forwards; generation with a static cache compiles its decoding step once over two
+    generate calls (transformers' test_generate_compile_model_forward_fullgraph and
+    test_static_cache_no_recompile); the eager verdicts (the prefills) are computed once per
+    layer; the tokens are the original model's."""
+    hf_testing = pytest.importorskip("hf_testing")
+    from fused_block.hf import _core
+
+    model = hf_testing.model("llama", device).eval()
+    fused = fused_block.convert(copy.deepcopy(model))
+    ids, mask = hf_testing.inputs("llama", device)
+    calls = _count_describes(monkeypatch, _core)
+    graphs = _Graphs()
+    compiled = torch.compile(fused, backend=graphs.backend(), fullgraph=True)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        for _ in range(3):
+            torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, want, **TOL)
+    assert graphs.count == 1 and launches["matmul"] > 0
+    transformers = pytest.importorskip("transformers")
+    decode = _Graphs()
+    config = transformers.CompileConfig(fullgraph=True, backend=decode.backend())
+    config._compile_all_devices = True  # transformers compiles the decoding step on CUDA only otherwise
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    for _ in range(2):
+        got = fused.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             cache_implementation="static", compile_config=config)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert decode.count == 1
+    assert len(calls) == model.config.num_hidden_layers

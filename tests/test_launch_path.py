@@ -381,7 +381,7 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
     finally:
         _allocation._allocator.set(allocator)
     assert {"matmul", "act_grad", "bias_grad_reduce", "add_norm_fwd", "add_norm_bwd", "attention_fwd",
-            "attention_bwd", "rope", "rope_qkvpacked", "lce_count", "lce_ce", "lce_dw", "lce_colsum", "lce_sum",
+            "attention_bwd", "rope", "rope_qkvpacked", "lce_count", "lce_ce", "lce_colsum", "lce_sum",
             "lce_scale"} <= {name for name, _ in launched}
     # sm_90: descriptors where aligned (GEMMs: also pointers, for the unaligned rows; attention:
     # pointers for IEEE fp32); sm_80: pointers only.

@@ -3,12 +3,20 @@
 Op ``linear_cross_entropy``: ``F.cross_entropy(hidden @ W.T, target)`` (mean over the
 non-ignored tokens, 1/16 of them ignored). Providers:
 
-- ``fused_block``: the chunked kernels (no (N, V) logits; gradients produced in the forward);
+- ``fused_block``: the chunked op (no (N, V) logits; gradients produced in the forward): the
+  products on cuBLAS, the softmax/loss/gradient pass in Triton; at LLaMA-3's head below 32K
+  tokens its vocabulary-outer schedule (4 GEMMs, no fp32 (V, H) dW accumulator), at GPT-2's
+  from 8K tokens the token-chunk loop (3 GEMMs);
+- ``fused_block rows``: the same op with the token-chunk loop forced (3 GEMMs and an fp32
+  (V, H) dW accumulator: the speed the vocabulary-outer schedule trades for memory);
 - ``eager``: ``F.linear`` then ``F.cross_entropy`` on the logits upcast to fp32, as Hugging
   Face's ``ForCausalLMLoss`` computes it;
 - ``torch.compile`` of the eager function (``max-autotune`` in the full run, the default mode
   under ``--quick``);
-- ``liger``: Liger-Kernel's ``liger_fused_linear_cross_entropy`` when installed.
+- ``liger``: Liger-Kernel's ``liger_fused_linear_cross_entropy`` when installed;
+- ``torch.linear_cross_entropy``: torch's own chunked op (``F.linear_cross_entropy`` with
+  ``options=torch.nn.LinearCrossEntropyOptions()``, its "auto" choices) when this torch has it
+  (2.13 does).
 
 Shapes (bf16; vocabulary V x hidden H, N tokens): GPT-2 (50,257 x 768) and LLaMA-3
 (128,256 x 4,096), 8K, 16K and 32K tokens; ``--quick``: 8K tokens for both. Modes: ``fwd``
@@ -63,8 +71,31 @@ def _liger():
     return fn
 
 
-IMPLS = {"fused_block": lambda: _ours, "eager": lambda: _eager,
-         "torch.compile": lambda: harness.compiled(_eager, mode="max-autotune"), "liger": _liger}
+def _torch_chunked():
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        raise ImportError(f"torch {torch.__version__} has no F.linear_cross_entropy with chunking options")
+    options = torch.nn.LinearCrossEntropyOptions()
+
+    def fn(hidden, weight, target):
+        return F.linear_cross_entropy(hidden, weight, target, options=options)
+    return fn
+
+
+def _ours_rows():
+    from fused_block.kernels import loss as kloss
+
+    def fn(hidden, weight, target):
+        before, kloss.FORCE_SCHEDULE = kloss.FORCE_SCHEDULE, "rows"
+        try:
+            return _ours(hidden, weight, target)
+        finally:
+            kloss.FORCE_SCHEDULE = before
+    return fn
+
+
+IMPLS = {"fused_block": lambda: _ours, "fused_block rows": _ours_rows, "eager": lambda: _eager,
+         "torch.compile": lambda: harness.compiled(_eager, mode="max-autotune"), "liger": _liger,
+         "torch.linear_cross_entropy": _torch_chunked}
 
 
 def _make_inputs(tokens, vocab, hidden, requires_grad, device=None, dtype=DTYPE):
