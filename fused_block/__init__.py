@@ -7,3 +7,4 @@ from fused_block.attention import (attention, attention_qkvpacked, attention_var
                                    attention_varlen_qkvpacked, kv_cache_append)
 from fused_block.rope import rope, rope_qkvpacked  # noqa: F401
 from fused_block.loss import LinearCrossEntropy, linear_cross_entropy  # noqa: F401
+from fused_block.dispatch import table as dispatch_table  # noqa: F401
