@@ -225,8 +225,9 @@ def test_choice_is_cached_per_key_and_listed(device, launches, monkeypatch):
     dtype = torch.bfloat16
     w = _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
     b = _t(N, dtype=dtype, device=device)
-    for rows in (37, 37, 33):  # 33 and 37 share the bucket 64 (M); dW's K is the rows, exact
-        linear(_t(rows, K, dtype=dtype, device=device), w, b, "gelu").sum().backward()
+    with dispatch.force(None):  # the per-key choice (the suite's default is our kernel)
+        for rows in (37, 37, 33):  # 33 and 37 share the bucket 64 (M); dW's K is the rows, exact
+            linear(_t(rows, K, dtype=dtype, device=device), w, b, "gelu").sum().backward()
     assert len(calls) == 4  # forward, dX, dW chosen once each, dW once more for K = 33
     table = fused_block.dispatch_table()
     assert sorted(r["op"] for r in table) == ["linear.dw", "linear.dw", "linear.dx", "linear.fwd"]
@@ -244,7 +245,8 @@ def test_choice_is_cached_per_key_and_listed(device, launches, monkeypatch):
     ran = {(r["op"], r["K"]): r["candidate"] for r in fused_block.dispatch_table()}
     assert ran == {("linear.fwd", K): "cublas", ("linear.dx", N): "cublas", ("linear.dw", 37): "cublas",
                    ("linear.dw", 33): ran[("linear.dw", 33)]}
-    assert launches["matmul"] == 9  # the three unforced steps
+    if device.type == "cpu":
+        assert launches["matmul"] == 9  # the three unforced steps: the interpreter's choice is ours
 
 
 def test_bad_switches(monkeypatch):
