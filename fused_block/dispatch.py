@@ -76,50 +76,57 @@ def force(candidate):
         _FORCE = previous
 
 
-# The epilogue flags of a key, in order (table() names them).
-_EPILOGUE_FLAGS = ("act_grad", "bias", "residual", "store_pre", "hout", "part", "rowsum", "dropout", "lora",
-                   "transpose_a", "transpose_b")
+# The epilogue flags of a key, in its order from position 9 (table() names the ones set).
+_FLAGS = ("act_grad", "bias", "residual", "store_pre", "hout", "part", "rowsum", "dropout", "lora", "b2",
+          "a2", "transpose_a", "transpose_b")
+_FP32 = torch.float32
+# key -> the config-table architecture of its device (0: the interpreter), for the table.
+_ARCH = {}
 
 
 def gemm(op, a, b, c, **kw):
     """``matmul.gemm(a, b, c, **kw)`` on the candidate chosen for this call's key; ``op`` names
     the product in :func:`table` (e.g. "linear.fwd", "ffn.dx")."""
-    if a.numel() == 0 or b.numel() == 0:
+    numel = a.numel()
+    if numel == 0 or b.numel() == 0:
         return _k.gemm(a, b, c, **kw)
     get = kw.get
     ta, tb = get("transpose_a", False), get("transpose_b", False)
-    shape = a.shape
     if ta:
-        M = shape[-1]
-        K = a.numel() // M
+        M = a.shape[-1]
+        K = numel // M
     else:
-        K = shape[-1]
-        M = a.numel() // K
-    N = b.shape[0] if tb else b.shape[-1]
-    a2, b2 = get("a2"), get("b2")
+        K = a.shape[-1]
+        M = numel // K
+    a2 = get("a2")
     if a2 is not None:
         K += a2.shape[1]
-    activation, act_grad, dropout = get("activation", 0), get("act_grad", False), bool(get("dropout_p", 0.0))
-    residual, store_pre, rowsum, lora = get("residual"), get("store_pre", False), get("rowsum", False), get("lora_a")
-    flags = (act_grad | (get("bias") is not None) << 1 | (residual is not None) << 2 | store_pre << 3
-             | (get("hout") is not None) << 4 | (get("part") is not None) << 5 | rowsum << 6 | dropout << 7
-             | (lora is not None) << 8 | ta << 9 | tb << 10)
-    dual = 0 if b2 is None else (2 if a2 is not None else 1)
-    device = a.device
-    arch = common.arch(device)
     dtype = a.dtype
-    key = (op, arch, dtype, c.dtype, common.fp32_precision() if dtype is torch.float32 else "",
-           min(common.next_pow2(M), 65536), N, K, activation, dual, flags)
+    # A flat tuple of what the choice depends on (the device by index: a dict lookup's hash).
+    key = (op, a.get_device(), dtype, c.dtype, common.fp32_precision() if dtype is _FP32 else "",
+           min(common.next_pow2(M), 65536), b.shape[0] if tb else b.shape[-1], K, get("activation", 0),
+           get("act_grad", False), get("bias") is not None, get("residual") is not None, get("store_pre", False),
+           get("hout") is not None, get("part") is not None, get("rowsum", False), bool(get("dropout_p", 0.0)),
+           get("lora_a") is not None, get("b2") is not None, a2 is not None, ta, tb)
     path = _FORCE
     if path is None:
         path = _CACHE.chosen.get(key)
         if path is None:
-            fused_forward = not act_grad and (bool(activation) or residual is not None or dropout or store_pre
-                                              or lora is not None)
-            order = _ORDERS[(arch == 0, fused_forward)]
-            path = _CACHE.get(key, order, lambda cand: _run(cand, a, b, c, kw))
+            path = _choose(key, a, b, c, kw)
     _RAN[key] = path
-    _run(path, a, b, c, kw)
+    if path == CUBLAS:
+        _cublas(a, b, c, **kw)
+    else:
+        _k.gemm(a, b, c, **kw)
+
+
+def _choose(key, a, b, c, kw):
+    """The cache's choice for a new key: timed on CUDA, else the static rule's first candidate."""
+    arch = _ARCH[key] = common.arch(a.device)
+    (activation, act_grad, _, residual, store_pre, _, _, _, dropout, lora) = key[8:18]
+    fused_forward = not act_grad and (bool(activation) or residual or dropout or store_pre or lora)
+    order = _ORDERS[(arch == 0, fused_forward)]
+    return _CACHE.get(key, order, lambda cand: _run(cand, a, b, c, kw))
 
 
 def _run(path, a, b, c, kw):
@@ -226,17 +233,19 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
 
 def table():
     """Which candidate ran for each product key since the start (or :func:`clear`): a list of
-    dicts with op, device ("interpreter" or "sm_80"/"sm_90" config class), dtype, out_dtype,
-    precision (fp32 only), M (bucket: rows rounded up to a power of two), N, K, activation
-    code, dual (1: gated two-projection forward, 2: dual-K product), the epilogue flags set,
-    and candidate."""
+    dicts with op, device ("interpreter", "sm_80" or "sm_90": the config-table class, or "cuda:i"
+    / "cpu" for a forced run), dtype, out_dtype, precision (fp32 only), M (bucket: rows rounded
+    up to a power of two), N, K, activation code, the epilogue flags set (b2 alone: the gated
+    two-projection forward; a2 with b2: a product continuing over a second pair), and candidate."""
     rows = []
     for key, cand in _RAN.items():
-        op, arch, dtype, out_dtype, precision, m, n, k, activation, dual, flags = key
-        rows.append(dict(op=op, device="interpreter" if arch == 0 else f"sm_{arch}", dtype=str(dtype).split(".")[-1],
+        op, index, dtype, out_dtype, precision, m, n, k, activation = key[:9]
+        arch = _ARCH.get(key)
+        device = ("interpreter" if arch == 0 else f"sm_{arch}") if arch is not None else \
+            (f"cuda:{index}" if index >= 0 else "cpu")
+        rows.append(dict(op=op, device=device, dtype=str(dtype).split(".")[-1],
                          out_dtype=str(out_dtype).split(".")[-1], precision=precision, M=m, N=n, K=k,
-                         activation=activation, dual=dual,
-                         epilogue=[f for i, f in enumerate(_EPILOGUE_FLAGS) if flags >> i & 1],
+                         activation=activation, epilogue=[f for f, v in zip(_FLAGS, key[9:]) if v],
                          candidate=cand))
     return rows
 
@@ -244,11 +253,11 @@ def table():
 def format_table(rows=None) -> str:
     """:func:`table` as aligned text, one product key a line."""
     rows = table() if rows is None else rows
-    lines = [f"{'op':<14} {'device':<11} {'dtype':<9} {'M':>6} {'N':>6} {'K':>6} {'act':>3} {'dual':>4} "
-             f"{'candidate':<8} epilogue"]
+    lines = [f"{'op':<14} {'device':<11} {'dtype':<9} {'M':>6} {'N':>6} {'K':>6} {'act':>3} {'candidate':<9} "
+             "epilogue"]
     for r in rows:
         lines.append(f"{r['op']:<14} {r['device']:<11} {r['dtype']:<9} {r['M']:>6} {r['N']:>6} {r['K']:>6} "
-                     f"{r['activation']:>3} {r['dual']:>4} {r['candidate']:<8} {','.join(r['epilogue'])}")
+                     f"{r['activation']:>3} {r['candidate']:<9} {','.join(r['epilogue'])}")
     return "\n".join(lines)
 
 
@@ -256,3 +265,4 @@ def clear():
     """Forget every choice (the next call of each key chooses again) and the table."""
     _CACHE.chosen.clear()
     _RAN.clear()
+    _ARCH.clear()
