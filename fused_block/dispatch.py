@@ -9,8 +9,8 @@ gated first layer, LoRA) goes through :func:`gemm`, which takes
   cuBLASLt's bias epilogue; ``torch._addmm_activation`` for bias + tanh GELU (CUDA) or ReLU
   when nothing else follows and no pre-activation is kept), then one Triton elementwise pass for
   what remains: ``matmul.epilogue`` (activation, SwiGLU/GeGLU, dropout, residual) forward,
-  ``matmul.act_grad`` (dropout mask, act'(pre), the bias gradient's partial sums) backward,
-  plus ``matmul.epilogue`` again when the backward also recomputes the hidden activation. The
+  ``matmul.act_grad`` (dropout mask, act'(pre), the bias gradient's partial sums, and the
+  hidden activation recomputed for the next weight gradient) backward. The
   intermediate product is rounded to the input dtype, as eager PyTorch rounds ``F.linear``.
 
 The choice is made once per key (op, device class, dtypes, fp32 precision, M rounded up to a
@@ -179,9 +179,7 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
         torch.mm(A, B, out=dh)
         out = _mat(c)
         _k.act_grad(dh, aux, activation, dbias=part is not None, seed=seed, dropout_p=dropout_p,
-                    pre2=aux2, out=out if c2 is None else out[:, :2 * N], part=part)
-        if hout is not None:
-            _k.epilogue(_mat(aux)[:, :N], hout, activation, pre2=aux2, seed=seed, dropout_p=dropout_p)
+                    pre2=aux2, out=out if c2 is None else out[:, :2 * N], part=part, hout=hout)
         return
     if b2 is not None and a2 is not None:  # the dual-K product a @ b + a2 @ b2, no epilogue
         A2 = _mat(a2)

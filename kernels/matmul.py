@@ -624,10 +624,10 @@ def _gemm_kernel(
 
 @triton.jit
 def _act_grad_kernel(
-    G, PRE, PRE2, DPRE, DPRE2, PART, SEED,
+    G, PRE, PRE2, DPRE, DPRE2, PART, HOUT, SEED,
     M, N, stride_gm, stride_gn, stride_pm, stride_pn, stride_dm, drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, STORE_DPRE: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_H: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dPre = G * keep / (1 - p) * act'(PRE) on (BLOCK_M, 64) tiles (the keep factor, the GEMM
     epilogue's regenerated dropout mask, only with ``HAS_DROPOUT``); PART row pid_m gets its
@@ -638,6 +638,10 @@ def _act_grad_kernel(
     and up pre-activations (PRE's strides), DPRE and DPRE2 get dGate and dUp (row stride
     stride_dm, as dPre: the halves of one (M, 2N) buffer), PART
     (cdiv(M, BLOCK_M), 2N) their column sums side by side, as the GEMM epilogue lays them out.
+
+    ``STORE_H``: HOUT ((M, N) contiguous) gets the hidden activation recomputed from PRE (and
+    PRE2), with the forward's dropout: the GEMM epilogue's STORE_H, for a product computed
+    elsewhere (``fused_block.dispatch``'s cuBLAS candidate of an FFN's dH GEMM).
     """
     pid_m = tl.program_id(0)
     c64 = tl.program_id(1) * 64
@@ -649,6 +653,7 @@ def _act_grad_kernel(
     PRE2 += row0 * stride_pm
     DPRE += row0 * stride_dm
     DPRE2 += row0 * stride_dm
+    HOUT += row0 * N
     FAST: tl.constexpr = DPRE.dtype.element_ty != tl.float32
     if ACTIVATION >= 4:
         PART_W = 2 * N
@@ -661,7 +666,8 @@ def _act_grad_kernel(
         mask = mask_m[:, None] & (rn < N)[None, :]
         d = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            d = tl.where(_keep(words[j], drop_thresh), d * drop_scale, 0.0)
+            keep = _keep(words[j], drop_thresh)
+            d = tl.where(keep, d * drop_scale, 0.0)
         offs = rm[:, None] * stride_pm + rn[None, :] * stride_pn
         if ACTIVATION >= 4:
             g = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
@@ -669,13 +675,20 @@ def _act_grad_kernel(
             dact, act = _gate_grad(g, ACTIVATION, FAST)
             du = d * act
             d = d * u * dact
+            h = act * u
             tl.store(DPRE2 + rm[:, None] * stride_dm + rn[None, :], common.cast(du, DPRE2.dtype.element_ty,
                                                                                   INTERPRET), mask=mask)
             if HAS_DBIAS:
                 tl.store(PART + pid_m.to(tl.int64) * PART_W + N + rn, tl.sum(du, axis=0), mask=rn < N)
         elif ACTIVATION != 0:
             pre = tl.load(PRE + offs, mask=mask, other=0.0)
-            d = d * _act_grad(pre.to(tl.float32), ACTIVATION, FAST)[0]
+            dact, h = _act_grad(pre.to(tl.float32), ACTIVATION, FAST)
+            d = d * dact
+        if STORE_H:
+            if HAS_DROPOUT:
+                h = tl.where(keep, h * drop_scale, 0.0)
+            tl.store(HOUT + rm[:, None] * N + rn[None, :], common.cast(h, HOUT.dtype.element_ty, INTERPRET),
+                     mask=mask)
         if STORE_DPRE:
             tl.store(DPRE + rm[:, None] * stride_dm + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
                      mask=mask)
@@ -1199,7 +1212,7 @@ def _constexprs(key, cfg, even_k, even_mn):
 
 
 def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None, out=None,
-             part=None):
+             part=None, hout=None):
     """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its fp32
     partial column sums (cdiv(M, PARTIAL_ROWS), N). The keep factor (``dropout_p > 0``) is
     the mask the GEMM epilogue drew from ``seed``. SwiGLU (``activation == SWIGLU``): ``pre``
@@ -1210,9 +1223,13 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
     unused when ``activation`` is 0). Returns ``(dpre, part)``: dpre (M, width) contiguous in g's
     dtype (None unless ``store_dpre``), part or None. ``out`` (M, width) with a unit column stride
     and ``part`` (fp32, (cdiv(M, PARTIAL_ROWS), width) contiguous): buffers to write instead of
-    new ones (a GEMM's outputs, when cuBLAS computed the product: ``fused_block.dispatch``).
+    new ones (a GEMM's outputs, when cuBLAS computed the product: ``fused_block.dispatch``);
+    ``hout`` ((M, N) contiguous, with an activation): the hidden activation recomputed from
+    pre, the forward's dropout applied (the GEMM's ``hout``).
     """
     (M, N), sg = _mat(g)
+    if hout is not None and not activation:
+        raise ValueError("act_grad: hout (the recomputed hidden activation) needs an activation")
     swiglu = activation in GATED
     width = 2 * N if swiglu else N
     if out is not None:
@@ -1234,17 +1251,17 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
     d1, d2 = (out[:, :N], out[:, N:]) if swiglu else (out, out)
     common.launch("act_grad", _act_grad_kernel, grid,
                   (g, pre_t, pre2 if swiglu else pre_t, d1, d2, part if part is not None else g,
-                   seed if has_dropout else g, M, N, *sg, *(sg if pre is None else _mat(pre_t)[1]),
+                   hout if hout is not None else g, seed if has_dropout else g, M, N, *sg, *(sg if pre is None else _mat(pre_t)[1]),
                    dpre.stride(0) if dpre is not None else width, drop_thresh, drop_scale),
-                  _act_grad_constexprs(activation, store_dpre or swiglu, dbias, has_dropout,
+                  _act_grad_constexprs(activation, store_dpre or swiglu, dbias, has_dropout, hout is not None,
                                        common.arch(g.device) == 0),
                   _ELEMENTWISE)
     return dpre, part
 
 
 @functools.lru_cache(maxsize=None, typed=True)  # typed: 1 and True are other constexprs
-def _act_grad_constexprs(activation, store_dpre, dbias, dropout, interpret):
-    return dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=dropout,
+def _act_grad_constexprs(activation, store_dpre, dbias, dropout, store_h, interpret):
+    return dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=dropout, STORE_H=store_h,
                 BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=interpret)
 
 
@@ -1515,18 +1532,21 @@ def aot_specs():
                     + ("fwd", "wgrad", "swiglu_drop", "swiglu_drop_lora", "geglu_drop", "geglu_drop_lora")):
         add(90, "16", _FALLBACK_90_CFGS["16"], variant, tma=False, even_k=False, unaligned="all")
     add(90, "16", _FALLBACK_90_CFGS["16"], "fwd", tma=False, even_k=False)
-    for act, drop in ((2, False), (2, True), (0, True), (SWIGLU, True), (GEGLU, True)):
+    for act, drop, store_h in ((2, False, False), (2, True, False), (0, True, False), (SWIGLU, True, False),
+                               (GEGLU, True, False), (1, True, True), (SWIGLU, True, True), (GEGLU, False, True)):
         specs.append(aot.KernelSpec(
-            name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
+            name=f"act_grad[act={act} dbias{' dropout' if drop else ''}{' store_h' if store_h else ''}]",
+            fn=_act_grad_kernel,
             signature={"G": "*bf16", "PRE": "*bf16", "PRE2": "*bf16", "DPRE": "*bf16", "DPRE2": "*bf16",
-                       "PART": "*fp32", "SEED": "*i64",
+                       "PART": "*fp32", "HOUT": "*bf16", "SEED": "*i64",
                        "M": "i32", "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr",
                        "stride_pm": "i32", "stride_pn": "constexpr", "stride_dm": "i32", "drop_thresh": "i32",
                        "drop_scale": "fp32",
                        "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr", "HAS_DBIAS": "constexpr",
-                       "HAS_DROPOUT": "constexpr", "BLOCK_M": "constexpr", "INTERPRET": "constexpr"},
+                       "HAS_DROPOUT": "constexpr", "STORE_H": "constexpr", "BLOCK_M": "constexpr",
+                       "INTERPRET": "constexpr"},
             constexprs=dict(stride_gn=1, stride_pn=1, ACTIVATION=act, STORE_DPRE=True, HAS_DBIAS=True,
-                            HAS_DROPOUT=drop, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
+                            HAS_DROPOUT=drop, STORE_H=store_h, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
             num_warps=4, aligned=("N", "stride_gm", "stride_pm", "stride_dm")))
     for act, res, drop in ((1, True, False), (2, False, True), (0, True, True), (SWIGLU, False, True),
                            (GEGLU, False, False)):
