@@ -80,8 +80,6 @@ def force(candidate):
 _FLAGS = ("act_grad", "bias", "residual", "store_pre", "hout", "part", "rowsum", "dropout", "lora", "b2",
           "a2", "transpose_a", "transpose_b")
 _FP32 = torch.float32
-# key -> the config-table architecture of its device (0: the interpreter), for the table.
-_ARCH = {}
 
 
 def gemm(op, a, b, c, **kw):
@@ -102,8 +100,8 @@ def gemm(op, a, b, c, **kw):
     if a2 is not None:
         K += a2.shape[1]
     dtype = a.dtype
-    # A flat tuple of what the choice depends on (the device by index: a dict lookup's hash).
-    key = (op, a.get_device(), dtype, c.dtype, common.fp32_precision() if dtype is _FP32 else "",
+    # A flat tuple of what the choice depends on (the device as its config-table architecture).
+    key = (op, common.arch(a.device), dtype, c.dtype, common.fp32_precision() if dtype is _FP32 else "",
            min(common.next_pow2(M), 65536), b.shape[0] if tb else b.shape[-1], K, get("activation", 0),
            get("act_grad", False), get("bias") is not None, get("residual") is not None, get("store_pre", False),
            get("hout") is not None, get("part") is not None, get("rowsum", False), bool(get("dropout_p", 0.0)),
@@ -122,7 +120,7 @@ def gemm(op, a, b, c, **kw):
 
 def _choose(key, a, b, c, kw):
     """The cache's choice for a new key: timed on CUDA, else the static rule's first candidate."""
-    arch = _ARCH[key] = common.arch(a.device)
+    arch = key[1]
     (activation, act_grad, _, residual, store_pre, _, _, _, dropout, lora) = key[8:18]
     fused_forward = not act_grad and (bool(activation) or residual or dropout or store_pre or lora)
     order = _ORDERS[(arch == 0, fused_forward)]
@@ -231,17 +229,13 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
 
 def table():
     """Which candidate ran for each product key since the start (or :func:`clear`): a list of
-    dicts with op, device ("interpreter", "sm_80" or "sm_90": the config-table class, or "cuda:i"
-    / "cpu" for a forced run), dtype, out_dtype, precision (fp32 only), M (bucket: rows rounded
+    dicts with op, device ("interpreter", "sm_80" or "sm_90": the config-table class), dtype, out_dtype, precision (fp32 only), M (bucket: rows rounded
     up to a power of two), N, K, activation code, the epilogue flags set (b2 alone: the gated
     two-projection forward; a2 with b2: a product continuing over a second pair), and candidate."""
     rows = []
     for key, cand in _RAN.items():
-        op, index, dtype, out_dtype, precision, m, n, k, activation = key[:9]
-        arch = _ARCH.get(key)
-        device = ("interpreter" if arch == 0 else f"sm_{arch}") if arch is not None else \
-            (f"cuda:{index}" if index >= 0 else "cpu")
-        rows.append(dict(op=op, device=device, dtype=str(dtype).split(".")[-1],
+        op, arch, dtype, out_dtype, precision, m, n, k, activation = key[:9]
+        rows.append(dict(op=op, device="interpreter" if arch == 0 else f"sm_{arch}", dtype=str(dtype).split(".")[-1],
                          out_dtype=str(out_dtype).split(".")[-1], precision=precision, M=m, N=n, K=k,
                          activation=activation, epilogue=[f for f, v in zip(_FLAGS, key[9:]) if v],
                          candidate=cand))
@@ -263,4 +257,3 @@ def clear():
     """Forget every choice (the next call of each key chooses again) and the table."""
     _CACHE.chosen.clear()
     _RAN.clear()
-    _ARCH.clear()
