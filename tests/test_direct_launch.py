@@ -347,8 +347,6 @@ def test_replayed_training_steps_launch_what_triton_launches(tmp_path):
     kernels = {"_gemm_kernel", "_act_grad_kernel", "_reduce_kernel", "_add_norm_fwd_kernel", "_add_norm_bwd_kernel",
                "_reduce_partials_kernel", "_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd", "_rope_packed_kernel"}
     for arch, r in result.items():
-        # (sm_90 with FUSED_BLOCK_TUNE=0: fused_block.dispatch's static rule runs the backward's
-        # products on cuBLAS, with act_grad for their epilogues: the same kernel set.)
         assert set(r["compared"]) == kernels, (arch, r["compared"])
         assert r["mismatches"] == [], (arch, r["mismatches"])
         assert r["not_direct"] == {}, (arch, r["not_direct"])  # later steps: all direct
