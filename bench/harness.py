@@ -454,7 +454,8 @@ def format_profiles(title: str, profiles: list, top: int = 40) -> str:
     row("GPU kernels ms", [f"{p['kernel_ms']:.3f}" for p in profiles])
     row("launches", [str(p["launches"]) for p in profiles])
     row("distinct kernels", [str(p["distinct"]) for p in profiles])
-    cats = list(dict.fromkeys(c for p in profiles for c in sorted(p["categories"], key=lambda c: -p["categories"][c]["us"])))
+    cats = list(dict.fromkeys(c for p in profiles
+                              for c in sorted(p["categories"], key=lambda c: -p["categories"][c]["us"])))
     for c in cats:
         row(f"{c} ms (n)", [f"{p['categories'][c]['us'] / 1e3:.3f} ({p['categories'][c]['calls']})"
                             if c in p["categories"] else "-" for p in profiles])

@@ -1251,8 +1251,9 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
     d1, d2 = (out[:, :N], out[:, N:]) if swiglu else (out, out)
     common.launch("act_grad", _act_grad_kernel, grid,
                   (g, pre_t, pre2 if swiglu else pre_t, d1, d2, part if part is not None else g,
-                   hout if hout is not None else g, seed if has_dropout else g, M, N, *sg, *(sg if pre is None else _mat(pre_t)[1]),
-                   dpre.stride(0) if dpre is not None else width, drop_thresh, drop_scale),
+                   hout if hout is not None else g, seed if has_dropout else g, M, N, *sg,
+                   *(sg if pre is None else _mat(pre_t)[1]), dpre.stride(0) if dpre is not None else width,
+                   drop_thresh, drop_scale),
                   _act_grad_constexprs(activation, store_dpre or swiglu, dbias, has_dropout, hout is not None,
                                        common.arch(g.device) == 0),
                   _ELEMENTWISE)
