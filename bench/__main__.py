@@ -98,7 +98,8 @@ def run_profiles(names) -> list:
             print("\nGEMM dispatch (fused_block.dispatch_table()):\n" + fused_block.dispatch.format_table(dispatch),
                   flush=True)
             records.append({"spec": name, "op": case.op, "shape": dict(case.shape),
-                            "dtype": harness.dtype_name(case.dtype), "mode": case.mode, "profiles": profiles, "unavailable": failed, "dispatch": dispatch})
+                            "dtype": harness.dtype_name(case.dtype), "mode": case.mode, "profiles": profiles,
+                            "unavailable": failed, "dispatch": dispatch})
     return records
 
 

@@ -230,14 +230,15 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
 def table():
     """Which candidate ran for each product key since the start (or :func:`clear`): a list of
     dicts with op, device ("interpreter", "sm_80" or "sm_90": the config-table class), dtype,
-    out_dtype, precision (fp32 only), M (bucket: rows rounded up to a power of two), N, K, activation code, the epilogue flags set (b2 alone: the gated
-    two-projection forward; a2 with b2: a product continuing over a second pair), and candidate."""
+    out_dtype, precision (fp32 only), M (bucket: rows rounded up to a power of two), N, K,
+    activation code, the epilogue flags set (b2 alone: the gated two-projection forward; a2
+    with b2: a product continuing over a second pair), and candidate."""
     rows = []
     for key, cand in _RAN.items():
         op, arch, dtype, out_dtype, precision, m, n, k, activation = key[:9]
         rows.append(dict(op=op, device="interpreter" if arch == 0 else f"sm_{arch}",
-                         dtype=str(dtype).split(".")[-1], out_dtype=str(out_dtype).split(".")[-1], precision=precision, M=m, N=n, K=k,
-                         activation=activation, epilogue=[f for f, v in zip(_FLAGS, key[9:]) if v],
+                         dtype=str(dtype).split(".")[-1], out_dtype=str(out_dtype).split(".")[-1],
+                         precision=precision, M=m, N=n, K=k, activation=activation, epilogue=[f for f, v in zip(_FLAGS, key[9:]) if v],
                          candidate=cand))
     return rows
 
