@@ -238,8 +238,8 @@ def table():
         op, arch, dtype, out_dtype, precision, m, n, k, activation = key[:9]
         rows.append(dict(op=op, device="interpreter" if arch == 0 else f"sm_{arch}",
                          dtype=str(dtype).split(".")[-1], out_dtype=str(out_dtype).split(".")[-1],
-                         precision=precision, M=m, N=n, K=k, activation=activation, epilogue=[f for f, v in zip(_FLAGS, key[9:]) if v],
-                         candidate=cand))
+                         precision=precision, M=m, N=n, K=k, activation=activation,
+                         epilogue=[f for f, v in zip(_FLAGS, key[9:]) if v], candidate=cand))
     return rows
 
 
