@@ -159,6 +159,8 @@ def run_cpu(args, found) -> int:
             print(compile_table(args.only))
         except Exception as exc:  # noqa: BLE001
             print(f"compile table unavailable: {harness.describe_error(exc)}")
+    if args.profile:
+        print("\n--profile needs an NVIDIA GPU (torch.cuda.is_available() is False): nothing profiled.")
     failed = [r for r in rows if r.get("ok") is False]
     print(f"\nnumerics: {sum(r.get('ok') is True for r in rows)} pass, {len(failed)} fail, "
           f"{sum('unavailable' in r for r in rows)} unavailable")
