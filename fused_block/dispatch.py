@@ -29,8 +29,10 @@ interpreter the static rule's first candidate runs:
   against eager's 585, so our backward loses to cuBLAS + an elementwise pass, and a product
   with nothing to fuse loses the 14% between our GEMM and cuBLAS.
 
-``FUSED_BLOCK_GEMM=cublas`` / ``=triton`` (or :func:`force`) overrides the choice everywhere a
-candidate expresses the call (tests: the cuBLAS candidate's numerics under the interpreter).
+Under ``torch.use_deterministic_algorithms(True)`` the per-key choice runs our kernel (fixed-order
+sums, no atomics). ``FUSED_BLOCK_GEMM=cublas`` / ``=triton`` (or :func:`force`) overrides the
+choice everywhere a candidate expresses the call (tests: the cuBLAS candidate's numerics under
+the interpreter).
 :func:`table` lists which candidate ran for each key (``fused_block.dispatch_table()``).
 """
 import contextlib
@@ -80,6 +82,7 @@ def force(candidate):
 _FLAGS = ("act_grad", "bias", "residual", "store_pre", "hout", "part", "rowsum", "dropout", "lora", "b2",
           "a2", "transpose_a", "transpose_b")
 _FP32 = torch.float32
+_deterministic = torch._C._get_deterministic_algorithms
 
 
 def gemm(op, a, b, c, **kw):
@@ -108,9 +111,15 @@ def gemm(op, a, b, c, **kw):
            get("lora_a") is not None, get("b2") is not None, a2 is not None, ta, tb)
     path = _FORCE
     if path is None:
-        path = _CACHE.chosen.get(key)
-        if path is None:
-            path = _choose(key, a, b, c, kw)
+        if _deterministic():
+            # torch.use_deterministic_algorithms(True): our kernels are deterministic (no atomics,
+            # fixed-order sums); cuBLAS raises there unless CUBLAS_WORKSPACE_CONFIG is set. Nothing
+            # is timed or remembered.
+            path = TRITON
+        else:
+            path = _CACHE.chosen.get(key)
+            if path is None:
+                path = _choose(key, a, b, c, kw)
     _RAN[key] = path
     if path == CUBLAS:
         _cublas(a, b, c, **kw)

@@ -273,3 +273,15 @@ def test_act_grad_hidden_output_needs_an_activation(device, launches):
     with pytest.raises(ValueError, match="hout"):
         kmatmul.act_grad(g, None, 0, hout=torch.empty_like(g))
     assert launches["act_grad"] == 0
+
+
+def test_deterministic_algorithms_take_our_kernel(device, launches, monkeypatch):
+    # Nothing timed or remembered: the per-key choice is ours while determinism is asked for.
+    monkeypatch.setattr(dispatch, "_RAN", {})
+    monkeypatch.setattr(dispatch._CACHE, "chosen", {})
+    monkeypatch.setattr(dispatch, "_deterministic", lambda: True)
+    x, w = _t(M, K, dtype=torch.float32, device=device), _t(N, K, dtype=torch.float32, device=device)
+    with dispatch.force(None):
+        linear(x, w).sum().backward()
+    assert dispatch._CACHE.chosen == {} and {r["candidate"] for r in dispatch.table()} == {"triton"}
+    assert launches["matmul"] == 3
