@@ -79,12 +79,14 @@ def run_profiles(names) -> list:
             print(f"profile {name}: spec unavailable ({mod})", flush=True)
             continue
         for case in profile_cases(mod):
-            profiles, failed = [], {}
+            profiles, failed, dispatch = [], {}, []
             for provider, factory in case.providers.items():
                 fn = None
                 try:
                     fn = factory()
                     profiles.append(harness.profile_step(provider, fn))
+                    if provider == case.ours:  # the candidates ours' steps ran (before any forced run)
+                        dispatch = fused_block.dispatch_table()
                 except Exception as exc:  # noqa: BLE001 - reported, the others still run
                     failed[provider] = harness.describe_error(exc)
                 finally:
@@ -94,7 +96,6 @@ def run_profiles(names) -> list:
             print("\n" + harness.format_profiles(title, profiles), flush=True)
             for provider, reason in failed.items():
                 print(f"  {provider}: unavailable ({reason})", flush=True)
-            dispatch = fused_block.dispatch_table()
             print("\nGEMM dispatch (fused_block.dispatch_table()):\n" + fused_block.dispatch.format_table(dispatch),
                   flush=True)
             records.append({"spec": name, "op": case.op, "shape": dict(case.shape),

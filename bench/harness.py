@@ -229,6 +229,22 @@ def unavailable_row(op: str, reason: str, case: str = "-") -> dict:
     return {"op": op, "case": case, "dtype": "-", "tensor": "-", "unavailable": reason}
 
 
+# A provider named ``<ours>[triton]`` (profile cases): ours with every GEMM on our fused kernel
+# (``fused_block.dispatch.force("triton")``), beside ours with the per-key choice.
+TRITON_ONLY = "[triton]"
+
+
+def gemm_scope(provider: str):
+    """The context a provider's step runs in: every GEMM forced onto our kernel for a
+    ``...[triton]`` provider, nothing otherwise."""
+    import contextlib
+
+    if provider.endswith(TRITON_ONLY):
+        from fused_block import dispatch
+        return dispatch.force("triton")
+    return contextlib.nullcontext()
+
+
 def describe_error(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:200]

@@ -115,11 +115,12 @@ def test_profile_cases_of_the_specs():
     from bench.specs import block, hf, norm
 
     (case,) = main.profile_cases(block)
-    assert case.mode == "fwd+bwd" and list(case.providers) == ["fused_block", "eager", "torch.compile"]
+    assert case.mode == "fwd+bwd"
+    assert list(case.providers) == ["fused_block", "fused_block[triton]", "eager", "torch.compile"]
     assert case.shape["d_model"] == 1024 and case.shape["batch"] == 8
     (case,) = main.profile_cases(hf)
     assert case.op == "hf_train" and case.shape["model"] == "llama-1b" and case.shape["n_layer"] == 4
-    assert list(case.providers)[:3] == ["fused_block", "eager", "torch.compile"]
+    assert list(case.providers)[:4] == ["fused_block", "fused_block[triton]", "eager", "torch.compile"]
     assert ("liger" in case.providers) == hf.liger_available()
     default = main.profile_cases(norm)  # no profile_cases(): its first quick training case
     assert len(default) <= 1 and all(c.mode == "fwd+bwd" for c in default)
@@ -155,3 +156,14 @@ def test_liger_replacements_are_scoped_to_its_steps(monkeypatch):
     with scope():
         assert modeling_llama.apply_rotary_pos_emb is fake_rope and modeling_llama.LigerOnly == 1
     assert modeling_llama.apply_rotary_pos_emb is original and not hasattr(modeling_llama, "LigerOnly")
+
+
+def test_triton_only_providers_force_our_gemm():
+    from fused_block import dispatch
+
+    before = dispatch._FORCE
+    with harness.gemm_scope("fused_block[triton]"):
+        assert dispatch._FORCE == "triton"
+    assert dispatch._FORCE == before
+    with harness.gemm_scope("fused_block"):
+        assert dispatch._FORCE == before

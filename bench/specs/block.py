@@ -41,7 +41,8 @@ T = batch * seq tokens, plus attention ``4 B L^2 d`` (QK^T and PV); backward is 
 forward, so ``fwd+bwd`` counts 3x. Norms, bias, activations and dropout are not counted.
 
 ``profile_cases()`` (``python -m bench --profile block``): the Pre-LN GPT-2-medium training step,
-dropout 0, for fused_block, eager and torch.compile.
+dropout 0, for fused_block (also as ``fused_block[triton]``: every GEMM on our fused kernel), eager
+and torch.compile.
 
 Targets on an H200 (from issue 12; a benchmark, not a test): a training step at least 1.3x
 faster than eager and 1.05x faster than torch.compile, peak memory at most 0.8x eager's, for
@@ -111,7 +112,7 @@ def _train_factory(provider, norm_first, dropout, shape):
 
         def step(inputs):
             x, dy = inputs
-            with _fastpath(False):
+            with _fastpath(False), harness.gemm_scope(provider):
                 return torch.autograd.grad(fn(x), (x,) + params, dy)
         return harness.rotating(make, step, 2 * dims[0] * dims[1] * dims[2] * 2)
     return factory
@@ -155,12 +156,13 @@ def _op(norm, dropout):
     return f"block_{norm}" + (f"_p{dropout:g}" if dropout else "")
 
 
-PROFILE_PROVIDERS = ("fused_block", "eager", "torch.compile")
+PROFILE_PROVIDERS = ("fused_block", "fused_block[triton]", "eager", "torch.compile")
 
 
 def profile_cases() -> list:
     """``python -m bench --profile block``: the Pre-LN GPT-2-medium training step without dropout
-    (the issue's case), ours beside eager and torch.compile."""
+    (the issue's case), ours (with the per-key GEMM choice, and with every GEMM on our kernel:
+    ``[triton]``) beside eager and torch.compile."""
     shape = SHAPES["gpt2-medium"]
     providers = {p: _train_factory(p, True, 0.0, shape) for p in PROFILE_PROVIDERS}
     return [Case(op=_op("pre_ln", 0.0), shape={"model": "gpt2-medium", **shape}, dtype=DTYPE, mode="fwd+bwd",

@@ -36,7 +36,8 @@ Every provider's peak memory (``torch.cuda.max_memory_allocated`` over one step,
 model, inputs and state allocated before it) is reported beside its time.
 
 ``profile_cases()`` (``python -m bench --profile hf``): the llama-1b training step at its
-``--quick`` size (4 layers), for every provider.
+``--quick`` size (4 layers), for every provider and ``fused_block[triton]`` (every GEMM on our
+fused kernel: what the GEMM dispatch changes).
 
 Ops and modes:
 
@@ -181,7 +182,7 @@ def _provider(provider, spec, mode, quick):
         model = _model(spec["arch"], spec["n_layer"], "cuda")
         vocab = model.config.vocab_size
         scope = contextlib.nullcontext
-        if provider == "fused_block":
+        if provider.startswith("fused_block"):
             fused_block.convert(model)
         elif provider == "liger":
             scope = _liger(model, spec["arch"])
@@ -196,7 +197,7 @@ def _provider(provider, spec, mode, quick):
                 torch.randint(0, vocab, (spec["train_batch"], spec["target"]), device="cuda")
 
             def step():  # a step reads every weight and far more activations than L2 holds
-                with scope():
+                with scope(), harness.gemm_scope(provider):
                     return torch.autograd.grad(fn(ids, labels=labels).loss, params)
             return step
         model.eval()
@@ -238,8 +239,14 @@ def cases(quick: bool) -> list:
 
 
 def profile_cases() -> list:
-    """``python -m bench --profile hf``: llama-1b's training step at its ``--quick`` size."""
-    return [c for c in cases(True) if c.op == "hf_train" and c.shape["model"] == "llama-1b"]
+    """``python -m bench --profile hf``: llama-1b's training step at its ``--quick`` size, every
+    provider, and ours with every GEMM on our fused kernel (``fused_block[triton]``)."""
+    (case,) = [c for c in cases(True) if c.op == "hf_train" and c.shape["model"] == "llama-1b"]
+    spec = dict(MODELS["llama-1b"], **QUICK["llama-1b"])
+    providers = dict(case.providers)
+    case.providers = {"fused_block": providers.pop("fused_block"),
+                      "fused_block[triton]": _provider("fused_block[triton]", spec, "fwd+bwd", True), **providers}
+    return [case]
 
 
 def _meta_model(spec):
