@@ -53,13 +53,64 @@ def parse_args(argv):
                    help="on a GPU: start no further case of a spec after this many seconds in it "
                         "(those cases are recorded as not run), so every spec gets its turn; what a "
                         "spec leaves unused goes to the next")
+    p.add_argument("--profile", default=None, metavar="SPEC[,SPEC]",
+                   help="on a GPU: one training step of each named spec's profile case (block, hf) under "
+                        "torch.profiler, for ours, eager and torch.compile (and Liger where installed): every "
+                        "kernel with calls, time and share of the step, printed and written to the results "
+                        "JSON; alone it runs only the profiles (<stem>-profile.json), with --only after the "
+                        "timings")
     args = p.parse_args(argv)
-    args.only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    if args.only:
-        unknown = [s for s in args.only if s not in specs.names()]
+    for opt in ("only", "profile"):
+        value = getattr(args, opt)
+        value = [s.strip() for s in value.split(",") if s.strip()] if value else None
+        setattr(args, opt, value)
+        unknown = [s for s in value or () if s not in specs.names()]
         if unknown:
-            p.error(f"--only: no spec named {', '.join(unknown)} (available: {', '.join(specs.names())})")
+            p.error(f"--{opt}: no spec named {', '.join(unknown)} (available: {', '.join(specs.names())})")
     return args
+
+
+def profile_cases(mod) -> list:
+    """A spec's cases to profile: its ``profile_cases()``, or its first quick training-step case."""
+    if hasattr(mod, "profile_cases"):
+        return mod.profile_cases()
+    return [c for c in mod.cases(True) if c.mode == "fwd+bwd"][:1]
+
+
+def run_profiles(names) -> list:
+    """Profile one step of each provider of each named spec's profile cases (CUDA), printing the
+    tables; returns the records for the results JSON (with the GEMM dispatch table)."""
+    import fused_block
+
+    records = []
+    for name, mod in specs.discover(names).items():
+        if isinstance(mod, str):
+            print(f"profile {name}: spec unavailable ({mod})", flush=True)
+            continue
+        for case in profile_cases(mod):
+            profiles, failed, dispatch = [], {}, []
+            for provider, factory in case.providers.items():
+                fn = None
+                try:
+                    fn = factory()
+                    profiles.append(harness.profile_step(provider, fn))
+                    if provider == case.ours:  # the candidates ours' steps ran (before any forced run)
+                        dispatch = fused_block.dispatch_table()
+                except Exception as exc:  # noqa: BLE001 - reported, the others still run
+                    failed[provider] = harness.describe_error(exc)
+                finally:
+                    del fn
+                    harness._free()
+            title = f"{case.op} {case.label} {harness.dtype_name(case.dtype)} {case.mode}"
+            print("\n" + harness.format_profiles(title, profiles), flush=True)
+            for provider, reason in failed.items():
+                print(f"  {provider}: unavailable ({reason})", flush=True)
+            print("\nGEMM dispatch (fused_block.dispatch_table()):\n" + fused_block.dispatch.format_table(dispatch),
+                  flush=True)
+            records.append({"spec": name, "op": case.op, "shape": dict(case.shape),
+                            "dtype": harness.dtype_name(case.dtype), "mode": case.mode, "profiles": profiles,
+                            "unavailable": failed, "dispatch": dispatch})
+    return records
 
 
 def print_reports(found: dict, quick: bool) -> None:
@@ -214,6 +265,8 @@ def run_cpu(args, found) -> int:
             print(compile_table(args.only))
         except Exception as exc:  # noqa: BLE001
             print(f"compile table unavailable: {harness.describe_error(exc)}")
+    if args.profile:
+        print("\n--profile needs an NVIDIA GPU (torch.cuda.is_available() is False): nothing profiled.")
     failed = [r for r in rows if r.get("ok") is False]
     print(f"\nnumerics: {sum(r.get('ok') is True for r in rows)} pass, {len(failed)} fail, "
           f"{sum('unavailable' in r for r in rows)} unavailable")
@@ -264,18 +317,22 @@ def run_cuda(args, found) -> int:
                 else:
                     rate = f"{m.gbps:.0f} GB/s" if m.gbps is not None else (
                         f"{m.tflops:.1f} TFLOP/s" if m.tflops is not None else "")
-                    print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: {m.ms:.4f} ms {rate}", flush=True)
+                    mem = "" if m.peak_mem_bytes is None else f", peak {m.peak_mem_bytes / 2**20:.0f} MiB"
+                    print(f"  {m.op} {m.label} {m.dtype} {m.mode} {m.provider}: {m.ms:.4f} ms {rate}{mem}", flush=True)
             env["seconds"]["specs"][name] = round(time.monotonic() - start, 1)
             # Rewritten after each case so a run cut short still leaves what it measured.
             harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
         print(f"spec {name}: done in {env['seconds']['specs'].get(name, 0.0):.0f} s", flush=True)
         if budget is not None:
             carry = max(0.0, budget - (time.monotonic() - start))
+    profiles = run_profiles(args.profile) if args.profile else ()
     try:
-        paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick)
+        paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick,
+                                      profiles=profiles)
     except Exception as exc:  # noqa: BLE001 - e.g. matplotlib missing: keep the tables
         print(f"plots failed: {harness.describe_error(exc)}")
-        paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False)
+        paths = harness.write_results(args.out, env, ceilings, measurements, rows, quick=args.quick, plots=False,
+                                      profiles=profiles)
     print()
     print(format_summary(measurements, ours, color=_use_color()))
     print()
@@ -287,9 +344,29 @@ def run_cuda(args, found) -> int:
     return 1 if any(r.get("ok") is False for r in rows) else 0
 
 
+def run_profile_only(args) -> int:
+    """``--profile`` without ``--only``: the profiles alone, in ``<stem>-profile.json``."""
+    if not CUDA:
+        print("--profile needs an NVIDIA GPU (torch.cuda.is_available() is False): nothing profiled.")
+        return 2
+    env = harness.environment()
+    print(f"{env['gpu']}: driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
+          f"triton {env['triton']}", flush=True)
+    start = time.monotonic()
+    profiles = run_profiles(args.profile)
+    env["seconds"] = {"profiles": round(time.monotonic() - start, 1)}
+    paths = harness.write_results(args.out, env, {}, [], quick=args.quick, plots=False, profiles=profiles,
+                                  suffix="-profile")
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     harness.QUICK = args.quick
+    if args.profile and not args.only:
+        harness.QUICK = True  # profile cases compile with torch.compile's default mode
+        return run_profile_only(args)
     found = specs.discover(args.only)
     return run_cuda(args, found) if CUDA else run_cpu(args, found)
 

@@ -229,6 +229,22 @@ def unavailable_row(op: str, reason: str, case: str = "-") -> dict:
     return {"op": op, "case": case, "dtype": "-", "tensor": "-", "unavailable": reason}
 
 
+# A provider named ``<ours>[triton]`` (profile cases): ours with every GEMM on our fused kernel
+# (``fused_block.dispatch.force("triton")``), beside ours with the per-key choice.
+TRITON_ONLY = "[triton]"
+
+
+def gemm_scope(provider: str):
+    """The context a provider's step runs in: every GEMM forced onto our kernel for a
+    ``...[triton]`` provider, nothing otherwise."""
+    import contextlib
+
+    if provider.endswith(TRITON_ONLY):
+        from fused_block import dispatch
+        return dispatch.force("triton")
+    return contextlib.nullcontext()
+
+
 def describe_error(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:200]
@@ -360,6 +376,119 @@ def format_numerics_times(seconds: dict, budget: float = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# kernel profiles of one step (python -m bench --profile SPEC)
+# ---------------------------------------------------------------------------------------------
+
+# Kernel name -> category, the first pattern that matches (case-insensitive): the summary that
+# puts providers side by side. Our Triton kernels, cuBLAS/CUTLASS/cuDNN, SDPA's flash and
+# inductor's generated kernels (triton_tem_fused_mm... templates are GEMMs).
+PROFILE_CATEGORIES = (
+    ("attention", r"attn|flash|fmha|sdpa|scaled_dot"),
+    ("gemm", r"gemm|matmul|_mm_|_mm$|addmm|bmm|cutlass|cublas|nvjet|xmma|wgmma|splitk"),
+    ("norm", r"norm"),
+    ("loss", r"cross_entropy|nll_loss|log_softmax|_lce|linear_ce"),
+    ("copy/fill", r"memcpy|memset|copy|fill|cat_|catarray"),
+)
+
+
+def kernel_category(name: str) -> str:
+    for cat, pattern in PROFILE_CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return cat
+    return "elementwise/other"
+
+
+def kernel_rows(events) -> list:
+    """``[{kernel, category, calls, us, share}]`` from ``(name, microseconds)`` events, one row
+    per kernel name, the longest first; ``share`` is its fraction of all the events' time."""
+    by_name = {}
+    for name, us in events:
+        row = by_name.setdefault(name, {"kernel": name, "category": kernel_category(name), "calls": 0, "us": 0.0})
+        row["calls"] += 1
+        row["us"] += float(us)
+    total = sum(r["us"] for r in by_name.values())
+    rows = sorted(by_name.values(), key=lambda r: -r["us"])
+    for r in rows:
+        r["share"] = r["us"] / total if total else 0.0
+    return rows
+
+
+def summarize_profile(provider: str, rows: list, step_ms: float | None) -> dict:
+    """One provider's profile: its kernel rows, the totals and the time per category."""
+    cats = {}
+    for r in rows:
+        c = cats.setdefault(r["category"], {"calls": 0, "us": 0.0})
+        c["calls"] += r["calls"]
+        c["us"] += r["us"]
+    return {"provider": provider, "step_ms": step_ms, "kernel_ms": sum(r["us"] for r in rows) / 1e3,
+            "launches": sum(r["calls"] for r in rows), "distinct": len(rows), "categories": cats, "kernels": rows}
+
+
+def profile_events(prof, device_type: str) -> list:
+    """``(name, us)`` of a ``torch.profiler`` run's device activity: every kernel, memcpy and
+    memset on CUDA (their durations; they do not nest), or on the CPU every op's self time
+    (ops nest there: self time counts each microsecond once)."""
+    from torch.autograd import DeviceType
+
+    if device_type == "cuda":
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type == DeviceType.CPU]
+
+
+def profile_step(provider: str, fn, *, warmup: int = 3) -> dict:
+    """Run ``fn`` (one step) ``warmup`` times, then once under ``torch.profiler`` (CUDA activity
+    on a GPU, CPU ops otherwise): :func:`summarize_profile` of that one step, with its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) * 1e3
+    return summarize_profile(provider, kernel_rows(profile_events(prof, "cuda" if cuda else "cpu")), step_ms)
+
+
+def format_profiles(title: str, profiles: list, top: int = 40) -> str:
+    """A case's profiles: the providers side by side (step wall time, kernel time, launches,
+    time per category), then each provider's kernels (calls, us, share of the step's kernel
+    time), the longest ``top`` (the rest summed in one line)."""
+    names = [p["provider"] for p in profiles]
+    width = max([22] + [len(n) + 2 for n in names])
+    lines = [f"== profile: {title} ==", f"{'':<26}" + "".join(f"{n:>{width}}" for n in names)]
+
+    def row(label, values):
+        lines.append(f"{label:<26}" + "".join(f"{v:>{width}}" for v in values))
+
+    row("step wall ms", [_fmt(p["step_ms"], ".3f") for p in profiles])
+    row("GPU kernels ms", [f"{p['kernel_ms']:.3f}" for p in profiles])
+    row("launches", [str(p["launches"]) for p in profiles])
+    row("distinct kernels", [str(p["distinct"]) for p in profiles])
+    cats = list(dict.fromkeys(c for p in profiles
+                              for c in sorted(p["categories"], key=lambda c: -p["categories"][c]["us"])))
+    for c in cats:
+        row(f"{c} ms (n)", [f"{p['categories'][c]['us'] / 1e3:.3f} ({p['categories'][c]['calls']})"
+                            if c in p["categories"] else "-" for p in profiles])
+    for p in profiles:
+        lines += ["", f"-- {p['provider']}: {p['launches']} launches, {p['kernel_ms']:.3f} ms of kernels --",
+                  f"{'calls':>6} {'us':>10} {'share':>6}  {'category':<17} kernel"]
+        for r in p["kernels"][:top]:
+            lines.append(f"{r['calls']:>6} {r['us']:>10.1f} {100 * r['share']:>5.1f}%  {r['category']:<17} "
+                         f"{r['kernel'][:160]}")
+        rest = p["kernels"][top:]
+        if rest:
+            lines.append(f"{sum(r['calls'] for r in rest):>6} {sum(r['us'] for r in rest):>10.1f} "
+                         f"{100 * sum(r['share'] for r in rest):>5.1f}%  {'':<17} ({len(rest)} more kernels)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # environment and results files
 # ---------------------------------------------------------------------------------------------
 
@@ -448,12 +577,17 @@ def format_numerics(rows) -> str:
 
 
 def write_results(out_dir: str, env: dict, ceilings: dict, measurements: list, numerics: list = (),
-                  *, quick: bool = False, plots: bool = True) -> list:
-    """Write the JSON, the markdown table and the plots; returns the paths written."""
+                  *, quick: bool = False, plots: bool = True, profiles: list = (), suffix: str = "") -> list:
+    """Write the JSON, the markdown table and the plots; returns the paths written. ``profiles``
+    (``python -m bench --profile``): one dict per profiled case, ``{"op", "shape", "profiles":
+    [summarize_profile(...) per provider], "dispatch": fused_block.dispatch_table()}``, kept
+    under the JSON's ``"profiles"``; ``suffix`` goes after the file stem."""
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, results_stem(env, quick))
+    stem = os.path.join(out_dir, results_stem(env, quick) + suffix)
     data = {"environment": env, "quick": quick, "ceilings": ceilings,
             "measurements": [dataclasses.asdict(m) for m in measurements], "numerics": list(numerics)}
+    if profiles:
+        data["profiles"] = list(profiles)
     paths = [stem + ".json", stem + ".md"]
     with open(paths[0], "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)

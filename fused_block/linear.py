@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fused_block import _backend, _library, _validate, reference
+from fused_block.dispatch import gemm as _gemm
 from fused_block.kernels import common
 from fused_block.kernels import matmul as _k
 
@@ -84,7 +85,7 @@ def _linear_forward(x, weight, bias, residual, lora_u, lora_b, activation, save_
     out = common.empty((*x.shape[:-1], weight.shape[0]), _out_dtype(x, residual), x.device)
     pre = _empty(out.shape, x.dtype, x.device, store)
     with _backend.device_guard(x):
-        _k.gemm(x, weight, out, bias=bias, residual=residual, aux=pre if store else None,
+        _gemm("linear.fwd", x, weight, out, bias=bias, residual=residual, aux=pre if store else None,
                 store_pre=store, activation=_code(activation), seed=seed, dropout_p=dropout_p,
                 lora_a=lora_u, lora_b=None if lora_b is None else lora_b.t(), transpose_b=True)
     return out, pre
@@ -135,22 +136,22 @@ def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropou
             dpre, part = _k.act_grad(g, pre, act, dbias=need_b, store_dpre=need_x or need_w or need_u or need_lb,
                                      seed=seed, dropout_p=dropout_p)
         if need_x:
-            _k.gemm(dpre, weight, dx)
+            _gemm("linear.dx", dpre, weight, dx)
         if need_w:
             rowsum = need_b and part is None  # dB = colsum(dY) from the dW GEMM's reads of dY
             if rowsum:
                 part = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), N), torch.float32, g.device)
-            _k.gemm(dpre, x, dw, part=part if rowsum else None, rowsum=rowsum, transpose_a=True)
+            _gemm("linear.dw", dpre, x, dw, part=part if rowsum else None, rowsum=rowsum, transpose_a=True)
         elif need_b and part is None:
             part = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_b:
             db = _k.reduce_partials(part, g.dtype)[0]
         if need_u:  # the low-rank pair's gradients: dU = dPre @ B, dB = dPre.T @ U (small GEMMs)
             du = common.empty(lora_u.shape, g.dtype, g.device)
-            _k.gemm(dpre, lora_b, du)
+            _gemm("lora.du", dpre, lora_b, du)
         if need_lb:
             dlb = common.empty(lora_b.shape, g.dtype, g.device)
-            _k.gemm(dpre, lora_u, dlb, transpose_a=True)
+            _gemm("lora.dB", dpre, lora_u, dlb, transpose_a=True)
     db = db if need_b else g.new_empty(0)
     if lora_u is None:  # linear_bwd's three outputs
         return dx, dw, db
@@ -207,7 +208,7 @@ def _gated_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor]
     pre = common.empty((M, 2 * F), x.dtype, x.device) if save_pre else None
     lora = lora_u is not None
     with _backend.device_guard(x):
-        _k.gemm(x, w_gate, h, b2=w_up, bias=b_gate, bias2=b_up, aux=pre,
+        _gemm("gated.fwd", x, w_gate, h, b2=w_up, bias=b_gate, bias2=b_up, aux=pre,
                 aux2=pre[:, F:] if pre is not None else None, store_pre=save_pre, round_pre=True,
                 activation=_code(activation),
                 seed=seed, dropout_p=dropout_p, lora_a=lora_u, lora_b=lora_b_gate.t() if lora else None,
@@ -246,15 +247,15 @@ def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: O
         dpre, part = _k.act_grad(g, pre[:, :F], _code(activation), pre2=pre[:, F:], dbias=need_b, seed=seed,
                                  dropout_p=dropout_p)
         if need_x:
-            _k.gemm(dpre[:, :F], w_gate, dx, a2=dpre[:, F:], b2=w_up)
+            _gemm("gated.dx", dpre[:, :F], w_gate, dx, a2=dpre[:, F:], b2=w_up)
         if need_w:
-            _k.gemm(dpre, x, dw, transpose_a=True)  # [dWg; dWu] = [dGate | dUp].T @ x: one GEMM
+            _gemm("gated.dw", dpre, x, dw, transpose_a=True)  # [dWg; dWu] = [dGate | dUp].T @ x: one GEMM
         if need_b:
             db = _k.reduce_partials(part, dt)[0]
         if need_u:
-            _k.gemm(dpre[:, :F], lora_b_gate, du, a2=dpre[:, F:], b2=lora_b_up)
+            _gemm("gated.lora.du", dpre[:, :F], lora_b_gate, du, a2=dpre[:, F:], b2=lora_b_up)
         if need_lb:
-            _k.gemm(dpre, lora_u, dlb, transpose_a=True)
+            _gemm("gated.lora.dB", dpre, lora_u, dlb, transpose_a=True)
     return dx, dw, db if need_b else g.new_empty(0), du, dlb
 
 
@@ -285,11 +286,11 @@ def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor
     pre = common.empty((M, 2 * F if swiglu else F), x.dtype, x.device) if save == SAVE_PRE else None
     out = common.empty((*x.shape[:-1], w2.shape[0]), _out_dtype(x, residual), x.device)
     with _backend.device_guard(x):
-        _k.gemm(x, w1, h, b2=w1_up if swiglu else None, bias=b1, bias2=b1_up if swiglu else None,
+        _gemm("ffn.fc1", x, w1, h, b2=w1_up if swiglu else None, bias=b1, bias2=b1_up if swiglu else None,
                 aux=pre, aux2=pre[:, F:] if swiglu and pre is not None else None, store_pre=pre is not None,
                 round_pre=activation != "none", activation=_code(activation), seed=seed, dropout_p=dropout_p,
                 transpose_b=True)
-        _k.gemm(h, w2, out, bias=b2, residual=residual, seed=output_seed, dropout_p=output_dropout_p,
+        _gemm("ffn.fc2", h, w2, out, bias=b2, residual=residual, seed=output_seed, dropout_p=output_dropout_p,
                 transpose_b=True)
     if save == SAVE_PRE:
         return out, pre
@@ -338,23 +339,23 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
                 h = common.empty((M, F), dt, dev)  # recomputed from pre in the epilogue
             if need_b1:
                 part1 = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), F1), torch.float32, dev)
-            _k.gemm(g, w2, dpre, c2=dpre[:, F:] if swiglu else None, aux=pre,
+            _gemm("ffn.dh", g, w2, dpre, c2=dpre[:, F:] if swiglu else None, aux=pre,
                     aux2=pre[:, F:] if swiglu else None, hout=h if save == SAVE_PRE and need_w2 else None,
                     part=part1, seed=seed, dropout_p=dropout_p, activation=_code(activation), act_grad=True)
         if need_w2:
             rowsum = need_b2 and part2 is None
             if rowsum:
                 part2 = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), D2), torch.float32, dev)
-            _k.gemm(g, h, dw2, part=part2 if rowsum else None, rowsum=rowsum, transpose_a=True)
+            _gemm("ffn.dw2", g, h, dw2, part=part2 if rowsum else None, rowsum=rowsum, transpose_a=True)
         elif need_b2 and part2 is None:
             part2 = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_w1:
-            _k.gemm(dpre, x, dw1, transpose_a=True)
+            _gemm("ffn.dw1", dpre, x, dw1, transpose_a=True)
         if need_x:
             if swiglu:
-                _k.gemm(dpre[:, :F], w1, dx, a2=dpre[:, F:], b2=w1_up)
+                _gemm("ffn.dx", dpre[:, :F], w1, dx, a2=dpre[:, F:], b2=w1_up)
             else:
-                _k.gemm(dpre, w1, dx)
+                _gemm("ffn.dx", dpre, w1, dx)
         db1 = db2 = None
         if need_b1 and need_b2:
             db1, db2 = _k.reduce_partials(part1, dt, part2)

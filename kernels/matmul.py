@@ -625,10 +625,10 @@ def _gemm_kernel(
 
 @triton.jit
 def _act_grad_kernel(
-    G, PRE, PRE2, DPRE, DPRE2, PART, SEED,
+    G, PRE, PRE2, DPRE, DPRE2, PART, HOUT, SEED,
     M, N, stride_gm, stride_gn, stride_pm, stride_pn, stride_dm, drop_thresh, drop_scale,
     ACTIVATION: tl.constexpr, STORE_DPRE: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_H: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dPre = G * keep / (1 - p) * act'(PRE) on (BLOCK_M, 64) tiles (the keep factor, the GEMM
     epilogue's regenerated dropout mask, only with ``HAS_DROPOUT``); PART row pid_m gets its
@@ -639,6 +639,10 @@ def _act_grad_kernel(
     and up pre-activations (PRE's strides), DPRE and DPRE2 get dGate and dUp (row stride
     stride_dm, as dPre: the halves of one (M, 2N) buffer), PART
     (cdiv(M, BLOCK_M), 2N) their column sums side by side, as the GEMM epilogue lays them out.
+
+    ``STORE_H``: HOUT ((M, N) contiguous) gets the hidden activation recomputed from PRE (and
+    PRE2), with the forward's dropout: the GEMM epilogue's STORE_H, for a product computed
+    elsewhere (``fused_block.dispatch``'s cuBLAS candidate of an FFN's dH GEMM).
     """
     pid_m = tl.program_id(0)
     c64 = tl.program_id(1) * 64
@@ -650,6 +654,7 @@ def _act_grad_kernel(
     PRE2 += row0 * stride_pm
     DPRE += row0 * stride_dm
     DPRE2 += row0 * stride_dm
+    HOUT += row0 * N
     FAST: tl.constexpr = DPRE.dtype.element_ty != tl.float32
     if ACTIVATION >= 4:
         PART_W = 2 * N
@@ -662,7 +667,8 @@ def _act_grad_kernel(
         mask = mask_m[:, None] & (rn < N)[None, :]
         d = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            d = tl.where(_keep(words[j], drop_thresh), d * drop_scale, 0.0)
+            keep = _keep(words[j], drop_thresh)
+            d = tl.where(keep, d * drop_scale, 0.0)
         offs = rm[:, None] * stride_pm + rn[None, :] * stride_pn
         if ACTIVATION >= 4:
             g = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
@@ -670,18 +676,68 @@ def _act_grad_kernel(
             dact, act = _gate_grad(g, ACTIVATION, FAST)
             du = d * act
             d = d * u * dact
+            h = act * u
             tl.store(DPRE2 + rm[:, None] * stride_dm + rn[None, :], common.cast(du, DPRE2.dtype.element_ty,
                                                                                   INTERPRET), mask=mask)
             if HAS_DBIAS:
                 tl.store(PART + pid_m.to(tl.int64) * PART_W + N + rn, tl.sum(du, axis=0), mask=rn < N)
         elif ACTIVATION != 0:
             pre = tl.load(PRE + offs, mask=mask, other=0.0)
-            d = d * _act_grad(pre.to(tl.float32), ACTIVATION, FAST)[0]
+            dact, h = _act_grad(pre.to(tl.float32), ACTIVATION, FAST)
+            d = d * dact
+        if STORE_H:
+            if HAS_DROPOUT:
+                h = tl.where(keep, h * drop_scale, 0.0)
+            tl.store(HOUT + rm[:, None] * N + rn[None, :], common.cast(h, HOUT.dtype.element_ty, INTERPRET),
+                     mask=mask)
         if STORE_DPRE:
             tl.store(DPRE + rm[:, None] * stride_dm + rn[None, :], common.cast(d, DPRE.dtype.element_ty, INTERPRET),
                      mask=mask)
         if HAS_DBIAS:
             tl.store(PART + pid_m.to(tl.int64) * PART_W + rn, tl.sum(d, axis=0), mask=rn < N)
+
+
+@triton.jit
+def _epilogue_kernel(
+    PRE, PRE2, RES, C, SEED,
+    M, N, stride_pm, stride_rm, stride_rn, stride_cm, drop_thresh, drop_scale,
+    ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """``C = dropout(act(PRE)) + RES`` on (BLOCK_M, 64) tiles: the forward epilogue of a product
+    computed elsewhere (cuBLAS, ``fused_block.dispatch``), PRE its output in the input dtype.
+    Gated (``ACTIVATION >= 4``): ``act(PRE) * PRE2`` (SwiGLU's SiLU, GeGLU's tanh GELU of the
+    gate; PRE2 with PRE's strides). The dropout mask is the GEMM epilogue's (the same Philox
+    words per (seed, row, column)), so the backward regenerates it either way."""
+    pid_m = tl.program_id(0)
+    c64 = tl.program_id(1) * 64
+    rm = tl.arange(0, BLOCK_M)
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    mask_m = rm < M - row0
+    PRE += row0 * stride_pm
+    PRE2 += row0 * stride_pm
+    RES += row0 * stride_rm
+    C += row0 * stride_cm
+    FAST: tl.constexpr = C.dtype.element_ty != tl.float32
+    if HAS_DROPOUT:
+        words = _drop_words(tl.load(SEED), row0 + rm, c64)
+    for j in tl.static_range(4):
+        rn = c64 + 16 * j + tl.arange(0, 16)
+        mask = mask_m[:, None] & (rn < N)[None, :]
+        offs = rm[:, None] * stride_pm + rn[None, :]
+        x = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION == 4:
+            y = x * _sigmoid(x, FAST) * tl.load(PRE2 + offs, mask=mask, other=0.0).to(tl.float32)
+        elif ACTIVATION == 5:
+            y = _act(x, 2, FAST) * tl.load(PRE2 + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            y = _act(x, ACTIVATION, FAST)
+        if HAS_DROPOUT:
+            y = tl.where(_keep(words[j], drop_thresh), y * drop_scale, 0.0)
+        if HAS_RESIDUAL:
+            y += tl.load(RES + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=mask,
+                         other=0.0).to(tl.float32)
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :], common.cast(y, C.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit
@@ -1155,7 +1211,8 @@ def _constexprs(key, cfg, even_k, even_mn):
     return out
 
 
-def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None):
+def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dropout_p=0.0, pre2=None, out=None,
+             part=None, hout=None):
     """``dPre = g * keep / (1 - p) * act'(pre)`` (elementwise) and, if ``dbias``, its fp32
     partial column sums (cdiv(M, PARTIAL_ROWS), N). The keep factor (``dropout_p > 0``) is
     the mask the GEMM epilogue drew from ``seed``. SwiGLU (``activation == SWIGLU``): ``pre``
@@ -1164,13 +1221,25 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
 
     g and pre (M, N), any strides, or contiguous of another rank (their rows: :func:`_mat`; pre
     unused when ``activation`` is 0). Returns ``(dpre, part)``: dpre (M, width) contiguous in g's
-    dtype (None unless ``store_dpre``), part or None.
+    dtype (None unless ``store_dpre``), part or None. ``out`` (M, width) with a unit column stride
+    and ``part`` (fp32, (cdiv(M, PARTIAL_ROWS), width) contiguous): buffers to write instead of
+    new ones (a GEMM's outputs, when cuBLAS computed the product: ``fused_block.dispatch``);
+    ``hout`` ((M, N) contiguous, with an activation): the hidden activation recomputed from
+    pre, the forward's dropout applied (the GEMM's ``hout``).
     """
     (M, N), sg = _mat(g)
+    if hout is not None and not activation:
+        raise ValueError("act_grad: hout (the recomputed hidden activation) needs an activation")
     swiglu = activation in GATED
     width = 2 * N if swiglu else N
-    dpre = common.empty((M, width), g.dtype, g.device) if store_dpre or swiglu else None
-    part = common.empty((common.cdiv(M, PARTIAL_ROWS), width), torch.float32, g.device) if dbias else None
+    if out is not None:
+        dpre = out if out.dim() == 2 else out.view(M, width)
+    else:
+        dpre = common.empty((M, width), g.dtype, g.device) if store_dpre or swiglu else None
+    if dbias and part is None:
+        part = common.empty((common.cdiv(M, PARTIAL_ROWS), width), torch.float32, g.device)
+    elif not dbias:
+        part = None
     if M == 0 or N == 0:
         return dpre, part
     pre_t = pre if pre is not None else g
@@ -1182,17 +1251,18 @@ def act_grad(g, pre, activation, *, dbias=False, store_dpre=True, seed=None, dro
     d1, d2 = (out[:, :N], out[:, N:]) if swiglu else (out, out)
     common.launch("act_grad", _act_grad_kernel, grid,
                   (g, pre_t, pre2 if swiglu else pre_t, d1, d2, part if part is not None else g,
-                   seed if has_dropout else g, M, N, *sg, *(sg if pre is None else _mat(pre_t)[1]), width,
+                   hout if hout is not None else g, seed if has_dropout else g, M, N, *sg,
+                   *(sg if pre is None else _mat(pre_t)[1]), dpre.stride(0) if dpre is not None else width,
                    drop_thresh, drop_scale),
-                  _act_grad_constexprs(activation, store_dpre or swiglu, dbias, has_dropout,
+                  _act_grad_constexprs(activation, store_dpre or swiglu, dbias, has_dropout, hout is not None,
                                        common.arch(g.device) == 0),
                   _ELEMENTWISE)
     return dpre, part
 
 
 @functools.lru_cache(maxsize=None, typed=True)  # typed: 1 and True are other constexprs
-def _act_grad_constexprs(activation, store_dpre, dbias, dropout, interpret):
-    return dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=dropout,
+def _act_grad_constexprs(activation, store_dpre, dbias, dropout, store_h, interpret):
+    return dict(ACTIVATION=activation, STORE_DPRE=store_dpre, HAS_DBIAS=dbias, HAS_DROPOUT=dropout, STORE_H=store_h,
                 BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=interpret)
 
 
@@ -1200,6 +1270,36 @@ _ELEMENTWISE = common.Config.of(num_warps=4)
 
 
 _REDUCE_CONSTEXPRS = dict(BLOCK_R=REDUCE_BLOCK[0], BLOCK_N=REDUCE_BLOCK[1])
+
+
+def epilogue(pre, c, activation, *, pre2=None, residual=None, seed=None, dropout_p=0.0):
+    """``c = dropout(act(pre)) + residual`` elementwise (gated: ``act(pre) * pre2``), the
+    dropout mask the GEMM epilogue draws from ``seed``: what remains of a fused GEMM's forward
+    epilogue once another library computed the product (and added the bias) into ``pre``.
+
+    pre, pre2 (M, N) with a unit column stride (pre2 with pre's strides); c (M, N) with a unit
+    column stride, or contiguous of another rank (its rows); residual (M, N) rows, any strides.
+    """
+    (M, N), sp = _mat(pre)
+    if M == 0 or N == 0:
+        return c
+    sc = _mat(c)[1]
+    sr = (0, 0) if residual is None else _mat(residual)[1]
+    has_dropout = _has_dropout(seed, dropout_p)
+    drop_thresh, drop_scale = drop_params(dropout_p) if has_dropout else (0, 1.0)
+    grid = (common.cdiv(M, ACT_GRAD_BLOCK_M), common.cdiv(N, 64))
+    common.launch("epilogue", _epilogue_kernel, grid,
+                  (pre, pre2 if pre2 is not None else pre, residual if residual is not None else pre, c,
+                   seed if has_dropout else pre, M, N, sp[0], *sr, sc[0], drop_thresh, drop_scale),
+                  _epilogue_constexprs(activation, residual is not None, has_dropout, common.arch(pre.device) == 0),
+                  _ELEMENTWISE)
+    return c
+
+
+@functools.lru_cache(maxsize=None, typed=True)
+def _epilogue_constexprs(activation, residual, dropout, interpret):
+    return dict(ACTIVATION=activation, HAS_RESIDUAL=residual, HAS_DROPOUT=dropout, BLOCK_M=ACT_GRAD_BLOCK_M,
+                INTERPRET=interpret)
 
 
 def reduce_partials(part1, dtype, part2=None):
@@ -1433,19 +1533,35 @@ def aot_specs():
                     + ("fwd", "wgrad", "swiglu_drop", "swiglu_drop_lora", "geglu_drop", "geglu_drop_lora")):
         add(90, "16", _FALLBACK_90_CFGS["16"], variant, tma=False, even_k=False, unaligned="all")
     add(90, "16", _FALLBACK_90_CFGS["16"], "fwd", tma=False, even_k=False)
-    for act, drop in ((2, False), (2, True), (0, True), (SWIGLU, True), (GEGLU, True)):
+    for act, drop, store_h in ((2, False, False), (2, True, False), (0, True, False), (SWIGLU, True, False),
+                               (GEGLU, True, False), (1, True, True), (SWIGLU, True, True), (GEGLU, False, True)):
         specs.append(aot.KernelSpec(
-            name=f"act_grad[act={act} dbias{' dropout' if drop else ''}]", fn=_act_grad_kernel,
+            name=f"act_grad[act={act} dbias{' dropout' if drop else ''}{' store_h' if store_h else ''}]",
+            fn=_act_grad_kernel,
             signature={"G": "*bf16", "PRE": "*bf16", "PRE2": "*bf16", "DPRE": "*bf16", "DPRE2": "*bf16",
-                       "PART": "*fp32", "SEED": "*i64",
+                       "PART": "*fp32", "HOUT": "*bf16", "SEED": "*i64",
                        "M": "i32", "N": "i32", "stride_gm": "i32", "stride_gn": "constexpr",
                        "stride_pm": "i32", "stride_pn": "constexpr", "stride_dm": "i32", "drop_thresh": "i32",
                        "drop_scale": "fp32",
                        "ACTIVATION": "constexpr", "STORE_DPRE": "constexpr", "HAS_DBIAS": "constexpr",
-                       "HAS_DROPOUT": "constexpr", "BLOCK_M": "constexpr", "INTERPRET": "constexpr"},
+                       "HAS_DROPOUT": "constexpr", "STORE_H": "constexpr", "BLOCK_M": "constexpr",
+                       "INTERPRET": "constexpr"},
             constexprs=dict(stride_gn=1, stride_pn=1, ACTIVATION=act, STORE_DPRE=True, HAS_DBIAS=True,
-                            HAS_DROPOUT=drop, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
+                            HAS_DROPOUT=drop, STORE_H=store_h, BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
             num_warps=4, aligned=("N", "stride_gm", "stride_pm", "stride_dm")))
+    for act, res, drop in ((1, True, False), (2, False, True), (0, True, True), (SWIGLU, False, True),
+                           (GEGLU, False, False)):
+        specs.append(aot.KernelSpec(
+            name=f"epilogue[act={act}{' residual' if res else ''}{' dropout' if drop else ''}]",
+            fn=_epilogue_kernel,
+            signature={"PRE": "*bf16", "PRE2": "*bf16", "RES": "*bf16", "C": "*bf16", "SEED": "*i64",
+                       "M": "i32", "N": "i32", "stride_pm": "i32", "stride_rm": "i32", "stride_rn": "constexpr",
+                       "stride_cm": "i32", "drop_thresh": "i32", "drop_scale": "fp32",
+                       "ACTIVATION": "constexpr", "HAS_RESIDUAL": "constexpr", "HAS_DROPOUT": "constexpr",
+                       "BLOCK_M": "constexpr", "INTERPRET": "constexpr"},
+            constexprs=dict(stride_rn=1, ACTIVATION=act, HAS_RESIDUAL=res, HAS_DROPOUT=drop,
+                            BLOCK_M=ACT_GRAD_BLOCK_M, INTERPRET=False),
+            num_warps=4, aligned=("N", "stride_pm", "stride_rm", "stride_cm")))
     specs.append(aot.KernelSpec(
         name="bias_grad_reduce", fn=_reduce_kernel,
         signature={"P1": "*fp32", "O1": "*bf16", "R1": "i32", "N1": "i32", "P2": "*fp32", "O2": "*bf16",

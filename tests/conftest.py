@@ -45,6 +45,16 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(common, "POISON_OUTPUTS", True)
 
 
+@pytest.fixture(autouse=True)
+def gemm_candidate(monkeypatch):
+    """Every product on our fused kernel, on CUDA too (the suite tests the kernels, and their
+    launch counts do not depend on a timed choice), unless FUSED_BLOCK_GEMM names a candidate;
+    tests/test_dispatch.py forces cuBLAS and tests the per-key choice (``dispatch.force``)."""
+    from fused_block import dispatch
+
+    monkeypatch.setattr(dispatch, "_FORCE", dispatch._env_force() or dispatch.TRITON)
+
+
 # Each test draws its random inputs from torch's generator seeded by its own node id (xor this
 # base): the draws are random but do not depend on which tests ran before it in its process
 # (the order pytest-xdist gives), so a failure reproduces with the test alone. Another

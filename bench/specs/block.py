@@ -40,6 +40,10 @@ FLOPs (no ``bytes``: a block is compute bound): the matmuls, ``2 T (4 d^2 + 2 d 
 T = batch * seq tokens, plus attention ``4 B L^2 d`` (QK^T and PV); backward is twice the
 forward, so ``fwd+bwd`` counts 3x. Norms, bias, activations and dropout are not counted.
 
+``profile_cases()`` (``python -m bench --profile block``): the Pre-LN GPT-2-medium training step,
+dropout 0, for fused_block (also as ``fused_block[triton]``: every GEMM on our fused kernel), eager
+and torch.compile.
+
 Targets on an H200 (from issue 12; a benchmark, not a test): a training step at least 1.3x
 faster than eager and 1.05x faster than torch.compile, peak memory at most 0.8x eager's, for
 Pre-LN and Post-LN with dropout 0 and 0.1. Host time per step: ``python -m bench --only host``.
@@ -108,7 +112,7 @@ def _train_factory(provider, norm_first, dropout, shape):
 
         def step(inputs):
             x, dy = inputs
-            with _fastpath(False):
+            with _fastpath(False), harness.gemm_scope(provider):
                 return torch.autograd.grad(fn(x), (x,) + params, dy)
         return harness.rotating(make, step, 2 * dims[0] * dims[1] * dims[2] * 2)
     return factory
@@ -150,6 +154,19 @@ def _infer_factory(provider, norm_first, shape):
 
 def _op(norm, dropout):
     return f"block_{norm}" + (f"_p{dropout:g}" if dropout else "")
+
+
+PROFILE_PROVIDERS = ("fused_block", "fused_block[triton]", "eager", "torch.compile")
+
+
+def profile_cases() -> list:
+    """``python -m bench --profile block``: the Pre-LN GPT-2-medium training step without dropout
+    (the issue's case), ours (with the per-key GEMM choice, and with every GEMM on our kernel:
+    ``[triton]``) beside eager and torch.compile."""
+    shape = SHAPES["gpt2-medium"]
+    providers = {p: _train_factory(p, True, 0.0, shape) for p in PROFILE_PROVIDERS}
+    return [Case(op=_op("pre_ln", 0.0), shape={"model": "gpt2-medium", **shape}, dtype=DTYPE, mode="fwd+bwd",
+                 providers=providers, flops=flops(mode="fwd+bwd", **shape))]
 
 
 def cases(quick: bool) -> list:

@@ -24,6 +24,20 @@ Providers:
   ``--quick``, ``max-autotune`` in the full run) for the training step; for generation,
   transformers' own compiled decoding (``cache_implementation="static"``, which compiles the
   decoding forward).
+- ``liger`` (training steps of the models Liger-Kernel patches, LLaMA and Gemma, when
+  ``liger_kernel`` is importable): the unconverted model after ``apply_liger_kernel_to_llama`` /
+  ``apply_liger_kernel_to_gemma(model=model)`` with Liger's defaults (RoPE, RMSNorm, SwiGLU /
+  GeGLU, fused linear cross-entropy). Liger also replaces names in transformers' modeling
+  module (its RoPE function, norm and MLP classes) for every model of the family: those
+  replacements are undone right after the call and put back only around each of this
+  provider's steps, so the other providers run transformers' own code.
+
+Every provider's peak memory (``torch.cuda.max_memory_allocated`` over one step, less the
+model, inputs and state allocated before it) is reported beside its time.
+
+``profile_cases()`` (``python -m bench --profile hf``): the llama-1b training step at its
+``--quick`` size (4 layers), for every provider and ``fused_block[triton]`` (every GEMM on our
+fused kernel: what the GEMM dispatch changes).
 
 Ops and modes:
 
@@ -114,14 +128,64 @@ def seq2seq_train_flops(model, batch, src, tgt, n_layer):
     return 3 * (linears + scores)
 
 
+# Liger-Kernel's patch function per architecture (the training step's ``liger`` provider).
+LIGER = {"llama": "apply_liger_kernel_to_llama", "gemma": "apply_liger_kernel_to_gemma"}
+
+
+def liger_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _liger(model, arch):
+    """Apply Liger to ``model``; returns a context manager that puts Liger's replacements of
+    transformers' modeling-module names back for the duration of a step (they are undone here,
+    so that the other providers' models run transformers' own code)."""
+    import contextlib
+    import importlib
+
+    import liger_kernel.transformers as liger
+
+    module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    before = dict(vars(module))
+    getattr(liger, LIGER[arch])(model=model)
+    replaced = {k: v for k, v in vars(module).items() if before.get(k, object()) is not v}
+    missing = object()
+
+    def swap(values):
+        for k, v in values.items():
+            if v is missing:
+                delattr(module, k)
+            else:
+                setattr(module, k, v)
+
+    originals = {k: before.get(k, missing) for k in replaced}
+    swap(originals)
+
+    @contextlib.contextmanager
+    def patched():
+        swap(replaced)
+        try:
+            yield
+        finally:
+            swap(originals)
+    return patched
+
+
 def _provider(provider, spec, mode, quick):
     def factory():
+        import contextlib
+
         import fused_block
 
         model = _model(spec["arch"], spec["n_layer"], "cuda")
         vocab = model.config.vocab_size
-        if provider == "fused_block":
+        scope = contextlib.nullcontext
+        if provider.startswith("fused_block"):
             fused_block.convert(model)
+        elif provider == "liger":
+            scope = _liger(model, spec["arch"])
         if mode == "fwd+bwd":
             model.train()
             params = tuple(model.parameters())
@@ -133,7 +197,8 @@ def _provider(provider, spec, mode, quick):
                 torch.randint(0, vocab, (spec["train_batch"], spec["target"]), device="cuda")
 
             def step():  # a step reads every weight and far more activations than L2 holds
-                return torch.autograd.grad(fn(ids, labels=labels).loss, params)
+                with scope(), harness.gemm_scope(provider):
+                    return torch.autograd.grad(fn(ids, labels=labels).loss, params)
             return step
         model.eval()
         ids = torch.randint(0, vocab, (1, spec["prompt"]), device="cuda")
@@ -147,13 +212,19 @@ def _provider(provider, spec, mode, quick):
     return factory
 
 
+def _train_providers(spec):
+    names = ("fused_block", "eager", "torch.compile")
+    return names + (("liger",) if spec["arch"] in LIGER and liger_available() else ())
+
+
 def cases(quick: bool) -> list:
     out = []
     for name, spec in MODELS.items():
         spec = dict(spec, **(QUICK[name] if quick else {}))
         shape = {"model": name, "n_layer": spec["n_layer"]}
         for op, mode in (("hf_train", "fwd+bwd"), ("hf_generate", "fwd")):
-            providers = {p: _provider(p, spec, mode, quick) for p in ("fused_block", "eager", "torch.compile")}
+            names = _train_providers(spec) if mode == "fwd+bwd" else ("fused_block", "eager", "torch.compile")
+            providers = {p: _provider(p, spec, mode, quick) for p in names}
             if mode == "fwd+bwd":
                 case_shape = dict(shape, batch=spec["train_batch"], seq=spec["seq"])
                 if "target" in spec:
@@ -165,6 +236,17 @@ def cases(quick: bool) -> list:
                 out.append(Case(op=op, shape=case_shape, dtype=DTYPE, mode=mode, providers=providers,
                                 bytes=_count_weight_bytes(spec) * spec["new"]))
     return out
+
+
+def profile_cases() -> list:
+    """``python -m bench --profile hf``: llama-1b's training step at its ``--quick`` size, every
+    provider, and ours with every GEMM on our fused kernel (``fused_block[triton]``)."""
+    (case,) = [c for c in cases(True) if c.op == "hf_train" and c.shape["model"] == "llama-1b"]
+    spec = dict(MODELS["llama-1b"], **QUICK["llama-1b"])
+    providers = dict(case.providers)
+    case.providers = {"fused_block": providers.pop("fused_block"),
+                      "fused_block[triton]": _provider("fused_block[triton]", spec, "fwd+bwd", True), **providers}
+    return [case]
 
 
 def _meta_model(spec):

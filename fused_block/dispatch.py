@@ -1,0 +1,269 @@
+"""Per-shape choice between our fused GEMM and cuBLAS for every matrix product of the layers.
+
+Every product of :mod:`fused_block.linear` (forward and backward of ``linear``, the FFNs, the
+gated first layer, LoRA) goes through :func:`gemm`, which takes
+:func:`fused_block.kernels.matmul.gemm`'s arguments plus an op name. Two candidates:
+
+- ``"triton"``: our kernel, the product and the whole epilogue in one launch;
+- ``"cublas"``: the product on cuBLAS (``torch.mm`` / ``torch.addmm``, the bias through
+  cuBLASLt's bias epilogue; ``torch._addmm_activation`` for bias + tanh GELU (CUDA) or ReLU
+  when nothing else follows and no pre-activation is kept), then one Triton elementwise pass for
+  what remains: ``matmul.epilogue`` (activation, SwiGLU/GeGLU, dropout, residual) forward,
+  ``matmul.act_grad`` (dropout mask, act'(pre), the bias gradient's partial sums, and the
+  hidden activation recomputed for the next weight gradient) backward. The
+  intermediate product is rounded to the input dtype, as eager PyTorch rounds ``F.linear``.
+
+The choice is made once per key (op, device class, dtypes, fp32 precision, M rounded up to a
+power of two, N, K, the epilogue's flags), like the kernels' configs
+(``kernels.common.ConfigCache``): on CUDA both candidates are timed on the real arguments and
+the faster is kept; with ``FUSED_BLOCK_TUNE=0``, during CUDA graph capture, and in the
+interpreter the static rule's first candidate runs:
+
+- interpreter (CPU tests): ``"triton"`` always (the tests prove our kernels run);
+- CUDA: ``"triton"`` for forward products with an epilogue to fuse (activation, residual,
+  dropout, a kept pre-activation, LoRA in the reduction), ``"cublas"`` for everything else:
+  bias-only and plain projections, and every backward product (dX, dW, dW with the bias
+  gradient, dPre = (dY W) * act'). From the first H200 probe (bf16, 8192x1600->6400): our
+  GEMM + bias + GELU forward ran at 636 TFLOP/s against eager's cuBLAS GEMM + GELU at 553 (bare
+  cuBLAS 740), so a fused forward epilogue pays; the GELU MLP's forward + backward ran at 531
+  against eager's 585, so our backward loses to cuBLAS + an elementwise pass, and a product
+  with nothing to fuse loses the 14% between our GEMM and cuBLAS.
+
+Under ``torch.use_deterministic_algorithms(True)`` the per-key choice runs our kernel (fixed-order
+sums, no atomics). ``FUSED_BLOCK_GEMM=cublas`` / ``=triton`` (or :func:`force`) overrides the
+choice everywhere a candidate expresses the call (tests: the cuBLAS candidate's numerics under
+the interpreter).
+:func:`table` lists which candidate ran for each key (``fused_block.dispatch_table()``).
+"""
+import contextlib
+import os
+
+import torch
+
+from fused_block.kernels import common
+from fused_block.kernels import matmul as _k
+
+TRITON, CUBLAS = "triton", "cublas"
+CANDIDATES = (TRITON, CUBLAS)
+
+
+def _env_force():
+    value = os.environ.get("FUSED_BLOCK_GEMM", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in CANDIDATES:
+        raise ValueError(f"FUSED_BLOCK_GEMM must be 'auto', 'triton' or 'cublas', got {value!r}")
+    return value
+
+
+_FORCE = _env_force()
+_CACHE = common.ConfigCache("gemm_dispatch")
+# key -> the candidate that last ran for it (chosen, static or forced): what table() lists.
+_RAN = {}
+_ORDERS = {(True, True): (TRITON, CUBLAS), (True, False): (TRITON, CUBLAS),
+           (False, True): (TRITON, CUBLAS), (False, False): (CUBLAS, TRITON)}
+
+
+@contextlib.contextmanager
+def force(candidate):
+    """Run every product on ``candidate`` ("triton", "cublas", or None for the per-key choice)
+    inside the block (where the candidate expresses the call)."""
+    global _FORCE
+    if candidate is not None and candidate not in CANDIDATES:
+        raise ValueError(f"candidate must be None or one of {CANDIDATES}, got {candidate!r}")
+    previous, _FORCE = _FORCE, candidate
+    try:
+        yield
+    finally:
+        _FORCE = previous
+
+
+# The epilogue flags of a key, in its order from position 9 (table() names the ones set).
+_FLAGS = ("act_grad", "bias", "residual", "store_pre", "hout", "part", "rowsum", "dropout", "lora", "b2",
+          "a2", "transpose_a", "transpose_b")
+_FP32 = torch.float32
+_deterministic = torch._C._get_deterministic_algorithms
+
+
+def gemm(op, a, b, c, **kw):
+    """``matmul.gemm(a, b, c, **kw)`` on the candidate chosen for this call's key; ``op`` names
+    the product in :func:`table` (e.g. "linear.fwd", "ffn.dx")."""
+    numel = a.numel()
+    if numel == 0 or b.numel() == 0:
+        return _k.gemm(a, b, c, **kw)
+    get = kw.get
+    ta, tb = get("transpose_a", False), get("transpose_b", False)
+    if ta:
+        M = a.shape[-1]
+        K = numel // M
+    else:
+        K = a.shape[-1]
+        M = numel // K
+    a2 = get("a2")
+    if a2 is not None:
+        K += a2.shape[1]
+    dtype = a.dtype
+    # A flat tuple of what the choice depends on (the device as its config-table architecture).
+    key = (op, common.arch(a.device), dtype, c.dtype, common.fp32_precision() if dtype is _FP32 else "",
+           min(common.next_pow2(M), 65536), b.shape[0] if tb else b.shape[-1], K, get("activation", 0),
+           get("act_grad", False), get("bias") is not None, get("residual") is not None, get("store_pre", False),
+           get("hout") is not None, get("part") is not None, get("rowsum", False), bool(get("dropout_p", 0.0)),
+           get("lora_a") is not None, get("b2") is not None, a2 is not None, ta, tb)
+    path = _FORCE
+    if path is None:
+        if _deterministic():
+            # torch.use_deterministic_algorithms(True): our kernels are deterministic (no atomics,
+            # fixed-order sums); cuBLAS raises there unless CUBLAS_WORKSPACE_CONFIG is set. Nothing
+            # is timed or remembered.
+            path = TRITON
+        else:
+            path = _CACHE.chosen.get(key)
+            if path is None:
+                path = _choose(key, a, b, c, kw)
+    _RAN[key] = path
+    if path == CUBLAS:
+        _cublas(a, b, c, **kw)
+    else:
+        _k.gemm(a, b, c, **kw)
+
+
+def _choose(key, a, b, c, kw):
+    """The cache's choice for a new key: timed on CUDA, else the static rule's first candidate."""
+    arch = key[1]
+    (activation, act_grad, _, residual, store_pre, _, _, _, dropout, lora) = key[8:18]
+    fused_forward = not act_grad and (bool(activation) or residual or dropout or store_pre or lora)
+    order = _ORDERS[(arch == 0, fused_forward)]
+    return _CACHE.get(key, order, lambda cand: _run(cand, a, b, c, kw))
+
+
+def _run(path, a, b, c, kw):
+    if path == CUBLAS:
+        _cublas(a, b, c, **kw)
+    else:
+        _k.gemm(a, b, c, **kw)
+
+
+def _mat(t):
+    """``t`` as a 2-D matrix: itself, or the (rows, last dim) view of a contiguous tensor."""
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
+
+
+def _joined(x, y, dim):
+    """``torch.cat((x, y), dim)`` as a view when ``y`` follows ``x`` in memory along ``dim`` (the
+    halves of one buffer: an FFN's [gate | up] gradient, mlp's stacked gate and up weights),
+    else None."""
+    if x.stride() != y.stride() or x.dtype != y.dtype:
+        return None
+    step = x.shape[dim] * x.stride(dim)
+    if y.data_ptr() != x.data_ptr() + step * x.element_size():
+        return None
+    shape = list(x.shape)
+    shape[dim] += y.shape[dim]
+    return x.as_strided(shape, x.stride())
+
+
+def _product(out, a, b, bias=None):
+    """``out = a @ b (+ bias)`` on cuBLAS (addmm: cuBLASLt's bias epilogue)."""
+    if bias is not None:
+        torch.addmm(bias, a, b, out=out)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=None, aux=None, aux2=None,
+            hout=None, part=None, seed=None, dropout_p=0.0, activation=0, act_grad=False, store_pre=False,
+            round_pre=False, rowsum=False, lora_a=None, lora_b=None, lora_b2=None, transpose_a=False,
+            transpose_b=False):
+    """The cuBLAS candidate of ``matmul.gemm``: same arguments, same outputs (``round_pre`` is
+    implied: the product is rounded to a's dtype before any epilogue)."""
+    A = _mat(a).t() if transpose_a else _mat(a)
+    B = _mat(b).t() if transpose_b else _mat(b)
+    M, N = A.shape[0], B.shape[1]
+    if act_grad:
+        # dPre = (A @ B) * keep / (1 - p) * act'(pre) (gated: dGate into c, dUp into c2, the halves
+        # of one buffer), the bias gradient's partials into part, the hidden activation into hout.
+        dh = common.empty((M, N), a.dtype, a.device)
+        torch.mm(A, B, out=dh)
+        out = _mat(c)
+        _k.act_grad(dh, aux, activation, dbias=part is not None, seed=seed, dropout_p=dropout_p,
+                    pre2=aux2, out=out if c2 is None else out[:, :2 * N], part=part, hout=hout)
+        return
+    if b2 is not None and a2 is not None:  # the dual-K product a @ b + a2 @ b2, no epilogue
+        A2 = _mat(a2)
+        B2 = _mat(b2).t() if transpose_b else _mat(b2)
+        joined_a = _joined(A, A2, 1)
+        joined_b = None
+        if joined_a is not None:
+            joined_b = _joined(_mat(b), _mat(b2), 1 if transpose_b else 0)
+        C = _mat(c)
+        if joined_b is not None:  # one product over the joined K
+            torch.mm(joined_a, joined_b.t() if transpose_b else joined_b, out=C)
+        else:
+            torch.mm(A, B, out=C)
+            C.addmm_(A2, B2)
+        return
+    gated = b2 is not None
+    simple = not activation and residual is None and not dropout_p and not store_pre
+    if simple and not gated:
+        C = _mat(c)
+        _product(C, A, B, bias)
+        if lora_a is not None:
+            C.addmm_(lora_a, lora_b)
+        if rowsum:  # colsum(dY) partials, dY = a read as rows (A is its transpose)
+            _k.act_grad(a, None, 0, dbias=True, store_dpre=False, part=part)
+        return
+    if (not gated and bias is not None and (activation == 3 or activation == 2 and a.is_cuda) and residual is None
+            and not dropout_p and not store_pre and lora_a is None and c.dtype == a.dtype):
+        # cuBLASLt's GELU (tanh) / ReLU epilogue, nothing left for a second pass (torch's CPU
+        # version of use_gelu is the erf GELU: there the tanh GELU takes the epilogue kernel)
+        torch._addmm_activation(bias, A, B, use_gelu=activation == 2, out=_mat(c))
+        return
+    if gated:
+        pre = _mat(aux) if store_pre else common.empty((M, 2 * N), a.dtype, a.device)
+        p1, p2 = pre[:, :N], pre[:, N:2 * N]
+        B2 = _mat(b2).t() if transpose_b else _mat(b2)
+        _product(p1, A, B, bias)
+        _product(p2, A, B2, bias2)
+        if lora_a is not None:
+            p1.addmm_(lora_a, lora_b)
+            p2.addmm_(lora_a, lora_b2)
+    else:
+        p1 = _mat(aux) if store_pre else common.empty((M, N), a.dtype, a.device)
+        p2 = None
+        _product(p1, A, B, bias)
+        if lora_a is not None:
+            p1.addmm_(lora_a, lora_b)
+    _k.epilogue(p1, c, activation, pre2=p2, residual=residual, seed=seed, dropout_p=dropout_p)
+
+
+def table():
+    """Which candidate ran for each product key since the start (or :func:`clear`): a list of
+    dicts with op, device ("interpreter", "sm_80" or "sm_90": the config-table class), dtype,
+    out_dtype, precision (fp32 only), M (bucket: rows rounded up to a power of two), N, K,
+    activation code, the epilogue flags set (b2 alone: the gated two-projection forward; a2
+    with b2: a product continuing over a second pair), and candidate."""
+    rows = []
+    for key, cand in _RAN.items():
+        op, arch, dtype, out_dtype, precision, m, n, k, activation = key[:9]
+        rows.append(dict(op=op, device="interpreter" if arch == 0 else f"sm_{arch}",
+                         dtype=str(dtype).split(".")[-1], out_dtype=str(out_dtype).split(".")[-1],
+                         precision=precision, M=m, N=n, K=k, activation=activation,
+                         epilogue=[f for f, v in zip(_FLAGS, key[9:]) if v], candidate=cand))
+    return rows
+
+
+def format_table(rows=None) -> str:
+    """:func:`table` as aligned text, one product key a line."""
+    rows = table() if rows is None else rows
+    lines = [f"{'op':<14} {'device':<11} {'dtype':<9} {'M':>6} {'N':>6} {'K':>6} {'act':>3} {'candidate':<9} "
+             "epilogue"]
+    for r in rows:
+        lines.append(f"{r['op']:<14} {r['device']:<11} {r['dtype']:<9} {r['M']:>6} {r['N']:>6} {r['K']:>6} "
+                     f"{r['activation']:>3} {r['candidate']:<9} {','.join(r['epilogue'])}")
+    return "\n".join(lines)
+
+
+def clear():
+    """Forget every choice (the next call of each key chooses again) and the table."""
+    _CACHE.chosen.clear()
+    _RAN.clear()

@@ -1,0 +1,287 @@
+"""fused_block.dispatch: every GEMM of the layers on its cuBLAS candidate (torch.mm / addmm /
+_addmm_activation, then the Triton elementwise epilogue or act_grad pass), forward and every
+gradient, against the float64 reference under the "twice PyTorch's own error" rule; and the
+per-key choice, its cache and its table.
+
+The interpreter's default is our fused kernel (the rest of the suite proves it); here
+``dispatch.force("cublas")`` takes the other candidate, and the launch counts prove that no
+fused GEMM ran and that the elementwise Triton kernels did. Shapes are small: odd M (masked
+rows of the elementwise tiles) and N below or across one 64-column tile.
+"""
+import pytest
+import torch
+
+import fused_block
+import fused_block.kernels.matmul as kmatmul
+from fused_block.kernels import common
+from fused_block import dispatch, reference
+from fused_block.linear import gated_linear, geglu, linear, mlp, swiglu
+
+from gemm_testing import DTYPE_MODES, baseline_mode, check, fp32_mode, kernel_masks, leaves, seeded
+from numerics import assert_close, randn
+
+M, K, N = 37, 24, 72  # odd rows; N spans two 64-column tiles of the elementwise kernels
+
+
+@pytest.fixture
+def cublas():
+    with dispatch.force("cublas"):
+        yield
+
+
+def _t(*shape, dtype, device, scale=1.0):
+    return randn(*shape, dtype=dtype, device=device, scale=scale, requires_grad=True)
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+@pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "relu"])
+def test_linear_on_cublas(activation, dtype_mode, device, launches, cublas):
+    # forward: addmm into the saved pre-activation, then the epilogue kernel (activation +
+    # residual); backward: act_grad (act', dB's partials), dX and dW on cuBLAS.
+    dtype, mode = dtype_mode
+    x, w = _t(M, K, dtype=dtype, device=device), _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b, r = _t(N, dtype=dtype, device=device), _t(M, N, dtype=dtype, device=device)
+
+    def ours(x, w, b, r):
+        return linear(x, w, b, activation, r)
+
+    def ref(x, w, b, r, compute_dtype=None):
+        return reference.linear(x, w, b, activation, r, compute_dtype=compute_dtype)
+
+    check("linear cublas", ours, ref, (x, w, b, r), dtype, device, mode)
+    assert launches["matmul"] == 0
+    assert launches["epilogue"] >= 1 and launches["act_grad"] >= 1
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+def test_linear_plain_and_bias_rowsum_on_cublas(dtype_mode, device, launches, cublas):
+    # No epilogue: addmm (bias) straight into the output; dW on cuBLAS with dB's partials from
+    # the act_grad kernel's column sums (the fused kernel's ROWSUM), x with leading dims.
+    dtype, mode = dtype_mode
+    x, w = _t(2, 5, K, dtype=dtype, device=device), _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b = _t(N, dtype=dtype, device=device)
+
+    def ref(x, w, b, compute_dtype=None):
+        return reference.linear(x, w, b, None, None, compute_dtype=compute_dtype)
+
+    check("linear plain cublas", lambda x, w, b: linear(x, w, b), ref, (x, w, b), dtype, device, mode)
+    assert launches["matmul"] == 0 and launches["epilogue"] == 0
+    assert launches["act_grad"] == 1 and launches["bias_grad_reduce"] == 1
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[3]])
+def test_addmm_activation_forward(activation, dtype_mode, device, launches, cublas):
+    # bias + tanh GELU / ReLU without grad, residual or dropout: cuBLASLt's activation epilogue
+    # (torch._addmm_activation), nothing left for a second pass; torch's CPU use_gelu is the erf
+    # GELU, so there the tanh GELU takes the epilogue kernel.
+    dtype, mode = dtype_mode
+    x, w = randn(M, K, dtype=dtype, device=device), randn(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b = randn(N, dtype=dtype, device=device)
+    with fp32_mode(mode):
+        out = linear(x, w, b, activation)
+    with baseline_mode(dtype, mode):
+        base = reference.linear(x, w, b, activation, compute_dtype=dtype)
+    assert_close("addmm_activation", out, reference.linear(*leaves((x, w, b), torch.float64), activation), base)
+    assert launches["matmul"] == 0
+    assert launches["epilogue"] == (1 if activation == "gelu_tanh" and device.type == "cpu" else 0)
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_linear_dropout_on_cublas(activation, dtype_mode, device, launches, cublas):
+    # The epilogue kernel draws the fused kernel's mask (kernel_masks), act_grad regenerates it.
+    dtype, mode = dtype_mode
+    x, w = _t(M, K, dtype=dtype, device=device), _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b, r = _t(N, dtype=dtype, device=device), _t(M, N, dtype=dtype, device=device)
+    (mask,) = kernel_masks(11, device, (M, N, 0.3))
+
+    def ours(x, w, b, r):
+        return linear(x, w, b, activation, r, dropout_p=0.3)
+
+    def ref(x, w, b, r, compute_dtype=None):
+        return reference.linear(x, w, b, activation, r, 0.3, dropout_mask=mask, compute_dtype=compute_dtype)
+
+    check("linear dropout cublas", seeded(ours, 11), ref, (x, w, b, r), dtype, device, mode)
+    assert launches["matmul"] == 0 and launches["epilogue"] >= 1
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+@pytest.mark.parametrize("dropouts", [(0.0, 0.0), (0.3, 0.2), (0.25, 0.0)], ids=["none", "both", "hidden"])
+def test_mlp_on_cublas(dropouts, dtype_mode, device, launches, cublas):
+    # fc1: addmm into the saved pre-activation + epilogue (GELU, dropout); fc2: addmm + epilogue
+    # (dropout, residual); backward dH on cuBLAS then act_grad (act', mask, dB1's partials and
+    # the hidden activation recomputed for dW2); dW2 with dB2's partials, dW1, dX.
+    dtype, mode = dtype_mode
+    p1, p2 = dropouts
+    F_ = 40
+    x = _t(M, K, dtype=dtype, device=device)
+    w1, b1 = _t(F_, K, dtype=dtype, device=device, scale=K ** -0.5), _t(F_, dtype=dtype, device=device)
+    w2, b2 = _t(K, F_, dtype=dtype, device=device, scale=F_ ** -0.5), _t(K, dtype=dtype, device=device)
+    r = _t(M, K, dtype=dtype, device=device)
+    m1, m2 = kernel_masks(7, device, (M, F_, p1), (M, K, p2))
+
+    def ours(x, w1, b1, w2, b2, r):
+        return mlp(x, w1, b1, w2, b2, "gelu", r, p1, p2)
+
+    def ref(x, w1, b1, w2, b2, r, compute_dtype=None):
+        return reference.mlp(x, w1, b1, w2, b2, "gelu", r, p1, p2, dropout_mask=m1 if p1 else None,
+                             output_dropout_mask=m2 if p2 else None, compute_dtype=compute_dtype)
+
+    check("mlp cublas", seeded(ours, 7), ref, (x, w1, b1, w2, b2, r), dtype, device, mode)
+    assert launches["matmul"] == 0 and launches["epilogue"] == 2 and launches["act_grad"] >= 1
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+def test_gated_ffn_on_cublas(act, dtype_mode, device, launches, cublas):
+    # Separate gate and up weights: two addmm into the halves of the saved [gate | up], the
+    # gated epilogue; backward dGate/dUp from act_grad into the halves of one buffer, dX as
+    # mm + addmm_ (weights not adjacent), [dWg; dWu] in one product. Hidden and output dropout.
+    dtype, mode = dtype_mode
+    fn, ref_fn = (swiglu, reference.swiglu) if act == "swiglu" else (geglu, reference.geglu)
+    F_, p1, p2 = 40, 0.3, 0.2
+    x, r = _t(M, K, dtype=dtype, device=device), _t(M, K, dtype=dtype, device=device)
+    wg, wu = (_t(F_, K, dtype=dtype, device=device, scale=K ** -0.5) for _ in range(2))
+    wd = _t(K, F_, dtype=dtype, device=device, scale=F_ ** -0.5)
+    bg, bu, bd = _t(F_, dtype=dtype, device=device), _t(F_, dtype=dtype, device=device), _t(K, dtype=dtype,
+                                                                                              device=device)
+    m1, m2 = kernel_masks(9, device, (M, F_, p1), (M, K, p2))
+
+    def ours(x, wg, wu, wd, r, bg, bu, bd):
+        return fn(x, wg, wu, wd, r, b_gate=bg, b_up=bu, b_down=bd, dropout_p=p1, output_dropout_p=p2)
+
+    def ref(x, wg, wu, wd, r, bg, bu, bd, compute_dtype=None):
+        return ref_fn(x, wg, wu, wd, r, b_gate=bg, b_up=bu, b_down=bd, dropout_p=p1, output_dropout_p=p2,
+                      dropout_mask=m1, output_dropout_mask=m2, compute_dtype=compute_dtype)
+
+    check(f"{act} cublas", seeded(ours, 9), ref, (x, wg, wu, wd, r, bg, bu, bd), dtype, device, mode)
+    assert launches["matmul"] == 0 and launches["epilogue"] == 2
+
+
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[3]])
+def test_mlp_swiglu_stacked_on_cublas(dtype_mode, device, launches, cublas):
+    # mlp's stacked [gate; up] weight: the dual-K dX = dGate @ Wg + dUp @ Wu is one product
+    # over the joined halves (views, no copy); no biases, no residual.
+    dtype, mode = dtype_mode
+    F_ = 40
+    x = _t(M, K, dtype=dtype, device=device)
+    w1 = _t(2 * F_, K, dtype=dtype, device=device, scale=K ** -0.5)
+    w2 = _t(K, F_, dtype=dtype, device=device, scale=F_ ** -0.5)
+    a = x.detach()[:, :1].expand(M, F_).contiguous()  # a (M, F) [dGate | dUp]-like pair
+    pair = torch.cat([a, a], 1)
+    assert dispatch._joined(pair[:, :F_], pair[:, F_:], 1) is not None
+    assert dispatch._joined(w1[:F_].detach(), w1[F_:].detach(), 0) is not None
+    assert dispatch._joined(pair[:, F_:], pair[:, :F_], 1) is None
+
+    def ref(x, w1, w2, compute_dtype=None):
+        return reference.mlp(x, w1, None, w2, None, "swiglu", compute_dtype=compute_dtype)
+
+    check("mlp swiglu cublas", lambda x, w1, w2: mlp(x, w1, None, w2, None, "swiglu"), ref, (x, w1, w2), dtype,
+          device, mode)
+    assert launches["matmul"] == 0
+
+
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[2], DTYPE_MODES[3]])
+def test_lora_on_cublas(dtype_mode, device, launches, cublas):
+    # LoRA in the reduction: addmm then addmm_ of the low-rank pair (PEFT's two roundings);
+    # dU and dB on cuBLAS; the gated first layer with both projections' pairs and dropout.
+    dtype, mode = dtype_mode
+    R, F_ = 16, 24
+    x, w = _t(M, K, dtype=dtype, device=device), _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b, u = _t(N, dtype=dtype, device=device), _t(M, R, dtype=dtype, device=device)
+    lb = _t(N, R, dtype=dtype, device=device, scale=0.3)
+
+    def ours(x, w, b, u, lb):
+        return linear(x, w, b, "gelu", lora=(u, lb))
+
+    def ref(x, w, b, u, lb, compute_dtype=None):
+        return reference.linear(x, w, b, "gelu", lora=(u, lb), compute_dtype=compute_dtype)
+
+    check("linear+lora cublas", ours, ref, (x, w, b, u, lb), dtype, device, mode)
+    wg, wu = (_t(F_, K, dtype=dtype, device=device, scale=K ** -0.5) for _ in range(2))
+    bg, bu = _t(F_, dtype=dtype, device=device), _t(F_, dtype=dtype, device=device)
+    lbg, lbu = (_t(F_, R, dtype=dtype, device=device, scale=0.3) for _ in range(2))
+    (mask,) = kernel_masks(5, device, (M, F_, 0.25))
+
+    def ours_g(x, wg, wu, bg, bu, u, lbg, lbu):
+        return gated_linear(x, wg, wu, bg, bu, dropout_p=0.25, lora=(u, lbg, lbu))
+
+    def ref_g(x, wg, wu, bg, bu, u, lbg, lbu, compute_dtype=None):
+        return reference.gated(x, wg, wu, bg, bu, dropout_p=0.25, dropout_mask=mask, lora=(u, lbg, lbu),
+                               compute_dtype=compute_dtype)
+
+    check("gated+lora cublas", seeded(ours_g, 5), ref_g, (x, wg, wu, bg, bu, u, lbg, lbu), dtype, device, mode)
+    assert launches["matmul"] == 0 and launches["epilogue"] >= 2
+
+
+def test_choice_is_cached_per_key_and_listed(device, launches, monkeypatch):
+    # One choice per key (op, dtypes, M bucket, N, K, epilogue): a second call of the same
+    # shapes (and another M in the same power-of-two bucket) is a lookup; the table lists each
+    # op once with the candidate that ran. The interpreter's static choice is our kernel.
+    monkeypatch.setattr(dispatch, "_RAN", {})
+    monkeypatch.setattr(dispatch._CACHE, "chosen", {})
+    calls = []
+    get = dispatch._CACHE.get
+    monkeypatch.setattr(dispatch._CACHE, "get", lambda key, cands, run: calls.append(key) or get(key, cands, run))
+    dtype = torch.bfloat16
+    w = _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b = _t(N, dtype=dtype, device=device)
+    with dispatch.force(None):  # the per-key choice (the suite's default is our kernel)
+        for rows in (37, 37, 33):  # 33 and 37 share the bucket 64 (M); dW's K is the rows, exact
+            linear(_t(rows, K, dtype=dtype, device=device), w, b, "gelu").sum().backward()
+    assert len(calls) == 4  # forward, dX, dW chosen once each, dW once more for K = 33
+    table = fused_block.dispatch_table()
+    assert sorted(r["op"] for r in table) == ["linear.dw", "linear.dw", "linear.dx", "linear.fwd"]
+    # The static rule: the interpreter's is ours; CUDA's (FUSED_BLOCK_TUNE=0) ours for the fused
+    # forward only (timed otherwise: either).
+    static = {"linear.fwd": "triton", "linear.dx": "cublas", "linear.dw": "cublas"}
+    for r in table:
+        assert r["M"] == (64 if r["op"] != "linear.dw" else 128) and r["dtype"] == "bfloat16"
+        assert r["candidate"] in dispatch.CANDIDATES
+        if device.type == "cpu":
+            assert r["candidate"] == "triton" and r["device"] == "interpreter"
+        elif not common.TUNE:
+            assert r["candidate"] == static[r["op"]]
+    fwd = next(r for r in table if r["op"] == "linear.fwd")
+    assert fwd["activation"] == 1 and fwd["epilogue"] == ["bias", "store_pre", "transpose_b"]
+    assert "linear.fwd" in dispatch.format_table(table)
+    # A forced candidate runs and is listed, without touching the cached choice.
+    with dispatch.force("cublas"):
+        linear(_t(37, K, dtype=dtype, device=device), w, b, "gelu").sum().backward()
+    assert len(calls) == 4
+    ran = {(r["op"], r["K"]): r["candidate"] for r in fused_block.dispatch_table()}
+    assert ran == {("linear.fwd", K): "cublas", ("linear.dx", N): "cublas", ("linear.dw", 37): "cublas",
+                   ("linear.dw", 33): ran[("linear.dw", 33)]}
+    if device.type == "cpu":
+        assert launches["matmul"] == 9  # the three unforced steps: the interpreter's choice is ours
+
+
+def test_bad_switches(monkeypatch):
+    with pytest.raises(ValueError, match="candidate"):
+        with dispatch.force("cudnn"):
+            pass
+    monkeypatch.setenv("FUSED_BLOCK_GEMM", "fastest")
+    with pytest.raises(ValueError, match="FUSED_BLOCK_GEMM"):
+        dispatch._env_force()
+    monkeypatch.setenv("FUSED_BLOCK_GEMM", "cuBLAS")
+    assert dispatch._env_force() == "cublas"
+
+
+def test_act_grad_hidden_output_needs_an_activation(device, launches):
+    g = randn(8, 16, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="hout"):
+        kmatmul.act_grad(g, None, 0, hout=torch.empty_like(g))
+    assert launches["act_grad"] == 0
+
+
+def test_deterministic_algorithms_take_our_kernel(device, launches, monkeypatch):
+    # Nothing timed or remembered: the per-key choice is ours while determinism is asked for.
+    monkeypatch.setattr(dispatch, "_RAN", {})
+    monkeypatch.setattr(dispatch._CACHE, "chosen", {})
+    monkeypatch.setattr(dispatch, "_deterministic", lambda: True)
+    x, w = _t(M, K, dtype=torch.float32, device=device), _t(N, K, dtype=torch.float32, device=device)
+    with dispatch.force(None):
+        linear(x, w).sum().backward()
+    assert dispatch._CACHE.chosen == {} and {r["candidate"] for r in dispatch.table()} == {"triton"}
+    assert launches["matmul"] == 3
