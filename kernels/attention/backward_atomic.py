@@ -36,11 +36,14 @@ BLOCK_DS = (64, 128)
 # stages), timed once per key on the GPU (``ConfigCache``; the first with FUSED_BLOCK_TUNE=0).
 # FA3's tiles are 128 x 128 at D64 and 64 x 128 at D128 (two MMA warpgroups); the dK and dV
 # accumulators (BLOCK_N x D fp32 each) and the dQ part (BLOCK_M x D) share the registers.
+# Compiled for sm_90 (the compile check): D64 at 128-193 registers; at D128, 32x128 and 64x128
+# spilled (16-176 B of stack) and so did 32x64 and 64x64 with 4 warps; these take 140-240.
 CONFIGS = {
     64: [common.Config.of(num_warps=8, num_stages=2, BLOCK_M=64, BLOCK_N=128),
          common.Config.of(num_warps=8, num_stages=3, BLOCK_M=32, BLOCK_N=128)],
-    128: [common.Config.of(num_warps=8, num_stages=2, BLOCK_M=32, BLOCK_N=128),
-          common.Config.of(num_warps=8, num_stages=2, BLOCK_M=64, BLOCK_N=128)],
+    128: [common.Config.of(num_warps=8, num_stages=2, BLOCK_M=64, BLOCK_N=64),
+          common.Config.of(num_warps=8, num_stages=2, BLOCK_M=16, BLOCK_N=128),
+          common.Config.of(num_warps=8, num_stages=2, BLOCK_M=32, BLOCK_N=64)],
 }
 INTERPRET_CONFIG = common.Config.of(num_warps=1, num_stages=1, BLOCK_M=32, BLOCK_N=64)
 CONVERT_BLOCK_M = 64
@@ -60,21 +63,22 @@ def _step(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_h, stats_h, stride_stat, h,
     statistics, hence P = 0 and dS = 0; keys past Lk are zero rows of K and V (their dK, dV rows
     are never stored, their dQ part is dS times a zero row). ``MASKED``: the block straddles
     the causal diagonal (keys j <= i + diag_hi)."""
+    PRECISION: tl.constexpr = "tf32"  # 16-bit operands: unused
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
     do = do_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
     stats = stats_h + start_m + tl.arange(0, BLOCK_M)
     lse2 = tl.load(stats)
-    qkT = common.dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET)
+    qkT = common.dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
     pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
     if MASKED:
         pT = tl.where(offs_n[:, None] <= offs_m[None, :] + diag_hi, pT, 0.0)
-    dv = common.dot(common.cast(pT, do.dtype, INTERPRET), do, dv, INTERPRET)
-    dpT = common.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET)
+    dv = common.dot(common.cast(pT, do.dtype, INTERPRET), do, dv, INTERPRET, PRECISION)
+    dpT = common.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRET, PRECISION)
     delta = tl.load(stats + stride_stat)
     dsT = common.cast(pT * (dpT - delta[None, :]), q.dtype, INTERPRET)
-    dk = common.dot(dsT, q, dk, INTERPRET)
-    dq = common.dot(tl.trans(dsT), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), INTERPRET)
+    dk = common.dot(dsT, q, dk, INTERPRET, PRECISION)
+    dq = common.dot(tl.trans(dsT), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), INTERPRET, PRECISION)
     if INTERPRET:
         cols = tl.arange(0, BLOCK_D)
         ptrs = DQ_h + h.to(tl.int64) * Lq * D + offs_m[:, None].to(tl.int64) * D + cols[None, :]
