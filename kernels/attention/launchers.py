@@ -463,9 +463,10 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         score_flags = tuple(flags.values())
     else:
         ptrs, strides, flags, score_flags = (q, q, q), _NO_SCORE_STRIDES, None, _NO_SCORE_FLAGS
-    if backward_atomic.taken(arch=arch, dtype=q.dtype, block_d=block_d, use_tma=use_tma, dropout_p=dropout_p,
-                             key_padding_mask=key_padding_mask, has_window=has_window or win_right > 0,
-                             varlen=varlen, score_mod=score_mod, dbias=dbias):
+    if backward_atomic.ENABLED and backward_atomic.taken(
+            arch=arch, dtype=q.dtype, block_d=block_d, use_tma=use_tma, dropout_p=dropout_p,
+            key_padding_mask=key_padding_mask, has_window=has_window or win_right > 0, varlen=varlen,
+            score_mod=score_mod, dbias=dbias):
         # Opt-in, never in deterministic mode (backward_atomic.py): dQ reduce-added in fp32.
         common.count_launch("attention_tma")
         backward_atomic.backward(q, k, v, do, dq, dk, dv, stats, stride_stat, is_causal, scale,
