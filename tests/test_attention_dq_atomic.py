@@ -90,6 +90,20 @@ def test_atomic_backward_fp16_lse_gradient_and_sinks(device, launches, monkeypat
                   lse_weight=True)
 
 
+def test_atomic_backward_strided_views(device, launches, monkeypatch):
+    """q, k, v as (B, L, H, D) tensors seen as (B, H, L, D) (a packed projection's layout): the
+    kernels read them through their strides and dq, dk, dv come back in that memory order."""
+    _runs_here()
+    monkeypatch.setattr(backward_atomic, "ENABLED", True)
+    B, Hq, Hkv, L, D = 2, 4, 2, 45, 64
+    q, k, v = (randn(B, L, h, D, dtype=torch.bfloat16, device=device).transpose(1, 2).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    check(lambda *t: attention(*t, True, return_lse=True),
+          lambda *t, compute_dtype=None: reference.attention(*t, True, return_lse=True, compute_dtype=compute_dtype),
+          (q, k, v), ["q", "k", "v"])
+    assert launches["attention_bwd_dq_atomic"] == 1 and launches["attention_bwd"] == 0
+
+
 @pytest.mark.skipif(not SM90, reason="the TMA reduce-add runs on sm_90 only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
