@@ -123,7 +123,7 @@ def _attn_bwd_dq_atomic(Q, K, V, DO, DQ_ACC, DK, DV, STATS,
     if INTERPRET:
         dq_desc = DQ_b  # unused: the interpreter adds through pointers
     else:
-        dq_desc = tl.make_tensor_descriptor(DQ_b, [Hq, Lq, D], [Lq * D, D, 1], [1, BLOCK_M, BLOCK_D])
+        dq_desc = tl.make_tensor_descriptor(DQ_b, [Hq, Lq, D], [Lq.to(tl.int64) * D, D, 1], [1, BLOCK_M, BLOCK_D])
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # [m_lo, head_end): blocks on the causal diagonal (masked); [head_end, m_end): every key
