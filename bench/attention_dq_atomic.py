@@ -47,12 +47,14 @@ def _measure(shape, providers, rep):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
             else:
-                out = fused_block.attention(q, k, v, causal=causal)
+                # return_lse: always our kernels (never a timed SDPA candidate, docs/attention.md).
+                out, _ = fused_block.attention(q, k, v, causal=causal, return_lse=True)
             backward_atomic.ENABLED = p == "atomic"
-            before = common.LAUNCHES["attention_bwd_dq_atomic"]
+            launch = {"atomic": "attention_bwd_dq_atomic", "triton": "attention_bwd"}.get(p)
+            before = common.LAUNCHES[launch] if launch else 0
             grads[p] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-            if p == "atomic" and common.LAUNCHES["attention_bwd_dq_atomic"] == before:
-                raise RuntimeError("the atomic-dQ backward did not run")
+            if launch and common.LAUNCHES[launch] == before:
+                raise RuntimeError(f"{launch} did not run")
             ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                          warmup=10, rep=rep)
             row["tflops"][p] = round(flops / ms * 1e-9, 1)
