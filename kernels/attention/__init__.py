@@ -76,6 +76,9 @@ Reading order (the data flow from ``fused_block.attention`` down to each kernel)
 - ``configs.py``: the per-architecture config tables and the keys that index them.
 - ``forward.py``: ``_attn_fwd`` (and its key-block step).
 - ``backward.py``: ``_attn_bwd_preprocess``, then ``_attn_bwd`` (dK/dV and dQ programs).
+- ``backward_atomic.py``: the opt-in backward with dQ reduce-added in fp32 (FA3's design,
+  ``FUSED_BLOCK_ATTN_DQ_ATOMIC=1``, never in deterministic mode), taken by
+  ``launchers.backward`` for the calls its ``supports`` names.
 - ``dbias.py``: ``_attn_dbias``, the bias's gradient (launched by ``launchers.backward``).
 - ``decode.py``: split-KV decoding (``_attn_decode_split``, ``_attn_decode_combine``), chosen by
   ``launchers.forward`` for few query rows over long caches, and the KV-cache append kernel.

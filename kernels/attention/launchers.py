@@ -6,6 +6,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_block.kernels import common
 from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
+from fused_block.kernels.attention import backward_atomic
 from fused_block.kernels.attention import configs
 from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, DECODE_CONFIGS, FWD_CONFIGS,
                                                    PRE_BLOCK_M, STAT_ALIGN, _bucket, _bwd_cfg, _block_d, _class,
@@ -462,6 +463,15 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         score_flags = tuple(flags.values())
     else:
         ptrs, strides, flags, score_flags = (q, q, q), _NO_SCORE_STRIDES, None, _NO_SCORE_FLAGS
+    if backward_atomic.ENABLED and backward_atomic.taken(
+            arch=arch, dtype=q.dtype, block_d=block_d, use_tma=use_tma, dropout_p=dropout_p,
+            key_padding_mask=key_padding_mask, has_window=has_window or win_right > 0, varlen=varlen,
+            score_mod=score_mod, dbias=dbias):
+        # Opt-in, never in deterministic mode (backward_atomic.py): dQ reduce-added in fp32.
+        common.count_launch("attention_tma")
+        backward_atomic.backward(q, k, v, do, dq, dk, dv, stats, stride_stat, is_causal, scale,
+                                 (sq, sk, sv, sdo, sdq, sdk), arch, block_d)
+        return
     constexprs = _attn_constexprs(_BWD_EXTRA, is_causal, has_window, varlen is not None, key_padding_mask is not None,
                                   dropout, score_flags, use_tma, kind == "ieee", D == block_d, block_d, arch == 0)
     if use_tma and arch:

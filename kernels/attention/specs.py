@@ -3,6 +3,7 @@
 import os
 
 from fused_block.kernels.attention.backward import _attn_bwd, _attn_bwd_preprocess
+from fused_block.kernels.attention import backward_atomic
 from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, DECODE_BLOCK_MS, DECODE_CONFIGS,
                                                    FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN, _decode_block_m)
 from fused_block.kernels.attention.dbias import _attn_dbias
@@ -246,4 +247,25 @@ def aot_specs(exhaustive=None) -> list:
                         fn=hopper._attn_fwd_hopper_ws if ws else hopper._attn_fwd_hopper, signature=sig,
                         constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
                         tma=True, archs=(90,)))
+    # The opt-in atomic-dQ backward (backward_atomic.py): sm_90 only (TMA reduce-adds), every
+    # candidate causal and not (in turn in the default check), bf16; its dQ conversion.
+    for block_d, cands in backward_atomic.CONFIGS.items():
+        for cfg in cands:
+            m = cfg.meta()
+            items.setdefault(("bwd_dq_atomic", block_d), []).append([])
+            for causal in (True, False):
+                items["bwd_dq_atomic", block_d][-1].append(len(specs))
+                fn = backward_atomic._attn_bwd_dq_atomic
+                specs.append(aot.KernelSpec(
+                    name=(f"attention_bwd_dq_atomic D{block_d} 16 {m['BLOCK_M']}x{m['BLOCK_N']} tma: "
+                          f"{'causal' if causal else 'full'}"),
+                    fn=fn, signature=_signature(fn, {**_data_ptrs(fn, "bf16"), "DQ_ACC": "*fp32"}),
+                    constexprs=dict(IS_CAUSAL=causal, BLOCK_D=block_d, INTERPRET=False, **m),
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn), wgmma=True,
+                    tma=True, archs=(90,)))
+    fn = backward_atomic._dq_convert
+    specs.append(aot.KernelSpec(
+        name="attention_dq_convert D128 bf16", fn=fn, signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
+        constexprs=dict(BLOCK_M=backward_atomic.CONVERT_BLOCK_M, BLOCK_D=128, INTERPRET=False), num_warps=4,
+        aligned=_aligned_args(fn), archs=(90,)))
     return aot.take_turns(specs, items)

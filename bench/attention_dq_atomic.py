@@ -1,0 +1,103 @@
+"""The opt-in atomic-dQ attention backward (``kernels/attention/backward_atomic.py``, "atomic")
+against our atomic-free backward ("triton", the default) and SDPA's cuDNN backward, bf16,
+causal, on the attention issue's D64 and D128 shapes; one short run on an sm_90 GPU:
+
+    python -m bench.attention_dq_atomic [--providers atomic,triton,sdpa_cudnn] [--json PATH]
+
+Per shape: TFLOP/s of the backward alone (2.5x the forward's products; ``do_bench``'s median
+of ``torch.autograd.grad`` on a retained graph, the forward run once), and the atomic dq, dk,
+dv's largest difference from the atomic-free ones (a sanity check; the tests hold both to the
+float64 reference). The first call of each shape times the candidate configs
+(``FUSED_BLOCK_PRINT_TUNING=1`` prints them). A backend the machine lacks shows "-".
+"""
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+# (name, B, Hq, Hkv, L, D, causal)
+SHAPES = (
+    ("B8 H32 L2048 D64 causal", 8, 32, 32, 2048, 64, True),
+    ("B4 H16 L4096 D128 causal", 4, 16, 16, 4096, 128, True),
+)
+PROVIDERS = ("atomic", "triton", "sdpa_cudnn")
+
+
+def _measure(shape, providers, rep):
+    import triton
+
+    import fused_block
+    from fused_block.kernels import common
+    from fused_block.kernels.attention import backward_atomic
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    name, B, Hq, Hkv, L, D, causal = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, h, L, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(B, Hq, L, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    flops = 10 * B * Hq * L * L * D // (2 if causal else 1)
+    row = {"shape": name, "tflops": {}}
+    grads = {}
+    for p in providers:
+        try:
+            if p == "sdpa_cudnn":
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
+            else:
+                # return_lse: always our kernels (never a timed SDPA candidate, docs/attention.md).
+                out, _ = fused_block.attention(q, k, v, causal=causal, return_lse=True)
+            backward_atomic.ENABLED = p == "atomic"
+            launch = {"atomic": "attention_bwd_dq_atomic", "triton": "attention_bwd"}.get(p)
+            before = common.LAUNCHES[launch] if launch else 0
+            grads[p] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            if launch and common.LAUNCHES[launch] == before:
+                raise RuntimeError(f"{launch} did not run")
+            ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                         warmup=10, rep=rep)
+            row["tflops"][p] = round(flops / ms * 1e-9, 1)
+        except Exception as e:  # a backend this machine lacks
+            row["tflops"][p] = None
+            row.setdefault("errors", {})[p] = f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            backward_atomic.ENABLED = False
+    if "atomic" in grads and "triton" in grads:
+        for n, a, t in zip(("dq", "dk", "dv"), grads["atomic"], grads["triton"]):
+            row[f"max_abs_diff_{n}"] = (a.float() - t.float()).abs().max().item()
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated, of {', '.join(PROVIDERS)}")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--rep", type=int, default=40, help="do_bench's rep (ms) per measurement")
+    args = parser.parse_args(argv)
+    providers = [p for p in args.providers.split(",") if p]
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        parser.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("needs an sm_90 GPU", file=sys.stderr)
+        return 2
+    print("backward TFLOP/s; atomic vs atomic-free max |diff| of dq, dk, dv", flush=True)
+    print(f"{'shape':<28}" + "".join(f"{p:>12}" for p in providers) + f"{'|ddq|':>11}{'|ddk|':>11}{'|ddv|':>11}")
+    rows = []
+    for shape in SHAPES:
+        row = _measure(shape, providers, args.rep)
+        rows.append(row)
+        cells = "".join(f"{'-' if row['tflops'].get(p) is None else row['tflops'][p]:>12}" for p in providers)
+        diffs = "".join(f"{row.get('max_abs_diff_' + n, float('nan')):>11.2e}" for n in ("dq", "dk", "dv"))
+        print(f"{row['shape']:<28}{cells}{diffs}", flush=True)
+        for p, err in row.get("errors", {}).items():
+            print(f"  {p}: {err}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
