@@ -392,7 +392,7 @@ def _acc_matmul_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
+        acc = common.dot_step(a, b, acc, INTERPRET, PRECISION)
         a_ptrs += a_step
         b_ptrs += BLOCK_K * ldb
     mask = (rr < R - r0)[:, None] & (rh < H - h0)[None, :]

@@ -388,13 +388,13 @@ def _loop_ptr(acc, acc2, A, B, B2, row0, col0, M, N, K, stride_am, stride_ak, st
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
+        acc = common.dot_step(a, b, acc, INTERPRET, PRECISION)
         if DUAL_N:
             if EVEN_K:
                 b2 = tl.load(b2_ptrs)
             else:
                 b2 = tl.load(b2_ptrs, mask=rk[:, None] < K - k * BLOCK_K, other=0.0)
-            acc2 = common.dot(a, b2, acc2, INTERPRET, PRECISION)
+            acc2 = common.dot_step(a, b2, acc2, INTERPRET, PRECISION)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -422,13 +422,13 @@ def _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, K, A_T: tl.constex
             b = b_desc.load([col0, k]).T
         else:
             b = b_desc.load([k, col0])
-        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
+        acc = common.dot_step(a, b, acc, INTERPRET, PRECISION)
         if DUAL_N:
             if B_T:
                 b2 = b2_desc.load([col0, k]).T
             else:
                 b2 = b2_desc.load([k, col0])
-            acc2 = common.dot(a, b2, acc2, INTERPRET, PRECISION)
+            acc2 = common.dot_step(a, b2, acc2, INTERPRET, PRECISION)
     return acc, acc2
 
 
