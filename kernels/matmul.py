@@ -38,8 +38,9 @@ accumulation, and constexpr switches for everything else:
   ``1 / (1 - p)``. The mask is never stored: gradients regenerate it, and
   :func:`dropout_mask` materializes it for tests.
 - Products: fp16/bf16 on tensor cores (wgmma on sm_90); fp32 follows ``PRECISION``: "ieee"
-  (torch's default: full fp32 products) or "tf32" (torch's ``allow_tf32``). The interpreter
-  computes every product exactly in fp32.
+  (torch's default: full fp32 products, each K block summed apart: ``common.dot_step``) or
+  "tf32" (torch's ``allow_tf32``; operands rounded to nearest TF32 first: ``common.dot``).
+  The interpreter computes every product of its (rounded) operands exactly in fp32.
 - Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
 import dataclasses
