@@ -133,13 +133,14 @@ def test_raw_fp32_operands_of_a_tf32_product_are_truncated(device):
     # What tests/interpreter_hardware.py emulates, and what common.to_tf32 corrects: a TF32
     # product fed raw fp32 operands uses them truncated toward zero. The operands' kept parts
     # (1 + j/8) make every product and sum exact in fp32; each operand also carries 0.75 of a
-    # TF32 ulp (2^-10), which rounding would carry up and truncation drops.
+    # TF32 ulp (2^-10), which rounding would carry up and truncation drops. 64x64 outputs: a
+    # wgmma on sm_90, as the GEMMs' tiles.
     g = torch.Generator().manual_seed(0)
-    kept_x = 1.0 + torch.randint(0, 8, (16, 16), generator=g) / 8.0
-    kept_y = 1.0 + torch.randint(0, 8, (16, 16), generator=g) / 8.0
-    sign = torch.where(torch.rand(16, 16, generator=g) < 0.5, -1.0, 1.0)
+    kept_x = 1.0 + torch.randint(0, 8, (64, 16), generator=g) / 8.0
+    kept_y = 1.0 + torch.randint(0, 8, (16, 64), generator=g) / 8.0
+    sign = torch.where(torch.rand(64, 16, generator=g) < 0.5, -1.0, 1.0)
     x = (sign * (kept_x + 0.75 * 2.0**-10)).float().to(device)
     y = (kept_y + 0.75 * 2.0**-10).float().to(device)
-    out = torch.empty(16, 16, device=device)
-    _raw_tf32_dot[(1,)](x, y, out, M=16, K=16, N=16)
+    out = torch.empty(64, 64, device=device)
+    _raw_tf32_dot[(1,)](x, y, out, M=64, K=16, N=64)
     assert torch.equal(out.cpu(), ((sign * kept_x) @ kept_y).float())
