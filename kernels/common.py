@@ -94,15 +94,58 @@ def sm_count(device) -> int:
 
 
 @triton.jit
+def to_tf32(x, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to TF32's 10-bit mantissa, to nearest with ties away from zero (as
+    ``cvt.rna.tf32.f32``, what cuBLAS feeds its TF32 tensor cores), still stored as fp32.
+
+    The tensor cores read only an fp32 operand's upper 19 bits: fed raw fp32 (Triton's
+    ``input_precision="tf32"`` does no conversion) they truncate toward zero, an error twice
+    rounding's and biased (every product shrinks by 2^-11 on average), which measured 2-10x
+    torch's TF32 error on an H200 (GEMMs, decode attention, a loss summing such logits). The
+    interpreter rounds on the bits: adding half of the 13 dropped bits rounds the magnitude
+    (ties away), NaN and Inf kept."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.where(tl.abs(x) < float("inf"), rounded, x)
+    else:
+        return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def dot(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr = "tf32"):
     """``acc + a @ b`` with fp32 accumulation. ``PRECISION`` applies to fp32 operands: "tf32"
-    (TF32 tensor cores) or "ieee" (full fp32, as torch's default "highest"); fp16/bf16 products
-    are exact either way. The interpreter keeps bf16 as raw bits, so it upcasts and computes
-    exactly; on the GPU bf16 stays bf16."""
-    if INTERPRET:
+    (TF32 tensor cores, operands rounded to nearest TF32 first: :func:`to_tf32`) or "ieee"
+    (full fp32, as torch's default "highest"); fp16/bf16 products are exact either way and
+    their operands go to the tensor cores as they are. The interpreter keeps bf16 as raw bits,
+    so it upcasts 16-bit operands and computes exactly; on the GPU bf16 stays bf16. fp32
+    operands keep ``PRECISION`` in the interpreter too (it computes "tf32" exactly in fp32; the
+    tests' interpreter truncates its operands as the tensor cores do: tests/interpreter_hardware.py)."""
+    if PRECISION == "tf32" and a.dtype == tl.float32 and b.dtype == tl.float32:
+        return tl.dot(to_tf32(a, INTERPRET), to_tf32(b, INTERPRET), acc, input_precision="tf32")
+    elif INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def dot_step(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr = "tf32"):
+    """One step of a K loop: :func:`dot`, except that IEEE fp32 products sum the step's block
+    on its own and add it to ``acc``.
+
+    IEEE fp32 products run on the FMA units, one FMA per k into the accumulator (Triton's FMA
+    lowering): one rounding chain over the whole K, whose error grows like K (a weight
+    gradient's reduction over 512 rows: 2.7x torch's error on an H200). Summed per block, the
+    chains are BLOCK_K long and the K / BLOCK_K partial sums add in a chain of their own: about
+    sqrt(BLOCK_K) less error at long K (4x at BLOCK_K 16, K 512: tests/test_linear.py's
+    test_ieee_accumulation_error), for one FADD per BLOCK_K FMAs. Tensor-core products (TF32,
+    16-bit) accumulate as before."""
+    if PRECISION == "ieee" and a.dtype == tl.float32 and b.dtype == tl.float32:
+        return acc + dot(a, b, tl.zeros_like(acc), INTERPRET, PRECISION)
+    else:
+        return dot(a, b, acc, INTERPRET, PRECISION)
 
 
 def _scratch(size, alignment, stream):

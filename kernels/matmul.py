@@ -39,8 +39,9 @@ accumulation, and constexpr switches for everything else:
   ``1 / (1 - p)``. The mask is never stored: gradients regenerate it, and
   :func:`dropout_mask` materializes it for tests.
 - Products: fp16/bf16 on tensor cores (wgmma on sm_90); fp32 follows ``PRECISION``: "ieee"
-  (torch's default: full fp32 products) or "tf32" (torch's ``allow_tf32``). The interpreter
-  computes every product exactly in fp32.
+  (torch's default: full fp32 products, each K block summed apart: ``common.dot_step``) or
+  "tf32" (torch's ``allow_tf32``; operands rounded to nearest TF32 first: ``common.dot``).
+  The interpreter computes every product of its (rounded) operands exactly in fp32.
 - Offsets: tile origins are int64, in-tile offsets int32, so tensors past 2^31 elements work.
 """
 import dataclasses
@@ -389,13 +390,13 @@ def _loop_ptr(acc, acc2, A, B, B2, row0, col0, M, N, K, stride_am, stride_ak, st
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
+        acc = common.dot_step(a, b, acc, INTERPRET, PRECISION)
         if DUAL_N:
             if EVEN_K:
                 b2 = tl.load(b2_ptrs)
             else:
                 b2 = tl.load(b2_ptrs, mask=rk[:, None] < K - k * BLOCK_K, other=0.0)
-            acc2 = common.dot(a, b2, acc2, INTERPRET, PRECISION)
+            acc2 = common.dot_step(a, b2, acc2, INTERPRET, PRECISION)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -423,13 +424,13 @@ def _loop_tma(acc, acc2, a_desc, b_desc, b2_desc, row0, col0, K, A_T: tl.constex
             b = b_desc.load([col0, k]).T
         else:
             b = b_desc.load([k, col0])
-        acc = common.dot(a, b, acc, INTERPRET, PRECISION)
+        acc = common.dot_step(a, b, acc, INTERPRET, PRECISION)
         if DUAL_N:
             if B_T:
                 b2 = b2_desc.load([col0, k]).T
             else:
                 b2 = b2_desc.load([k, col0])
-            acc2 = common.dot(a, b2, acc2, INTERPRET, PRECISION)
+            acc2 = common.dot_step(a, b2, acc2, INTERPRET, PRECISION)
     return acc, acc2
 
 
@@ -795,7 +796,9 @@ def _dropout_mask_kernel(SEED, OUT, M, N, drop_thresh, BLOCK_M: tl.constexpr):
 # 128-column slices, as the tutorial's EPILOGUE_SUBTILE.
 # SwiGLU's gate + up (two accumulators) doubles the accumulator: 128x128 per projection is the
 # 128x256 footprint.
-# fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage).
+# fp32 "tf32": half the K of the 16-bit configs (4-byte elements, same shared memory per stage);
+# sm_90's 64x64 tile on 8 warps: the operands' rounding to TF32 (common.to_tf32) passes them
+# through registers, and at 4 warps the unaligned LoRA forward spilled 16 B (255 registers).
 # fp32 "ieee": FMA products (no tensor cores): 64x64 tiles over 8 warps, BLOCK_K 16, to stay
 # spill-free (4 warps spill with dropout).
 # sm_80: the same tiles within 164 KB of shared memory, one program per tile, cp.async
@@ -806,7 +809,7 @@ CONFIGS = {
                         (64, 64, 64, 4, 4, 1)),
     (90, "16", True): ((128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2), (64, 128, 64, 4, 4, 1),
                        (64, 64, 64, 4, 4, 1)),
-    (90, "tf32", False): ((128, 128, 32, 8, 3, 2), (128, 128, 32, 8, 4, 2), (64, 64, 32, 4, 4, 1)),
+    (90, "tf32", False): ((128, 128, 32, 8, 3, 2), (128, 128, 32, 8, 4, 2), (64, 64, 32, 8, 4, 1)),
     (90, "tf32", True): ((128, 64, 32, 8, 3, 1), (64, 64, 32, 4, 3, 1)),
     (90, "ieee", False): ((64, 64, 16, 8, 2, 1),),
     (90, "ieee", True): ((64, 64, 16, 8, 2, 1),),

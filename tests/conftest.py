@@ -25,11 +25,13 @@ import pytest  # noqa: E402
 from fused_block.kernels import common  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_hardware  # noqa: E402
     import interpreter_numpy  # noqa: E402
     import interpreter_speed  # noqa: E402
 
     interpreter_speed.install()  # one language patch per interpreted launch (see the module)
     interpreter_numpy.install()  # scalar loop bounds read as numpy 2.5 allows (see the module)
+    interpreter_hardware.install()  # TF32 products truncate their fp32 operands, as on the GPU
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -106,6 +108,14 @@ def run_once(tmp_path_factory, worker_id):
         return path
 
     return once
+
+
+@pytest.fixture
+def fma_chains(monkeypatch):
+    """The interpreter computes IEEE fp32 products as the GPU's FMA units do: one FMA per k
+    into the accumulator, in k order (``interpreter_hardware.FMA_CHAINS``); nothing on a GPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        monkeypatch.setattr(interpreter_hardware, "FMA_CHAINS", True)
 
 
 @pytest.fixture

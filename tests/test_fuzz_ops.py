@@ -93,6 +93,10 @@ def _attn_view(vals, kind, slot, slots):
        path=st.sampled_from(("tma", "pointer")), tf32=st.booleans(), seed=st.integers(0, 2**31))
 @example(heads=(2, 1, 2), Lq=1, Lk=1, D=16, dtype=torch.bfloat16, causal=True, padding="full_row",
          q_layout="fused", kv_layout="fused", regime="normal", explicit_scale=False, path="tma", tf32=False, seed=0)
+# One key under TF32 (P = 1, so dS = 0): delta must see dO rounded as dP does (backward preprocess).
+@example(heads=(1, 1, 1), Lq=1, Lk=1, D=16, dtype=torch.float32, causal=False, padding="none",
+         q_layout="contiguous", kv_layout="contiguous", regime="normal", explicit_scale=False, path="tma", tf32=True,
+         seed=0)
 def test_attention_fuzz(device, monkeypatch, heads, Lq, Lk, D, dtype, causal, padding, q_layout,
                         kv_layout, regime, explicit_scale, path, tf32, seed):
     """``path``: the TMA path (the default where layouts allow, Hopper and the interpreter) or

@@ -44,6 +44,64 @@ def test_tf32_rounding_emulation():
     assert r[3] == float("inf") and r[4].isnan()
 
 
+@triton.jit
+def _to_tf32_probe(X, Y, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    tl.store(Y + offs, common.to_tf32(x, INTERPRET), mask=offs < n)
+
+
+def test_to_tf32_rounds_as_the_baseline(device):
+    # common.to_tf32 (cvt.rna.tf32.f32 on the GPU, bit arithmetic in the interpreter) rounds
+    # exactly as the TF32 baseline's operands: random magnitudes over the whole fp32 range,
+    # ties (1 + 2^-11), the largest finite value (rounds to inf), subnormals, zeros, specials.
+    tiny = torch.finfo(torch.float32).tiny
+    special = [1.0 + 2.0**-11, -(1.0 + 3 * 2.0**-11), torch.finfo(torch.float32).max, tiny, tiny / 3, -tiny / 7,
+               0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+    x = torch.cat([torch.randn(4000) * 2.0 ** torch.randint(-140, 120, (4000,)).float(), torch.tensor(special)])
+    x = x.to(device)
+    y = torch.empty_like(x)
+    block = 1024
+    common.launch("to_tf32_probe", _to_tf32_probe, (common.cdiv(x.numel(), block),), (x, y, x.numel()),
+                  dict(BLOCK=block, INTERPRET=common.interpreting()), common.Config.of(num_warps=4))
+    expected = round_to_tf32(x)
+    assert torch.equal(y.isnan(), expected.isnan())
+    same = (y.view(torch.int32) == expected.view(torch.int32)) | y.isnan()
+    assert same.all(), f"{x[~same][:8].tolist()} -> {y[~same][:8].tolist()}, expected {expected[~same][:8].tolist()}"
+
+
+def test_tf32_products_round_their_operands(device, launches):
+    # TF32 tensor cores read an fp32 operand's upper 19 bits: fed raw fp32 they truncate it
+    # toward zero (the tests' interpreter does the same: tests/interpreter_hardware.py), a bias
+    # that positive operands add up over K (-6e-4 of every output here, 10x torch's error,
+    # whose cuBLAS rounds to nearest). common.dot rounds them to nearest TF32 first.
+    x = (torch.rand(64, 64) + 1.0).to(device).requires_grad_()
+    w = (torch.rand(48, 64) + 1.0).to(device).requires_grad_()
+
+    def ref(x, w, compute_dtype=None):
+        return reference.linear(x, w, compute_dtype=compute_dtype)
+
+    check("tf32 linear", lambda x, w: linear(x, w), ref, (x, w), torch.float32, device, "tf32")
+    assert launches["matmul"] == 3
+
+
+def test_ieee_accumulation_error(device, launches, monkeypatch, fma_chains):
+    # IEEE fp32 products run on the FMA units (the interpreter here does the same, one FMA per
+    # k in k order: the fma_chains fixture) on the GPU's IEEE tile (64x64, BLOCK_K 16). A weight
+    # gradient reduces over the rows: as one FMA chain over 1024 rows its error grew like K
+    # (4.5x torch's here; 2.7x on an H200 over 512 rows); summed per K block (common.dot_step)
+    # it is torch's.
+    monkeypatch.setattr(kmatmul, "INTERPRETER_CONFIG", kmatmul.CONFIGS[(90, "ieee", False)][0])
+    x = randn(1024, 32, dtype=torch.float32, device=device)
+    w = randn(64, 32, dtype=torch.float32, device=device, scale=32 ** -0.5, requires_grad=True)
+
+    def ref(x, w, compute_dtype=None):
+        return reference.linear(x, w, compute_dtype=compute_dtype)
+
+    check("ieee linear", lambda x, w: linear(x, w), ref, (x, w), torch.float32, device, "ieee")
+    assert launches["matmul"] == 2  # the forward and dW
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_fp32_precision_follows_torch_at_call_time(mode, device, monkeypatch):
     # The kernels read torch's switch on every call (no import-time global): the products'

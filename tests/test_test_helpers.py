@@ -1,15 +1,17 @@
-"""The tests' own helpers: the fp32 precision context, the fuzz profiles and the interpreter's
-speed-ups."""
+"""The tests' own helpers: the fp32 precision context, the fuzz profiles, the interpreter's
+speed-ups and its emulation of the GPU's fp32 products."""
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 import fuzzing
+import interpreter_hardware
 import interpreter_speed
 from fused_block.kernels import common
 from numerics import FP32_PRECISIONS, fp32_matmul_precision
@@ -159,3 +161,47 @@ def test_allocations_tell_descriptor_scratch_from_buffers(monkeypatch):
         ((45056,), torch.int8, True), (tuple(big.shape), torch.float16, False)]
     assert rec.buffers() == rec.records[1:]
     assert len(rec.with_numel_at_least(45056)) == 2
+
+
+def test_tf32_truncation_and_fma_chain_emulations():
+    x = np.array([1.0 + 3 * 2.0**-11, -(1.0 + 2.0**-11), 2.0**-130 * 3, np.inf, np.nan], dtype=np.float32)
+    t = interpreter_hardware.truncate_to_tf32(x)
+    assert t[:2].tolist() == [1.0 + 2.0**-10, -1.0] and t[2] == np.float32(2.0**-130 * 3) and t[3] == np.inf
+    assert np.isnan(t[4])
+    # One rounding per k, in k order: 1e8 + 1 rounds back to 1e8 in fp32, so the chain ends at 0.
+    a = np.array([[1e8, 1.0, -1e8]], dtype=np.float32)
+    b = np.ones((3, 2), dtype=np.float32)
+    assert interpreter_hardware.fma_chain(a, b, np.zeros((1, 2), np.float32)).tolist() == [[0.0, 0.0]]
+    reordered = np.array([[1e8, -1e8, 1.0]], dtype=np.float32)
+    assert interpreter_hardware.fma_chain(reordered, b, np.zeros((1, 2), np.float32)).tolist() == [[1.0, 1.0]]
+    batched = np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)
+    ref = np.matmul(batched.astype(np.float64), batched.transpose(0, 2, 1).astype(np.float64))
+    out = interpreter_hardware.fma_chain(batched, batched.transpose(0, 2, 1).copy(), np.zeros((2, 4, 4), np.float32))
+    assert out.dtype == np.float32 and np.abs(out - ref).max() < 1e-5
+
+
+@triton.jit
+def _raw_tf32_dot(X, Y, OUT, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    rm = tl.arange(0, M)
+    rk = tl.arange(0, K)
+    rn = tl.arange(0, N)
+    x = tl.load(X + rm[:, None] * K + rk[None, :])
+    y = tl.load(Y + rk[:, None] * N + rn[None, :])
+    tl.store(OUT + rm[:, None] * N + rn[None, :], tl.dot(x, y, input_precision="tf32"))
+
+
+def test_raw_fp32_operands_of_a_tf32_product_are_truncated(device):
+    # What tests/interpreter_hardware.py emulates, and what common.to_tf32 corrects: a TF32
+    # product fed raw fp32 operands uses them truncated toward zero. The operands' kept parts
+    # (1 + j/8) make every product and sum exact in fp32; each operand also carries 0.75 of a
+    # TF32 ulp (2^-10), which rounding would carry up and truncation drops. 64x64 outputs: a
+    # wgmma on sm_90, as the GEMMs' tiles.
+    g = torch.Generator().manual_seed(0)
+    kept_x = 1.0 + torch.randint(0, 8, (64, 16), generator=g) / 8.0
+    kept_y = 1.0 + torch.randint(0, 8, (16, 64), generator=g) / 8.0
+    sign = torch.where(torch.rand(64, 16, generator=g) < 0.5, -1.0, 1.0)
+    x = (sign * (kept_x + 0.75 * 2.0**-10)).float().to(device)
+    y = (kept_y + 0.75 * 2.0**-10).float().to(device)
+    out = torch.empty(64, 64, device=device)
+    _raw_tf32_dot[(1,)](x, y, out, M=64, K=16, N=64)
+    assert torch.equal(out.cpu(), ((sign * kept_x) @ kept_y).float())

@@ -16,7 +16,7 @@ def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS, CU_Q, SINKS, DSINK,
                          Hq, Lq, D, NSEQ, num_m_blocks, stride_stat,
                          HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr,
-                         STAT_ALIGN: tl.constexpr):
+                         STAT_ALIGN: tl.constexpr, TF32: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """The backward's per-row statistics ``STATS`` (B * Hq + 1, 2, stride_stat) fp32, rows
     padded to ``stride_stat`` (a multiple of every backward query block, so the backward loads
     them unmasked): [:, 0] = LSE * log2(e) (+inf for rows with no visible key and for padding
@@ -29,7 +29,13 @@ def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS, CU_Q, SINKS, DSINK,
 
     ``HAS_SINKS``: DSINK[pid] = this program's part of the sink's gradient, -sum_i P_sink,i *
     delta_i with P_sink,i = exp(sink - lse_i) (the sink takes no value: dP = 0 there), summed
-    over the programs by the launcher (deterministic, no atomics)."""
+    over the programs by the launcher (deterministic, no atomics).
+
+    ``TF32`` (fp32 under TF32 products): delta from dO rounded to TF32, as the backward's dP =
+    dO @ V^T reads it. delta stands for sum_j P_ij dP_ij, and dS = P (dP - delta) cancels
+    exactly where it should only if both see the same dO: with a single visible key (P = 1,
+    dS = 0) raw dO left dS at dO's rounding error, 5x torch's error in dQ (whose softmax
+    backward sums P dP from its own dP)."""
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     b = bh // Hq
@@ -53,6 +59,8 @@ def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS, CU_Q, SINKS, DSINK,
                 mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows * stride_dom
                  + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if TF32:
+        do = common.to_tf32(do, INTERPRET)
     delta = tl.sum(o * do, 1)
     row_base = bh.to(tl.int64) * Lq
     if HAS_DLSE:

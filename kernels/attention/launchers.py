@@ -186,13 +186,14 @@ _FWD_EXTRA = ((("HAS_SINKS", False),), (("HAS_SINKS", True),))  # by whether sin
 _BWD_EXTRA = (("STAT_ALIGN", STAT_ALIGN),)
 
 
-def _pre_constexprs(has_dlse, varlen, has_sinks, block_d):
+def _pre_constexprs(has_dlse, varlen, has_sinks, block_d, tf32):
     """The backward preprocess's constexpr dict."""
-    key = ("pre", has_dlse, varlen, has_sinks, block_d)
+    key = ("pre", has_dlse, varlen, has_sinks, block_d, tf32)
     out = _CONSTEXPRS.get(key)
     if out is None:
         out = _CONSTEXPRS[key] = dict(HAS_DLSE=has_dlse, VARLEN=varlen, HAS_SINKS=has_sinks, BLOCK_D=block_d,
-                                      BLOCK_M=PRE_BLOCK_M, STAT_ALIGN=STAT_ALIGN)
+                                      BLOCK_M=PRE_BLOCK_M, STAT_ALIGN=STAT_ALIGN, TF32=tf32,
+                                      INTERPRET=common.interpreting())
     return out
 
 
@@ -446,7 +447,8 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
     common.launch("attention_bwd_preprocess", _attn_bwd_preprocess, (_grid_size(n_pre * B * Hq),),
                   (out, do, lse, dlse if dlse is not None else lse, stats, cu_q, lse if sinks is None else sinks,
                    dsink_parts, *so, *sdo, Hq, Lq, D, nseq, n_pre, stride_stat),
-                  _pre_constexprs(dlse is not None, varlen is not None, sinks is not None, block_d), _FOUR_WARPS)
+                  _pre_constexprs(dlse is not None, varlen is not None, sinks is not None, block_d,
+                                  _kind(q.dtype) == "tf32"), _FOUR_WARPS)
     if sinks is not None:
         torch.sum(dsink_parts, (0, 2), out=dsinks)
 

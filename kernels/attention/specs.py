@@ -177,15 +177,19 @@ def aot_specs(exhaustive=None) -> list:
                                         IEEE=kind == "ieee", BLOCK_D=block_d, INTERPRET=False, **cfg.meta()),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(_attn_dbias),
                         wgmma=kind != "ieee", tma=tma, archs=(arch,)))
-    for varlen, sinks in ((False, False), (True, False), (False, True), (True, True)):
+    # bf16 with every flag combination; fp32 under TF32 (dO rounded for delta) with all of them.
+    for varlen, sinks, tf32 in ((False, False, False), (True, False, False), (False, True, False),
+                                (True, True, False), (True, True, True)):
+        dt = "*fp32" if tf32 else "*bf16"
         specs.append(aot.KernelSpec(
-            name=f"attention_bwd_preprocess D128 bf16{' varlen' if varlen else ''}{' sinks' if sinks else ''}",
+            name=(f"attention_bwd_preprocess D128 {'tf32' if tf32 else 'bf16'}{' varlen' if varlen else ''}"
+                  f"{' sinks' if sinks else ''}"),
             fn=_attn_bwd_preprocess,
-            signature=_signature(_attn_bwd_preprocess, {"O": "*bf16", "DO": "*bf16", "LSE": "*fp32",
+            signature=_signature(_attn_bwd_preprocess, {"O": dt, "DO": dt, "LSE": "*fp32",
                                                         "DLSE": "*fp32", "STATS": "*fp32", "CU_Q": "*i32",
                                                         "SINKS": "*fp32", "DSINK": "*fp32"}),
             constexprs=dict(HAS_DLSE=True, VARLEN=varlen, HAS_SINKS=sinks, BLOCK_D=128, BLOCK_M=PRE_BLOCK_M,
-                            STAT_ALIGN=STAT_ALIGN),
+                            STAT_ALIGN=STAT_ALIGN, TF32=tf32, INTERPRET=False),
             num_warps=4, aligned=_aligned_args(_attn_bwd_preprocess)))
     # Split-KV decoding: every table entry at its smallest and largest row block, with every
     # flag its class takes (causal, window, padding, softcap, ALiBi; "bias": a bias and a bool
