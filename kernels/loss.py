@@ -495,11 +495,35 @@ def logits_product(h, weight, bias, out):
         torch.addmm(bias, h, weight.t(), out=out)
 
 
+_OUT_DTYPE = {}  # (device, dtype) -> whether torch's addmm takes out_dtype=float32 there
+
+
+def _has_out_dtype(acc, a) -> bool:
+    """Whether this torch's ``addmm`` computes 16-bit x 16-bit -> fp32 on ``acc``'s device (its
+    ``out_dtype`` overload: CUDA only, and not in every torch the package declares): tried once
+    per device and dtype on 2 x 2 operands."""
+    key = (acc.device, a.dtype)
+    ok = _OUT_DTYPE.get(key)
+    if ok is None:
+        ok = acc.device.type != "cpu"
+        if ok:
+            m = torch.ones(2, 2, dtype=a.dtype, device=a.device)
+            t = torch.zeros(2, 2, dtype=torch.float32, device=acc.device)
+            try:
+                torch.addmm(t, m, m, beta=1, out_dtype=torch.float32, out=t)
+                ok = bool((t == 2).all())
+            except (RuntimeError, TypeError):
+                ok = False
+        _OUT_DTYPE[key] = ok
+    return ok
+
+
 def _addmm_fp32(acc, a, b, beta):
     """acc (fp32) = beta * acc + a @ b in place for 16-bit a, b: cuBLAS with fp32 output and
-    accumulation (``out_dtype``). The CPU has no such product: it upcasts b and a half of a's
-    rows at a time (temporaries no larger than a itself, so within the memory rule)."""
-    if acc.device.type != "cpu":
+    accumulation (``out_dtype``). Where torch has no such product (the CPU, a torch without the
+    overload: :func:`_has_out_dtype`) it upcasts b and a half of a's rows at a time
+    (temporaries no larger than a itself, so within the memory rule; the same sums in fp32)."""
+    if _has_out_dtype(acc, a):
         torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
         return
     b32 = b.float()

@@ -459,3 +459,17 @@ def test_bench_spec_cases_and_numerics():
     rows = spec.numerics()
     assert rows and all(r.get("ok") for r in rows), rows
 
+
+
+def test_fp32_accumulating_product_without_the_out_dtype_overload(monkeypatch):
+    """Where torch's addmm has no 16-bit -> fp32 overload (the CPU; a torch on CUDA without it,
+    probed once per device), the fp32 accumulation upcasts instead: the same sums."""
+    from fused_block.kernels import loss as kloss
+
+    a = torch.randn(5, 7, dtype=torch.bfloat16)
+    b = torch.randn(7, 3, dtype=torch.bfloat16)
+    acc = torch.randn(5, 3)
+    want = acc + a.double().matmul(b.double()).float()
+    assert not kloss._has_out_dtype(acc, a)
+    kloss._addmm_fp32(acc, a, b, 1)
+    torch.testing.assert_close(acc, want)
