@@ -127,12 +127,43 @@ def gemm(op, a, b, c, **kw):
         _k.gemm(a, b, c, **kw)
 
 
+# The cuBLAS candidate's elementwise passes that no GPU run has verified yet: the forward's
+# ``matmul.epilogue`` kernel and ``act_grad``'s ``STORE_H`` (the hidden activation recomputed in
+# the FFN backward's pass). Until a committed GPU run verifies them, the per-key choice offers
+# cuBLAS only where its call runs neither (cuBLAS alone, its bias / GELU / ReLU epilogues, and
+# ``act_grad``'s modes that ran on the H200 before); FUSED_BLOCK_GEMM_NEW_EPILOGUES=1 offers
+# it everywhere, and a forced candidate (:func:`force`, FUSED_BLOCK_GEMM) runs them regardless.
+NEW_EPILOGUES = os.environ.get("FUSED_BLOCK_GEMM_NEW_EPILOGUES", "0") == "1"
+
+
+def unverified_epilogue(a, c, kw) -> bool:
+    """Whether the cuBLAS candidate of this call (``matmul.gemm``'s keywords ``kw``) runs one of
+    the elementwise passes no GPU run has verified yet (see ``NEW_EPILOGUES``)."""
+    get = kw.get
+    if get("act_grad", False):
+        return get("hout") is not None
+    if get("b2") is not None and get("a2") is not None:  # the dual-K product: cuBLAS alone
+        return False
+    gated = get("b2") is not None
+    activation, residual = get("activation", 0), get("residual")
+    dropout, store_pre = bool(get("dropout_p", 0.0)), get("store_pre", False)
+    if not gated and not activation and residual is None and not dropout and not store_pre:
+        return False  # cuBLAS (+ act_grad's bias-gradient sums)
+    # cuBLASLt's GELU (tanh) / ReLU epilogue with nothing after it (as _cublas decides)
+    return not (not gated and get("bias") is not None and (activation == 3 or activation == 2 and a.is_cuda)
+                and residual is None and not dropout and not store_pre and get("lora_a") is None
+                and c.dtype == a.dtype)
+
+
 def _choose(key, a, b, c, kw):
-    """The cache's choice for a new key: timed on CUDA, else the static rule's first candidate."""
+    """The cache's choice for a new key: timed on CUDA, else the static rule's first candidate
+    (only ours where the cuBLAS candidate would run an unverified pass: ``NEW_EPILOGUES``)."""
     arch = key[1]
     (activation, act_grad, _, residual, store_pre, _, _, _, dropout, lora) = key[8:18]
     fused_forward = not act_grad and (bool(activation) or residual or dropout or store_pre or lora)
     order = _ORDERS[(arch == 0, fused_forward)]
+    if arch != 0 and not NEW_EPILOGUES and unverified_epilogue(a, c, kw):
+        order = (TRITON,)
     return _CACHE.get(key, order, lambda cand: _run(cand, a, b, c, kw))
 
 

@@ -285,3 +285,27 @@ def test_deterministic_algorithms_take_our_kernel(device, launches, monkeypatch)
         linear(x, w).sum().backward()
     assert dispatch._CACHE.chosen == {} and {r["candidate"] for r in dispatch.table()} == {"triton"}
     assert launches["matmul"] == 3
+
+
+def test_unverified_epilogues_are_not_offered_by_default(monkeypatch):
+    """Until a GPU run verifies them, the per-key choice on a GPU offers cuBLAS only where its
+    call runs no new elementwise pass (the forward's epilogue kernel, act_grad's STORE_H):
+    bias-only and plain products, cuBLASLt's GELU/ReLU epilogue, the backward's act_grad
+    without the hidden output. FUSED_BLOCK_GEMM_NEW_EPILOGUES=1 offers it everywhere."""
+    a = torch.empty(4, 8, dtype=torch.bfloat16)
+    c = torch.empty(4, 8, dtype=torch.bfloat16)
+    bias = torch.empty(8, dtype=torch.bfloat16)
+    verified = [dict(), dict(bias=bias), dict(act_grad=True, activation=1), dict(bias=bias, activation=3),
+                dict(a2=a, b2=a), dict(rowsum=True)]
+    unverified = [dict(activation=1), dict(residual=c), dict(dropout_p=0.1), dict(store_pre=True),
+                  dict(b2=a), dict(act_grad=True, activation=1, hout=c), dict(bias=bias, activation=3, residual=c)]
+    assert not any(dispatch.unverified_epilogue(a, c, kw) for kw in verified)
+    assert all(dispatch.unverified_epilogue(a, c, kw) for kw in unverified)
+    seen = []
+    monkeypatch.setattr(dispatch._CACHE, "get", lambda key, cands, run: seen.append(tuple(cands)) or cands[0])
+    key = ("linear.fwd", 90, torch.bfloat16, torch.bfloat16, "", 64, 8, 8, 1, False, False, False, True, False,
+           False, False, False, False, False, False, False, False)
+    dispatch._choose(key, a, a, c, dict(activation=1, store_pre=True))
+    monkeypatch.setattr(dispatch, "NEW_EPILOGUES", True)
+    dispatch._choose(key, a, a, c, dict(activation=1, store_pre=True))
+    assert seen == [("triton",), ("triton", "cublas")]
