@@ -9,6 +9,26 @@ from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _dropou
 
 
 @triton.jit
+def _pv_tf32(p, v, acc, INTERPRET: tl.constexpr):
+    """``acc + P @ V`` for fp32 under TF32 products: V rounded to TF32, P split into two TF32
+    parts (P = hi + lo, lo = P - hi exact in fp32), two products: P to about 2^-22, not 2^-11.
+
+    The backward's delta = rowsum(dO * O) stands for sum_j P_ij dP_ij with dP = dO @ V^T from V
+    rounded (``backward._attn_bwd_preprocess``); dS = P (dP - delta) subtracts it, and where dS
+    is small against P dP (a decode row's few large-probability keys) any difference between O
+    and sum_j P_ij V_j (rounded) lands in dK at P_ij times it. PyTorch's softmax backward sums
+    P dP from its own dP (no such term). With P rounded to TF32 here, O carried P's rounding:
+    ``tests/test_attention_decode.py::test_decode_matches_reference[pointer-step-gqa-fp32-tf32]``
+    measured dK at 2.09x torch's error at FUSED_BLOCK_TEST_SEED=8, 1.00x with P split. P @ V
+    without any rounding (IEEE) does not help: dP reads V rounded. One more TF32 product per
+    key block; 16-bit and IEEE fp32 products are unchanged."""
+    v = common.to_tf32(v, INTERPRET)
+    hi = common.to_tf32(p, INTERPRET)
+    acc = tl.dot(hi, v, acc, input_precision="tf32")
+    return tl.dot(common.to_tf32(p - hi, INTERPRET), v, acc, input_precision="tf32")
+
+
+@triton.jit
 def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m, start_n, offs_m,
               diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
               cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn, amask_base, stride_am, stride_an,
@@ -79,7 +99,10 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
         v = _tile(v_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
     else:
         v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
-    acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET, PRECISION)
+    if IEEE or v.dtype != tl.float32:
+        acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET, PRECISION)
+    else:
+        acc = _pv_tf32(p, v, acc, INTERPRET)
     # l last: fewer live registers across the products (the tutorial's ordering).
     l_i = l_i * alpha + l_ij
     return acc, l_i, m_new
