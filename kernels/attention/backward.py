@@ -75,6 +75,23 @@ def _attn_bwd_preprocess(O, DO, LSE, DLSE, STATS, CU_Q, SINKS, DSINK,
         tl.store(DSINK + pid, -tl.sum(p_sink * delta, 0))
 
 
+@triton.constexpr_function
+def _tf32_scaled_ds(dtype, IEEE):
+    """Whether dK = dS^T Q and dQ = dS K take dS * scale as their operand (fp32 under TF32
+    products) rather than dS, the sums scaled at the end (IEEE fp32, 16-bit).
+
+    PyTorch's baseline computes s = (Q K^T) * scale; its backward hands the products dS *
+    scale, rounded to TF32 as their operand. dS rounded, then scaled, rounds a different value
+    (scale = 1 / sqrt(D) is no power of two): as accurate on average, but not the same error.
+    A decode step's dK sums only GROUPS * Lq such products per element, so its error is a few
+    single roundings, compared with torch's: with different rounding points the ratio swung
+    from 0.5 to 2.25 across seeds (``tests/test_attention_decode.py::
+    test_decode_matches_reference[pointer-step-gqa-fp32-tf32]``); with torch's, 1.0. Products
+    of exact fp32 or 16-bit operands are scaled once at the end (one multiply per dK / dQ
+    element, not per dS element)."""
+    return dtype == tl.float32 and not IEEE
+
+
 @triton.jit
 def _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M: tl.constexpr, AHEAD: tl.constexpr):
     """``AHEAD``: LSE * log2(e) and delta of rows [start_m, start_m + BLOCK_M) of the head
@@ -90,7 +107,7 @@ def _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M: tl.constexpr, AHEAD: tl
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc, stats_h, stride_stat, bh, h,
                start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D, stride_qh, stride_qm, stride_doh, stride_dom,
-               qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm,
+               scale, qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm,
                stride_bn, amask_b, stride_ah, stride_am, stride_an, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
@@ -110,6 +127,8 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc
     """
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     SCORE_MOD: tl.constexpr = SOFTCAP or HAS_ALIBI or HAS_BIAS or HAS_AMASK
+    # fp32 under TF32 products: dK's operand is dS * scale, not dS (``_tf32_scaled_ds``).
+    TF32: tl.constexpr = _tf32_scaled_ds(k.dtype, IEEE)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if USE_TMA:
         q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
@@ -160,13 +179,15 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)  # d softcap(x) / dx = 1 - tanh^2
+        if TF32:
+            dsT = dsT * scale  # the product's operand is dS * scale, rounded as torch's (see TF32 above)
         dk = common.dot(common.cast(dsT, q.dtype, INTERPRET), q, dk, INTERPRET, PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
-             diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+             diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, scale, qk_scale, seed, bh, dropout_p, inv_keep,
              Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
              HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -204,6 +225,8 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)  # d softcap(x) / dx = 1 - tanh^2
+    if _tf32_scaled_ds(q.dtype, IEEE):
+        ds = ds * scale  # the product's operand is dS * scale (``_tf32_scaled_ds``)
     dq = common.dot(common.cast(ds, k.dtype, INTERPRET), k, dq, INTERPRET, PRECISION)
     return dq
 
@@ -291,7 +314,7 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
         start_m = tl.multiple_of(start_m, BLOCK_M)
         dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc, stats_h, stride_stat,
                             b * Hq + h, h, start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D, stride_qh, stride_qm,
-                            stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out,
+                            stride_doh, stride_dom, scale, qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out,
                             slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b, stride_ah, stride_am,
                             stride_an, False, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                             HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
@@ -313,9 +336,9 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc, stats_h,
                                 stride_stat, b * Hq + h, h, start_m, start_n, offs_n, Lq, diag_hi, diag_lo, D,
-                                stride_qh, stride_qm, stride_doh, stride_dom, qk_scale, seed, dropout_p, inv_keep, Lk,
-                                cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b,
-                                stride_ah, stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
+                                stride_qh, stride_qm, stride_doh, stride_dom, scale, qk_scale, seed, dropout_p,
+                                inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm, stride_bn,
+                                amask_b, stride_ah, stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
                                 HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N,
                                 BLOCK_D, INTERPRET)
             start_m += BLOCK_M
@@ -325,7 +348,8 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
             h += wrap.to(tl.int32)
             stats_h += tl.where(wrap, 2 * stride_stat, 0)
             lse2, delta = _stats_ahead(stats_h, start_m, stride_stat, BLOCK_M, AHEAD)
-    dk = dk * scale
+    if not _tf32_scaled_ds(Q.dtype.element_ty, IEEE):
+        dk = dk * scale  # TF32: scaled in dS (``_tf32_scaled_ds``)
     if HAS_PAD:
         # A padded key is invisible to every query: its dK and dV are exactly 0.
         pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
@@ -401,14 +425,14 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
         lo, full_lo, full_hi, hi = _clamp_ranges(lo, full_lo, full_hi, hi, tl.load(kr), tl.load(kr + 1))
     for start_n in tl.range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
-                      diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+                      diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, scale, qk_scale, seed, bh, dropout_p, inv_keep,
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
                       False, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
                       SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
                       BLOCK_D, INTERPRET)
     for start_n in tl.range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
-                      diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p, inv_keep,
+                      diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, scale, qk_scale, seed, bh, dropout_p, inv_keep,
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
                       True, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
                       SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
@@ -416,14 +440,16 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
     if WINDOW:
         for start_n in tl.range(lo, full_lo, BLOCK_N):
             dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n,
-                          offs_m, diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
+                          offs_m, diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, scale, qk_scale, seed, bh, dropout_p,
                           inv_keep, Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am,
                           stride_an, True, IS_CAUSAL, WINDOW, HAS_PAD,
                           HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D,
                           BLOCK_M,
                           BLOCK_N, BLOCK_D, INTERPRET)
     dq_desc = _desc(dq_base, Lq, D, stride_dqm, BLOCK_M, BLOCK_D, USE_TMA)
-    _store(dq_desc, dq_base, start_m, Lq, stride_dqm, D, common.cast(dq * scale, DQ.dtype.element_ty, INTERPRET),
+    if not _tf32_scaled_ds(Q.dtype.element_ty, IEEE):
+        dq = dq * scale  # TF32: scaled in dS (``_tf32_scaled_ds``)
+    _store(dq_desc, dq_base, start_m, Lq, stride_dqm, D, common.cast(dq, DQ.dtype.element_ty, INTERPRET),
            BLOCK_M, BLOCK_D, USE_TMA)
 
 

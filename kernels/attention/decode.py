@@ -12,7 +12,8 @@ is read once per group, not once per query head.
   blocks inside the chunk that every row sees run unmasked (the forward's key step,
   :func:`forward._fwd_step`), the others masked; causal (bottom-right), window, key padding,
   softcap, ALiBi, an additive bias and a bool mask as the forward's (key blocks the mask hides
-  from every row of the program skipped).
+  from every row of the program skipped). fp32 under TF32: P @ V with P split into two TF32
+  parts (:func:`forward._pv_tf32`), so that the backward's delta matches its sum P dP.
 - ``_attn_decode_combine``: per (batch, head) and rows, out = sum_s 2^(lse_s - m) out_s / sum_s
   2^(lse_s - m) (+ the sink's 2^(sink - m) in the denominator), LSE in natural log.
 
@@ -116,20 +117,21 @@ def _attn_decode_split(Q, K, V, OP, LSEP, MASK, SLOPES, BIAS, AMASK, KR,
                                   diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, 0, 0, 0.0, cap_in,
                                   cap_out, slope2, bias_base, 0, stride_bn, amask_base, 0, stride_an,
                                   False, IS_CAUSAL, WINDOW, HAS_PAD, False, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
-                                  USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                                  USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET, True)
     for start_n in tl.range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, 0, start_n, qi,
                                   diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, 0, 0, 0.0, cap_in,
                                   cap_out, slope2, bias_base, 0, stride_bn, amask_base, 0, stride_an,
                                   True, IS_CAUSAL, WINDOW, HAS_PAD, False, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
-                                  USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                                  USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET, True)
     if WINDOW:
         for start_n in tl.range(lo, full_lo, BLOCK_N):
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, 0, start_n,
                                       qi, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, 0, 0, 0.0,
                                       cap_in, cap_out, slope2, bias_base, 0, stride_bn, amask_base, 0, stride_an,
                                       True, IS_CAUSAL, WINDOW, HAS_PAD, False, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                      HAS_AMASK, USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                                      HAS_AMASK, USE_TMA, False, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET,
+                                      True)
     empty = l_i == 0.0
     out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))

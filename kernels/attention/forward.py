@@ -9,6 +9,30 @@ from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _dropou
 
 
 @triton.jit
+def _pv_tf32(p, v, acc, INTERPRET: tl.constexpr):
+    """``acc + P @ V`` for fp32 under TF32 products: V rounded to TF32, P split into two TF32
+    parts (P = hi + lo, lo = P - hi exact in fp32), two products: P to about 2^-22, not 2^-11.
+
+    The backward's delta = rowsum(dO * O) stands for sum_j P_ij dP_ij with dP = dO @ V^T from V
+    rounded (``backward._attn_bwd_preprocess``); dS = P (dP - delta) subtracts it, and where dS
+    is small against P dP (a decode row's few large-probability keys) any difference between O
+    and sum_j P_ij V_j (rounded) lands in dK at P_ij times it. PyTorch's softmax backward sums
+    P dP from its own dP (no such term). With P rounded to TF32 here, O carried P's rounding:
+    ``tests/test_attention_decode.py::test_decode_matches_reference[pointer-step-gqa-fp32-tf32]``
+    measured dK at 2.09x torch's error at FUSED_BLOCK_TEST_SEED=8, 1.00x with P split. P @ V
+    without any rounding (IEEE) does not help: dP reads V rounded. One more TF32 product per
+    key block, taken by the split-KV decode only (``SPLIT_P``): a decode row's dK sums a
+    handful of products, so this one term decides its error; the full forward's dK sums many
+    query rows (the term averages out), and its TF32 configs took the second product in
+    registers they lack (sm_90 D64 band 128x32: 241 -> 255 registers and an 8 B spill; sm_80
+    D128 dropout 128x32: a spill of 80 -> 152 B). 16-bit and IEEE fp32 products are unchanged."""
+    v = common.to_tf32(v, INTERPRET)
+    hi = common.to_tf32(p, INTERPRET)
+    acc = tl.dot(hi, v, acc, input_precision="tf32")
+    return tl.dot(common.to_tf32(p - hi, INTERPRET), v, acc, input_precision="tf32")
+
+
+@triton.jit
 def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m, start_n, offs_m,
               diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale, seed, bh, dropout_p,
               cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn, amask_base, stride_am, stride_an,
@@ -16,12 +40,12 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, HOST: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              INTERPRET: tl.constexpr, SPLIT_P: tl.constexpr = False):
     """One key block of the online softmax; ``MASKED`` blocks check bounds and the band
     (query i sees keys i + diag_lo <= j <= i + diag_hi, each bound where its flag is set).
     ``HOST``: ``k_desc``/``v_desc`` are host-side (B, Hkv, Lk, D) descriptors. Score
     modifications (softcap, ALiBi, bias, bool mask: :func:`helpers._score_mod`) where their
-    flags are set."""
+    flags are set. ``SPLIT_P`` (the split-KV decode's): under TF32, P @ V by :func:`_pv_tf32`."""
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     # Softcap alone: the scores stay tanh's values, cap * log2(e) riding in the max and in
     # exp2's FMA below as the scale does without modifications (max(t) * c = max(t * c), c > 0).
@@ -79,7 +103,10 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
         v = _tile(v_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
     else:
         v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
-    acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET, PRECISION)
+    if SPLIT_P and not IEEE and v.dtype == tl.float32:
+        acc = _pv_tf32(p, v, acc, INTERPRET)
+    else:
+        acc = common.dot(common.cast(p, v.dtype, INTERPRET), v, acc, INTERPRET, PRECISION)
     # l last: fewer live registers across the products (the tutorial's ordering).
     l_i = l_i * alpha + l_ij
     return acc, l_i, m_new
