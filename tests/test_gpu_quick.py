@@ -138,6 +138,7 @@ def test_first_listed_tests_run_first_and_the_run_writes_its_tests(tmp_path):
                      "tests/test_gpu_quick.py::test_selection_rule\n")
     env = dict(os.environ, FUSED_BLOCK_DEADLINE=str(time.time() + 3600), FUSED_BLOCK_FIRST=str(first),
                FUSED_BLOCK_COLLECTED=str(collected))
+    env.pop("PYTEST_XDIST_WORKER", None)  # an xdist worker's id (gw1, ...) would stop the child writing its list
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "tests/test_gpu_quick.py", "-k", "selection_rule or breadth_first"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
