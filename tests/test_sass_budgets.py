@@ -39,16 +39,18 @@ def test_benchmark_kernels_within_their_budgets(costs):
 
 def test_the_benchmark_kernels_have_their_hot_loops(costs):
     """What the budgets hold: the attention loops on wgmma, the GEMMs' K steps split from
-    their epilogues, no spills."""
+    their epilogues, no spills. (The plain projection of the linear workload runs on cuBLAS
+    since the GEMM dispatch (docs/dispatch.md): the fused GELU forward is ours.)"""
     by_label = {c.label: c for c in costs}
     for label in ("attention D64 causal: _attn_fwd", "attention D128: _attn_bwd"):
         loops = [r for r in by_label[label].regions if r.name.startswith("loop")]
         assert len(loops) >= 2 and all(r.hgmma and r.issue_tensor for r in loops), loops
-    for label in ("linear gpt2-xl: _gemm_kernel", "linear+bias+gelu gpt2-xl: _gemm_kernel"):
+    # (the gated product's K step runs its two products: 8 HGMMA)
+    for label, hgmma in (("linear+bias+gelu gpt2-xl: _gemm_kernel", 4), ("swiglu llama-7b: _gemm_kernel", 8)):
         names = {r.name: r for r in by_label[label].regions}
         step = next(r for n, r in names.items() if n.endswith("K step"))
         epilogue = next(r for n, r in names.items() if n.endswith("epilogue"))
-        assert step.hgmma == 4 and epilogue.hgmma == 0 and step.instructions < epilogue.instructions
+        assert step.hgmma == hgmma and epilogue.hgmma == 0 and step.instructions < epilogue.instructions
     assert {c.label.split(": ")[1] for c in costs} >= {
         "_attn_fwd", "_attn_bwd", "_gemm_kernel", "_add_norm_fwd_kernel", "_add_norm_bwd_kernel", "_rope_kernel"}
     assert all(c.spills == 0 for c in costs)
