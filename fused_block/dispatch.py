@@ -136,23 +136,32 @@ def gemm(op, a, b, c, **kw):
 NEW_EPILOGUES = os.environ.get("FUSED_BLOCK_GEMM_NEW_EPILOGUES", "0") == "1"
 
 
+def _route(a, c, act_grad, a2, b2, activation, residual, dropout_p, store_pre, bias, lora_a) -> str:
+    """What the cuBLAS candidate runs for a call (:func:`_cublas`): "act_grad" (the product, then
+    ``matmul.act_grad``), "dual" (the dual-K product alone), "plain" (the product alone, + the
+    bias gradient's sums), "addmm_activation" (cuBLASLt's GELU (tanh) / ReLU epilogue with
+    nothing after it; torch's CPU version of use_gelu is the erf GELU, so the tanh GELU takes
+    the epilogue kernel there) or "epilogue" (the product, then ``matmul.epilogue``)."""
+    if act_grad:
+        return "act_grad"
+    if b2 is not None and a2 is not None:
+        return "dual"
+    gated = b2 is not None
+    if not gated and not activation and residual is None and not dropout_p and not store_pre:
+        return "plain"
+    if (not gated and bias is not None and (activation == 3 or activation == 2 and a.is_cuda) and residual is None
+            and not dropout_p and not store_pre and lora_a is None and c.dtype == a.dtype):
+        return "addmm_activation"
+    return "epilogue"
+
+
 def unverified_epilogue(a, c, kw) -> bool:
     """Whether the cuBLAS candidate of this call (``matmul.gemm``'s keywords ``kw``) runs one of
     the elementwise passes no GPU run has verified yet (see ``NEW_EPILOGUES``)."""
     get = kw.get
-    if get("act_grad", False):
-        return get("hout") is not None
-    if get("b2") is not None and get("a2") is not None:  # the dual-K product: cuBLAS alone
-        return False
-    gated = get("b2") is not None
-    activation, residual = get("activation", 0), get("residual")
-    dropout, store_pre = bool(get("dropout_p", 0.0)), get("store_pre", False)
-    if not gated and not activation and residual is None and not dropout and not store_pre:
-        return False  # cuBLAS (+ act_grad's bias-gradient sums)
-    # cuBLASLt's GELU (tanh) / ReLU epilogue with nothing after it (as _cublas decides)
-    return not (not gated and get("bias") is not None and (activation == 3 or activation == 2 and a.is_cuda)
-                and residual is None and not dropout and not store_pre and get("lora_a") is None
-                and c.dtype == a.dtype)
+    route = _route(a, c, get("act_grad", False), get("a2"), get("b2"), get("activation", 0), get("residual"),
+                   get("dropout_p", 0.0), get("store_pre", False), get("bias"), get("lora_a"))
+    return route == "epilogue" or (route == "act_grad" and get("hout") is not None)
 
 
 def _choose(key, a, b, c, kw):
@@ -210,7 +219,8 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
     A = _mat(a).t() if transpose_a else _mat(a)
     B = _mat(b).t() if transpose_b else _mat(b)
     M, N = A.shape[0], B.shape[1]
-    if act_grad:
+    route = _route(a, c, act_grad, a2, b2, activation, residual, dropout_p, store_pre, bias, lora_a)
+    if route == "act_grad":
         # dPre = (A @ B) * keep / (1 - p) * act'(pre) (gated: dGate into c, dUp into c2, the halves
         # of one buffer), the bias gradient's partials into part, the hidden activation into hout.
         dh = common.empty((M, N), a.dtype, a.device)
@@ -219,7 +229,7 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
         _k.act_grad(dh, aux, activation, dbias=part is not None, seed=seed, dropout_p=dropout_p,
                     pre2=aux2, out=out if c2 is None else out[:, :2 * N], part=part, hout=hout)
         return
-    if b2 is not None and a2 is not None:  # the dual-K product a @ b + a2 @ b2, no epilogue
+    if route == "dual":  # the dual-K product a @ b + a2 @ b2, no epilogue
         A2 = _mat(a2)
         B2 = _mat(b2).t() if transpose_b else _mat(b2)
         joined_a = _joined(A, A2, 1)
@@ -233,9 +243,7 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
             torch.mm(A, B, out=C)
             C.addmm_(A2, B2)
         return
-    gated = b2 is not None
-    simple = not activation and residual is None and not dropout_p and not store_pre
-    if simple and not gated:
+    if route == "plain":
         C = _mat(c)
         _product(C, A, B, bias)
         if lora_a is not None:
@@ -243,13 +251,10 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
         if rowsum:  # colsum(dY) partials, dY = a read as rows (A is its transpose)
             _k.act_grad(a, None, 0, dbias=True, store_dpre=False, part=part)
         return
-    if (not gated and bias is not None and (activation == 3 or activation == 2 and a.is_cuda) and residual is None
-            and not dropout_p and not store_pre and lora_a is None and c.dtype == a.dtype):
-        # cuBLASLt's GELU (tanh) / ReLU epilogue, nothing left for a second pass (torch's CPU
-        # version of use_gelu is the erf GELU: there the tanh GELU takes the epilogue kernel)
+    if route == "addmm_activation":  # cuBLASLt's GELU (tanh) / ReLU epilogue, nothing after it
         torch._addmm_activation(bias, A, B, use_gelu=activation == 2, out=_mat(c))
         return
-    if gated:
+    if b2 is not None:  # gated
         pre = _mat(aux) if store_pre else common.empty((M, 2 * N), a.dtype, a.device)
         p1, p2 = pre[:, :N], pre[:, N:2 * N]
         B2 = _mat(b2).t() if transpose_b else _mat(b2)
