@@ -85,30 +85,30 @@ _FP32 = torch.float32
 _deterministic = torch._C._get_deterministic_algorithms
 
 
+# The call's signature (op, shapes, dtypes, device, the keywords' names, each keyword's value
+# when it is a plain scalar, else whether it is None; not the dropout seed, new each step)
+# -> its key: the key's 22 fields are
+# derived once per signature (about half of the dispatch's host time per product).
+_KEYS = {}
+_SCALARS = (bool, int, float)
+
+
 def gemm(op, a, b, c, **kw):
     """``matmul.gemm(a, b, c, **kw)`` on the candidate chosen for this call's key; ``op`` names
     the product in :func:`table` (e.g. "linear.fwd", "ffn.dx")."""
-    numel = a.numel()
-    if numel == 0 or b.numel() == 0:
-        return _k.gemm(a, b, c, **kw)
-    get = kw.get
-    ta, tb = get("transpose_a", False), get("transpose_b", False)
-    if ta:
-        M = a.shape[-1]
-        K = numel // M
-    else:
-        K = a.shape[-1]
-        M = numel // K
-    a2 = get("a2")
-    if a2 is not None:
-        K += a2.shape[1]
     dtype = a.dtype
-    # A flat tuple of what the choice depends on (the device as its config-table architecture).
-    key = (op, common.arch(a.device), dtype, c.dtype, common.fp32_precision() if dtype is _FP32 else "",
-           min(common.next_pow2(M), 65536), b.shape[0] if tb else b.shape[-1], K, get("activation", 0),
-           get("act_grad", False), get("bias") is not None, get("residual") is not None, get("store_pre", False),
-           get("hout") is not None, get("part") is not None, get("rowsum", False), bool(get("dropout_p", 0.0)),
-           get("lora_a") is not None, get("b2") is not None, a2 is not None, ta, tb)
+    sig = (op, a.shape, b.shape, dtype, c.dtype, a.device, common.fp32_precision() if dtype is _FP32 else "", *kw,
+           *[v if v is None or v.__class__ in _SCALARS else True for k, v in kw.items() if k != "seed"])
+    key = _KEYS.get(sig)
+    if key is None:
+        if a.numel() == 0 or b.numel() == 0:
+            return _k.gemm(a, b, c, **kw)
+        if kw.get("a2") is not None:  # its K joins a2's columns: not in the signature
+            key = _key(op, a, b, c, kw)
+        else:
+            if len(_KEYS) > 4096:
+                _KEYS.clear()
+            key = _KEYS[sig] = _key(op, a, b, c, kw)
     path = _FORCE
     if path is None:
         if _deterministic():
@@ -125,6 +125,29 @@ def gemm(op, a, b, c, **kw):
         _cublas(a, b, c, **kw)
     else:
         _k.gemm(a, b, c, **kw)
+
+
+def _key(op, a, b, c, kw) -> tuple:
+    """The choice's key for a call: a flat tuple of what the choice depends on (the device as
+    its config-table architecture, M rounded up to a power of two)."""
+    numel = a.numel()
+    get = kw.get
+    ta, tb = get("transpose_a", False), get("transpose_b", False)
+    if ta:
+        M = a.shape[-1]
+        K = numel // M
+    else:
+        K = a.shape[-1]
+        M = numel // K
+    a2 = get("a2")
+    if a2 is not None:
+        K += a2.shape[1]
+    dtype = a.dtype
+    return (op, common.arch(a.device), dtype, c.dtype, common.fp32_precision() if dtype is _FP32 else "",
+            min(common.next_pow2(M), 65536), b.shape[0] if tb else b.shape[-1], K, get("activation", 0),
+            get("act_grad", False), get("bias") is not None, get("residual") is not None, get("store_pre", False),
+            get("hout") is not None, get("part") is not None, get("rowsum", False), bool(get("dropout_p", 0.0)),
+            get("lora_a") is not None, get("b2") is not None, a2 is not None, ta, tb)
 
 
 # The cuBLAS candidate's elementwise passes that no GPU run has verified yet: the forward's

@@ -257,6 +257,43 @@ def test_choice_is_cached_per_key_and_listed(device, launches, monkeypatch):
         assert launches["matmul"] == 9  # the three unforced steps: the interpreter's choice is ours
 
 
+def test_call_signature_memo_gives_each_call_its_own_key(device, monkeypatch):
+    # gemm derives a call's key once per signature (shapes, dtypes, device, the keywords and
+    # their scalar values / presence): calls differing in any field of the key get their own,
+    # equal to the key derived afresh; the fp32 precision switch is read on every call.
+    monkeypatch.setattr(dispatch, "_KEYS", {})
+    monkeypatch.setattr(dispatch, "_RAN", {})
+    ran = []
+    monkeypatch.setattr(dispatch, "_run", lambda *args: None)
+    monkeypatch.setattr(dispatch, "_cublas", lambda *args, **kw: None)
+    monkeypatch.setattr(dispatch._k, "gemm", lambda *args, **kw: None)
+    a = torch.randn(M, K, device=device)
+    w = torch.randn(N, K, device=device)
+    bias = torch.randn(N, device=device)
+    c = torch.empty(M, N, device=device)
+    calls = [dict(transpose_b=True), dict(transpose_b=True, bias=bias), dict(transpose_b=True, bias=None),
+             dict(transpose_b=True, bias=bias, activation=1), dict(transpose_b=True, bias=bias, activation=2),
+             dict(transpose_b=True, bias=bias, dropout_p=0.1, seed=3), dict(transpose_b=True, bias=bias, dropout_p=0.1,
+                                                                            seed=4)]
+    before = torch._C._get_cublas_allow_tf32()
+    try:
+        for tf32 in (False, True):
+            torch._C._set_cublas_allow_tf32(tf32)
+            for kw in calls:
+                for _ in range(2):  # derived, then from the memo
+                    dispatch.gemm("linear.fwd", a, w, c, **kw)
+                    key = list(dispatch._RAN)[-1]
+                    assert key == dispatch._key("linear.fwd", a, w, c, kw)
+                    dispatch._RAN.pop(key)
+                    ran.append(key)
+    finally:
+        torch._C._set_cublas_allow_tf32(before)
+    # bias None and absent share a key, as do two seeds; TF32 is a key field for fp32
+    assert len(set(ran)) == 2 * (len(calls) - 2)
+    # one signature per call but for the seed (a new seed each step is no new signature)
+    assert len(dispatch._KEYS) == 2 * (len(calls) - 1)
+
+
 def test_bad_switches(monkeypatch):
     with pytest.raises(ValueError, match="candidate"):
         with dispatch.force("cudnn"):
