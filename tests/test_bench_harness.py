@@ -379,3 +379,28 @@ def test_spec_budget_left_unused_goes_to_the_next_spec(fake_cuda, tmp_path, monk
     env, ms = written[-1]
     assert [m.ms for m in ms] == [2.0, None, None, 2.0, None, None]
     assert not any(m.unavailable and m.unavailable.startswith("not run") for m in ms)
+
+
+def test_attention_spec_has_the_issue_shapes_and_peers():
+    # The attention issue's table: GQA 32:8 at L 4096 and B1 L16384 beside the dense shapes;
+    # SDPA's default, cuDNN, flash and FlashAttention-3 as peers (FA3 unavailable, with the
+    # import's reason, where flash_attn_interface is not installed).
+    from bench.specs import attention
+
+    cases = [c for c in attention.cases(quick=False) if c.op == "attention"]
+    shapes = {(c.shape["batch"], c.shape["heads"], c.shape.get("kv_heads"), c.shape["seq"], c.shape["head_dim"])
+              for c in cases}
+    assert {(4, 32, 8, 4096, 128), (1, 16, None, 16384, 128), (8, 32, None, 2048, 64)} <= shapes
+    assert {"sdpa_default", "sdpa_cudnn", "sdpa_flash", "fa3"} <= set(cases[0].providers)
+    gqa = next(c for c in cases if c.shape.get("kv_heads") == 8 and c.mode == "fwd" and c.shape["causal"])
+    assert gqa.flops == attention.flops(4, 32, 4096, 128, True, "fwd")
+    try:
+        import flash_attn_interface  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            attention._attention_fn("fa3", True, 16)
+    # The eager peer repeats k and v per group: equal to SDPA's GQA in float64.
+    q = torch.randn(2, 4, 9, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 9, 16, dtype=torch.float64), torch.randn(2, 2, 9, 16, dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(attention.eager_attention(q, k, v, True), want, rtol=1e-6, atol=1e-6)

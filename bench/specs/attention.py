@@ -14,13 +14,19 @@ Providers (same bf16 q, k, v of shape (B, H, L, D), self-attention, no dropout):
   ``torch.nn.functional.scaled_dot_product_attention`` restricted to one backend with
   ``torch.nn.attention.sdpa_kernel``; a backend the machine or shape lacks is reported
   unavailable with torch's reason.
+- ``sdpa_default``: ``scaled_dot_product_attention`` as torch users call it (torch picks the
+  backend: cuDNN on Hopper for these shapes, else flash).
+- ``fa3``: FlashAttention-3 (``flash_attn_interface.flash_attn_func``, Hopper) on (B, L, H, D)
+  tensors, its native layout; unavailable, with the reason, where it is not installed.
 - ``eager``: ``softmax(q k^T * scale + causal mask) v`` written out in eager PyTorch (the
   L x L score matrix materialized).
 
 Shapes (causal and not): the issue's B=4 H=16 L=4096 D=128 and B=8 H=32 L=2048 D=64, a long
-sequence (L=8192), and short ones (L=512, 1024 at 16k tokens), where launch and tail effects
-matter. ``--quick``: B=4 H=16 L=4096 D=128 and B=8 H=32 L=2048 D=64. Modes: forward,
-backward (of a forward built once, gradients of q, k, v) and forward+backward.
+sequence (L=8192; B=1 L=16384), grouped-query attention (B=4, 32 query heads over 8 key/value
+heads, L=4096 D=128: the attention issue's table), and short ones (L=512, 1024 at 16k tokens),
+where launch and tail effects matter. ``--quick``: B=4 H=16 L=4096 D=128 and B=8 H=32 L=2048
+D=64. Modes: forward, backward (of a forward built once, gradients of q, k, v) and
+forward+backward.
 
 FLOPs: ``4 * B * H * L^2 * D`` for the forward (QK^T and PV, 2 FLOPs per multiply-add),
 halved for causal; backward is 2.5x the forward (five products instead of two; our kernel
@@ -40,14 +46,15 @@ import torch
 from bench import harness
 from bench.harness import Case
 
-# (batch, heads, seq, head_dim)
-SHAPES = ((4, 16, 4096, 128), (8, 32, 2048, 64), (2, 16, 8192, 128), (16, 16, 1024, 128), (32, 16, 512, 128),
-          (16, 32, 1024, 64), (32, 32, 512, 64))
+# (batch, heads, seq, head_dim), or (batch, heads, kv_heads, seq, head_dim) for GQA
+SHAPES = ((4, 16, 4096, 128), (8, 32, 2048, 64), (2, 16, 8192, 128), (1, 16, 16384, 128), (4, 32, 8, 4096, 128),
+          (16, 16, 1024, 128), (32, 16, 512, 128), (16, 32, 1024, 64), (32, 32, 512, 64))
 QUICK_SHAPES = ((4, 16, 4096, 128), (8, 32, 2048, 64))
 DTYPE = torch.bfloat16
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
                  "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
-PROVIDERS = ("fused_block", "fused_block_qkvpacked", "fused_block_auto") + tuple(SDPA_BACKENDS) + ("eager",)
+PROVIDERS = (("fused_block", "fused_block_qkvpacked", "fused_block_auto") + tuple(SDPA_BACKENDS)
+             + ("sdpa_default", "fa3", "eager"))
 BWD_FACTOR = 2.5
 
 
@@ -58,8 +65,21 @@ def flops(batch, heads, seq, head_dim, causal, mode):
     return {"fwd": fwd, "bwd": int(BWD_FACTOR * fwd), "fwd+bwd": int((1 + BWD_FACTOR) * fwd)}[mode]
 
 
+def shape_of(entry, causal) -> dict:
+    """The case's shape dict of a ``SHAPES`` entry (``kv_heads`` only for GQA)."""
+    if len(entry) == 4:
+        batch, heads, seq, head_dim = entry
+        return dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal)
+    batch, heads, kv_heads, seq, head_dim = entry
+    return dict(batch=batch, heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim, causal=causal)
+
+
 def eager_attention(q, k, v, causal):
-    """Math attention in eager PyTorch: materializes the (B, H, Lq, Lk) scores."""
+    """Math attention in eager PyTorch: materializes the (B, H, Lq, Lk) scores (k and v of
+    fewer heads repeated per group)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         lq, lk = s.shape[-2:]
@@ -82,8 +102,9 @@ def _ours(fn, candidate):
     return call
 
 
-def _attention_fn(provider, causal, heads):
-    """``fn(*inputs)`` for the provider; inputs are (q, k, v), or (qkv,) for the packed one."""
+def _attention_fn(provider, causal, heads, gqa=False):
+    """``fn(*inputs)`` for the provider; inputs are (q, k, v), or (qkv,) for the packed one
+    ((B, L, H, D) tensors for FlashAttention-3)."""
     if provider in ("fused_block", "fused_block_auto"):
         import fused_block
 
@@ -95,25 +116,41 @@ def _attention_fn(provider, causal, heads):
         return _ours(lambda qkv: fused_block.attention_qkvpacked(qkv, heads, causal=causal), "triton")
     if provider == "eager":
         return lambda q, k, v: eager_attention(q, k, v, causal)
+    if provider == "fa3":
+        from flash_attn_interface import flash_attn_func  # FlashAttention-3's Hopper build
+
+        def fa3(q, k, v):
+            out = flash_attn_func(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+        return fa3
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if provider == "sdpa_default":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     backend = getattr(SDPBackend, SDPA_BACKENDS[provider])
 
     def sdpa(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return sdpa
 
 
 def _factory(provider, shape, mode):
     def factory():
-        fn = _attention_fn(provider, shape["causal"], shape["heads"])
         B, H, L, D = shape["batch"], shape["heads"], shape["seq"], shape["head_dim"]
+        Hkv = shape.get("kv_heads", H)
         packed = provider == "fused_block_qkvpacked"
-        in_shapes = [(B, L, 3 * H * D)] if packed else [(B, H, L, D)] * 3
-        out_shape = (B, L, H * D) if packed else (B, H, L, D)
-        set_bytes = 4 * B * H * L * D * 2
+        if packed and Hkv != H:
+            raise ValueError("attention_qkvpacked packs as many key/value heads as query heads")
+        fn = _attention_fn(provider, shape["causal"], H, gqa=Hkv != H)
+        if packed:
+            in_shapes, out_shape = [(B, L, 3 * H * D)], (B, L, H * D)
+        elif provider == "fa3":  # its native (B, L, H, D) layout
+            in_shapes, out_shape = [(B, L, H, D), (B, L, Hkv, D), (B, L, Hkv, D)], (B, L, H, D)
+        else:
+            in_shapes, out_shape = [(B, H, L, D), (B, Hkv, L, D), (B, Hkv, L, D)], (B, H, L, D)
+        set_bytes = 2 * B * (H + Hkv) * L * D * 2
 
         def make(grad):
             ins = tuple(harness.randn(*s, dtype=DTYPE, device="cuda", requires_grad=grad) for s in in_shapes)
@@ -379,13 +416,14 @@ def feature_cases(quick: bool) -> list:
 
 def cases(quick: bool) -> list:
     out = feature_cases(quick)
-    for batch, heads, seq, head_dim in QUICK_SHAPES if quick else SHAPES:
+    for entry in QUICK_SHAPES if quick else SHAPES:
         for causal in (False, True):
-            shape = dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal)
+            shape = shape_of(entry, causal)
+            size = {k: shape[k] for k in ("batch", "heads", "seq", "head_dim", "causal")}
             for mode in harness.MODES:
                 out.append(Case(op="attention", shape=shape, dtype=DTYPE, mode=mode,
                                 providers={p: _factory(p, shape, mode) for p in PROVIDERS},
-                                flops=flops(mode=mode, **shape)))
+                                flops=flops(mode=mode, **size)))
     return out
 
 
