@@ -10,13 +10,18 @@ Triton pass over each chunk's logits.
 Where the gradients are computed (measured in FLOPs, N tokens, vocabulary V, hidden H; memory
 in ``tests/test_loss.py``'s allocation records):
 
-- ``reduction="mean"`` / ``"sum"``: **in the forward**, as Liger-Kernel does. Each chunk's
-  logits feed the loss and, at once, dlogits, dhidden and the dW accumulation: 6 N V H FLOPs
-  for the training step (three GEMMs), where recomputing them in the backward costs 8 N V H
-  (the logits GEMM twice). The memory is the same either way: the gradients (N x H and V x H)
-  and the fp32 dW accumulator exist in the forward instead of the backward, and the backward
-  only multiplies them by the incoming gradient (one launch, new tensors: a second backward
-  through a retained graph gets the same answer).
+- ``reduction="mean"`` / ``"sum"`` on the token-chunk loop: **in the forward**, as
+  Liger-Kernel does. Each chunk's logits feed the loss and, at once, dlogits, dhidden and the
+  dW accumulation: 6 N V H FLOPs for the training step (three GEMMs), where recomputing them in
+  the backward costs 8 N V H (the logits GEMM twice). The backward multiplies them by the
+  incoming gradient (one launch, new tensors: a second backward through a retained graph gets
+  the same answer).
+- ``reduction="mean"`` / ``"sum"`` on the vocabulary-outer schedule (below): **in the
+  backward**. That schedule computes the logits twice anyway (pass 1 for the log-sum-exps,
+  pass 2 for the gradients), so the forward runs pass 1 alone (2 N V H) and the backward pass 2
+  from the saved log-sum-exps with the incoming gradient folded into each row of dlogits (6 N V
+  H): the same 8 N V H, and no scaled copies of the gradients (dW alone is 2 V H bytes: 1 GiB
+  at LLaMA-3's head), dW written once per vocabulary chunk straight into the result.
 - ``reduction="none"``: **recomputed in the backward**, where the per-token incoming gradient
   weights each row of dlogits before the sums over tokens (dW, db) that no later scaling can
   undo. The forward computes the loss only (2 N V H) and saves its inputs and the per-token
@@ -111,19 +116,28 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     return loss, lse, _empty_unless(dh, hidden), _empty_unless(dw, weight), _empty_unless(db, weight)
 
 
-def _bwd_fake(dloss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap, need_dh,
-              need_dw, need_db):
+def _bwd_fake(dloss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap, reduction,
+              need_dh, need_dw, need_db):
     return _grads_fake(hidden, weight, bias, need_dh, need_dw, need_db)
 
 
 @_library.op("lce_bwd", fake=_bwd_fake)
 def _lce_bwd(dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
-             ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, need_dh: bool, need_dw: bool,
-             need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of reduction "none" for the incoming per-token gradient dloss (N,) fp32
-    and the forward's lse (N,) fp32: the chunk loop's gradient pass, each row of dlogits
-    weighted by its dloss (dh, dw, db as in ``lce_fwd``)."""
+             ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, reduction: str, need_dh: bool,
+             need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients from the forward's lse (N,) fp32 and the incoming gradient dloss, fp32:
+    (N,) per token for reduction "none", 0-d for "mean" and "sum" (the gradients deferred to
+    the backward: the vocabulary-outer schedule). The chunk loop's gradient pass, each row of
+    dlogits weighted by its token's share of dloss (dh, dw, db as in ``lce_fwd``)."""
+    N = hidden.shape[0]
     with _backend.device_guard(hidden):
+        if reduction != "none":  # one weight per row: dloss, over the valid tokens for "mean"
+            rows = dloss.reshape(1)
+            if reduction == "mean":
+                count = common.empty((1,), torch.float32, hidden.device)
+                _k.count_valid(target, ignore_index, count)
+                rows = rows / count.clamp(min=1.0)
+            dloss = rows.expand(N).contiguous()
         dh, dw, db = _k.chunked(hidden, weight, bias, target, None, lse,
                                 **_options(ignore_index, label_smoothing, z_loss, softcap), need_dh=need_dh,
                                 need_dw=need_dw, need_db=need_db, scale_mode=_k.SCALE_ROW, scale_t=dloss,
@@ -154,7 +168,14 @@ class _LCEFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.reduction = reduction
         ctx.need = (need_dh, need_dw, need_db)
-        if reduction == "none":
+        # The gradients in the backward: always for "none"; for "mean"/"sum" where the schedule
+        # is the vocabulary-outer one (its pass 2 recomputes the logits either way).
+        N, H = hidden.shape
+        ctx.deferred = reduction == "none" or (need_dh or need_dw or need_db) and (
+            _k.FORCE_SCHEDULE or _k.schedule(N, weight.shape[0], H, hidden.element_size(),
+                                             weight.dtype == torch.float32, need_dh, need_dw,
+                                             weight.stride(1) == 1)) == "vocab"
+        if ctx.deferred:
             loss, lse = _lce_fwd(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap,
                                  reduction, False, False, False)[:2]
             ctx.save_for_backward(hidden, weight, bias, target, lse)
@@ -171,10 +192,10 @@ class _LCEFn(torch.autograd.Function):
         need_dh, need_dw, need_db = ctx.need
         if dloss is None:
             return (None,) * 9
-        if ctx.reduction == "none":
+        if ctx.deferred:
             hidden, weight, bias, target, lse = ctx.saved_tensors
             dh, dw, db = _lce_bwd(dloss.float().contiguous(), hidden, weight, bias, target, lse, *ctx.options,
-                                  need_dh, need_dw, need_db)
+                                  ctx.reduction, need_dh, need_dw, need_db)
         else:
             dh, dw, db = _lce_scale(dloss.float(), *ctx.saved_tensors)
         return (dh if need_dh else None, dw if need_dw else None, db if need_db else None) + (None,) * 6

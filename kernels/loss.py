@@ -635,8 +635,11 @@ def chunked(hidden, weight, bias, target, loss_rows, lse, *, ignore_index, smoot
             if t is not None:
                 t.zero_()
         return dh, dw, db
-    sched = FORCE_SCHEDULE or schedule(N, V, H, hidden.element_size(), weight.dtype == torch.float32, need_dh,
-                                       need_dw, weight.stride(1) == 1)
+    # The loss alone (eval, reduction "none"'s forward, the forward of gradients deferred to the
+    # backward) takes the schedule of a training call at this shape: its pass 1 (one logits GEMM
+    # either way), with the same chunk buffer as the gradient pass that may follow.
+    sched = FORCE_SCHEDULE or schedule(N, V, H, hidden.element_size(), weight.dtype == torch.float32,
+                                       need_dh or not grad, need_dw or not grad, weight.stride(1) == 1)
     if sched == "vocab":
         _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, ignore_index=ignore_index,
                      smoothing=smoothing, z_loss=z_loss, softcap=softcap, grad=grad, scale_mode=scale_mode,

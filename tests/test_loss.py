@@ -328,7 +328,9 @@ def test_torch_compile_fullgraph_and_opcheck(device, launches):
     torch.library.opcheck(lce._lce_fwd.default, (h, w, b, target, -100, 0.1, 0.01, 0.0, "mean", True, True, True))
     lse = lce._lce_fwd(h, w, b, target, -100, 0.0, 0.0, 3.0, "none", False, False, False)[1]
     torch.library.opcheck(lce._lce_bwd.default, (torch.rand(N, device=device), h, w, b, target, lse, -100, 0.0, 0.0,
-                                                 3.0, True, True, True))
+                                                 3.0, "none", True, True, True))
+    torch.library.opcheck(lce._lce_bwd.default, (torch.tensor(0.5, device=device), h, w, b, target, lse, -100, 0.0,
+                                                 0.0, 3.0, "mean", True, True, True))
     torch.library.opcheck(lce._lce_scale.default, (torch.tensor(0.5, device=device), h, w, b))
 
 
