@@ -128,6 +128,36 @@ def test_vocabulary_outer_schedule(case, dtype_mode, device, launches, monkeypat
     assert launches["lce_logits"] == 2 * chunks and launches["matmul"] == 0
     assert launches["lce_dw"] == launches["lce_dh"] == chunks
     assert launches["lce_colsum"] == (chunks if has_bias else 0) and launches["lce_ce"] == 0
+    # every reduction: pass 2 in the backward, dloss folded into dlogits, no scaled copies
+    assert launches["lce_scale"] == 0
+
+
+def test_vocabulary_outer_gradients_in_the_backward(device, launches, monkeypatch):
+    # mean/sum on the vocabulary-outer schedule: the forward runs pass 1 only (no gradient
+    # product); each backward runs pass 2 with its incoming gradient (a retained graph's second
+    # backward, another gradient: the same answer scaled).
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "vocab")
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 32)
+    chunks = -(-V // 32)
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device, ignore=5)
+    names = ("lce_logits", "lce_dw", "lce_dh", "lce_scale")
+    for reduction in ("mean", "sum"):
+        base = [launches[n] for n in names]
+
+        def count():
+            return tuple(launches[n] - b for n, b in zip(names, base))
+
+        loss = fused_block.linear_cross_entropy(hidden, weight, target, bias, reduction=reduction)
+        assert count() == (chunks, 0, 0, 0)
+        one = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+        three = torch.autograd.grad(loss, (hidden, weight, bias), torch.tensor(3.0, device=device))
+        assert count() == (3 * chunks, 2 * chunks, 2 * chunks, 0)
+        want = torch.autograd.grad(reference.linear_cross_entropy(hidden.double(), weight.double(), target,
+                                                                  bias.double(), reduction=reduction),
+                                   (hidden, weight, bias))
+        for a, b, w in zip(one, three, want):
+            torch.testing.assert_close(a.double(), w.double(), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(b, 3 * a, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -417,6 +447,9 @@ def test_memory_rule_at_model_sizes(n, v, h):
         vc = kloss.chunk_cols(n, v, 2)
         assert largest.shape == (n, kloss.padded_stride(vc, 2))
         accumulator = 4 * n * h + 16 * n
+        # The gradients are computed in the backward (no scaled copies): at most the chunk
+        # buffer, dhidden, dW, the fp32 dhidden accumulator and a few (n,) vectors at once.
+        assert rec.peak <= largest.nbytes + 2 * n * h + 2 * v * h + 4 * n * h + 32 * n + 64
     else:
         rows = kloss.chunk_rows(n, v, h, 2)
         accumulator = 4 * v * h if n > rows else 0  # within the rule here (n >= 8 h)
