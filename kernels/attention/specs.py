@@ -238,7 +238,7 @@ def aot_specs(exhaustive=None) -> list:
         constexprs=dict(BLOCK_M=32, BLOCK_N=32), num_warps=4))
     # The opt-in Gluon Hopper forward (hopper.py), single-partition and warp-specialized: sm_90
     # only, every candidate causal and not (in turn in the default check), bf16 (fp16 is the
-    # same code with another element type).
+    # same code with another element type); disassembled: every loop with arithmetic on wgmma.
     for ws, table in ((False, hopper.CONFIGS), (True, hopper.WS_CONFIGS)):
         for block_d, cands in table.items():
             for block_n, stages in cands:
@@ -251,9 +251,10 @@ def aot_specs(exhaustive=None) -> list:
                               f"{hopper.BLOCK_M}x{block_n}/{stages}: {'causal' if causal else 'full'}"),
                         fn=hopper._attn_fwd_hopper_ws if ws else hopper._attn_fwd_hopper, signature=sig,
                         constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
-                        tma=True, archs=(90,)))
+                        tma=True, hot_loops=True, archs=(90,)))
     # The opt-in atomic-dQ backward (backward_atomic.py): sm_90 only (TMA reduce-adds), every
-    # candidate causal and not (in turn in the default check), bf16; its dQ conversion.
+    # candidate causal and not (in turn in the default check), bf16, hot loops on wgmma as the
+    # Gluon forwards'; its dQ conversion.
     for block_d, cands in backward_atomic.CONFIGS.items():
         for cfg in cands:
             m = cfg.meta()
@@ -267,7 +268,7 @@ def aot_specs(exhaustive=None) -> list:
                     fn=fn, signature=_signature(fn, {**_data_ptrs(fn, "bf16"), "DQ_ACC": "*fp32"}),
                     constexprs=dict(IS_CAUSAL=causal, BLOCK_D=block_d, INTERPRET=False, **m),
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn), wgmma=True,
-                    tma=True, archs=(90,)))
+                    tma=True, hot_loops=True, archs=(90,)))
     fn = backward_atomic._dq_convert
     specs.append(aot.KernelSpec(
         name="attention_dq_convert D128 bf16", fn=fn, signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
