@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-# (name, B, Hq, Hkv, L, D, causal): the table, D64 and the GQA shape also non-causal.
+# (name, B, Hq, Hkv, L, D, causal): the table, D64 also non-causal, and D256.
 SHAPES = (
     ("B4 H16 L4096 D128 causal", 4, 16, 16, 4096, 128, True),
     ("B4 H16 L4096 D128", 4, 16, 16, 4096, 128, False),
@@ -28,6 +28,7 @@ SHAPES = (
     ("B8 H32 L2048 D64 causal", 8, 32, 32, 2048, 64, True),
     ("B8 H32 L2048 D64", 8, 32, 32, 2048, 64, False),
     ("B4 H32/8 L4096 D128 causal", 4, 32, 8, 4096, 128, True),
+    ("B2 H16 L4096 D256 causal", 2, 16, 16, 4096, 256, True),  # the D256 kernel (Gemma's head dim)
 )
 PROVIDERS = ("gluon", "triton", "sdpa_cudnn", "sdpa_flash", "gluon_ws")
 

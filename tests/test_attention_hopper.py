@@ -58,7 +58,7 @@ _B, _H, _L = 1, 2, 40
 
 
 @pytest.mark.parametrize("ws", [False, True], ids=["wg2", "wspec"])
-@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("D", sorted(hopper.PADDED))
 @pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_supported_calls_take_the_gluon_forward(D, dtype, causal, ws, monkeypatch):
@@ -85,8 +85,9 @@ def _unsupported():
     # TMA cannot take (an odd number of elements: 2-byte misaligned rows).
     odd = torch.randn(_B, _H, _L, 65, dtype=torch.float32).to(bf)[..., :64]
     return [
+        # Head dims without a kernel (96 and 192 run the 128 and 256 kernels zero-padded).
         ("d80", _qkv(_B, _H, _H, _L, _L, 80, bf, "cpu"), {}),
-        ("d256", _qkv(_B, _H, _H, _L, _L, 256, bf, "cpu"), {}),
+        ("d160", _qkv(_B, _H, _H, _L, _L, 160, bf, "cpu"), {}),
         ("fp32", _qkv(_B, _H, _H, _L, _L, 64, torch.float32, "cpu"), {}),
         ("dropout", qkv, dict(dropout_p=0.1)),
         ("padding", qkv, dict(key_padding_mask=pad)),
@@ -105,6 +106,14 @@ def test_unsupported_calls_take_the_triton_forward(name, tensors, features, monk
     taken = _route(monkeypatch)
     _call(*tensors, True, **features)
     assert taken == ["triton"], name
+
+
+def test_padded_head_dims_run_the_next_kernel():
+    """96 and 192 run the 128 and 256 kernels (zero columns past D), every kernel dim its own;
+    each kernel dim has candidates for both variants."""
+    assert hopper.PADDED == {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
+    assert set(hopper.PADDED.values()) == set(hopper.HEAD_DIMS) == set(hopper.CONFIGS) == set(hopper.WS_CONFIGS)
+    assert all(hopper._CANDIDATES[d, ws] for d in hopper.HEAD_DIMS for ws in (False, True))
 
 
 def test_supports_names_every_feature():
@@ -198,6 +207,28 @@ def test_gluon_forward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtyp
 
 
 @gpu
+@pytest.mark.parametrize("D", [96, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_forward_zero_padded_head_dims(ws, causal, D, launches, monkeypatch):
+    """D96 and D192 through the 128 and 256 kernels (descriptor blocks wider than the tensors:
+    zeros read past D, the store clipped there): 1000 x 1000 (ragged blocks), GQA 2:1; the
+    output buffer's columns past D must stay as they were (a view of a wider buffer)."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", ws)
+    q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1 and launches["attention_fwd"] == 0
+    _check(q, k, v, causal, out, lse)
+    # Into a view whose rows continue past D (16 columns of a sentinel): the store stops at D.
+    wide = torch.full((1, 4, 1000, D + 16), 7.0, dtype=torch.bfloat16, device="cuda")
+    launchers.forward(q, k, v, wide[..., :D], lse, None, torch.zeros(1, dtype=torch.int64, device="cuda"), causal,
+                      D ** -0.5, 0.0)
+    assert launches["attention_fwd_hopper"] == 2
+    assert torch.equal(wide[..., :D], out) and bool((wide[..., D:] == 7.0).all())
+
+
+@gpu
 @pytest.mark.parametrize("D", hopper.HEAD_DIMS)
 @pytest.mark.parametrize("ws", VARIANTS)
 def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
@@ -250,7 +281,7 @@ with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.lau
     hopper.ENABLED = True
     for ws in (False, True):
         hopper.WS = ws
-        for D in hopper.HEAD_DIMS:
+        for D in sorted(hopper.PADDED):
             for causal in (False, True):
                 fake.launches.clear()
                 # GQA 4:2, Lq 300 (3 query blocks), cross lengths; a strided q (a packed projection).
@@ -284,11 +315,12 @@ def test_gluon_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 8
+    assert len(launches) == 2 * len(hopper.PADDED) * 2
     for rec in launches:
         ws, D, causal = rec["ws"], rec["D"], rec["causal"]
-        block_n, stages = (hopper.WS_CONFIGS if ws else hopper.CONFIGS)[D][0]
-        sig, constexprs = hopper.aot_spec_args("bf16", D, causal, block_n, stages, ws)
+        head_d = hopper.PADDED[D]  # D96 and D192: the 128 and 256 kernels' specs
+        block_n, stages = (hopper.WS_CONFIGS if ws else hopper.CONFIGS)[head_d][0]
+        sig, constexprs = hopper.aot_spec_args("bf16", head_d, causal, block_n, stages, ws)
         assert rec["name"] == ("_attn_fwd_hopper_ws" if ws else "_attn_fwd_hopper")
         assert rec["grid"] == [3 * 4, 1, 1]
         assert rec["signature"] == sig

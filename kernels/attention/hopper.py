@@ -4,7 +4,8 @@ one partition, ``_attn_fwd_hopper_ws`` with FA3's partitions (a TMA loader warp 
 consumer warpgroups, ``gl.warp_specialize``).
 
 Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first) or ``=ws`` (the second) is set, on
-sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64 or 128,
+sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64, 128 or 256
+(96 and 192 through the 128 and 256 kernels, zero columns: :data:`PADDED`),
 no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
 (bottom-right, as the other kernels) or not; GQA/MQA; 16-byte aligned layouts (TMA).
 Everything else, and every call without the switch, runs the Triton kernels of
@@ -28,11 +29,11 @@ warp-specialized kernel differs as its docstring says):
   on the tensor cores, then waits for it and rescales O (FA3's intra-warpgroup overlap).
 - Key blocks that every row of the query block sees in bounds run without masks; only the
   blocks on the causal diagonal or past the last key are masked.
-- The epilogue writes O through shared memory and a TMA store (rows past Lq are clipped by
+- The epilogue writes O through Q's shared memory and a TMA store (rows past Lq are clipped by
   the descriptor) and the fp32 natural-log LSE, -inf (and O = 0) for rows with no visible key.
 
-Descriptors are host-side, over the whole (B, H, L, D) views with block (1, 1, rows, D): rows
-past a head's L read as zero and are not written, and any strides TMA accepts work without
+Descriptors are host-side, over the whole (B, H, L, D) views with block (1, 1, rows, HEAD_D): rows
+past a head's L (and columns past D < HEAD_D) read as zero and are not written, and any strides TMA accepts work without
 a copy (the launchers' ``_strides`` / ``_aligned``).
 """
 import os
@@ -48,17 +49,26 @@ from fused_block.kernels import common
 from fused_block.kernels.attention.configs import _bucket
 
 ENV = "FUSED_BLOCK_HOPPER_ATTN"
-HEAD_DIMS = (64, 128)
+# The head dims the kernels are compiled for (HEAD_D)...
+HEAD_DIMS = (64, 128, 256)
+# ...and the head dims they take, each with the kernel's: 96 and 192 run the 128 and 256
+# kernels with the columns past D zero (the descriptors' blocks are HEAD_D wide over D-wide
+# tensors: TMA reads zeros there and clips the store), which add nothing to Q K^T; O's extra
+# columns are zero and never written. The same numbers as a D-wide kernel, not a copy.
+PADDED = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 128
 NUM_WARPS = 8
 # Per head dim, the candidates (BLOCK_N, STAGES), timed once per key on the GPU (``ConfigCache``;
 # the first with FUSED_BLOCK_TUNE=0). All compile without spills (the compile check): at
 # BLOCK_N 128 about 196-236 registers, at 64 about 120-171. Shared memory at BLOCK_M 128,
-# 16-bit: Q + O + STAGES x (K + V) tiles, 96-192 KB of 227.
-CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4))}
+# 16-bit: Q (O leaves through Q's buffer) + STAGES x (K + V) tiles, 80-160 KB of 227 at D64
+# and D128. D256 (FA3: 128 x 80; tiles here are powers of two): the O accumulator alone takes
+# 128 of each thread's registers and a K + V stage 32 KB per 32 keys, so 64 keys x 2 stages
+# (192 KB) or 32 x 4 (192 KB).
+CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4)), 256: ((64, 2), (32, 4))}
 # The warp-specialized variant's (``_attn_fwd_hopper_ws``): consumers at 240 registers.
-WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3))}
+WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3)), 256: ((64, 2),)}
 _CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws)
                          for n, st in (WS_CONFIGS if ws else CONFIGS)[d]]
                for d in HEAD_DIMS for ws in (False, True)}
@@ -138,11 +148,10 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # at least one (all masked: rows see nothing)
     n_full = full // BLOCK_N
 
-    # Shared memory: Q, the K and V rings, O; one mbarrier for Q and one per K and V slot.
+    # Shared memory: Q (then O), the K and V rings; one mbarrier for Q and one per K and V slot.
     q_smem = gl.allocate_shared_memory(dtype, QD.block_type.shape, QD.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
-    o_smem = gl.allocate_shared_memory(dtype, OD.block_type.shape, OD.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -238,9 +247,11 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     lse_ptr = LSE + (b * Hq + h).to(gl.int64) * Lq + row
     gl.store(lse_ptr, lse, mask=row < Lq)
-    o_smem.reshape([BLOCK_M, HEAD_D]).store(o.to(dtype))
+    # O leaves through Q's buffer (D256 has no room for its own), once no product reads Q.
+    gl.thread_barrier()
+    q_smem.reshape([BLOCK_M, HEAD_D]).store(o.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(OD, [b, h, m0, 0], o_smem)
+    tma.async_copy_shared_to_global(OD, [b, h, m0, 0], q_smem)
     tma.store_wait(pendings=0)
 
 
@@ -249,9 +260,9 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
 # ---------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _ws_consumer(q_s, o_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, OD, LSE, b, h, r0, Hq, Lq, Lk,
+def _ws_consumer(q_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, OD, LSE, b, h, r0, Hq, Lq, Lk,
                  cdiag, n_blocks, n_full, qk_scale):
-    """One consumer warpgroup: query rows [r0, r0 + 64) (Q in ``q_s``, O out through ``o_s``)
+    """One consumer warpgroup: query rows [r0, r0 + 64) (Q in ``q_s``, then O out through it)
     against every key block the loader streams (both consumers take every block: each
     releases each slot). The step is the single-partition kernel's; a slot is released by an
     arrive on its empty barrier (count 2, one per consumer) instead of a CTA barrier, so the
@@ -321,9 +332,9 @@ def _ws_consumer(q_s, o_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_e
     o = o / gl.expand_dims(l_o, 1)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
-    o_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))
+    q_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))  # its own products are done with Q
     fence_async_shared()
-    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], o_s)
+    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], q_s)
     tma.store_wait(pendings=0)
 
 
@@ -383,7 +394,6 @@ def _attn_fwd_hopper_ws(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     q_smem = gl.allocate_shared_memory(dtype, [2] + QD.block_type.shape, QD.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2] + OD.block_type.shape, OD.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -399,9 +409,9 @@ def _attn_fwd_hopper_ws(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     fence_async_shared()
 
     gl.warp_specialize([
-        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
+        (_ws_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
                         v_empty, OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
-        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
+        (_ws_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
                         v_empty, OD, LSE, b, h, m0 + HALF_M, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
         (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv, m0,
                       n_blocks)),
@@ -422,9 +432,9 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 def supports(q, *, arch: int, dropout_p: float, key_padding_mask, window, varlen, softcap, sinks, alibi, bias,
              mask, aligned: bool) -> bool:
     """Whether this kernel takes the call (``launchers.forward``'s arguments; the rest run
-    ``forward.py``): sm_90, 16-bit, D in :data:`HEAD_DIMS`, causal or not (+ GQA), TMA-able
+    ``forward.py``): sm_90, 16-bit, D in :data:`PADDED`, causal or not (+ GQA), TMA-able
     layouts (``aligned``), no other feature."""
-    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in HEAD_DIMS and aligned and dropout_p == 0.0
+    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in PADDED and aligned and dropout_p == 0.0
             and key_padding_mask is None and tuple(window) == (-1, -1) and varlen is None and not softcap
             and sinks is None and alibi is None and bias is None and mask is None)
 
@@ -436,7 +446,7 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     Lk = k.shape[2]
     launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
     key = (D, WS, bool(causal), _bucket(Lq), _bucket(Lk))
-    cfg = _CACHE.get(key, _CANDIDATES[D, WS], lambda c: _launch(c, launch))
+    cfg = _CACHE.get(key, _CANDIDATES[PADDED[D], WS], lambda c: _launch(c, launch))
     _launch(cfg, launch)
 
 
@@ -444,20 +454,21 @@ def _launch(cfg, launch) -> None:
     q, k, v, out, lse, causal, qk_scale, strides = launch
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
+    head_d = PADDED[D]  # blocks HEAD_D wide over the D-wide tensors (zeros past D)
     block_n, ws = cfg["BLOCK_N"], cfg["WS"]
     q_rows = BLOCK_M // 2 if ws else BLOCK_M  # the WS kernel's consumers load and store 64 rows each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
     for t, s, rows in ((q, strides[0], q_rows), (k, strides[1], block_n), (v, strides[2], block_n),
                        (out, strides[3], q_rows)):
-        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, D], _layout(rows, D, gdt)))
+        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, head_d], _layout(rows, head_d, gdt)))
     grid = (common.cdiv(Lq, BLOCK_M) * B * Hq,)
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
         return
     kernel = _attn_fwd_hopper_ws if ws else _attn_fwd_hopper
     kernel[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                 HEAD_D=D, STAGES=cfg["STAGES"], num_warps=cfg.num_warps)
+                 HEAD_D=head_d, STAGES=cfg["STAGES"], num_warps=cfg.num_warps)
 
 
 def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False) -> tuple:
