@@ -116,6 +116,43 @@ def test_padded_head_dims_run_the_next_kernel():
     assert all(hopper._CANDIDATES[d, ws] for d in hopper.HEAD_DIMS for ws in (False, True))
 
 
+def test_the_persistent_form_is_the_last_candidate():
+    """The single-partition kernel's candidates end with its persistent form (taken only where
+    the GPU timed it faster: FUSED_BLOCK_TUNE=0 takes the first); the warp-specialized has none."""
+    for d in hopper.HEAD_DIMS:
+        flags = [c["PERSISTENT"] for c in hopper._CANDIDATES[d, False]]
+        assert flags == [False] * len(hopper.CONFIGS[d]) + [True] * len(hopper.PERSISTENT_CONFIGS[d])
+        assert not any(c["PERSISTENT"] for c in hopper._CANDIDATES[d, True])
+
+
+@pytest.mark.parametrize("switch", ["1", "persistent"])
+def test_the_persistent_switch_takes_the_persistent_form(switch, monkeypatch):
+    """FUSED_BLOCK_HOPPER_ATTN=persistent runs the persistent form only (its own config key);
+    =1 times every candidate (here, untimed, the first)."""
+    chosen = []
+    monkeypatch.setattr(hopper, "PERSISTENT", switch == "persistent")
+    monkeypatch.setattr(hopper, "WS", False)
+    monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
+    monkeypatch.setattr(common, "TUNE", False)
+    monkeypatch.setattr(hopper, "_launch", lambda cfg, launch: chosen.append(cfg))
+    q, k, v = _qkv(_B, 4, 2, _L, _L, 96, torch.bfloat16, "cpu")
+    hopper.forward(q, k, v, torch.empty_like(q), torch.empty(_B, 4, _L), True, 96 ** -0.5, None)
+    want = hopper.PERSISTENT_CONFIGS[128][0] if switch == "persistent" else hopper.CONFIGS[128][0]
+    assert [(c["BLOCK_N"], c["STAGES"], c["PERSISTENT"]) for c in chosen] == [(*want, switch == "persistent")]
+
+
+def test_persistent_sections_keep_their_kv_in_l2():
+    """FA3's L2 sections: the largest power of two of KV heads whose K and V fit 32 MB (at
+    least one), times the query heads per KV head."""
+    mb = 1 << 20
+    # D128 bf16 at 4096 keys: 2 MB of K and V a head, 16 heads; GQA 4:1 sections 64 query heads.
+    assert hopper._section(4096, 128, 2, 1) == 16 and hopper._section(4096, 128, 2, 4) == 64
+    # 3 MB a head: 10 fit, a power of two: 8. Over 32 MB a head: one (its group).
+    assert hopper._section(3 * mb // 512, 128, 2, 1) == 8
+    assert hopper._section(65536, 256, 2, 2) == 2
+    assert hopper.L2_KV_BYTES == 32 * mb
+
+
 def test_supports_names_every_feature():
     q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
     base = dict(arch=90, dropout_p=0.0, key_padding_mask=None, window=(-1, -1), varlen=None, softcap=0.0, sinks=None,
@@ -248,16 +285,36 @@ def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("ws,D,cand", [
     pytest.param(ws, d, i, id=f"{'wspec' if ws else 'wg2'}-D{d}-{i}", marks=[pytest.mark.heavy] if ws else [])
-    for ws in (False, True) for d, c in (hopper.WS_CONFIGS if ws else hopper.CONFIGS).items()
-    for i in range(len(c))])
+    for ws in (False, True) for d in hopper.HEAD_DIMS for i in range(len(hopper._CANDIDATES[d, ws]))])
 def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, monkeypatch):
-    """Each tile/ring-depth candidate the launcher may time and keep (1000 x 1000: ragged
-    blocks, the ring wrapping many times; GQA 2:1)."""
+    """Each tile/ring-depth candidate the launcher may time and keep, the persistent form
+    included (1000 x 1000: ragged blocks, the ring wrapping many times; GQA 2:1)."""
     monkeypatch.setattr(hopper, "ENABLED", True)
     monkeypatch.setattr(hopper, "WS", ws)
     monkeypatch.setattr(hopper, "_CANDIDATES", {(D, ws): [hopper._CANDIDATES[D, ws][cand]]})
     monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
     q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1
+    _check(q, k, v, causal, out, lse)
+
+
+@gpu
+@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_forward_walks_many_tiles(D, causal, launches, monkeypatch):
+    """The persistent form with 3 programs (SM count faked) over 40 tiles (8 query blocks x 5
+    heads): each program takes 13-14 tiles, its K/V rings' slots and phases continuing from
+    tile to tile; L2 sections of 2 heads (the budget faked), the last one narrower (5 heads).
+    Every tile must be written: the output starts poisoned."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", False)
+    monkeypatch.setattr(hopper, "PERSISTENT", True)
+    monkeypatch.setattr(common, "sm_count", lambda device: 3)
+    Lq, Lk = 1000, 900  # Lq > Lk: under causal the first 100 queries see no key
+    monkeypatch.setattr(hopper, "L2_KV_BYTES", 2 * Lk * 2 * D * 2)
+    assert hopper._section(Lk, D, 2, 1) == 2
+    q, k, v = _qkv(1, 5, 5, Lq, Lk, D, torch.bfloat16, "cuda")
     out, lse = attention(q, k, v, causal, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1
     _check(q, k, v, causal, out, lse)
@@ -279,8 +336,8 @@ out = []
 with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
         _backend.host_only(stub=False):
     hopper.ENABLED = True
-    for ws in (False, True):
-        hopper.WS = ws
+    for ws, persistent in ((False, False), (True, False), (False, True)):
+        hopper.WS, hopper.PERSISTENT = ws, persistent
         for D in sorted(hopper.PADDED):
             for causal in (False, True):
                 fake.launches.clear()
@@ -292,7 +349,8 @@ with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.lau
                 fused_block.attention(q, k, v, causal=causal)
                 (rec,) = fake.launches
                 src = rec.compiled.src
-                out.append(dict(ws=ws, D=D, causal=causal, name=rec.compiled.name, grid=list(rec.grid),
+                out.append(dict(ws=ws, persistent=persistent, D=D, causal=causal, name=rec.compiled.name,
+                                grid=list(rec.grid), ints=list(rec.args[5:9]) + list(rec.args[10:12] if persistent else []),
                                 signature=src.signature,
                                 constants={src.fn.arg_names[i[0]]: getattr(v, "value", v)
                                            for i, v in src.constants.items()},
@@ -302,10 +360,12 @@ json.dump(out, sys.stdout)
 
 
 def test_gluon_launches_match_the_compiled_specs():
-    """Both Gluon forwards launched through Triton's own launch path on CPU tensors (the fake
+    """The Gluon forwards launched through Triton's own launch path on CPU tensors (the fake
     driver checks every argument against the specialization): one launch each, the grid of
-    3 query blocks x 4 heads, and exactly the signature and constexprs the compile check
-    builds (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
+    3 query blocks x 4 heads (the persistent form: min(12, 132 SMs)), and exactly the
+    signature and constexprs the compile check builds (``aot_spec_args``: 16-byte aligned
+    descriptors, unspecialized shape arguments); the persistent form gets B x Hq and its
+    L2 section."""
     import json
     import pathlib
 
@@ -315,14 +375,17 @@ def test_gluon_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 2 * len(hopper.PADDED) * 2
+    assert len(launches) == 3 * len(hopper.PADDED) * 2
     for rec in launches:
-        ws, D, causal = rec["ws"], rec["D"], rec["causal"]
+        ws, persistent, D, causal = rec["ws"], rec["persistent"], rec["D"], rec["causal"]
         head_d = hopper.PADDED[D]  # D96 and D192: the 128 and 256 kernels' specs
-        block_n, stages = (hopper.WS_CONFIGS if ws else hopper.CONFIGS)[head_d][0]
-        sig, constexprs = hopper.aot_spec_args("bf16", head_d, causal, block_n, stages, ws)
-        assert rec["name"] == ("_attn_fwd_hopper_ws" if ws else "_attn_fwd_hopper")
+        table = hopper.WS_CONFIGS if ws else hopper.PERSISTENT_CONFIGS if persistent else hopper.CONFIGS
+        block_n, stages = table[head_d][0]
+        sig, constexprs = hopper.aot_spec_args("bf16", head_d, causal, block_n, stages, ws, persistent)
+        assert rec["name"] == "_attn_fwd_hopper" + ("_ws" if ws else "_persistent" if persistent else "")
         assert rec["grid"] == [3 * 4, 1, 1]
+        # Hq, GROUP, Lq, Lk; the persistent form's B x Hq and L2 section (heads)
+        assert rec["ints"] == [4, 2, 300, 333] + ([4, hopper._section(333, head_d, 2, 2)] if persistent else [])
         assert rec["signature"] == sig
         assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
         assert rec["num_warps"] == constexprs["num_warps"]

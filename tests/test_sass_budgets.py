@@ -54,10 +54,10 @@ def test_the_benchmark_kernels_have_their_hot_loops(costs):
     assert {c.label.split(": ")[1] for c in costs} >= {
         "_attn_fwd", "_attn_bwd", "_gemm_kernel", "_add_norm_fwd_kernel", "_add_norm_bwd_kernel", "_rope_kernel"}
     assert all(c.spills == 0 for c in costs)
-    # The opt-in Hopper kernels (issue 30) at D64 and D128, causal and not: both Gluon forwards
+    # The opt-in Hopper kernels (issue 30) at D64 and D128, causal and not: the Gluon forwards
     # and the atomic-dQ backward, every loop doing arithmetic on wgmma (the warp-specialized
     # forward's TMA loader loop does none).
-    kernels = ("_attn_fwd_hopper", "_attn_fwd_hopper_ws", "_attn_bwd_dq_atomic")
+    kernels = ("_attn_fwd_hopper", "_attn_fwd_hopper_ws", "_attn_fwd_hopper_persistent", "_attn_bwd_dq_atomic")
     hopper = [c for c in costs if c.label.split(": ")[1] in kernels]
     assert sorted(c.label.split(": ")[1] for c in hopper) == sorted(kernels * 4)
     bad = [c.label for c in hopper if not sass.hot_loops_on_wgmma(c.regions)]

@@ -67,18 +67,29 @@ NUM_WARPS = 8
 # 128 of each thread's registers and a K + V stage 32 KB per 32 keys, so 64 keys x 2 stages
 # (192 KB) or 32 x 4 (192 KB).
 CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4)), 256: ((64, 2), (32, 4))}
+# The single-partition kernel's persistent form (``_attn_fwd_hopper_persistent``: a program per
+# SM, tiles in FA3's LPT order), on each head dim's first tile: last among the candidates, so
+# it is taken only where the GPU timed it faster (or with FUSED_BLOCK_HOPPER_ATTN=persistent).
+PERSISTENT_CONFIGS = {64: ((128, 3),), 128: ((128, 2),), 256: ((64, 2),)}
 # The warp-specialized variant's (``_attn_fwd_hopper_ws``): consumers at 240 registers.
 WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3)), 256: ((64, 2),)}
-_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws)
-                         for n, st in (WS_CONFIGS if ws else CONFIGS)[d]]
+_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws,
+                                          PERSISTENT=persistent)
+                         for table, persistent in (((WS_CONFIGS, False),) if ws else
+                                                   ((CONFIGS, False), (PERSISTENT_CONFIGS, True)))
+                         for n, st in table[d]]
                for d in HEAD_DIMS for ws in (False, True)}
+# FA3's L2 sections: as many heads a section as keep their K and V (at most this much) in L2.
+L2_KV_BYTES = 32 << 20
 _CACHE = common.ConfigCache("attention_fwd_hopper")
 _LOG2E = 1.4426950408889634
 
 # The opt-in switch, read once at import (no environment lookup per call; tests set these):
-# "1" the single-partition kernel, "ws" the warp-specialized one.
-ENABLED = os.environ.get(ENV, "0") in ("1", "ws")
+# "1" the single-partition kernel (its persistent form a timed candidate), "ws" the
+# warp-specialized one, "persistent" the single-partition kernel in its persistent form only.
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent")
 WS = os.environ.get(ENV, "0") == "ws"
+PERSISTENT = os.environ.get(ENV, "0") == "persistent"
 
 
 @gluon.constexpr_function
@@ -113,29 +124,25 @@ def _softmax_step(s, m_i, l_i, col0, row, Lk, off, qk_scale, MASKED: gl.constexp
     return m_new, alpha, p, l_i
 
 
-# Shape arguments are not specialized (as forward.py's): the compile check builds exactly
-# what runs, whatever the head counts and lengths.
-@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
-def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
-                     IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The single-partition forward (the module docstring's structure): ``QD``..``OD`` host-side
-    (B, H, L, D) descriptors, ``LSE`` (B, Hq, Lq) fp32, ``qk_scale`` = scale * log2(e)."""
+@gluon.jit
+def _fwd_tile(QD, KD, VD, OD, LSE, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, b, h, hkv, m0, Hq, Lq, Lk, qk_scale,
+              it, q_phase, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """One tile, the query rows [m0, m0 + BLOCK_M) of head ``h`` of batch ``b`` (the module
+    docstring's structure), in the program's shared memory (Q, then O; the K and V rings) and
+    mbarriers. ``it``: the key blocks the program's earlier tiles took through the rings (block j
+    of this tile takes ring position it + j: slot (it + j) % STAGES, phase ((it + j) // STAGES) & 1);
+    ``q_phase``: the phase of Q's mbarrier. Returns it + this tile's key blocks. The caller
+    makes sure no warp still reads the buffers an earlier tile used (a CTA barrier)."""
+    BLOCK_M: gl.constexpr = q_smem.shape[2]
+    HEAD_D: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
     dtype: gl.constexpr = QD.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
     o_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_D, num_warps)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    n_m = gl.cdiv(Lq, BLOCK_M)
-    pid = gl.program_id(0)
-    mblk = n_m - 1 - pid % n_m
-    bh = pid // n_m
-    b = bh // Hq
-    h = bh % Hq
-    hkv = h // GROUP
-    m0 = mblk * BLOCK_M
     off = Lk - Lq  # bottom-right causal alignment: row i sees keys j <= i + off
 
     # Key range: [0, hi) visible to some row, [0, full) to every row of the block, in bounds.
@@ -148,28 +155,16 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # at least one (all masked: rows see nothing)
     n_full = full // BLOCK_N
 
-    # Shared memory: Q (then O), the K and V rings; one mbarrier for Q and one per K and V slot.
-    q_smem = gl.allocate_shared_memory(dtype, QD.block_type.shape, QD.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
-    fence_async_shared()
-
     kv_bytes: gl.constexpr = KD.block_type.nbytes
     mbarrier.expect(q_bar, QD.block_type.nbytes)
     tma.async_copy_global_to_shared(QD, [b, h, m0, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         pred = i < n_blocks
-        mbarrier.expect(k_bar.index(i), kv_bytes, pred=pred)
-        tma.async_copy_global_to_shared(KD, [b, hkv, i * BLOCK_N, 0], k_bar.index(i), k_smem.index(i), pred=pred)
-        mbarrier.expect(v_bar.index(i), kv_bytes, pred=pred)
-        tma.async_copy_global_to_shared(VD, [b, hkv, i * BLOCK_N, 0], v_bar.index(i), v_smem.index(i), pred=pred)
+        si = (it + i) % STAGES
+        mbarrier.expect(k_bar.index(si), kv_bytes, pred=pred)
+        tma.async_copy_global_to_shared(KD, [b, hkv, i * BLOCK_N, 0], k_bar.index(si), k_smem.index(si), pred=pred)
+        mbarrier.expect(v_bar.index(si), kv_bytes, pred=pred)
+        tma.async_copy_global_to_shared(VD, [b, hkv, i * BLOCK_N, 0], v_bar.index(si), v_smem.index(si), pred=pred)
 
     q2 = q_smem.reshape([BLOCK_M, HEAD_D])
     row = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -179,9 +174,10 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
     # Step 0: S_0, its softmax; then K slot 0 takes K_STAGES.
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bar.index(0), 0)
-    k2 = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
+    s0 = it % STAGES
+    mbarrier.wait(q_bar, q_phase)
+    mbarrier.wait(k_bar.index(s0), (it // STAGES) & 1)
+    k2 = k_smem.index(s0).reshape([BLOCK_N, HEAD_D])
     s = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False)
     if n_full > 0:
         m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, off, qk_scale, False, IS_CAUSAL, BLOCK_N,
@@ -192,14 +188,14 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     p_prev = gl.convert_layout(p.to(dtype), p_layout)
     gl.thread_barrier()
     nxt = STAGES < n_blocks
-    mbarrier.expect(k_bar.index(0), kv_bytes, pred=nxt)
-    tma.async_copy_global_to_shared(KD, [b, hkv, STAGES * BLOCK_N, 0], k_bar.index(0), k_smem.index(0), pred=nxt)
+    mbarrier.expect(k_bar.index(s0), kv_bytes, pred=nxt)
+    tma.async_copy_global_to_shared(KD, [b, hkv, STAGES * BLOCK_N, 0], k_bar.index(s0), k_smem.index(s0), pred=nxt)
 
     for j in range(1, n_blocks):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        slot = (it + j) % STAGES
+        prev = (it + j - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), ((it + j) // STAGES) & 1)
+        mbarrier.wait(v_bar.index(prev), ((it + j - 1) // STAGES) & 1)
         k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
         v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
         # The last step's S registers are dead: S_j overwrites them (use_acc=False).
@@ -230,15 +226,10 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
                                         pred=pv)
 
     # The last block's PV product.
-    last = n_blocks - 1
+    last = it + n_blocks - 1
     mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
     v2 = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D])
     o = warpgroup_mma(p_prev, v2, o)
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
 
     # Epilogue: O / l (0 where no key was visible), LSE = (m + log2 l) ln 2 (-inf there).
     empty = l_i == 0.0
@@ -253,6 +244,86 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     fence_async_shared()
     tma.async_copy_shared_to_global(OD, [b, h, m0, 0], q_smem)
     tma.store_wait(pendings=0)
+    return it + n_blocks
+
+
+@gluon.jit
+def _fwd_smem(QD, KD, VD, STAGES: gl.constexpr):
+    """A program's shared memory: Q (then O), the K and V rings of ``STAGES`` slots; one mbarrier
+    for Q and one per K and V slot, initialized."""
+    dtype: gl.constexpr = QD.dtype
+    q_smem = gl.allocate_shared_memory(dtype, QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+    return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar
+
+
+@gluon.jit
+def _fwd_smem_release(q_bar, k_bar, v_bar, STAGES: gl.constexpr):
+    """The mbarriers of :func:`_fwd_smem` invalidated (the program's last tile is done)."""
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+
+
+# Shape arguments are not specialized (as forward.py's): the compile check builds exactly
+# what runs, whatever the head counts and lengths.
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
+def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
+                     IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The single-partition forward (the module docstring's structure), one program a tile:
+    ``QD``..``OD`` host-side (B, H, L, D) descriptors, ``LSE`` (B, Hq, Lq) fp32, ``qk_scale`` =
+    scale * log2(e)."""
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    pid = gl.program_id(0)
+    mblk = n_m - 1 - pid % n_m
+    bh = pid // n_m
+    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = _fwd_smem(QD, KD, VD, STAGES)
+    _fwd_tile(QD, KD, VD, OD, LSE, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, bh // Hq, bh % Hq,
+              (bh % Hq) // GROUP, mblk * BLOCK_M, Hq, Lq, Lk, qk_scale, 0, 0, IS_CAUSAL, num_warps)
+    _fwd_smem_release(q_bar, k_bar, v_bar, STAGES)
+
+
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk", "BH", "SECTION"))
+def _attn_fwd_hopper_persistent(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale, BH, SECTION,
+                                IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_fwd_hopper`` persistent (FA3's tile scheduler, static): a program per SM walks
+    the tiles pid, pid + grid, ...; ``BH`` = batch x query heads. Tiles are ordered as FA3's
+    ``DynamicPersistentTileScheduler`` orders them: sections of ``SECTION`` consecutive heads
+    (as many as keep their K and V in L2, the last section narrower), and in a section the
+    query blocks last to first (under a causal mask the heaviest first: longest processing
+    time first), every head of the section at one block before the next block. Shared memory
+    and mbarriers live across tiles: the rings' positions continue (``_fwd_tile``'s ``it``)."""
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    n_tiles = n_m * BH
+    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = _fwd_smem(QD, KD, VD, STAGES)
+    it = 0
+    done = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        sec = tile // (SECTION * n_m)
+        r = tile - sec * SECTION * n_m
+        width = gl.minimum(SECTION, BH - sec * SECTION)
+        blk = r // width
+        bh = sec * SECTION + r - blk * width
+        h = bh % Hq
+        it = _fwd_tile(QD, KD, VD, OD, LSE, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, bh // Hq, h, h // GROUP,
+                       (n_m - 1 - blk) * BLOCK_M, Hq, Lq, Lk, qk_scale, it, done & 1, IS_CAUSAL, num_warps)
+        done += 1
+        # Every warp is past this tile's reads of Q, K and V (and O's store left Q's buffer)
+        # before the next tile's loads overwrite them.
+        gl.thread_barrier()
+    _fwd_smem_release(q_bar, k_bar, v_bar, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,8 +516,12 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
-    key = (D, WS, bool(causal), _bucket(Lq), _bucket(Lk))
-    cfg = _CACHE.get(key, _CANDIDATES[PADDED[D], WS], lambda c: _launch(c, launch))
+    # The tile count's bucket: whether a program per tile or per SM wins depends on it.
+    key = (D, WS, PERSISTENT, bool(causal), _bucket(Lq), _bucket(Lk), _bucket(B * Hq * common.cdiv(Lq, BLOCK_M)))
+    cands = _CANDIDATES[PADDED[D], WS]
+    if PERSISTENT and not WS:
+        cands = [c for c in cands if c["PERSISTENT"]]
+    cfg = _CACHE.get(key, cands, lambda c: _launch(c, launch))
     _launch(cfg, launch)
 
 
@@ -462,16 +537,30 @@ def _launch(cfg, launch) -> None:
     for t, s, rows in ((q, strides[0], q_rows), (k, strides[1], block_n), (v, strides[2], block_n),
                        (out, strides[3], q_rows)):
         descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, head_d], _layout(rows, head_d, gdt)))
-    grid = (common.cdiv(Lq, BLOCK_M) * B * Hq,)
+    tiles = common.cdiv(Lq, BLOCK_M) * B * Hq
+    args = (*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale)
+    if cfg["PERSISTENT"]:
+        kernel, grid = _attn_fwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
+        args += (B * Hq, _section(Lk, head_d, q.element_size(), Hq // Hkv))
+    else:
+        kernel, grid = (_attn_fwd_hopper_ws if ws else _attn_fwd_hopper), (tiles,)
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
         return
-    kernel = _attn_fwd_hopper_ws if ws else _attn_fwd_hopper
-    kernel[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                 HEAD_D=head_d, STAGES=cfg["STAGES"], num_warps=cfg.num_warps)
+    kernel[grid](*args, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=cfg["STAGES"],
+                 num_warps=cfg.num_warps)
 
 
-def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False) -> tuple:
+def _section(Lk: int, head_d: int, elem: int, group: int) -> int:
+    """Heads per L2 section of the persistent kernel (FA3's ``DynamicPersistentTileScheduler``):
+    the largest power of two of KV heads whose K and V fit :data:`L2_KV_BYTES` (at least one),
+    times the query heads per KV head."""
+    kv_head = Lk * 2 * head_d * elem
+    return (1 << (max(L2_KV_BYTES // kv_head, 1).bit_length() - 1)) * group
+
+
+def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False,
+                  persistent: bool = False) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     q_rows = BLOCK_M // 2 if ws else BLOCK_M
@@ -479,6 +568,8 @@ def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: i
     for name, rows in (("QD", q_rows), ("KD", block_n), ("VD", block_n), ("OD", q_rows)):
         sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
     sig.update(LSE="*fp32", Hq="i32", GROUP="i32", Lq="i32", Lk="i32", qk_scale="fp32")
+    if persistent:
+        sig.update(BH="i32", SECTION="i32")
     constexprs = dict(IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
                       num_warps=4 if ws else NUM_WARPS)
     for name in constexprs:
