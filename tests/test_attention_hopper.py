@@ -216,7 +216,9 @@ GPU_CASES = [
 gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only")
 # Both kernels. The warp-specialized one's cases are heavy (deselected unless FUSED_BLOCK_HEAVY=1
 # or -m heavy) and have "wspec" in their ids: a deadlock there (it has never run) must not hang
-# the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``).
+# the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``). So
+# are the persistent form's ("persist" in their names or ids: its rings' phases continue from
+# tile to tile, a new way to wait forever).
 _WS = pytest.param(True, id="wspec", marks=pytest.mark.heavy)
 VARIANTS = [pytest.param(False, id="wg2"), _WS]
 
@@ -284,8 +286,9 @@ def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("ws,D,cand", [
-    pytest.param(ws, d, i, id=f"{'wspec' if ws else 'wg2'}-D{d}-{i}", marks=[pytest.mark.heavy] if ws else [])
-    for ws in (False, True) for d in hopper.HEAD_DIMS for i in range(len(hopper._CANDIDATES[d, ws]))])
+    pytest.param(ws, d, i, id=f"{'wspec' if ws else 'persist' if c['PERSISTENT'] else 'wg2'}-D{d}-{i}",
+                 marks=[pytest.mark.heavy] if ws or c["PERSISTENT"] else [])
+    for ws in (False, True) for d in hopper.HEAD_DIMS for i, c in enumerate(hopper._CANDIDATES[d, ws])])
 def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, monkeypatch):
     """Each tile/ring-depth candidate the launcher may time and keep, the persistent form
     included (1000 x 1000: ragged blocks, the ring wrapping many times; GQA 2:1)."""
@@ -300,6 +303,7 @@ def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, 
 
 
 @gpu
+@pytest.mark.heavy
 @pytest.mark.parametrize("D", hopper.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_forward_walks_many_tiles(D, causal, launches, monkeypatch):

@@ -15,8 +15,10 @@ to check them, and they stay opt-in until a committed GPU run of
 ``tests/test_attention_hopper.py`` and ``bench/attention_hopper.py`` verifies them.
 
 Structure of ``_attn_fwd_hopper`` (one program per (query block, batch * head), query blocks
-in reverse order: under a causal mask the last blocks are the heaviest and start first; the
-warp-specialized kernel differs as its docstring says):
+in reverse order: under a causal mask the last blocks are the heaviest and start first; its
+persistent form ``_attn_fwd_hopper_persistent`` runs the same tile, ``_fwd_tile``, for tile
+after tile of a program per SM, ``FUSED_BLOCK_HOPPER_ATTN=persistent`` or a timed candidate;
+the warp-specialized kernel differs as its docstring says):
 
 - 8 warps = two consumer warpgroups of 64 query rows each (BLOCK_M = 128); the wgmma
   accumulators S (128 x BLOCK_N) and O (128 x D) are in registers, P goes to the PV product
@@ -61,7 +63,7 @@ BLOCK_M = 128
 NUM_WARPS = 8
 # Per head dim, the candidates (BLOCK_N, STAGES), timed once per key on the GPU (``ConfigCache``;
 # the first with FUSED_BLOCK_TUNE=0). All compile without spills (the compile check): at
-# BLOCK_N 128 about 196-236 registers, at 64 about 120-171. Shared memory at BLOCK_M 128,
+# BLOCK_N 128 about 196-236 registers, at 64 about 120-171 (D256: 187-225). Shared memory at BLOCK_M 128,
 # 16-bit: Q (O leaves through Q's buffer) + STAGES x (K + V) tiles, 80-160 KB of 227 at D64
 # and D128. D256 (FA3: 128 x 80; tiles here are powers of two): the O accumulator alone takes
 # 128 of each thread's registers and a K + V stage 32 KB per 32 keys, so 64 keys x 2 stages
