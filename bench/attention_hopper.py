@@ -1,9 +1,10 @@
 """The opt-in Gluon Hopper attention forwards (``kernels/attention/hopper.py``: the
-single-partition kernel "gluon" and the warp-specialized "gluon_ws") against our Triton
-forward, SDPA's cuDNN and SDPA's flash (FA2) backends, bf16, on the shapes of the attention
-issue; one short run on an sm_90 GPU:
+single-partition kernel "gluon" (its candidates timed, the persistent form among them), its
+persistent form alone "gluon_persistent", and the warp-specialized "gluon_ws") against our
+Triton forward, SDPA's cuDNN and SDPA's flash (FA2) backends, bf16, on the shapes of the
+attention issue; one short run on an sm_90 GPU:
 
-    python -m bench.attention_hopper [--providers gluon,triton,sdpa_cudnn,sdpa_flash,gluon_ws] [--json PATH]
+    python -m bench.attention_hopper [--providers gluon,gluon_persistent,triton,sdpa_cudnn,sdpa_flash,gluon_ws] [--json PATH]
 
 Per shape: TFLOP/s of each forward (``triton.testing.do_bench``, median, inputs reused: the
 working sets are far larger than L2 at these shapes), and each Gluon output's largest
@@ -20,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-# (name, B, Hq, Hkv, L, D, causal): the issue's table, D64 and the GQA shape also non-causal.
+# (name, B, Hq, Hkv, L, D, causal): the issue's table, D64 also non-causal, and D256.
 SHAPES = (
     ("B4 H16 L4096 D128 causal", 4, 16, 16, 4096, 128, True),
     ("B4 H16 L4096 D128", 4, 16, 16, 4096, 128, False),
@@ -28,19 +29,21 @@ SHAPES = (
     ("B8 H32 L2048 D64 causal", 8, 32, 32, 2048, 64, True),
     ("B8 H32 L2048 D64", 8, 32, 32, 2048, 64, False),
     ("B4 H32/8 L4096 D128 causal", 4, 32, 8, 4096, 128, True),
+    ("B2 H16 L4096 D256 causal", 2, 16, 16, 4096, 256, True),  # the D256 kernel (Gemma's head dim)
 )
-PROVIDERS = ("gluon", "triton", "sdpa_cudnn", "sdpa_flash", "gluon_ws")
+PROVIDERS = ("gluon", "gluon_persistent", "triton", "sdpa_cudnn", "sdpa_flash", "gluon_ws")
+GLUON = ("gluon", "gluon_persistent", "gluon_ws")  # the switch's values 1, persistent, ws
 
 
 def _fn(provider, causal, gqa):
     import fused_block
     from fused_block.kernels.attention import hopper
 
-    if provider in ("gluon", "gluon_ws", "triton"):
-        on, ws = provider != "triton", provider == "gluon_ws"
+    if provider in (*GLUON, "triton"):
+        on, ws, persistent = provider != "triton", provider == "gluon_ws", provider == "gluon_persistent"
 
         def run(q, k, v):
-            hopper.ENABLED, hopper.WS = on, ws
+            hopper.ENABLED, hopper.WS, hopper.PERSISTENT = on, ws, persistent
             return fused_block.attention(q, k, v, causal=causal, return_lse=True)
         return run
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -81,11 +84,11 @@ def _measure(shape, providers, rep):
             row["tflops"][p] = None
             row.setdefault("errors", {})[p] = f"{type(e).__name__}: {str(e)[:200]}"
         finally:
-            hopper.ENABLED, hopper.WS = False, False
+            hopper.ENABLED, hopper.WS, hopper.PERSISTENT = False, False, False
     if "triton" not in outs and any(p.startswith("gluon") for p in outs):
         with torch.no_grad():
             outs["triton"] = _fn("triton", causal, Hq != Hkv)(q, k, v)
-    for p in ("gluon", "gluon_ws"):
+    for p in GLUON:
         if p in outs:
             (og, lg), (ot, lt) = outs[p], outs["triton"]
             fin = torch.isfinite(lt)
@@ -97,14 +100,14 @@ def _measure(shape, providers, rep):
 
 def _header(providers):
     print(f"{'shape':<28}" + "".join(f"{p:>12}" for p in providers)
-          + "".join(f"{p + ' |dO|':>18}{p + ' |dLSE|':>20}" for p in ("gluon", "gluon_ws") if p in providers))
+          + "".join(f"{p + ' |dO|':>18}{p + ' |dLSE|':>20}" for p in GLUON if p in providers))
 
 
 def _line(row, providers):
     cells = "".join(f"{'-' if row['tflops'].get(p) is None else row['tflops'][p]:>12}" for p in providers)
     diffs = "".join(f"{row.get(p + '_max_abs_diff_out', float('nan')):>18.2e}"
                     f"{row.get(p + '_max_abs_diff_lse', float('nan')):>20.2e}"
-                    for p in ("gluon", "gluon_ws") if p in providers)
+                    for p in GLUON if p in providers)
     print(f"{row['shape']:<28}{cells}{diffs}", flush=True)
 
 

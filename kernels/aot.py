@@ -53,6 +53,9 @@ class KernelSpec:
     aligned: tuple = ()
     wgmma: bool = False  # on sm_90 the products must compile to wgmma
     tma: bool = False  # on sm_90 the loads must compile to TMA (cp.async.bulk.tensor)
+    # On sm_90 its hot loops must hold wgmma (``sass.hot_loops_on_wgmma`` on its SASS: every loop
+    # with floating-point arithmetic holds HGMMA); the compile check disassembles these builds.
+    hot_loops: bool = False
     # The architectures this config ships for: each arch's config table is compiled (and held
     # to "no spills") on its own architecture only.
     archs: tuple = (80, 90)
@@ -82,6 +85,8 @@ class CompileReport:
     tma_found: bool = False
     regions: tuple = ()  # sass.Region of the whole kernel and each loop (sm_90, when asked for)
     spills_ok: str = ""  # the spec's (KernelSpec.spills_ok)
+    hot_loops_required: bool = False  # KernelSpec.hot_loops, on sm_90
+    hot_loops_found: bool = False  # sass.hot_loops_on_wgmma of its regions
 
     @property
     def spills(self) -> bool:
@@ -137,7 +142,8 @@ def compile_spec(spec: KernelSpec, arch: int, module: str = "", sass_costs: bool
                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
     regions = ()
-    if sass_costs and arch == sass.ARCH:
+    hot_loops = spec.hot_loops and arch >= 90
+    if (sass_costs or hot_loops) and arch == sass.ARCH:
         regions = sass.regions(sass.disassemble(compiled.asm["cubin"])[compiled.metadata.name], spec.num_warps)
     return CompileReport(
         module=module, name=spec.name, arch=arch, num_warps=spec.num_warps, num_stages=spec.num_stages,
@@ -149,6 +155,8 @@ def compile_spec(spec: KernelSpec, arch: int, module: str = "", sass_costs: bool
         tma_found="cp.async.bulk.tensor" in compiled.asm["ptx"],
         regions=regions,
         spills_ok=spec.spills_ok,
+        hot_loops_required=hot_loops,
+        hot_loops_found=bool(regions) and sass.hot_loops_on_wgmma(regions),
     )
 
 
@@ -253,8 +261,8 @@ def main(argv=None) -> int:
         if not args.resources_only:
             print("\n" + format_costs(reports))
     bad = [r for r in reports if r.spills or (r.wgmma_required and not r.wgmma_found)
-           or (r.tma_required and not r.tma_found)]
-    print(f"\n{len(reports)} compiled, {len(bad)} with spills or missing wgmma/TMA")
+           or (r.tma_required and not r.tma_found) or (r.hot_loops_required and not r.hot_loops_found)]
+    print(f"\n{len(reports)} compiled, {len(bad)} with spills or missing wgmma/TMA (hot loops included)")
     return 1 if bad else 0
 
 

@@ -35,6 +35,7 @@ through ``fake_driver``, then compiled for real) and holds them to ``kernels/bud
 the ptxas/cuobjdump in its wheel (the pinned versions): another version gives other SASS.
 """
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -51,6 +52,9 @@ import triton
 FLOP_PER_CLK_SM = {"BF16": 4096, "F16": 4096, "TF32": 2048, "E4M3": 8192, "E5M2": 8192}  # H100/H200, dense
 SCHEDULERS = 4
 WAIT_LOOP_MAX = 4  # instructions: a backward branch this short spins on a barrier
+# The fp32 arithmetic of the softmax and the epilogues (exp2 is MUFU): a loop with none issues
+# loads or waits (a TMA producer's loop), a loop with some is a kernel's hot loop.
+FP_OPS = ("FFMA", "FADD", "FMUL", "FMNMX", "MUFU")
 MARGIN = 0.02  # budgets: today's figures plus this
 BUDGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "budgets.json")
 ARCH = 90
@@ -80,6 +84,7 @@ class Region:
     instructions: int
     hgmma: int
     issue_tensor: float = None  # None without HGMMA
+    fp: int = 0  # floating-point arithmetic instructions (:data:`FP_OPS`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +159,17 @@ def _region(name, seq, depth, num_warps) -> Region:
     hgmma = sum(x.op.startswith("HGMMA") for x in seq)
     tensor = _tensor_cycles(seq, num_warps)
     ratio = round(instructions * num_warps / SCHEDULERS / tensor, 3) if tensor else None
-    return Region(name, seq[0].addr, seq[-1].addr, depth, instructions, hgmma, ratio)
+    fp = sum(x.op.split(".")[0] in FP_OPS for x in seq)
+    return Region(name, seq[0].addr, seq[-1].addr, depth, instructions, hgmma, ratio, fp)
+
+
+def hot_loops_on_wgmma(rs) -> bool:
+    """Whether a kernel's hot loops run their products on wgmma: among its :func:`regions`,
+    at least one loop holds HGMMA and every loop with floating-point arithmetic
+    (:data:`FP_OPS`) does (a warp-specialized kernel's TMA loader loop has none; a loop's
+    ``K step`` / ``epilogue`` parts are not loops of their own)."""
+    loops = [r for r in rs if r.name.startswith("loop") and not r.name.endswith(("K step", "epilogue"))]
+    return any(r.hgmma for r in loops) and all(r.hgmma for r in loops if r.fp)
 
 
 def _skipped_block(ins, a, b):
@@ -250,6 +265,37 @@ def _attention(B, H, L, D, causal):
     q, k, v = (_empty(B, H, L, D, grad=True) for _ in range(3))
     out = fused_block.attention(q, k, v, causal=causal)
     torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+
+
+@contextlib.contextmanager
+def _opt_in(module, **switches):
+    """An opt-in kernel's switches (module attributes, as the tests set them) on inside the block."""
+    saved = {name: getattr(module, name) for name in switches}
+    for name, value in switches.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _attention_gluon(B, H, L, D, causal, variant):
+    """The opt-in Gluon Hopper forward (``FUSED_BLOCK_HOPPER_ATTN=1``, or the ``variant`` "ws" or
+    "persistent": ``kernels/attention/hopper.py``); forward only, its backward being the Triton one."""
+    import fused_block
+    from fused_block.kernels.attention import hopper
+
+    with _opt_in(hopper, ENABLED=True, WS=variant == "ws", PERSISTENT=variant == "persistent"):
+        fused_block.attention(*(_empty(B, H, L, D) for _ in range(3)), causal=causal)
+
+
+def _attention_dq_atomic(B, H, L, D, causal):
+    """The opt-in atomic-dQ backward (``FUSED_BLOCK_ATTN_DQ_ATOMIC=1``: ``backward_atomic.py``)."""
+    from fused_block.kernels.attention import backward_atomic
+
+    with _opt_in(backward_atomic, ENABLED=True):
+        _attention(B, H, L, D, causal)
 
 
 def _attention_window(B, H, L, D, left):
@@ -361,6 +407,14 @@ WORKLOADS = (
     ("attention D64", _attention, (8, 32, 2048, 64, False)),
     ("attention D128 causal", _attention, (4, 16, 4096, 128, True)),
     ("attention D128", _attention, (4, 16, 4096, 128, False)),
+    # The opt-in Hopper kernels at the same shapes (issue 30; not the default until a GPU run
+    # verifies them): the Gluon forwards (single-partition, warp-specialized, persistent), and
+    # the atomic-dQ backward with its dQ conversion.
+    *((f"attention D{d}{' causal' if c else ''} gluon{' ' + v if v else ''}", _attention_gluon, (*s, c, v))
+      for v in ("", "ws", "persistent") for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128)))
+      for c in (True, False)),
+    *((f"attention D{d}{' causal' if c else ''} dq atomic", _attention_dq_atomic, (*s, c))
+      for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     # Issue 17's features at the bench's shapes: Mistral's 4096-key window over 16k tokens
     # (a band block costs a plain one), packed sequences, softcap + sinks, a T5 bias, and a
     # decode step (split-KV) over a 16k cache with GQA 32:8.
@@ -396,8 +450,11 @@ class Launched:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
+        from triton.experimental.gluon._runtime import GluonASTSource
+
         fn = getattr(importlib.import_module(self.module), self.fn)
-        src = ASTSource(fn=fn, signature=self.signature, constexprs=self.constants, attrs=self.attrs)
+        source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource  # as aot.compile_spec
+        src = source(fn=fn, signature=self.signature, constexprs=self.constants, attrs=self.attrs)
         return triton.compile(src, target=GPUTarget("cuda", ARCH, 32),
                               options={"num_warps": self.num_warps, "num_stages": self.num_stages})
 

@@ -58,7 +58,7 @@ _B, _H, _L = 1, 2, 40
 
 
 @pytest.mark.parametrize("ws", [False, True], ids=["wg2", "wspec"])
-@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("D", sorted(hopper.PADDED))
 @pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_supported_calls_take_the_gluon_forward(D, dtype, causal, ws, monkeypatch):
@@ -85,8 +85,9 @@ def _unsupported():
     # TMA cannot take (an odd number of elements: 2-byte misaligned rows).
     odd = torch.randn(_B, _H, _L, 65, dtype=torch.float32).to(bf)[..., :64]
     return [
+        # Head dims without a kernel (96 and 192 run the 128 and 256 kernels zero-padded).
         ("d80", _qkv(_B, _H, _H, _L, _L, 80, bf, "cpu"), {}),
-        ("d256", _qkv(_B, _H, _H, _L, _L, 256, bf, "cpu"), {}),
+        ("d160", _qkv(_B, _H, _H, _L, _L, 160, bf, "cpu"), {}),
         ("fp32", _qkv(_B, _H, _H, _L, _L, 64, torch.float32, "cpu"), {}),
         ("dropout", qkv, dict(dropout_p=0.1)),
         ("padding", qkv, dict(key_padding_mask=pad)),
@@ -105,6 +106,51 @@ def test_unsupported_calls_take_the_triton_forward(name, tensors, features, monk
     taken = _route(monkeypatch)
     _call(*tensors, True, **features)
     assert taken == ["triton"], name
+
+
+def test_padded_head_dims_run_the_next_kernel():
+    """96 and 192 run the 128 and 256 kernels (zero columns past D), every kernel dim its own;
+    each kernel dim has candidates for both variants."""
+    assert hopper.PADDED == {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
+    assert set(hopper.PADDED.values()) == set(hopper.HEAD_DIMS) == set(hopper.CONFIGS) == set(hopper.WS_CONFIGS)
+    assert all(hopper._CANDIDATES[d, ws] for d in hopper.HEAD_DIMS for ws in (False, True))
+
+
+def test_the_persistent_form_is_the_last_candidate():
+    """The single-partition kernel's candidates end with its persistent form (taken only where
+    the GPU timed it faster: FUSED_BLOCK_TUNE=0 takes the first); the warp-specialized has none."""
+    for d in hopper.HEAD_DIMS:
+        flags = [c["PERSISTENT"] for c in hopper._CANDIDATES[d, False]]
+        assert flags == [False] * len(hopper.CONFIGS[d]) + [True] * len(hopper.PERSISTENT_CONFIGS[d])
+        assert not any(c["PERSISTENT"] for c in hopper._CANDIDATES[d, True])
+
+
+@pytest.mark.parametrize("switch", ["1", "persistent"])
+def test_the_persistent_switch_takes_the_persistent_form(switch, monkeypatch):
+    """FUSED_BLOCK_HOPPER_ATTN=persistent runs the persistent form only (its own config key);
+    =1 times every candidate (here, untimed, the first)."""
+    chosen = []
+    monkeypatch.setattr(hopper, "PERSISTENT", switch == "persistent")
+    monkeypatch.setattr(hopper, "WS", False)
+    monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
+    monkeypatch.setattr(common, "TUNE", False)
+    monkeypatch.setattr(hopper, "_launch", lambda cfg, launch: chosen.append(cfg))
+    q, k, v = _qkv(_B, 4, 2, _L, _L, 96, torch.bfloat16, "cpu")
+    hopper.forward(q, k, v, torch.empty_like(q), torch.empty(_B, 4, _L), True, 96 ** -0.5, None)
+    want = hopper.PERSISTENT_CONFIGS[128][0] if switch == "persistent" else hopper.CONFIGS[128][0]
+    assert [(c["BLOCK_N"], c["STAGES"], c["PERSISTENT"]) for c in chosen] == [(*want, switch == "persistent")]
+
+
+def test_persistent_sections_keep_their_kv_in_l2():
+    """FA3's L2 sections: the largest power of two of KV heads whose K and V fit 32 MB (at
+    least one), times the query heads per KV head."""
+    mb = 1 << 20
+    # D128 bf16 at 4096 keys: 2 MB of K and V a head, 16 heads; GQA 4:1 sections 64 query heads.
+    assert hopper._section(4096, 128, 2, 1) == 16 and hopper._section(4096, 128, 2, 4) == 64
+    # 3 MB a head: 10 fit, a power of two: 8. Over 32 MB a head: one (its group).
+    assert hopper._section(3 * mb // 512, 128, 2, 1) == 8
+    assert hopper._section(65536, 256, 2, 2) == 2
+    assert hopper.L2_KV_BYTES == 32 * mb
 
 
 def test_supports_names_every_feature():
@@ -170,7 +216,9 @@ GPU_CASES = [
 gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only")
 # Both kernels. The warp-specialized one's cases are heavy (deselected unless FUSED_BLOCK_HEAVY=1
 # or -m heavy) and have "wspec" in their ids: a deadlock there (it has never run) must not hang
-# the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``).
+# the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``). So
+# are the persistent form's ("persist" in their names or ids: its rings' phases continue from
+# tile to tile, a new way to wait forever).
 _WS = pytest.param(True, id="wspec", marks=pytest.mark.heavy)
 VARIANTS = [pytest.param(False, id="wg2"), _WS]
 
@@ -198,6 +246,28 @@ def test_gluon_forward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtyp
 
 
 @gpu
+@pytest.mark.parametrize("D", [96, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_forward_zero_padded_head_dims(ws, causal, D, launches, monkeypatch):
+    """D96 and D192 through the 128 and 256 kernels (descriptor blocks wider than the tensors:
+    zeros read past D, the store clipped there): 1000 x 1000 (ragged blocks), GQA 2:1; the
+    output buffer's columns past D must stay as they were (a view of a wider buffer)."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", ws)
+    q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1 and launches["attention_fwd"] == 0
+    _check(q, k, v, causal, out, lse)
+    # Into a view whose rows continue past D (16 columns of a sentinel): the store stops at D.
+    wide = torch.full((1, 4, 1000, D + 16), 7.0, dtype=torch.bfloat16, device="cuda")
+    launchers.forward(q, k, v, wide[..., :D], lse, None, torch.zeros(1, dtype=torch.int64, device="cuda"), causal,
+                      D ** -0.5, 0.0)
+    assert launches["attention_fwd_hopper"] == 2
+    assert torch.equal(wide[..., :D], out) and bool((wide[..., D:] == 7.0).all())
+
+
+@gpu
 @pytest.mark.parametrize("D", hopper.HEAD_DIMS)
 @pytest.mark.parametrize("ws", VARIANTS)
 def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
@@ -216,17 +286,39 @@ def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("ws,D,cand", [
-    pytest.param(ws, d, i, id=f"{'wspec' if ws else 'wg2'}-D{d}-{i}", marks=[pytest.mark.heavy] if ws else [])
-    for ws in (False, True) for d, c in (hopper.WS_CONFIGS if ws else hopper.CONFIGS).items()
-    for i in range(len(c))])
+    pytest.param(ws, d, i, id=f"{'wspec' if ws else 'persist' if c['PERSISTENT'] else 'wg2'}-D{d}-{i}",
+                 marks=[pytest.mark.heavy] if ws or c["PERSISTENT"] else [])
+    for ws in (False, True) for d in hopper.HEAD_DIMS for i, c in enumerate(hopper._CANDIDATES[d, ws])])
 def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, monkeypatch):
-    """Each tile/ring-depth candidate the launcher may time and keep (1000 x 1000: ragged
-    blocks, the ring wrapping many times; GQA 2:1)."""
+    """Each tile/ring-depth candidate the launcher may time and keep, the persistent form
+    included (1000 x 1000: ragged blocks, the ring wrapping many times; GQA 2:1)."""
     monkeypatch.setattr(hopper, "ENABLED", True)
     monkeypatch.setattr(hopper, "WS", ws)
     monkeypatch.setattr(hopper, "_CANDIDATES", {(D, ws): [hopper._CANDIDATES[D, ws][cand]]})
     monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
     q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1
+    _check(q, k, v, causal, out, lse)
+
+
+@gpu
+@pytest.mark.heavy
+@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_forward_walks_many_tiles(D, causal, launches, monkeypatch):
+    """The persistent form with 3 programs (SM count faked) over 40 tiles (8 query blocks x 5
+    heads): each program takes 13-14 tiles, its K/V rings' slots and phases continuing from
+    tile to tile; L2 sections of 2 heads (the budget faked), the last one narrower (5 heads).
+    Every tile must be written: the output starts poisoned."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", False)
+    monkeypatch.setattr(hopper, "PERSISTENT", True)
+    monkeypatch.setattr(common, "sm_count", lambda device: 3)
+    Lq, Lk = 1000, 900  # Lq > Lk: under causal the first 100 queries see no key
+    monkeypatch.setattr(hopper, "L2_KV_BYTES", 2 * Lk * 2 * D * 2)
+    assert hopper._section(Lk, D, 2, 1) == 2
+    q, k, v = _qkv(1, 5, 5, Lq, Lk, D, torch.bfloat16, "cuda")
     out, lse = attention(q, k, v, causal, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1
     _check(q, k, v, causal, out, lse)
@@ -248,9 +340,9 @@ out = []
 with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
         _backend.host_only(stub=False):
     hopper.ENABLED = True
-    for ws in (False, True):
-        hopper.WS = ws
-        for D in hopper.HEAD_DIMS:
+    for ws, persistent in ((False, False), (True, False), (False, True)):
+        hopper.WS, hopper.PERSISTENT = ws, persistent
+        for D in sorted(hopper.PADDED):
             for causal in (False, True):
                 fake.launches.clear()
                 # GQA 4:2, Lq 300 (3 query blocks), cross lengths; a strided q (a packed projection).
@@ -261,7 +353,8 @@ with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.lau
                 fused_block.attention(q, k, v, causal=causal)
                 (rec,) = fake.launches
                 src = rec.compiled.src
-                out.append(dict(ws=ws, D=D, causal=causal, name=rec.compiled.name, grid=list(rec.grid),
+                out.append(dict(ws=ws, persistent=persistent, D=D, causal=causal, name=rec.compiled.name,
+                                grid=list(rec.grid), ints=list(rec.args[5:9]) + list(rec.args[10:12] if persistent else []),
                                 signature=src.signature,
                                 constants={src.fn.arg_names[i[0]]: getattr(v, "value", v)
                                            for i, v in src.constants.items()},
@@ -271,10 +364,12 @@ json.dump(out, sys.stdout)
 
 
 def test_gluon_launches_match_the_compiled_specs():
-    """Both Gluon forwards launched through Triton's own launch path on CPU tensors (the fake
+    """The Gluon forwards launched through Triton's own launch path on CPU tensors (the fake
     driver checks every argument against the specialization): one launch each, the grid of
-    3 query blocks x 4 heads, and exactly the signature and constexprs the compile check
-    builds (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
+    3 query blocks x 4 heads (the persistent form: min(12, 132 SMs)), and exactly the
+    signature and constexprs the compile check builds (``aot_spec_args``: 16-byte aligned
+    descriptors, unspecialized shape arguments); the persistent form gets B x Hq and its
+    L2 section."""
     import json
     import pathlib
 
@@ -284,13 +379,17 @@ def test_gluon_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 8
+    assert len(launches) == 3 * len(hopper.PADDED) * 2
     for rec in launches:
-        ws, D, causal = rec["ws"], rec["D"], rec["causal"]
-        block_n, stages = (hopper.WS_CONFIGS if ws else hopper.CONFIGS)[D][0]
-        sig, constexprs = hopper.aot_spec_args("bf16", D, causal, block_n, stages, ws)
-        assert rec["name"] == ("_attn_fwd_hopper_ws" if ws else "_attn_fwd_hopper")
+        ws, persistent, D, causal = rec["ws"], rec["persistent"], rec["D"], rec["causal"]
+        head_d = hopper.PADDED[D]  # D96 and D192: the 128 and 256 kernels' specs
+        table = hopper.WS_CONFIGS if ws else hopper.PERSISTENT_CONFIGS if persistent else hopper.CONFIGS
+        block_n, stages = table[head_d][0]
+        sig, constexprs = hopper.aot_spec_args("bf16", head_d, causal, block_n, stages, ws, persistent)
+        assert rec["name"] == "_attn_fwd_hopper" + ("_ws" if ws else "_persistent" if persistent else "")
         assert rec["grid"] == [3 * 4, 1, 1]
+        # Hq, GROUP, Lq, Lk; the persistent form's B x Hq and L2 section (heads)
+        assert rec["ints"] == [4, 2, 300, 333] + ([4, hopper._section(333, head_d, 2, 2)] if persistent else [])
         assert rec["signature"] == sig
         assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
         assert rec["num_warps"] == constexprs["num_warps"]

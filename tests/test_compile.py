@@ -22,7 +22,9 @@ def _problems(reports) -> str:
     messages = []
     for what, bad in (("register spills", [r for r in reports if r.spills]),
                       ("no wgmma on sm_90", [r for r in reports if r.wgmma_required and not r.wgmma_found]),
-                      ("no TMA (cp.async.bulk.tensor) on sm_90", [r for r in reports if r.tma_required and not r.tma_found])):
+                      ("no TMA (cp.async.bulk.tensor) on sm_90", [r for r in reports if r.tma_required and not r.tma_found]),
+                      ("hot loops without wgmma on sm_90",
+                       [r for r in reports if r.hot_loops_required and not r.hot_loops_found])):
         if bad:
             messages.append(f"{what}:\n" + aot.format_table(bad))
     return "\n".join(messages)
@@ -64,6 +66,18 @@ def test_sm90_products_use_wgmma(reports):
 def test_sm90_tma_paths_use_tma(reports):
     missing = [r for r in reports if r.tma_required and not r.tma_found]
     assert not missing, "no TMA (cp.async.bulk.tensor) on sm_90:\n" + aot.format_table(missing)
+
+
+def test_sm90_hopper_kernels_run_their_hot_loops_on_wgmma(reports):
+    """The Hopper-only kernels (the Gluon forwards, the atomic-dQ backward: ``KernelSpec.hot_loops``)
+    are disassembled: every loop of theirs that does floating-point arithmetic holds HGMMA
+    (``sass.hot_loops_on_wgmma``), and none spills."""
+    hopper = [r for r in reports if r.hot_loops_required]
+    names = {r.name.split(" ")[0] for r in hopper}
+    assert names >= {"attention_fwd_hopper", "attention_fwd_hopper_ws", "attention_fwd_hopper_persistent",
+                     "attention_bwd_dq_atomic"}, names
+    bad = [r for r in hopper if not r.hot_loops_found or r.spills]
+    assert not bad, "hot loops without wgmma, or spills:\n" + aot.format_table(bad) + "\n" + aot.format_costs(bad)
 
 
 @pytest.mark.heavy

@@ -54,6 +54,14 @@ def test_the_benchmark_kernels_have_their_hot_loops(costs):
     assert {c.label.split(": ")[1] for c in costs} >= {
         "_attn_fwd", "_attn_bwd", "_gemm_kernel", "_add_norm_fwd_kernel", "_add_norm_bwd_kernel", "_rope_kernel"}
     assert all(c.spills == 0 for c in costs)
+    # The opt-in Hopper kernels (issue 30) at D64 and D128, causal and not: the Gluon forwards
+    # and the atomic-dQ backward, every loop doing arithmetic on wgmma (the warp-specialized
+    # forward's TMA loader loop does none).
+    kernels = ("_attn_fwd_hopper", "_attn_fwd_hopper_ws", "_attn_fwd_hopper_persistent", "_attn_bwd_dq_atomic")
+    hopper = [c for c in costs if c.label.split(": ")[1] in kernels]
+    assert sorted(c.label.split(": ")[1] for c in hopper) == sorted(kernels * 4)
+    bad = [c.label for c in hopper if not sass.hot_loops_on_wgmma(c.regions)]
+    assert not bad, bad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +110,24 @@ def test_loops_are_backward_branches_before_the_last_exit():
     assert inner.issue_tensor == pytest.approx(10 / 64, abs=1e-3)
     # outer: 11 x 2 = 22 cycles against (2 * 64 * 128 * 16 + 2 * 64 * 64 * 16) x 2 / 4096 = 192
     assert outer.issue_tensor == pytest.approx(22 / 192, abs=1e-3)
+
+
+def test_hot_loops_are_the_loops_with_arithmetic():
+    rs = sass.regions(_listing(PROGRAM), num_warps=8)
+    assert [r.fp for r in rs] == [2, 2, 2]  # the inner loop's FFMA and FADD (S2R, IADD3, MOV are not)
+    assert sass.hot_loops_on_wgmma(rs)
+    no_mma = [line.replace("HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR8], R88", "FMUL R9, R9, R9")
+              .replace("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", "NOP") for line in PROGRAM]
+    assert not sass.hot_loops_on_wgmma(sass.regions(_listing(no_mma), num_warps=8))
+    # A TMA producer's loop (no arithmetic) beside a loop on wgmma: fine.
+    loader = ["S2R R0, SR_TID.X", "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR8], R88", "MUFU.EX2 R1, R2",
+              "IADD3 R7, R7, 0x1, RZ", "UIADD3 UR4, UR4, 0x1, URZ", "@P0 BRA 0x10",
+              "UTMALDG.4D [UR8], [UR4]", "IADD3 R7, R7, 0x1, RZ", "UIADD3 UR4, UR4, 0x1, URZ",
+              "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ", "UISETP.NE.AND UP0, UPT, UR4, URZ, UPT", "@P1 BRA 0x60", "EXIT"]
+    rs = sass.regions(_listing(loader), num_warps=4)
+    assert [(r.hgmma, r.fp) for r in rs[1:]] == [(1, 1), (0, 0)]
+    assert sass.hot_loops_on_wgmma(rs)
+    assert not sass.hot_loops_on_wgmma(rs[:1] + rs[2:])  # no loop on wgmma at all
 
 
 def test_a_loop_branching_over_its_epilogue_gives_the_k_step():

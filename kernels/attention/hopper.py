@@ -4,7 +4,8 @@ one partition, ``_attn_fwd_hopper_ws`` with FA3's partitions (a TMA loader warp 
 consumer warpgroups, ``gl.warp_specialize``).
 
 Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first) or ``=ws`` (the second) is set, on
-sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64 or 128,
+sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64, 128 or 256
+(96 and 192 through the 128 and 256 kernels, zero columns: :data:`PADDED`),
 no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
 (bottom-right, as the other kernels) or not; GQA/MQA; 16-byte aligned layouts (TMA).
 Everything else, and every call without the switch, runs the Triton kernels of
@@ -14,8 +15,10 @@ to check them, and they stay opt-in until a committed GPU run of
 ``tests/test_attention_hopper.py`` and ``bench/attention_hopper.py`` verifies them.
 
 Structure of ``_attn_fwd_hopper`` (one program per (query block, batch * head), query blocks
-in reverse order: under a causal mask the last blocks are the heaviest and start first; the
-warp-specialized kernel differs as its docstring says):
+in reverse order: under a causal mask the last blocks are the heaviest and start first; its
+persistent form ``_attn_fwd_hopper_persistent`` runs the same tile, ``_fwd_tile``, for tile
+after tile of a program per SM, ``FUSED_BLOCK_HOPPER_ATTN=persistent`` or a timed candidate;
+the warp-specialized kernel differs as its docstring says):
 
 - 8 warps = two consumer warpgroups of 64 query rows each (BLOCK_M = 128); the wgmma
   accumulators S (128 x BLOCK_N) and O (128 x D) are in registers, P goes to the PV product
@@ -28,11 +31,11 @@ warp-specialized kernel differs as its docstring says):
   on the tensor cores, then waits for it and rescales O (FA3's intra-warpgroup overlap).
 - Key blocks that every row of the query block sees in bounds run without masks; only the
   blocks on the causal diagonal or past the last key are masked.
-- The epilogue writes O through shared memory and a TMA store (rows past Lq are clipped by
+- The epilogue writes O through Q's shared memory and a TMA store (rows past Lq are clipped by
   the descriptor) and the fp32 natural-log LSE, -inf (and O = 0) for rows with no visible key.
 
-Descriptors are host-side, over the whole (B, H, L, D) views with block (1, 1, rows, D): rows
-past a head's L read as zero and are not written, and any strides TMA accepts work without
+Descriptors are host-side, over the whole (B, H, L, D) views with block (1, 1, rows, HEAD_D): rows
+past a head's L (and columns past D < HEAD_D) read as zero and are not written, and any strides TMA accepts work without
 a copy (the launchers' ``_strides`` / ``_aligned``).
 """
 import os
@@ -48,27 +51,47 @@ from fused_block.kernels import common
 from fused_block.kernels.attention.configs import _bucket
 
 ENV = "FUSED_BLOCK_HOPPER_ATTN"
-HEAD_DIMS = (64, 128)
+# The head dims the kernels are compiled for (HEAD_D)...
+HEAD_DIMS = (64, 128, 256)
+# ...and the head dims they take, each with the kernel's: 96 and 192 run the 128 and 256
+# kernels with the columns past D zero (the descriptors' blocks are HEAD_D wide over D-wide
+# tensors: TMA reads zeros there and clips the store), which add nothing to Q K^T; O's extra
+# columns are zero and never written. The same numbers as a D-wide kernel, not a copy.
+PADDED = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 128
 NUM_WARPS = 8
 # Per head dim, the candidates (BLOCK_N, STAGES), timed once per key on the GPU (``ConfigCache``;
 # the first with FUSED_BLOCK_TUNE=0). All compile without spills (the compile check): at
-# BLOCK_N 128 about 196-236 registers, at 64 about 120-171. Shared memory at BLOCK_M 128,
-# 16-bit: Q + O + STAGES x (K + V) tiles, 96-192 KB of 227.
-CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4))}
+# BLOCK_N 128 about 196-236 registers, at 64 about 120-171 (D256: 187-225). Shared memory at BLOCK_M 128,
+# 16-bit: Q (O leaves through Q's buffer) + STAGES x (K + V) tiles, 80-160 KB of 227 at D64
+# and D128. D256 (FA3: 128 x 80; tiles here are powers of two): the O accumulator alone takes
+# 128 of each thread's registers and a K + V stage 32 KB per 32 keys, so 64 keys x 2 stages
+# (192 KB) or 32 x 4 (192 KB).
+CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4)), 256: ((64, 2), (32, 4))}
+# The single-partition kernel's persistent form (``_attn_fwd_hopper_persistent``: a program per
+# SM, tiles in FA3's LPT order), on each head dim's first tile: last among the candidates, so
+# it is taken only where the GPU timed it faster (or with FUSED_BLOCK_HOPPER_ATTN=persistent).
+PERSISTENT_CONFIGS = {64: ((128, 3),), 128: ((128, 2),), 256: ((64, 2),)}
 # The warp-specialized variant's (``_attn_fwd_hopper_ws``): consumers at 240 registers.
-WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3))}
-_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws)
-                         for n, st in (WS_CONFIGS if ws else CONFIGS)[d]]
+WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3)), 256: ((64, 2),)}
+_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws,
+                                          PERSISTENT=persistent)
+                         for table, persistent in (((WS_CONFIGS, False),) if ws else
+                                                   ((CONFIGS, False), (PERSISTENT_CONFIGS, True)))
+                         for n, st in table[d]]
                for d in HEAD_DIMS for ws in (False, True)}
+# FA3's L2 sections: as many heads a section as keep their K and V (at most this much) in L2.
+L2_KV_BYTES = 32 << 20
 _CACHE = common.ConfigCache("attention_fwd_hopper")
 _LOG2E = 1.4426950408889634
 
 # The opt-in switch, read once at import (no environment lookup per call; tests set these):
-# "1" the single-partition kernel, "ws" the warp-specialized one.
-ENABLED = os.environ.get(ENV, "0") in ("1", "ws")
+# "1" the single-partition kernel (its persistent form a timed candidate), "ws" the
+# warp-specialized one, "persistent" the single-partition kernel in its persistent form only.
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent")
 WS = os.environ.get(ENV, "0") == "ws"
+PERSISTENT = os.environ.get(ENV, "0") == "persistent"
 
 
 @gluon.constexpr_function
@@ -103,29 +126,25 @@ def _softmax_step(s, m_i, l_i, col0, row, Lk, off, qk_scale, MASKED: gl.constexp
     return m_new, alpha, p, l_i
 
 
-# Shape arguments are not specialized (as forward.py's): the compile check builds exactly
-# what runs, whatever the head counts and lengths.
-@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
-def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
-                     IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The single-partition forward (the module docstring's structure): ``QD``..``OD`` host-side
-    (B, H, L, D) descriptors, ``LSE`` (B, Hq, Lq) fp32, ``qk_scale`` = scale * log2(e)."""
+@gluon.jit
+def _fwd_tile(QD, KD, VD, OD, LSE, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, b, h, hkv, m0, Hq, Lq, Lk, qk_scale,
+              it, q_phase, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """One tile, the query rows [m0, m0 + BLOCK_M) of head ``h`` of batch ``b`` (the module
+    docstring's structure), in the program's shared memory (Q, then O; the K and V rings) and
+    mbarriers. ``it``: the key blocks the program's earlier tiles took through the rings (block j
+    of this tile takes ring position it + j: slot (it + j) % STAGES, phase ((it + j) // STAGES) & 1);
+    ``q_phase``: the phase of Q's mbarrier. Returns it + this tile's key blocks. The caller
+    makes sure no warp still reads the buffers an earlier tile used (a CTA barrier)."""
+    BLOCK_M: gl.constexpr = q_smem.shape[2]
+    HEAD_D: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
     dtype: gl.constexpr = QD.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
     o_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_D, num_warps)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    n_m = gl.cdiv(Lq, BLOCK_M)
-    pid = gl.program_id(0)
-    mblk = n_m - 1 - pid % n_m
-    bh = pid // n_m
-    b = bh // Hq
-    h = bh % Hq
-    hkv = h // GROUP
-    m0 = mblk * BLOCK_M
     off = Lk - Lq  # bottom-right causal alignment: row i sees keys j <= i + off
 
     # Key range: [0, hi) visible to some row, [0, full) to every row of the block, in bounds.
@@ -138,29 +157,16 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # at least one (all masked: rows see nothing)
     n_full = full // BLOCK_N
 
-    # Shared memory: Q, the K and V rings, O; one mbarrier for Q and one per K and V slot.
-    q_smem = gl.allocate_shared_memory(dtype, QD.block_type.shape, QD.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
-    o_smem = gl.allocate_shared_memory(dtype, OD.block_type.shape, OD.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
-    fence_async_shared()
-
     kv_bytes: gl.constexpr = KD.block_type.nbytes
     mbarrier.expect(q_bar, QD.block_type.nbytes)
     tma.async_copy_global_to_shared(QD, [b, h, m0, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         pred = i < n_blocks
-        mbarrier.expect(k_bar.index(i), kv_bytes, pred=pred)
-        tma.async_copy_global_to_shared(KD, [b, hkv, i * BLOCK_N, 0], k_bar.index(i), k_smem.index(i), pred=pred)
-        mbarrier.expect(v_bar.index(i), kv_bytes, pred=pred)
-        tma.async_copy_global_to_shared(VD, [b, hkv, i * BLOCK_N, 0], v_bar.index(i), v_smem.index(i), pred=pred)
+        si = (it + i) % STAGES
+        mbarrier.expect(k_bar.index(si), kv_bytes, pred=pred)
+        tma.async_copy_global_to_shared(KD, [b, hkv, i * BLOCK_N, 0], k_bar.index(si), k_smem.index(si), pred=pred)
+        mbarrier.expect(v_bar.index(si), kv_bytes, pred=pred)
+        tma.async_copy_global_to_shared(VD, [b, hkv, i * BLOCK_N, 0], v_bar.index(si), v_smem.index(si), pred=pred)
 
     q2 = q_smem.reshape([BLOCK_M, HEAD_D])
     row = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -170,9 +176,10 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
     # Step 0: S_0, its softmax; then K slot 0 takes K_STAGES.
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bar.index(0), 0)
-    k2 = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
+    s0 = it % STAGES
+    mbarrier.wait(q_bar, q_phase)
+    mbarrier.wait(k_bar.index(s0), (it // STAGES) & 1)
+    k2 = k_smem.index(s0).reshape([BLOCK_N, HEAD_D])
     s = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False)
     if n_full > 0:
         m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, off, qk_scale, False, IS_CAUSAL, BLOCK_N,
@@ -183,14 +190,14 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     p_prev = gl.convert_layout(p.to(dtype), p_layout)
     gl.thread_barrier()
     nxt = STAGES < n_blocks
-    mbarrier.expect(k_bar.index(0), kv_bytes, pred=nxt)
-    tma.async_copy_global_to_shared(KD, [b, hkv, STAGES * BLOCK_N, 0], k_bar.index(0), k_smem.index(0), pred=nxt)
+    mbarrier.expect(k_bar.index(s0), kv_bytes, pred=nxt)
+    tma.async_copy_global_to_shared(KD, [b, hkv, STAGES * BLOCK_N, 0], k_bar.index(s0), k_smem.index(s0), pred=nxt)
 
     for j in range(1, n_blocks):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        slot = (it + j) % STAGES
+        prev = (it + j - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), ((it + j) // STAGES) & 1)
+        mbarrier.wait(v_bar.index(prev), ((it + j - 1) // STAGES) & 1)
         k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
         v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
         # The last step's S registers are dead: S_j overwrites them (use_acc=False).
@@ -221,15 +228,10 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
                                         pred=pv)
 
     # The last block's PV product.
-    last = n_blocks - 1
+    last = it + n_blocks - 1
     mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
     v2 = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D])
     o = warpgroup_mma(p_prev, v2, o)
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
 
     # Epilogue: O / l (0 where no key was visible), LSE = (m + log2 l) ln 2 (-inf there).
     empty = l_i == 0.0
@@ -238,10 +240,92 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     lse_ptr = LSE + (b * Hq + h).to(gl.int64) * Lq + row
     gl.store(lse_ptr, lse, mask=row < Lq)
-    o_smem.reshape([BLOCK_M, HEAD_D]).store(o.to(dtype))
+    # O leaves through Q's buffer (D256 has no room for its own), once no product reads Q.
+    gl.thread_barrier()
+    q_smem.reshape([BLOCK_M, HEAD_D]).store(o.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(OD, [b, h, m0, 0], o_smem)
+    tma.async_copy_shared_to_global(OD, [b, h, m0, 0], q_smem)
     tma.store_wait(pendings=0)
+    return it + n_blocks
+
+
+@gluon.jit
+def _fwd_smem(QD, KD, VD, STAGES: gl.constexpr):
+    """A program's shared memory: Q (then O), the K and V rings of ``STAGES`` slots; one mbarrier
+    for Q and one per K and V slot, initialized."""
+    dtype: gl.constexpr = QD.dtype
+    q_smem = gl.allocate_shared_memory(dtype, QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+    return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar
+
+
+@gluon.jit
+def _fwd_smem_release(q_bar, k_bar, v_bar, STAGES: gl.constexpr):
+    """The mbarriers of :func:`_fwd_smem` invalidated (the program's last tile is done)."""
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+
+
+# Shape arguments are not specialized (as forward.py's): the compile check builds exactly
+# what runs, whatever the head counts and lengths.
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
+def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
+                     IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The single-partition forward (the module docstring's structure), one program a tile:
+    ``QD``..``OD`` host-side (B, H, L, D) descriptors, ``LSE`` (B, Hq, Lq) fp32, ``qk_scale`` =
+    scale * log2(e)."""
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    pid = gl.program_id(0)
+    mblk = n_m - 1 - pid % n_m
+    bh = pid // n_m
+    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = _fwd_smem(QD, KD, VD, STAGES)
+    _fwd_tile(QD, KD, VD, OD, LSE, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, bh // Hq, bh % Hq,
+              (bh % Hq) // GROUP, mblk * BLOCK_M, Hq, Lq, Lk, qk_scale, 0, 0, IS_CAUSAL, num_warps)
+    _fwd_smem_release(q_bar, k_bar, v_bar, STAGES)
+
+
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk", "BH", "SECTION"))
+def _attn_fwd_hopper_persistent(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale, BH, SECTION,
+                                IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_fwd_hopper`` persistent (FA3's tile scheduler, static): a program per SM walks
+    the tiles pid, pid + grid, ...; ``BH`` = batch x query heads. Tiles are ordered as FA3's
+    ``DynamicPersistentTileScheduler`` orders them: sections of ``SECTION`` consecutive heads
+    (as many as keep their K and V in L2, the last section narrower), and in a section the
+    query blocks last to first (under a causal mask the heaviest first: longest processing
+    time first), every head of the section at one block before the next block. Shared memory
+    and mbarriers live across tiles: the rings' positions continue (``_fwd_tile``'s ``it``)."""
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    n_tiles = n_m * BH
+    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = _fwd_smem(QD, KD, VD, STAGES)
+    it = 0
+    done = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        sec = tile // (SECTION * n_m)
+        r = tile - sec * SECTION * n_m
+        width = gl.minimum(SECTION, BH - sec * SECTION)
+        blk = r // width
+        bh = sec * SECTION + r - blk * width
+        h = bh % Hq
+        it = _fwd_tile(QD, KD, VD, OD, LSE, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, bh // Hq, h, h // GROUP,
+                       (n_m - 1 - blk) * BLOCK_M, Hq, Lq, Lk, qk_scale, it, done & 1, IS_CAUSAL, num_warps)
+        done += 1
+        # Every warp is past this tile's reads of Q, K and V (and O's store left Q's buffer)
+        # before the next tile's loads overwrite them.
+        gl.thread_barrier()
+    _fwd_smem_release(q_bar, k_bar, v_bar, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,9 +333,9 @@ def _attn_fwd_hopper(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
 # ---------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _ws_consumer(q_s, o_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, OD, LSE, b, h, r0, Hq, Lq, Lk,
+def _ws_consumer(q_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, OD, LSE, b, h, r0, Hq, Lq, Lk,
                  cdiag, n_blocks, n_full, qk_scale):
-    """One consumer warpgroup: query rows [r0, r0 + 64) (Q in ``q_s``, O out through ``o_s``)
+    """One consumer warpgroup: query rows [r0, r0 + 64) (Q in ``q_s``, then O out through it)
     against every key block the loader streams (both consumers take every block: each
     releases each slot). The step is the single-partition kernel's; a slot is released by an
     arrive on its empty barrier (count 2, one per consumer) instead of a CTA barrier, so the
@@ -321,9 +405,9 @@ def _ws_consumer(q_s, o_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_e
     o = o / gl.expand_dims(l_o, 1)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
-    o_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))
+    q_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))  # its own products are done with Q
     fence_async_shared()
-    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], o_s)
+    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], q_s)
     tma.store_wait(pendings=0)
 
 
@@ -383,7 +467,6 @@ def _attn_fwd_hopper_ws(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     q_smem = gl.allocate_shared_memory(dtype, [2] + QD.block_type.shape, QD.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2] + OD.block_type.shape, OD.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -399,9 +482,9 @@ def _attn_fwd_hopper_ws(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     fence_async_shared()
 
     gl.warp_specialize([
-        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
+        (_ws_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
                         v_empty, OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
-        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
+        (_ws_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
                         v_empty, OD, LSE, b, h, m0 + HALF_M, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale)),
         (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv, m0,
                       n_blocks)),
@@ -422,9 +505,9 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 def supports(q, *, arch: int, dropout_p: float, key_padding_mask, window, varlen, softcap, sinks, alibi, bias,
              mask, aligned: bool) -> bool:
     """Whether this kernel takes the call (``launchers.forward``'s arguments; the rest run
-    ``forward.py``): sm_90, 16-bit, D in :data:`HEAD_DIMS`, causal or not (+ GQA), TMA-able
+    ``forward.py``): sm_90, 16-bit, D in :data:`PADDED`, causal or not (+ GQA), TMA-able
     layouts (``aligned``), no other feature."""
-    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in HEAD_DIMS and aligned and dropout_p == 0.0
+    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in PADDED and aligned and dropout_p == 0.0
             and key_padding_mask is None and tuple(window) == (-1, -1) and varlen is None and not softcap
             and sinks is None and alibi is None and bias is None and mask is None)
 
@@ -435,8 +518,12 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
-    key = (D, WS, bool(causal), _bucket(Lq), _bucket(Lk))
-    cfg = _CACHE.get(key, _CANDIDATES[D, WS], lambda c: _launch(c, launch))
+    # The tile count's bucket: whether a program per tile or per SM wins depends on it.
+    key = (D, WS, PERSISTENT, bool(causal), _bucket(Lq), _bucket(Lk), _bucket(B * Hq * common.cdiv(Lq, BLOCK_M)))
+    cands = _CANDIDATES[PADDED[D], WS]
+    if PERSISTENT and not WS:
+        cands = [c for c in cands if c["PERSISTENT"]]
+    cfg = _CACHE.get(key, cands, lambda c: _launch(c, launch))
     _launch(cfg, launch)
 
 
@@ -444,23 +531,38 @@ def _launch(cfg, launch) -> None:
     q, k, v, out, lse, causal, qk_scale, strides = launch
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
+    head_d = PADDED[D]  # blocks HEAD_D wide over the D-wide tensors (zeros past D)
     block_n, ws = cfg["BLOCK_N"], cfg["WS"]
     q_rows = BLOCK_M // 2 if ws else BLOCK_M  # the WS kernel's consumers load and store 64 rows each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
     for t, s, rows in ((q, strides[0], q_rows), (k, strides[1], block_n), (v, strides[2], block_n),
                        (out, strides[3], q_rows)):
-        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, D], _layout(rows, D, gdt)))
-    grid = (common.cdiv(Lq, BLOCK_M) * B * Hq,)
+        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, head_d], _layout(rows, head_d, gdt)))
+    tiles = common.cdiv(Lq, BLOCK_M) * B * Hq
+    args = (*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale)
+    if cfg["PERSISTENT"]:
+        kernel, grid = _attn_fwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
+        args += (B * Hq, _section(Lk, head_d, q.element_size(), Hq // Hkv))
+    else:
+        kernel, grid = (_attn_fwd_hopper_ws if ws else _attn_fwd_hopper), (tiles,)
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
         return
-    kernel = _attn_fwd_hopper_ws if ws else _attn_fwd_hopper
-    kernel[grid](*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                 HEAD_D=D, STAGES=cfg["STAGES"], num_warps=cfg.num_warps)
+    kernel[grid](*args, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=cfg["STAGES"],
+                 num_warps=cfg.num_warps)
 
 
-def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False) -> tuple:
+def _section(Lk: int, head_d: int, elem: int, group: int) -> int:
+    """Heads per L2 section of the persistent kernel (FA3's ``DynamicPersistentTileScheduler``):
+    the largest power of two of KV heads whose K and V fit :data:`L2_KV_BYTES` (at least one),
+    times the query heads per KV head."""
+    kv_head = Lk * 2 * head_d * elem
+    return (1 << (max(L2_KV_BYTES // kv_head, 1).bit_length() - 1)) * group
+
+
+def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False,
+                  persistent: bool = False) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     q_rows = BLOCK_M // 2 if ws else BLOCK_M
@@ -468,6 +570,8 @@ def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: i
     for name, rows in (("QD", q_rows), ("KD", block_n), ("VD", block_n), ("OD", q_rows)):
         sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
     sig.update(LSE="*fp32", Hq="i32", GROUP="i32", Lq="i32", Lk="i32", qk_scale="fp32")
+    if persistent:
+        sig.update(BH="i32", SECTION="i32")
     constexprs = dict(IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
                       num_warps=4 if ws else NUM_WARPS)
     for name in constexprs:

@@ -236,24 +236,26 @@ def aot_specs(exhaustive=None) -> list:
         name="attention_dropout_mask", fn=_dropout_mask_kernel,
         signature=_signature(_dropout_mask_kernel, {"SEED": "*i64", "OUT": "*u8"}),
         constexprs=dict(BLOCK_M=32, BLOCK_N=32), num_warps=4))
-    # The opt-in Gluon Hopper forward (hopper.py), single-partition and warp-specialized: sm_90
+    # The opt-in Gluon Hopper forward (hopper.py), single-partition, warp-specialized and persistent: sm_90
     # only, every candidate causal and not (in turn in the default check), bf16 (fp16 is the
-    # same code with another element type).
-    for ws, table in ((False, hopper.CONFIGS), (True, hopper.WS_CONFIGS)):
+    # same code with another element type); disassembled: every loop with arithmetic on wgmma.
+    for variant, table, ws, persistent in (("", hopper.CONFIGS, False, False), ("_ws", hopper.WS_CONFIGS, True, False),
+                                           ("_persistent", hopper.PERSISTENT_CONFIGS, False, True)):
         for block_d, cands in table.items():
             for block_n, stages in cands:
-                items.setdefault(("hopper", ws, block_d), []).append([])
+                items.setdefault(("hopper", variant, block_d), []).append([])
                 for causal in (True, False):
-                    items["hopper", ws, block_d][-1].append(len(specs))
-                    sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws)
+                    items["hopper", variant, block_d][-1].append(len(specs))
+                    sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws, persistent)
                     specs.append(aot.KernelSpec(
-                        name=(f"attention_fwd_hopper{'_ws' if ws else ''} (Gluon) D{block_d} 16 "
+                        name=(f"attention_fwd_hopper{variant} (Gluon) D{block_d} 16 "
                               f"{hopper.BLOCK_M}x{block_n}/{stages}: {'causal' if causal else 'full'}"),
-                        fn=hopper._attn_fwd_hopper_ws if ws else hopper._attn_fwd_hopper, signature=sig,
+                        fn=getattr(hopper, f"_attn_fwd_hopper{variant}"), signature=sig,
                         constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
-                        tma=True, archs=(90,)))
+                        tma=True, hot_loops=True, archs=(90,)))
     # The opt-in atomic-dQ backward (backward_atomic.py): sm_90 only (TMA reduce-adds), every
-    # candidate causal and not (in turn in the default check), bf16; its dQ conversion.
+    # candidate causal and not (in turn in the default check), bf16, hot loops on wgmma as the
+    # Gluon forwards'; its dQ conversion.
     for block_d, cands in backward_atomic.CONFIGS.items():
         for cfg in cands:
             m = cfg.meta()
@@ -267,7 +269,7 @@ def aot_specs(exhaustive=None) -> list:
                     fn=fn, signature=_signature(fn, {**_data_ptrs(fn, "bf16"), "DQ_ACC": "*fp32"}),
                     constexprs=dict(IS_CAUSAL=causal, BLOCK_D=block_d, INTERPRET=False, **m),
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn), wgmma=True,
-                    tma=True, archs=(90,)))
+                    tma=True, hot_loops=True, archs=(90,)))
     fn = backward_atomic._dq_convert
     specs.append(aot.KernelSpec(
         name="attention_dq_convert D128 bf16", fn=fn, signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
