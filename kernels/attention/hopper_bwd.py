@@ -153,19 +153,22 @@ def _step(k2, v2, q2, do2, st, ds_smem, dq_smem, DQD, dk, dv, b, h, n0, start_m,
 
 # Shape arguments are not specialized (as the other attention kernels'): the compile check
 # builds exactly what runs, whatever the head counts and lengths.
-@gluon.jit(do_not_specialize=("Hq", "Hkv", "GROUP", "Lq", "Lk"))
-def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk, qk_scale, scale,
-                     IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+@gluon.jit(do_not_specialize=("Hq", "Hkv", "GROUP", "Lq", "Lk", "cdiag"))
+def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk, cdiag, qk_scale, scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, num_warps: gl.constexpr):
     """The backward (the module docstring's structure): ``QD``, ``KD``, ``VD``, ``DOD``
     (B, H, L, D) descriptors of the inputs, ``DQD`` of the fp32 accumulator (zeroed, summed
     unscaled), ``DKD``/``DVD`` of the outputs, ``SD`` of the statistics (B * Hq + 1, 2,
-    stride_stat); ``qk_scale`` = scale * log2(e), ``scale`` for dK."""
+    stride_stat); ``qk_scale`` = scale * log2(e), ``scale`` for dK. Causality is the runtime
+    bound ``cdiag``: query i sees key j iff j <= i + cdiag (Lk - Lq, bottom-right; without
+    causality Lk + BLOCK_N, which no key block reaches: no block is masked or skipped). One
+    build serves both (ptxas allocated the build without the masked path worse: it spilled)."""
     dtype: gl.constexpr = QD.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M, num_warps)
     dkv_layout: gl.constexpr = _mma_layout(BLOCK_N, HEAD_D, num_warps)
     dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_D, num_warps)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
     n_n = gl.cdiv(Lk, BLOCK_N)
@@ -175,16 +178,11 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
     b = bh // Hkv
     hkv = bh % Hkv
     n0 = nblk * BLOCK_N
-    off = Lk - Lq  # bottom-right causal alignment: query i sees keys j <= i + off
 
     # Query blocks: [m_first, m_end) see some key of the block; from m_full on, every one.
     m_end = gl.cdiv(Lq, BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
-        m_first = gl.maximum(n0 - off, 0) // BLOCK_M * BLOCK_M
-        m_full = n0 + BLOCK_N - 1 - off  # a block starting at or past this row is unmasked
-    else:
-        m_first = 0
-        m_full = 0
+    m_first = gl.maximum(n0 - cdiag, 0) // BLOCK_M * BLOCK_M
+    m_full = n0 + BLOCK_N - 1 - cdiag  # a block starting at or past this row is unmasked
     n_m = (m_end - m_first) // BLOCK_M
     n_steps = GROUP * n_m  # (group head, query block) pairs, head-major
     h0 = hkv * GROUP
@@ -222,36 +220,44 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
     v2 = v_smem.reshape([BLOCK_N, HEAD_D])
     mbarrier.wait(kv_bar, 0)
 
+    # The step's (head, query block) and the refill's, STAGES steps ahead, advanced by
+    # counters (no division per step): the block moves on and past m_end wraps to the next head.
+    h = h0
+    start_m = m_first
+    h_nx = h0 + STAGES // n_m
+    m_nx = m_first + STAGES % n_m * BLOCK_M
     for i in range(n_steps):
         slot = i % STAGES
-        g = i // n_m
-        h = h0 + g
-        start_m = m_first + (i - g * n_m) * BLOCK_M
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         q2 = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         do2 = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         st = st_smem.index(slot).reshape([2, BLOCK_M])
-        # The dQ buffer of two steps ago is free once its reduce-add read it (the issuing
+        # The dQ buffer of DQ_BUFS steps ago is free once its reduce-add read it (the issuing
         # thread waits; the barrier in the step orders every other thread's store after it).
         buf = i % DQ_BUFS
         tma.store_wait(pendings=DQ_BUFS - 1)
-        if IS_CAUSAL and start_m < m_full:
+        if start_m < m_full:
             dk, dv = _step(k2, v2, q2, do2, st, ds_smem, dq_smem.index(buf), DQD, dk, dv, b, h, n0,
-                           start_m, off, qk_scale, True, s_layout, dkv_layout, dq_layout)
+                           start_m, cdiag, qk_scale, True, s_layout, dkv_layout, dq_layout)
         else:
             dk, dv = _step(k2, v2, q2, do2, st, ds_smem, dq_smem.index(buf), DQD, dk, dv, b, h, n0,
-                           start_m, off, qk_scale, False, s_layout, dkv_layout, dq_layout)
+                           start_m, cdiag, qk_scale, False, s_layout, dkv_layout, dq_layout)
         # Every thread is past the step's reads of the slot (the barrier before the
         # reduce-add): refill it with step i + STAGES.
-        nxt = i + STAGES
-        pred = nxt < n_steps
-        g = nxt // n_m
-        sm = m_first + (nxt - g * n_m) * BLOCK_M
+        pred = i + STAGES < n_steps
         mbarrier.expect(bars.index(slot), step_bytes, pred=pred)
-        tma.async_copy_global_to_shared(QD, [b, h0 + g, sm, 0], bars.index(slot), q_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(DOD, [b, h0 + g, sm, 0], bars.index(slot), do_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(SD, [b * Hq + h0 + g, 0, sm], bars.index(slot), st_smem.index(slot),
+        tma.async_copy_global_to_shared(QD, [b, h_nx, m_nx, 0], bars.index(slot), q_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(DOD, [b, h_nx, m_nx, 0], bars.index(slot), do_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(SD, [b * Hq + h_nx, 0, m_nx], bars.index(slot), st_smem.index(slot),
                                         pred=pred)
+        start_m += BLOCK_M
+        wrap = start_m >= m_end
+        start_m = gl.where(wrap, m_first, start_m)
+        h += wrap.to(gl.int32)
+        m_nx += BLOCK_M
+        wrap = m_nx >= m_end
+        m_nx = gl.where(wrap, m_first, m_nx)
+        h_nx += wrap.to(gl.int32)
 
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):
@@ -338,12 +344,13 @@ def _launch(cfg, launch) -> None:
     if common.STUB_LAUNCHES:
         return
     acc.zero_()  # idempotent for the tuner's timing: the kernel accumulates
-    _attn_bwd_hopper[grid](*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, scale * _LOG2E, scale, IS_CAUSAL=causal,
+    cdiag = Lk - Lq if causal else Lk + BLOCK_N
+    _attn_bwd_hopper[grid](*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, cdiag, scale * _LOG2E, scale,
                            BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=cfg["STAGES"], DQ_BUFS=DQ_BUFS,
                            num_warps=cfg.num_warps)
 
 
-def aot_spec_args(dtype: str, head_d: int, causal: bool, block_m: int, stages: int) -> tuple:
+def aot_spec_args(dtype: str, head_d: int, block_m: int, stages: int) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     sig = {}
@@ -353,8 +360,8 @@ def aot_spec_args(dtype: str, head_d: int, causal: bool, block_m: int, stages: i
     for name in ("DKD", "DVD"):
         sig[name] = f"tensordesc<{dtype}[1, 1, {BLOCK_N}, {head_d}],{_layout(BLOCK_N, head_d, gdt)!r}>"
     sig["SD"] = f"tensordesc<fp32[1, 2, {block_m}],{_plain(3)!r}>"
-    sig.update(Hq="i32", Hkv="i32", GROUP="i32", Lq="i32", Lk="i32", qk_scale="fp32", scale="fp32")
-    constexprs = dict(IS_CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=stages,
+    sig.update(Hq="i32", Hkv="i32", GROUP="i32", Lq="i32", Lk="i32", cdiag="i32", qk_scale="fp32", scale="fp32")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=stages,
                       DQ_BUFS=DQ_BUFS, num_warps=NUM_WARPS)
     for name in constexprs:
         sig[name] = "constexpr"
