@@ -138,9 +138,10 @@ def _step(k2, v2, q2, do2, st, ds_smem, dq_smem, DQD, dk, dv, b, h, n0, start_m,
     ds = (p * dpd).to(dtype)
     ds_smem.store(ds)
     fence_async_shared()
-    # dK's operand dS^T from shared memory too (each warpgroup reads its own key rows).
+    gl.thread_barrier()  # every thread's rows of dS^T are in shared memory
+    # dK's operand dS^T from shared memory too (each warpgroup reads its own key rows; in
+    # registers it would cost the ones the tiles lack), dQ's all of it, transposed.
     dk_tok = warpgroup_mma(ds_smem, q2, dk, is_async=True)
-    gl.thread_barrier()  # both warpgroups' key rows of dS^T are in shared memory
     dq_acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
     dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k2, dq_acc, use_acc=False, is_async=True)
     dv, dk, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, p16))
