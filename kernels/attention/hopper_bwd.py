@@ -121,12 +121,15 @@ def _step(k2, v2, q2, do2, st, ds_smem, dq_smem, DQD, dk, dv, b, h, n0, start_m,
     # stay live beside the tiles: the dK and dV accumulators leave little room.
     st1 = st._reinterpret(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    s_acc = zero - gl.expand_dims(st1.index(0).load(col_layout) / qk_scale, 0)
+    # LSE = +inf (P = 0: padding rows, rows with no visible key) enters as -1e20 / (scale
+    # log2 e): P is still exp2(-1e20) = 0, and no infinity meets the tensor cores.
+    lse2 = gl.minimum(st1.index(0).load(col_layout), 1e20)
+    s_acc = zero - gl.expand_dims(lse2 / qk_scale, 0)
     s_tok = warpgroup_mma(k2, q2.permute((1, 0)), s_acc, is_async=True)
     dp_acc = zero - gl.expand_dims(st1.index(1).load(col_layout), 0)
     dp_tok = warpgroup_mma(v2, do2.permute((1, 0)), dp_acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    p = gl.exp2(s * qk_scale)  # exp2(S^T scale log2 e - LSE log2 e); 0 where LSE = +inf
+    p = gl.exp2(s * qk_scale)  # exp2(S^T scale log2 e - LSE log2 e)
     if MASKED:
         rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
