@@ -169,6 +169,120 @@ def test_interpreter_keeps_the_atomic_free_backward(device, launches, monkeypatc
 
 
 # ---------------------------------------------------------------------------------------------
+# the kernel's schedule and arithmetic, twinned on the CPU (float64): the Gluon kernel cannot
+# run in the interpreter, so its index logic (which query blocks a key block visits, which are
+# masked, the ring's refill coordinates, the GQA head walk) and its algebra (statistics folded
+# into the accumulators, dS from P, dQ summed over key blocks) are checked here, line for line
+# against ``_attn_bwd_hopper``'s scalar code; the GPU tests below check the kernel itself.
+# ---------------------------------------------------------------------------------------------
+
+def _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0):
+    """``_attn_bwd_hopper``'s steps for the key block at ``n0``: [(head offset g, start_m,
+    masked)], and the refill coordinates it issues after each step (None past the end)."""
+    bn = hopper_bwd.BLOCK_N
+    m_end = -(-Lq // block_m) * block_m
+    m_first = max(n0 - cdiag, 0) // block_m * block_m
+    m_full = n0 + bn - 1 - cdiag
+    n_m = (m_end - m_first) // block_m
+    n_steps = group * n_m
+    prologue = [(i // n_m, m_first + (i - i // n_m * n_m) * block_m) for i in range(min(stages, n_steps))]
+    steps, refills = [], []
+    h, start_m = 0, m_first
+    h_nx, m_nx = stages // n_m, m_first + stages % n_m * block_m
+    for i in range(n_steps):
+        steps.append((h, start_m, start_m < m_full))
+        refills.append((h_nx, m_nx) if i + stages < n_steps else None)
+        start_m += block_m
+        if start_m >= m_end:
+            start_m, h = m_first, h + 1
+        m_nx += block_m
+        if m_nx >= m_end:
+            m_nx, h_nx = m_first, h_nx + 1
+    return steps, prologue, refills
+
+
+def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages):
+    """dq, dk, dv as ``_attn_bwd_hopper`` + ``_dq_convert`` compute them (float64, no
+    rounding), with the schedule's invariants asserted on the way."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    group, bn = Hq // Hkv, hopper_bwd.BLOCK_N
+    cdiag = Lk - Lq if causal else Lk + bn
+    qk_scale = scale * 1.4426950408889634
+    pad = -(-Lq // 128) * 128  # STAT_ALIGN rows of statistics: the padding rows' LSE is +inf
+    lse2 = torch.full((B, Hq, pad), float("inf"), dtype=torch.float64)
+    lse2[..., :Lq] = torch.where(torch.isfinite(lse), lse * 1.4426950408889634, float("inf"))
+    delta = torch.zeros((B, Hq, pad), dtype=torch.float64)
+    delta[..., :Lq] = (dout * out).sum(-1)
+
+    def rows(t, start, n):  # TMA: rows past the end read as zero
+        return torch.nn.functional.pad(t[start:start + n], (0, 0, 0, max(0, start + n - t.shape[0])))
+
+    dq_acc = torch.zeros((B, Hq, Lq, D), dtype=torch.float64)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(B):
+        for hk in range(Hkv):
+            for n0 in range(0, Lk, bn):
+                steps, prologue, refills = _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0)
+                assert steps, "every key block is seen by some query"
+                assert prologue == [s[:2] for s in steps[:stages]]
+                assert refills == [s[:2] for s in steps[stages:]] + [None] * min(stages, len(steps))
+                kb, vb = rows(k[b, hk], n0, bn), rows(v[b, hk], n0, bn)
+                key = torch.arange(n0, n0 + bn)[:, None]
+                seen = set()
+                for g, start_m, masked in steps:
+                    h = hk * group + g
+                    query = torch.arange(start_m, start_m + block_m)[None, :]
+                    real = (key < Lk) & (query < Lq)
+                    visible = key <= query + cdiag
+                    assert masked or bool(visible[real].all()), "an unmasked step with an invisible pair"
+                    seen.add((h, start_m))
+                    qb, dob = rows(q[b, h], start_m, block_m), rows(dout[b, h], start_m, block_m)
+                    s_acc = -(lse2[b, h, start_m:start_m + block_m].clamp(max=1e20) / qk_scale)[None, :]
+                    p = torch.exp2((s_acc + kb @ qb.T) * qk_scale)
+                    if masked:
+                        p = torch.where(visible, p, 0.0)
+                    n = min(bn, Lk - n0)  # the key rows stored (TMA clips the rest)
+                    dv[b, hk, n0:n0 + n] += (p @ dob)[:n]
+                    ds = p * (vb @ dob.T - delta[b, h, start_m:start_m + block_m][None, :])
+                    dk[b, hk, n0:n0 + n] += (ds @ qb)[:n]
+                    dq_acc[b, h, start_m:start_m + block_m] += (ds.T @ kb)[:max(0, Lq - start_m)]
+                # Every (head, query block) with a visible key in the block is visited, once.
+                for h in range(hk * group, hk * group + group):
+                    for m in range(0, Lq, block_m):
+                        query = torch.arange(m, min(m + block_m, Lq))[None, :]
+                        keys = torch.arange(n0, min(n0 + bn, Lk))[:, None]
+                        if bool((keys <= query + cdiag).any()):
+                            assert (h, m) in seen
+                assert len(seen) == len(steps)
+    return dq_acc * scale, dk * scale, dv
+
+
+@pytest.mark.parametrize("block_m,stages", sorted({c for cs in hopper_bwd.CONFIGS.values() for c in cs}),
+                         ids=lambda c: str(c))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", [
+    # Partial last blocks, GQA 2:1 (the walk crossing heads), the ring wrapping.
+    pytest.param(1, 4, 2, 300, 300, id="300-gqa"),
+    # Lq < Lk: causal offset 157, key blocks that every query sees unmasked; MQA.
+    pytest.param(1, 3, 1, 150, 307, id="cross-150x307-mqa"),
+    # Lq > Lk: the first 320 queries see no key (LSE -inf: +inf statistics, P = 0).
+    pytest.param(2, 2, 2, 390, 70, id="cross-390x70"),
+])
+def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, block_m, stages):
+    D = 64
+    q, k, v = (t.double() for t in _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float64, "cpu", grad=True))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(q, k, v, causal, return_lse=True)
+    dout = randn(*out.shape, dtype=torch.float64, device="cpu")
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    got = _twin_backward(q.detach(), k.detach(), v.detach(), out.detach(), dout, lse.detach(), causal, D ** -0.5,
+                         block_m, stages)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
 # numerics (sm_90 only)
 # ---------------------------------------------------------------------------------------------
 
