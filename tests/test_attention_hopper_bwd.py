@@ -74,6 +74,22 @@ def test_supported_calls_take_the_gluon_backward(D, dtype, causal, launches, mon
     assert _taken(launches) == "gluon"
 
 
+@pytest.mark.parametrize("ws", [False, True], ids=["wg2", "wspec"])
+@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+def test_the_ws_switch_takes_the_warp_specialized_kernel_at_d64(D, ws, monkeypatch):
+    """``FUSED_BLOCK_HOPPER_ATTN_BWD=ws``: the warp-specialized kernel where it has configs (D64),
+    the single-partition one elsewhere (D128)."""
+    _route(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "WS", ws)
+    monkeypatch.setattr(hopper_bwd, "_CACHE", common.ConfigCache("attention_bwd_hopper"))
+    chosen = []
+    monkeypatch.setattr(hopper_bwd, "_launch", lambda cfg, launch: chosen.append(cfg))
+    _bwd_call(*_qkv(1, 2, 2, _L, _L, D, torch.bfloat16, "cpu", grad=False))
+    (cfg,) = chosen
+    assert cfg["WS"] == (ws and D == 64)
+    assert cfg in (hopper_bwd._WS_CANDIDATES if cfg["WS"] else hopper_bwd._CANDIDATES)[D]
+
+
 def test_the_gluon_backward_comes_before_the_atomic_one(launches, monkeypatch):
     """Both opt-in switches set: the Gluon backward takes what it supports."""
     _route(monkeypatch, atomic=True)
@@ -287,6 +303,17 @@ def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, bloc
 # ---------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not SM90, reason="the Gluon backward runs on sm_90 only")
+# Both kernels. The warp-specialized one's cases are heavy (deselected unless FUSED_BLOCK_HEAVY=1
+# or -m heavy) and have "wspec" in their ids: a deadlock there (it has never run) must not hang
+# the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``). It
+# exists at D64 only (D128 under its switch runs the single-partition kernel).
+VARIANTS = [pytest.param(False, id="wg2"), pytest.param(True, id="wspec", marks=pytest.mark.heavy)]
+
+
+def _variant(ws, D, monkeypatch):
+    if ws and D not in hopper_bwd.WS_CONFIGS:
+        pytest.skip("the warp-specialized backward is D64 only")
+    monkeypatch.setattr(hopper_bwd, "WS", ws)
 
 # (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_N is 128, BLOCK_M 64 or 128 (the candidates).
 GPU_CASES = [
@@ -318,22 +345,28 @@ def _check_gluon(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch, ls
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
-def test_gluon_backward_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_backward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
+    _variant(ws, D, monkeypatch)
     _check_gluon(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch)
 
 
 @gpu
 @pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
-def test_gluon_backward_lse_gradient(D, launches, monkeypatch):
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_backward_lse_gradient(ws, D, launches, monkeypatch):
     """The LSE's gradient reaches the kernel through delta (the shared preprocess)."""
+    _variant(ws, D, monkeypatch)
     _check_gluon(1, 4, 2, 333, 333, D, True, torch.bfloat16, launches, monkeypatch, lse_weight=True)
 
 
 @gpu
 @pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
-def test_gluon_backward_on_strided_views(D, launches, monkeypatch):
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_backward_on_strided_views(ws, D, launches, monkeypatch):
     """q, k, v as views of one (B, L, 3 H, D) projection (SDPA's transposed layout): the
     descriptors take the strides, no copy; dq, dk, dv come back in that memory order."""
+    _variant(ws, D, monkeypatch)
     monkeypatch.setattr(hopper_bwd, "ENABLED", True)
     B, L, H = 2, 333, 4
     qkv = randn(B, L, 3 * H, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -346,12 +379,16 @@ def test_gluon_backward_on_strided_views(D, launches, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D,cand", [pytest.param(d, i, id=f"D{d}-{i}") for d, c in hopper_bwd.CONFIGS.items()
-                                    for i in range(len(c))])
-def test_every_gluon_candidate_matches_reference(D, cand, causal, launches, monkeypatch):
+@pytest.mark.parametrize("ws,D,cand", [
+    pytest.param(ws, d, i, id=f"{'wspec' if ws else 'wg2'}-D{d}-{i}", marks=[pytest.mark.heavy] if ws else [])
+    for ws in (False, True) for d, c in (hopper_bwd.WS_CONFIGS if ws else hopper_bwd.CONFIGS).items()
+    for i in range(len(c))])
+def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, monkeypatch):
     """Each tile/ring-depth candidate the launcher may time and keep (1000 x 1000: ragged
     blocks, the ring wrapping many times; GQA 2:1)."""
-    monkeypatch.setattr(hopper_bwd, "_CANDIDATES", {D: [hopper_bwd._CANDIDATES[D][cand]]})
+    _variant(ws, D, monkeypatch)
+    name = "_WS_CANDIDATES" if ws else "_CANDIDATES"
+    monkeypatch.setattr(hopper_bwd, name, {D: [getattr(hopper_bwd, name)[D][cand]]})
     monkeypatch.setattr(hopper_bwd, "_CACHE", common.ConfigCache("attention_bwd_hopper"))
     _check_gluon(1, 4, 2, 1000, 1000, D, causal, torch.bfloat16, launches, monkeypatch)
 
@@ -372,34 +409,33 @@ out = []
 with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
         _backend.host_only(stub=False):
     hopper_bwd.ENABLED = True
-    for D in hopper_bwd.HEAD_DIMS:
-        for causal in (False, True):
-            # GQA 4:2, Lq 300, Lk 333 (3 key blocks); q a strided view (a packed projection).
-            qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
-            q = qkv[:, :, :4].transpose(1, 2).requires_grad_()
-            k = torch.randn(1, 2, 333, D, dtype=torch.bfloat16, requires_grad=True)
-            v = torch.randn(1, 2, 333, D, dtype=torch.bfloat16, requires_grad=True)
-            o = fused_block.attention(q, k, v, causal=causal)
-            fake.launches.clear()
-            torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
-            recs = [r for r in fake.launches if r.compiled.name == "_attn_bwd_hopper"]
-            (rec,) = recs
-            src = rec.compiled.src
-            out.append(dict(D=D, causal=causal, names=[r.compiled.name for r in fake.launches], grid=list(rec.grid),
-                            signature=src.signature,
-                            constants={src.fn.arg_names[i[0]]: getattr(v, "value", v)
-                                       for i, v in src.constants.items()},
-                            num_warps=rec.compiled.options["num_warps"]))
+    for ws, D, causal in ((ws, D, causal) for ws in (False, True) for D in hopper_bwd.HEAD_DIMS
+                          for causal in (False, True)):
+        hopper_bwd.WS = ws
+        # GQA 4:2, Lq 300, Lk 333 (3 key blocks); q a strided view (a packed projection).
+        qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
+        q = qkv[:, :, :4].transpose(1, 2).requires_grad_()
+        k = torch.randn(1, 2, 333, D, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, 2, 333, D, dtype=torch.bfloat16, requires_grad=True)
+        o = fused_block.attention(q, k, v, causal=causal)
+        fake.launches.clear()
+        torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+        (rec,) = [r for r in fake.launches if r.compiled.name.startswith("_attn_bwd_hopper")]
+        src = rec.compiled.src
+        out.append(dict(ws=ws, D=D, causal=causal, names=[r.compiled.name for r in fake.launches],
+                        grid=list(rec.grid), signature=src.signature,
+                        constants={src.fn.arg_names[i[0]]: getattr(c, "value", c) for i, c in src.constants.items()},
+                        num_warps=rec.compiled.options["num_warps"]))
 json.dump(out, sys.stdout)
 """
 
 
 def test_gluon_launches_match_the_compiled_specs():
-    """The backward launched through Triton's own launch path on CPU tensors (the fake driver
-    checks every argument against the specialization): the preprocess, one Gluon launch over
-    3 key blocks x 2 kv heads and the dQ conversion, with exactly the signature and constexprs
-    the compile check builds (``aot_spec_args``: 16-byte aligned descriptors, unspecialized
-    shape arguments)."""
+    """Both Gluon backwards launched through Triton's own launch path on CPU tensors (the fake
+    driver checks every argument against the specialization): the preprocess, one Gluon launch
+    over 3 key blocks x 2 kv heads (the warp-specialized kernel at D64 under "ws") and the dQ
+    conversion, with exactly the signature and constexprs the compile check builds
+    (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
     import json
     import pathlib
 
@@ -409,12 +445,14 @@ def test_gluon_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 4
+    assert len(launches) == 8
     for rec in launches:
         D = rec["D"]
-        block_m, stages = hopper_bwd.CONFIGS[D][0]
-        sig, constexprs = hopper_bwd.aot_spec_args("bf16", D, block_m, stages)
-        assert rec["names"] == ["_attn_bwd_preprocess", "_attn_bwd_hopper", "_dq_convert"]
+        ws = rec["ws"] and D in hopper_bwd.WS_CONFIGS
+        block_m, stages = (hopper_bwd.WS_CONFIGS if ws else hopper_bwd.CONFIGS)[D][0]
+        sig, constexprs = hopper_bwd.aot_spec_args("bf16", D, block_m, stages, ws)
+        kernel = "_attn_bwd_hopper_ws" if ws else "_attn_bwd_hopper"
+        assert rec["names"] == ["_attn_bwd_preprocess", kernel, "_dq_convert"]
         assert rec["grid"] == [3 * 2, 1, 1]
         assert rec["signature"] == sig
         assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs

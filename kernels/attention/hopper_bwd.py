@@ -73,13 +73,23 @@ DQ_BUFS = 2
 # at D64, 64 x 128 at D128 (80 x 128 non-causal: not a power of two), Q and dO double
 # buffered. Shared memory, 16-bit: K + V + STAGES x (Q + dO) + dS^T + 2 fp32 dQ tiles.
 CONFIGS = {64: ((128, 2), (64, 3)), 128: ((64, 2), )}
-_CANDIDATES = {d: [common.Config.of(num_warps=NUM_WARPS, BLOCK_M=m, STAGES=st) for m, st in CONFIGS[d]]
+_CANDIDATES = {d: [common.Config.of(num_warps=NUM_WARPS, BLOCK_M=m, STAGES=st, WS=False) for m, st in CONFIGS[d]]
                for d in HEAD_DIMS}
 _CACHE = common.ConfigCache("attention_bwd_hopper")
 _LOG2E = 1.4426950408889634
 
-# The opt-in switch, read once at import (no environment lookup per call; tests set ENABLED).
-ENABLED = os.environ.get(ENV, "0") == "1"
+# The warp-specialized variant's (``_attn_bwd_hopper_ws``), D64 only: its MMA warpgroups get
+# 240 registers (the register file's share beside the loader and dQ warps), where D64 at 64
+# query rows a step fits without spills; D128 (dK and dV alone take 128 of them) spilled at
+# 32 rows too, and runs the single-partition kernel under the "ws" switch.
+WS_CONFIGS = {64: ((64, 2), (64, 3))}
+_WS_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, STAGES=st, WS=True) for m, st in c]
+                  for d, c in WS_CONFIGS.items()}
+
+# The opt-in switch, read once at import (no environment lookup per call; tests set these):
+# "1" the single-partition kernel, "ws" the warp-specialized one.
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws")
+WS = os.environ.get(ENV, "0") == "ws"
 
 
 @builtin
@@ -278,6 +288,251 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
 
 
 # ---------------------------------------------------------------------------------------------
+# warp-specialized variant: a TMA loader warp, two MMA warpgroups, a dQ writer warp (FA3's)
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _ws_consumer(k_w, v_w, k_out, v_out, ds_w, kt_a, ds_b, dq_w0, dq_w1, q_smem, do_smem, st_smem, ready, empty,
+                 ds_ready, ds_free,
+                 dq_full, dq_empty, kv_bar, k_done, DKD, DVD, b, hkv, n0w, m_first, m_end, n_steps, cdiag, qk_scale,
+                 scale):
+    """One MMA warpgroup: the key rows [n0w, n0w + 64) of the program's key block (its K and V
+    rows ``k_w``, ``v_w``, as (1, 1, 64, D) ``k_out``, ``v_out`` for the stores; its dS^T rows
+    ``ds_w``), dK and dV of those rows in registers, and
+    its part of each step's dQ^T = K^T dS^T: ``kt_a`` x ``ds_b`` into ``dq_w0`` or ``dq_w1``
+    (transposed views of the two dQ buffers). Partitions take no constexpr arguments: tile sizes
+    come from the buffers' shapes.
+
+    Synchronization, all by mbarriers: ``ready``/``empty`` (count 2: both warpgroups release
+    a slot) with the loader; ``ds_ready`` (count 2: both halves of dS^T stored, before either
+    dQ product) and ``ds_free`` (count 2: both dQ products of the step done, before dS^T is
+    stored again) between the warpgroups; ``dq_full`` (count 2) and ``dq_empty`` (count 1)
+    with the dQ writer; ``k_done`` (count 2) before the K tile takes dK for the store."""
+    HALF_N: gl.constexpr = k_w.shape[0]
+    HEAD_D: gl.constexpr = k_w.shape[1]
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    STAGES: gl.constexpr = q_smem.shape[0]
+    DQ_BUFS: gl.constexpr = 2
+    dtype: gl.constexpr = k_w.dtype
+    s_layout: gl.constexpr = _mma_layout(HALF_N, BLOCK_M, 4)
+    dkv_layout: gl.constexpr = _mma_layout(HALF_N, HEAD_D, 4)
+    DQ_M: gl.constexpr = dq_w0.shape[0]
+    DQ_N: gl.constexpr = dq_w0.shape[1]
+    dq_layout: gl.constexpr = _mma_layout(DQ_M, DQ_N, 4)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
+    m_full = n0w + HALF_N - 1 - cdiag  # a query block starting at or past this row sees all our keys
+
+    dk = gl.zeros([HALF_N, HEAD_D], gl.float32, layout=dkv_layout)
+    dv = gl.zeros([HALF_N, HEAD_D], gl.float32, layout=dkv_layout)
+    mbarrier.wait(kv_bar, 0)
+    start_m = m_first
+    for i in range(n_steps):
+        slot = i % STAGES
+        buf = i % DQ_BUFS
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q2 = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+        do2 = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+        st1 = st_smem.index(slot).reshape([2, BLOCK_M])._reinterpret(gl.float32, [2, BLOCK_M],
+                                                                      gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # As ``_step``: the statistics start the accumulators (LSE = +inf enters as -1e20).
+        zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+        s_acc = zero - gl.expand_dims(gl.minimum(st1.index(0).load(col_layout), 1e20) / qk_scale, 0)
+        dp_acc = zero - gl.expand_dims(st1.index(1).load(col_layout), 0)
+        s_tok = warpgroup_mma(k_w, q2.permute((1, 0)), s_acc, is_async=True)
+        dp_tok = warpgroup_mma(v_w, do2.permute((1, 0)), dp_acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        p = gl.exp2(s * qk_scale)
+        if start_m < m_full:
+            rows = n0w + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+            cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            p = gl.where(gl.expand_dims(rows, 1) <= gl.expand_dims(cols + cdiag, 0), p, 0.0)
+        p16 = gl.convert_layout(p.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(p16, do2, dv, is_async=True)
+        dpd = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))
+        ds = (p * dpd).to(dtype)
+        # dS^T: our rows once both dQ products of the last step are done with the tile.
+        mbarrier.wait(ds_free, (i & 1) ^ 1, pred=i > 0)
+        ds_w.store(ds)
+        fence_async_shared()
+        gl.thread_barrier()  # the warpgroup's four warps stored their rows
+        mbarrier.arrive(ds_ready)
+        dk_tok = warpgroup_mma(ds_w, q2, dk, is_async=True)
+        mbarrier.wait(ds_ready, i & 1)  # the other warpgroup's rows too
+        mbarrier.wait(dq_empty.index(buf), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
+        dq_acc = gl.zeros([DQ_M, DQ_N], gl.float32, layout=dq_layout)
+        dq_tok = warpgroup_mma(kt_a, ds_b, dq_acc, use_acc=False, is_async=True)
+        dv, dk, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok, p16))
+        mbarrier.arrive(ds_free)
+        mbarrier.arrive(empty.index(slot))  # Q, dO and the statistics of the slot are read
+        if buf == 0:
+            dq_w0.store(dq)
+        else:
+            dq_w1.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(buf))
+        start_m += BLOCK_M
+        start_m = gl.where(start_m >= m_end, m_first, start_m)
+
+    # Epilogue: once both warpgroups' last dQ products are done with K, our rows of the K and
+    # V tiles take dK * scale and dV, stored by TMA (rows past Lk clipped).
+    mbarrier.arrive(k_done)
+    mbarrier.wait(k_done, 0)
+    k_w.store((dk * scale).to(dtype))
+    v_w.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(DKD, [b, hkv, n0w, 0], k_out)
+    tma.async_copy_shared_to_global(DVD, [b, hkv, n0w, 0], v_out)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_loader(QD, KD, VD, DOD, SD, k_smem, v_smem, q_smem, do_smem, st_smem, kv_bar, ready, empty, b, hkv, Hq, h0,
+               n0, m_first, m_end, n_steps):
+    """The TMA warp: K and V once, then step j's Q, dO and statistics rows into slot
+    j % STAGES once both warpgroups released the slot's previous step."""
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    STAGES: gl.constexpr = q_smem.shape[0]
+    mbarrier.expect(kv_bar, 2 * KD.block_type.nbytes)
+    tma.async_copy_global_to_shared(KD, [b, hkv, n0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(VD, [b, hkv, n0, 0], kv_bar, v_smem)
+    step_bytes: gl.constexpr = QD.block_type.nbytes + DOD.block_type.nbytes + SD.block_type.nbytes
+    h = h0
+    start_m = m_first
+    for j in range(n_steps):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        mbarrier.expect(ready.index(slot), step_bytes)
+        tma.async_copy_global_to_shared(QD, [b, h, start_m, 0], ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(DOD, [b, h, start_m, 0], ready.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(SD, [b * Hq + h, 0, start_m], ready.index(slot), st_smem.index(slot))
+        start_m += BLOCK_M
+        wrap = start_m >= m_end
+        start_m = gl.where(wrap, m_first, start_m)
+        h += wrap.to(gl.int32)
+
+
+@gluon.jit
+def _ws_dq_writer(DQD, dq_smem, dq_full, dq_empty, b, h0, m_first, m_end, n_steps):
+    """The dQ warp: step i's dQ tile (both warpgroups' parts) reduce-added by TMA into the fp32
+    accumulator, its buffer released once the reduce-add read it."""
+    BLOCK_M: gl.constexpr = dq_smem.shape[1]
+    DQ_BUFS: gl.constexpr = dq_smem.shape[0]
+    h = h0
+    start_m = m_first
+    for i in range(n_steps):
+        buf = i % DQ_BUFS
+        mbarrier.wait(dq_full.index(buf), (i // DQ_BUFS) & 1)
+        _tma_reduce_add(DQD, [b, h, start_m, 0], dq_smem.index(buf).reshape(DQD.block_type.shape))
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(dq_empty.index(buf))
+        start_m += BLOCK_M
+        wrap = start_m >= m_end
+        start_m = gl.where(wrap, m_first, start_m)
+        h += wrap.to(gl.int32)
+
+
+@gluon.jit(do_not_specialize=("Hq", "Hkv", "GROUP", "Lq", "Lk", "cdiag"))
+def _attn_bwd_hopper_ws(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk, cdiag, qk_scale, scale,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        DQ_BUFS: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_bwd_hopper`` with FA3's partitions: the default partition (4 warps) and a 4-warp
+    worker are the two MMA warpgroups (64 key rows each), a 1-warp worker the TMA loader, a
+    1-warp worker the dQ writer (``_ws_consumer``'s synchronization). dQ's product splits its
+    query rows between the warpgroups at BLOCK_M 128, its head-dim columns at BLOCK_M 64 (both
+    at 64: whole swizzle atoms). ``DKD``/``DVD`` have 64-row blocks (each warpgroup stores its
+    rows)."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    dtype: gl.constexpr = QD.dtype
+    gl.static_assert(DQ_BUFS == 2, "the warpgroups take the two dQ buffers as two views")
+    n_n = gl.cdiv(Lk, BLOCK_N)
+    pid = gl.program_id(0)
+    nblk = pid % n_n
+    bh = pid // n_n
+    b = bh // Hkv
+    hkv = bh % Hkv
+    n0 = nblk * BLOCK_N
+    m_end = gl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    m_first = gl.maximum(n0 - cdiag, 0) // BLOCK_M * BLOCK_M
+    n_steps = GROUP * ((m_end - m_first) // BLOCK_M)
+    h0 = hkv * GROUP
+
+    k_smem = gl.allocate_shared_memory(dtype, KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, VD.block_type.shape, VD.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + QD.block_type.shape, QD.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + DOD.block_type.shape, DOD.layout)
+    st_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + SD.block_type.shape, SD.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_D],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    k_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(ds_ready, count=2)
+    mbarrier.init(ds_free, count=2)
+    for i in gl.static_range(DQ_BUFS):
+        mbarrier.init(dq_full.index(i), count=2)
+        mbarrier.init(dq_empty.index(i), count=1)
+    mbarrier.init(k_done, count=2)
+    fence_async_shared()
+
+    k2 = k_smem.reshape([BLOCK_N, HEAD_D])
+    v2 = v_smem.reshape([BLOCK_N, HEAD_D])
+    # dQ^T = K^T dS^T: the warpgroups split its head-dim rows at D128 (64 each, all query
+    # columns), its query columns at D64 (all 64 rows): 64-row products, slices on whole
+    # swizzle atoms, a (64, BLOCK_M or BLOCK_M / 2) fp32 tile each.
+    kt = k2.permute((1, 0))
+    dqt0 = dq_smem.index(0).permute((1, 0))
+    dqt1 = dq_smem.index(1).permute((1, 0))
+    if HEAD_D >= 128:
+        QH: gl.constexpr = 64
+        kt_a0 = kt.slice(0, QH, dim=0)
+        kt_a1 = kt.slice(QH, QH, dim=0)
+        ds_b0 = ds_smem
+        ds_b1 = ds_smem
+        dq_00 = dqt0.slice(0, QH, dim=0)
+        dq_01 = dqt1.slice(0, QH, dim=0)
+        dq_10 = dqt0.slice(QH, QH, dim=0)
+        dq_11 = dqt1.slice(QH, QH, dim=0)
+    else:
+        QH: gl.constexpr = BLOCK_M // 2
+        kt_a0 = kt
+        kt_a1 = kt
+        ds_b0 = ds_smem.slice(0, QH, dim=1)
+        ds_b1 = ds_smem.slice(QH, QH, dim=1)
+        dq_00 = dqt0.slice(0, QH, dim=1)
+        dq_01 = dqt1.slice(0, QH, dim=1)
+        dq_10 = dqt0.slice(QH, QH, dim=1)
+        dq_11 = dqt1.slice(QH, QH, dim=1)
+    gl.warp_specialize([
+        (_ws_consumer, (k2.slice(0, HALF_N, dim=0), v2.slice(0, HALF_N, dim=0), k_smem.slice(0, HALF_N, dim=2),
+                        v_smem.slice(0, HALF_N, dim=2), ds_smem.slice(0, HALF_N, dim=0), kt_a0, ds_b0, dq_00, dq_01,
+                        q_smem, do_smem, st_smem, ready, empty, ds_ready, ds_free, dq_full, dq_empty, kv_bar, k_done,
+                        DKD, DVD, b, hkv, n0, m_first, m_end, n_steps, cdiag, qk_scale, scale)),
+        (_ws_consumer, (k2.slice(HALF_N, HALF_N, dim=0), v2.slice(HALF_N, HALF_N, dim=0),
+                        k_smem.slice(HALF_N, HALF_N, dim=2), v_smem.slice(HALF_N, HALF_N, dim=2),
+                        ds_smem.slice(HALF_N, HALF_N, dim=0), kt_a1, ds_b1, dq_10, dq_11, q_smem, do_smem, st_smem,
+                        ready, empty, ds_ready, ds_free, dq_full, dq_empty, kv_bar, k_done, DKD, DVD, b, hkv,
+                        n0 + HALF_N, m_first, m_end, n_steps, cdiag, qk_scale, scale)),
+        (_ws_loader, (QD, KD, VD, DOD, SD, k_smem, v_smem, q_smem, do_smem, st_smem, kv_bar, ready, empty, b, hkv, Hq,
+                      h0, n0, m_first, m_end, n_steps)),
+        (_ws_dq_writer, (DQD, dq_smem, dq_full, dq_empty, b, h0, m_first, m_end, n_steps)),
+    ], [4, 1, 1], [240, 24, 24])
+
+
+# ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
 
@@ -318,8 +573,9 @@ def backward(q, k, v, do, dq, dk, dv, stats, stride_stat: int, causal: bool, sca
     sq, sk, sv, sdo, sdq, sdk = strides
     acc = common.empty((B, Hq, Lq, D), torch.float32, q.device)
     launch = (q, k, v, do, dk, dv, acc, stats, stride_stat, bool(causal), float(scale), (sq, sk, sv, sdo, sdk))
-    key = (D, bool(causal), Hq // Hkv > 1, _bucket(Lq), _bucket(Lk))
-    cfg = _CACHE.get(key, _CANDIDATES[D], lambda c: _launch(c, launch))
+    ws = WS and D in WS_CONFIGS
+    key = (D, ws, bool(causal), Hq // Hkv > 1, _bucket(Lq), _bucket(Lk))
+    cfg = _CACHE.get(key, (_WS_CANDIDATES if ws else _CANDIDATES)[D], lambda c: _launch(c, launch))
     _launch(cfg, launch)
     common.launch("attention_dq_convert", _dq_convert, (B * Hq * common.cdiv(Lq, CONVERT_BLOCK_M),),
                   (acc, dq, *sdq, Hq, Lq, D, float(scale)),
@@ -330,7 +586,8 @@ def _launch(cfg, launch) -> None:
     q, k, v, do, dk, dv, acc, stats, stride_stat, causal, scale, strides = launch
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    block_m = cfg["BLOCK_M"]
+    block_m, ws = cfg["BLOCK_M"], cfg["WS"]
+    out_rows = BLOCK_N // 2 if ws else BLOCK_N  # its warpgroups store 64 rows of dK and dV each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
     for t, s, rows in ((q, strides[0], block_m), (k, strides[1], BLOCK_N), (v, strides[2], BLOCK_N),
@@ -339,8 +596,8 @@ def _launch(cfg, launch) -> None:
     descs.append(TensorDescriptor(acc, list(acc.shape), [Hq * Lq * D, Lq * D, D, 1], [1, 1, block_m, D],
                                   _plain(4)))
     for t in (dk, dv):
-        descs.append(TensorDescriptor(t, list(t.shape), [*strides[4], 1], [1, 1, BLOCK_N, D],
-                                      _layout(BLOCK_N, D, gdt)))
+        descs.append(TensorDescriptor(t, list(t.shape), [*strides[4], 1], [1, 1, out_rows, D],
+                                      _layout(out_rows, D, gdt)))
     descs.append(TensorDescriptor(stats, list(stats.shape), [2 * stride_stat, stride_stat, 1], [1, 2, block_m],
                                   _plain(3)))
     grid = (common.cdiv(Lk, BLOCK_N) * B * Hkv,)
@@ -349,24 +606,25 @@ def _launch(cfg, launch) -> None:
         return
     acc.zero_()  # idempotent for the tuner's timing: the kernel accumulates
     cdiag = Lk - Lq if causal else Lk + BLOCK_N
-    _attn_bwd_hopper[grid](*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, cdiag, scale * _LOG2E, scale,
-                           BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=cfg["STAGES"], DQ_BUFS=DQ_BUFS,
-                           num_warps=cfg.num_warps)
+    kernel = _attn_bwd_hopper_ws if ws else _attn_bwd_hopper
+    kernel[grid](*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, cdiag, scale * _LOG2E, scale, BLOCK_M=block_m,
+                 BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=cfg["STAGES"], DQ_BUFS=DQ_BUFS, num_warps=cfg.num_warps)
 
 
-def aot_spec_args(dtype: str, head_d: int, block_m: int, stages: int) -> tuple:
+def aot_spec_args(dtype: str, head_d: int, block_m: int, stages: int, ws: bool = False) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     sig = {}
     for name, rows in (("QD", block_m), ("KD", BLOCK_N), ("VD", BLOCK_N), ("DOD", block_m)):
         sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
     sig["DQD"] = f"tensordesc<fp32[1, 1, {block_m}, {head_d}],{_plain(4)!r}>"
+    out_rows = BLOCK_N // 2 if ws else BLOCK_N
     for name in ("DKD", "DVD"):
-        sig[name] = f"tensordesc<{dtype}[1, 1, {BLOCK_N}, {head_d}],{_layout(BLOCK_N, head_d, gdt)!r}>"
+        sig[name] = f"tensordesc<{dtype}[1, 1, {out_rows}, {head_d}],{_layout(out_rows, head_d, gdt)!r}>"
     sig["SD"] = f"tensordesc<fp32[1, 2, {block_m}],{_plain(3)!r}>"
     sig.update(Hq="i32", Hkv="i32", GROUP="i32", Lq="i32", Lk="i32", cdiag="i32", qk_scale="fp32", scale="fp32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=stages,
-                      DQ_BUFS=DQ_BUFS, num_warps=NUM_WARPS)
+                      DQ_BUFS=DQ_BUFS, num_warps=4 if ws else NUM_WARPS)
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs
