@@ -4,7 +4,11 @@ wgmma, Q, dO and the row statistics streamed through a TMA ring, and dQ reduce-a
 global memory by TMA bulk reduce-adds (``cp.reduce.async.bulk.tensor.add``), converted to q's
 dtype by the atomic backward's small kernel (``backward_atomic._dq_convert``).
 
-Taken only when ``FUSED_BLOCK_HOPPER_ATTN_BWD=1`` is set, never while
+``_attn_bwd_hopper`` runs in one partition; ``_attn_bwd_hopper_ws`` (D64) has FA3's partitions
+(a TMA loader warp, two MMA warpgroups, a dQ writer warp; its docstring).
+
+Taken only when ``FUSED_BLOCK_HOPPER_ATTN_BWD=1`` (the single-partition kernel) or ``=ws`` (the
+warp-specialized one at D64, the single-partition one at D128) is set, never while
 ``torch.are_deterministic_algorithms_enabled()`` (the reduce-adds land in a different order from
 run to run, so dQ's last bits vary), on sm_90 CUDA, for the cases :func:`supports` names:
 16-bit q/k/v, head dim 64 or 128, causal (bottom-right, as the other kernels) or not, GQA/MQA,
@@ -15,6 +19,7 @@ backward (``backward.py``), which stays the default, the deterministic path and 
 interpreter's (the interpreter cannot run Gluon). This kernel has not yet run on a GPU:
 ``docs/attention-hopper.md`` says how to check it; it stays opt-in until a committed GPU run
 of ``tests/test_attention_hopper_bwd.py`` and ``bench/attention_dq_atomic.py`` verifies it.
+Its numerics and schedule have a float64 CPU twin in the tests (line for line).
 
 Structure of ``_attn_bwd_hopper`` (one program per (key block of BLOCK_N = 128 keys, batch,
 kv head); key blocks in order: under a causal mask the first see the most queries, so the
@@ -43,9 +48,10 @@ heaviest start first):
 Descriptors are host-side, over the whole (B, H, L, D) views, and over the statistics as
 (B * Hq + 1, 2, stride_stat): any strides TMA accepts work without a copy.
 
-Not (yet) in it, compared with FA3's backward: warp specialization (a producer warp, the MMA
-warpgroups at 240 registers and a separate dQ-writer warp), a persistent LPT scheduler, dQ
-tiles of 80 rows at D128 (Gluon tiles are powers of two), and the score features above.
+Not (yet) in it, compared with FA3's backward: warp specialization at D128 (the MMA
+warpgroups' 240 registers do not hold its tiles here: it spilled) and FA3's tile at D64 in the
+warp-specialized kernel (64 query rows a step, not 128), a persistent LPT scheduler, dQ tiles
+of 80 rows at D128 (Gluon tiles are powers of two), and the score features above.
 """
 import os
 
