@@ -5,14 +5,15 @@ atomic-free backward ("triton", the default) and SDPA's cuDNN backward, bf16, on
 issue's D64 and D128 shapes (causal, and D128 without causality and with GQA); one short run on
 an sm_90 GPU:
 
-    python -m bench.attention_dq_atomic [--providers atomic,triton,sdpa_cudnn,gluon,gluon_ws] [--json PATH]
+    python -m bench.attention_dq_atomic [--providers atomic,triton,sdpa_cudnn] [--json PATH]
+    python -m bench.attention_dq_atomic --providers triton,sdpa_cudnn,gluon,gluon_ws
 
 Per shape: TFLOP/s of the backward alone (2.5x the forward's products; ``do_bench``'s median
 of ``torch.autograd.grad`` on a retained graph, the forward run once), and the atomic dq, dk,
 dv's largest difference from the atomic-free ones, and the Gluon ones' (a sanity check; the
-tests hold all to the float64 reference). The Gluon kernels are measured last in each row
-("gluon_ws" after "gluon"): a kernel that has never run could hang, and the other figures are
-in by then. The first call of each shape times the candidate configs
+tests hold all to the float64 reference). The Gluon kernels run only when named (not in the
+default providers, which the GPU lease's benchmark step runs), and last in each row ("gluon_ws"
+after "gluon"): a kernel that has never run could hang, and the other figures are in by then. The first call of each shape times the candidate configs
 (``FUSED_BLOCK_PRINT_TUNING=1`` prints them). A backend the machine lacks shows "-".
 """
 import argparse
@@ -30,6 +31,7 @@ SHAPES = (
     ("B4 H32/8 L4096 D128 causal", 4, 32, 8, 4096, 128, True),
 )
 PROVIDERS = ("atomic", "triton", "sdpa_cudnn", "gluon", "gluon_ws")
+DEFAULT_PROVIDERS = ("atomic", "triton", "sdpa_cudnn")
 # The opt-in kernels' launch-count names.
 _OPT_IN = {"atomic": "attention_bwd_dq_atomic", "gluon": "attention_bwd_hopper", "gluon_ws": "attention_bwd_hopper"}
 
@@ -94,7 +96,8 @@ def _measure(shape, providers, rep):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated, of {', '.join(PROVIDERS)}")
+    parser.add_argument("--providers", default=",".join(DEFAULT_PROVIDERS),
+                        help=f"comma-separated, of {', '.join(PROVIDERS)} (default: {','.join(DEFAULT_PROVIDERS)})")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--rep", type=int, default=40, help="do_bench's rep (ms) per measurement")
     args = parser.parse_args(argv)
