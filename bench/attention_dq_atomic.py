@@ -1,9 +1,8 @@
 """The opt-in atomic-dQ attention backward (``kernels/attention/backward_atomic.py``, "atomic")
 and the opt-in Gluon Hopper backwards (``kernels/attention/hopper_bwd.py``: "gluon", one
 partition; "gluon_ws", warp-specialized at D64, the single-partition kernel at D128) against our
-atomic-free backward ("triton", the default) and SDPA's cuDNN backward, bf16, on the attention
-issue's D64 and D128 shapes (causal, and D128 without causality and with GQA); one short run on
-an sm_90 GPU:
+atomic-free backward ("triton", the default) and SDPA's cuDNN backward, bf16, causal, on the
+attention issue's D64 and D128 shapes; one short run on an sm_90 GPU:
 
     python -m bench.attention_dq_atomic [--providers atomic,triton,sdpa_cudnn] [--json PATH]
     python -m bench.attention_dq_atomic --providers triton,sdpa_cudnn,gluon,gluon_ws
@@ -13,8 +12,9 @@ of ``torch.autograd.grad`` on a retained graph, the forward run once), and the a
 dv's largest difference from the atomic-free ones, and the Gluon ones' (a sanity check; the
 tests hold all to the float64 reference). The Gluon kernels run only when named (not in the
 default providers, which the GPU lease's benchmark step runs), and last in each row ("gluon_ws"
-after "gluon"): a kernel that has never run could hang, and the other figures are in by then. The first call of each shape times the candidate configs
-(``FUSED_BLOCK_PRINT_TUNING=1`` prints them). A backend the machine lacks shows "-".
+after "gluon"): a kernel that has never run could hang, and the other figures are in by then.
+The first call of each shape times the candidate configs (``FUSED_BLOCK_PRINT_TUNING=1``
+prints them). A backend the machine lacks shows "-".
 """
 import argparse
 import json
@@ -27,8 +27,6 @@ import torch.nn.functional as F
 SHAPES = (
     ("B8 H32 L2048 D64 causal", 8, 32, 32, 2048, 64, True),
     ("B4 H16 L4096 D128 causal", 4, 16, 16, 4096, 128, True),
-    ("B4 H16 L4096 D128", 4, 16, 16, 4096, 128, False),
-    ("B4 H32/8 L4096 D128 causal", 4, 32, 8, 4096, 128, True),
 )
 PROVIDERS = ("atomic", "triton", "sdpa_cudnn", "gluon", "gluon_ws")
 DEFAULT_PROVIDERS = ("atomic", "triton", "sdpa_cudnn")
