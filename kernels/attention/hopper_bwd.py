@@ -28,16 +28,17 @@ heaviest start first):
 - 8 warps = two warpgroups; the products with the keys as rows (S^T, dP^T, dV, dK: 128 rows)
   split the key rows between them (64 each, FA3's "SdP_swapAB"), dK and dV (128 x D fp32) stay
   in their registers for the whole program, dQ's product (BLOCK_M x D) splits its rows
-  (D64: 128 query rows) or its columns (D128: 64 query rows, FA3's tile) between them.
+  (128 query rows a step: D64's first tile) or its columns (64 rows: FA3's D128 tile).
 - K and V are loaded once by TMA; Q, dO and the statistics rows (LSE * log2 e, delta) of each
   (group head, query block) step through a ring of ``STAGES`` shared-memory slots with one
   mbarrier per slot, refilled by TMA as soon as the step that read a slot finished, so the
   next ``STAGES - 1`` steps' loads are in flight during a step.
-- A step: S^T = K Q^T and dP^T = V dO^T issued together (asynchronous wgmma); P^T =
-  exp2(S^T * scale * log2 e - LSE) (the causal mask only on blocks that straddle the
-  diagonal) while dP^T runs; dV += P^T dO from registers (asynchronous); dS^T = P^T (dP^T -
-  delta); dK += dS^T Q from registers; dS^T goes to shared memory, from which dQ_part = dS K
-  is computed; dQ_part leaves through shared memory (two buffers) and a TMA reduce-add into
+- A step: S^T = K Q^T and dP^T = V dO^T issued together (asynchronous wgmma), their
+  accumulators starting at -LSE / (scale log2 e) and -delta (no statistics registers beside
+  the tiles); P^T = exp2(S^T * scale * log2 e) (the causal mask only on blocks that straddle
+  the diagonal) while dP^T runs; dV += P^T dO from registers (asynchronous) while dS^T =
+  P^T (dP^T - delta) is formed; dS^T goes to shared memory, the operand of dK += dS^T Q and of
+  dQ_part = dS K; dQ_part leaves through shared memory (two buffers) and a TMA reduce-add into
   the (B, Hq, Lq, D) fp32 accumulator, whose completion is awaited only before its buffer is
   written again, two steps later.
 - Rows past Lq read as zero (TMA) with LSE = +inf in the statistics (P = 0); keys past Lk are
