@@ -274,8 +274,8 @@ def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages):
     return dq_acc * scale, dk * scale, dv
 
 
-@pytest.mark.parametrize("block_m,stages", sorted({c for cs in hopper_bwd.CONFIGS.values() for c in cs}),
-                         ids=lambda c: str(c))
+@pytest.mark.parametrize("block_m,stages", sorted({c for table in (hopper_bwd.CONFIGS, hopper_bwd.WS_CONFIGS)
+                                                 for cs in table.values() for c in cs}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", [
     # Partial last blocks, GQA 2:1 (the walk crossing heads), the ring wrapping.
@@ -287,8 +287,7 @@ def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages):
 ])
 def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, block_m, stages):
     D = 64
-    q, k, v = (t.double() for t in _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float64, "cpu", grad=True))
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float64, "cpu", grad=True)
     out, lse = reference.attention(q, k, v, causal, return_lse=True)
     dout = randn(*out.shape, dtype=torch.float64, device="cpu")
     want = torch.autograd.grad(out, (q, k, v), dout)
@@ -314,6 +313,7 @@ def _variant(ws, D, monkeypatch):
     if ws and D not in hopper_bwd.WS_CONFIGS:
         pytest.skip("the warp-specialized backward is D64 only")
     monkeypatch.setattr(hopper_bwd, "WS", ws)
+
 
 # (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_N is 128, BLOCK_M 64 or 128 (the candidates).
 GPU_CASES = [
