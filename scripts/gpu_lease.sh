@@ -13,6 +13,7 @@
 #              run on a GPU before: their own step and a short limit, since a wrong mbarrier phase
 #              hangs instead of failing), then their speed beside SDPA cuDNN and flash and our
 #              Triton kernels (bench/attention_hopper.py, bench/attention_dq_atomic.py)
+#   hopper-bwd the opt-in Gluon Hopper backward's numerics (tests/test_attention_hopper_bwd.py)
 #   profile    python -m bench --profile block,hf: one training step of the Pre-LN layer and of
 #              the LLaMA spec per provider under torch.profiler, with the dispatch's timings
 #   bench      python -m bench --quick for SPECS (loss, norm, matmul), each within its share
@@ -53,6 +54,10 @@ step new 75 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_COLLECTED=
 step hopper 90 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-hopper.txt" \
     "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-hopper.xml" \
     tests/test_attention_hopper.py tests/test_attention_dq_atomic.py
+# The Gluon Hopper backward (never run before): its own step, so that a hang costs only its limit.
+step hopper-bwd 60 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-hopper-bwd.txt" \
+    "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-hopper-bwd.xml" \
+    tests/test_attention_hopper_bwd.py
 step hopper-bench 70 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_hopper --rep 30 \
     --providers gluon,triton,sdpa_cudnn,sdpa_flash --json "$OUT/attention-hopper.json"
 
@@ -72,7 +77,8 @@ step suite "$(left)" env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_F
     FUSED_BLOCK_COLLECTED="$WORK/collected-suite.txt" \
     "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 --junitxml="$WORK/junit-suite.xml" \
     $(xdist_args "$WORKERS") -m gpu_quick tests --ignore=tests/test_attention_hopper.py \
-    --ignore=tests/test_attention_dq_atomic.py --ignore=tests/test_compile.py \
+    --ignore=tests/test_attention_dq_atomic.py --ignore=tests/test_attention_hopper_bwd.py \
+    --ignore=tests/test_compile.py \
     $(printf -- '--ignore=%s ' "${new_files[@]}") \
     $(sed 's/^/--deselect=/' "$WORK/first.args")  # an id that names no test deselects nothing
 

@@ -14,7 +14,7 @@ from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, D
 from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
 from fused_block.kernels.attention.forward import _attn_fwd
-from fused_block.kernels.attention import hopper
+from fused_block.kernels.attention import hopper, hopper_bwd
 from fused_block.kernels.attention.helpers import _dropout_mask_kernel
 
 # Tests set this to "pointer" to run the pointer path where TMA would be taken (the interpreter
@@ -465,6 +465,14 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         score_flags = tuple(flags.values())
     else:
         ptrs, strides, flags, score_flags = (q, q, q), _NO_SCORE_STRIDES, None, _NO_SCORE_FLAGS
+    if hopper_bwd.ENABLED and hopper_bwd.taken(
+            q, arch=arch, dropout_p=dropout_p, key_padding_mask=key_padding_mask,
+            has_window=has_window or win_right > 0, varlen=varlen, score_mod=score_mod, dbias=dbias, aligned=use_tma):
+        # Opt-in, never in deterministic mode (hopper_bwd.py): the Gluon backward, dQ reduce-added.
+        common.count_launch("attention_tma")
+        hopper_bwd.backward(q, k, v, do, dq, dk, dv, stats, stride_stat, is_causal, scale,
+                            (sq, sk, sv, sdo, sdq, sdk))
+        return
     if backward_atomic.ENABLED and backward_atomic.taken(
             arch=arch, dtype=q.dtype, block_d=block_d, use_tma=use_tma, dropout_p=dropout_p,
             key_padding_mask=key_padding_mask, has_window=has_window or win_right > 0, varlen=varlen,

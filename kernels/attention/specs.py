@@ -9,7 +9,7 @@ from fused_block.kernels.attention.configs import (BWD_CONFIGS, DBIAS_CONFIGS, D
                                                    FWD_CONFIGS, PRE_BLOCK_M, STAT_ALIGN, _decode_block_m)
 from fused_block.kernels.attention.dbias import _attn_dbias
 from fused_block.kernels.attention.decode import _attn_decode_combine, _attn_decode_split, _kv_cache_append
-from fused_block.kernels.attention import hopper
+from fused_block.kernels.attention import hopper, hopper_bwd
 from fused_block.kernels.attention.forward import _attn_fwd
 from fused_block.kernels.attention.helpers import _dropout_mask_kernel
 
@@ -253,6 +253,19 @@ def aot_specs(exhaustive=None) -> list:
                         fn=getattr(hopper, f"_attn_fwd_hopper{variant}"), signature=sig,
                         constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
                         tma=True, hot_loops=True, archs=(90,)))
+    # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition and warp-specialized:
+    # sm_90 only, every candidate (one build serves causal and not: causality is a runtime
+    # bound), bf16.
+    for ws, table in ((False, hopper_bwd.CONFIGS), (True, hopper_bwd.WS_CONFIGS)):
+        for block_d, cands in table.items():
+            for block_m, stages in cands:
+                sig, constexprs = hopper_bwd.aot_spec_args("bf16", block_d, block_m, stages, ws)
+                specs.append(aot.KernelSpec(
+                    name=(f"attention_bwd_hopper{'_ws' if ws else ''} (Gluon) D{block_d} 16 "
+                          f"{block_m}x{hopper_bwd.BLOCK_N}/{stages}"),
+                    fn=hopper_bwd._attn_bwd_hopper_ws if ws else hopper_bwd._attn_bwd_hopper, signature=sig,
+                    constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
+                    tma=True, hot_loops=True, archs=(90,)))
     # The opt-in atomic-dQ backward (backward_atomic.py): sm_90 only (TMA reduce-adds), every
     # candidate causal and not (in turn in the default check), bf16, hot loops on wgmma as the
     # Gluon forwards'; its dQ conversion.

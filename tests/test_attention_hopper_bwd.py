@@ -1,0 +1,459 @@
+"""The opt-in Gluon Hopper backward (``kernels/attention/hopper_bwd.py``, ``FUSED_BLOCK_HOPPER_ATTN_BWD=1``).
+
+On the CPU (the interpreter cannot run Gluon): which backward calls the launcher hands to it
+(only with the switch, never in deterministic mode, only on sm_90, only the cases it supports,
+before the atomic-dQ backward when both switches are set; everything else runs the atomic-free
+backward), that the interpreter keeps its own backward with the switch on, and (through the
+fake CUDA driver) that what the launcher launches is exactly what the compile check builds.
+On an sm_90 GPU: dq, dk, dv (and the LSE's gradient) against the float64 reference with
+PyTorch's own error as the baseline (``numerics.assert_close``'s 2x rule); those tests are
+skipped (never passed) elsewhere.
+"""
+import pytest
+import torch
+
+from attention_testing import check
+from fused_block import reference
+from fused_block.attention import attention
+from fused_block.kernels import common
+from fused_block.kernels.attention import backward_atomic, hopper_bwd, launchers
+from numerics import randn
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device, grad=True):
+    return (randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=grad),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad))
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch (CPU, launches stubbed: the counts say which backward each call takes)
+# ---------------------------------------------------------------------------------------------
+
+_L = 40
+
+
+def _bwd_call(q, k, v, causal=True, **features):
+    """``launchers.backward`` on q, k, v with ``features`` (its keyword arguments, and
+    ``dropout_p`` / ``key_padding_mask``)."""
+    B, Hq, Lq, D = q.shape
+    do, out = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.zeros(B, Hq, Lq, dtype=torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    seed = torch.zeros(1, dtype=torch.int64)
+    dropout_p, pad = features.pop("dropout_p", 0.0), features.pop("key_padding_mask", None)
+    launchers.backward(do, q, k, v, out, lse, None, dq, dk, dv, pad, seed, causal, D ** -0.5, dropout_p, **features)
+
+
+def _route(monkeypatch, enabled=True, arch=90, atomic=False):
+    monkeypatch.setattr(hopper_bwd, "ENABLED", enabled)
+    monkeypatch.setattr(backward_atomic, "ENABLED", atomic)
+    monkeypatch.setattr(common, "STUB_LAUNCHES", True)
+    monkeypatch.setattr(common, "TUNE", False)
+    monkeypatch.setattr(common, "arch", lambda device: arch)
+
+
+def _taken(launches):
+    kinds = {"gluon": launches["attention_bwd_hopper"], "atomic": launches["attention_bwd_dq_atomic"],
+             "atomic-free": launches["attention_bwd"]}
+    assert sum(kinds.values()) == 1, kinds
+    (name,) = [k for k, n in kinds.items() if n]
+    if name == "gluon":
+        assert launches["attention_dq_convert"] == 1
+    return name
+
+
+@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_supported_calls_take_the_gluon_backward(D, dtype, causal, launches, monkeypatch):
+    _route(monkeypatch)
+    _bwd_call(*_qkv(1, 4, 2, _L, _L + 7, D, dtype, "cpu", grad=False), causal)  # GQA 2:1, cross lengths
+    assert _taken(launches) == "gluon"
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["wg2", "wspec"])
+@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+def test_the_ws_switch_takes_the_warp_specialized_kernel_at_d64(D, ws, monkeypatch):
+    """``FUSED_BLOCK_HOPPER_ATTN_BWD=ws``: the warp-specialized kernel where it has configs (D64),
+    the single-partition one elsewhere (D128)."""
+    _route(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "WS", ws)
+    monkeypatch.setattr(hopper_bwd, "_CACHE", common.ConfigCache("attention_bwd_hopper"))
+    chosen = []
+    monkeypatch.setattr(hopper_bwd, "_launch", lambda cfg, launch: chosen.append(cfg))
+    _bwd_call(*_qkv(1, 2, 2, _L, _L, D, torch.bfloat16, "cpu", grad=False))
+    (cfg,) = chosen
+    assert cfg["WS"] == (ws and D == 64)
+    assert cfg in (hopper_bwd._WS_CANDIDATES if cfg["WS"] else hopper_bwd._CANDIDATES)[D]
+
+
+def test_the_gluon_backward_comes_before_the_atomic_one(launches, monkeypatch):
+    """Both opt-in switches set: the Gluon backward takes what it supports."""
+    _route(monkeypatch, atomic=True)
+    _bwd_call(*_qkv(1, 2, 2, _L, _L, 64, torch.bfloat16, "cpu", grad=False))
+    assert _taken(launches) == "gluon"
+
+
+@pytest.mark.parametrize("arch,enabled", [(90, False), (80, True), (0, True)], ids=["off", "sm80", "interpreter"])
+def test_the_switch_and_sm90_are_required(arch, enabled, launches, monkeypatch):
+    _route(monkeypatch, enabled=enabled, arch=arch)
+    _bwd_call(*_qkv(1, 2, 2, _L, _L, 64, torch.bfloat16, "cpu", grad=False))
+    assert _taken(launches) == "atomic-free"
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, launches, monkeypatch):
+    """The reduce-adds' order varies from run to run: never taken in deterministic mode."""
+    _route(monkeypatch)
+    _bwd_call(*_qkv(1, 2, 2, _L, _L, 64, torch.bfloat16, "cpu", grad=False))
+    assert _taken(launches) == "atomic-free"
+
+
+def _unsupported():
+    """(name, tensors, features) of calls the Gluon backward does not take."""
+    bf = torch.bfloat16
+    qkv = _qkv(1, 2, 2, _L, _L, 64, bf, "cpu", grad=False)
+    q, k, v = qkv
+    # A row stride TMA cannot take (an odd number of elements: 2-byte misaligned rows).
+    odd = torch.randn(1, 2, _L, 65).to(bf)[..., :64]
+    bias = torch.zeros(_L, _L, dtype=bf)
+    return [
+        ("d80", _qkv(1, 2, 2, _L, _L, 80, bf, "cpu", grad=False), {}),
+        ("d256", _qkv(1, 2, 2, _L, _L, 256, bf, "cpu", grad=False), {}),
+        ("d48", _qkv(1, 2, 2, _L, _L, 48, bf, "cpu", grad=False), {}),
+        ("fp32", _qkv(1, 2, 2, _L, _L, 64, torch.float32, "cpu", grad=False), {}),
+        ("dropout", qkv, dict(dropout_p=0.1)),
+        ("padding", qkv, dict(key_padding_mask=torch.zeros(1, _L, dtype=torch.bool))),
+        ("window", qkv, dict(window=(8, 0))),
+        ("softcap", qkv, dict(softcap=30.0)),
+        ("alibi", qkv, dict(alibi=torch.ones(2))),
+        ("bias", qkv, dict(bias=bias)),
+        ("bias-grad", qkv, dict(bias=bias, dbias=torch.empty(1, 1, _L, _L, dtype=bf))),
+        ("mask", qkv, dict(mask=torch.ones(_L, _L, dtype=torch.bool))),
+        ("unaligned", (odd, k, v), {}),
+    ]
+
+
+@pytest.mark.parametrize("name,tensors,features", _unsupported(), ids=[c[0] for c in _unsupported()])
+def test_unsupported_calls_take_the_atomic_free_backward(name, tensors, features, launches, monkeypatch):
+    _route(monkeypatch)
+    _bwd_call(*tensors, **features)
+    assert _taken(launches) == "atomic-free", name
+
+
+def test_non_causal_right_window_takes_the_atomic_free_backward(launches, monkeypatch):
+    """A right bound that is not the causal diagonal (window (-1, 5) without causality)."""
+    _route(monkeypatch)
+    _bwd_call(*_qkv(1, 2, 2, _L, _L, 64, torch.bfloat16, "cpu", grad=False), False, window=(-1, 5))
+    assert _taken(launches) == "atomic-free"
+
+
+def test_supports_names_every_feature():
+    q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
+    base = dict(arch=90, dropout_p=0.0, key_padding_mask=None, has_window=False, varlen=None, score_mod=False,
+                dbias=None, aligned=True)
+    assert hopper_bwd.supports(q, **base)
+    changes = dict(arch=80, dropout_p=0.5, key_padding_mask=q, has_window=True, varlen=(q, q, 1, 1), score_mod=True,
+                   dbias=q, aligned=False)
+    for name, value in changes.items():
+        assert not hopper_bwd.supports(q, **{**base, name: value}), name
+    for t in (torch.empty(1, 1, 1, 64), torch.empty(1, 1, 1, 96, dtype=torch.float16)):
+        assert not hopper_bwd.supports(t, **base)
+
+
+def test_interpreter_keeps_the_atomic_free_backward(device, launches, monkeypatch):
+    """With the switch on, the interpreter (and any non-sm_90 device) runs the atomic-free
+    backward: gradients match the reference, no Gluon launch."""
+    if SM90:
+        pytest.skip("sm_90 takes the Gluon backward: tested below")
+    monkeypatch.setattr(hopper_bwd, "ENABLED", True)
+    q, k, v = _qkv(1, 2, 1, 33, 40, 64, torch.bfloat16, device)
+    check(lambda *t: attention(*t, True, return_lse=True),
+          lambda *t, compute_dtype=None: reference.attention(*t, True, return_lse=True, compute_dtype=compute_dtype),
+          (q, k, v), ["q", "k", "v"])
+    assert launches["attention_bwd"] == 1 and launches["attention_bwd_hopper"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel's schedule and arithmetic, twinned on the CPU (float64): the Gluon kernel cannot
+# run in the interpreter, so its index logic (which query blocks a key block visits, which are
+# masked, the ring's refill coordinates, the GQA head walk) and its algebra (statistics folded
+# into the accumulators, dS from P, dQ summed over key blocks) are checked here, line for line
+# against ``_attn_bwd_hopper``'s scalar code; the GPU tests below check the kernel itself.
+# ---------------------------------------------------------------------------------------------
+
+def _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0):
+    """``_attn_bwd_hopper``'s steps for the key block at ``n0``: [(head offset g, start_m,
+    masked)], and the refill coordinates it issues after each step (None past the end)."""
+    bn = hopper_bwd.BLOCK_N
+    m_end = -(-Lq // block_m) * block_m
+    m_first = max(n0 - cdiag, 0) // block_m * block_m
+    m_full = n0 + bn - 1 - cdiag
+    n_m = (m_end - m_first) // block_m
+    n_steps = group * n_m
+    prologue = [(i // n_m, m_first + (i - i // n_m * n_m) * block_m) for i in range(min(stages, n_steps))]
+    steps, refills = [], []
+    h, start_m = 0, m_first
+    h_nx, m_nx = stages // n_m, m_first + stages % n_m * block_m
+    for i in range(n_steps):
+        steps.append((h, start_m, start_m < m_full))
+        refills.append((h_nx, m_nx) if i + stages < n_steps else None)
+        start_m += block_m
+        if start_m >= m_end:
+            start_m, h = m_first, h + 1
+        m_nx += block_m
+        if m_nx >= m_end:
+            m_nx, h_nx = m_first, h_nx + 1
+    return steps, prologue, refills
+
+
+def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages):
+    """dq, dk, dv as ``_attn_bwd_hopper`` + ``_dq_convert`` compute them (float64, no
+    rounding), with the schedule's invariants asserted on the way."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    group, bn = Hq // Hkv, hopper_bwd.BLOCK_N
+    cdiag = Lk - Lq if causal else Lk + bn
+    qk_scale = scale * 1.4426950408889634
+    pad = -(-Lq // 128) * 128  # STAT_ALIGN rows of statistics: the padding rows' LSE is +inf
+    lse2 = torch.full((B, Hq, pad), float("inf"), dtype=torch.float64)
+    lse2[..., :Lq] = torch.where(torch.isfinite(lse), lse * 1.4426950408889634, float("inf"))
+    delta = torch.zeros((B, Hq, pad), dtype=torch.float64)
+    delta[..., :Lq] = (dout * out).sum(-1)
+
+    def rows(t, start, n):  # TMA: rows past the end read as zero
+        return torch.nn.functional.pad(t[start:start + n], (0, 0, 0, max(0, start + n - t.shape[0])))
+
+    dq_acc = torch.zeros((B, Hq, Lq, D), dtype=torch.float64)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(B):
+        for hk in range(Hkv):
+            for n0 in range(0, Lk, bn):
+                steps, prologue, refills = _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0)
+                assert steps, "every key block is seen by some query"
+                assert prologue == [s[:2] for s in steps[:stages]]
+                assert refills == [s[:2] for s in steps[stages:]] + [None] * min(stages, len(steps))
+                kb, vb = rows(k[b, hk], n0, bn), rows(v[b, hk], n0, bn)
+                key = torch.arange(n0, n0 + bn)[:, None]
+                seen = set()
+                for g, start_m, masked in steps:
+                    h = hk * group + g
+                    query = torch.arange(start_m, start_m + block_m)[None, :]
+                    real = (key < Lk) & (query < Lq)
+                    visible = key <= query + cdiag
+                    assert masked or bool(visible[real].all()), "an unmasked step with an invisible pair"
+                    seen.add((h, start_m))
+                    qb, dob = rows(q[b, h], start_m, block_m), rows(dout[b, h], start_m, block_m)
+                    s_acc = -(lse2[b, h, start_m:start_m + block_m].clamp(max=1e20) / qk_scale)[None, :]
+                    p = torch.exp2((s_acc + kb @ qb.T) * qk_scale)
+                    if masked:
+                        p = torch.where(visible, p, 0.0)
+                    n = min(bn, Lk - n0)  # the key rows stored (TMA clips the rest)
+                    dv[b, hk, n0:n0 + n] += (p @ dob)[:n]
+                    ds = p * (vb @ dob.T - delta[b, h, start_m:start_m + block_m][None, :])
+                    dk[b, hk, n0:n0 + n] += (ds @ qb)[:n]
+                    dq_acc[b, h, start_m:start_m + block_m] += (ds.T @ kb)[:max(0, Lq - start_m)]
+                # Every (head, query block) with a visible key in the block is visited, once.
+                for h in range(hk * group, hk * group + group):
+                    for m in range(0, Lq, block_m):
+                        query = torch.arange(m, min(m + block_m, Lq))[None, :]
+                        keys = torch.arange(n0, min(n0 + bn, Lk))[:, None]
+                        if bool((keys <= query + cdiag).any()):
+                            assert (h, m) in seen
+                assert len(seen) == len(steps)
+    return dq_acc * scale, dk * scale, dv
+
+
+@pytest.mark.parametrize("block_m,stages", sorted({c for table in (hopper_bwd.CONFIGS, hopper_bwd.WS_CONFIGS)
+                                                 for cs in table.values() for c in cs}))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", [
+    # Partial last blocks, GQA 2:1 (the walk crossing heads), the ring wrapping.
+    pytest.param(1, 4, 2, 300, 300, id="300-gqa"),
+    # Lq < Lk: causal offset 157, key blocks that every query sees unmasked; MQA.
+    pytest.param(1, 3, 1, 150, 307, id="cross-150x307-mqa"),
+    # Lq > Lk: the first 320 queries see no key (LSE -inf: +inf statistics, P = 0).
+    pytest.param(2, 2, 2, 390, 70, id="cross-390x70"),
+])
+def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, block_m, stages):
+    D = 64
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float64, "cpu", grad=True)
+    out, lse = reference.attention(q, k, v, causal, return_lse=True)
+    dout = randn(*out.shape, dtype=torch.float64, device="cpu")
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    got = _twin_backward(q.detach(), k.detach(), v.detach(), out.detach(), dout, lse.detach(), causal, D ** -0.5,
+                         block_m, stages)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics (sm_90 only)
+# ---------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not SM90, reason="the Gluon backward runs on sm_90 only")
+# Both kernels. The warp-specialized one's cases are heavy (deselected unless FUSED_BLOCK_HEAVY=1
+# or -m heavy) and have "wspec" in their ids: a deadlock there (it has never run) must not hang
+# the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``). It
+# exists at D64 only (D128 under its switch runs the single-partition kernel).
+VARIANTS = [pytest.param(False, id="wg2"), pytest.param(True, id="wspec", marks=pytest.mark.heavy)]
+
+
+def _variant(ws, D, monkeypatch):
+    if ws and D not in hopper_bwd.WS_CONFIGS:
+        pytest.skip("the warp-specialized backward is D64 only")
+    monkeypatch.setattr(hopper_bwd, "WS", ws)
+
+
+# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_N is 128, BLOCK_M 64 or 128 (the candidates).
+GPU_CASES = [
+    # Whole blocks: key blocks on the causal diagonal (masked steps), query blocks skipped above it.
+    pytest.param(2, 4, 4, 256, 256, id="256"),
+    # 1000: partial last query and key blocks (zero rows, LSE +inf; dK/dV rows clipped), GQA 4:1
+    # (dK/dV summed over the group's heads, the ring crossing heads).
+    pytest.param(1, 8, 2, 1000, 1000, id="1000-gqa"),
+    # Lq < Lk: bottom-right causal offset 577, not a block multiple; MQA; the ring wraps many times.
+    pytest.param(1, 2, 1, 300, 877, id="cross-300x877-mqa"),
+    # Lq > Lk: under causal the first 330 queries see no key (dq 0 there).
+    pytest.param(1, 2, 2, 400, 70, id="cross-400x70"),
+]
+
+
+def _check_gluon(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch, lse_weight=False):
+    monkeypatch.setattr(hopper_bwd, "ENABLED", True)
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, "cuda")
+    check(lambda *t: attention(*t, causal, return_lse=True),
+          lambda *t, compute_dtype=None: reference.attention(*t, causal, return_lse=True,
+                                                             compute_dtype=compute_dtype),
+          (q, k, v), ["q", "k", "v"], lse_weight=lse_weight)
+    assert launches["attention_bwd_hopper"] == 1 and launches["attention_dq_convert"] == 1
+    assert launches["attention_bwd"] == 0 and launches["attention_bwd_dq_atomic"] == 0
+
+
+@gpu
+@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_backward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
+    _variant(ws, D, monkeypatch)
+    _check_gluon(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch)
+
+
+@gpu
+@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_backward_lse_gradient(ws, D, launches, monkeypatch):
+    """The LSE's gradient reaches the kernel through delta (the shared preprocess)."""
+    _variant(ws, D, monkeypatch)
+    _check_gluon(1, 4, 2, 333, 333, D, True, torch.bfloat16, launches, monkeypatch, lse_weight=True)
+
+
+@gpu
+@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("ws", VARIANTS)
+def test_gluon_backward_on_strided_views(ws, D, launches, monkeypatch):
+    """q, k, v as views of one (B, L, 3 H, D) projection (SDPA's transposed layout): the
+    descriptors take the strides, no copy; dq, dk, dv come back in that memory order."""
+    _variant(ws, D, monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "ENABLED", True)
+    B, L, H = 2, 333, 4
+    qkv = randn(B, L, 3 * H, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    check(lambda t: attention(*(x.transpose(1, 2) for x in t.split(H, dim=2)), True, return_lse=True),
+          lambda t, compute_dtype=None: reference.attention(*(x.transpose(1, 2) for x in t.split(H, dim=2)), True,
+                                                            return_lse=True, compute_dtype=compute_dtype),
+          (qkv, ), ["qkv"])
+    assert launches["attention_bwd_hopper"] == 1
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ws,D,cand", [
+    pytest.param(ws, d, i, id=f"{'wspec' if ws else 'wg2'}-D{d}-{i}", marks=[pytest.mark.heavy] if ws else [])
+    for ws in (False, True) for d, c in (hopper_bwd.WS_CONFIGS if ws else hopper_bwd.CONFIGS).items()
+    for i in range(len(c))])
+def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, monkeypatch):
+    """Each tile/ring-depth candidate the launcher may time and keep (1000 x 1000: ragged
+    blocks, the ring wrapping many times; GQA 2:1)."""
+    _variant(ws, D, monkeypatch)
+    name = "_WS_CANDIDATES" if ws else "_CANDIDATES"
+    monkeypatch.setattr(hopper_bwd, name, {D: [getattr(hopper_bwd, name)[D][cand]]})
+    monkeypatch.setattr(hopper_bwd, "_CACHE", common.ConfigCache("attention_bwd_hopper"))
+    _check_gluon(1, 4, 2, 1000, 1000, D, causal, torch.bfloat16, launches, monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch path (CPU, through the fake CUDA driver): what runs is what the compile check built
+# ---------------------------------------------------------------------------------------------
+
+_LAUNCH_SCRIPT = """
+import json, sys, torch
+import fused_block
+from fused_block import _backend
+from fused_block.kernels import common, fake_driver
+from fused_block.kernels.attention import hopper_bwd
+
+common.TUNE = False  # the first candidate of each (nothing to time on)
+out = []
+with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
+        _backend.host_only(stub=False):
+    hopper_bwd.ENABLED = True
+    for ws, D, causal in ((ws, D, causal) for ws in (False, True) for D in hopper_bwd.HEAD_DIMS
+                          for causal in (False, True)):
+        hopper_bwd.WS = ws
+        # GQA 4:2, Lq 300, Lk 333 (3 key blocks); q a strided view (a packed projection).
+        qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
+        q = qkv[:, :, :4].transpose(1, 2).requires_grad_()
+        k = torch.randn(1, 2, 333, D, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, 2, 333, D, dtype=torch.bfloat16, requires_grad=True)
+        o = fused_block.attention(q, k, v, causal=causal)
+        fake.launches.clear()
+        torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+        (rec,) = [r for r in fake.launches if r.compiled.name.startswith("_attn_bwd_hopper")]
+        src = rec.compiled.src
+        out.append(dict(ws=ws, D=D, causal=causal, names=[r.compiled.name for r in fake.launches],
+                        grid=list(rec.grid), signature=src.signature,
+                        constants={src.fn.arg_names[i[0]]: getattr(c, "value", c) for i, c in src.constants.items()},
+                        num_warps=rec.compiled.options["num_warps"]))
+json.dump(out, sys.stdout)
+"""
+
+
+def test_gluon_launches_match_the_compiled_specs():
+    """Both Gluon backwards launched through Triton's own launch path on CPU tensors (the fake
+    driver checks every argument against the specialization): the preprocess, one Gluon launch
+    over 3 key blocks x 2 kv heads (the warp-specialized kernel at D64 under "ws") and the dQ
+    conversion, with exactly the signature and constexprs the compile check builds
+    (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
+    import json
+    import pathlib
+
+    from fused_block.kernels import fake_driver
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = json.loads(proc.stdout)
+    assert len(launches) == 8
+    for rec in launches:
+        D = rec["D"]
+        ws = rec["ws"] and D in hopper_bwd.WS_CONFIGS
+        block_m, stages = (hopper_bwd.WS_CONFIGS if ws else hopper_bwd.CONFIGS)[D][0]
+        sig, constexprs = hopper_bwd.aot_spec_args("bf16", D, block_m, stages, ws)
+        kernel = "_attn_bwd_hopper_ws" if ws else "_attn_bwd_hopper"
+        assert rec["names"] == ["_attn_bwd_preprocess", kernel, "_dq_convert"]
+        assert rec["grid"] == [3 * 2, 1, 1]
+        assert rec["signature"] == sig
+        assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
+        assert rec["num_warps"] == constexprs["num_warps"]
