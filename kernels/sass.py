@@ -298,6 +298,15 @@ def _attention_dq_atomic(B, H, L, D, causal):
         _attention(B, H, L, D, causal)
 
 
+def _attention_gluon_bwd(B, H, L, D, causal, variant):
+    """The opt-in Gluon Hopper backward (``FUSED_BLOCK_HOPPER_ATTN_BWD=1``, or "ws": its
+    warp-specialized form, D64 only: ``kernels/attention/hopper_bwd.py``) after the Triton forward."""
+    from fused_block.kernels.attention import hopper_bwd
+
+    with _opt_in(hopper_bwd, ENABLED=True, WS=variant == "ws"):
+        _attention(B, H, L, D, causal)
+
+
 def _attention_window(B, H, L, D, left):
     import torch
 
@@ -415,6 +424,10 @@ WORKLOADS = (
       for c in (True, False)),
     *((f"attention D{d}{' causal' if c else ''} dq atomic", _attention_dq_atomic, (*s, c))
       for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
+    # The Gluon backward (one build serves causal and not: causality is a runtime bound).
+    *((f"attention D{d} gluon bwd{' ' + v if v else ''}", _attention_gluon_bwd, (*s, False, v))
+      for d, s, variants in ((64, (8, 32, 2048, 64), ("", "ws")), (128, (4, 16, 4096, 128), ("",)))
+      for v in variants),
     # Issue 17's features at the bench's shapes: Mistral's 4096-key window over 16k tokens
     # (a band block costs a plain one), packed sequences, softcap + sinks, a T5 bias, and a
     # decode step (split-KV) over a 16k cache with GQA 32:8.
