@@ -1,9 +1,11 @@
 """Opt-in Hopper attention forwards in Gluon (``triton.experimental.gluon``): explicit wgmma,
 TMA and mbarriers, with FlashAttention-3's intra-warpgroup overlap; ``_attn_fwd_hopper`` in
 one partition, ``_attn_fwd_hopper_ws`` with FA3's partitions (a TMA loader warp and two
-consumer warpgroups, ``gl.warp_specialize``).
+consumer warpgroups, ``gl.warp_specialize``), ``_attn_fwd_hopper_pp`` the same partitions (two
+or three consumers) under FA3's ping-pong schedule of the consumers' products.
 
-Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first) or ``=ws`` (the second) is set, on
+Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first), ``=ws`` (the second) or
+``=pingpong`` (the third) is set, on
 sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64, 128 or 256
 (96 and 192 through the 128 and 256 kernels, zero columns: :data:`PADDED`),
 no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
