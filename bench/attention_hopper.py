@@ -5,7 +5,9 @@ schedule "gluon_pingpong", each of whose candidates are timed) against our
 Triton forward, SDPA's cuDNN and SDPA's flash (FA2) backends, bf16, on the shapes of the
 attention issue; one short run on an sm_90 GPU:
 
-    python -m bench.attention_hopper [--providers gluon,gluon_persistent,triton,sdpa_cudnn,sdpa_flash,gluon_ws,gluon_pingpong] [--json PATH]
+    python -m bench.attention_hopper [--providers P1,P2,...] [--json PATH]
+
+(providers: gluon, gluon_persistent, triton, sdpa_cudnn, sdpa_flash, gluon_ws, gluon_pingpong; all by default)
 
 Per shape: TFLOP/s of each forward (``triton.testing.do_bench``, median, inputs reused: the
 working sets are far larger than L2 at these shapes), and each Gluon output's largest

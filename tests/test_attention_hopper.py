@@ -477,8 +477,8 @@ def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, 
 @gpu
 @pytest.mark.heavy
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D,cand", [pytest.param(d, i, id=f"pingpong-D{d}-{m}x{n}/{st}")
-                                    for d in hopper.HEAD_DIMS for i, (m, n, st) in enumerate(hopper.PINGPONG_CONFIGS[d])])
+@pytest.mark.parametrize("D,cand", [pytest.param(d, i, id=f"pingpong-D{d}-{m}x{n}/{st}") for d in hopper.HEAD_DIMS
+                                    for i, (m, n, st) in enumerate(hopper.PINGPONG_CONFIGS[d])])
 def test_every_pingpong_candidate_matches_reference(D, cand, causal, launches, monkeypatch):
     """Each ping-pong candidate alone (two consumers, or three at 192 rows) on every shape of
     ``GPU_CASES``: whole and ragged blocks, GQA and MQA, causal offsets both ways (rows that
