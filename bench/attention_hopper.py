@@ -5,7 +5,7 @@ schedule "gluon_pingpong", each of whose candidates are timed) against our
 Triton forward, SDPA's cuDNN and SDPA's flash (FA2) backends, bf16, on the shapes of the
 attention issue; one short run on an sm_90 GPU:
 
-    python -m bench.attention_hopper [--providers P1,P2,...] [--json PATH]
+    python -m bench.attention_hopper [--providers P1,P2,...] [--shapes S1,S2,...] [--json PATH]
 
 (providers: gluon, gluon_persistent, triton, sdpa_cudnn, sdpa_flash, gluon_ws, gluon_pingpong; all by default)
 
@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--providers", default=",".join(PROVIDERS),
                         help=f"comma-separated, of {', '.join(PROVIDERS)}")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated substrings: only the shapes whose names hold one (e.g. 'D128,D64')")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--rep", type=int, default=60, help="do_bench's rep (ms) per measurement")
     args = parser.parse_args(argv)
@@ -128,6 +130,10 @@ def main(argv=None) -> int:
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         parser.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
+    wanted = [w for w in args.shapes.split(",") if w]
+    shapes = [s for s in SHAPES if not wanted or any(w in s[0] for w in wanted)]
+    if not shapes:
+        parser.error(f"no shape matches {args.shapes!r}; the shapes: {[s[0] for s in SHAPES]}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs an sm_90 GPU", file=sys.stderr)
         return 2
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
         print(f"pass {i + 1}: {', '.join(group)} (TFLOP/s; Gluon vs Triton forward max |diff|)", flush=True)
         _header(group)
         part = []
-        for shape in SHAPES:  # each row printed as it is measured
+        for shape in shapes:  # each row printed as it is measured
             part.append(_measure(shape, group, args.rep))
             _line(part[-1], group)
         rows.append(part)

@@ -618,9 +618,10 @@ def _attn_fwd_hopper_pp(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     in turn, consumer c after consumer c - 1 (mod their number), through one mbarrier each
     (``turn``; FA3 uses named barriers, which Gluon does not expose): consumer 0's barrier
     completes its first phase here, before the partitions start, so it goes first. Registers
-    (``setmaxnreg``): two consumers 240 each and the loader 24 (FA3's); three 160 each and the
-    loader 24 (FA3: 160 and 32 for its 4-warp producer; 3 x 128 x 160 + 128 x 24 fits the
-    register file's 64K)."""
+    (``setmaxnreg``): two consumers 240 each and the loader 24 (FA3's); three: the workers 160
+    and the loader 24 (FA3: 160, and 32 for its 4-warp producer), the default partition what
+    is left (168: 128 x 168 + 2 x 128 x 160 + 128 x 24 = the register file's 64K, the loader
+    warp's group counted whole)."""
     CONSUMERS: gl.constexpr = BLOCK_M // 64
     dtype: gl.constexpr = QD.dtype
     n_m = gl.cdiv(Lq, BLOCK_M)
