@@ -1,16 +1,20 @@
 """The opt-in Gluon Hopper attention forwards (``kernels/attention/hopper.py``: the
 single-partition kernel "gluon" (its candidates timed, the persistent form among them), its
-persistent form alone "gluon_persistent", and the warp-specialized "gluon_ws") against our
+persistent form alone "gluon_persistent", the warp-specialized "gluon_ws" and its ping-pong
+schedule "gluon_pingpong", each of whose candidates are timed) against our
 Triton forward, SDPA's cuDNN and SDPA's flash (FA2) backends, bf16, on the shapes of the
 attention issue; one short run on an sm_90 GPU:
 
-    python -m bench.attention_hopper [--providers gluon,gluon_persistent,triton,sdpa_cudnn,sdpa_flash,gluon_ws] [--json PATH]
+    python -m bench.attention_hopper [--providers P1,P2,...] [--shapes S1,S2,...] [--json PATH]
+
+(providers: gluon, gluon_persistent, triton, sdpa_cudnn, sdpa_flash, gluon_ws, gluon_pingpong; all by default)
 
 Per shape: TFLOP/s of each forward (``triton.testing.do_bench``, median, inputs reused: the
 working sets are far larger than L2 at these shapes), and each Gluon output's largest
 difference from our Triton forward's and its LSE's (a sanity check; the tests hold both to
-the float64 reference). A backend the shape or machine lacks shows "-". "gluon_ws" runs in a
-second pass after every other provider (a kernel that has never run could deadlock).
+the float64 reference). A backend the shape or machine lacks shows "-". "gluon_ws" and
+"gluon_pingpong" run in passes of their own after every other provider (a kernel that has
+never run could deadlock).
 The first call of each shape class times the Gluon candidates (``FUSED_BLOCK_PRINT_TUNING=1``
 prints them); compiles dominate the run time.
 """
@@ -31,8 +35,9 @@ SHAPES = (
     ("B4 H32/8 L4096 D128 causal", 4, 32, 8, 4096, 128, True),
     ("B2 H16 L4096 D256 causal", 2, 16, 16, 4096, 256, True),  # the D256 kernel (Gemma's head dim)
 )
-PROVIDERS = ("gluon", "gluon_persistent", "triton", "sdpa_cudnn", "sdpa_flash", "gluon_ws")
-GLUON = ("gluon", "gluon_persistent", "gluon_ws")  # the switch's values 1, persistent, ws
+PROVIDERS = ("gluon", "gluon_persistent", "triton", "sdpa_cudnn", "sdpa_flash", "gluon_ws", "gluon_pingpong")
+GLUON = ("gluon", "gluon_persistent", "gluon_ws", "gluon_pingpong")  # the switch's 1, persistent, ws, pingpong
+APART = ("gluon_ws", "gluon_pingpong")  # each in a pass of its own, last
 
 
 def _fn(provider, causal, gqa):
@@ -41,9 +46,10 @@ def _fn(provider, causal, gqa):
 
     if provider in (*GLUON, "triton"):
         on, ws, persistent = provider != "triton", provider == "gluon_ws", provider == "gluon_persistent"
+        pingpong = provider == "gluon_pingpong"
 
         def run(q, k, v):
-            hopper.ENABLED, hopper.WS, hopper.PERSISTENT = on, ws, persistent
+            hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG = on, ws, persistent, pingpong
             return fused_block.attention(q, k, v, causal=causal, return_lse=True)
         return run
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -84,7 +90,7 @@ def _measure(shape, providers, rep):
             row["tflops"][p] = None
             row.setdefault("errors", {})[p] = f"{type(e).__name__}: {str(e)[:200]}"
         finally:
-            hopper.ENABLED, hopper.WS, hopper.PERSISTENT = False, False, False
+            hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG = False, False, False, False
     if "triton" not in outs and any(p.startswith("gluon") for p in outs):
         with torch.no_grad():
             outs["triton"] = _fn("triton", causal, Hq != Hkv)(q, k, v)
@@ -115,6 +121,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--providers", default=",".join(PROVIDERS),
                         help=f"comma-separated, of {', '.join(PROVIDERS)}")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated substrings: only the shapes whose names hold one (e.g. 'D128,D64')")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--rep", type=int, default=60, help="do_bench's rep (ms) per measurement")
     args = parser.parse_args(argv)
@@ -122,17 +130,21 @@ def main(argv=None) -> int:
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         parser.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
+    wanted = [w for w in args.shapes.split(",") if w]
+    shapes = [s for s in SHAPES if not wanted or any(w in s[0] for w in wanted)]
+    if not shapes:
+        parser.error(f"no shape matches {args.shapes!r}; the shapes: {[s[0] for s in SHAPES]}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs an sm_90 GPU", file=sys.stderr)
         return 2
-    first = [p for p in providers if p != "gluon_ws"]
-    passes = [first] * bool(first) + [["gluon_ws"]] * ("gluon_ws" in providers)
+    first = [p for p in providers if p not in APART]
+    passes = [first] * bool(first) + [[p] for p in APART if p in providers]
     rows = []
     for i, group in enumerate(passes):
         print(f"pass {i + 1}: {', '.join(group)} (TFLOP/s; Gluon vs Triton forward max |diff|)", flush=True)
         _header(group)
         part = []
-        for shape in SHAPES:  # each row printed as it is measured
+        for shape in shapes:  # each row printed as it is measured
             part.append(_measure(shape, group, args.rep))
             _line(part[-1], group)
         rows.append(part)

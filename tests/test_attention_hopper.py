@@ -1,4 +1,5 @@
-"""The opt-in Gluon Hopper forward (``kernels/attention/hopper.py``, ``FUSED_BLOCK_HOPPER_ATTN=1``).
+"""The opt-in Gluon Hopper forwards (``kernels/attention/hopper.py``, ``FUSED_BLOCK_HOPPER_ATTN=1``,
+``ws``, ``persistent`` or ``pingpong``).
 
 On the CPU (the interpreter cannot run Gluon): which calls the launcher hands to it (only with
 the switch, only on sm_90, only the cases it supports; everything else runs the Triton
@@ -57,13 +58,14 @@ def _call(q, k, v, causal=False, **features):
 _B, _H, _L = 1, 2, 40
 
 
-@pytest.mark.parametrize("ws", [False, True], ids=["wg2", "wspec"])
+@pytest.mark.parametrize("variant", ["wg2", "ws", "pingpong"], ids=["wg2", "wspec", "pingpong"])
 @pytest.mark.parametrize("D", sorted(hopper.PADDED))
 @pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_supported_calls_take_the_gluon_forward(D, dtype, causal, ws, monkeypatch):
+def test_supported_calls_take_the_gluon_forward(D, dtype, causal, variant, monkeypatch):
     taken = _route(monkeypatch)
-    monkeypatch.setattr(hopper, "WS", ws)
+    monkeypatch.setattr(hopper, "WS", variant == "ws")
+    monkeypatch.setattr(hopper, "PINGPONG", variant == "pingpong")
     _call(*_qkv(_B, 4, 2, _L, _L + 7, D, dtype, "cpu"), causal)  # GQA 2:1, cross lengths
     assert taken == ["hopper"]
 
@@ -112,8 +114,10 @@ def test_padded_head_dims_run_the_next_kernel():
     """96 and 192 run the 128 and 256 kernels (zero columns past D), every kernel dim its own;
     each kernel dim has candidates for both variants."""
     assert hopper.PADDED == {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
-    assert set(hopper.PADDED.values()) == set(hopper.HEAD_DIMS) == set(hopper.CONFIGS) == set(hopper.WS_CONFIGS)
+    assert (set(hopper.PADDED.values()) == set(hopper.HEAD_DIMS) == set(hopper.CONFIGS) == set(hopper.WS_CONFIGS)
+            == set(hopper.PINGPONG_CONFIGS) == set(hopper._PP_CANDIDATES))
     assert all(hopper._CANDIDATES[d, ws] for d in hopper.HEAD_DIMS for ws in (False, True))
+    assert all(hopper._PP_CANDIDATES[d] for d in hopper.HEAD_DIMS)
 
 
 def test_the_persistent_form_is_the_last_candidate():
@@ -139,6 +143,168 @@ def test_the_persistent_switch_takes_the_persistent_form(switch, monkeypatch):
     hopper.forward(q, k, v, torch.empty_like(q), torch.empty(_B, 4, _L), True, 96 ** -0.5, None)
     want = hopper.PERSISTENT_CONFIGS[128][0] if switch == "persistent" else hopper.CONFIGS[128][0]
     assert [(c["BLOCK_N"], c["STAGES"], c["PERSISTENT"]) for c in chosen] == [(*want, switch == "persistent")]
+
+
+@pytest.mark.parametrize("D", sorted(hopper.PADDED))
+@pytest.mark.parametrize("switch", ["ws", "pingpong"])
+def test_the_pingpong_switch_takes_the_pingpong_candidates(switch, D, monkeypatch):
+    """FUSED_BLOCK_HOPPER_ATTN=pingpong runs the ping-pong kernel's candidates only (its own
+    config key; here, untimed, the first); =ws never does (its candidates are the
+    warp-specialized kernel's alone)."""
+    chosen = []
+    monkeypatch.setattr(hopper, "PINGPONG", switch == "pingpong")
+    monkeypatch.setattr(hopper, "WS", switch == "ws")
+    monkeypatch.setattr(hopper, "PERSISTENT", False)
+    monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
+    monkeypatch.setattr(common, "TUNE", False)
+    monkeypatch.setattr(hopper, "_launch", lambda cfg, launch: chosen.append(cfg))
+    q, k, v = _qkv(_B, 4, 2, _L, _L, D, torch.bfloat16, "cpu")
+    hopper.forward(q, k, v, torch.empty_like(q), torch.empty(_B, 4, _L), True, D ** -0.5, None)
+    (cfg,) = chosen
+    d = hopper.PADDED[D]
+    if switch == "pingpong":
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == hopper.PINGPONG_CONFIGS[d][0]
+        assert cfg["PINGPONG"] and cfg["WS"] and not cfg["PERSISTENT"] and cfg.num_warps == 4
+    else:
+        assert (cfg["BLOCK_N"], cfg["STAGES"]) == hopper.WS_CONFIGS[d][0] and not cfg["PINGPONG"]
+    assert not any(c["PINGPONG"] for ws in (False, True) for c in hopper._CANDIDATES[d, ws])
+    assert all(c["PINGPONG"] for c in hopper._PP_CANDIDATES[d])
+
+
+def test_pingpong_candidates_fit_shared_memory():
+    """Every ping-pong candidate's Q tiles (64 rows a consumer, O leaves through them) and one
+    K/V ring shared by the consumers fit Hopper's 227 KB; a ring per consumer would not at
+    D128 (FA3's choice: one ring); three consumers only at D64 (64 rows each)."""
+    smem = 227 * 1024
+    for d, cands in hopper.PINGPONG_CONFIGS.items():
+        for block_m, block_n, stages in cands:
+            assert block_m in (128, 192) and (block_m == 128 or d == 64)
+            q, ring = block_m * d * 2, stages * 2 * block_n * d * 2
+            assert q + ring <= smem, (d, block_m, block_n, stages)
+    assert 128 * 128 * 2 + 2 * (2 * 2 * 128 * 128 * 2) > smem
+
+
+@pytest.mark.parametrize("value,flags", [("pingpong", [True, False, False, True]), ("ws", [True, True, False, False])])
+def test_the_switch_is_read_at_import(value, flags):
+    """FUSED_BLOCK_HOPPER_ATTN's values set (ENABLED, WS, PERSISTENT, PINGPONG) at import."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = ("from fused_block.kernels.attention import hopper; "
+            "print(hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, hopper.ENV: value})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [str(f) for f in flags]
+
+
+class _MBarrier:
+    """PTX mbarrier semantics: ``count`` arrivals complete the current phase; ``wait(parity)``
+    passes once the phase of that parity completed, i.e. while the current phase's parity
+    differs (two completions ahead of a waiter alias: the model blocks there, as the GPU)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed, self.pending = self.completed + 1, self.count
+
+    def passes(self, parity):
+        return (self.completed & 1) != parity
+
+
+def _pingpong_protocol(n_blocks, stages, consumers, rng):
+    """The ping-pong kernel's mbarrier protocol, step for step as ``_pp_consumer``, the loader
+    (``_ws_loader``) and the kernel's prologue issue their waits and arrives (TMA copies land at
+    random later times), run under a random interleaving. Returns the products' issue order
+    [(consumer, turn)]; raises on a deadlock or on a product reading a ring slot that does not
+    hold its block."""
+    bar = lambda count: _MBarrier(count)  # noqa: E731
+    q = [bar(1) for _ in range(consumers)]
+    turn = [bar(1) for _ in range(consumers)]
+    k_ready, v_ready = [bar(1) for _ in range(stages)], [bar(1) for _ in range(stages)]
+    k_empty, v_empty = [bar(consumers) for _ in range(stages)], [bar(consumers) for _ in range(stages)]
+    k_slot, v_slot = [None] * stages, [None] * stages
+    issued, copies = [], []
+
+    def consumer(c):
+        nxt = turn[(c + 1) % consumers]
+        yield q[c], 0
+        yield k_ready[0], 0
+        yield turn[c], 0
+        assert k_slot[0] == 0
+        issued.append((c, 0))
+        nxt.arrive()
+        k_empty[0].arrive()
+        for j in range(1, n_blocks):
+            slot, prev = j % stages, (j - 1) % stages
+            yield k_ready[slot], (j // stages) & 1
+            yield v_ready[prev], ((j - 1) // stages) & 1
+            yield turn[c], j & 1
+            assert k_slot[slot] == j and v_slot[prev] == j - 1, (c, j, k_slot, v_slot)
+            issued.append((c, j))
+            nxt.arrive()
+            k_empty[slot].arrive()
+            v_empty[prev].arrive()
+        last = (n_blocks - 1) % stages
+        yield v_ready[last], ((n_blocks - 1) // stages) & 1
+        yield turn[c], n_blocks & 1
+        assert v_slot[last] == n_blocks - 1
+        issued.append((c, n_blocks))
+        nxt.arrive()
+        v_empty[last].arrive()
+
+    def loader():
+        for i in range(consumers):
+            copies.append((q[i], None, None, None))
+        for j in range(n_blocks):
+            slot, phase = j % stages, ((j // stages) & 1) ^ 1
+            if j >= stages:
+                yield k_empty[slot], phase
+            copies.append((k_ready[slot], k_slot, slot, j))
+            if j >= stages:
+                yield v_empty[slot], phase
+            copies.append((v_ready[slot], v_slot, slot, j))
+
+    turn[0].arrive()  # the kernel's prologue: consumer 0 goes first
+    procs = [consumer(c) for c in range(consumers)] + [loader()]
+    waiting = [next(p, None) for p in procs]
+    while any(w is not None for w in waiting) or copies:
+        runnable = [i for i, w in enumerate(waiting) if w is not None and w[0].passes(w[1])]
+        choice = rng.randrange(len(runnable) + len(copies)) if runnable or copies else None
+        if choice is None:
+            raise AssertionError(f"deadlock after {issued}")
+        if choice >= len(runnable):
+            done, ring, slot, block = copies.pop(choice - len(runnable))
+            if ring is not None:
+                ring[slot] = block
+            done.arrive()
+            continue
+        i = runnable[choice]
+        waiting[i] = next(procs[i], None)
+    return issued
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_pingpong_barrier_protocol_never_deadlocks(consumers):
+    """The ping-pong kernel's barriers, modelled on the CPU (the interpreter cannot run Gluon):
+    for 1 to 9 key blocks and rings of 2 to 4 slots, under many random interleavings of the
+    partitions and the TMA copies' completions, every partition finishes, each product reads
+    the block it should from the ring, and the consumers issue their products strictly in
+    turn (0, 1, [2,] 0, 1, ...)."""
+    import random
+
+    rng = random.Random(0)
+    for n_blocks in range(1, 10):
+        for stages in (2, 3, 4):
+            for _ in range(30):
+                issued = _pingpong_protocol(n_blocks, stages, consumers, rng)
+                assert issued == [(c, t) for t in range(n_blocks + 1) for c in range(consumers)]
 
 
 def test_persistent_sections_keep_their_kv_in_l2():
@@ -214,13 +380,22 @@ GPU_CASES = [
 ]
 
 gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only")
-# Both kernels. The warp-specialized one's cases are heavy (deselected unless FUSED_BLOCK_HEAVY=1
+# The kernels. The warp-specialized one's cases are heavy (deselected unless FUSED_BLOCK_HEAVY=1
 # or -m heavy) and have "wspec" in their ids: a deadlock there (it has never run) must not hang
 # the GPU check's run of the suite; run them apart (``FUSED_BLOCK_HEAVY=1 ... -k wspec``). So
 # are the persistent form's ("persist" in their names or ids: its rings' phases continue from
-# tile to tile, a new way to wait forever).
-_WS = pytest.param(True, id="wspec", marks=pytest.mark.heavy)
-VARIANTS = [pytest.param(False, id="wg2"), _WS]
+# tile to tile, a new way to wait forever) and the ping-pong kernel's ("pingpong": its
+# consumers wait for each other's turns).
+VARIANTS = [pytest.param("wg2", id="wg2"), pytest.param("ws", id="wspec", marks=pytest.mark.heavy),
+            pytest.param("pingpong", id="pingpong", marks=pytest.mark.heavy)]
+
+
+def _switch(monkeypatch, variant):
+    """The switch on for ``variant`` ("wg2": FUSED_BLOCK_HOPPER_ATTN=1, "ws", "pingpong")."""
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "WS", variant == "ws")
+    monkeypatch.setattr(hopper, "PINGPONG", variant == "pingpong")
+    monkeypatch.setattr(hopper, "PERSISTENT", False)
 
 
 @gpu
@@ -228,10 +403,9 @@ VARIANTS = [pytest.param(False, id="wg2"), _WS]
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", hopper.DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
-@pytest.mark.parametrize("ws", VARIANTS)
-def test_gluon_forward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
-    monkeypatch.setattr(hopper, "ENABLED", True)
-    monkeypatch.setattr(hopper, "WS", ws)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gluon_forward_matches_reference(variant, B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch):
+    _switch(monkeypatch, variant)
     # Gradients (the Triton backward from the Gluon output and LSE) in bf16: the backward's
     # own dtypes are its tests'; here they check what the backward reads of the forward.
     grad = dtype == torch.bfloat16
@@ -248,13 +422,12 @@ def test_gluon_forward_matches_reference(ws, B, Hq, Hkv, Lq, Lk, D, causal, dtyp
 @gpu
 @pytest.mark.parametrize("D", [96, 192])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("ws", VARIANTS)
-def test_gluon_forward_zero_padded_head_dims(ws, causal, D, launches, monkeypatch):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gluon_forward_zero_padded_head_dims(variant, causal, D, launches, monkeypatch):
     """D96 and D192 through the 128 and 256 kernels (descriptor blocks wider than the tensors:
     zeros read past D, the store clipped there): 1000 x 1000 (ragged blocks), GQA 2:1; the
     output buffer's columns past D must stay as they were (a view of a wider buffer)."""
-    monkeypatch.setattr(hopper, "ENABLED", True)
-    monkeypatch.setattr(hopper, "WS", ws)
+    _switch(monkeypatch, variant)
     q, k, v = _qkv(1, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda")
     out, lse = attention(q, k, v, causal, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1 and launches["attention_fwd"] == 0
@@ -269,12 +442,11 @@ def test_gluon_forward_zero_padded_head_dims(ws, causal, D, launches, monkeypatc
 
 @gpu
 @pytest.mark.parametrize("D", hopper.HEAD_DIMS)
-@pytest.mark.parametrize("ws", VARIANTS)
-def test_gluon_forward_on_strided_views(ws, D, launches, monkeypatch):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gluon_forward_on_strided_views(variant, D, launches, monkeypatch):
     """Views of one (B, L, 3 H, D) projection (SDPA's transposed layout): the descriptors take
     the strides, no copy; the output written into a (B, L, H, D) buffer's view."""
-    monkeypatch.setattr(hopper, "ENABLED", True)
-    monkeypatch.setattr(hopper, "WS", ws)
+    _switch(monkeypatch, variant)
     B, L, H = 2, 333, 4
     qkv = randn(B, L, 3 * H, D, dtype=torch.bfloat16, device="cuda")
     q, k, v = (t.transpose(1, 2) for t in qkv.split(H, dim=2))
@@ -300,6 +472,25 @@ def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, 
     out, lse = attention(q, k, v, causal, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1
     _check(q, k, v, causal, out, lse)
+
+
+@gpu
+@pytest.mark.heavy
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D,cand", [pytest.param(d, i, id=f"pingpong-D{d}-{m}x{n}/{st}") for d in hopper.HEAD_DIMS
+                                    for i, (m, n, st) in enumerate(hopper.PINGPONG_CONFIGS[d])])
+def test_every_pingpong_candidate_matches_reference(D, cand, causal, launches, monkeypatch):
+    """Each ping-pong candidate alone (two consumers, or three at 192 rows) on every shape of
+    ``GPU_CASES``: whole and ragged blocks, GQA and MQA, causal offsets both ways (rows that
+    see no key: O = 0, LSE -inf), rings and turns wrapping many times; fresh inputs a shape."""
+    _switch(monkeypatch, "pingpong")
+    monkeypatch.setattr(hopper, "_PP_CANDIDATES", {D: [hopper._PP_CANDIDATES[D][cand]]})
+    monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
+    for n, case in enumerate(GPU_CASES, 1):
+        q, k, v = _qkv(*case.values, D, torch.bfloat16, "cuda")
+        out, lse = attention(q, k, v, causal, return_lse=True)
+        assert launches["attention_fwd_hopper"] == n and launches["attention_fwd"] == 0
+        _check(q, k, v, causal, out, lse)
 
 
 @gpu
@@ -393,3 +584,66 @@ def test_gluon_launches_match_the_compiled_specs():
         assert rec["signature"] == sig
         assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
         assert rec["num_warps"] == constexprs["num_warps"]
+
+
+_PP_LAUNCH_SCRIPT = """
+import json, sys, torch
+import fused_block
+from fused_block import _backend
+from fused_block.kernels import common, fake_driver
+from fused_block.kernels.attention import hopper
+
+common.TUNE = False
+cands = hopper._PP_CANDIDATES
+out = []
+with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
+        _backend.host_only(stub=False):
+    hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG = True, False, False, True
+    for D in sorted(hopper.PADDED):
+        for i, cfg in enumerate(cands[hopper.PADDED[D]]):
+            hopper._PP_CANDIDATES = {hopper.PADDED[D]: [cfg]}
+            hopper._CACHE = common.ConfigCache("attention_fwd_hopper")
+            for causal in (False, True):
+                fake.launches.clear()
+                qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
+                q = qkv[:, :, :4].transpose(1, 2)
+                k = torch.randn(1, 2, 333, D, dtype=torch.bfloat16)
+                v = torch.randn(1, 2, 333, D, dtype=torch.bfloat16)
+                fused_block.attention(q, k, v, causal=causal)
+                (rec,) = fake.launches
+                src = rec.compiled.src
+                out.append(dict(D=D, cand=i, causal=causal, name=rec.compiled.name, grid=list(rec.grid),
+                                ints=list(rec.args[5:9]), signature=src.signature,
+                                constants={src.fn.arg_names[i[0]]: getattr(v, "value", v)
+                                           for i, v in src.constants.items()},
+                                num_warps=rec.compiled.options["num_warps"]))
+json.dump(out, sys.stdout)
+"""
+
+
+def test_pingpong_launches_match_the_compiled_specs():
+    """Every ping-pong candidate launched through Triton's launch path on CPU tensors (the fake
+    driver checks the arguments): one launch of ``_attn_fwd_hopper_pp`` a call, a program per
+    128 or 192 query rows (300 rows: 3 or 2 blocks) and head, 64-row Q and O descriptors, and
+    exactly the signature and constexprs the compile check builds."""
+    import json
+    import pathlib
+
+    from fused_block.kernels import fake_driver
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = fake_driver.run_without_interpreter(["-c", _PP_LAUNCH_SCRIPT], cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = json.loads(proc.stdout)
+    assert len(launches) == 2 * sum(len(hopper.PINGPONG_CONFIGS[hopper.PADDED[D]]) for D in hopper.PADDED)
+    for rec in launches:
+        head_d = hopper.PADDED[rec["D"]]
+        block_m, block_n, stages = hopper.PINGPONG_CONFIGS[head_d][rec["cand"]]
+        sig, constexprs = hopper.aot_spec_args("bf16", head_d, rec["causal"], block_n, stages, ws=True,
+                                               block_m=block_m)
+        assert rec["name"] == "_attn_fwd_hopper_pp"
+        assert rec["grid"] == [common.cdiv(300, block_m) * 4, 1, 1]
+        assert rec["ints"] == [4, 2, 300, 333]
+        assert rec["signature"] == sig and "[1, 1, 64, " in sig["QD"] and "[1, 1, 64, " in sig["OD"]
+        assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
+        assert rec["num_warps"] == constexprs["num_warps"] == 4

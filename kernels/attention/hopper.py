@@ -1,9 +1,11 @@
 """Opt-in Hopper attention forwards in Gluon (``triton.experimental.gluon``): explicit wgmma,
 TMA and mbarriers, with FlashAttention-3's intra-warpgroup overlap; ``_attn_fwd_hopper`` in
 one partition, ``_attn_fwd_hopper_ws`` with FA3's partitions (a TMA loader warp and two
-consumer warpgroups, ``gl.warp_specialize``).
+consumer warpgroups, ``gl.warp_specialize``), ``_attn_fwd_hopper_pp`` the same partitions (two
+or three consumers) under FA3's ping-pong schedule of the consumers' products.
 
-Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first) or ``=ws`` (the second) is set, on
+Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first), ``=ws`` (the second) or
+``=pingpong`` (the third) is set, on
 sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64, 128 or 256
 (96 and 192 through the 128 and 256 kernels, zero columns: :data:`PADDED`),
 no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
@@ -75,12 +77,23 @@ CONFIGS = {64: ((128, 3), (128, 2), (64, 4)), 128: ((128, 2), (64, 3), (64, 4)),
 PERSISTENT_CONFIGS = {64: ((128, 3),), 128: ((128, 2),), 256: ((64, 2),)}
 # The warp-specialized variant's (``_attn_fwd_hopper_ws``): consumers at 240 registers.
 WS_CONFIGS = {64: ((128, 2), (128, 3)), 128: ((128, 2), (64, 3)), 256: ((64, 2),)}
-_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_N=n, STAGES=st, WS=ws,
-                                          PERSISTENT=persistent)
+_CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOCK_M=BLOCK_M, BLOCK_N=n, STAGES=st,
+                                          WS=ws, PERSISTENT=persistent, PINGPONG=False)
                          for table, persistent in (((WS_CONFIGS, False),) if ws else
                                                    ((CONFIGS, False), (PERSISTENT_CONFIGS, True)))
                          for n, st in table[d]]
                for d in HEAD_DIMS for ws in (False, True)}
+# The ping-pong variant's (``_attn_fwd_hopper_pp``), (BLOCK_M, BLOCK_N, STAGES): BLOCK_M // 64
+# consumer warpgroups. One K/V ring for all consumers (FA3's): a ring per consumer would double
+# the shared memory, 2 x 2 x 64 KB of K + V stages at D128 and 128 keys (+ 32 KB of Q) > 227 KB.
+# The warp-specialized kernel's tiles; at D64 also FA3's three consumers (192 query rows) with
+# 64 keys a step (at 128 keys, FA3's, the consumers' 160 registers spill: 192 bytes of stack).
+# D256 has the ws kernel's tile (FA3 takes no scheduler barrier there: its consumers' softmax
+# is short beside D256's products; here for the same supports() as the ws kernel).
+PINGPONG_CONFIGS = {64: ((128, 128, 2), (128, 128, 3), (192, 64, 3)), 128: ((128, 128, 2), (128, 64, 3)),
+                    256: ((128, 64, 2),)}
+_PP_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, BLOCK_N=n, STAGES=st, WS=True, PERSISTENT=False,
+                                       PINGPONG=True) for m, n, st in PINGPONG_CONFIGS[d]] for d in HEAD_DIMS}
 # FA3's L2 sections: as many heads a section as keep their K and V (at most this much) in L2.
 L2_KV_BYTES = 32 << 20
 _CACHE = common.ConfigCache("attention_fwd_hopper")
@@ -88,10 +101,13 @@ _LOG2E = 1.4426950408889634
 
 # The opt-in switch, read once at import (no environment lookup per call; tests set these):
 # "1" the single-partition kernel (its persistent form a timed candidate), "ws" the
-# warp-specialized one, "persistent" the single-partition kernel in its persistent form only.
-ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent")
+# warp-specialized one, "persistent" the single-partition kernel in its persistent form only,
+# "pingpong" the warp-specialized kernel with FA3's ping-pong schedule (its candidates timed
+# among themselves; not among ``ws``'s, whose runs it would otherwise join untested).
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent", "pingpong")
 WS = os.environ.get(ENV, "0") == "ws"
 PERSISTENT = os.environ.get(ENV, "0") == "persistent"
+PINGPONG = os.environ.get(ENV, "0") == "pingpong"
 
 
 @gluon.constexpr_function
@@ -414,18 +430,20 @@ def _ws_consumer(q_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 @gluon.jit
 def _ws_loader(QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv, m0,
                n_blocks):
-    """The TMA warp: both halves of Q, then K_j and V_j into slot j % STAGES once both consumers
+    """The TMA warp: each consumer's 64 rows of Q (``q_smem``'s leading dim: 2, or 3 in the
+    ping-pong kernel's D64 form), then K_j and V_j into slot j % STAGES once every consumer
     released the slot's previous block (its empty barrier's previous phase)."""
     HALF_M: gl.constexpr = q_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[3]
     STAGES: gl.constexpr = k_smem.shape[0]
-    for i in gl.static_range(2):
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    for i in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bar.index(i), QD.block_type.nbytes)
         tma.async_copy_global_to_shared(QD, [b, h, m0 + i * HALF_M, 0], q_bar.index(i), q_smem.index(i))
     kv_bytes: gl.constexpr = KD.block_type.nbytes
     for j in range(n_blocks):
         slot = j % STAGES
-        # Round r = j // STAGES of a slot waits for both consumers' release of round r - 1.
+        # Round r = j // STAGES of a slot waits for every consumer's release of round r - 1.
         phase = ((j // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase, pred=j >= STAGES)
         mbarrier.expect(k_ready.index(slot), kv_bytes)
@@ -492,6 +510,188 @@ def _attn_fwd_hopper_ws(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
 
 
 # ---------------------------------------------------------------------------------------------
+# ping-pong variant: FA3's schedule of the consumer warpgroups' products
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _pp_consumer(q_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, turn_next, OD, LSE, b, h, r0,
+                 Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale):
+    """One consumer warpgroup of ``_attn_fwd_hopper_pp``: query rows [r0, r0 + 64), the
+    warp-specialized consumer's step in FA3's order (``mainloop_fwd_sm90_tma_gmma_ws.hpp``,
+    IntraWGOverlap) under FA3's warp-scheduler barriers: before issuing a step's products the
+    warpgroup waits for its turn (``turn``, count 1: its k-th turn is phase k), and right
+    after issuing them it hands the turn to the next consumer (an arrive on ``turn_next``),
+    then waits for S and runs the softmax while the next warpgroup's products occupy the
+    tensor cores. The products of a step: S_j = Q K_j^T, then O rescaled by step j-1's factor
+    (O is no product's accumulator then), then O += P_{j-1} V_{j-1}. A consumer takes
+    n_blocks + 1 turns (step 0's QK^T, steps 1..n-1, the last PV), every consumer the same
+    number (one n_blocks for the CTA's rows), so the ring of turns closes."""
+    HALF_M: gl.constexpr = q_s.shape[2]
+    HEAD_D: gl.constexpr = q_s.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    dtype: gl.constexpr = OD.dtype
+    s_layout: gl.constexpr = _mma_layout(HALF_M, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(HALF_M, HEAD_D, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row = r0 + gl.arange(0, HALF_M, layout=row_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    o = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    q2 = q_s.reshape([HALF_M, HEAD_D])
+
+    # Turn 0: S_0 alone.
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    k2 = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
+    mbarrier.wait(turn, 0)
+    s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+    mbarrier.arrive(turn_next)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0))
+    if n_full > 0:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, cdiag, qk_scale, False, True, BLOCK_N,
+                                           s_layout)
+    else:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 0, row, Lk, cdiag, qk_scale, True, True, BLOCK_N,
+                                           s_layout)
+    p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+    # Turn j: S_j, O *= alpha_{j-1}, O += P_{j-1} V_{j-1}. (Step 0's alpha is 0 on O = 0.)
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
+        v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
+        mbarrier.wait(turn, j & 1)
+        s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+        mbarrier.arrive(turn_next)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(slot))
+        if j < n_full:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, False, True,
+                                               BLOCK_N, s_layout)
+        else:
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, True, True,
+                                               BLOCK_N, s_layout)
+        o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(prev))
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+    # Turn n_blocks: the last block's PV product.
+    last = n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    v2 = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D])
+    mbarrier.wait(turn, n_blocks & 1)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+    mbarrier.arrive(turn_next)
+    o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+    mbarrier.arrive(v_empty.index(last % STAGES))
+
+    empty = l_i == 0.0
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+    o = o / gl.expand_dims(l_o, 1)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
+    q_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))  # its own products are done with Q
+    fence_async_shared()
+    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], q_s)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
+def _attn_fwd_hopper_pp(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
+                        IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_fwd_hopper_ws`` with FA3's ping-pong schedule: BLOCK_M // 64 consumer warpgroups
+    (2, or 3 at D64 as FA3's 192-row tile) of 64 query rows each, the default partition (4
+    warps) the first, and the TMA loader warp feeding one K/V ring that every consumer reads
+    (a slot's empty barrier counts one arrive per consumer). The consumers issue their products
+    in turn, consumer c after consumer c - 1 (mod their number), through one mbarrier each
+    (``turn``; FA3 uses named barriers, which Gluon does not expose): consumer 0's barrier
+    completes its first phase here, before the partitions start, so it goes first. Registers
+    (``setmaxnreg``): two consumers 240 each and the loader 24 (FA3's); three: the workers 160
+    and the loader 24 (FA3: 160, and 32 for its 4-warp producer), the default partition what
+    is left (168: 128 x 168 + 2 x 128 x 160 + 128 x 24 = the register file's 64K, the loader
+    warp's group counted whole)."""
+    CONSUMERS: gl.constexpr = BLOCK_M // 64
+    dtype: gl.constexpr = QD.dtype
+    n_m = gl.cdiv(Lq, BLOCK_M)
+    pid = gl.program_id(0)
+    mblk = n_m - 1 - pid % n_m
+    bh = pid // n_m
+    b = bh // Hq
+    h = bh % Hq
+    hkv = h // GROUP
+    m0 = mblk * BLOCK_M
+    off = Lk - Lq
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, m0 + BLOCK_M + off)
+        full = gl.maximum(gl.minimum(Lk, m0 + off + 1), 0)
+        cdiag = off
+    else:
+        hi = Lk
+        full = Lk
+        cdiag = Lk
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    n_full = full // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    mbarrier.arrive(turn.index(0))  # consumer 0 takes the first turn
+
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_pp_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
+                            turn.index(0), turn.index(1), OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag, n_blocks, n_full,
+                            qk_scale)),
+            (_pp_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
+                            turn.index(1), turn.index(2), OD, LSE, b, h, m0 + 64, Hq, Lq, Lk, cdiag, n_blocks,
+                            n_full, qk_scale)),
+            (_pp_consumer, (q_smem.index(2), k_smem, v_smem, q_bar.index(2), k_ready, v_ready, k_empty, v_empty,
+                            turn.index(2), turn.index(0), OD, LSE, b, h, m0 + 128, Hq, Lq, Lk, cdiag, n_blocks,
+                            n_full, qk_scale)),
+            (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv,
+                          m0, n_blocks)),
+        ], [4, 4, 1], [160, 160, 24])
+    else:
+        gl.warp_specialize([
+            (_pp_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
+                            turn.index(0), turn.index(1), OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag, n_blocks, n_full,
+                            qk_scale)),
+            (_pp_consumer, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty, v_empty,
+                            turn.index(1), turn.index(0), OD, LSE, b, h, m0 + 64, Hq, Lq, Lk, cdiag, n_blocks,
+                            n_full, qk_scale)),
+            (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv,
+                          m0, n_blocks)),
+        ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
 
@@ -519,10 +719,14 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     Lk = k.shape[2]
     launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
     # The tile count's bucket: whether a program per tile or per SM wins depends on it.
-    key = (D, WS, PERSISTENT, bool(causal), _bucket(Lq), _bucket(Lk), _bucket(B * Hq * common.cdiv(Lq, BLOCK_M)))
-    cands = _CANDIDATES[PADDED[D], WS]
-    if PERSISTENT and not WS:
-        cands = [c for c in cands if c["PERSISTENT"]]
+    key = (D, WS, PERSISTENT, PINGPONG, bool(causal), _bucket(Lq), _bucket(Lk),
+           _bucket(B * Hq * common.cdiv(Lq, BLOCK_M)))
+    if PINGPONG:
+        cands = _PP_CANDIDATES[PADDED[D]]
+    else:
+        cands = _CANDIDATES[PADDED[D], WS]
+        if PERSISTENT and not WS:
+            cands = [c for c in cands if c["PERSISTENT"]]
     cfg = _CACHE.get(key, cands, lambda c: _launch(c, launch))
     _launch(cfg, launch)
 
@@ -532,24 +736,26 @@ def _launch(cfg, launch) -> None:
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     head_d = PADDED[D]  # blocks HEAD_D wide over the D-wide tensors (zeros past D)
-    block_n, ws = cfg["BLOCK_N"], cfg["WS"]
-    q_rows = BLOCK_M // 2 if ws else BLOCK_M  # the WS kernel's consumers load and store 64 rows each
+    block_m, block_n, ws = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["WS"]
+    q_rows = 64 if ws else block_m  # the WS kernels' consumers load and store 64 rows each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
     for t, s, rows in ((q, strides[0], q_rows), (k, strides[1], block_n), (v, strides[2], block_n),
                        (out, strides[3], q_rows)):
         descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, head_d], _layout(rows, head_d, gdt)))
-    tiles = common.cdiv(Lq, BLOCK_M) * B * Hq
+    tiles = common.cdiv(Lq, block_m) * B * Hq
     args = (*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale)
     if cfg["PERSISTENT"]:
         kernel, grid = _attn_fwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
         args += (B * Hq, _section(Lk, head_d, q.element_size(), Hq // Hkv))
+    elif cfg["PINGPONG"]:
+        kernel, grid = _attn_fwd_hopper_pp, (tiles,)
     else:
         kernel, grid = (_attn_fwd_hopper_ws if ws else _attn_fwd_hopper), (tiles,)
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
         return
-    kernel[grid](*args, IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=cfg["STAGES"],
+    kernel[grid](*args, IS_CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=cfg["STAGES"],
                  num_warps=cfg.num_warps)
 
 
@@ -562,17 +768,18 @@ def _section(Lk: int, head_d: int, elem: int, group: int) -> int:
 
 
 def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False,
-                  persistent: bool = False) -> tuple:
-    """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
+                  persistent: bool = False, block_m: int = BLOCK_M) -> tuple:
+    """(signature, constexprs) of one compiled variant, for ``specs.aot_specs`` (``ws`` for both
+    warp-specialized kernels; ``block_m`` the ping-pong kernel's 128 or 192 rows)."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
-    q_rows = BLOCK_M // 2 if ws else BLOCK_M
+    q_rows = 64 if ws else block_m
     sig = {}
     for name, rows in (("QD", q_rows), ("KD", block_n), ("VD", block_n), ("OD", q_rows)):
         sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
     sig.update(LSE="*fp32", Hq="i32", GROUP="i32", Lq="i32", Lk="i32", qk_scale="fp32")
     if persistent:
         sig.update(BH="i32", SECTION="i32")
-    constexprs = dict(IS_CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
+    constexprs = dict(IS_CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
                       num_warps=4 if ws else NUM_WARPS)
     for name in constexprs:
         sig[name] = "constexpr"

@@ -253,6 +253,20 @@ def aot_specs(exhaustive=None) -> list:
                         fn=getattr(hopper, f"_attn_fwd_hopper{variant}"), signature=sig,
                         constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
                         tma=True, hot_loops=True, archs=(90,)))
+    # The ping-pong variant (hopper.PINGPONG_CONFIGS: 2 consumers, or 3 at 192 rows), the same way.
+    for block_d, cands in hopper.PINGPONG_CONFIGS.items():
+        for block_m, block_n, stages in cands:
+            items.setdefault(("hopper", "_pp", block_d), []).append([])
+            for causal in (True, False):
+                items["hopper", "_pp", block_d][-1].append(len(specs))
+                sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws=True,
+                                                       block_m=block_m)
+                specs.append(aot.KernelSpec(
+                    name=(f"attention_fwd_hopper_pp (Gluon) D{block_d} 16 {block_m}x{block_n}/{stages}: "
+                          f"{'causal' if causal else 'full'}"),
+                    fn=hopper._attn_fwd_hopper_pp, signature=sig, constexprs=constexprs,
+                    num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
+                    archs=(90,)))
     # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition and warp-specialized:
     # sm_90 only, every candidate (one build serves causal and not: causality is a runtime
     # bound), bf16.
