@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from fused_block.kernels import common
-from fused_block.kernels.attention.forward import _SHAPE_ARGS
+from fused_block.kernels.attention.forward import _SHAPE_ARGS, _lpt_tile
 from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _desc3, _dropout_keep, _find_seq,
                                                    _key_ranges, _load, _query_ranges, _score_mod, _store)
 
@@ -453,8 +453,8 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
            BLOCK_M, BLOCK_D, USE_TMA)
 
 
-@triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BIAS, AMASK, KR, QR,
+@triton.jit(do_not_specialize=_SHAPE_ARGS + ("GH",))
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLOPES, BIAS, AMASK, KR, QR,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
@@ -464,14 +464,15 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
               stride_mb, stride_stat, stride_slb,
               stride_bb, stride_bh, stride_bm, stride_bn,
               stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh, stride_qrb, stride_qrh,
-              Hq, Hkv, GROUPS, Lq, Lk, D, NSEQ, win_left, win_right,
+              Hq, Hkv, GROUPS, Lq, Lk, D, NSEQ, GH, win_left, win_right,
               scale, dropout_p, softcap,
               IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
-              BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
+              BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, SCHED: tl.constexpr, STAT_ALIGN: tl.constexpr,
+              INTERPRET: tl.constexpr):
     """Per (batch, kv head): programs [0, kv_blocks) compute dK/dV (BLOCK_N1 keys, BLOCK_M1
     queries per step), the next q_blocks * GROUPS programs dQ (BLOCK_M2 queries, BLOCK_N2 keys
     per step), each head's query blocks heaviest first. DK and DV share strides. The band as
@@ -482,7 +483,12 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
     gradient is :func:`dbias._attn_dbias`'s).
 
     ``VARLEN``: per kv head, the virtual key blocks of :func:`_find_seq` (twice with
-    ``SPLIT_KV``), then the group's virtual query blocks; unused ones return at once."""
+    ``SPLIT_KV``), then the group's virtual query blocks; unused ones return at once.
+
+    ``SCHED`` = 1: the programs in longest-first order over all kv heads
+    (:func:`forward._lpt_tile`: kv heads in groups of ``GH``, a group's programs by rank, its
+    heads innermost); ``ORDER`` maps a rank to the program number above (its role and block),
+    most work first (the launcher's ``_bwd_order``)."""
     pid = tl.program_id(0)
     seed = 0
     if HAS_DROPOUT:
@@ -494,8 +500,12 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
         n_q = Lq // BLOCK_M2 + NSEQ
         kv_programs = n_kv * (2 if SPLIT_KV else 1)
         per_head = kv_programs + n_q * GROUPS
-        hk = pid // per_head
-        r = pid % per_head
+        if SCHED == 1:
+            hk, rank = _lpt_tile(pid, per_head, Hkv, GH)
+            r = tl.load(ORDER + rank)
+        else:
+            hk = pid // per_head
+            r = pid % per_head
         if r < kv_programs:
             b, first = _find_seq(CU_K, NSEQ, r % n_kv, BLOCK_N1)
             start = (r % n_kv - first) * BLOCK_N1
@@ -568,8 +578,12 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
         num_n_blocks = tl.cdiv(Lk, BLOCK_N1)
         num_m_blocks = tl.cdiv(Lq, BLOCK_M2)
         per_head = num_n_blocks * (2 if SPLIT_KV else 1) + num_m_blocks * GROUPS
-        bhk = pid // per_head
-        r = pid % per_head
+        if SCHED == 1:
+            bhk, rank = _lpt_tile(pid, per_head, NSEQ * Hkv, GH)
+            r = tl.load(ORDER + rank)
+        else:
+            bhk = pid // per_head
+            r = pid % per_head
         b = bhk // Hkv
         hk = bhk % Hkv
         # Known non-negative, hk's int64 offsets are zero-extended: no sign word held across the

@@ -45,13 +45,14 @@ from fused_block.kernels import common
 # spill-free with it.
 # ---------------------------------------------------------------------------------------------
 
-def _fwd_cfg(bm, bn, warps, stages, ws=False):
-    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, WS=ws)
+def _fwd_cfg(bm, bn, warps, stages, ws=False, sched=0, vhost=False):
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, WS=ws, SCHED=sched,
+                            VHOST=vhost)
 
 
-def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False):
+def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False, sched=0):
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
-                            BLOCK_N2=n2, SPLIT_KV=split_kv)
+                            BLOCK_N2=n2, SPLIT_KV=split_kv, SCHED=sched)
 
 
 F, B = _fwd_cfg, _bwd_cfg
@@ -209,6 +210,29 @@ _SCORE_BWD = {arch: {
 # knows its kv head index is non-negative: 8 B spilled before).
 _SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 3, True)]
 
+# Scheduling candidates (docs/attention-scheduling.md), timed after the proven first config and
+# never first (they have not run on a GPU yet): ``sched`` 1 = one program per query block in
+# longest-first order over all heads (head groups sized to the L2 cache), 2 = the same order
+# on a persistent grid (one program per SM, snake order); for packed sequences ("band") also
+# with the packed tensors' host-side descriptors (``vhost``, sm_90), and 64-row blocks with 4 warps
+# (two programs per SM: one's prologue and epilogue under the other's K/V loop; a sequence's
+# partial last block and its diagonal blocks are half as large). The backward's: the first
+# config in longest-first order (``sched`` 1), plain and "band".
+for _arch in (90, 80):
+    for _bd in (64, 128):
+        _first = FWD_CONFIGS[_arch][(_bd, "16", False)][0]
+        _bm, _bn, _w, _s = _first["BLOCK_M"], _first["BLOCK_N"], _first.num_warps, _first.num_stages
+        FWD_CONFIGS[_arch][(_bd, "16", False)] += [_F(_bm, _bn, _w, _s, sched=1), _F(_bm, _bn, _w, _s, sched=2)]
+        _BAND_FWD.setdefault(_arch, {})[(_bd, "16", False)] = [
+            _first, _F(_bm, _bn, _w, _s, sched=1, vhost=_arch == 90), _F(_bm, _bn, _w, _s, sched=2, vhost=_arch == 90),
+            *([_F(64, 64, 4, 2, sched=1, vhost=True)] if _bd == 128 and _arch == 90 else [])]
+        # The backward: its first config's programs (dK/dV and dQ) in longest-first order.
+        _b = BWD_CONFIGS[_arch][(_bd, "16", False)][0]
+        _lpt = _B(*(_b[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")), _b.num_warps, _b.num_stages,
+                  _b["SPLIT_KV"], 1)
+        BWD_CONFIGS[_arch][(_bd, "16", False)] = [*BWD_CONFIGS[_arch][(_bd, "16", False)], _lpt]
+        _BAND_BWD.setdefault(_arch, {})[(_bd, "16", False)] = [_b, _lpt]
+del _arch, _bd, _first, _bm, _bn, _w, _s, _b, _lpt
 del _F, _B
 FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FWD),
                                           "score": _derived(FWD_CONFIGS, _SCORE_FWD)})
