@@ -96,8 +96,8 @@ def check(run, ref, tensors, names, *, mode="ieee", lse_weight=False, grads=True
 
 def forced_schedule(monkeypatch, sched: int, vhost: bool = False, l2_budget: int = 1):
     """Runs the forward with its first candidate changed to the tile order ``sched`` (and
-    ``vhost``: packed sequences through the host-side descriptors) and the backward with its
-    first in longest-first order (its ``SCHED`` 1), with fresh config caches and
+    ``vhost``: packed sequences through the host-side descriptors) and the backward's first
+    candidate to the same order (its ``SCHED`` 1 or 2), with fresh config caches and
     ``launchers.L2_BUDGET`` set to ``l2_budget`` bytes (1: a head per group, so the group
     arithmetic runs). Returns the list the launches append (kernel, SCHED, VHOST, grid) to."""
     from fused_block.kernels.attention import configs
@@ -117,7 +117,7 @@ def forced_schedule(monkeypatch, sched: int, vhost: bool = False, l2_budget: int
     def forced_bwd(*args):
         c = bwd_candidates(*args)[0]
         return [configs._bwd_cfg(*(c[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")), c.num_warps,
-                                 c.num_stages, c["SPLIT_KV"], 1)]
+                                 c.num_stages, c["SPLIT_KV"], min(sched, 2))]
 
     monkeypatch.setattr(launchers, "_bwd_candidates", forced_bwd)
     seen = []

@@ -550,7 +550,7 @@ def _bwd_candidates(arch, key, use_tma):
 
 def _bwd_launch(cfg, launch):
     """The backward's launch with ``cfg``: its mask ranges (with a general mask), program
-    order and grid."""
+    order and grid (``SCHED`` 2: one program per SM, persistent)."""
     ptrs, strides, tail, mask, shape, groups, varlen, nseq, Hkv, constexprs = launch
     q = ptrs[0]
     if mask is None:
@@ -568,7 +568,9 @@ def _bwd_launch(cfg, launch):
     if cfg["SCHED"]:
         gh = _l2_heads(ptrs[1], Lk, Hkv, B)  # kv heads per group
         order = _bwd_order(cfg, varlen, Lq, Lk, n_kv, n_q, groups, constexprs, tail[7], tail[8], q.device)
-    common.launch("attention_bwd", _attn_bwd, (_grid_size(per_head * B * Hkv),),
+    programs = per_head * B * Hkv
+    grid = (_grid_size(min(programs, common.sm_count(q.device)) if cfg["SCHED"] == 2 else programs),)
+    common.launch("attention_bwd", _attn_bwd, grid,
                   (*ptrs[:12], order, *ptrs[12:], kr, qr, *strides, *skr, *sqr, *tail[:7], gh, *tail[7:]),
                   constexprs, cfg)
 
