@@ -116,8 +116,9 @@ def forced_schedule(monkeypatch, sched: int, vhost: bool = False, l2_budget: int
 
     def forced_bwd(*args):
         c = bwd_candidates(*args)[0]
+        # persistent: dV and dK in programs of their own, as the tables' persistent configs
         return [configs._bwd_cfg(*(c[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")), c.num_warps,
-                                 c.num_stages, c["SPLIT_KV"], min(sched, 2))]
+                                 c.num_stages, c["SPLIT_KV"] or sched == 2, sched)]
 
     monkeypatch.setattr(launchers, "_bwd_candidates", forced_bwd)
     seen = []

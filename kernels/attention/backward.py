@@ -668,7 +668,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
         if SCHED == 2:
             nprog = tl.num_programs(0)
             n_tiles = per_head * Hkv
-            for rnd in tl.range(0, tl.cdiv(n_tiles, nprog)):
+            for rnd in tl.range(0, tl.cdiv(n_tiles, nprog), disable_licm=True):
                 t = rnd * nprog + tl.where(rnd % 2 == 0, pid, nprog - 1 - pid)
                 if t < n_tiles:
                     hk, rank = _lpt_tile(t, per_head, Hkv, GH)
@@ -731,7 +731,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
         if SCHED == 2:
             nprog = tl.num_programs(0)
             n_tiles = per_head * NSEQ * Hkv
-            for rnd in tl.range(0, tl.cdiv(n_tiles, nprog)):
+            for rnd in tl.range(0, tl.cdiv(n_tiles, nprog), disable_licm=True):
                 t = rnd * nprog + tl.where(rnd % 2 == 0, pid, nprog - 1 - pid)
                 if t < n_tiles:
                     bhk, rank = _lpt_tile(t, per_head, NSEQ * Hkv, GH)

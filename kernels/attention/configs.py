@@ -224,21 +224,25 @@ for _arch in (90, 80):
         _first = FWD_CONFIGS[_arch][(_bd, "16", False)][0]
         _bm, _bn, _w, _s = _first["BLOCK_M"], _first["BLOCK_N"], _first.num_warps, _first.num_stages
         # persistent: the tile loop around the K/V loops holds more registers (the first
-        # configs spilled 8-96 B): 2 stages; on sm_80 64-key blocks at D64, 64 x 32 blocks
-        # with 4 warps at D128 (its 128 x 32 with 8 warps sits at 255 registers already)
-        _p = (64, 32, 4) if (_arch, _bd) == (80, 128) else (_bm, min(_bn, 64) if _arch == 80 else _bn, _w)
-        FWD_CONFIGS[_arch][(_bd, "16", False)] += [_F(_bm, _bn, _w, _s, sched=1), _F(*_p, 2, sched=2)]
+        # configs spilled 8-96 B): 2 stages (1 on sm_80 at D128), 64-key blocks on sm_80
+        _p = (_bm, min(_bn, 64) if _arch == 80 else _bn, _w)
+        _ps = 1 if (_arch, _bd) == (80, 128) else 2
+        FWD_CONFIGS[_arch][(_bd, "16", False)] += [_F(_bm, _bn, _w, _s, sched=1), _F(*_p, _ps, sched=2)]
         _BAND_FWD.setdefault(_arch, {})[(_bd, "16", False)] = [
-            _first, _F(_bm, _bn, _w, _s, sched=1, vhost=_arch == 90), _F(*_p, 2, sched=2, vhost=_arch == 90),
+            _first, _F(_bm, _bn, _w, _s, sched=1, vhost=_arch == 90), _F(*_p, _ps, sched=2, vhost=_arch == 90),
             *([_F(64, 64, 4, 2, sched=1, vhost=True)] if _bd == 128 and _arch == 90 else [])]
         # The backward: its first config's programs (dK/dV and dQ) in longest-first order.
         _b = BWD_CONFIGS[_arch][(_bd, "16", False)][0]
         _blocks = tuple(_b[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))
+        # persistent: dV and dK in programs of their own, 2 stages (with both accumulators the
+        # first config spilled 24-232 B around the tile loop, 8-32 B with half its steps);
+        # sm_90 D128 also with the band dropout list's 16-row dK/dV and 32-key dQ steps (its
+        # own blocks spilled 16-104 B split)
         _lpt = (_B(*_blocks, _b.num_warps, _b.num_stages, _b["SPLIT_KV"], 1),
-                _B(*_blocks, _b.num_warps, 2, _b["SPLIT_KV"], 2))
+                _B(*((16, 128, 128, 32) if (_arch, _bd) == (90, 128) else _blocks), _b.num_warps, 2, True, 2))
         BWD_CONFIGS[_arch][(_bd, "16", False)] = [*BWD_CONFIGS[_arch][(_bd, "16", False)], *_lpt]
         _BAND_BWD.setdefault(_arch, {})[(_bd, "16", False)] = [_b, *_lpt]
-del _arch, _bd, _first, _bm, _bn, _p, _w, _s, _b, _blocks, _lpt
+del _arch, _bd, _first, _bm, _bn, _p, _ps, _w, _s, _b, _blocks, _lpt
 del _F, _B
 FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FWD),
                                           "score": _derived(FWD_CONFIGS, _SCORE_FWD)})

@@ -204,7 +204,7 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, ORDER, SINKS, SLOPES, BIA
             n_tiles = (Lq // BLOCK_M + NSEQ) * Hq
         else:
             n_tiles = tl.cdiv(Lq, BLOCK_M) * NSEQ * Hq
-        for rnd in tl.range(0, tl.cdiv(n_tiles, nprog)):
+        for rnd in tl.range(0, tl.cdiv(n_tiles, nprog), disable_licm=True):
             t = rnd * nprog + tl.where(rnd % 2 == 0, pid, nprog - 1 - pid)
             if t < n_tiles:
                 bh, b, start_m = _fwd_sched(t, CU_Q, ORDER, Hq, Lq, NSEQ, GH, VARLEN, BLOCK_M)

@@ -99,7 +99,8 @@ def _candidates(tables, interpret_cfg, arch, key, use_tma):
     if arch == 0:
         if "SPLIT_KV" in interpret_cfg.meta():
             # Split dK/dV programs where the GPU tables split them, so the interpreter runs them.
-            split = any(c["SPLIT_KV"] for t in tables.values() for c in t[key])
+            # (the scheduling candidates' own split persistent configs aside: tests force them)
+            split = any(c["SPLIT_KV"] and not c["SCHED"] for t in tables.values() for c in t[key])
             interpret_cfg = _bwd_cfg(*(interpret_cfg[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
                                      interpret_cfg.num_warps, interpret_cfg.num_stages, split)
         return [interpret_cfg]
