@@ -798,3 +798,17 @@ def test_every_shipped_config(kname, key, index, path_, device, launches, monkey
         out, lse = attention(q, k, v, True, None, mask, p, return_lse=True, **features)
     _compare(q, k, v, True, mask, p, dropout_mask=keep, out=out, lse=lse, mode=mode, **features)
     assert (launches["attention_tma"] > 0) == (path_ == "tma")
+
+
+def test_backward_order_puts_heavy_programs_first(device):
+    """The scheduled backward's program order (``launchers._bwd_order``), causal L = 128 in
+    64-key dK/dV and 64-query dQ blocks: key block 0 (all 128 queries, 4 products), the last
+    query block (128 keys, 3 products), key block 1 (64 queries), query block 0 (64 keys)."""
+    cfg = configs._bwd_cfg(32, 64, 64, 32, 1, 1)
+    constexprs = dict(IS_CAUSAL=True, WINDOW=False)
+    order = launchers._bwd_order(cfg, None, 128, 128, 2, 2, 1, constexprs, 0, 0, device)
+    assert order.tolist() == [0, 2, 1, 3]
+    # split dV (2 products) and dK (3): dK 0, dQ 1, dV 0, dK 1, dQ 0, dV 1
+    split = configs._bwd_cfg(32, 64, 64, 32, 1, 1, True)
+    order = launchers._bwd_order(split, None, 128, 128, 2, 2, 1, constexprs, 0, 0, device)
+    assert order.tolist() == [2, 4, 0, 3, 5, 1]

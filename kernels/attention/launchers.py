@@ -591,7 +591,8 @@ def _bwd_order(cfg, varlen, Lq: int, Lk: int, n_kv: int, n_q: int, groups: int, 
     if varlen is None and key in _BWD_ORDERS:
         return _BWD_ORDERS[key]
     if varlen is None:
-        cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int64, device=device) for n in (Lq, Lk))
+        # [0, n] by a device op (no host copy: a first call under CUDA graph capture works)
+        cu_q, cu_k = (torch.arange(2, device=device) * n for n in (Lq, Lk))
     else:
         cu_q, cu_k = varlen[0].long(), varlen[1].long()
     nseq = cu_q.numel() - 1
