@@ -92,3 +92,44 @@ def check(run, ref, tensors, names, *, mode="ieee", lse_weight=False, grads=True
         # rounding (delta = rowsum(dO * O) from the rounded O), so the inputs' dtype's atol.
         assert_close(f"d{name}", g, g64, gb, atol=ATOL[dtype] if g.dtype != dtype else None)
     return out, lse
+
+
+def forced_schedule(monkeypatch, sched: int, vhost: bool = False, l2_budget: int = 1):
+    """Runs the forward with its first candidate changed to the tile order ``sched`` (and
+    ``vhost``: packed sequences through the host-side descriptors) and the backward's first
+    candidate to the same order (its ``SCHED`` 1 or 2), with fresh config caches and
+    ``launchers.L2_BUDGET`` set to ``l2_budget`` bytes (1: a head per group, so the group
+    arithmetic runs). Returns the list the launches append (kernel, SCHED, VHOST, grid) to."""
+    from fused_block.kernels.attention import configs
+
+    monkeypatch.setattr(launchers, "_FWD_CACHE", common.ConfigCache("attention_fwd"))
+    monkeypatch.setattr(launchers, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    monkeypatch.setattr(launchers, "L2_BUDGET", l2_budget)
+    candidates = launchers._fwd_candidates
+
+    def forced(*args):
+        c = candidates(*args)[0]
+        return [configs._fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages, False, sched, vhost)]
+
+    monkeypatch.setattr(launchers, "_fwd_candidates", forced)
+    bwd_candidates = launchers._bwd_candidates
+
+    def forced_bwd(*args):
+        c = bwd_candidates(*args)[0]
+        # persistent: dV and dK in programs of their own, as the tables' persistent configs
+        return [configs._bwd_cfg(*(c[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")), c.num_warps,
+                                 c.num_stages, c["SPLIT_KV"] or sched == 2, sched)]
+
+    monkeypatch.setattr(launchers, "_bwd_candidates", forced_bwd)
+    seen = []
+    launch = common.launch
+
+    def record(name, kernel, grid, args, constexprs, config):
+        if name == "attention_fwd":
+            seen.append((name, config["SCHED"], config["VHOST"], grid))
+        elif name == "attention_bwd":
+            seen.append((name, config["SCHED"], None, grid))
+        return launch(name, kernel, grid, args, constexprs, config)
+
+    monkeypatch.setattr(common, "launch", record)
+    return seen

@@ -154,6 +154,39 @@ WS_CASES = [
 ]
 
 
+
+# The scheduled kernels (configs' timed candidates): the longest-first order (1) and its
+# persistent grid (2: four programs in the interpreter, several tiles each, the snake order's
+# reversed rounds), forward and backward (dK/dV and dQ programs). Cases: whole causal blocks
+# with a head per L2 group; non-causal partial blocks with padding (a fully padded batch) and
+# MQA, 4 (batch, head) pairs in groups of 3 and 1 (a partial last group); a causal window
+# over cross-attention (dense band class).
+SCHED_CASES = [
+    pytest.param(1, 2, 2, 128, 128, 64, True, False, (-1, -1), 1, id="self-128-causal-d64"),
+    pytest.param(2, 2, 1, 140, 140, 128, False, True, (-1, -1), 3, id="self-140-pad-d128-groups-3-1"),
+    pytest.param(1, 2, 2, 90, 120, 32, True, False, (40, -1), 2, id="cross-90x120-causal-window"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sched", (1, 2))
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding,window,group", SCHED_CASES)
+def test_scheduled_forward(B, Hq, Hkv, Lq, Lk, D, causal, padding, window, group, sched, dtype, device, launches,
+                           monkeypatch):
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
+    per_head = 2 * Lk * D * k.element_size() * Hkv // Hq  # launchers._l2_heads: K/V bytes per query head
+    seen = attention_testing.forced_schedule(monkeypatch, sched, l2_budget=group * per_head)
+    assert launchers._l2_heads(k, Lk, Hq, B) == group
+    mask = _padding(B, Lk, device) if padding else None
+    _compare(q, k, v, causal, mask, window=window)
+    _launched_once(launches)
+    assert [s[:2] for s in seen] == [("attention_fwd", sched), ("attention_bwd", sched)]
+    tiles = -(-Lq // configs.INTERPRET_FWD["BLOCK_M"]) * B * Hq
+    if device.type == "cpu":
+        assert seen[0][3] == ((min(tiles, common.sm_count(device)) if sched == 2 else tiles),)
+        assert sched == 1 or seen[1][3][0] <= common.sm_count(device)
+
+
 def _ws_forward(monkeypatch, switch=True):
     """Sets FUSED_BLOCK_WS's switch (``switch``) for this test, with a fresh forward config
     cache and on CUDA each key's first candidate taken (FUSED_BLOCK_TUNE=0: with the switch, a
@@ -765,3 +798,17 @@ def test_every_shipped_config(kname, key, index, path_, device, launches, monkey
         out, lse = attention(q, k, v, True, None, mask, p, return_lse=True, **features)
     _compare(q, k, v, True, mask, p, dropout_mask=keep, out=out, lse=lse, mode=mode, **features)
     assert (launches["attention_tma"] > 0) == (path_ == "tma")
+
+
+def test_backward_order_puts_heavy_programs_first(device):
+    """The scheduled backward's program order (``launchers._bwd_order``), causal L = 128 in
+    64-key dK/dV and 64-query dQ blocks: key block 0 (all 128 queries, 4 products), the last
+    query block (128 keys, 3 products), key block 1 (64 queries), query block 0 (64 keys)."""
+    cfg = configs._bwd_cfg(32, 64, 64, 32, 1, 1)
+    constexprs = dict(IS_CAUSAL=True, WINDOW=False)
+    order = launchers._bwd_order(cfg, None, 128, 128, 2, 2, 1, constexprs, 0, 0, device)
+    assert order.tolist() == [0, 2, 1, 3]
+    # split dV (2 products) and dK (3): dK 0, dQ 1, dV 0, dK 1, dQ 0, dV 1
+    split = configs._bwd_cfg(32, 64, 64, 32, 1, 1, True)
+    order = launchers._bwd_order(split, None, 128, 128, 2, 2, 1, constexprs, 0, 0, device)
+    assert order.tolist() == [2, 4, 0, 3, 5, 1]

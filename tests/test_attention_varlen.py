@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fused_block
-from attention_testing import check, path  # noqa: F401 - the fixture
+from attention_testing import check, forced_schedule, path  # noqa: F401 - the fixture
 from fused_block import _backend, reference
 from fused_block.attention import attention_varlen, attention_varlen_qkvpacked
 from fused_block.kernels import attention as kernels
@@ -278,3 +278,37 @@ def test_varlen_qkvpacked_bad_input(device, launches):
 def test_public_names():
     assert fused_block.attention_varlen is attention_varlen
     assert fused_block.attention_varlen_qkvpacked is attention_varlen_qkvpacked
+
+
+# The scheduled kernels (kernels/attention/configs.py's timed candidates): the longest-first
+# order (1) and its persistent grid (2, four programs in the interpreter: several tiles each,
+# unused virtual blocks among them), forward and backward, the forward through the packed
+# tensors' host-side descriptors on the TMA path (rows past a sequence's end read the next
+# sequence's: masked, not stored), a head per L2 group. Cases: the empty / length-1 /
+# mid-block sequences with GQA, and the cross-attention window (a sequence whose first
+# queries see no key).
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sched", (1, 2))
+@pytest.mark.parametrize("lq,lk,Hq,Hkv,D,options", [CASES[0], CASES[2]])
+def test_varlen_scheduled_forward(lq, lk, Hq, Hkv, D, options, sched, dtype, device, path, launches, monkeypatch):
+    seen = forced_schedule(monkeypatch, sched, vhost=True)
+    _check(lq, lk, Hq, Hkv, D, dtype, device, **options)
+    _launched_once(launches)
+    n_tiles = (sum(lq) // configs.INTERPRET_FWD["BLOCK_M"] + len(lq)) * Hq
+    assert [s[:3] for s in seen] == [("attention_fwd", sched, True), ("attention_bwd", sched, None)]
+    if device.type == "cpu":
+        assert seen[0][3] == ((min(n_tiles, common.sm_count(device)) if sched == 2 else n_tiles),)
+        assert sched == 1 or seen[1][3][0] <= common.sm_count(device)
+
+
+def test_varlen_order_puts_heavy_blocks_first(device):
+    """The scheduled forwards' block order: most keys first (ties in block order), the unused
+    virtual blocks last."""
+    lens = [5, 0, 130, 64]  # 64-row blocks: virtual numbers 0 | 1 (unused) | 2, 3, 4 | 5, 6 (unused)
+    cu = _cu(lens, device)
+    order = kernels.launchers._varlen_order(cu, cu, sum(lens) // 64 + len(lens), 64, True, False, 0, 0)
+    # causal: the 130's blocks see 130, 128 and 64 keys, the 64's one 64, the 5's one 5.
+    assert order.tolist() == [4, 3, 2, 5, 0, 1, 6]
+    # without causality every block of a sequence sees all its keys
+    order = kernels.launchers._varlen_order(cu, cu, sum(lens) // 64 + len(lens), 64, False, False, 0, 0)
+    assert order.tolist() == [2, 3, 4, 5, 0, 1, 6]

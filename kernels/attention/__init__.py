@@ -49,6 +49,10 @@ Kernels:
   Where dK's and dV's fp32 accumulators cannot share the registers (``SPLIT_KV`` configs:
   D = 256, some fp32 and dropout classes), each key block gets a dV program and a dK
   program (which recomputes P).
+- Tile orders (``SCHED``, timed candidates only, docs/attention-scheduling.md): 1, both
+  kernels' programs in longest-first order over all heads (heads in L2-sized groups); 2, the
+  same order on a persistent grid. ``VHOST``: packed sequences through the host-side
+  descriptors of the packed tensors (the default builds four tensor maps per program).
 - Score modifications (``helpers._score_mod``: softcap, ALiBi, an additive bias, a bool mask)
   in every K/V step of the forward and both backward halves; attention sinks in the forward's
   epilogue and the preprocess (their gradient). Feature classes "band" (window, varlen) and

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from fused_block.kernels import common
-from fused_block.kernels.attention.forward import _SHAPE_ARGS
+from fused_block.kernels.attention.forward import _SHAPE_ARGS, _lpt_tile
 from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _desc3, _dropout_keep, _find_seq,
                                                    _key_ranges, _load, _query_ranges, _score_mod, _store)
 
@@ -453,8 +453,172 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
            BLOCK_M, BLOCK_D, USE_TMA)
 
 
-@triton.jit(do_not_specialize=_SHAPE_ARGS)
-def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BIAS, AMASK, KR, QR,
+@triton.jit
+def _bwd_varlen_roles(r, hk, b, start, q0, k0, Lq, Lk, n_kv, n_q, kv_programs, seed, inv_keep, qk_scale, Q, K, V, DO,
+                   DQ, DK, DV, STATS, MASK, SLOPES, BIAS, AMASK, KR, QR, stride_qb, stride_qh, stride_qm, stride_kb,
+                   stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                   stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn, stride_mb, stride_stat,
+                   stride_slb, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                   stride_krb, stride_krh, stride_qrb, stride_qrh, Hq, Hkv, GROUPS, D, win_left, win_right, scale,
+                   dropout_p, softcap, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                   HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+                   EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                   BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Program ``r`` of kv head ``hk`` on packed sequences: sequence ``b``, its queries and keys
+    from tokens ``q0`` and ``k0`` (``Lq``, ``Lk`` its lengths), its block from row ``start``
+    (the role by ``r``: :func:`_attn_bwd`'s numbering)."""
+    k_base = K + k0.to(tl.int64) * stride_kn + hk.to(tl.int64) * stride_kh
+    v_base = V + k0.to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
+    diag_hi = Lk - Lq + win_right
+    diag_lo = Lk - Lq - win_left
+    h = hk * GROUPS + (r - kv_programs) // n_q
+    if SPLIT_KV:
+        if r < n_kv:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                              Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
+                              IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
+                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+        elif r < 2 * n_kv:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                              Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
+                              IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
+                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+        else:
+            _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, MASK, b, h, start, q0,
+                            stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                            stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_stat,
+                            Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                            softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
+                            IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                            HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                            BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
+    elif r < n_kv:
+        _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
+                          stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                          stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                          Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                          softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                          stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
+                          IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                          HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
+                          BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+    else:
+        _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, MASK, b, h, start, q0,
+                        stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                        stride_dqb, stride_dqh, stride_dqm, stride_stat,
+                        Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                        softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                        stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
+                        IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
+                        USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                        BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
+
+
+@triton.jit
+def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep, qk_scale, Q, K, V, DO, DQ, DK, DV,
+                  STATS, MASK, SLOPES, BIAS, AMASK, KR, QR, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                  stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_dqb,
+                  stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn, stride_mb, stride_stat, stride_slb,
+                  stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_krb,
+                  stride_krh, stride_qrb, stride_qrh, Hq, Hkv, GROUPS, D, win_left, win_right, scale, dropout_p,
+                  softcap, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
+                  HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
+                  BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program ``r`` of the flat (batch, kv head) ``bhk`` (the role by ``r``: :func:`_attn_bwd`'s
+    numbering)."""
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    # Known non-negative, hk's int64 offsets are zero-extended: no sign word held across the
+    # loops for the epilogue (ptxas spilled it, 8 B at D = 256 with dropout, ALiBi, a bias
+    # and a mask on sm_90's pointer path).
+    tl.assume(hk >= 0)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    pad_base = MASK + b.to(tl.int64) * stride_mb
+    diag_hi = Lk - Lq + win_right
+    diag_lo = Lk - Lq - win_left
+    # One call per (SPLIT_KV, role): folding the calls into fewer (a computed key block, a
+    # constexpr part) moved several configs sitting at 255 registers into spills.
+    if SPLIT_KV:
+        # dK and dV accumulators do not fit in registers together: a dV program and a dK
+        # program per key block (the dK one recomputes P).
+        if r < num_n_blocks:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1, 0, 0,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                              Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
+                              IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
+                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+        elif r < 2 * num_n_blocks:
+            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk,
+                              (r - num_n_blocks) * BLOCK_N1, 0, 0,
+                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                              Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
+                              IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
+                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+        else:
+            r2 = r - 2 * num_n_blocks
+            _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+                            (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2, 0,
+                            stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
+                            stride_dom,
+                            stride_dqb, stride_dqh, stride_dqm, stride_stat,
+                            Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                            softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
+                            IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                            HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                            BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
+    elif r < num_n_blocks:
+        _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1, 0, 0,
+                          stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                          stride_dkb, stride_dkh, stride_dkn, stride_stat,
+                          Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                          softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                          stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
+                          IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                          HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
+                          BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+    else:
+        r2 = r - num_n_blocks
+        _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
+                        (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2, 0,
+                        stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
+                        stride_dqb, stride_dqh, stride_dqm, stride_stat,
+                        Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
+                        softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
+                        stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
+                        IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
+                        USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2,
+                        BLOCK_N2, STAT_ALIGN, INTERPRET)
+
+
+
+
+@triton.jit(do_not_specialize=_SHAPE_ARGS + ("GH",))
+def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLOPES, BIAS, AMASK, KR, QR,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
@@ -464,14 +628,15 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
               stride_mb, stride_stat, stride_slb,
               stride_bb, stride_bh, stride_bm, stride_bn,
               stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh, stride_qrb, stride_qrh,
-              Hq, Hkv, GROUPS, Lq, Lk, D, NSEQ, win_left, win_right,
+              Hq, Hkv, GROUPS, Lq, Lk, D, NSEQ, GH, win_left, win_right,
               scale, dropout_p, softcap,
               IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
-              BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
+              BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, SCHED: tl.constexpr, STAT_ALIGN: tl.constexpr,
+              INTERPRET: tl.constexpr):
     """Per (batch, kv head): programs [0, kv_blocks) compute dK/dV (BLOCK_N1 keys, BLOCK_M1
     queries per step), the next q_blocks * GROUPS programs dQ (BLOCK_M2 queries, BLOCK_N2 keys
     per step), each head's query blocks heaviest first. DK and DV share strides. The band as
@@ -482,7 +647,13 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
     gradient is :func:`dbias._attn_dbias`'s).
 
     ``VARLEN``: per kv head, the virtual key blocks of :func:`_find_seq` (twice with
-    ``SPLIT_KV``), then the group's virtual query blocks; unused ones return at once."""
+    ``SPLIT_KV``), then the group's virtual query blocks; unused ones return at once.
+
+    ``SCHED`` = 1: the programs in longest-first order over all kv heads
+    (:func:`forward._lpt_tile`: kv heads in groups of ``GH``, a group's programs by rank, its
+    heads innermost); ``ORDER`` maps a rank to the program number above (its role and block),
+    most work first (the launcher's ``_bwd_order``). 2: the same order persistent, the grid's
+    programs taking its tiles in turn (snake order: round k's in reverse when k is odd)."""
     pid = tl.program_id(0)
     seed = 0
     if HAS_DROPOUT:
@@ -494,152 +665,100 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, SLOPES, BI
         n_q = Lq // BLOCK_M2 + NSEQ
         kv_programs = n_kv * (2 if SPLIT_KV else 1)
         per_head = kv_programs + n_q * GROUPS
-        hk = pid // per_head
-        r = pid % per_head
-        if r < kv_programs:
-            b, first = _find_seq(CU_K, NSEQ, r % n_kv, BLOCK_N1)
-            start = (r % n_kv - first) * BLOCK_N1
+        if SCHED == 2:
+            nprog = tl.num_programs(0)
+            n_tiles = per_head * Hkv
+            for rnd in tl.range(0, tl.cdiv(n_tiles, nprog), disable_licm=True):
+                t = rnd * nprog + tl.where(rnd % 2 == 0, pid, nprog - 1 - pid)
+                if t < n_tiles:
+                    hk, rank = _lpt_tile(t, per_head, Hkv, GH)
+                    r = tl.load(ORDER + rank)
+                    if r < kv_programs:
+                        b, first = _find_seq(CU_K, NSEQ, r % n_kv, BLOCK_N1)
+                        start = (r % n_kv - first) * BLOCK_N1
+                    else:
+                        b, first = _find_seq(CU_Q, NSEQ, n_q - 1 - (r - kv_programs) % n_q, BLOCK_M2)
+                        start = (n_q - 1 - (r - kv_programs) % n_q - first) * BLOCK_M2
+                    q0 = tl.load(CU_Q + b)
+                    k0 = tl.load(CU_K + b)
+                    seq_q = tl.load(CU_Q + b + 1) - q0
+                    seq_k = tl.load(CU_K + b + 1) - k0
+                    if start < tl.where(r < kv_programs, seq_k, seq_q):  # else an unused virtual block
+                        _bwd_varlen_roles(r, hk, b, start, q0, k0, seq_q, seq_k, n_kv, n_q, kv_programs, seed,
+                                          inv_keep, qk_scale, Q, K, V, DO, DQ, DK, DV, STATS, MASK, SLOPES, BIAS,
+                                          AMASK, KR, QR, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                                          stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh,
+                                          stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh,
+                                          stride_dkn, stride_mb, stride_stat, stride_slb, stride_bb, stride_bh,
+                                          stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_krb,
+                                          stride_krh, stride_qrb, stride_qrh, Hq, Hkv, GROUPS, D, win_left, win_right,
+                                          scale, dropout_p, softcap, IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT,
+                                          SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                                          BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, SPLIT_KV, STAT_ALIGN, INTERPRET)
         else:
-            b, first = _find_seq(CU_Q, NSEQ, n_q - 1 - (r - kv_programs) % n_q, BLOCK_M2)
-            start = (n_q - 1 - (r - kv_programs) % n_q - first) * BLOCK_M2
-        q0 = tl.load(CU_Q + b)
-        k0 = tl.load(CU_K + b)
-        Lq = tl.load(CU_Q + b + 1) - q0
-        Lk = tl.load(CU_K + b + 1) - k0
-        if start >= tl.where(r < kv_programs, Lk, Lq):
-            return  # an unused virtual block
-        k_base = K + k0.to(tl.int64) * stride_kn + hk.to(tl.int64) * stride_kh
-        v_base = V + k0.to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
-        diag_hi = Lk - Lq + win_right
-        diag_lo = Lk - Lq - win_left
-        h = hk * GROUPS + (r - kv_programs) // n_q
-        if SPLIT_KV:
-            if r < n_kv:
-                _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
-                                  stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                                  stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
-                                  Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
-                                  IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
-                                  BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
-            elif r < 2 * n_kv:
-                _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
-                                  stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                                  stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
-                                  Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
-                                  IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
-                                  BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+            if SCHED == 1:
+                hk, rank = _lpt_tile(pid, per_head, Hkv, GH)
+                r = tl.load(ORDER + rank)
             else:
-                _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, MASK, b, h, start, q0,
-                                stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                                stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_stat,
-                                Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
-                                IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
-                                BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
-        elif r < n_kv:
-            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, MASK, b, hk, start, q0, k0,
-                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                              stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
-                              Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
-                              IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
-                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
-        else:
-            _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, MASK, b, h, start, q0,
-                            stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                            stride_dqb, stride_dqh, stride_dqm, stride_stat,
-                            Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                            softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
-                            IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
-                            USE_TMA, IEEE, EVEN_D, BLOCK_D,
-                            BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
+                hk = pid // per_head
+                r = pid % per_head
+            if r < kv_programs:
+                b, first = _find_seq(CU_K, NSEQ, r % n_kv, BLOCK_N1)
+                start = (r % n_kv - first) * BLOCK_N1
+            else:
+                b, first = _find_seq(CU_Q, NSEQ, n_q - 1 - (r - kv_programs) % n_q, BLOCK_M2)
+                start = (n_q - 1 - (r - kv_programs) % n_q - first) * BLOCK_M2
+            q0 = tl.load(CU_Q + b)
+            k0 = tl.load(CU_K + b)
+            Lq = tl.load(CU_Q + b + 1) - q0
+            Lk = tl.load(CU_K + b + 1) - k0
+            if start >= tl.where(r < kv_programs, Lk, Lq):
+                return  # an unused virtual block
+            _bwd_varlen_roles(r, hk, b, start, q0, k0, Lq, Lk, n_kv, n_q, kv_programs, seed, inv_keep, qk_scale, Q, K,
+                              V, DO, DQ, DK, DV, STATS, MASK, SLOPES, BIAS, AMASK, KR, QR, stride_qb, stride_qh,
+                              stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
+                              stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh,
+                              stride_dkn, stride_mb, stride_stat, stride_slb, stride_bb, stride_bh, stride_bm,
+                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh,
+                              stride_qrb, stride_qrh, Hq, Hkv, GROUPS, D, win_left, win_right, scale, dropout_p,
+                              softcap, IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2,
+                              SPLIT_KV, STAT_ALIGN, INTERPRET)
     else:
         num_n_blocks = tl.cdiv(Lk, BLOCK_N1)
         num_m_blocks = tl.cdiv(Lq, BLOCK_M2)
         per_head = num_n_blocks * (2 if SPLIT_KV else 1) + num_m_blocks * GROUPS
-        bhk = pid // per_head
-        r = pid % per_head
-        b = bhk // Hkv
-        hk = bhk % Hkv
-        # Known non-negative, hk's int64 offsets are zero-extended: no sign word held across the
-        # loops for the epilogue (ptxas spilled it, 8 B at D = 256 with dropout, ALiBi, a bias
-        # and a mask on sm_90's pointer path).
-        tl.assume(hk >= 0)
-        k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-        v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-        pad_base = MASK + b.to(tl.int64) * stride_mb
-        diag_hi = Lk - Lq + win_right
-        diag_lo = Lk - Lq - win_left
-        # One call per (SPLIT_KV, role): folding the calls into fewer (a computed key block, a
-        # constexpr part) moved several configs sitting at 255 registers into spills.
-        if SPLIT_KV:
-            # dK and dV accumulators do not fit in registers together: a dV program and a dK
-            # program per key block (the dK one recomputes P).
-            if r < num_n_blocks:
-                _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1, 0, 0,
-                                  stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                                  stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
-                                  Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
-                                  IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
-                                  BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
-            elif r < 2 * num_n_blocks:
-                _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk,
-                                  (r - num_n_blocks) * BLOCK_N1, 0, 0,
-                                  stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                                  stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_stat,
-                                  Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                  softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                  stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
-                                  IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                  HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
-                                  BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
-            else:
-                r2 = r - 2 * num_n_blocks
-                _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
-                                (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2, 0,
-                                stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh,
-                                stride_dom,
-                                stride_dqb, stride_dqh, stride_dqm, stride_stat,
-                                Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                                softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                                stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
-                                IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                                HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
-                                BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
-        elif r < num_n_blocks:
-            _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1, 0, 0,
-                              stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                              stride_dkb, stride_dkh, stride_dkn, stride_stat,
-                              Hq, GROUPS, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                              softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                              stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
-                              IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                              HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
-                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+        if SCHED == 2:
+            nprog = tl.num_programs(0)
+            n_tiles = per_head * NSEQ * Hkv
+            for rnd in tl.range(0, tl.cdiv(n_tiles, nprog), disable_licm=True):
+                t = rnd * nprog + tl.where(rnd % 2 == 0, pid, nprog - 1 - pid)
+                if t < n_tiles:
+                    bhk, rank = _lpt_tile(t, per_head, NSEQ * Hkv, GH)
+                    _bwd_dense_roles(tl.load(ORDER + rank), bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
+                                     qk_scale, Q, K, V, DO, DQ, DK, DV, STATS, MASK, SLOPES, BIAS, AMASK, KR, QR,
+                                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                                     stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh,
+                                     stride_dqm, stride_dkb, stride_dkh, stride_dkn, stride_mb, stride_stat,
+                                     stride_slb, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
+                                     stride_am, stride_an, stride_krb, stride_krh, stride_qrb, stride_qrh, Hq, Hkv,
+                                     GROUPS, D, win_left, win_right, scale, dropout_p, softcap, IS_CAUSAL, WINDOW,
+                                     VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA,
+                                     IEEE, EVEN_D, BLOCK_D, BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, SPLIT_KV,
+                                     STAT_ALIGN, INTERPRET)
         else:
-            r2 = r - num_n_blocks
-            _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
-                            (num_m_blocks - 1 - r2 % num_m_blocks) * BLOCK_M2, 0,
-                            stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
-                            stride_dqb, stride_dqh, stride_dqm, stride_stat,
-                            Hq, Lq, Lk, D, diag_hi, diag_lo, scale, qk_scale, seed, dropout_p, inv_keep,
-                            softcap, SLOPES, BIAS, AMASK, stride_slb, stride_bb, stride_bh, stride_bm,
-                            stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
-                            IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
-                            USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2,
-                            BLOCK_N2, STAT_ALIGN, INTERPRET)
-
+            if SCHED == 1:
+                bhk, rank = _lpt_tile(pid, per_head, NSEQ * Hkv, GH)
+                r = tl.load(ORDER + rank)
+            else:
+                bhk = pid // per_head
+                r = pid % per_head
+            _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep, qk_scale, Q, K, V, DO, DQ, DK,
+                             DV, STATS, MASK, SLOPES, BIAS, AMASK, KR, QR, stride_qb, stride_qh, stride_qm, stride_kb,
+                             stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                             stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn, stride_mb,
+                             stride_stat, stride_slb, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
+                             stride_am, stride_an, stride_krb, stride_krh, stride_qrb, stride_qrh, Hq, Hkv, GROUPS, D,
+                             win_left, win_right, scale, dropout_p, softcap, IS_CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                             HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
+                             BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, SPLIT_KV, STAT_ALIGN, INTERPRET)

@@ -45,13 +45,14 @@ from fused_block.kernels import common
 # spill-free with it.
 # ---------------------------------------------------------------------------------------------
 
-def _fwd_cfg(bm, bn, warps, stages, ws=False):
-    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, WS=ws)
+def _fwd_cfg(bm, bn, warps, stages, ws=False, sched=0, vhost=False):
+    return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, WS=ws, SCHED=sched,
+                            VHOST=vhost)
 
 
-def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False):
+def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False, sched=0):
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
-                            BLOCK_N2=n2, SPLIT_KV=split_kv)
+                            BLOCK_N2=n2, SPLIT_KV=split_kv, SCHED=sched)
 
 
 F, B = _fwd_cfg, _bwd_cfg
@@ -209,6 +210,39 @@ _SCORE_BWD = {arch: {
 # knows its kv head index is non-negative: 8 B spilled before).
 _SCORE_BWD[90][(256, "16", False)] = [_B(16, 64, 64, 16, 8, 3, True)]
 
+# Scheduling candidates (docs/attention-scheduling.md), timed after the proven first config and
+# never first (they have not run on a GPU yet): ``sched`` 1 = one program per query block in
+# longest-first order over all heads (head groups sized to the L2 cache), 2 = the same order
+# on a persistent grid (one program per SM, snake order); for packed sequences ("band") also
+# with the packed tensors' host-side descriptors (``vhost``, sm_90), and 64-row blocks with 4 warps
+# (two programs per SM: one's prologue and epilogue under the other's K/V loop; a sequence's
+# partial last block and its diagonal blocks are half as large). The backward's: the first
+# config in longest-first order (``sched`` 1) and persistent (2, with 2 stages), plain and
+# "band".
+for _arch in (90, 80):
+    for _bd in (64, 128):
+        _first = FWD_CONFIGS[_arch][(_bd, "16", False)][0]
+        _bm, _bn, _w, _s = _first["BLOCK_M"], _first["BLOCK_N"], _first.num_warps, _first.num_stages
+        # persistent: the tile loop around the K/V loops holds more registers (the first
+        # configs spilled 8-96 B): 2 stages (1 on sm_80 at D128), 64-key blocks on sm_80
+        _p = (_bm, min(_bn, 64) if _arch == 80 else _bn, _w)
+        _ps = 1 if (_arch, _bd) == (80, 128) else 2
+        FWD_CONFIGS[_arch][(_bd, "16", False)] += [_F(_bm, _bn, _w, _s, sched=1), _F(*_p, _ps, sched=2)]
+        _BAND_FWD.setdefault(_arch, {})[(_bd, "16", False)] = [
+            _first, _F(_bm, _bn, _w, _s, sched=1, vhost=_arch == 90), _F(*_p, _ps, sched=2, vhost=_arch == 90),
+            *([_F(64, 64, 4, 2, sched=1, vhost=True)] if _bd == 128 and _arch == 90 else [])]
+        # The backward: its first config's programs (dK/dV and dQ) in longest-first order.
+        _b = BWD_CONFIGS[_arch][(_bd, "16", False)][0]
+        _blocks = tuple(_b[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))
+        # persistent: dV and dK in programs of their own, 2 stages (with both accumulators the
+        # first config spilled 24-232 B around the tile loop, 8-32 B with half its steps);
+        # sm_90 D128 also with the band dropout list's 16-row dK/dV and 32-key dQ steps (its
+        # own blocks spilled 16-104 B split)
+        _lpt = (_B(*_blocks, _b.num_warps, _b.num_stages, _b["SPLIT_KV"], 1),
+                _B(*((16, 128, 128, 32) if (_arch, _bd) == (90, 128) else _blocks), _b.num_warps, 2, True, 2))
+        BWD_CONFIGS[_arch][(_bd, "16", False)] = [*BWD_CONFIGS[_arch][(_bd, "16", False)], *_lpt]
+        _BAND_BWD.setdefault(_arch, {})[(_bd, "16", False)] = [_b, *_lpt]
+del _arch, _bd, _first, _bm, _bn, _p, _ps, _w, _s, _b, _blocks, _lpt
 del _F, _B
 FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FWD),
                                           "score": _derived(FWD_CONFIGS, _SCORE_FWD)})

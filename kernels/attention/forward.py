@@ -40,10 +40,11 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, HOST: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              INTERPRET: tl.constexpr, SPLIT_P: tl.constexpr = False):
+              INTERPRET: tl.constexpr, SPLIT_P: tl.constexpr = False, k_row0=0):
     """One key block of the online softmax; ``MASKED`` blocks check bounds and the band
     (query i sees keys i + diag_lo <= j <= i + diag_hi, each bound where its flag is set).
-    ``HOST``: ``k_desc``/``v_desc`` are host-side (B, Hkv, Lk, D) descriptors. Score
+    ``HOST``: ``k_desc``/``v_desc`` are host-side (B, Hkv, Lk, D) descriptors, the block's
+    rows from ``k_row0 + start_n`` (packed sequences: the sequence's first token). Score
     modifications (softcap, ALiBi, bias, bool mask: :func:`helpers._score_mod`) where their
     flags are set. ``SPLIT_P`` (the split-KV decode's): under TF32, P @ V by :func:`_pv_tf32`."""
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
@@ -56,7 +57,7 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
     else:
         s_scale = qk_scale
     if HOST:
-        k = _tile(k_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+        k = _tile(k_desc, b, hk, k_row0 + start_n, BLOCK_N, BLOCK_D)
     else:
         k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
@@ -100,7 +101,7 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
         p = tl.where(_dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, IEEE), p, 0.0)
     acc = acc * alpha[:, None]
     if HOST:
-        v = _tile(v_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+        v = _tile(v_desc, b, hk, k_row0 + start_n, BLOCK_N, BLOCK_D)
     else:
         v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     if SPLIT_P and not IEEE and v.dtype == tl.float32:
@@ -121,8 +122,40 @@ def _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
 _SHAPE_ARGS = ("Hq", "Hkv", "GROUPS", "Lq", "Lk", "NSEQ", "stride_mb", "win_left", "win_right")
 
 
-@triton.jit(do_not_specialize=[a for a in _SHAPE_ARGS if a != "Hkv"])
-def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
+@triton.jit
+def _lpt_tile(t, n_blocks, n_heads, GH):
+    """Tile ``t`` of the longest-first order as (head, rank): the heads (flat batch * head) in
+    groups of ``GH`` (whose K/V the L2 cache holds together), a group's tiles by block rank
+    (0: each head's heaviest block), its heads innermost; the last group may be smaller."""
+    per_group = n_blocks * GH
+    g = t // per_group
+    gh = tl.minimum(GH, n_heads - g * GH)
+    local = t - g * per_group
+    rank = local // gh
+    return g * GH + local - rank * gh, rank
+
+
+@triton.jit
+def _fwd_sched(t, CU_Q, ORDER, Hq, Lq, NSEQ, GH, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The ``SCHED`` > 0 order's tile ``t``: (flat batch * head, first row of the query
+    block; ``VARLEN``: head, sequence, first row within it). Dense: the blocks of each head
+    last first (the most keys under causality). ``VARLEN``: ``ORDER`` lists the virtual query
+    blocks (:func:`_find_seq`) by their key count, most first, the unused ones last (their
+    row is past the sequence's end)."""
+    if VARLEN:
+        n_virtual = Lq // BLOCK_M + NSEQ
+        h, rank = _lpt_tile(t, n_virtual, Hq, GH)
+        v = tl.load(ORDER + rank)
+        b, first = _find_seq(CU_Q, NSEQ, v, BLOCK_M)
+        return h, b, (v - first) * BLOCK_M
+    else:
+        num_m = tl.cdiv(Lq, BLOCK_M)
+        bh, rank = _lpt_tile(t, num_m, NSEQ * Hq, GH)
+        return bh, bh // Hq, (num_m - 1 - rank) * BLOCK_M
+
+
+@triton.jit(do_not_specialize=[a for a in _SHAPE_ARGS if a != "Hkv"] + ["GH"])
+def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, ORDER, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
@@ -130,14 +163,14 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMAS
               stride_mb, stride_slb,
               stride_bb, stride_bh, stride_bm, stride_bn,
               stride_ab, stride_ah, stride_am, stride_an, stride_krb, stride_krh,
-              Hq, GROUPS, Lq, Lk, D, NSEQ, win_left, win_right,
+              Hq, GROUPS, Lq, Lk, D, NSEQ, GH, win_left, win_right,
               scale, dropout_p, softcap,
               IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr,
               USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              SCHED: tl.constexpr, VHOST: tl.constexpr, INTERPRET: tl.constexpr):
     """TMA without ``WS``: ``QD``..``OD`` are the host's (B, H, L, D) descriptors of Q, K, V, O.
     ``WS`` (warp-specialized K/V loops, Hopper): per-head descriptors built here (Triton's
     Hopper warp specialization partitions device-side descriptors only).
@@ -148,7 +181,14 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMAS
     ``VARLEN``: NSEQ packed sequences, tokens [CU_Q[b], CU_Q[b + 1]) of the (1, H, Lq, D)
     views (Lq, Lk: total tokens) against keys [CU_K[b], CU_K[b + 1]); the grid runs the
     virtual query blocks of :func:`_find_seq` (per head, in reverse: heaviest first under
-    causality in each sequence), device-side descriptors per sequence on the TMA path.
+    causality in each sequence), device-side descriptors per sequence on the TMA path, or
+    with ``VHOST`` the host's descriptors of the packed (1, H, total, D) tensors (rows from
+    the sequence's first token; O's last block of a sequence through masked pointers).
+
+    ``SCHED`` (the tile order; 0: per head, its blocks last first): 1, one program per tile in
+    the longest-first order of :func:`_fwd_sched` (heads in groups of ``GH``; ``ORDER``: the
+    varlen blocks' order, built by the launcher); 2, the same order persistent: the grid's
+    programs take its tiles in turn (snake order: round k's tiles in reverse when k is odd).
 
     Score modifications: ``SOFTCAP`` (s <- softcap * tanh(s / softcap)), ``HAS_ALIBI`` (SLOPES
     (B or 1, Hq) fp32, batch stride ``stride_slb``), ``HAS_BIAS`` (BIAS, 4 strides, zero along
@@ -156,49 +196,146 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMAS
     query block) the key range [r0, r1) of the blocks the mask leaves visible, int32 pairs,
     strides ``stride_kr*`` (0 along broadcast dims): key blocks outside it are skipped);
     ``HAS_SINKS``: SINKS (Hq,) logits joining each row's denominator in the epilogue."""
-    HOST: tl.constexpr = USE_TMA and not WS and not VARLEN
-    # The query blocks of a head in reverse order: under a causal mask the last ones do the
-    # most work. TMA: unsigned divisions (every operand is positive), shorter than signed
-    # ones; the pointer build keeps these (with the others ptxas spills 8 B on sm_80 at D64
-    # 128x128 with causality and padding).
-    if VARLEN:
+    HOST: tl.constexpr = USE_TMA and not WS and (VHOST or not VARLEN)
+    if SCHED == 2:
+        nprog = tl.num_programs(0)
         pid = tl.program_id(0)
-        n_virtual = Lq // BLOCK_M + NSEQ
-        h = pid // n_virtual
-        b, first = _find_seq(CU_Q, NSEQ, n_virtual - 1 - pid % n_virtual, BLOCK_M)
-        q0 = tl.load(CU_Q + b)
-        seq_q = tl.load(CU_Q + b + 1) - q0
-        start_m = (n_virtual - 1 - pid % n_virtual - first) * BLOCK_M
-        if start_m >= seq_q:
-            return  # an unused virtual block
-        k0 = tl.load(CU_K + b)
-        lse_base = LSE + h.to(tl.int64) * Lq + q0
-        Lq = seq_q
-        Lk = tl.load(CU_K + b + 1) - k0
-        bh = b * Hq + h
-        hk = h // GROUPS
-    elif USE_TMA:
-        pid_u = tl.program_id(0).to(tl.uint32)
-        num_m_u = tl.cdiv(Lq, BLOCK_M).to(tl.uint32)
-        bh_u = pid_u // num_m_u
-        start_m = ((num_m_u - 1 - (pid_u - bh_u * num_m_u)) * BLOCK_M).to(tl.int32)
-        b_u = bh_u // Hq.to(tl.uint32)
-        h_u = bh_u - b_u * Hq.to(tl.uint32)
-        bh, b, h = bh_u.to(tl.int32), b_u.to(tl.int32), h_u.to(tl.int32)
-        hk = (h_u // GROUPS.to(tl.uint32)).to(tl.int32)
+        if VARLEN:
+            n_tiles = (Lq // BLOCK_M + NSEQ) * Hq
+        else:
+            n_tiles = tl.cdiv(Lq, BLOCK_M) * NSEQ * Hq
+        for rnd in tl.range(0, tl.cdiv(n_tiles, nprog), disable_licm=True):
+            t = rnd * nprog + tl.where(rnd % 2 == 0, pid, nprog - 1 - pid)
+            if t < n_tiles:
+                bh, b, start_m = _fwd_sched(t, CU_Q, ORDER, Hq, Lq, NSEQ, GH, VARLEN, BLOCK_M)
+                if VARLEN:
+                    q0 = tl.load(CU_Q + b)
+                    seq_q = tl.load(CU_Q + b + 1) - q0
+                    if start_m < seq_q:  # else an unused virtual block
+                        k0 = tl.load(CU_K + b)
+                        _fwd_tile(Q, K, V, O, LSE, MASK, SEED, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
+                                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                                  stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_slb,
+                                  stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am,
+                                  stride_an, stride_krb, stride_krh, D, win_left, win_right, scale, dropout_p,
+                                  softcap, b, 0, bh, bh // GROUPS, b * Hq + bh, start_m, q0, k0, seq_q,
+                                  tl.load(CU_K + b + 1) - k0, LSE + bh.to(tl.int64) * Lq + q0,
+                                  IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_SINKS, HAS_ALIBI,
+                                  HAS_BIAS, HAS_AMASK, USE_TMA, HOST, IEEE, EVEN_D, BLOCK_D, BLOCK_M, BLOCK_N, WS,
+                                  INTERPRET)
+                else:
+                    h = bh - b * Hq
+                    _fwd_tile(Q, K, V, O, LSE, MASK, SEED, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
+                              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                              stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_slb,
+                              stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am,
+                              stride_an, stride_krb, stride_krh, D, win_left, win_right, scale, dropout_p,
+                              softcap, b, b, h, h // GROUPS, bh, start_m, 0, 0, Lq, Lk, LSE,
+                              IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_SINKS, HAS_ALIBI,
+                              HAS_BIAS, HAS_AMASK, USE_TMA, HOST, IEEE, EVEN_D, BLOCK_D, BLOCK_M, BLOCK_N, WS,
+                              INTERPRET)
     else:
-        pid = tl.program_id(0)
-        num_m_blocks = tl.cdiv(Lq, BLOCK_M)
-        bh = pid // num_m_blocks
-        start_m = (num_m_blocks - 1 - pid % num_m_blocks) * BLOCK_M
-        b = bh // Hq
-        h = bh % Hq
-        hk = h // GROUPS
+        if SCHED == 1:
+            bh, b, start_m = _fwd_sched(tl.program_id(0), CU_Q, ORDER, Hq, Lq, NSEQ, GH, VARLEN, BLOCK_M)
+            if VARLEN:
+                h = bh
+                q0 = tl.load(CU_Q + b)
+                seq_q = tl.load(CU_Q + b + 1) - q0
+                if start_m >= seq_q:
+                    return  # an unused virtual block
+                k0 = tl.load(CU_K + b)
+                lse_base = LSE + h.to(tl.int64) * Lq + q0
+                Lq = seq_q
+                Lk = tl.load(CU_K + b + 1) - k0
+                bh = b * Hq + h
+            else:
+                h = bh - b * Hq
+            hk = h // GROUPS
+        # The query blocks of a head in reverse order: under a causal mask the last ones do the
+        # most work. TMA: unsigned divisions (every operand is positive), shorter than signed
+        # ones; the pointer build keeps these (with the others ptxas spills 8 B on sm_80 at D64
+        # 128x128 with causality and padding).
+        elif VARLEN:
+            pid = tl.program_id(0)
+            n_virtual = Lq // BLOCK_M + NSEQ
+            h = pid // n_virtual
+            b, first = _find_seq(CU_Q, NSEQ, n_virtual - 1 - pid % n_virtual, BLOCK_M)
+            q0 = tl.load(CU_Q + b)
+            seq_q = tl.load(CU_Q + b + 1) - q0
+            start_m = (n_virtual - 1 - pid % n_virtual - first) * BLOCK_M
+            if start_m >= seq_q:
+                return  # an unused virtual block
+            k0 = tl.load(CU_K + b)
+            lse_base = LSE + h.to(tl.int64) * Lq + q0
+            Lq = seq_q
+            Lk = tl.load(CU_K + b + 1) - k0
+            bh = b * Hq + h
+            hk = h // GROUPS
+        elif USE_TMA:
+            pid_u = tl.program_id(0).to(tl.uint32)
+            num_m_u = tl.cdiv(Lq, BLOCK_M).to(tl.uint32)
+            bh_u = pid_u // num_m_u
+            start_m = ((num_m_u - 1 - (pid_u - bh_u * num_m_u)) * BLOCK_M).to(tl.int32)
+            b_u = bh_u // Hq.to(tl.uint32)
+            h_u = bh_u - b_u * Hq.to(tl.uint32)
+            bh, b, h = bh_u.to(tl.int32), b_u.to(tl.int32), h_u.to(tl.int32)
+            hk = (h_u // GROUPS.to(tl.uint32)).to(tl.int32)
+        else:
+            pid = tl.program_id(0)
+            num_m_blocks = tl.cdiv(Lq, BLOCK_M)
+            bh = pid // num_m_blocks
+            start_m = (num_m_blocks - 1 - pid % num_m_blocks) * BLOCK_M
+            b = bh // Hq
+            h = bh % Hq
+            hk = h // GROUPS
+        if VARLEN:
+            _fwd_tile(Q, K, V, O, LSE, MASK, SEED, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
+                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_slb,
+                      stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                      stride_krb, stride_krh, D, win_left, win_right, scale, dropout_p, softcap,
+                      b, 0, h, hk, bh, start_m, q0, k0, Lq, Lk, lse_base,
+                      IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_SINKS, HAS_ALIBI,
+                      HAS_BIAS, HAS_AMASK, USE_TMA, HOST, IEEE, EVEN_D, BLOCK_D, BLOCK_M, BLOCK_N, WS, INTERPRET)
+        else:
+            _fwd_tile(Q, K, V, O, LSE, MASK, SEED, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
+                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_slb,
+                      stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+                      stride_krb, stride_krh, D, win_left, win_right, scale, dropout_p, softcap,
+                      b, b, h, hk, bh, start_m, 0, 0, Lq, Lk, LSE,
+                      IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_SINKS, HAS_ALIBI,
+                      HAS_BIAS, HAS_AMASK, USE_TMA, HOST, IEEE, EVEN_D, BLOCK_D, BLOCK_M, BLOCK_N, WS, INTERPRET)
+
+
+@triton.jit
+def _fwd_tile(Q, K, V, O, LSE, MASK, SEED, SINKS, SLOPES, BIAS, AMASK, KR, QD, KD, VD, OD,
+              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_slb,
+              stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah, stride_am, stride_an,
+              stride_krb, stride_krh, D, win_left, win_right, scale, dropout_p, softcap,
+              b, bd, h, hk, bh, start_m, q0, k0, Lq, Lk, lse_base,
+              IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, HOST: tl.constexpr,
+              IEEE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr):
+    """One query block: rows [start_m, start_m + BLOCK_M) of head ``h`` (kv head ``hk``, flat
+    ``bh`` = b * Hq + h) of batch ``b`` (``VARLEN``: of sequence ``b``, its queries and keys
+    from tokens ``q0`` and ``k0``, ``Lq`` and ``Lk`` its lengths, ``lse_base`` its LSE row).
+    ``bd``: the batch index of the host descriptors (0 for packed sequences)."""
     pad_base = MASK + b.to(tl.int64) * stride_mb
     if HOST:
-        q_base, k_base, v_base, o_base = Q, K, V, O  # unused
+        if VARLEN:
+            # The packed tensors' host descriptors: rows from the sequence's first token (rows
+            # past its end belong to the next sequence: masked out of the scores, not stored).
+            q_base = Q + q0.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
+            o_base = O + q0.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
+            k_base, v_base = K, V  # unused
+        else:
+            q_base, k_base, v_base, o_base = Q, K, V, O  # unused
         q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
-        q = _tile(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+        q = _tile(q_desc, bd, h, q0 + start_m, BLOCK_M, BLOCK_D)
         if BLOCK_D <= 128 and BLOCK_N <= 64:
             # An arithmetic op (value-preserving x + 0.0) takes Q out of shared memory into
             # registers, the A operand of an RS wgmma: no per-trip shared-memory descriptors for
@@ -260,41 +397,41 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMAS
         # masked under causality; without it the launcher guarantees Lk % BLOCK_N == 0 (and
         # runs no window on it).
         for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, bd, hk, start_m,
                                       start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale,
                                       seed,
                                       bh, dropout_p, cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn,
                                       amask_base, stride_am, stride_an, IS_CAUSAL, IS_CAUSAL, False, HAS_PAD,
                                       HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, HOST,
-                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET, k_row0=k0)
     else:
         # Unmasked blocks first, then the masked ones after them and (with a window) before
         # them: the online softmax takes key blocks in any order.
         for start_n in tl.range(full_lo, full_hi, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, bd, hk, start_m,
                                       start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale,
                                       seed,
                                       bh, dropout_p, cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn,
                                       amask_base, stride_am, stride_an, False, IS_CAUSAL, WINDOW, HAS_PAD,
                                       HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, HOST,
-                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET, k_row0=k0)
         for start_n in tl.range(full_hi, hi, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk, start_m,
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, bd, hk, start_m,
                                       start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn, stride_vn, qk_scale,
                                       seed,
                                       bh, dropout_p, cap_in, cap_out, slope2, bias_base, stride_bm, stride_bn,
                                       amask_base, stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_PAD,
                                       HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, HOST,
-                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                                      IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET, k_row0=k0)
         if WINDOW:
             for start_n in tl.range(lo, full_lo, BLOCK_N):
-                acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, b, hk,
+                acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, pad_base, bd, hk,
                                           start_m, start_n, offs_m, diag_hi, diag_lo, Lq, Lk, D, stride_kn,
                                           stride_vn, qk_scale, seed, bh, dropout_p, cap_in, cap_out, slope2,
                                           bias_base, stride_bm, stride_bn, amask_base, stride_am, stride_an, True,
                                           IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                                           HAS_AMASK, USE_TMA, HOST, IEEE, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D,
-                                          INTERPRET)
+                                          INTERPRET, k_row0=k0)
 
     if HAS_SINKS:
         # The sink's logit joins the denominator (no value): one more online-softmax step.
@@ -311,8 +448,13 @@ def _attn_fwd(Q, K, V, O, LSE, MASK, SEED, CU_Q, CU_K, SINKS, SLOPES, BIAS, AMAS
         inv_l = inv_l / (1.0 - dropout_p)
     out = common.cast(acc * inv_l[:, None], q.dtype, INTERPRET)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    if HOST:
+    if HOST and not VARLEN:
         o_desc.store([b, h, start_m, 0], out.reshape([1, 1, BLOCK_M, BLOCK_D]))
+    elif HOST:
+        if start_m + BLOCK_M <= Lq:
+            o_desc.store([0, h, q0 + start_m, 0], out.reshape([1, 1, BLOCK_M, BLOCK_D]))
+        else:  # the sequence's last block: its rows past the end are the next sequence's
+            _store(o_desc, o_base, start_m, Lq, stride_om, D, out, BLOCK_M, BLOCK_D, False)
     else:
         _store(o_desc, o_base, start_m, Lq, stride_om, D, out, BLOCK_M, BLOCK_D, USE_TMA)
     if VARLEN:

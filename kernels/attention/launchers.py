@@ -99,7 +99,8 @@ def _candidates(tables, interpret_cfg, arch, key, use_tma):
     if arch == 0:
         if "SPLIT_KV" in interpret_cfg.meta():
             # Split dK/dV programs where the GPU tables split them, so the interpreter runs them.
-            split = any(c["SPLIT_KV"] for t in tables.values() for c in t[key])
+            # (the scheduling candidates' own split persistent configs aside: tests force them)
+            split = any(c["SPLIT_KV"] and not c["SCHED"] for t in tables.values() for c in t[key])
             interpret_cfg = _bwd_cfg(*(interpret_cfg[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
                                      interpret_cfg.num_warps, interpret_cfg.num_stages, split)
         return [interpret_cfg]
@@ -125,7 +126,8 @@ def _fwd_candidates(arch, key, use_tma, causal, Lk):
     ok = [c for c in cands if not c["WS"] or causal or Lk % c["BLOCK_N"] == 0]
     if ok:
         return ok
-    return [_fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in cands]
+    return [_fwd_cfg(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages, False, c["SCHED"], c["VHOST"])
+            for c in cands]
 
 
 def _band(causal: bool, window) -> tuple:
@@ -296,21 +298,26 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     cls = _class(has_window, varlen is not None, score_mod)
     key = (arch, _table_key(block_d, kind, dropout, cls), is_causal, key_padding_mask is not None, use_tma,
            _bucket(max_q), _bucket(max_k), min(Lk & -Lk, 128))
-    host_descs = use_tma and varlen is None  # varlen: per-sequence descriptors built on the device
     # What the launch takes besides the config (a tuple, not a closure: no cells per call).
-    launch = (q, k, v, out, sq, sk, sv, so, block_d, host_descs, mask, (B, Hq, Lq, Lk), head, tail_strides, tail,
+    launch = (q, k, v, out, sq, sk, sv, so, block_d, use_tma, mask, (B, Hq, Lq, Lk), head, tail_strides, tail,
               varlen, nseq, constexprs)
     cfg = _FWD_CACHE.chosen.get(key)
     if cfg is None:
         cands = _fwd_candidates(arch, key[1], use_tma, is_causal, Lk)
-        if use_tma and arch and (not host_descs or any(c["WS"] for c in cands)):
+        if use_tma and arch and any(_device_descs(c, varlen) for c in cands):
             common.scratch_allocator()  # device-side descriptors' scratch, for the candidates' timing
         cfg = _choose(_FWD_CACHE, key, cands, _fwd_launch, launch)
-    if use_tma and arch and (not host_descs or cfg["WS"]):
+    if use_tma and arch and _device_descs(cfg, varlen):
         common.scratch_allocator()  # device-side descriptors' scratch
     if use_tma:
         common.count_launch("attention_tma")
     _fwd_launch(cfg, launch)
+
+
+def _device_descs(cfg, varlen) -> bool:
+    """Whether the forward's TMA path builds descriptors on the device with ``cfg``: warp
+    specialization, and packed sequences without ``VHOST`` (per-sequence descriptors)."""
+    return cfg["WS"] or (varlen is not None and not cfg["VHOST"])
 
 
 def _choose(cache, key, candidates, launch_fn, launch):
@@ -319,22 +326,63 @@ def _choose(cache, key, candidates, launch_fn, launch):
 
 
 def _fwd_launch(cfg, launch):
-    """The forward's launch with ``cfg``: its descriptors (host-side TMA) and grid."""
-    (q, k, v, out, sq, sk, sv, so, block_d, host_descs, mask, shape, head, tail_strides, tail, varlen, nseq,
+    """The forward's launch with ``cfg``: its descriptors (host-side TMA), tile order and grid."""
+    (q, k, v, out, sq, sk, sv, so, block_d, use_tma, mask, shape, head, tail_strides, tail, varlen, nseq,
      constexprs) = launch
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if host_descs and not cfg["WS"]:
+    if use_tma and not cfg["WS"] and (varlen is None or cfg["VHOST"]):
         descs = (_tma_desc(q, sq, bm, block_d), _tma_desc(k, sk, bn, block_d), _tma_desc(v, sv, bn, block_d),
                  _tma_desc(out, so, bm, block_d))
     else:
         descs = (q, k, v, out)  # unused
     kr, skr = (q, (0, 0)) if mask is None else _mask_ranges(mask, shape, bm, bn)
-    B, Hq, Lq, _ = shape
+    B, Hq, Lq, Lk = shape
     if varlen is not None:  # the virtual query blocks of every sequence (helpers._find_seq)
-        grid = (_grid_size((Lq // bm + nseq) * Hq),)
+        tiles = (Lq // bm + nseq) * Hq
     else:
-        grid = (_grid_size(-(-Lq // bm) * B * Hq),)
-    common.launch("attention_fwd", _attn_fwd, grid, (*head, kr, *descs, *tail_strides, *skr, *tail), constexprs, cfg)
+        tiles = -(-Lq // bm) * B * Hq
+    sched = cfg["SCHED"]
+    order, gh = q, 1  # unused without SCHED
+    if sched:
+        gh = _l2_heads(k, Lk, Hq, B)
+        if varlen is not None:
+            is_causal, window, win_left, win_right = (constexprs["IS_CAUSAL"], constexprs["WINDOW"], tail[6],
+                                                      tail[7])
+            order = _varlen_order(varlen[0], varlen[1], Lq // bm + nseq, bm, is_causal, window, win_left, win_right)
+    grid = (_grid_size(min(tiles, common.sm_count(q.device)) if sched == 2 else tiles),)
+    args = (*head[:9], order, *head[9:], kr, *descs, *tail_strides, *skr, *tail[:6], gh, *tail[6:])
+    common.launch("attention_fwd", _attn_fwd, grid, args, constexprs, cfg)
+
+
+# The L2 cache share the longest-first orders give each group of heads' K and V (half of the
+# H100/H200's 50 MB: the group's blocks run together, their K/V read once from memory).
+L2_BUDGET = 24 << 20
+
+
+def _l2_heads(k, Lk: int, Hq: int, B: int) -> int:
+    """Heads (flat batch * query head) per group of the ``SCHED`` orders: as many as share
+    :data:`L2_BUDGET` bytes of K and V (a GQA group's query heads read one kv head's)."""
+    per_head = 2 * Lk * k.shape[-1] * k.element_size() * k.shape[1] // max(Hq, 1)
+    return max(1, min(B * Hq, L2_BUDGET // max(per_head, 1)))
+
+
+def _varlen_order(cu_q, cu_k, n_virtual: int, bm: int, is_causal: bool, window: bool, win_left: int,
+                  win_right: int) -> torch.Tensor:
+    """The virtual query blocks of packed sequences (``helpers._find_seq``) by the keys each
+    sees, most first (a stable sort: ties in block order), the unused ones last: the
+    ``SCHED`` orders' ``ORDER`` (int32, on the device; torch ops, no synchronization)."""
+    dev = cu_q.device
+    nseq = cu_q.numel() - 1
+    lq, lk = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    first = cu_q[:-1].long() // bm + torch.arange(nseq, device=dev)
+    virt = torch.arange(n_virtual, device=dev)
+    seq = torch.searchsorted(first, virt, right=True) - 1
+    start = (virt - first[seq]) * bm
+    sq, sk = lq[seq], lk[seq]
+    hi = (start + bm + sk - sq + win_right).clamp(min=0).minimum(sk) if is_causal else sk
+    lo = (start + sk - sq - win_left).clamp(min=0).minimum(sk) if window else torch.zeros_like(sk)
+    work = torch.where(start < sq, (hi - lo).clamp(min=0) + 1, -1)
+    return torch.sort(work, descending=True, stable=True).indices.to(torch.int32)
 
 
 def _decode_splits(B, Hkv, n_rb, Lk, block_n, device) -> int:
@@ -496,8 +544,7 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
            key_padding_mask is not None, use_tma, _bucket(max_q), _bucket(max_k))
     cfg = _BWD_CACHE.chosen.get(key)
     if cfg is None:
-        cfg = _choose(_BWD_CACHE, key, _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key[1], use_tma),
-                      _bwd_launch, launch)
+        cfg = _choose(_BWD_CACHE, key, _bwd_candidates(arch, key[1], use_tma), _bwd_launch, launch)
     if use_tma:
         common.count_launch("attention_tma")
     _bwd_launch(cfg, launch)
@@ -506,8 +553,13 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
                mask, is_causal, has_window, win_left, win_right, scale, softcap, arch, kind, block_d, use_tma)
 
 
+def _bwd_candidates(arch, key, use_tma):
+    return _candidates(BWD_CONFIGS, configs.INTERPRET_BWD, arch, key, use_tma)
+
+
 def _bwd_launch(cfg, launch):
-    """The backward's launch with ``cfg``: its mask ranges (with a general mask) and grid."""
+    """The backward's launch with ``cfg``: its mask ranges (with a general mask), program
+    order and grid (``SCHED`` 2: one program per SM, persistent)."""
     ptrs, strides, tail, mask, shape, groups, varlen, nseq, Hkv, constexprs = launch
     q = ptrs[0]
     if mask is None:
@@ -521,8 +573,70 @@ def _bwd_launch(cfg, launch):
     else:
         n_kv, n_q = -(-Lk // cfg["BLOCK_N1"]), -(-Lq // cfg["BLOCK_M2"])
     per_head = n_kv * (2 if cfg["SPLIT_KV"] else 1) + n_q * groups
-    common.launch("attention_bwd", _attn_bwd, (_grid_size(per_head * B * Hkv),), (*ptrs, kr, qr, *strides, *skr, *sqr,
-                                                                                    *tail), constexprs, cfg)
+    order, gh = q, 1  # unused without SCHED
+    if cfg["SCHED"]:
+        gh = _l2_heads(ptrs[1], Lk, Hkv, B)  # kv heads per group
+        order = _bwd_order(cfg, varlen, Lq, Lk, n_kv, n_q, groups, constexprs, tail[7], tail[8], q.device)
+    programs = per_head * B * Hkv
+    grid = (_grid_size(min(programs, common.sm_count(q.device)) if cfg["SCHED"] == 2 else programs),)
+    common.launch("attention_bwd", _attn_bwd, grid,
+                  (*ptrs[:12], order, *ptrs[12:], kr, qr, *strides, *skr, *sqr, *tail[:7], gh, *tail[7:]),
+                  constexprs, cfg)
+
+
+_BWD_ORDERS = {}  # dense batches' program orders, by shape, config and band
+
+
+def _bwd_order(cfg, varlen, Lq: int, Lk: int, n_kv: int, n_q: int, groups: int, constexprs, win_left: int,
+               win_right: int, device) -> torch.Tensor:
+    """A kv head's backward programs (``backward._attn_bwd``'s numbering: dK/dV, or dV then dK
+    with ``SPLIT_KV``, then the group's dQ) by their work, most first (a stable sort), the
+    unused virtual blocks of packed sequences last: int32 on the device. Work: score elements
+    times the products per element (dK and dV together 4, dV alone 2, dK alone 3, dQ 3).
+    Dense batches: cached per shape; packed sequences: torch ops on the device (no sync)."""
+    causal, window = constexprs["IS_CAUSAL"], constexprs["WINDOW"]
+    key = (device, Lq, Lk, groups, cfg, causal, window, win_left, win_right)
+    if varlen is None and key in _BWD_ORDERS:
+        return _BWD_ORDERS[key]
+    if varlen is None:
+        # [0, n] by a device op (no host copy: a first call under CUDA graph capture works)
+        cu_q, cu_k = (torch.arange(2, device=device) * n for n in (Lq, Lk))
+    else:
+        cu_q, cu_k = varlen[0].long(), varlen[1].long()
+    nseq = cu_q.numel() - 1
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    seqs = torch.arange(nseq, device=device)
+
+    def blocks(cu, lens, n, bm, reverse):
+        # per virtual block (helpers._find_seq): its sequence, first row within it, and use
+        first = cu[:-1] // bm + seqs
+        v = torch.arange(n, device=device)
+        v = n - 1 - v if reverse else v
+        seq = torch.searchsorted(first, v, right=True) - 1
+        start = (v - first[seq]) * bm
+        return seq, start, start < lens[seq]
+
+    bn1, bm2 = cfg["BLOCK_N1"], cfg["BLOCK_M2"]
+    seq, start, used = blocks(cu_k, lk, n_kv, bn1, False)
+    sq, sk = lq[seq], lk[seq]
+    lo = (start - (sk - sq + win_right)).clamp(min=0).minimum(sq) if causal else torch.zeros_like(sq)
+    hi = (start + bn1 - (sk - sq - win_left)).clamp(min=0).minimum(sq) if window else sq
+    kv = torch.where(used, (hi - lo).clamp(min=0) * groups * bn1 + 1, -1)
+    seq, start, used = blocks(cu_q, lq, n_q, bm2, True)
+    sq, sk = lq[seq], lk[seq]
+    hi = (start + bm2 + sk - sq + win_right).clamp(min=0).minimum(sk) if causal else sk
+    lo = (start + sk - sq - win_left).clamp(min=0).minimum(sk) if window else torch.zeros_like(sk)
+    dq = torch.where(used, (hi - lo).clamp(min=0) * bm2 * 3 + 1, -1).repeat(groups)
+    if cfg["SPLIT_KV"]:
+        work = torch.cat((torch.where(kv > 0, kv * 2, kv), torch.where(kv > 0, kv * 3, kv), dq))
+    else:
+        work = torch.cat((torch.where(kv > 0, kv * 4, kv), dq))
+    order = torch.sort(work, descending=True, stable=True).indices.to(torch.int32)
+    if varlen is None:
+        if len(_BWD_ORDERS) > 256:
+            _BWD_ORDERS.clear()
+        _BWD_ORDERS[key] = order
+    return order
 
 
 def _dbias(do, q, k, v, stats, stride_stat, mask_pad, stride_mb, seed, dropout_p, ptrs, strides, flags, dbias,

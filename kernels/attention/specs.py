@@ -46,6 +46,7 @@ def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
             ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
     ptrs.update({p: "*fp32" for p in ("LSE", "STATS", "SINKS", "SLOPES", "DBIAS", "DSINK") if p in fn.arg_names})
     ptrs.update({p: t for p, t in (("MASK", "*u8"), ("SEED", "*i64"), ("CU_Q", "*i32"), ("CU_K", "*i32"),
+                                   ("ORDER", "*i32"),
                                    ("KR", "*i32"), ("QR", "*i32"),
                                    ("BIAS", f"*{dt}"), ("AMASK", "*u8")) if p in fn.arg_names})
     return ptrs
@@ -138,6 +139,8 @@ def aot_specs(exhaustive=None) -> list:
                               f"{m['BLOCK_M1']}x{m['BLOCK_N1']}/{m['BLOCK_M2']}x{m['BLOCK_N2']}"
                               f"{' split' if m['SPLIT_KV'] else ''}")
                     blocks += " ws" if m.get("WS") else ""
+                    blocks += {0: "", 1: " lpt", 2: " persistent"}[m.get("SCHED", 0)]
+                    blocks += " vhost" if m.get("VHOST") else ""
                     tag = "" if cls == "plain" else f" {cls}"
                     items.setdefault((kname, arch, cls, tma), []).append([])
                     for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive):
@@ -145,7 +148,8 @@ def aot_specs(exhaustive=None) -> list:
                         if kname == "bwd":
                             flags = dict(flags, STAT_ALIGN=STAT_ALIGN)
                         flags = {n: v for n, v in flags.items() if n in fn.arg_names}
-                        host = tma and not flags["VARLEN"]  # the forward's host-side descriptors
+                        # the forward's host-side descriptors
+                        host = tma and (not flags["VARLEN"] or m.get("VHOST", False))
                         specs.append(aot.KernelSpec(
                             name=(f"attention_{kname} D{block_d} {kind}{' dropout' if dropout else ''}{tag} {blocks} "
                                   f"{'tma' if tma else 'ptr'}: {combo_name}"),
