@@ -3,24 +3,28 @@
 # (a task is lent 15 minutes of device time in all, a fresh machine's start included):
 #     COMMIT=<hash> bash scripts/gpu_lease.sh            (device tool: timeout_s=600,
 #                                                         carry: .whl when it holds wheels)
-# Steps, each under its own limit within BUDGET=585 s (scripts/gpu_lib.sh):
-#   install    offline install (+ the wheels in .whl/, e.g. transformers and liger-kernel, into
-#              /tmp/site: docs/gpu-check.md)
-#   first      scripts/gpu_first.txt's tests (the last run's failures), -n 16, FUSED_BLOCK_TUNE=0
-#   new        the gpu_quick subset of FIRST_FILES (the files of new kernels and paths)
-#   hopper     the opt-in Hopper attention kernels' numerics (the Gluon forward, the atomic-dQ
-#              backward: tests/test_attention_hopper.py, tests/test_attention_dq_atomic.py; never
-#              run on a GPU before: their own step and a short limit, since a wrong mbarrier phase
-#              hangs instead of failing), then their speed beside SDPA cuDNN and flash and our
-#              Triton kernels (bench/attention_hopper.py, bench/attention_dq_atomic.py)
-#   hopper-bwd the opt-in Gluon Hopper backward's numerics (tests/test_attention_hopper_bwd.py)
-#   profile    python -m bench --profile block,hf: one training step of the Pre-LN layer and of
-#              the LLaMA spec per provider under torch.profiler, with the dispatch's timings
-#   bench      python -m bench --quick for SPECS (loss, norm, matmul), each within its share
-#   suite      the rest of the gpu_quick subset in the time left (breadth first)
+# Steps, each under its own limit within BUDGET=585 s (scripts/gpu_lib.sh), in priority order:
+#   install      offline install (+ the wheels in .whl/, e.g. transformers and liger-kernel, into
+#                /tmp/site: docs/gpu-check.md)
+#   first        scripts/gpu_first.txt's tests (the last run's failures), -n 16, FUSED_BLOCK_TUNE=0
+#   hopper       the opt-in Hopper attention kernels' numerics, never run on a GPU before (the
+#                Gluon forwards and backward, the atomic-dQ backward); a wrong mbarrier phase
+#                hangs instead of failing, hence steps of their own with short limits
+#   hopper-ws    their warp-specialized, ping-pong and persistent forms (heavy cases)
+#   sched        the Triton attention's new tile orders and varlen host-descriptor path (timed
+#                candidates after the first config), each forced by its tests
+#   hopper-bench the Gluon forwards beside our Triton kernel and SDPA cuDNN (L4096 D128, D64)
+#   bwd-bench    the atomic-dQ and Gluon backwards beside ours and cuDNN
+#   profile      python -m bench --profile block,hf: one training step of the Pre-LN layer and of
+#                the LLaMA spec per provider under torch.profiler, with the dispatch's timings
+#   bench        python -m bench --quick for SPECS (loss, norm, matmul), each within its share
+#   new          the gpu_quick subset of FIRST_FILES (the files of this phase's new paths)
+#   suite        the rest of the gpu_quick subset in the time left (breadth first)
 # $OUT: gpu_check.log, steps.tsv, summary.txt (commit under bench/results/), junit.tar.gz,
-# attention-hopper.json, attention-dq-atomic.json, results.tar.gz (bench/results/ files: tar -xzf ... -C bench/results),
-# failures.txt (8 files: the tool brings back 8).
+# attention-hopper.json, attention-bwd.json, results.tar.gz (bench/results/ files: tar -xzf ...
+# -C bench/results), failures.txt (8 files: the tool brings back 8).
+# Dry run on the CPU (the plumbing): INSTALL=0 WORKERS=0 BUDGET=240 OUT=/tmp/dry
+# PYTHON=.venv/bin/python bash scripts/gpu_lease.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET="${BUDGET:-585}"
@@ -43,34 +47,47 @@ grep -v '^\s*#' scripts/gpu_first.txt | grep . >"$WORK/first.args"
 new_files=()
 for f in $FIRST_FILES; do [ -f "$f" ] && new_files+=("$f"); done
 # shellcheck disable=SC2046  # xdist_args is a list of options
-step first 70 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_COLLECTED="$WORK/collected-first.txt" \
+step first 60 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_COLLECTED="$WORK/collected-first.txt" \
     FUSED_BLOCK_ONLY=scripts/gpu_first.txt "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 \
     --junitxml="$WORK/junit-first.xml" $(xdist_args "$WORKERS") tests --ignore=tests/test_compile.py
+
+# The opt-in Hopper kernels (issue 30), never run on a GPU before: numerics first, each kind in
+# a step of its own with a short limit (a wrong mbarrier phase hangs instead of failing).
 # shellcheck disable=SC2046  # xdist_args is a list of options
-step new 75 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_COLLECTED="$WORK/collected-new.txt" \
-    "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 --junitxml="$WORK/junit-new.xml" \
-    $(xdist_args "$WORKERS") -m gpu_quick "${new_files[@]}"
-
-step hopper 90 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-hopper.txt" \
+step hopper 70 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-hopper.txt" \
     "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-hopper.xml" \
-    tests/test_attention_hopper.py tests/test_attention_dq_atomic.py
-# The Gluon Hopper backward (never run before): its own step, so that a hang costs only its limit.
-step hopper-bwd 60 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-hopper-bwd.txt" \
-    "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-hopper-bwd.xml" \
-    tests/test_attention_hopper_bwd.py
-step hopper-bench 70 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_hopper --rep 30 \
-    --providers gluon,triton,sdpa_cudnn,sdpa_flash --json "$OUT/attention-hopper.json"
+    tests/test_attention_hopper.py tests/test_attention_hopper_bwd.py tests/test_attention_dq_atomic.py
+# The warp-specialized, ping-pong and persistent forms (heavy: deselected by default).
+# shellcheck disable=SC2046  # xdist_args is a list of options
+step hopper-ws 45 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_HEAVY=1 FUSED_BLOCK_COLLECTED="$WORK/collected-hopper-ws.txt" \
+    "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-hopper-ws.xml" \
+    tests/test_attention_hopper.py tests/test_attention_hopper_bwd.py -k "wspec or persist or pingpong"
+# The Triton kernels' new tile orders and varlen host-descriptor path (timed candidates after
+# the first config: forced one by one by these tests).
+# shellcheck disable=SC2046  # xdist_args is a list of options
+step sched 30 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-sched.txt" \
+    "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-sched.xml" \
+    tests/test_attention.py tests/test_attention_varlen.py -k "scheduled and bfloat16"
+step hopper-bench 55 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_hopper --rep 30 \
+    --providers gluon,gluon_pingpong,triton,sdpa_cudnn --shapes "L4096 D128,D64" --json "$OUT/attention-hopper.json"
+step bwd-bench 40 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_dq_atomic --rep 30 \
+    --providers atomic,gluon,triton,sdpa_cudnn --json "$OUT/attention-bwd.json"
 
-step dq-bench 50 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_dq_atomic --json "$OUT/attention-dq-atomic.json"
-step profile 140 env FUSED_BLOCK_PRINT_TUNING=1 FUSED_BLOCK_COMMIT="${COMMIT:-}" \
+# Issue 29: one training step per provider under torch.profiler, then the quick specs.
+step profile 110 env FUSED_BLOCK_PRINT_TUNING=1 FUSED_BLOCK_COMMIT="${COMMIT:-}" \
     "$PY" -m bench --profile block,hf --out "$RESULTS"
 n_specs=$(echo "$SPECS" | tr ',' '\n' | wc -l)
-bench_limit=$(( $(left) - 40 ))
-[ "$bench_limit" -gt 50 ] && bench_limit=50
+bench_limit=$(( $(left) - 100 ))
+[ "$bench_limit" -gt 45 ] && bench_limit=45
 spec_budget=$(( bench_limit / (n_specs + 1) ))
 [ "$spec_budget" -lt 10 ] && spec_budget=10
 step bench "$bench_limit" env FUSED_BLOCK_COMMIT="${COMMIT:-}" "$PY" -m bench --quick --only "$SPECS" \
     --spec-budget "$spec_budget" --out "$RESULTS"
+
+# shellcheck disable=SC2046  # xdist_args is a list of options
+step new 45 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_COLLECTED="$WORK/collected-new.txt" \
+    "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 --junitxml="$WORK/junit-new.xml" \
+    $(xdist_args "$WORKERS") -m gpu_quick "${new_files[@]}"
 
 # shellcheck disable=SC2046  # xdist_args is a list of options
 step suite "$(left)" env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_FUZZ=quick FUSED_BLOCK_FIRST= \

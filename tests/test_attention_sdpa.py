@@ -117,6 +117,7 @@ def test_choice_is_timed_once_per_bucket_and_listed(monkeypatch):
 
     monkeypatch.setattr(_attn_sdpa, "_CHOSEN", {})
     monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "TUNE", True)  # timing on, whatever FUSED_BLOCK_TUNE says (GPU runs set 0)
     calls = []
 
     def fake_time(grad, leaves, fns):
