@@ -20,7 +20,7 @@ MODULES = [m for m in aot.MODULES if importlib.util.find_spec(f"fused_block.kern
 
 def _problems(reports) -> str:
     messages = []
-    for what, bad in (("register spills", [r for r in reports if r.spills]),
+    for what, bad in (("register spills", [r for r in reports if r.spills and not r.spills_ok]),
                       ("no wgmma on sm_90", [r for r in reports if r.wgmma_required and not r.wgmma_found]),
                       ("no TMA (cp.async.bulk.tensor) on sm_90", [r for r in reports if r.tma_required and not r.tma_found]),
                       ("hot loops without wgmma on sm_90",
@@ -50,12 +50,13 @@ def test_compiles_without_spills(reports):
     assert not spilled, "register spills:\n" + aot.format_table(spilled)
 
 
-def test_only_the_tf32_d128_attention_configs_may_spill(reports):
-    """The one class allowed to spill (``KernelSpec.spills_ok``): fp32 attention under TF32 at
-    D = 128, whose operands go through registers to be rounded to nearest TF32
-    (``attention.specs.TF32_D128_SPILLS``); every other config is held to no spills."""
+def test_only_the_tf32_attention_configs_may_spill(reports):
+    """The one class allowed to spill (``KernelSpec.spills_ok``): fp32 attention under TF32,
+    whose operands go through registers to be rounded to nearest TF32
+    (``attention.specs.TF32_SPILLS``); every other config is held to no spills (the heavy
+    check's too: ``_problems``)."""
     allowed = [r for r in reports if r.spills_ok]
-    assert allowed and all(r.module == "attention" and " D128 tf32" in r.name for r in allowed)
+    assert allowed and all(r.module == "attention" and " tf32" in r.name for r in allowed)
 
 
 def test_sm90_products_use_wgmma(reports):

@@ -306,14 +306,16 @@ def aot_specs(exhaustive=None) -> list:
         name="attention_dq_convert D128 bf16", fn=fn, signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
         constexprs=dict(BLOCK_M=backward_atomic.CONVERT_BLOCK_M, BLOCK_D=128, INTERPRET=False), num_warps=4,
         aligned=_aligned_args(fn), archs=(90,)))
-    specs = [dataclasses.replace(s, spills_ok=TF32_D128_SPILLS) if " D128 tf32" in s.name else s for s in specs]
+    specs = [dataclasses.replace(s, spills_ok=TF32_SPILLS) if " tf32" in s.name else s for s in specs]
     return aot.take_turns(specs, items)
 
 
-# fp32 attention under TF32 at D = 128: the operands are rounded to nearest TF32 before every
-# product (common.to_tf32; the tensor cores would truncate them, 2-7x torch's error on the H200),
-# which takes each K/V (and Q, dO) tile through registers beside the D128 fp32 accumulators:
-# 14 of the default check's builds (forward, backward, dbias; both archs) spill 8-408 B of
-# stack. Accuracy first in this mode; the way back to no spills is rounding the inputs once per
-# call outside the kernels (only the register-made operands, P and dS, inside), not done yet.
-TF32_D128_SPILLS = "TF32 operand rounding (cvt.rna) of the D128 fp32 tiles"
+# fp32 attention under TF32: the operands are rounded to nearest TF32 before every product
+# (common.to_tf32; the tensor cores would truncate them, 2-7x torch's error on the H200), which
+# takes each K/V (and Q, dO) tile through registers beside the fp32 accumulators: 14 of the
+# default check's builds (D128 forward, backward and dbias; both archs) spill 8-408 B of stack,
+# and 23 of the heavy check's (D128 and D64: feature-heavy forward, backward, dbias and decode
+# variants) 8-520 B. Accuracy first in this mode; the way back to no spills is rounding the
+# inputs once per call outside the kernels (only the register-made operands, P and dS, inside),
+# not done yet.
+TF32_SPILLS = "TF32 operand rounding (cvt.rna) of the fp32 tiles"
