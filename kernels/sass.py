@@ -282,13 +282,13 @@ def _opt_in(module, **switches):
 
 def _attention_gluon(B, H, L, D, causal, variant):
     """The opt-in Gluon Hopper forward (``FUSED_BLOCK_HOPPER_ATTN=1``, or the ``variant`` "ws",
-    "persistent" or "pingpong": ``kernels/attention/hopper.py``); forward only, its backward being
-    the Triton one."""
+    "persistent", "pingpong" or "pingpong_overlap": ``kernels/attention/hopper.py``); forward
+    only, its backward being the Triton one."""
     import fused_block
     from fused_block.kernels.attention import hopper
 
     with _opt_in(hopper, ENABLED=True, WS=variant == "ws", PERSISTENT=variant == "persistent",
-                 PINGPONG=variant == "pingpong"):
+                 PINGPONG=variant.startswith("pingpong"), PP_OVERLAP=variant == "pingpong_overlap"):
         fused_block.attention(*(_empty(B, H, L, D) for _ in range(3)), causal=causal)
 
 
@@ -420,10 +420,11 @@ WORKLOADS = (
     ("attention D128", _attention, (4, 16, 4096, 128, False)),
     # The opt-in Hopper kernels at the same shapes (issue 30; not the default until a GPU run
     # verifies them): the Gluon forwards (single-partition, warp-specialized, persistent,
-    # ping-pong), and the atomic-dQ backward with its dQ conversion.
+    # ping-pong, ping-pong one score block deeper), and the atomic-dQ backward with its dQ
+    # conversion.
     *((f"attention D{d}{' causal' if c else ''} gluon{' ' + v if v else ''}", _attention_gluon, (*s, c, v))
-      for v in ("", "ws", "persistent", "pingpong") for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128)))
-      for c in (True, False)),
+      for v in ("", "ws", "persistent", "pingpong", "pingpong_overlap")
+      for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     *((f"attention D{d}{' causal' if c else ''} dq atomic", _attention_dq_atomic, (*s, c))
       for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     # The Gluon backward (one build serves causal and not: causality is a runtime bound).

@@ -146,13 +146,15 @@ def test_the_persistent_switch_takes_the_persistent_form(switch, monkeypatch):
 
 
 @pytest.mark.parametrize("D", sorted(hopper.PADDED))
-@pytest.mark.parametrize("switch", ["ws", "pingpong"])
+@pytest.mark.parametrize("switch", ["ws", "pingpong", "pingpong_overlap"])
 def test_the_pingpong_switch_takes_the_pingpong_candidates(switch, D, monkeypatch):
     """FUSED_BLOCK_HOPPER_ATTN=pingpong runs the ping-pong kernel's candidates only (its own
-    config key; here, untimed, the first); =ws never does (its candidates are the
-    warp-specialized kernel's alone)."""
+    config key; here, untimed, the first: the consumers without OVERLAP); =pingpong_overlap
+    only those with the consumers one score block deeper; =ws never does (its candidates are
+    the warp-specialized kernel's alone)."""
     chosen = []
-    monkeypatch.setattr(hopper, "PINGPONG", switch == "pingpong")
+    monkeypatch.setattr(hopper, "PINGPONG", switch.startswith("pingpong"))
+    monkeypatch.setattr(hopper, "PP_OVERLAP", switch == "pingpong_overlap")
     monkeypatch.setattr(hopper, "WS", switch == "ws")
     monkeypatch.setattr(hopper, "PERSISTENT", False)
     monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
@@ -165,10 +167,23 @@ def test_the_pingpong_switch_takes_the_pingpong_candidates(switch, D, monkeypatc
     if switch == "pingpong":
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == hopper.PINGPONG_CONFIGS[d][0]
         assert cfg["PINGPONG"] and cfg["WS"] and not cfg["PERSISTENT"] and cfg.num_warps == 4
+        assert not cfg["OVERLAP"]
+    elif switch == "pingpong_overlap":
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == hopper.PP_OVERLAP_CONFIGS[d][0]
+        assert cfg["PINGPONG"] and cfg["OVERLAP"] and not cfg["PERSISTENT"] and cfg.num_warps == 4
     else:
         assert (cfg["BLOCK_N"], cfg["STAGES"]) == hopper.WS_CONFIGS[d][0] and not cfg["PINGPONG"]
     assert not any(c["PINGPONG"] for ws in (False, True) for c in hopper._CANDIDATES[d, ws])
     assert all(c["PINGPONG"] for c in hopper._PP_CANDIDATES[d])
+
+
+def test_the_overlap_candidates_follow_the_pingpong_ones():
+    """=pingpong times the consumers one score block deeper after the existing ping-pong
+    candidates (FUSED_BLOCK_TUNE=0 takes the first: the existing kernel's first tile)."""
+    for d in hopper.HEAD_DIMS:
+        got = [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["OVERLAP"]) for c in hopper._PP_CANDIDATES[d]]
+        assert got == ([(*t, False) for t in hopper.PINGPONG_CONFIGS[d]]
+                       + [(*t, True) for t in hopper.PP_OVERLAP_CONFIGS[d]])
 
 
 def test_pingpong_candidates_fit_shared_memory():
@@ -176,17 +191,20 @@ def test_pingpong_candidates_fit_shared_memory():
     K/V ring shared by the consumers fit Hopper's 227 KB; a ring per consumer would not at
     D128 (FA3's choice: one ring); three consumers only at D64 (64 rows each)."""
     smem = 227 * 1024
-    for d, cands in hopper.PINGPONG_CONFIGS.items():
-        for block_m, block_n, stages in cands:
+    for d in hopper.HEAD_DIMS:
+        for block_m, block_n, stages in hopper.PINGPONG_CONFIGS[d] + hopper.PP_OVERLAP_CONFIGS[d]:
             assert block_m in (128, 192) and (block_m == 128 or d == 64)
             q, ring = block_m * d * 2, stages * 2 * block_n * d * 2
             assert q + ring <= smem, (d, block_m, block_n, stages)
     assert 128 * 128 * 2 + 2 * (2 * 2 * 128 * 128 * 2) > smem
 
 
-@pytest.mark.parametrize("value,flags", [("pingpong", [True, False, False, True]), ("ws", [True, True, False, False])])
+@pytest.mark.parametrize("value,flags", [("pingpong", [True, False, False, True, False]),
+                                         ("pingpong_overlap", [True, False, False, True, True]),
+                                         ("ws", [True, True, False, False, False])])
 def test_the_switch_is_read_at_import(value, flags):
-    """FUSED_BLOCK_HOPPER_ATTN's values set (ENABLED, WS, PERSISTENT, PINGPONG) at import."""
+    """FUSED_BLOCK_HOPPER_ATTN's values set (ENABLED, WS, PERSISTENT, PINGPONG, PP_OVERLAP) at
+    import."""
     import os
     import pathlib
     import subprocess
@@ -194,7 +212,7 @@ def test_the_switch_is_read_at_import(value, flags):
 
     root = pathlib.Path(__file__).resolve().parents[1]
     code = ("from fused_block.kernels.attention import hopper; "
-            "print(hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG)")
+            "print(hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG, hopper.PP_OVERLAP)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, hopper.ENV: value})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -218,12 +236,12 @@ class _MBarrier:
         return (self.completed & 1) != parity
 
 
-def _pingpong_protocol(n_blocks, stages, consumers, rng):
-    """The ping-pong kernel's mbarrier protocol, step for step as ``_pp_consumer``, the loader
-    (``_ws_loader``) and the kernel's prologue issue their waits and arrives (TMA copies land at
-    random later times), run under a random interleaving. Returns the products' issue order
-    [(consumer, turn)]; raises on a deadlock or on a product reading a ring slot that does not
-    hold its block."""
+def _pingpong_protocol(n_blocks, stages, consumers, rng, overlap=False):
+    """The ping-pong kernel's mbarrier protocol, step for step as ``_pp_consumer`` (with
+    ``overlap``: ``_pp_consumer_overlap``), the loader (``_ws_loader``) and the kernel's prologue
+    issue their waits and arrives (TMA copies land at random later times), run under a random
+    interleaving. Returns the products' issue order [(consumer, turn)]; raises on a deadlock or
+    on a product reading a ring slot that does not hold its block."""
     bar = lambda count: _MBarrier(count)  # noqa: E731
     q = [bar(1) for _ in range(consumers)]
     turn = [bar(1) for _ in range(consumers)]
@@ -259,6 +277,52 @@ def _pingpong_protocol(n_blocks, stages, consumers, rng):
         nxt.arrive()
         v_empty[last].arrive()
 
+    def consumer_overlap(c):
+        # _pp_consumer_overlap: turn 0 S_0, 1 S_1, j S_j + PV_{j-2}, n PV_{n-2}, n + 1 PV_{n-1}
+        # (a single block: 0 S_0, 1 PV_0). Releases follow the products' waits, with no wait
+        # of a barrier between: here right after the issue.
+        nxt = turn[(c + 1) % consumers]
+        yield q[c], 0
+        yield k_ready[0], 0
+        yield turn[c], 0
+        assert k_slot[0] == 0
+        issued.append((c, 0))
+        nxt.arrive()
+        k_empty[0].arrive()
+        t_last = 1
+        if n_blocks > 1:
+            yield k_ready[1], 0
+            yield turn[c], 1
+            assert k_slot[1] == 1
+            issued.append((c, 1))
+            nxt.arrive()
+            k_empty[1].arrive()
+            for j in range(2, n_blocks):
+                slot, vs = j % stages, (j - 2) % stages
+                yield k_ready[slot], (j // stages) & 1
+                yield v_ready[vs], ((j - 2) // stages) & 1
+                yield turn[c], j & 1
+                assert k_slot[slot] == j and v_slot[vs] == j - 2, (c, j, k_slot, v_slot)
+                issued.append((c, j))
+                nxt.arrive()
+                k_empty[slot].arrive()
+                v_empty[vs].arrive()
+            vs = (n_blocks - 2) % stages
+            yield v_ready[vs], ((n_blocks - 2) // stages) & 1
+            yield turn[c], n_blocks & 1
+            assert v_slot[vs] == n_blocks - 2
+            issued.append((c, n_blocks))
+            nxt.arrive()
+            v_empty[vs].arrive()
+            t_last = n_blocks + 1
+        last = (n_blocks - 1) % stages
+        yield v_ready[last], ((n_blocks - 1) // stages) & 1
+        yield turn[c], t_last & 1
+        assert v_slot[last] == n_blocks - 1
+        issued.append((c, t_last))
+        nxt.arrive()
+        v_empty[last].arrive()
+
     def loader():
         for i in range(consumers):
             copies.append((q[i], None, None, None))
@@ -272,7 +336,7 @@ def _pingpong_protocol(n_blocks, stages, consumers, rng):
             copies.append((v_ready[slot], v_slot, slot, j))
 
     turn[0].arrive()  # the kernel's prologue: consumer 0 goes first
-    procs = [consumer(c) for c in range(consumers)] + [loader()]
+    procs = [(consumer_overlap if overlap else consumer)(c) for c in range(consumers)] + [loader()]
     waiting = [next(p, None) for p in procs]
     while any(w is not None for w in waiting) or copies:
         runnable = [i for i, w in enumerate(waiting) if w is not None and w[0].passes(w[1])]
@@ -290,21 +354,24 @@ def _pingpong_protocol(n_blocks, stages, consumers, rng):
     return issued
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["pp", "overlap"])
 @pytest.mark.parametrize("consumers", [2, 3])
-def test_pingpong_barrier_protocol_never_deadlocks(consumers):
+def test_pingpong_barrier_protocol_never_deadlocks(consumers, overlap):
     """The ping-pong kernel's barriers, modelled on the CPU (the interpreter cannot run Gluon):
     for 1 to 9 key blocks and rings of 2 to 4 slots, under many random interleavings of the
     partitions and the TMA copies' completions, every partition finishes, each product reads
     the block it should from the ring, and the consumers issue their products strictly in
-    turn (0, 1, [2,] 0, 1, ...)."""
+    turn (0, 1, [2,] 0, 1, ...): n + 1 turns each, with ``overlap`` (the consumers one score
+    block deeper, V released two steps after its fill) n + 2 (2 for one block)."""
     import random
 
     rng = random.Random(0)
     for n_blocks in range(1, 10):
+        turns = (n_blocks + 2 if n_blocks > 1 else 2) if overlap else n_blocks + 1
         for stages in (2, 3, 4):
             for _ in range(30):
-                issued = _pingpong_protocol(n_blocks, stages, consumers, rng)
-                assert issued == [(c, t) for t in range(n_blocks + 1) for c in range(consumers)]
+                issued = _pingpong_protocol(n_blocks, stages, consumers, rng, overlap)
+                assert issued == [(c, t) for t in range(turns) for c in range(consumers)]
 
 
 def test_persistent_sections_keep_their_kv_in_l2():
@@ -387,14 +454,17 @@ gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only"
 # tile to tile, a new way to wait forever) and the ping-pong kernel's ("pingpong": its
 # consumers wait for each other's turns).
 VARIANTS = [pytest.param("wg2", id="wg2"), pytest.param("ws", id="wspec", marks=pytest.mark.heavy),
-            pytest.param("pingpong", id="pingpong", marks=pytest.mark.heavy)]
+            pytest.param("pingpong", id="pingpong", marks=pytest.mark.heavy),
+            pytest.param("pingpong_overlap", id="pingpong-overlap", marks=pytest.mark.heavy)]
 
 
 def _switch(monkeypatch, variant):
-    """The switch on for ``variant`` ("wg2": FUSED_BLOCK_HOPPER_ATTN=1, "ws", "pingpong")."""
+    """The switch on for ``variant`` ("wg2": FUSED_BLOCK_HOPPER_ATTN=1, "ws", "pingpong",
+    "pingpong_overlap")."""
     monkeypatch.setattr(hopper, "ENABLED", True)
     monkeypatch.setattr(hopper, "WS", variant == "ws")
-    monkeypatch.setattr(hopper, "PINGPONG", variant == "pingpong")
+    monkeypatch.setattr(hopper, "PINGPONG", variant.startswith("pingpong"))
+    monkeypatch.setattr(hopper, "PP_OVERLAP", variant == "pingpong_overlap")
     monkeypatch.setattr(hopper, "PERSISTENT", False)
 
 
@@ -477,12 +547,16 @@ def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, 
 @gpu
 @pytest.mark.heavy
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D,cand", [pytest.param(d, i, id=f"pingpong-D{d}-{m}x{n}/{st}") for d in hopper.HEAD_DIMS
-                                    for i, (m, n, st) in enumerate(hopper.PINGPONG_CONFIGS[d])])
+@pytest.mark.parametrize("D,cand", [
+    pytest.param(d, i, id=f"pingpong{'-overlap' if c['OVERLAP'] else ''}-D{d}-{c['BLOCK_M']}x{c['BLOCK_N']}/"
+                          f"{c['STAGES']}")
+    for d in hopper.HEAD_DIMS for i, c in enumerate(hopper._PP_CANDIDATES[d])])
 def test_every_pingpong_candidate_matches_reference(D, cand, causal, launches, monkeypatch):
-    """Each ping-pong candidate alone (two consumers, or three at 192 rows) on every shape of
-    ``GPU_CASES``: whole and ragged blocks, GQA and MQA, causal offsets both ways (rows that
-    see no key: O = 0, LSE -inf), rings and turns wrapping many times; fresh inputs a shape."""
+    """Each ping-pong candidate alone (two consumers, or three at 192 rows; the consumers one
+    score block deeper: "overlap" in the ids) on every shape of ``GPU_CASES``: whole and ragged
+    blocks, GQA and MQA, causal offsets both ways (rows that see no key: O = 0, LSE -inf), one
+    key block (cross-400x70, causal: the overlap consumers' two-turn path), rings and turns
+    wrapping many times; fresh inputs a shape."""
     _switch(monkeypatch, "pingpong")
     monkeypatch.setattr(hopper, "_PP_CANDIDATES", {D: [hopper._PP_CANDIDATES[D][cand]]})
     monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
@@ -622,10 +696,10 @@ json.dump(out, sys.stdout)
 
 
 def test_pingpong_launches_match_the_compiled_specs():
-    """Every ping-pong candidate launched through Triton's launch path on CPU tensors (the fake
-    driver checks the arguments): one launch of ``_attn_fwd_hopper_pp`` a call, a program per
-    128 or 192 query rows (300 rows: 3 or 2 blocks) and head, 64-row Q and O descriptors, and
-    exactly the signature and constexprs the compile check builds."""
+    """Every ping-pong candidate (the OVERLAP ones too) launched through Triton's launch path
+    on CPU tensors (the fake driver checks the arguments): one launch of ``_attn_fwd_hopper_pp``
+    a call, a program per 128 or 192 query rows (300 rows: 3 or 2 blocks) and head, 64-row Q
+    and O descriptors, and exactly the signature and constexprs the compile check builds."""
     import json
     import pathlib
 
@@ -635,12 +709,14 @@ def test_pingpong_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _PP_LAUNCH_SCRIPT], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 2 * sum(len(hopper.PINGPONG_CONFIGS[hopper.PADDED[D]]) for D in hopper.PADDED)
+    assert len(launches) == 2 * sum(len(hopper._PP_CANDIDATES[hopper.PADDED[D]]) for D in hopper.PADDED)
     for rec in launches:
         head_d = hopper.PADDED[rec["D"]]
-        block_m, block_n, stages = hopper.PINGPONG_CONFIGS[head_d][rec["cand"]]
+        cfg = hopper._PP_CANDIDATES[head_d][rec["cand"]]
+        block_m, block_n, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]
         sig, constexprs = hopper.aot_spec_args("bf16", head_d, rec["causal"], block_n, stages, ws=True,
-                                               block_m=block_m)
+                                               block_m=block_m, overlap=cfg["OVERLAP"])
+        assert constexprs["OVERLAP"] == cfg["OVERLAP"]
         assert rec["name"] == "_attn_fwd_hopper_pp"
         assert rec["grid"] == [common.cdiv(300, block_m) * 4, 1, 1]
         assert rec["ints"] == [4, 2, 300, 333]
