@@ -129,6 +129,15 @@ def test_hot_loops_are_the_loops_with_arithmetic():
     assert [(r.hgmma, r.fp) for r in rs[1:]] == [(1, 1), (0, 0)]
     assert sass.hot_loops_on_wgmma(rs)
     assert not sass.hot_loops_on_wgmma(rs[:1] + rs[2:])  # no loop on wgmma at all
+    # A persistent loader's tile loop: unsigned divisions by runtime values (I2F.RP, MUFU.RCP of
+    # its result, F2I) are no arithmetic; a reciprocal of a float is.
+    division = ["I2F.RP R5, UR13", "MUFU.RCP R5, R5", "IADD3 R6, R5, 0xffffffe, RZ", "F2I.FTZ.U32.TRUNC.NTZ R7, R6"]
+    rs = sass.regions(_listing(loader[:6] + division + loader[6:-2] + [f"@P1 BRA 0x{16 * 6:x}", "EXIT"]),
+                      num_warps=4)
+    assert [(r.hgmma, r.fp) for r in rs[1:]] == [(1, 1), (0, 0)] and sass.hot_loops_on_wgmma(rs)
+    rcp = ["FADD R5, R4, R4", "MUFU.RCP R5, R5"]
+    rs = sass.regions(_listing(loader[:6] + rcp + loader[6:-2] + [f"@P1 BRA 0x{16 * 6:x}", "EXIT"]), num_warps=4)
+    assert [(r.hgmma, r.fp) for r in rs[1:]] == [(1, 1), (0, 2)] and not sass.hot_loops_on_wgmma(rs)
 
 
 def test_a_loop_branching_over_its_epilogue_gives_the_k_step():

@@ -6,7 +6,8 @@ or three consumers) under FA3's ping-pong schedule of the consumers' products (w
 ``OVERLAP``, its consumers one score block deeper: ``_pp_consumer_overlap``).
 
 Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first), ``=ws`` (the second) or
-``=pingpong`` (the third; ``=pingpong_overlap`` its OVERLAP candidates alone) is set, on
+``=pingpong`` (the third; ``=pingpong_overlap`` its OVERLAP candidates alone,
+``=pingpong_persistent`` its persistent form ``_attn_fwd_hopper_pp_persistent`` alone) is set, on
 sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64, 128 or 256
 (96 and 192 through the 128 and 256 kernels, zero columns: :data:`PADDED`),
 no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
@@ -100,9 +101,16 @@ PINGPONG_CONFIGS = {64: ((128, 128, 2), (128, 128, 3), (192, 64, 3)), 128: ((128
 # (D256: 32, with four slots). Timed after ``PINGPONG_CONFIGS``' under =pingpong (the first
 # candidate stays the existing kernel's); =pingpong_overlap takes them alone.
 PP_OVERLAP_CONFIGS = {64: ((192, 64, 3), (128, 64, 3)), 128: ((128, 64, 3),), 256: ((128, 32, 4),)}
-_PP_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, BLOCK_N=n, STAGES=st, WS=True, PERSISTENT=False,
+# The ping-pong kernel's persistent form (``_attn_fwd_hopper_pp_persistent``: a program per SM,
+# the persistent kernel's LPT tile order), on the ping-pong kernel's first tile of each head dim
+# (and FA3's D64 three-consumer tile): timed last under =pingpong; =pingpong_persistent takes
+# them alone.
+PP_PERSISTENT_CONFIGS = {64: ((128, 128, 2), (192, 64, 3)), 128: ((128, 128, 2),), 256: ((128, 64, 2),)}
+_PP_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, BLOCK_N=n, STAGES=st, WS=True, PERSISTENT=persistent,
                                        PINGPONG=True, OVERLAP=overlap)
-                      for table, overlap in ((PINGPONG_CONFIGS, False), (PP_OVERLAP_CONFIGS, True))
+                      for table, overlap, persistent in ((PINGPONG_CONFIGS, False, False),
+                                                         (PP_OVERLAP_CONFIGS, True, False),
+                                                         (PP_PERSISTENT_CONFIGS, False, True))
                       for m, n, st in table[d]] for d in HEAD_DIMS}
 # FA3's L2 sections: as many heads a section as keep their K and V (at most this much) in L2.
 L2_KV_BYTES = 32 << 20
@@ -114,12 +122,15 @@ _LOG2E = 1.4426950408889634
 # warp-specialized one, "persistent" the single-partition kernel in its persistent form only,
 # "pingpong" the warp-specialized kernel with FA3's ping-pong schedule (its candidates timed
 # among themselves; not among ``ws``'s, whose runs it would otherwise join untested),
-# "pingpong_overlap" the ping-pong kernel with its consumers one score block deeper only.
-ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent", "pingpong", "pingpong_overlap")
+# "pingpong_overlap" the ping-pong kernel with its consumers one score block deeper only,
+# "pingpong_persistent" the ping-pong kernel's persistent form only.
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent", "pingpong", "pingpong_overlap",
+                                       "pingpong_persistent")
 WS = os.environ.get(ENV, "0") == "ws"
 PERSISTENT = os.environ.get(ENV, "0") == "persistent"
-PINGPONG = os.environ.get(ENV, "0") in ("pingpong", "pingpong_overlap")
+PINGPONG = os.environ.get(ENV, "0") in ("pingpong", "pingpong_overlap", "pingpong_persistent")
 PP_OVERLAP = os.environ.get(ENV, "0") == "pingpong_overlap"
+PP_PERSISTENT = os.environ.get(ENV, "0") == "pingpong_persistent"
 
 
 @gluon.constexpr_function
@@ -855,6 +866,243 @@ def _attn_fwd_hopper_pp(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
 
 
 # ---------------------------------------------------------------------------------------------
+# the ping-pong kernel persistent: a program per SM, tiles in FA3's LPT order
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _pp_tile(tile, n_m, BH, SECTION, Hq, GROUP, Lk, cdiag, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile ``tile`` of ``_attn_fwd_hopper_pp_persistent``'s order (the persistent kernel's:
+    sections of ``SECTION`` heads, in a section the query blocks last to first, every head of
+    the section at one block before the next block): (b, h, hkv, m0, n_blocks, n_full). The
+    key bounds as the ping-pong kernel's, ``cdiag`` Lk - Lq under causality and Lk without (then
+    every in-bounds key is visible: the same formulas give Lk)."""
+    sec = tile // (SECTION * n_m)
+    r = tile - sec * SECTION * n_m
+    width = gl.minimum(SECTION, BH - sec * SECTION)
+    blk = r // width
+    bh = sec * SECTION + r - blk * width
+    h = bh % Hq
+    m0 = (n_m - 1 - blk) * BLOCK_M
+    hi = gl.minimum(Lk, m0 + BLOCK_M + cdiag)
+    full = gl.maximum(gl.minimum(Lk, m0 + cdiag + 1), 0)
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    return bh // Hq, h, h // GROUP, m0, n_blocks, full // BLOCK_N
+
+
+@gluon.jit
+def _ppp_consumer(q_s, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, turn_next, OD, LSE,
+                  ci, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH, SECTION):
+    """Consumer ``ci`` (rows [m0 + 64 ci, m0 + 64 ci + 64) of each tile) of
+    ``_attn_fwd_hopper_pp_persistent``: ``_pp_consumer``'s turns and step for every tile of the
+    program, in the loader's order. What carries from tile to tile: the ring position ``it``
+    (block j of a tile is position it + j: slot (it + j) % STAGES, phase ((it + j) // STAGES) & 1),
+    the turn count ``t`` (a tile takes n_blocks + 1 turns: turn k of the tile is phase
+    (t + k) & 1) and the tile count ``done`` (Q's barrier's phase). After its O left Q's buffer
+    (the TMA store waited for), the consumer releases the buffer to the loader (``q_empty``)."""
+    HALF_M: gl.constexpr = q_s.shape[3]
+    HEAD_D: gl.constexpr = q_s.shape[4]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    CONSUMERS: gl.constexpr = q_bar.shape[0]
+    dtype: gl.constexpr = OD.dtype
+    s_layout: gl.constexpr = _mma_layout(HALF_M, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(HALF_M, HEAD_D, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q2 = q_s.index(ci).reshape([HALF_M, HEAD_D])
+    n_m = gl.cdiv(Lq, CONSUMERS * HALF_M)
+    it = 0
+    t = 0
+    done = 0
+    for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+        b, h, hkv, m0, n_blocks, n_full = _pp_tile(tile, n_m, BH, SECTION, Hq, GROUP, Lk, cdiag, CONSUMERS * HALF_M,
+                                                   BLOCK_N)
+        r0 = m0 + ci * HALF_M
+        row = r0 + gl.arange(0, HALF_M, layout=row_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+        o = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+        s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        # Turn 0: S_0 alone.
+        s0 = it % STAGES
+        mbarrier.wait(q_bar.index(ci), done & 1)
+        mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
+        k2 = k_smem.index(s0).reshape([BLOCK_N, HEAD_D])
+        mbarrier.wait(turn, t & 1)
+        s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+        mbarrier.arrive(turn_next)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(s0))
+        m_i, alpha, p, l_i = _pp_softmax(s, m_i, l_i, 0, n_full, row, Lk, cdiag, qk_scale, BLOCK_N, s_layout)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+        # Turn j: S_j, O *= alpha_{j-1}, O += P_{j-1} V_{j-1}.
+        for j in range(1, n_blocks):
+            slot = (it + j) % STAGES
+            prev = (it + j - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+            k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
+            v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
+            mbarrier.wait(turn, (t + j) & 1)
+            s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+            mbarrier.arrive(turn_next)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(slot))
+            m_i, alpha, p, l_i = _pp_softmax(s, m_i, l_i, j, n_full, row, Lk, cdiag, qk_scale, BLOCK_N, s_layout)
+            o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+            mbarrier.arrive(v_empty.index(prev))
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+        # Turn n_blocks: the last block's PV product.
+        last = (it + n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+        v2 = v_smem.index(last).reshape([BLOCK_N, HEAD_D])
+        mbarrier.wait(turn, (t + n_blocks) & 1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+        mbarrier.arrive(turn_next)
+        o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(last))
+
+        empty = l_i == 0.0
+        l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+        o = o / gl.expand_dims(l_o, 1)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
+        q2.store(o.to(dtype))  # its own products are done with Q
+        fence_async_shared()
+        tma.async_copy_shared_to_global(OD, [b, h, r0, 0], q_s.index(ci))
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty.index(ci))  # O left the buffer: the loader may fill the next Q
+        it += n_blocks
+        t += n_blocks + 1
+        done += 1
+
+
+@gluon.jit
+def _ppp_load_kv(KD, VD, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hkv, it, j0, j1):
+    """K_j and V_j, j in [j0, j1), of a tile whose block 0 is ring position ``it``: position p
+    waits for the consumers' release of position p - STAGES (the slot's empty barrier's phase
+    ((p // STAGES) & 1) ^ 1)."""
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    kv_bytes: gl.constexpr = KD.block_type.nbytes
+    for j in range(j0, j1):
+        pos = it + j
+        slot = pos % STAGES
+        phase = ((pos // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase, pred=pos >= STAGES)
+        mbarrier.expect(k_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(KD, [b, hkv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase, pred=pos >= STAGES)
+        mbarrier.expect(v_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(VD, [b, hkv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ppp_loader(QD, KD, VD, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Hq, GROUP,
+                Lq, Lk, cdiag, BH, SECTION):
+    """The TMA warp of ``_attn_fwd_hopper_pp_persistent``: ``_ws_loader`` for every tile of the
+    program in the consumers' order, the ring position ``it`` continuing from tile to tile. A
+    tile's first STAGES key blocks go first: their slots wait only for the tile before's
+    releases, so they stream in under that tile's last steps and epilogue; then each
+    consumer's Q tile, once the consumer released its buffer (``q_empty``: O of the tile before
+    left it; the k-th tile waits for phase (k - 1) & 1); then the rest of the key blocks (their
+    slots wait for this tile's consumers, who need their Q)."""
+    HALF_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    n_m = gl.cdiv(Lq, CONSUMERS * HALF_M)
+    it = 0
+    done = 0
+    for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+        b, h, hkv, m0, n_blocks, n_full = _pp_tile(tile, n_m, BH, SECTION, Hq, GROUP, Lk, cdiag, CONSUMERS * HALF_M,
+                                                   BLOCK_N)
+        first = gl.minimum(n_blocks, STAGES)
+        _ppp_load_kv(KD, VD, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hkv, it, 0, first)
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(i), (done - 1) & 1, pred=done > 0)
+            mbarrier.expect(q_bar.index(i), QD.block_type.nbytes)
+            tma.async_copy_global_to_shared(QD, [b, h, m0 + i * HALF_M, 0], q_bar.index(i), q_smem.index(i))
+        _ppp_load_kv(KD, VD, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hkv, it, first, n_blocks)
+        it += n_blocks
+        done += 1
+
+
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk", "BH", "SECTION"))
+def _attn_fwd_hopper_pp_persistent(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale, BH, SECTION,
+                                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_fwd_hopper_pp`` persistent: a program per SM (at most one per tile), each
+    partition walking the program's tiles pid, pid + grid, ... in the persistent kernel's
+    order (FA3's LPT order, L2 sections of ``SECTION`` heads; ``BH`` = batch x query heads).
+    Shared memory and mbarriers live across tiles: the K/V ring's positions, the turns and
+    Q's phases continue (``_ppp_consumer``, ``_ppp_loader``); a consumer's Q buffer, which O
+    leaves through, is handed back to the loader by one more mbarrier per consumer
+    (``q_empty``), so the next tile's K and V stream in under the current tile's last steps
+    and epilogue. Partitions and registers as the ping-pong kernel's."""
+    CONSUMERS: gl.constexpr = BLOCK_M // 64
+    dtype: gl.constexpr = QD.dtype
+    if IS_CAUSAL:
+        cdiag = Lk - Lq
+    else:
+        cdiag = Lk
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    mbarrier.arrive(turn.index(0))  # consumer 0 takes the first turn
+
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(0), turn.index(1), OD, LSE, 0, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(1), turn.index(2), OD, LSE, 1, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(2), turn.index(0), OD, LSE, 2, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                           Hq, GROUP, Lq, Lk, cdiag, BH, SECTION)),
+        ], [4, 4, 1], [160, 160, 24])
+    else:
+        gl.warp_specialize([
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(0), turn.index(1), OD, LSE, 0, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(1), turn.index(0), OD, LSE, 1, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                           Hq, GROUP, Lq, Lk, cdiag, BH, SECTION)),
+        ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
 
@@ -882,12 +1130,14 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     Lk = k.shape[2]
     launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
     # The tile count's bucket: whether a program per tile or per SM wins depends on it.
-    key = (D, WS, PERSISTENT, PINGPONG, PP_OVERLAP, bool(causal), _bucket(Lq), _bucket(Lk),
+    key = (D, WS, PERSISTENT, PINGPONG, PP_OVERLAP, PP_PERSISTENT, bool(causal), _bucket(Lq), _bucket(Lk),
            _bucket(B * Hq * common.cdiv(Lq, BLOCK_M)))
     if PINGPONG:
         cands = _PP_CANDIDATES[PADDED[D]]
         if PP_OVERLAP:
             cands = [c for c in cands if c["OVERLAP"]]
+        elif PP_PERSISTENT:
+            cands = [c for c in cands if c["PERSISTENT"]]
     else:
         cands = _CANDIDATES[PADDED[D], WS]
         if PERSISTENT and not WS:
@@ -911,7 +1161,8 @@ def _launch(cfg, launch) -> None:
     tiles = common.cdiv(Lq, block_m) * B * Hq
     args = (*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale)
     if cfg["PERSISTENT"]:
-        kernel, grid = _attn_fwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
+        kernel = _attn_fwd_hopper_pp_persistent if cfg["PINGPONG"] else _attn_fwd_hopper_persistent
+        grid = (min(tiles, common.sm_count(q.device)),)
         args += (B * Hq, _section(Lk, head_d, q.element_size(), Hq // Hkv))
     elif cfg["PINGPONG"]:
         kernel, grid = _attn_fwd_hopper_pp, (tiles,)
@@ -920,7 +1171,7 @@ def _launch(cfg, launch) -> None:
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
         return
-    if cfg["PINGPONG"]:
+    if cfg["PINGPONG"] and not cfg["PERSISTENT"]:
         kernel[grid](*args, IS_CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d,
                      STAGES=cfg["STAGES"], num_warps=cfg.num_warps, OVERLAP=cfg["OVERLAP"])
         return

@@ -285,6 +285,20 @@ def aot_specs(exhaustive=None) -> list:
                     fn=hopper._attn_fwd_hopper_pp, signature=sig, constexprs=constexprs,
                     num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
                     archs=(90,)))
+    # Its persistent form (hopper.PP_PERSISTENT_CONFIGS), the same way.
+    for block_d, cands in hopper.PP_PERSISTENT_CONFIGS.items():
+        for block_m, block_n, stages in cands:
+            items.setdefault(("hopper", "_pp_persistent", block_d), []).append([])
+            for causal in (True, False):
+                items["hopper", "_pp_persistent", block_d][-1].append(len(specs))
+                sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws=True,
+                                                       persistent=True, block_m=block_m)
+                specs.append(aot.KernelSpec(
+                    name=(f"attention_fwd_hopper_pp_persistent (Gluon) D{block_d} 16 {block_m}x{block_n}/{stages}: "
+                          f"{'causal' if causal else 'full'}"),
+                    fn=hopper._attn_fwd_hopper_pp_persistent, signature=sig, constexprs=constexprs,
+                    num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
+                    archs=(90,)))
     # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition and warp-specialized:
     # sm_90 only, every candidate (one build serves causal and not: causality is a runtime
     # bound), bf16.
