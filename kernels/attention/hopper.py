@@ -658,6 +658,7 @@ def _pp_consumer_overlap(q_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, 
     HEAD_D: gl.constexpr = q_s.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[3]
     STAGES: gl.constexpr = k_smem.shape[0]
+    gl.static_assert(STAGES >= 2, "turn 1 reads K_1 from slot 1, its first fill")
     dtype: gl.constexpr = OD.dtype
     s_layout: gl.constexpr = _mma_layout(HALF_M, BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(HALF_M, HEAD_D, 4)
