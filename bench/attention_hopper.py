@@ -1,20 +1,23 @@
 """The opt-in Gluon Hopper attention forwards (``kernels/attention/hopper.py``: the
 single-partition kernel "gluon" (its candidates timed, the persistent form among them), its
 persistent form alone "gluon_persistent", the warp-specialized "gluon_ws" and its ping-pong
-schedule "gluon_pingpong", each of whose candidates are timed) against our
+schedule "gluon_pingpong", each of whose candidates are timed, "gluon_pp_overlap": the
+ping-pong consumers one score block deeper alone, and "gluon_pp_persistent": the ping-pong
+kernel's persistent form alone) against our
 Triton forward, SDPA's cuDNN and SDPA's flash (FA2) backends, bf16, on the shapes of the
 attention issue; one short run on an sm_90 GPU:
 
     python -m bench.attention_hopper [--providers P1,P2,...] [--shapes S1,S2,...] [--json PATH]
 
-(providers: gluon, gluon_persistent, triton, sdpa_cudnn, sdpa_flash, gluon_ws, gluon_pingpong; all by default)
+(providers: gluon, gluon_persistent, triton, sdpa_cudnn, sdpa_flash, gluon_ws, gluon_pingpong,
+gluon_pp_overlap, gluon_pp_persistent; all by default)
 
 Per shape: TFLOP/s of each forward (``triton.testing.do_bench``, median, inputs reused: the
 working sets are far larger than L2 at these shapes), and each Gluon output's largest
 difference from our Triton forward's and its LSE's (a sanity check; the tests hold both to
-the float64 reference). A backend the shape or machine lacks shows "-". "gluon_ws" and
-"gluon_pingpong" run in passes of their own after every other provider (a kernel that has
-never run could deadlock).
+the float64 reference). A backend the shape or machine lacks shows "-". "gluon_ws",
+"gluon_pingpong", "gluon_pp_overlap" and "gluon_pp_persistent" run in passes of their own
+after every other provider (a kernel that has never run could deadlock).
 The first call of each shape class times the Gluon candidates (``FUSED_BLOCK_PRINT_TUNING=1``
 prints them); compiles dominate the run time.
 """
@@ -35,9 +38,11 @@ SHAPES = (
     ("B4 H32/8 L4096 D128 causal", 4, 32, 8, 4096, 128, True),
     ("B2 H16 L4096 D256 causal", 2, 16, 16, 4096, 256, True),  # the D256 kernel (Gemma's head dim)
 )
-PROVIDERS = ("gluon", "gluon_persistent", "triton", "sdpa_cudnn", "sdpa_flash", "gluon_ws", "gluon_pingpong")
-GLUON = ("gluon", "gluon_persistent", "gluon_ws", "gluon_pingpong")  # the switch's 1, persistent, ws, pingpong
-APART = ("gluon_ws", "gluon_pingpong")  # each in a pass of its own, last
+PROVIDERS = ("gluon", "gluon_persistent", "triton", "sdpa_cudnn", "sdpa_flash", "gluon_ws", "gluon_pingpong",
+             "gluon_pp_overlap", "gluon_pp_persistent")
+# the switch's 1, persistent, ws, pingpong, pingpong_overlap, pingpong_persistent
+GLUON = ("gluon", "gluon_persistent", "gluon_ws", "gluon_pingpong", "gluon_pp_overlap", "gluon_pp_persistent")
+APART = ("gluon_ws", "gluon_pingpong", "gluon_pp_overlap", "gluon_pp_persistent")  # each in a pass of its own, last
 
 
 def _fn(provider, causal, gqa):
@@ -46,10 +51,12 @@ def _fn(provider, causal, gqa):
 
     if provider in (*GLUON, "triton"):
         on, ws, persistent = provider != "triton", provider == "gluon_ws", provider == "gluon_persistent"
-        pingpong = provider == "gluon_pingpong"
+        pingpong = provider in ("gluon_pingpong", "gluon_pp_overlap", "gluon_pp_persistent")
+        overlap, pp_persistent = provider == "gluon_pp_overlap", provider == "gluon_pp_persistent"
 
         def run(q, k, v):
             hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG = on, ws, persistent, pingpong
+            hopper.PP_OVERLAP, hopper.PP_PERSISTENT = overlap, pp_persistent
             return fused_block.attention(q, k, v, causal=causal, return_lse=True)
         return run
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -91,6 +98,7 @@ def _measure(shape, providers, rep):
             row.setdefault("errors", {})[p] = f"{type(e).__name__}: {str(e)[:200]}"
         finally:
             hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG = False, False, False, False
+            hopper.PP_OVERLAP, hopper.PP_PERSISTENT = False, False
     if "triton" not in outs and any(p.startswith("gluon") for p in outs):
         with torch.no_grad():
             outs["triton"] = _fn("triton", causal, Hq != Hkv)(q, k, v)

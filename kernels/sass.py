@@ -159,8 +159,25 @@ def _region(name, seq, depth, num_warps) -> Region:
     hgmma = sum(x.op.startswith("HGMMA") for x in seq)
     tensor = _tensor_cycles(seq, num_warps)
     ratio = round(instructions * num_warps / SCHEDULERS / tensor, 3) if tensor else None
-    fp = sum(x.op.split(".")[0] in FP_OPS for x in seq)
-    return Region(name, seq[0].addr, seq[-1].addr, depth, instructions, hgmma, ratio, fp)
+    return Region(name, seq[0].addr, seq[-1].addr, depth, instructions, hgmma, ratio, _fp_count(seq))
+
+
+def _fp_count(seq) -> int:
+    """The floating-point arithmetic (:data:`FP_OPS`) of ``seq``, less the reciprocal estimates
+    of integer divisions by runtime values (``MUFU.RCP`` of an ``I2F.RP``'s result: the
+    compiler's unsigned division, e.g. a persistent loader's tile index into head and block)."""
+    from_int, n = set(), 0
+    for x in seq:
+        regs = [a.strip() for a in x.args.split(",")]
+        if x.op.startswith("I2F.RP"):
+            from_int.add(regs[0])
+            continue
+        if x.op.startswith("MUFU.RCP") and len(regs) > 1 and regs[1] in from_int:
+            from_int.discard(regs[1])
+            continue
+        n += x.op.split(".")[0] in FP_OPS
+        from_int.discard(regs[0])
+    return n
 
 
 def hot_loops_on_wgmma(rs) -> bool:
@@ -282,13 +299,14 @@ def _opt_in(module, **switches):
 
 def _attention_gluon(B, H, L, D, causal, variant):
     """The opt-in Gluon Hopper forward (``FUSED_BLOCK_HOPPER_ATTN=1``, or the ``variant`` "ws",
-    "persistent" or "pingpong": ``kernels/attention/hopper.py``); forward only, its backward being
-    the Triton one."""
+    "persistent", "pingpong", "pingpong_overlap" or "pingpong_persistent":
+    ``kernels/attention/hopper.py``); forward only, its backward being the Triton one."""
     import fused_block
     from fused_block.kernels.attention import hopper
 
     with _opt_in(hopper, ENABLED=True, WS=variant == "ws", PERSISTENT=variant == "persistent",
-                 PINGPONG=variant == "pingpong"):
+                 PINGPONG=variant.startswith("pingpong"), PP_OVERLAP=variant == "pingpong_overlap",
+                 PP_PERSISTENT=variant == "pingpong_persistent"):
         fused_block.attention(*(_empty(B, H, L, D) for _ in range(3)), causal=causal)
 
 
@@ -420,10 +438,11 @@ WORKLOADS = (
     ("attention D128", _attention, (4, 16, 4096, 128, False)),
     # The opt-in Hopper kernels at the same shapes (issue 30; not the default until a GPU run
     # verifies them): the Gluon forwards (single-partition, warp-specialized, persistent,
-    # ping-pong), and the atomic-dQ backward with its dQ conversion.
+    # ping-pong, ping-pong one score block deeper, ping-pong persistent), and the atomic-dQ
+    # backward with its dQ conversion.
     *((f"attention D{d}{' causal' if c else ''} gluon{' ' + v if v else ''}", _attention_gluon, (*s, c, v))
-      for v in ("", "ws", "persistent", "pingpong") for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128)))
-      for c in (True, False)),
+      for v in ("", "ws", "persistent", "pingpong", "pingpong_overlap", "pingpong_persistent")
+      for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     *((f"attention D{d}{' causal' if c else ''} dq atomic", _attention_dq_atomic, (*s, c))
       for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     # The Gluon backward (one build serves causal and not: causality is a runtime bound).

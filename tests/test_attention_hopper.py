@@ -146,13 +146,16 @@ def test_the_persistent_switch_takes_the_persistent_form(switch, monkeypatch):
 
 
 @pytest.mark.parametrize("D", sorted(hopper.PADDED))
-@pytest.mark.parametrize("switch", ["ws", "pingpong"])
+@pytest.mark.parametrize("switch", ["ws", "pingpong", "pingpong_overlap", "pingpong_persistent"])
 def test_the_pingpong_switch_takes_the_pingpong_candidates(switch, D, monkeypatch):
     """FUSED_BLOCK_HOPPER_ATTN=pingpong runs the ping-pong kernel's candidates only (its own
-    config key; here, untimed, the first); =ws never does (its candidates are the
-    warp-specialized kernel's alone)."""
+    config key; here, untimed, the first: the consumers without OVERLAP); =pingpong_overlap
+    only those with the consumers one score block deeper; =ws never does (its candidates are
+    the warp-specialized kernel's alone)."""
     chosen = []
-    monkeypatch.setattr(hopper, "PINGPONG", switch == "pingpong")
+    monkeypatch.setattr(hopper, "PINGPONG", switch.startswith("pingpong"))
+    monkeypatch.setattr(hopper, "PP_OVERLAP", switch == "pingpong_overlap")
+    monkeypatch.setattr(hopper, "PP_PERSISTENT", switch == "pingpong_persistent")
     monkeypatch.setattr(hopper, "WS", switch == "ws")
     monkeypatch.setattr(hopper, "PERSISTENT", False)
     monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
@@ -165,10 +168,29 @@ def test_the_pingpong_switch_takes_the_pingpong_candidates(switch, D, monkeypatc
     if switch == "pingpong":
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == hopper.PINGPONG_CONFIGS[d][0]
         assert cfg["PINGPONG"] and cfg["WS"] and not cfg["PERSISTENT"] and cfg.num_warps == 4
+        assert not cfg["OVERLAP"]
+    elif switch == "pingpong_overlap":
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == hopper.PP_OVERLAP_CONFIGS[d][0]
+        assert cfg["PINGPONG"] and cfg["OVERLAP"] and not cfg["PERSISTENT"] and cfg.num_warps == 4
+    elif switch == "pingpong_persistent":
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == hopper.PP_PERSISTENT_CONFIGS[d][0]
+        assert cfg["PINGPONG"] and cfg["PERSISTENT"] and not cfg["OVERLAP"] and cfg.num_warps == 4
     else:
         assert (cfg["BLOCK_N"], cfg["STAGES"]) == hopper.WS_CONFIGS[d][0] and not cfg["PINGPONG"]
     assert not any(c["PINGPONG"] for ws in (False, True) for c in hopper._CANDIDATES[d, ws])
     assert all(c["PINGPONG"] for c in hopper._PP_CANDIDATES[d])
+
+
+def test_the_overlap_and_persistent_candidates_follow_the_pingpong_ones():
+    """=pingpong times the consumers one score block deeper, then the persistent form, after
+    the existing ping-pong candidates (FUSED_BLOCK_TUNE=0 takes the first: the existing
+    kernel's first tile)."""
+    for d in hopper.HEAD_DIMS:
+        got = [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["OVERLAP"], c["PERSISTENT"])
+               for c in hopper._PP_CANDIDATES[d]]
+        assert got == ([(*t, False, False) for t in hopper.PINGPONG_CONFIGS[d]]
+                       + [(*t, True, False) for t in hopper.PP_OVERLAP_CONFIGS[d]]
+                       + [(*t, False, True) for t in hopper.PP_PERSISTENT_CONFIGS[d]])
 
 
 def test_pingpong_candidates_fit_shared_memory():
@@ -176,17 +198,22 @@ def test_pingpong_candidates_fit_shared_memory():
     K/V ring shared by the consumers fit Hopper's 227 KB; a ring per consumer would not at
     D128 (FA3's choice: one ring); three consumers only at D64 (64 rows each)."""
     smem = 227 * 1024
-    for d, cands in hopper.PINGPONG_CONFIGS.items():
-        for block_m, block_n, stages in cands:
+    for d in hopper.HEAD_DIMS:
+        for block_m, block_n, stages in (hopper.PINGPONG_CONFIGS[d] + hopper.PP_OVERLAP_CONFIGS[d]
+                                         + hopper.PP_PERSISTENT_CONFIGS[d]):
             assert block_m in (128, 192) and (block_m == 128 or d == 64)
             q, ring = block_m * d * 2, stages * 2 * block_n * d * 2
             assert q + ring <= smem, (d, block_m, block_n, stages)
     assert 128 * 128 * 2 + 2 * (2 * 2 * 128 * 128 * 2) > smem
 
 
-@pytest.mark.parametrize("value,flags", [("pingpong", [True, False, False, True]), ("ws", [True, True, False, False])])
+@pytest.mark.parametrize("value,flags", [("pingpong", [True, False, False, True, False, False]),
+                                         ("pingpong_overlap", [True, False, False, True, True, False]),
+                                         ("pingpong_persistent", [True, False, False, True, False, True]),
+                                         ("ws", [True, True, False, False, False, False])])
 def test_the_switch_is_read_at_import(value, flags):
-    """FUSED_BLOCK_HOPPER_ATTN's values set (ENABLED, WS, PERSISTENT, PINGPONG) at import."""
+    """FUSED_BLOCK_HOPPER_ATTN's values set (ENABLED, WS, PERSISTENT, PINGPONG, PP_OVERLAP,
+    PP_PERSISTENT) at import."""
     import os
     import pathlib
     import subprocess
@@ -194,7 +221,8 @@ def test_the_switch_is_read_at_import(value, flags):
 
     root = pathlib.Path(__file__).resolve().parents[1]
     code = ("from fused_block.kernels.attention import hopper; "
-            "print(hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG)")
+            "print(hopper.ENABLED, hopper.WS, hopper.PERSISTENT, hopper.PINGPONG, hopper.PP_OVERLAP, "
+            "hopper.PP_PERSISTENT)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, hopper.ENV: value})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -218,12 +246,12 @@ class _MBarrier:
         return (self.completed & 1) != parity
 
 
-def _pingpong_protocol(n_blocks, stages, consumers, rng):
-    """The ping-pong kernel's mbarrier protocol, step for step as ``_pp_consumer``, the loader
-    (``_ws_loader``) and the kernel's prologue issue their waits and arrives (TMA copies land at
-    random later times), run under a random interleaving. Returns the products' issue order
-    [(consumer, turn)]; raises on a deadlock or on a product reading a ring slot that does not
-    hold its block."""
+def _pingpong_protocol(n_blocks, stages, consumers, rng, overlap=False):
+    """The ping-pong kernel's mbarrier protocol, step for step as ``_pp_consumer`` (with
+    ``overlap``: ``_pp_consumer_overlap``), the loader (``_ws_loader``) and the kernel's prologue
+    issue their waits and arrives (TMA copies land at random later times), run under a random
+    interleaving. Returns the products' issue order [(consumer, turn)]; raises on a deadlock or
+    on a product reading a ring slot that does not hold its block."""
     bar = lambda count: _MBarrier(count)  # noqa: E731
     q = [bar(1) for _ in range(consumers)]
     turn = [bar(1) for _ in range(consumers)]
@@ -259,6 +287,52 @@ def _pingpong_protocol(n_blocks, stages, consumers, rng):
         nxt.arrive()
         v_empty[last].arrive()
 
+    def consumer_overlap(c):
+        # _pp_consumer_overlap: turn 0 S_0, 1 S_1, j S_j + PV_{j-2}, n PV_{n-2}, n + 1 PV_{n-1}
+        # (a single block: 0 S_0, 1 PV_0). Releases follow the products' waits, with no wait
+        # of a barrier between: here right after the issue.
+        nxt = turn[(c + 1) % consumers]
+        yield q[c], 0
+        yield k_ready[0], 0
+        yield turn[c], 0
+        assert k_slot[0] == 0
+        issued.append((c, 0))
+        nxt.arrive()
+        k_empty[0].arrive()
+        t_last = 1
+        if n_blocks > 1:
+            yield k_ready[1], 0
+            yield turn[c], 1
+            assert k_slot[1] == 1
+            issued.append((c, 1))
+            nxt.arrive()
+            k_empty[1].arrive()
+            for j in range(2, n_blocks):
+                slot, vs = j % stages, (j - 2) % stages
+                yield k_ready[slot], (j // stages) & 1
+                yield v_ready[vs], ((j - 2) // stages) & 1
+                yield turn[c], j & 1
+                assert k_slot[slot] == j and v_slot[vs] == j - 2, (c, j, k_slot, v_slot)
+                issued.append((c, j))
+                nxt.arrive()
+                k_empty[slot].arrive()
+                v_empty[vs].arrive()
+            vs = (n_blocks - 2) % stages
+            yield v_ready[vs], ((n_blocks - 2) // stages) & 1
+            yield turn[c], n_blocks & 1
+            assert v_slot[vs] == n_blocks - 2
+            issued.append((c, n_blocks))
+            nxt.arrive()
+            v_empty[vs].arrive()
+            t_last = n_blocks + 1
+        last = (n_blocks - 1) % stages
+        yield v_ready[last], ((n_blocks - 1) // stages) & 1
+        yield turn[c], t_last & 1
+        assert v_slot[last] == n_blocks - 1
+        issued.append((c, t_last))
+        nxt.arrive()
+        v_empty[last].arrive()
+
     def loader():
         for i in range(consumers):
             copies.append((q[i], None, None, None))
@@ -272,7 +346,7 @@ def _pingpong_protocol(n_blocks, stages, consumers, rng):
             copies.append((v_ready[slot], v_slot, slot, j))
 
     turn[0].arrive()  # the kernel's prologue: consumer 0 goes first
-    procs = [consumer(c) for c in range(consumers)] + [loader()]
+    procs = [(consumer_overlap if overlap else consumer)(c) for c in range(consumers)] + [loader()]
     waiting = [next(p, None) for p in procs]
     while any(w is not None for w in waiting) or copies:
         runnable = [i for i, w in enumerate(waiting) if w is not None and w[0].passes(w[1])]
@@ -290,21 +364,149 @@ def _pingpong_protocol(n_blocks, stages, consumers, rng):
     return issued
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["pp", "overlap"])
 @pytest.mark.parametrize("consumers", [2, 3])
-def test_pingpong_barrier_protocol_never_deadlocks(consumers):
+def test_pingpong_barrier_protocol_never_deadlocks(consumers, overlap):
     """The ping-pong kernel's barriers, modelled on the CPU (the interpreter cannot run Gluon):
     for 1 to 9 key blocks and rings of 2 to 4 slots, under many random interleavings of the
     partitions and the TMA copies' completions, every partition finishes, each product reads
     the block it should from the ring, and the consumers issue their products strictly in
-    turn (0, 1, [2,] 0, 1, ...)."""
+    turn (0, 1, [2,] 0, 1, ...): n + 1 turns each, with ``overlap`` (the consumers one score
+    block deeper, V released two steps after its fill) n + 2 (2 for one block)."""
     import random
 
     rng = random.Random(0)
     for n_blocks in range(1, 10):
+        turns = (n_blocks + 2 if n_blocks > 1 else 2) if overlap else n_blocks + 1
         for stages in (2, 3, 4):
             for _ in range(30):
-                issued = _pingpong_protocol(n_blocks, stages, consumers, rng)
-                assert issued == [(c, t) for t in range(n_blocks + 1) for c in range(consumers)]
+                issued = _pingpong_protocol(n_blocks, stages, consumers, rng, overlap)
+                assert issued == [(c, t) for t in range(turns) for c in range(consumers)]
+
+
+def _pp_persistent_protocol(tiles, stages, consumers, rng):
+    """The persistent ping-pong kernel's mbarrier protocol (``_ppp_consumer``, ``_ppp_loader``,
+    the kernel's prologue), step for step, for one program whose tiles have ``tiles`` key blocks
+    each, under a random interleaving (TMA copies landing at random later times). The ring
+    position, the turn count and Q's phase carry from tile to tile; the loader fills a tile's
+    first ``stages`` blocks, then each consumer's Q once its buffer is released (``q_empty``),
+    then the rest. Returns the products' issue order [(consumer, tile, turn)]; raises on a
+    deadlock, on a product reading a slot (or a Q buffer) that does not hold its block (its
+    tile's rows), or on a Q buffer refilled before its O left it."""
+    bar = lambda count: _MBarrier(count)  # noqa: E731
+    q, q_empty, turn = ([bar(1) for _ in range(consumers)] for _ in range(3))
+    k_ready, v_ready = [bar(1) for _ in range(stages)], [bar(1) for _ in range(stages)]
+    k_empty, v_empty = [bar(consumers) for _ in range(stages)], [bar(consumers) for _ in range(stages)]
+    k_slot, v_slot, q_slot = [None] * stages, [None] * stages, [None] * consumers
+    stored = [[] for _ in range(consumers)]  # the tiles whose O each consumer stored
+    issued, copies = [], []
+
+    def consumer(c):
+        nxt = turn[(c + 1) % consumers]
+        it = t = 0
+        for done, n in enumerate(tiles):
+            yield q[c], done & 1
+            yield k_ready[it % stages], (it // stages) & 1
+            yield turn[c], t & 1
+            assert q_slot[c] == done and k_slot[it % stages] == (done, 0), (c, done, q_slot, k_slot)
+            issued.append((c, done, 0))
+            nxt.arrive()
+            k_empty[it % stages].arrive()
+            for j in range(1, n):
+                slot, prev = (it + j) % stages, (it + j - 1) % stages
+                yield k_ready[slot], ((it + j) // stages) & 1
+                yield v_ready[prev], ((it + j - 1) // stages) & 1
+                yield turn[c], (t + j) & 1
+                assert q_slot[c] == done and k_slot[slot] == (done, j) and v_slot[prev] == (done, j - 1)
+                issued.append((c, done, j))
+                nxt.arrive()
+                k_empty[slot].arrive()
+                v_empty[prev].arrive()
+            last = (it + n - 1) % stages
+            yield v_ready[last], ((it + n - 1) // stages) & 1
+            yield turn[c], (t + n) & 1
+            assert v_slot[last] == (done, n - 1)
+            issued.append((c, done, n))
+            nxt.arrive()
+            v_empty[last].arrive()
+            assert q_slot[c] == done  # O leaves through Q's buffer (the TMA store waited for)
+            stored[c].append(done)
+            q_empty[c].arrive()
+            it, t = it + n, t + n + 1
+
+    def loader():
+        it = 0
+        for done, n in enumerate(tiles):
+            def kv(j0, j1):
+                for j in range(j0, j1):
+                    pos = it + j
+                    slot, phase = pos % stages, ((pos // stages) & 1) ^ 1
+                    if pos >= stages:
+                        yield k_empty[slot], phase
+                    copies.append((k_ready[slot], k_slot, slot, (done, j)))
+                    if pos >= stages:
+                        yield v_empty[slot], phase
+                    copies.append((v_ready[slot], v_slot, slot, (done, j)))
+            yield from kv(0, min(n, stages))
+            for i in range(consumers):
+                if done > 0:
+                    yield q_empty[i], (done - 1) & 1
+                    assert stored[i] == list(range(done))  # the buffer's O has left
+                copies.append((q[i], q_slot, i, done))
+            yield from kv(min(n, stages), n)
+            it += n
+
+    turn[0].arrive()  # the kernel's prologue: consumer 0 goes first
+    procs = [consumer(c) for c in range(consumers)] + [loader()]
+    waiting = [next(p, None) for p in procs]
+    while any(w is not None for w in waiting) or copies:
+        runnable = [i for i, w in enumerate(waiting) if w is not None and w[0].passes(w[1])]
+        if not runnable and not copies:
+            raise AssertionError(f"deadlock after {issued}")
+        choice = rng.randrange(len(runnable) + len(copies))
+        if choice >= len(runnable):
+            done, ring, slot, block = copies.pop(choice - len(runnable))
+            ring[slot] = block
+            done.arrive()
+            continue
+        i = runnable[choice]
+        waiting[i] = next(procs[i], None)
+    assert stored == [list(range(len(tiles)))] * consumers
+    return issued
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_persistent_pingpong_protocol_carries_across_tiles(consumers):
+    """The persistent ping-pong kernel's barriers, modelled on the CPU: programs of 1 to 5 tiles
+    of 1 to 7 key blocks each (random, as a causal LPT walk gives), rings of 2 to 4 slots, many
+    random interleavings: no deadlock across tile boundaries, each product reads its own
+    tile's block and Q, a Q buffer is refilled only after its O left, and the consumers issue
+    strictly in turn, tile after tile (n_blocks + 1 turns each)."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(150):
+        tiles = [rng.randint(1, 7) for _ in range(rng.randint(1, 5))]
+        for stages in (2, 3, 4):
+            issued = _pp_persistent_protocol(tiles, stages, consumers, rng)
+            assert issued == [(c, k, t) for k, n in enumerate(tiles) for t in range(n + 1) for c in range(consumers)]
+
+
+def test_persistent_pingpong_protocol_is_not_vacuous():
+    """The model's checks bite: with barriers that never block (every wait passes at once),
+    the copies race the reads and the turns, and the model fails."""
+    import random
+
+    rng = random.Random(2)
+    orig = _MBarrier.passes
+    # Every wait passes: the copies then race the reads.
+    _MBarrier.passes = lambda self, parity: True
+    try:
+        with pytest.raises(AssertionError):
+            for _ in range(50):
+                _pp_persistent_protocol([3, 1, 4], 2, 2, rng)
+    finally:
+        _MBarrier.passes = orig
 
 
 def test_persistent_sections_keep_their_kv_in_l2():
@@ -387,14 +589,19 @@ gpu = pytest.mark.skipif(not SM90, reason="the Gluon forward runs on sm_90 only"
 # tile to tile, a new way to wait forever) and the ping-pong kernel's ("pingpong": its
 # consumers wait for each other's turns).
 VARIANTS = [pytest.param("wg2", id="wg2"), pytest.param("ws", id="wspec", marks=pytest.mark.heavy),
-            pytest.param("pingpong", id="pingpong", marks=pytest.mark.heavy)]
+            pytest.param("pingpong", id="pingpong", marks=pytest.mark.heavy),
+            pytest.param("pingpong_overlap", id="pingpong-overlap", marks=pytest.mark.heavy),
+            pytest.param("pingpong_persistent", id="pingpong-persist", marks=pytest.mark.heavy)]
 
 
 def _switch(monkeypatch, variant):
-    """The switch on for ``variant`` ("wg2": FUSED_BLOCK_HOPPER_ATTN=1, "ws", "pingpong")."""
+    """The switch on for ``variant`` ("wg2": FUSED_BLOCK_HOPPER_ATTN=1, "ws", "pingpong",
+    "pingpong_overlap", "pingpong_persistent")."""
     monkeypatch.setattr(hopper, "ENABLED", True)
     monkeypatch.setattr(hopper, "WS", variant == "ws")
-    monkeypatch.setattr(hopper, "PINGPONG", variant == "pingpong")
+    monkeypatch.setattr(hopper, "PINGPONG", variant.startswith("pingpong"))
+    monkeypatch.setattr(hopper, "PP_OVERLAP", variant == "pingpong_overlap")
+    monkeypatch.setattr(hopper, "PP_PERSISTENT", variant == "pingpong_persistent")
     monkeypatch.setattr(hopper, "PERSISTENT", False)
 
 
@@ -477,12 +684,17 @@ def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, 
 @gpu
 @pytest.mark.heavy
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D,cand", [pytest.param(d, i, id=f"pingpong-D{d}-{m}x{n}/{st}") for d in hopper.HEAD_DIMS
-                                    for i, (m, n, st) in enumerate(hopper.PINGPONG_CONFIGS[d])])
+@pytest.mark.parametrize("D,cand", [
+    pytest.param(d, i, id=f"pingpong{'-overlap' if c['OVERLAP'] else '-persist' if c['PERSISTENT'] else ''}"
+                          f"-D{d}-{c['BLOCK_M']}x{c['BLOCK_N']}/{c['STAGES']}")
+    for d in hopper.HEAD_DIMS for i, c in enumerate(hopper._PP_CANDIDATES[d])])
 def test_every_pingpong_candidate_matches_reference(D, cand, causal, launches, monkeypatch):
-    """Each ping-pong candidate alone (two consumers, or three at 192 rows) on every shape of
-    ``GPU_CASES``: whole and ragged blocks, GQA and MQA, causal offsets both ways (rows that
-    see no key: O = 0, LSE -inf), rings and turns wrapping many times; fresh inputs a shape."""
+    """Each ping-pong candidate alone (two consumers, or three at 192 rows; the consumers one
+    score block deeper: "overlap" in the ids; the persistent form: "persist", a program per
+    tile here, as the SMs outnumber the tiles) on every shape of ``GPU_CASES``: whole and ragged
+    blocks, GQA and MQA, causal offsets both ways (rows that see no key: O = 0, LSE -inf), one
+    key block (cross-400x70, causal: the overlap consumers' two-turn path), rings and turns
+    wrapping many times; fresh inputs a shape."""
     _switch(monkeypatch, "pingpong")
     monkeypatch.setattr(hopper, "_PP_CANDIDATES", {D: [hopper._PP_CANDIDATES[D][cand]]})
     monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
@@ -509,6 +721,32 @@ def test_persistent_forward_walks_many_tiles(D, causal, launches, monkeypatch):
     Lq, Lk = 1000, 900  # Lq > Lk: under causal the first 100 queries see no key
     monkeypatch.setattr(hopper, "L2_KV_BYTES", 2 * Lk * 2 * D * 2)
     assert hopper._section(Lk, D, 2, 1) == 2
+    q, k, v = _qkv(1, 5, 5, Lq, Lk, D, torch.bfloat16, "cuda")
+    out, lse = attention(q, k, v, causal, return_lse=True)
+    assert launches["attention_fwd_hopper"] == 1
+    _check(q, k, v, causal, out, lse)
+
+
+@gpu
+@pytest.mark.heavy
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D,cand", [pytest.param(d, i, id=f"pingpong-persist-D{d}-{m}x{n}/{st}")
+                                    for d in hopper.HEAD_DIMS
+                                    for i, (m, n, st) in enumerate(hopper.PP_PERSISTENT_CONFIGS[d])])
+def test_persistent_pingpong_walks_many_tiles(D, cand, causal, launches, monkeypatch):
+    """The ping-pong kernel's persistent form with 3 programs (SM count faked) over 8 x 5 = 40
+    tiles at 128 rows (6 x 5 = 30 at 192): 10-14 tiles a program, the ring's positions, the
+    turns and Q's phases continuing from tile to tile, Q's buffers handed back after each
+    O; L2 sections of 2 heads (the budget faked), the last one narrower. Lq > Lk: under
+    causal the first 100 queries see no key (single-block tiles). Every tile must be written:
+    the output starts poisoned."""
+    _switch(monkeypatch, "pingpong_persistent")
+    monkeypatch.setattr(hopper, "_PP_CANDIDATES", {
+        D: [c for c in hopper._PP_CANDIDATES[D] if c["PERSISTENT"]][cand:cand + 1]})
+    monkeypatch.setattr(hopper, "_CACHE", common.ConfigCache("attention_fwd_hopper"))
+    monkeypatch.setattr(common, "sm_count", lambda device: 3)
+    Lq, Lk = 1000, 900
+    monkeypatch.setattr(hopper, "L2_KV_BYTES", 2 * Lk * 2 * D * 2)
     q, k, v = _qkv(1, 5, 5, Lq, Lk, D, torch.bfloat16, "cuda")
     out, lse = attention(q, k, v, causal, return_lse=True)
     assert launches["attention_fwd_hopper"] == 1
@@ -613,7 +851,8 @@ with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.lau
                 (rec,) = fake.launches
                 src = rec.compiled.src
                 out.append(dict(D=D, cand=i, causal=causal, name=rec.compiled.name, grid=list(rec.grid),
-                                ints=list(rec.args[5:9]), signature=src.signature,
+                                ints=list(rec.args[5:9]) + list(rec.args[10:12] if cfg["PERSISTENT"] else []),
+                                signature=src.signature,
                                 constants={src.fn.arg_names[i[0]]: getattr(v, "value", v)
                                            for i, v in src.constants.items()},
                                 num_warps=rec.compiled.options["num_warps"]))
@@ -622,10 +861,11 @@ json.dump(out, sys.stdout)
 
 
 def test_pingpong_launches_match_the_compiled_specs():
-    """Every ping-pong candidate launched through Triton's launch path on CPU tensors (the fake
-    driver checks the arguments): one launch of ``_attn_fwd_hopper_pp`` a call, a program per
-    128 or 192 query rows (300 rows: 3 or 2 blocks) and head, 64-row Q and O descriptors, and
-    exactly the signature and constexprs the compile check builds."""
+    """Every ping-pong candidate (the OVERLAP and persistent ones too) launched through Triton's
+    launch path on CPU tensors (the fake driver checks the arguments): one launch of
+    ``_attn_fwd_hopper_pp`` (``_persistent``) a call, a program per 128 or 192 query rows (300
+    rows: 3 or 2 blocks) and head (fewer than the SMs), 64-row Q and O descriptors, and exactly
+    the signature and constexprs the compile check builds."""
     import json
     import pathlib
 
@@ -635,15 +875,20 @@ def test_pingpong_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _PP_LAUNCH_SCRIPT], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 2 * sum(len(hopper.PINGPONG_CONFIGS[hopper.PADDED[D]]) for D in hopper.PADDED)
+    assert len(launches) == 2 * sum(len(hopper._PP_CANDIDATES[hopper.PADDED[D]]) for D in hopper.PADDED)
     for rec in launches:
         head_d = hopper.PADDED[rec["D"]]
-        block_m, block_n, stages = hopper.PINGPONG_CONFIGS[head_d][rec["cand"]]
+        cfg = hopper._PP_CANDIDATES[head_d][rec["cand"]]
+        block_m, block_n, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]
+        persistent = cfg["PERSISTENT"]
         sig, constexprs = hopper.aot_spec_args("bf16", head_d, rec["causal"], block_n, stages, ws=True,
-                                               block_m=block_m)
-        assert rec["name"] == "_attn_fwd_hopper_pp"
+                                               persistent=persistent, block_m=block_m,
+                                               overlap=None if persistent else cfg["OVERLAP"])
+        assert constexprs.get("OVERLAP") == (None if persistent else cfg["OVERLAP"])
+        assert rec["name"] == "_attn_fwd_hopper_pp" + ("_persistent" if persistent else "")
+        # The persistent form: min(tiles, 132 SMs) programs, B x Hq and its L2 section (heads).
         assert rec["grid"] == [common.cdiv(300, block_m) * 4, 1, 1]
-        assert rec["ints"] == [4, 2, 300, 333]
+        assert rec["ints"] == [4, 2, 300, 333] + ([4, hopper._section(333, head_d, 2, 2)] if persistent else [])
         assert rec["signature"] == sig and "[1, 1, 64, " in sig["QD"] and "[1, 1, 64, " in sig["OD"]
         assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
         assert rec["num_warps"] == constexprs["num_warps"] == 4

@@ -56,11 +56,11 @@ def test_the_benchmark_kernels_have_their_hot_loops(costs):
     assert all(c.spills == 0 for c in costs)
     # The opt-in Hopper kernels (issue 30) at D64 and D128, causal and not: the Gluon forwards
     # and the atomic-dQ backward, every loop doing arithmetic on wgmma (the warp-specialized
-    # forwards' TMA loader loop does none).
+    # forwards' TMA loader loop does none); the ping-pong kernel twice (its OVERLAP builds).
     kernels = ("_attn_fwd_hopper", "_attn_fwd_hopper_ws", "_attn_fwd_hopper_persistent", "_attn_fwd_hopper_pp",
-               "_attn_bwd_dq_atomic")
+               "_attn_fwd_hopper_pp_persistent", "_attn_bwd_dq_atomic")
     hopper = [c for c in costs if c.label.split(": ")[1] in kernels]
-    assert sorted(c.label.split(": ")[1] for c in hopper) == sorted(kernels * 4)
+    assert sorted(c.label.split(": ")[1] for c in hopper) == sorted(kernels * 4 + ("_attn_fwd_hopper_pp",) * 4)
     bad = [c.label for c in hopper if not sass.hot_loops_on_wgmma(c.regions)]
     assert not bad, bad
 
@@ -129,6 +129,15 @@ def test_hot_loops_are_the_loops_with_arithmetic():
     assert [(r.hgmma, r.fp) for r in rs[1:]] == [(1, 1), (0, 0)]
     assert sass.hot_loops_on_wgmma(rs)
     assert not sass.hot_loops_on_wgmma(rs[:1] + rs[2:])  # no loop on wgmma at all
+    # A persistent loader's tile loop: unsigned divisions by runtime values (I2F.RP, MUFU.RCP of
+    # its result, F2I) are no arithmetic; a reciprocal of a float is.
+    division = ["I2F.RP R5, UR13", "MUFU.RCP R5, R5", "IADD3 R6, R5, 0xffffffe, RZ", "F2I.FTZ.U32.TRUNC.NTZ R7, R6"]
+    rs = sass.regions(_listing(loader[:6] + division + loader[6:-2] + [f"@P1 BRA 0x{16 * 6:x}", "EXIT"]),
+                      num_warps=4)
+    assert [(r.hgmma, r.fp) for r in rs[1:]] == [(1, 1), (0, 0)] and sass.hot_loops_on_wgmma(rs)
+    rcp = ["FADD R5, R4, R4", "MUFU.RCP R5, R5"]
+    rs = sass.regions(_listing(loader[:6] + rcp + loader[6:-2] + [f"@P1 BRA 0x{16 * 6:x}", "EXIT"]), num_warps=4)
+    assert [(r.hgmma, r.fp) for r in rs[1:]] == [(1, 1), (0, 2)] and not sass.hot_loops_on_wgmma(rs)
 
 
 def test_a_loop_branching_over_its_epilogue_gives_the_k_step():

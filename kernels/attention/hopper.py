@@ -2,10 +2,12 @@
 TMA and mbarriers, with FlashAttention-3's intra-warpgroup overlap; ``_attn_fwd_hopper`` in
 one partition, ``_attn_fwd_hopper_ws`` with FA3's partitions (a TMA loader warp and two
 consumer warpgroups, ``gl.warp_specialize``), ``_attn_fwd_hopper_pp`` the same partitions (two
-or three consumers) under FA3's ping-pong schedule of the consumers' products.
+or three consumers) under FA3's ping-pong schedule of the consumers' products (with
+``OVERLAP``, its consumers one score block deeper: ``_pp_consumer_overlap``).
 
 Taken only when ``FUSED_BLOCK_HOPPER_ATTN=1`` (the first), ``=ws`` (the second) or
-``=pingpong`` (the third) is set, on
+``=pingpong`` (the third; ``=pingpong_overlap`` its OVERLAP candidates alone,
+``=pingpong_persistent`` its persistent form ``_attn_fwd_hopper_pp_persistent`` alone) is set, on
 sm_90 CUDA, for the cases they support (:func:`supports`): 16-bit q/k/v, head dim 64, 128 or 256
 (96 and 192 through the 128 and 256 kernels, zero columns: :data:`PADDED`),
 no dropout, padding mask, window, varlen, softcap, sinks, ALiBi, bias or bool mask; causal
@@ -92,8 +94,24 @@ _CANDIDATES = {(d, ws): [common.Config.of(num_warps=4 if ws else NUM_WARPS, BLOC
 # is short beside D256's products; here for the same supports() as the ws kernel).
 PINGPONG_CONFIGS = {64: ((128, 128, 2), (128, 128, 3), (192, 64, 3)), 128: ((128, 128, 2), (128, 64, 3)),
                     256: ((128, 64, 2),)}
-_PP_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, BLOCK_N=n, STAGES=st, WS=True, PERSISTENT=False,
-                                       PINGPONG=True) for m, n, st in PINGPONG_CONFIGS[d]] for d in HEAD_DIMS}
+# The ping-pong kernel with its consumers one score block deeper (``OVERLAP``:
+# ``_pp_consumer_overlap``, two S accumulators), (BLOCK_M, BLOCK_N, STAGES): the tiles whose
+# consumers compile without spills (the compile check; at 128 keys a step, D64 and D128, and
+# at D256's 64 the second S accumulator spills: 64-256 bytes of stack), so 64 keys a step
+# (D256: 32, with four slots). Timed after ``PINGPONG_CONFIGS``' under =pingpong (the first
+# candidate stays the existing kernel's); =pingpong_overlap takes them alone.
+PP_OVERLAP_CONFIGS = {64: ((192, 64, 3), (128, 64, 3)), 128: ((128, 64, 3),), 256: ((128, 32, 4),)}
+# The ping-pong kernel's persistent form (``_attn_fwd_hopper_pp_persistent``: a program per SM,
+# the persistent kernel's LPT tile order), on the ping-pong kernel's first tile of each head dim
+# (and FA3's D64 three-consumer tile): timed last under =pingpong; =pingpong_persistent takes
+# them alone.
+PP_PERSISTENT_CONFIGS = {64: ((128, 128, 2), (192, 64, 3)), 128: ((128, 128, 2),), 256: ((128, 64, 2),)}
+_PP_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, BLOCK_N=n, STAGES=st, WS=True, PERSISTENT=persistent,
+                                       PINGPONG=True, OVERLAP=overlap)
+                      for table, overlap, persistent in ((PINGPONG_CONFIGS, False, False),
+                                                         (PP_OVERLAP_CONFIGS, True, False),
+                                                         (PP_PERSISTENT_CONFIGS, False, True))
+                      for m, n, st in table[d]] for d in HEAD_DIMS}
 # FA3's L2 sections: as many heads a section as keep their K and V (at most this much) in L2.
 L2_KV_BYTES = 32 << 20
 _CACHE = common.ConfigCache("attention_fwd_hopper")
@@ -103,11 +121,16 @@ _LOG2E = 1.4426950408889634
 # "1" the single-partition kernel (its persistent form a timed candidate), "ws" the
 # warp-specialized one, "persistent" the single-partition kernel in its persistent form only,
 # "pingpong" the warp-specialized kernel with FA3's ping-pong schedule (its candidates timed
-# among themselves; not among ``ws``'s, whose runs it would otherwise join untested).
-ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent", "pingpong")
+# among themselves; not among ``ws``'s, whose runs it would otherwise join untested),
+# "pingpong_overlap" the ping-pong kernel with its consumers one score block deeper only,
+# "pingpong_persistent" the ping-pong kernel's persistent form only.
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent", "pingpong", "pingpong_overlap",
+                                       "pingpong_persistent")
 WS = os.environ.get(ENV, "0") == "ws"
 PERSISTENT = os.environ.get(ENV, "0") == "persistent"
-PINGPONG = os.environ.get(ENV, "0") == "pingpong"
+PINGPONG = os.environ.get(ENV, "0") in ("pingpong", "pingpong_overlap", "pingpong_persistent")
+PP_OVERLAP = os.environ.get(ENV, "0") == "pingpong_overlap"
+PP_PERSISTENT = os.environ.get(ENV, "0") == "pingpong_persistent"
 
 
 @gluon.constexpr_function
@@ -607,10 +630,136 @@ def _pp_consumer(q_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     tma.store_wait(pendings=0)
 
 
+@gluon.jit
+def _pp_softmax(s, m_i, l_i, j, n_full, row, Lk, cdiag, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """:func:`_softmax_step` on key block ``j`` of a warp-specialized consumer: unmasked where
+    every row sees the whole block (``j < n_full``), masked otherwise."""
+    if j < n_full:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, False, True, BLOCK_N,
+                                           s_layout)
+    else:
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, row, Lk, cdiag, qk_scale, True, True, BLOCK_N,
+                                           s_layout)
+    return m_i, alpha, p, l_i
+
+
+@gluon.jit
+def _pp_consumer_overlap(q_s, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, turn_next, OD, LSE, b,
+                         h, r0, Hq, Lq, Lk, cdiag, n_blocks, n_full, qk_scale):
+    """``_pp_consumer`` one score block deeper (``OVERLAP``): the softmax of S_{j-1} runs under
+    both of the warpgroup's own products of turn j, S_j = Q K_j^T and O += P_{j-2} V_{j-2}
+    (besides the other consumers' turns), where ``_pp_consumer`` waits for S_j before its
+    softmax and overlaps only the PV product. Two S accumulators take turns (S_j is written
+    while S_{j-1} is read); a turn still issues both products back to back. Turns: 0 S_0
+    (waited at once: nothing to overlap yet), 1 S_1 (under the softmax of S_0), j = 2..n-1
+    S_j and PV_{j-2}, n PV_{n-2} (under the softmax of S_{n-1}), n + 1 PV_{n-1}: n + 2 in all,
+    2 for a single key block (S_0, PV_0); every consumer the same (one n_blocks a CTA)."""
+    HALF_M: gl.constexpr = q_s.shape[2]
+    HEAD_D: gl.constexpr = q_s.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    gl.static_assert(STAGES >= 2, "turn 1 reads K_1 from slot 1, its first fill")
+    dtype: gl.constexpr = OD.dtype
+    s_layout: gl.constexpr = _mma_layout(HALF_M, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(HALF_M, HEAD_D, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row = r0 + gl.arange(0, HALF_M, layout=row_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    o = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    s_a = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    s_b = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    q2 = q_s.reshape([HALF_M, HEAD_D])
+
+    # Turn 0: S_0, waited at once.
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    k2 = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
+    mbarrier.wait(turn, 0)
+    s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s_a, use_acc=False, is_async=True)
+    mbarrier.arrive(turn_next)
+    s_a = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0))
+    if n_blocks > 1:
+        # Turn 1: S_1 under the softmax of S_0 (O is 0: nothing to rescale). STAGES >= 2:
+        # K_1 is slot 1's first fill.
+        mbarrier.wait(k_ready.index(1), 0)
+        k2 = k_smem.index(1).reshape([BLOCK_N, HEAD_D])
+        mbarrier.wait(turn, 1)
+        s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s_b, use_acc=False, is_async=True)
+        mbarrier.arrive(turn_next)
+        m_i, alpha, p, l_i = _pp_softmax(s_a, m_i, l_i, 0, n_full, row, Lk, cdiag, qk_scale, BLOCK_N, s_layout)
+        s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(1))
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        # Turn j: S_j into the buffer S_{j-2} left (s_a), O += P_{j-2} V_{j-2}; the softmax of
+        # S_{j-1} (s_b) under both; then O *= alpha_{j-1} and the buffers swap.
+        for j in range(2, n_blocks):
+            slot = j % STAGES
+            vs = (j - 2) % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(vs), ((j - 2) // STAGES) & 1)
+            k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
+            v2 = v_smem.index(vs).reshape([BLOCK_N, HEAD_D])
+            mbarrier.wait(turn, j & 1)
+            s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s_a, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+            mbarrier.arrive(turn_next)
+            m_i, alpha, p, l_i = _pp_softmax(s_b, m_i, l_i, j - 1, n_full, row, Lk, cdiag, qk_scale, BLOCK_N,
+                                             s_layout)
+            s_a, o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok, p_prev))
+            mbarrier.arrive(k_empty.index(slot))
+            mbarrier.arrive(v_empty.index(vs))
+            o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            s_a, s_b = s_b, s_a
+        # Turn n: PV_{n-2} under the softmax of S_{n-1}.
+        vs = (n_blocks - 2) % STAGES
+        mbarrier.wait(v_ready.index(vs), ((n_blocks - 2) // STAGES) & 1)
+        v2 = v_smem.index(vs).reshape([BLOCK_N, HEAD_D])
+        mbarrier.wait(turn, n_blocks & 1)
+        o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+        mbarrier.arrive(turn_next)
+        m_i, alpha, p, l_i = _pp_softmax(s_b, m_i, l_i, n_blocks - 1, n_full, row, Lk, cdiag, qk_scale, BLOCK_N,
+                                         s_layout)
+        o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(vs))
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        t_last = n_blocks + 1
+    else:
+        m_i, alpha, p, l_i = _pp_softmax(s_a, m_i, l_i, 0, n_full, row, Lk, cdiag, qk_scale, BLOCK_N, s_layout)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        t_last = 1
+
+    # The last turn: PV_{n-1}.
+    last = n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    v2 = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D])
+    mbarrier.wait(turn, t_last & 1)
+    o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+    mbarrier.arrive(turn_next)
+    o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+    mbarrier.arrive(v_empty.index(last % STAGES))
+
+    empty = l_i == 0.0
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+    o = o / gl.expand_dims(l_o, 1)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
+    q_s.reshape([HALF_M, HEAD_D]).store(o.to(dtype))  # its own products are done with Q
+    fence_async_shared()
+    tma.async_copy_shared_to_global(OD, [b, h, r0, 0], q_s)
+    tma.store_wait(pendings=0)
+
+
 @gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk"))
 def _attn_fwd_hopper_pp(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
                         IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+                        OVERLAP: gl.constexpr = False):
     """``_attn_fwd_hopper_ws`` with FA3's ping-pong schedule: BLOCK_M // 64 consumer warpgroups
     (2, or 3 at D64 as FA3's 192-row tile) of 64 query rows each, the default partition (4
     warps) the first, and the TMA loader warp feeding one K/V ring that every consumer reads
@@ -664,7 +813,33 @@ def _attn_fwd_hopper_pp(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
     fence_async_shared()
     mbarrier.arrive(turn.index(0))  # consumer 0 takes the first turn
 
-    if CONSUMERS == 3:
+    if OVERLAP:  # the consumers one score block deeper (_pp_consumer_overlap), two or three
+        if CONSUMERS == 3:
+            gl.warp_specialize([
+                (_pp_consumer_overlap, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
+                                        v_empty, turn.index(0), turn.index(1), OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag,
+                                        n_blocks, n_full, qk_scale)),
+                (_pp_consumer_overlap, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
+                                        v_empty, turn.index(1), turn.index(2), OD, LSE, b, h, m0 + 64, Hq, Lq, Lk,
+                                        cdiag, n_blocks, n_full, qk_scale)),
+                (_pp_consumer_overlap, (q_smem.index(2), k_smem, v_smem, q_bar.index(2), k_ready, v_ready, k_empty,
+                                        v_empty, turn.index(2), turn.index(0), OD, LSE, b, h, m0 + 128, Hq, Lq, Lk,
+                                        cdiag, n_blocks, n_full, qk_scale)),
+                (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h,
+                              hkv, m0, n_blocks)),
+            ], [4, 4, 1], [160, 160, 24])
+        else:
+            gl.warp_specialize([
+                (_pp_consumer_overlap, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
+                                        v_empty, turn.index(0), turn.index(1), OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag,
+                                        n_blocks, n_full, qk_scale)),
+                (_pp_consumer_overlap, (q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_ready, v_ready, k_empty,
+                                        v_empty, turn.index(1), turn.index(0), OD, LSE, b, h, m0 + 64, Hq, Lq, Lk,
+                                        cdiag, n_blocks, n_full, qk_scale)),
+                (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h,
+                              hkv, m0, n_blocks)),
+            ], [4, 1], [240, 24])
+    elif CONSUMERS == 3:
         gl.warp_specialize([
             (_pp_consumer, (q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
                             turn.index(0), turn.index(1), OD, LSE, b, h, m0, Hq, Lq, Lk, cdiag, n_blocks, n_full,
@@ -688,6 +863,243 @@ def _attn_fwd_hopper_pp(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale,
                             n_full, qk_scale)),
             (_ws_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h, hkv,
                           m0, n_blocks)),
+        ], [4, 1], [240, 24])
+
+
+# ---------------------------------------------------------------------------------------------
+# the ping-pong kernel persistent: a program per SM, tiles in FA3's LPT order
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _pp_tile(tile, n_m, BH, SECTION, Hq, GROUP, Lk, cdiag, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile ``tile`` of ``_attn_fwd_hopper_pp_persistent``'s order (the persistent kernel's:
+    sections of ``SECTION`` heads, in a section the query blocks last to first, every head of
+    the section at one block before the next block): (b, h, hkv, m0, n_blocks, n_full). The
+    key bounds as the ping-pong kernel's, ``cdiag`` Lk - Lq under causality and Lk without (then
+    every in-bounds key is visible: the same formulas give Lk)."""
+    sec = tile // (SECTION * n_m)
+    r = tile - sec * SECTION * n_m
+    width = gl.minimum(SECTION, BH - sec * SECTION)
+    blk = r // width
+    bh = sec * SECTION + r - blk * width
+    h = bh % Hq
+    m0 = (n_m - 1 - blk) * BLOCK_M
+    hi = gl.minimum(Lk, m0 + BLOCK_M + cdiag)
+    full = gl.maximum(gl.minimum(Lk, m0 + cdiag + 1), 0)
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    return bh // Hq, h, h // GROUP, m0, n_blocks, full // BLOCK_N
+
+
+@gluon.jit
+def _ppp_consumer(q_s, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, turn_next, OD, LSE,
+                  ci, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH, SECTION):
+    """Consumer ``ci`` (rows [m0 + 64 ci, m0 + 64 ci + 64) of each tile) of
+    ``_attn_fwd_hopper_pp_persistent``: ``_pp_consumer``'s turns and step for every tile of the
+    program, in the loader's order. What carries from tile to tile: the ring position ``it``
+    (block j of a tile is position it + j: slot (it + j) % STAGES, phase ((it + j) // STAGES) & 1),
+    the turn count ``t`` (a tile takes n_blocks + 1 turns: turn k of the tile is phase
+    (t + k) & 1) and the tile count ``done`` (Q's barrier's phase). After its O left Q's buffer
+    (the TMA store waited for), the consumer releases the buffer to the loader (``q_empty``)."""
+    HALF_M: gl.constexpr = q_s.shape[3]
+    HEAD_D: gl.constexpr = q_s.shape[4]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    CONSUMERS: gl.constexpr = q_bar.shape[0]
+    dtype: gl.constexpr = OD.dtype
+    s_layout: gl.constexpr = _mma_layout(HALF_M, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(HALF_M, HEAD_D, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q2 = q_s.index(ci).reshape([HALF_M, HEAD_D])
+    n_m = gl.cdiv(Lq, CONSUMERS * HALF_M)
+    it = 0
+    t = 0
+    done = 0
+    for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+        b, h, hkv, m0, n_blocks, n_full = _pp_tile(tile, n_m, BH, SECTION, Hq, GROUP, Lk, cdiag, CONSUMERS * HALF_M,
+                                                   BLOCK_N)
+        r0 = m0 + ci * HALF_M
+        row = r0 + gl.arange(0, HALF_M, layout=row_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+        o = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+        s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        # Turn 0: S_0 alone.
+        s0 = it % STAGES
+        mbarrier.wait(q_bar.index(ci), done & 1)
+        mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
+        k2 = k_smem.index(s0).reshape([BLOCK_N, HEAD_D])
+        mbarrier.wait(turn, t & 1)
+        s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+        mbarrier.arrive(turn_next)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(s0))
+        m_i, alpha, p, l_i = _pp_softmax(s, m_i, l_i, 0, n_full, row, Lk, cdiag, qk_scale, BLOCK_N, s_layout)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+        # Turn j: S_j, O *= alpha_{j-1}, O += P_{j-1} V_{j-1}.
+        for j in range(1, n_blocks):
+            slot = (it + j) % STAGES
+            prev = (it + j - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+            k2 = k_smem.index(slot).reshape([BLOCK_N, HEAD_D])
+            v2 = v_smem.index(prev).reshape([BLOCK_N, HEAD_D])
+            mbarrier.wait(turn, (t + j) & 1)
+            s_tok = warpgroup_mma(q2, k2.permute((1, 0)), s, use_acc=False, is_async=True)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+            mbarrier.arrive(turn_next)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(slot))
+            m_i, alpha, p, l_i = _pp_softmax(s, m_i, l_i, j, n_full, row, Lk, cdiag, qk_scale, BLOCK_N, s_layout)
+            o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+            mbarrier.arrive(v_empty.index(prev))
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+        # Turn n_blocks: the last block's PV product.
+        last = (it + n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+        v2 = v_smem.index(last).reshape([BLOCK_N, HEAD_D])
+        mbarrier.wait(turn, (t + n_blocks) & 1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        o_tok = warpgroup_mma(p_prev, v2, o, is_async=True)
+        mbarrier.arrive(turn_next)
+        o, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(last))
+
+        empty = l_i == 0.0
+        l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), orow_layout)
+        o = o / gl.expand_dims(l_o, 1)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(LSE + (b * Hq + h).to(gl.int64) * Lq + row, lse, mask=row < Lq)
+        q2.store(o.to(dtype))  # its own products are done with Q
+        fence_async_shared()
+        tma.async_copy_shared_to_global(OD, [b, h, r0, 0], q_s.index(ci))
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty.index(ci))  # O left the buffer: the loader may fill the next Q
+        it += n_blocks
+        t += n_blocks + 1
+        done += 1
+
+
+@gluon.jit
+def _ppp_load_kv(KD, VD, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hkv, it, j0, j1):
+    """K_j and V_j, j in [j0, j1), of a tile whose block 0 is ring position ``it``: position p
+    waits for the consumers' release of position p - STAGES (the slot's empty barrier's phase
+    ((p // STAGES) & 1) ^ 1)."""
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    kv_bytes: gl.constexpr = KD.block_type.nbytes
+    for j in range(j0, j1):
+        pos = it + j
+        slot = pos % STAGES
+        phase = ((pos // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase, pred=pos >= STAGES)
+        mbarrier.expect(k_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(KD, [b, hkv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase, pred=pos >= STAGES)
+        mbarrier.expect(v_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(VD, [b, hkv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ppp_loader(QD, KD, VD, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Hq, GROUP,
+                Lq, Lk, cdiag, BH, SECTION):
+    """The TMA warp of ``_attn_fwd_hopper_pp_persistent``: ``_ws_loader`` for every tile of the
+    program in the consumers' order, the ring position ``it`` continuing from tile to tile. A
+    tile's first STAGES key blocks go first: their slots wait only for the tile before's
+    releases, so they stream in under that tile's last steps and epilogue; then each
+    consumer's Q tile, once the consumer released its buffer (``q_empty``: O of the tile before
+    left it; the k-th tile waits for phase (k - 1) & 1); then the rest of the key blocks (their
+    slots wait for this tile's consumers, who need their Q)."""
+    HALF_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    n_m = gl.cdiv(Lq, CONSUMERS * HALF_M)
+    it = 0
+    done = 0
+    for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+        b, h, hkv, m0, n_blocks, n_full = _pp_tile(tile, n_m, BH, SECTION, Hq, GROUP, Lk, cdiag, CONSUMERS * HALF_M,
+                                                   BLOCK_N)
+        first = gl.minimum(n_blocks, STAGES)
+        _ppp_load_kv(KD, VD, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hkv, it, 0, first)
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(i), (done - 1) & 1, pred=done > 0)
+            mbarrier.expect(q_bar.index(i), QD.block_type.nbytes)
+            tma.async_copy_global_to_shared(QD, [b, h, m0 + i * HALF_M, 0], q_bar.index(i), q_smem.index(i))
+        _ppp_load_kv(KD, VD, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, hkv, it, first, n_blocks)
+        it += n_blocks
+        done += 1
+
+
+@gluon.jit(do_not_specialize=("Hq", "GROUP", "Lq", "Lk", "BH", "SECTION"))
+def _attn_fwd_hopper_pp_persistent(QD, KD, VD, OD, LSE, Hq, GROUP, Lq, Lk, qk_scale, BH, SECTION,
+                                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_fwd_hopper_pp`` persistent: a program per SM (at most one per tile), each
+    partition walking the program's tiles pid, pid + grid, ... in the persistent kernel's
+    order (FA3's LPT order, L2 sections of ``SECTION`` heads; ``BH`` = batch x query heads).
+    Shared memory and mbarriers live across tiles: the K/V ring's positions, the turns and
+    Q's phases continue (``_ppp_consumer``, ``_ppp_loader``); a consumer's Q buffer, which O
+    leaves through, is handed back to the loader by one more mbarrier per consumer
+    (``q_empty``), so the next tile's K and V stream in under the current tile's last steps
+    and epilogue. Partitions and registers as the ping-pong kernel's."""
+    CONSUMERS: gl.constexpr = BLOCK_M // 64
+    dtype: gl.constexpr = QD.dtype
+    if IS_CAUSAL:
+        cdiag = Lk - Lq
+    else:
+        cdiag = Lk
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + QD.block_type.shape, QD.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + KD.block_type.shape, KD.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    mbarrier.arrive(turn.index(0))  # consumer 0 takes the first turn
+
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(0), turn.index(1), OD, LSE, 0, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(1), turn.index(2), OD, LSE, 1, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(2), turn.index(0), OD, LSE, 2, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                           Hq, GROUP, Lq, Lk, cdiag, BH, SECTION)),
+        ], [4, 4, 1], [160, 160, 24])
+    else:
+        gl.warp_specialize([
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(0), turn.index(1), OD, LSE, 0, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             turn.index(1), turn.index(0), OD, LSE, 1, Hq, GROUP, Lq, Lk, cdiag, qk_scale, BH,
+                             SECTION)),
+            (_ppp_loader, (QD, KD, VD, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                           Hq, GROUP, Lq, Lk, cdiag, BH, SECTION)),
         ], [4, 1], [240, 24])
 
 
@@ -719,10 +1131,14 @@ def forward(q, k, v, out, lse, causal: bool, scale: float, strides) -> None:
     Lk = k.shape[2]
     launch = (q, k, v, out, lse, bool(causal), float(scale) * _LOG2E, strides)
     # The tile count's bucket: whether a program per tile or per SM wins depends on it.
-    key = (D, WS, PERSISTENT, PINGPONG, bool(causal), _bucket(Lq), _bucket(Lk),
+    key = (D, WS, PERSISTENT, PINGPONG, PP_OVERLAP, PP_PERSISTENT, bool(causal), _bucket(Lq), _bucket(Lk),
            _bucket(B * Hq * common.cdiv(Lq, BLOCK_M)))
     if PINGPONG:
         cands = _PP_CANDIDATES[PADDED[D]]
+        if PP_OVERLAP:
+            cands = [c for c in cands if c["OVERLAP"]]
+        elif PP_PERSISTENT:
+            cands = [c for c in cands if c["PERSISTENT"]]
     else:
         cands = _CANDIDATES[PADDED[D], WS]
         if PERSISTENT and not WS:
@@ -746,7 +1162,8 @@ def _launch(cfg, launch) -> None:
     tiles = common.cdiv(Lq, block_m) * B * Hq
     args = (*descs, lse, Hq, Hq // Hkv, Lq, Lk, qk_scale)
     if cfg["PERSISTENT"]:
-        kernel, grid = _attn_fwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
+        kernel = _attn_fwd_hopper_pp_persistent if cfg["PINGPONG"] else _attn_fwd_hopper_persistent
+        grid = (min(tiles, common.sm_count(q.device)),)
         args += (B * Hq, _section(Lk, head_d, q.element_size(), Hq // Hkv))
     elif cfg["PINGPONG"]:
         kernel, grid = _attn_fwd_hopper_pp, (tiles,)
@@ -754,6 +1171,10 @@ def _launch(cfg, launch) -> None:
         kernel, grid = (_attn_fwd_hopper_ws if ws else _attn_fwd_hopper), (tiles,)
     common.count_launch("attention_fwd_hopper")
     if common.STUB_LAUNCHES:
+        return
+    if cfg["PINGPONG"] and not cfg["PERSISTENT"]:
+        kernel[grid](*args, IS_CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d,
+                     STAGES=cfg["STAGES"], num_warps=cfg.num_warps, OVERLAP=cfg["OVERLAP"])
         return
     kernel[grid](*args, IS_CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=cfg["STAGES"],
                  num_warps=cfg.num_warps)
@@ -768,9 +1189,10 @@ def _section(Lk: int, head_d: int, elem: int, group: int) -> int:
 
 
 def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: int, ws: bool = False,
-                  persistent: bool = False, block_m: int = BLOCK_M) -> tuple:
+                  persistent: bool = False, block_m: int = BLOCK_M, overlap=None) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs`` (``ws`` for both
-    warp-specialized kernels; ``block_m`` the ping-pong kernel's 128 or 192 rows)."""
+    warp-specialized kernels; ``block_m`` the ping-pong kernel's 128 or 192 rows, ``overlap``
+    its ``OVERLAP``: False or True for the ping-pong kernel, None for the others)."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     q_rows = 64 if ws else block_m
     sig = {}
@@ -781,6 +1203,8 @@ def aot_spec_args(dtype: str, head_d: int, causal: bool, block_n: int, stages: i
         sig.update(BH="i32", SECTION="i32")
     constexprs = dict(IS_CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
                       num_warps=4 if ws else NUM_WARPS)
+    if overlap is not None:
+        constexprs["OVERLAP"] = bool(overlap)
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs
