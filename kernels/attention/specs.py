@@ -271,17 +271,20 @@ def aot_specs(exhaustive=None) -> list:
                     fn=hopper._attn_fwd_hopper_pp, signature=sig, constexprs=constexprs,
                     num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
                     archs=(90,)))
-    # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition and warp-specialized:
-    # sm_90 only, every candidate (one build serves causal and not: causality is a runtime
-    # bound), bf16.
-    for ws, table in ((False, hopper_bwd.CONFIGS), (True, hopper_bwd.WS_CONFIGS)):
+    # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition, warp-specialized and
+    # persistent: sm_90 only, every candidate (one build serves causal and not: causality is a
+    # runtime bound), bf16.
+    for ws, persistent, table in ((False, False, hopper_bwd.CONFIGS), (True, False, hopper_bwd.WS_CONFIGS),
+                                  (False, True, hopper_bwd.PERSISTENT_CONFIGS)):
         for block_d, cands in table.items():
             for block_m, stages in cands:
-                sig, constexprs = hopper_bwd.aot_spec_args("bf16", block_d, block_m, stages, ws)
+                sig, constexprs = hopper_bwd.aot_spec_args("bf16", block_d, block_m, stages, ws, persistent)
+                fn = (hopper_bwd._attn_bwd_hopper_ws if ws else
+                      hopper_bwd._attn_bwd_hopper_persistent if persistent else hopper_bwd._attn_bwd_hopper)
                 specs.append(aot.KernelSpec(
-                    name=(f"attention_bwd_hopper{'_ws' if ws else ''} (Gluon) D{block_d} 16 "
-                          f"{block_m}x{hopper_bwd.BLOCK_N}/{stages}"),
-                    fn=hopper_bwd._attn_bwd_hopper_ws if ws else hopper_bwd._attn_bwd_hopper, signature=sig,
+                    name=(f"attention_bwd_hopper{'_ws' if ws else '_persistent' if persistent else ''} (Gluon) "
+                          f"D{block_d} 16 {block_m}x{hopper_bwd.BLOCK_N}/{stages}"),
+                    fn=fn, signature=sig,
                     constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
                     tma=True, hot_loops=True, archs=(90,)))
     # The opt-in atomic-dQ backward (backward_atomic.py): sm_90 only (TMA reduce-adds), every
