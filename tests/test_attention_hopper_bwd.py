@@ -67,7 +67,7 @@ def _taken(launches):
     return name
 
 
-@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("D", sorted(hopper_bwd.PADDED))
 @pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_supported_calls_take_the_gluon_backward(D, dtype, causal, launches, monkeypatch):
@@ -172,6 +172,7 @@ def _unsupported():
     return [
         ("d80", _qkv(1, 2, 2, _L, _L, 80, bf, "cpu", grad=False), {}),
         ("d256", _qkv(1, 2, 2, _L, _L, 256, bf, "cpu", grad=False), {}),
+        ("d192", _qkv(1, 2, 2, _L, _L, 192, bf, "cpu", grad=False), {}),
         ("d48", _qkv(1, 2, 2, _L, _L, 48, bf, "cpu", grad=False), {}),
         ("fp32", _qkv(1, 2, 2, _L, _L, 64, torch.float32, "cpu", grad=False), {}),
         ("dropout", qkv, dict(dropout_p=0.1)),
@@ -209,7 +210,7 @@ def test_supports_names_every_feature():
                    dbias=q, aligned=False)
     for name, value in changes.items():
         assert not hopper_bwd.supports(q, **{**base, name: value}), name
-    for t in (torch.empty(1, 1, 1, 64), torch.empty(1, 1, 1, 96, dtype=torch.float16)):
+    for t in (torch.empty(1, 1, 1, 64), torch.empty(1, 1, 1, 80, dtype=torch.float16)):
         assert not hopper_bwd.supports(t, **base)
 
 
@@ -493,7 +494,7 @@ def _check_gluon(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch, ls
 
 
 @gpu
-@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("D", sorted(hopper_bwd.PADDED))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
@@ -595,7 +596,7 @@ with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.lau
     common.sm_count = lambda device: 4  # fewer programs than tiles for the persistent form
     hopper_bwd.ENABLED = True
     for ws, persistent, D, causal in ((ws, p, D, causal) for ws, p in ((False, False), (True, False), (False, True))
-                                      for D in hopper_bwd.HEAD_DIMS for causal in (False, True)):
+                                      for D in sorted(hopper_bwd.PADDED) for causal in (False, True)):
         hopper_bwd.WS, hopper_bwd.PERSISTENT = ws, persistent
         # GQA 4:2, Lq 300, Lk 333 (3 key blocks); q a strided view (a packed projection).
         qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
@@ -618,10 +619,11 @@ json.dump(out, sys.stdout)
 def test_gluon_launches_match_the_compiled_specs():
     """The Gluon backwards launched through Triton's own launch path on CPU tensors (the fake
     driver checks every argument against the specialization): the preprocess, one Gluon launch
-    over 3 key blocks x 2 kv heads (the warp-specialized kernel at D64 under "ws", the persistent
-    one at D64 under "persistent": min(6 tiles, 4 SMs: the count faked) programs, with B x Hkv and its
-    L2 section) and the dQ conversion, with exactly the signature and constexprs the compile
-    check builds (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
+    over 3 key blocks x 2 kv heads at D64, 96 (the D128 build: blocks 128 wide) and 128 (the
+    warp-specialized kernel at D64 under "ws", the persistent one at D64 under "persistent":
+    min(6 tiles, 4 SMs: the count faked) programs, with B x Hkv and its L2 section) and the dQ
+    conversion, with exactly the signature and constexprs the compile check builds
+    (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
     import json
     import pathlib
 
@@ -631,9 +633,9 @@ def test_gluon_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 12
+    assert len(launches) == 18
     for rec in launches:
-        D = rec["D"]
+        D = hopper_bwd.PADDED[rec["D"]]  # D96: the D128 build
         ws = rec["ws"] and D in hopper_bwd.WS_CONFIGS
         persistent = rec["persistent"] and D in hopper_bwd.PERSISTENT_CONFIGS
         table = hopper_bwd.WS_CONFIGS if ws else hopper_bwd.PERSISTENT_CONFIGS if persistent else hopper_bwd.CONFIGS

@@ -5,13 +5,17 @@ global memory by TMA bulk reduce-adds (``cp.reduce.async.bulk.tensor.add``), con
 dtype by the atomic backward's small kernel (``backward_atomic._dq_convert``).
 
 ``_attn_bwd_hopper`` runs in one partition; ``_attn_bwd_hopper_ws`` (D64) has FA3's partitions
-(a TMA loader warp, two MMA warpgroups, a dQ writer warp; its docstring).
+(a TMA loader warp, two MMA warpgroups, a dQ writer warp; its docstring);
+``_attn_bwd_hopper_persistent`` (D64) runs the first's tile (``_bwd_tile``) for tile after
+tile of a program per SM, key blocks heaviest first (its docstring).
 
-Taken only when ``FUSED_BLOCK_HOPPER_ATTN_BWD=1`` (the single-partition kernel) or ``=ws`` (the
-warp-specialized one at D64, the single-partition one at D128) is set, never while
-``torch.are_deterministic_algorithms_enabled()`` (the reduce-adds land in a different order from
-run to run, so dQ's last bits vary), on sm_90 CUDA, for the cases :func:`supports` names:
-16-bit q/k/v, head dim 64 or 128, causal (bottom-right, as the other kernels) or not, GQA/MQA,
+Taken only when ``FUSED_BLOCK_HOPPER_ATTN_BWD=1`` (the single-partition kernel, its persistent
+form a timed candidate), ``=ws`` (the warp-specialized one at D64, the single-partition one at
+D128) or ``=persistent`` (the persistent form at D64, the single-partition kernel at D128) is
+set, never while ``torch.are_deterministic_algorithms_enabled()`` (the reduce-adds land in a
+different order from run to run, so dQ's last bits vary), on sm_90 CUDA, for the cases
+:func:`supports` names: 16-bit q/k/v, head dim 64, 96 (the 128 kernels on zero columns:
+:data:`PADDED`) or 128 (D256, hence 192, has no kernel here), causal (bottom-right, as the other kernels) or not, GQA/MQA,
 TMA-able layouts, with the LSE's gradient or sinks (both live in the row statistics of
 ``_attn_bwd_preprocess``, which this backward shares). Dropout, padding masks, windows, varlen,
 softcap, ALiBi, biases and bool masks, and every call without the switch, run the atomic-free
@@ -51,8 +55,10 @@ Descriptors are host-side, over the whole (B, H, L, D) views, and over the stati
 
 Not (yet) in it, compared with FA3's backward: warp specialization at D128 (the MMA
 warpgroups' 240 registers do not hold its tiles here: it spilled) and FA3's tile at D64 in the
-warp-specialized kernel (64 query rows a step, not 128), a persistent LPT scheduler, dQ tiles
-of 80 rows at D128 (Gluon tiles are powers of two), and the score features above.
+warp-specialized kernel (64 query rows a step, not 128), the persistent form at D128 (it
+spilled in the step loop), dQ tiles of 80 rows at D128 (Gluon tiles are powers of two), D256
+(two ring stages of 64 query rows, K, V and a dQ tile exceed 227 KB of shared memory:
+``docs/attention-hopper.md``), and the score features above.
 """
 import os
 
@@ -70,7 +76,14 @@ from fused_block.kernels.attention.backward_atomic import CONVERT_BLOCK_M, _dq_c
 from fused_block.kernels.attention.configs import _bucket
 
 ENV = "FUSED_BLOCK_HOPPER_ATTN_BWD"
+# The head dims the kernels are compiled for (HEAD_D)...
 HEAD_DIMS = (64, 128)
+# ...and the head dims they take, each with the kernel's: 96 runs the 128 kernels with the
+# columns past D zero (as the forward's ``hopper.PADDED``: the descriptors' blocks are HEAD_D
+# wide over D-wide tensors, TMA reads zeros there and clips the stores and reduce-adds), which
+# add nothing to any product; the dQ accumulator stays D wide. D256 (and so 192) has no kernel
+# here: ``docs/attention-hopper.md`` has the register and shared-memory arithmetic.
+PADDED = {64: 64, 96: 128, 128: 128}
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_N = 128
 NUM_WARPS = 8
@@ -639,10 +652,10 @@ def _plain(rank: int):
 def supports(q, *, arch: int, dropout_p: float, key_padding_mask, has_window: bool, varlen, score_mod: bool, dbias,
              aligned: bool) -> bool:
     """Whether this kernel takes the call (the switch and determinism aside; ``launchers.backward``'s
-    arguments: the rest run ``backward.py``): sm_90, 16-bit, D in :data:`HEAD_DIMS`, causal or not
+    arguments: the rest run ``backward.py``): sm_90, 16-bit, D in :data:`PADDED`, causal or not
     (+ GQA), TMA-able layouts (``aligned``), no other feature. ``has_window``: a window, or a
     right bound other than the causal diagonal's."""
-    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in HEAD_DIMS and aligned and dropout_p == 0.0
+    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in PADDED and aligned and dropout_p == 0.0
             and key_padding_mask is None and not has_window and varlen is None and not score_mod and dbias is None)
 
 
@@ -660,38 +673,40 @@ def backward(q, k, v, do, dq, dk, dv, stats, stride_stat: int, causal: bool, sca
     sq, sk, sv, sdo, sdq, sdk = strides
     acc = common.empty((B, Hq, Lq, D), torch.float32, q.device)
     launch = (q, k, v, do, dk, dv, acc, stats, stride_stat, bool(causal), float(scale), (sq, sk, sv, sdo, sdk))
-    ws = WS and D in WS_CONFIGS
-    persistent = PERSISTENT and D in PERSISTENT_CONFIGS
+    head_d = PADDED[D]
+    ws = WS and head_d in WS_CONFIGS
+    persistent = PERSISTENT and head_d in PERSISTENT_CONFIGS
     # The tile count's bucket: whether a program per tile or per SM wins depends on it.
     key = (D, ws, persistent, bool(causal), Hq // Hkv > 1, _bucket(Lq), _bucket(Lk),
            _bucket(B * Hkv * common.cdiv(Lk, BLOCK_N)))
     if ws:
-        cands = _WS_CANDIDATES[D]
+        cands = _WS_CANDIDATES[head_d]
     else:
-        cands = [c for c in _CANDIDATES[D] if c["PERSISTENT"] or not persistent]
+        cands = [c for c in _CANDIDATES[head_d] if c["PERSISTENT"] or not persistent]
     cfg = _CACHE.get(key, cands, lambda c: _launch(c, launch))
     _launch(cfg, launch)
     common.launch("attention_dq_convert", _dq_convert, (B * Hq * common.cdiv(Lq, CONVERT_BLOCK_M),),
                   (acc, dq, *sdq, Hq, Lq, D, float(scale)),
-                  dict(BLOCK_M=CONVERT_BLOCK_M, BLOCK_D=D, INTERPRET=False), common.Config.of(num_warps=4))
+                  dict(BLOCK_M=CONVERT_BLOCK_M, BLOCK_D=head_d, INTERPRET=False), common.Config.of(num_warps=4))
 
 
 def _launch(cfg, launch) -> None:
     q, k, v, do, dk, dv, acc, stats, stride_stat, causal, scale, strides = launch
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
+    head_d = PADDED[D]  # blocks HEAD_D wide over the D-wide tensors (zeros past D)
     block_m, ws = cfg["BLOCK_M"], cfg["WS"]
     out_rows = BLOCK_N // 2 if ws else BLOCK_N  # its warpgroups store 64 rows of dK and dV each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
     for t, s, rows in ((q, strides[0], block_m), (k, strides[1], BLOCK_N), (v, strides[2], BLOCK_N),
                        (do, strides[3], block_m)):
-        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, D], _layout(rows, D, gdt)))
-    descs.append(TensorDescriptor(acc, list(acc.shape), [Hq * Lq * D, Lq * D, D, 1], [1, 1, block_m, D],
+        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, head_d], _layout(rows, head_d, gdt)))
+    descs.append(TensorDescriptor(acc, list(acc.shape), [Hq * Lq * D, Lq * D, D, 1], [1, 1, block_m, head_d],
                                   _plain(4)))
     for t in (dk, dv):
-        descs.append(TensorDescriptor(t, list(t.shape), [*strides[4], 1], [1, 1, out_rows, D],
-                                      _layout(out_rows, D, gdt)))
+        descs.append(TensorDescriptor(t, list(t.shape), [*strides[4], 1], [1, 1, out_rows, head_d],
+                                      _layout(out_rows, head_d, gdt)))
     descs.append(TensorDescriptor(stats, list(stats.shape), [2 * stride_stat, stride_stat, 1], [1, 2, block_m],
                                   _plain(3)))
     tiles = common.cdiv(Lk, BLOCK_N) * B * Hkv
@@ -699,14 +714,14 @@ def _launch(cfg, launch) -> None:
     args = (*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, cdiag, scale * _LOG2E, scale)
     if cfg["PERSISTENT"]:
         kernel, grid = _attn_bwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
-        args += (B * Hkv, section(Lq, D, q.element_size(), Hq // Hkv))
+        args += (B * Hkv, section(Lq, head_d, q.element_size(), Hq // Hkv))
     else:
         kernel, grid = (_attn_bwd_hopper_ws if ws else _attn_bwd_hopper), (tiles,)
     common.count_launch("attention_bwd_hopper")
     if common.STUB_LAUNCHES:
         return
     acc.zero_()  # idempotent for the tuner's timing: the kernel accumulates
-    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=cfg["STAGES"], DQ_BUFS=DQ_BUFS,
+    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=cfg["STAGES"], DQ_BUFS=DQ_BUFS,
                  num_warps=cfg.num_warps)
 
 
