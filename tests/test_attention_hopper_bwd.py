@@ -171,8 +171,7 @@ def _unsupported():
     bias = torch.zeros(_L, _L, dtype=bf)
     return [
         ("d80", _qkv(1, 2, 2, _L, _L, 80, bf, "cpu", grad=False), {}),
-        ("d256", _qkv(1, 2, 2, _L, _L, 256, bf, "cpu", grad=False), {}),
-        ("d192", _qkv(1, 2, 2, _L, _L, 192, bf, "cpu", grad=False), {}),
+        ("d160", _qkv(1, 2, 2, _L, _L, 160, bf, "cpu", grad=False), {}),
         ("d48", _qkv(1, 2, 2, _L, _L, 48, bf, "cpu", grad=False), {}),
         ("fp32", _qkv(1, 2, 2, _L, _L, 64, torch.float32, "cpu", grad=False), {}),
         ("dropout", qkv, dict(dropout_p=0.1)),
@@ -235,10 +234,9 @@ def test_interpreter_keeps_the_atomic_free_backward(device, launches, monkeypatc
 # against ``_attn_bwd_hopper``'s scalar code; the GPU tests below check the kernel itself.
 # ---------------------------------------------------------------------------------------------
 
-def _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0):
-    """``_attn_bwd_hopper``'s steps for the key block at ``n0``: [(head offset g, start_m,
-    masked)], and the refill coordinates it issues after each step (None past the end)."""
-    bn = hopper_bwd.BLOCK_N
+def _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0, bn):
+    """``_attn_bwd_hopper``'s steps for the key block of ``bn`` keys at ``n0``: [(head offset g,
+    start_m, masked)], and the refill coordinates it issues after each step (None past the end)."""
     m_end = -(-Lq // block_m) * block_m
     m_first = max(n0 - cdiag, 0) // block_m * block_m
     m_full = n0 + bn - 1 - cdiag
@@ -302,14 +300,14 @@ class _Ring:
         self.it += len(steps)
 
 
-def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages, grid=None, section=None):
+def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages, bn, grid=None, section=None):
     """dq, dk, dv as ``_attn_bwd_hopper`` + ``_dq_convert`` compute them (float64, no
     rounding), with the schedule's invariants asserted on the way; with ``grid`` (programs) and
     ``section`` (kv heads), as ``_attn_bwd_hopper_persistent`` walks the tiles, each program's
     ring carried from tile to tile."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    group, bn = Hq // Hkv, hopper_bwd.BLOCK_N
+    group = Hq // Hkv
     cdiag = Lk - Lq if causal else Lk + bn
     qk_scale = scale * 1.4426950408889634
     pad = -(-Lq // 128) * 128  # STAT_ALIGN rows of statistics: the padding rows' LSE is +inf
@@ -335,7 +333,7 @@ def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages, grid
         for done, (blk, bh, kv_phase) in enumerate(program):
             assert kv_phase == done & 1  # the K + V mbarrier's phase: the program's tiles so far
             b, hk, n0 = bh // Hkv, bh % Hkv, blk * bn
-            steps, prologue, refills = _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0)
+            steps, prologue, refills = _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0, bn)
             ring.tile(steps, prologue, refills)
             assert steps, "every key block is seen by some query"
             assert prologue == [s[:2] for s in steps[:stages]]
@@ -371,8 +369,9 @@ def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages, grid
     return dq_acc * scale, dk * scale, dv
 
 
-@pytest.mark.parametrize("block_m,stages", sorted({c for table in (hopper_bwd.CONFIGS, hopper_bwd.WS_CONFIGS)
-                                                 for cs in table.values() for c in cs}))
+@pytest.mark.parametrize("block_n,block_m,stages", sorted({(hopper_bwd.TILE_N[d][0], *c)
+                                                         for table in (hopper_bwd.CONFIGS, hopper_bwd.WS_CONFIGS)
+                                                         for d, cs in table.items() for c in cs}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", [
     # Partial last blocks, GQA 2:1 (the walk crossing heads), the ring wrapping.
@@ -382,14 +381,14 @@ def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages, grid
     # Lq > Lk: the first 320 queries see no key (LSE -inf: +inf statistics, P = 0).
     pytest.param(2, 2, 2, 390, 70, id="cross-390x70"),
 ])
-def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, block_m, stages):
+def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, block_n, block_m, stages):
     D = 64
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float64, "cpu", grad=True)
     out, lse = reference.attention(q, k, v, causal, return_lse=True)
     dout = randn(*out.shape, dtype=torch.float64, device="cpu")
     want = torch.autograd.grad(out, (q, k, v), dout)
     got = _twin_backward(q.detach(), k.detach(), v.detach(), out.detach(), dout, lse.detach(), causal, D ** -0.5,
-                         block_m, stages)
+                         block_m, stages, block_n)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
 
@@ -401,11 +400,11 @@ def test_the_persistent_walk_takes_every_tile_once_heaviest_first(causal):
     heads (the last narrower), each section's heads at one key block before the next block, and
     the key blocks first to last, whose work (steps) never grows: the heaviest tiles first
     under a causal mask (equal work without one); each program's K + V phase alternates."""
-    bn, block_m, stages = hopper_bwd.BLOCK_N, *hopper_bwd.PERSISTENT_CONFIGS[64][0]
+    bn, block_m, stages = hopper_bwd.TILE_N[64][0], *hopper_bwd.PERSISTENT_CONFIGS[64][0]
     for Lq, Lk in ((1000, 1000), (300, 877), (400, 70)):
         n_n = -(-Lk // bn)
         cdiag = Lk - Lq if causal else Lk + bn
-        work = [len(_twin_schedule(Lq, Lk, 1, cdiag, block_m, stages, blk * bn)[0]) for blk in range(n_n)]
+        work = [len(_twin_schedule(Lq, Lk, 1, cdiag, block_m, stages, blk * bn, bn)[0]) for blk in range(n_n)]
         assert work == sorted(work, reverse=True)
         for BH in range(1, 7):
             for section in range(1, BH + 2):
@@ -445,7 +444,7 @@ def test_the_persistent_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, grid, sec
     dout = randn(*out.shape, dtype=torch.float64, device="cpu")
     want = torch.autograd.grad(out, (q, k, v), dout)
     got = _twin_backward(q.detach(), k.detach(), v.detach(), out.detach(), dout, lse.detach(), causal, D ** -0.5,
-                         block_m, stages, grid=grid, section=section)
+                         block_m, stages, hopper_bwd.TILE_N[D][0], grid=grid, section=section)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
 
@@ -468,7 +467,8 @@ def _variant(ws, D, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "WS", ws)
 
 
-# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_N is 128, BLOCK_M 64 or 128 (the candidates).
+# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_N is 128 (64 at D256), BLOCK_M 64 or 128
+# (the candidates).
 GPU_CASES = [
     # Whole blocks: key blocks on the causal diagonal (masked steps), query blocks skipped above it.
     pytest.param(2, 4, 4, 256, 256, id="256"),
@@ -619,8 +619,9 @@ json.dump(out, sys.stdout)
 def test_gluon_launches_match_the_compiled_specs():
     """The Gluon backwards launched through Triton's own launch path on CPU tensors (the fake
     driver checks every argument against the specialization): the preprocess, one Gluon launch
-    over 3 key blocks x 2 kv heads at D64, 96 (the D128 build: blocks 128 wide) and 128 (the
-    warp-specialized kernel at D64 under "ws", the persistent one at D64 under "persistent":
+    over 3 key blocks (6 of 64 keys at D256) x 2 kv heads at D64, 96 (the D128 build: blocks
+    128 wide), 128, 192 (the D256 build) and 256 (the warp-specialized kernel at D64 under
+    "ws", the persistent one at D64 under "persistent":
     min(6 tiles, 4 SMs: the count faked) programs, with B x Hkv and its L2 section) and the dQ
     conversion, with exactly the signature and constexprs the compile check builds
     (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
@@ -633,9 +634,9 @@ def test_gluon_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 18
+    assert len(launches) == 30
     for rec in launches:
-        D = hopper_bwd.PADDED[rec["D"]]  # D96: the D128 build
+        D = hopper_bwd.PADDED[rec["D"]]  # D96, D192: the D128, D256 builds
         ws = rec["ws"] and D in hopper_bwd.WS_CONFIGS
         persistent = rec["persistent"] and D in hopper_bwd.PERSISTENT_CONFIGS
         table = hopper_bwd.WS_CONFIGS if ws else hopper_bwd.PERSISTENT_CONFIGS if persistent else hopper_bwd.CONFIGS
@@ -643,9 +644,10 @@ def test_gluon_launches_match_the_compiled_specs():
         sig, constexprs = hopper_bwd.aot_spec_args("bf16", D, block_m, stages, ws, persistent)
         kernel = "_attn_bwd_hopper" + ("_ws" if ws else "_persistent" if persistent else "")
         assert rec["names"] == ["_attn_bwd_preprocess", kernel, "_dq_convert"]
-        assert rec["grid"] == [4 if persistent else 3 * 2, 1, 1]
+        bn = hopper_bwd.TILE_N[D][0]
+        assert rec["grid"] == [4 if persistent else -(-333 // bn) * 2, 1, 1]
         # Hq, Hkv, GROUP, Lq, Lk, cdiag; the persistent form's B x Hkv and L2 section (kv heads)
-        cdiag = 333 - 300 if rec["causal"] else 333 + hopper_bwd.BLOCK_N
+        cdiag = 333 - 300 if rec["causal"] else 333 + bn
         assert rec["ints"][:6] == [4, 2, 2, 300, 333, cdiag]
         if persistent:
             assert rec["ints"][8:] == [2, hopper_bwd.section(300, D, 2, 2)]

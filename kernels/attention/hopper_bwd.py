@@ -14,8 +14,8 @@ form a timed candidate), ``=ws`` (the warp-specialized one at D64, the single-pa
 D128) or ``=persistent`` (the persistent form at D64, the single-partition kernel at D128) is
 set, never while ``torch.are_deterministic_algorithms_enabled()`` (the reduce-adds land in a
 different order from run to run, so dQ's last bits vary), on sm_90 CUDA, for the cases
-:func:`supports` names: 16-bit q/k/v, head dim 64, 96 (the 128 kernels on zero columns:
-:data:`PADDED`) or 128 (D256, hence 192, has no kernel here), causal (bottom-right, as the other kernels) or not, GQA/MQA,
+:func:`supports` names: 16-bit q/k/v, head dim 64, 128 or 256, or 96 and 192 (the 128 and 256
+kernels on zero columns: :data:`PADDED`), causal (bottom-right, as the other kernels) or not, GQA/MQA,
 TMA-able layouts, with the LSE's gradient or sinks (both live in the row statistics of
 ``_attn_bwd_preprocess``, which this backward shares). Dropout, padding masks, windows, varlen,
 softcap, ALiBi, biases and bool masks, and every call without the switch, run the atomic-free
@@ -25,14 +25,15 @@ interpreter's (the interpreter cannot run Gluon). This kernel has not yet run on
 of ``tests/test_attention_hopper_bwd.py`` and ``bench/attention_dq_atomic.py`` verifies it.
 Its numerics and schedule have a float64 CPU twin in the tests (line for line).
 
-Structure of ``_attn_bwd_hopper`` (one program per (key block of BLOCK_N = 128 keys, batch,
-kv head); key blocks in order: under a causal mask the first see the most queries, so the
-heaviest start first):
+Structure of ``_attn_bwd_hopper`` (one program per (key block of BLOCK_N = 128 keys, 64 at
+D256, batch, kv head); key blocks in order: under a causal mask the first see the most
+queries, so the heaviest start first):
 
 - 8 warps = two warpgroups; the products with the keys as rows (S^T, dP^T, dV, dK: 128 rows)
   split the key rows between them (64 each, FA3's "SdP_swapAB"), dK and dV (128 x D fp32) stay
   in their registers for the whole program, dQ's product (BLOCK_M x D) splits its rows
-  (128 query rows a step: D64's first tile) or its columns (64 rows: FA3's D128 tile).
+  (128 query rows a step: D64's first tile) or its columns (64 rows: FA3's D128 tile). At
+  D256 (64 keys, 64 query rows) every product splits its columns between the warpgroups.
 - K and V are loaded once by TMA; Q, dO and the statistics rows (LSE * log2 e, delta) of each
   (group head, query block) step through a ring of ``STAGES`` shared-memory slots with one
   mbarrier per slot, refilled by TMA as soon as the step that read a slot finished, so the
@@ -56,9 +57,9 @@ Descriptors are host-side, over the whole (B, H, L, D) views, and over the stati
 Not (yet) in it, compared with FA3's backward: warp specialization at D128 (the MMA
 warpgroups' 240 registers do not hold its tiles here: it spilled) and FA3's tile at D64 in the
 warp-specialized kernel (64 query rows a step, not 128), the persistent form at D128 (it
-spilled in the step loop), dQ tiles of 80 rows at D128 (Gluon tiles are powers of two), D256
-(two ring stages of 64 query rows, K, V and a dQ tile exceed 227 KB of shared memory:
-``docs/attention-hopper.md``), and the score features above.
+spilled in the step loop), dQ tiles of 80 rows at D128 (Gluon tiles are powers of two), a
+ring of two stages at D256 (two stages of 64 query rows, K, V and a dQ tile exceed 227 KB of
+shared memory: one stage, :data:`TILE_N`), and the score features above.
 """
 import os
 
@@ -77,22 +78,26 @@ from fused_block.kernels.attention.configs import _bucket
 
 ENV = "FUSED_BLOCK_HOPPER_ATTN_BWD"
 # The head dims the kernels are compiled for (HEAD_D)...
-HEAD_DIMS = (64, 128)
-# ...and the head dims they take, each with the kernel's: 96 runs the 128 kernels with the
-# columns past D zero (as the forward's ``hopper.PADDED``: the descriptors' blocks are HEAD_D
-# wide over D-wide tensors, TMA reads zeros there and clips the stores and reduce-adds), which
-# add nothing to any product; the dQ accumulator stays D wide. D256 (and so 192) has no kernel
-# here: ``docs/attention-hopper.md`` has the register and shared-memory arithmetic.
-PADDED = {64: 64, 96: 128, 128: 128}
+HEAD_DIMS = (64, 128, 256)
+# ...and the head dims they take, each with the kernel's: 96 and 192 run the 128 and 256
+# kernels with the columns past D zero (as the forward's ``hopper.PADDED``: the descriptors'
+# blocks are HEAD_D wide over D-wide tensors, TMA reads zeros there and clips the stores and
+# reduce-adds), which add nothing to any product; the dQ accumulator stays D wide.
+PADDED = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 DTYPES = (torch.float16, torch.bfloat16)
-BLOCK_N = 128
 NUM_WARPS = 8
-DQ_BUFS = 2
+# Per head dim, the key block (BLOCK_N keys a program) and the dQ tiles in shared memory
+# (DQ_BUFS: a step's reduce-add awaited DQ_BUFS - 1 steps later). D256 (FA3's 64 x 64 tile):
+# K + V 64 KB, a ring stage of Q + dO 64 KB, a 64 x 256 fp32 dQ tile 64 KB, dS^T 8 KB: one
+# stage and one dQ tile (209 KB) fit in 227 KB, two stages (275 KB) or two dQ tiles do not;
+# registers: dK + dV 128 a thread, S^T + dP^T 32, the dQ tile 64 (250 used, no spill).
+TILE_N = {64: (128, 2), 128: (128, 2), 256: (64, 1)}
 # Per head dim, the candidates (BLOCK_M query rows a step, STAGES ring slots), timed once per
 # key on the GPU (``ConfigCache``; the first with FUSED_BLOCK_TUNE=0). FA3's tiles: 128 x 128
 # at D64, 64 x 128 at D128 (80 x 128 non-causal: not a power of two), Q and dO double
-# buffered. Shared memory, 16-bit: K + V + STAGES x (Q + dO) + dS^T + 2 fp32 dQ tiles.
-CONFIGS = {64: ((128, 2), (64, 3)), 128: ((64, 2), )}
+# buffered. Shared memory, 16-bit: K + V + STAGES x (Q + dO) + dS^T + DQ_BUFS fp32 dQ tiles.
+# D256: 64 x 64, one stage (:data:`TILE_N`: no step's loads overlap the step before).
+CONFIGS = {64: ((128, 2), (64, 3)), 128: ((64, 2), ), 256: ((64, 1), )}
 # The persistent form (``_attn_bwd_hopper_persistent``: a program per SM, key blocks heaviest
 # first), on the head dim's first tile: last among the candidates, so it is taken only where
 # the GPU timed it faster (or with FUSED_BLOCK_HOPPER_ATTN_BWD=persistent). D64 only: at D128
@@ -678,7 +683,7 @@ def backward(q, k, v, do, dq, dk, dv, stats, stride_stat: int, causal: bool, sca
     persistent = PERSISTENT and head_d in PERSISTENT_CONFIGS
     # The tile count's bucket: whether a program per tile or per SM wins depends on it.
     key = (D, ws, persistent, bool(causal), Hq // Hkv > 1, _bucket(Lq), _bucket(Lk),
-           _bucket(B * Hkv * common.cdiv(Lk, BLOCK_N)))
+           _bucket(B * Hkv * common.cdiv(Lk, TILE_N[head_d][0])))
     if ws:
         cands = _WS_CANDIDATES[head_d]
     else:
@@ -696,10 +701,11 @@ def _launch(cfg, launch) -> None:
     Hkv, Lk = k.shape[1], k.shape[2]
     head_d = PADDED[D]  # blocks HEAD_D wide over the D-wide tensors (zeros past D)
     block_m, ws = cfg["BLOCK_M"], cfg["WS"]
-    out_rows = BLOCK_N // 2 if ws else BLOCK_N  # its warpgroups store 64 rows of dK and dV each
+    block_n, dq_bufs = TILE_N[head_d]
+    out_rows = block_n // 2 if ws else block_n  # its warpgroups store 64 rows of dK and dV each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
-    for t, s, rows in ((q, strides[0], block_m), (k, strides[1], BLOCK_N), (v, strides[2], BLOCK_N),
+    for t, s, rows in ((q, strides[0], block_m), (k, strides[1], block_n), (v, strides[2], block_n),
                        (do, strides[3], block_m)):
         descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, head_d], _layout(rows, head_d, gdt)))
     descs.append(TensorDescriptor(acc, list(acc.shape), [Hq * Lq * D, Lq * D, D, 1], [1, 1, block_m, head_d],
@@ -709,8 +715,8 @@ def _launch(cfg, launch) -> None:
                                       _layout(out_rows, head_d, gdt)))
     descs.append(TensorDescriptor(stats, list(stats.shape), [2 * stride_stat, stride_stat, 1], [1, 2, block_m],
                                   _plain(3)))
-    tiles = common.cdiv(Lk, BLOCK_N) * B * Hkv
-    cdiag = Lk - Lq if causal else Lk + BLOCK_N
+    tiles = common.cdiv(Lk, block_n) * B * Hkv
+    cdiag = Lk - Lq if causal else Lk + block_n
     args = (*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, cdiag, scale * _LOG2E, scale)
     if cfg["PERSISTENT"]:
         kernel, grid = _attn_bwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
@@ -721,7 +727,7 @@ def _launch(cfg, launch) -> None:
     if common.STUB_LAUNCHES:
         return
     acc.zero_()  # idempotent for the tuner's timing: the kernel accumulates
-    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=cfg["STAGES"], DQ_BUFS=DQ_BUFS,
+    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=cfg["STAGES"], DQ_BUFS=dq_bufs,
                  num_warps=cfg.num_warps)
 
 
@@ -738,18 +744,19 @@ def aot_spec_args(dtype: str, head_d: int, block_m: int, stages: int, ws: bool =
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     sig = {}
-    for name, rows in (("QD", block_m), ("KD", BLOCK_N), ("VD", BLOCK_N), ("DOD", block_m)):
+    block_n, dq_bufs = TILE_N[head_d]
+    for name, rows in (("QD", block_m), ("KD", block_n), ("VD", block_n), ("DOD", block_m)):
         sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
     sig["DQD"] = f"tensordesc<fp32[1, 1, {block_m}, {head_d}],{_plain(4)!r}>"
-    out_rows = BLOCK_N // 2 if ws else BLOCK_N
+    out_rows = block_n // 2 if ws else block_n
     for name in ("DKD", "DVD"):
         sig[name] = f"tensordesc<{dtype}[1, 1, {out_rows}, {head_d}],{_layout(out_rows, head_d, gdt)!r}>"
     sig["SD"] = f"tensordesc<fp32[1, 2, {block_m}],{_plain(3)!r}>"
     sig.update(Hq="i32", Hkv="i32", GROUP="i32", Lq="i32", Lk="i32", cdiag="i32", qk_scale="fp32", scale="fp32")
     if persistent:
         sig.update(BH="i32", SECTION="i32")
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=stages,
-                      DQ_BUFS=DQ_BUFS, num_warps=4 if ws else NUM_WARPS)
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
+                      DQ_BUFS=dq_bufs, num_warps=4 if ws else NUM_WARPS)
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs

@@ -283,7 +283,7 @@ def aot_specs(exhaustive=None) -> list:
                       hopper_bwd._attn_bwd_hopper_persistent if persistent else hopper_bwd._attn_bwd_hopper)
                 specs.append(aot.KernelSpec(
                     name=(f"attention_bwd_hopper{'_ws' if ws else '_persistent' if persistent else ''} (Gluon) "
-                          f"D{block_d} 16 {block_m}x{hopper_bwd.BLOCK_N}/{stages}"),
+                          f"D{block_d} 16 {block_m}x{hopper_bwd.TILE_N[block_d][0]}/{stages}"),
                     fn=fn, signature=sig,
                     constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
                     tma=True, hot_loops=True, archs=(90,)))
@@ -305,10 +305,12 @@ def aot_specs(exhaustive=None) -> list:
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn), wgmma=True,
                     tma=True, hot_loops=True, archs=(90,)))
     fn = backward_atomic._dq_convert
-    specs.append(aot.KernelSpec(
-        name="attention_dq_convert D128 bf16", fn=fn, signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
-        constexprs=dict(BLOCK_M=backward_atomic.CONVERT_BLOCK_M, BLOCK_D=128, INTERPRET=False), num_warps=4,
-        aligned=_aligned_args(fn), archs=(90,)))
+    for block_d in (128, 256):  # 256: the Gluon backward's D192 and D256
+        specs.append(aot.KernelSpec(
+            name=f"attention_dq_convert D{block_d} bf16", fn=fn,
+            signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
+            constexprs=dict(BLOCK_M=backward_atomic.CONVERT_BLOCK_M, BLOCK_D=block_d, INTERPRET=False), num_warps=4,
+            aligned=_aligned_args(fn), archs=(90,)))
     specs = [dataclasses.replace(s, spills_ok=TF32_SPILLS) if " tf32" in s.name else s for s in specs]
     return aot.take_turns(specs, items)
 
