@@ -8,6 +8,7 @@ attention issue's D64 and D128 shapes; one short run on an sm_90 GPU:
 
     python -m bench.attention_dq_atomic [--providers atomic,triton,sdpa_cudnn] [--json PATH]
     python -m bench.attention_dq_atomic --providers triton,sdpa_cudnn,gluon,gluon_persistent,gluon_ws
+    python -m bench.attention_dq_atomic --providers triton,sdpa_cudnn,gluon --shapes D256
 
 Per shape: TFLOP/s of the backward alone (2.5x the forward's products; ``do_bench``'s median
 of ``torch.autograd.grad`` on a retained graph, the forward run once), and the atomic dq, dk,
@@ -30,7 +31,10 @@ import torch.nn.functional as F
 SHAPES = (
     ("B8 H32 L2048 D64 causal", 8, 32, 32, 2048, 64, True),
     ("B4 H16 L4096 D128 causal", 4, 16, 16, 4096, 128, True),
+    # The Gluon backward's D256 tile (one ring stage: docs/attention-hopper.md); only when named.
+    ("B2 H16 L4096 D256 causal", 2, 16, 16, 4096, 256, True),
 )
+DEFAULT_SHAPES = ("D64", "D128")
 PROVIDERS = ("atomic", "triton", "sdpa_cudnn", "gluon", "gluon_persistent", "gluon_ws")
 DEFAULT_PROVIDERS = ("atomic", "triton", "sdpa_cudnn")
 # The opt-in kernels' launch-count names.
@@ -104,7 +108,14 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(PROVIDERS)} (default: {','.join(DEFAULT_PROVIDERS)})")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--rep", type=int, default=40, help="do_bench's rep (ms) per measurement")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help=f"comma-separated head dims of {', '.join(s[0].split()[3] for s in SHAPES)} "
+                             f"(default: {','.join(DEFAULT_SHAPES)})")
     args = parser.parse_args(argv)
+    dims = [d for d in args.shapes.split(",") if d]
+    shapes = [s for s in SHAPES if s[0].split()[3] in dims]
+    if len(shapes) != len(dims):
+        parser.error(f"unknown shapes {dims}; choose from {[s[0].split()[3] for s in SHAPES]}")
     providers = [p for p in args.providers.split(",") if p]
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
@@ -118,7 +129,7 @@ def main(argv=None) -> int:
     print(f"{'shape':<28}" + "".join(f"{p:>12}" for p in providers)
           + "".join(f"{p + ' |ddq|':>16}{'|ddk|':>10}{'|ddv|':>10}" for p in ("atomic", *gluon) if p in providers))
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         row = _measure(shape, providers, args.rep)
         rows.append(row)
         cells = "".join(f"{'-' if row['tflops'].get(p) is None else row['tflops'][p]:>12}" for p in providers)
