@@ -1,18 +1,22 @@
 """The opt-in atomic-dQ attention backward (``kernels/attention/backward_atomic.py``, "atomic")
 and the opt-in Gluon Hopper backwards (``kernels/attention/hopper_bwd.py``: "gluon", one
-partition; "gluon_ws", warp-specialized at D64, the single-partition kernel at D128) against our
+partition, its persistent form a timed candidate; "gluon_persistent", the persistent form alone at
+D64, the one-partition kernel at D128; "gluon_ws", warp-specialized at D64, the single-partition
+kernel at D128) against our
 atomic-free backward ("triton", the default) and SDPA's cuDNN backward, bf16, causal, on the
 attention issue's D64 and D128 shapes; one short run on an sm_90 GPU:
 
     python -m bench.attention_dq_atomic [--providers atomic,triton,sdpa_cudnn] [--json PATH]
-    python -m bench.attention_dq_atomic --providers triton,sdpa_cudnn,gluon,gluon_ws
+    python -m bench.attention_dq_atomic --providers triton,sdpa_cudnn,gluon,gluon_persistent,gluon_ws
+    python -m bench.attention_dq_atomic --providers triton,sdpa_cudnn,gluon --shapes D256
 
 Per shape: TFLOP/s of the backward alone (2.5x the forward's products; ``do_bench``'s median
 of ``torch.autograd.grad`` on a retained graph, the forward run once), and the atomic dq, dk,
 dv's largest difference from the atomic-free ones, and the Gluon ones' (a sanity check; the
 tests hold all to the float64 reference). The Gluon kernels run only when named (not in the
-default providers, which the GPU lease's benchmark step runs), and last in each row ("gluon_ws"
-after "gluon"): a kernel that has never run could hang, and the other figures are in by then.
+default providers, which the GPU lease's benchmark step runs), and last in each row ("gluon",
+"gluon_persistent", "gluon_ws"): a kernel that has never run could hang, and the other figures
+are in by then.
 The first call of each shape times the candidate configs (``FUSED_BLOCK_PRINT_TUNING=1``
 prints them). A backend the machine lacks shows "-".
 """
@@ -27,11 +31,16 @@ import torch.nn.functional as F
 SHAPES = (
     ("B8 H32 L2048 D64 causal", 8, 32, 32, 2048, 64, True),
     ("B4 H16 L4096 D128 causal", 4, 16, 16, 4096, 128, True),
+    # The Gluon backward's D256 tile (one ring stage: docs/attention-hopper.md); only when named.
+    ("B2 H16 L4096 D256 causal", 2, 16, 16, 4096, 256, True),
 )
-PROVIDERS = ("atomic", "triton", "sdpa_cudnn", "gluon", "gluon_ws")
+DEFAULT_SHAPES = ("D64", "D128")
+PROVIDERS = ("atomic", "triton", "sdpa_cudnn", "gluon", "gluon_persistent", "gluon_ws")
 DEFAULT_PROVIDERS = ("atomic", "triton", "sdpa_cudnn")
 # The opt-in kernels' launch-count names.
-_OPT_IN = {"atomic": "attention_bwd_dq_atomic", "gluon": "attention_bwd_hopper", "gluon_ws": "attention_bwd_hopper"}
+_OPT_IN = {"atomic": "attention_bwd_dq_atomic", "gluon": "attention_bwd_hopper",
+           "gluon_persistent": "attention_bwd_hopper", "gluon_ws": "attention_bwd_hopper"}
+GLUON = ("gluon", "gluon_persistent", "gluon_ws")
 
 
 def _switch(provider) -> None:
@@ -39,8 +48,9 @@ def _switch(provider) -> None:
     from fused_block.kernels.attention import backward_atomic, hopper_bwd
 
     backward_atomic.ENABLED = provider == "atomic"
-    hopper_bwd.ENABLED = provider in ("gluon", "gluon_ws")
+    hopper_bwd.ENABLED = provider in GLUON
     hopper_bwd.WS = provider == "gluon_ws"
+    hopper_bwd.PERSISTENT = provider == "gluon_persistent"
 
 
 def _diff_key(provider, grad):
@@ -98,7 +108,14 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(PROVIDERS)} (default: {','.join(DEFAULT_PROVIDERS)})")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--rep", type=int, default=40, help="do_bench's rep (ms) per measurement")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help=f"comma-separated head dims of {', '.join(s[0].split()[3] for s in SHAPES)} "
+                             f"(default: {','.join(DEFAULT_SHAPES)})")
     args = parser.parse_args(argv)
+    dims = [d for d in args.shapes.split(",") if d]
+    shapes = [s for s in SHAPES if s[0].split()[3] in dims]
+    if len(shapes) != len(dims):
+        parser.error(f"unknown shapes {dims}; choose from {[s[0].split()[3] for s in SHAPES]}")
     providers = [p for p in args.providers.split(",") if p]
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
@@ -106,13 +123,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs an sm_90 GPU", file=sys.stderr)
         return 2
-    gluon = [p for p in ("gluon", "gluon_ws") if p in providers]
+    gluon = [p for p in GLUON if p in providers]
     providers = [p for p in providers if p not in gluon] + gluon  # the Gluon kernels last
-    print("backward TFLOP/s; atomic, gluon, gluon_ws vs atomic-free max |diff| of dq, dk, dv", flush=True)
+    print("backward TFLOP/s; atomic and the Gluon kernels vs atomic-free max |diff| of dq, dk, dv", flush=True)
     print(f"{'shape':<28}" + "".join(f"{p:>12}" for p in providers)
           + "".join(f"{p + ' |ddq|':>16}{'|ddk|':>10}{'|ddv|':>10}" for p in ("atomic", *gluon) if p in providers))
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         row = _measure(shape, providers, args.rep)
         rows.append(row)
         cells = "".join(f"{'-' if row['tflops'].get(p) is None else row['tflops'][p]:>12}" for p in providers)

@@ -320,10 +320,11 @@ def _attention_dq_atomic(B, H, L, D, causal):
 
 def _attention_gluon_bwd(B, H, L, D, causal, variant):
     """The opt-in Gluon Hopper backward (``FUSED_BLOCK_HOPPER_ATTN_BWD=1``, or "ws": its
-    warp-specialized form, D64 only: ``kernels/attention/hopper_bwd.py``) after the Triton forward."""
+    warp-specialized form, D64 only, or "persistent": its persistent form, D64 only:
+    ``kernels/attention/hopper_bwd.py``) after the Triton forward."""
     from fused_block.kernels.attention import hopper_bwd
 
-    with _opt_in(hopper_bwd, ENABLED=True, WS=variant == "ws"):
+    with _opt_in(hopper_bwd, ENABLED=True, WS=variant == "ws", PERSISTENT=variant == "persistent"):
         _attention(B, H, L, D, causal)
 
 
@@ -447,7 +448,8 @@ WORKLOADS = (
       for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     # The Gluon backward (one build serves causal and not: causality is a runtime bound).
     *((f"attention D{d} gluon bwd{' ' + v if v else ''}", _attention_gluon_bwd, (*s, False, v))
-      for d, s, variants in ((64, (8, 32, 2048, 64), ("", "ws")), (128, (4, 16, 4096, 128), ("",)))
+      for d, s, variants in ((64, (8, 32, 2048, 64), ("", "ws", "persistent")),
+                             (128, (4, 16, 4096, 128), ("",)))
       for v in variants),
     # Issue 17's features at the bench's shapes: Mistral's 4096-key window over 16k tokens
     # (a band block costs a plain one), packed sequences, softcap + sinks, a T5 bias, and a

@@ -3,7 +3,9 @@
 On the CPU (the interpreter cannot run Gluon): which backward calls the launcher hands to it
 (only with the switch, never in deterministic mode, only on sm_90, only the cases it supports,
 before the atomic-dQ backward when both switches are set; everything else runs the atomic-free
-backward), that the interpreter keeps its own backward with the switch on, and (through the
+backward; the persistent form last among the candidates or alone under its switch), that the
+interpreter keeps its own backward with the switch on, the kernels' schedule and arithmetic in a
+float64 twin (the persistent walk's tiles, order and ring phases included), and (through the
 fake CUDA driver) that what the launcher launches is exactly what the compile check builds.
 On an sm_90 GPU: dq, dk, dv (and the LSE's gradient) against the float64 reference with
 PyTorch's own error as the baseline (``numerics.assert_close``'s 2x rule); those tests are
@@ -65,7 +67,7 @@ def _taken(launches):
     return name
 
 
-@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("D", sorted(hopper_bwd.PADDED))
 @pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_supported_calls_take_the_gluon_backward(D, dtype, causal, launches, monkeypatch):
@@ -88,6 +90,46 @@ def test_the_ws_switch_takes_the_warp_specialized_kernel_at_d64(D, ws, monkeypat
     (cfg,) = chosen
     assert cfg["WS"] == (ws and D == 64)
     assert cfg in (hopper_bwd._WS_CANDIDATES if cfg["WS"] else hopper_bwd._CANDIDATES)[D]
+
+
+def test_the_persistent_form_is_the_last_candidate():
+    """The single-partition kernel's candidates end with its persistent form where it has one
+    (D64; taken only where the GPU timed it faster: FUSED_BLOCK_TUNE=0 takes the first); the
+    warp-specialized kernel's have none."""
+    for d in hopper_bwd.HEAD_DIMS:
+        flags = [c["PERSISTENT"] for c in hopper_bwd._CANDIDATES[d]]
+        assert flags == [False] * len(hopper_bwd.CONFIGS[d]) + [True] * len(hopper_bwd.PERSISTENT_CONFIGS.get(d, ()))
+    assert hopper_bwd.PERSISTENT_CONFIGS.keys() == {64}
+    assert not any(c["PERSISTENT"] for cs in hopper_bwd._WS_CANDIDATES.values() for c in cs)
+
+
+@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("switch", ["1", "persistent"])
+def test_the_persistent_switch_takes_the_persistent_form_at_d64(switch, D, monkeypatch):
+    """FUSED_BLOCK_HOPPER_ATTN_BWD=persistent runs the persistent form only where it has configs
+    (D64; D128 the one-program-a-tile kernel); =1 times every candidate (here, untimed, the first)."""
+    _route(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "PERSISTENT", switch == "persistent")
+    monkeypatch.setattr(hopper_bwd, "WS", False)
+    monkeypatch.setattr(hopper_bwd, "_CACHE", common.ConfigCache("attention_bwd_hopper"))
+    chosen = []
+    monkeypatch.setattr(hopper_bwd, "_launch", lambda cfg, launch: chosen.append(cfg))
+    _bwd_call(*_qkv(1, 2, 2, _L, _L, D, torch.bfloat16, "cpu", grad=False))
+    persistent = switch == "persistent" and D == 64
+    want = (hopper_bwd.PERSISTENT_CONFIGS if persistent else hopper_bwd.CONFIGS)[D][0]
+    assert [(c["BLOCK_M"], c["STAGES"], c["PERSISTENT"], c["WS"]) for c in chosen] == [(*want, persistent, False)]
+
+
+def test_persistent_sections_keep_their_q_and_do_in_l2():
+    """The persistent form's L2 sections: the largest power of two of kv heads whose query
+    heads' Q and dO fit 32 MB (at least one)."""
+    mb = 1 << 20
+    # D64 bf16 at 2048 queries: 512 KB of Q and dO a head: 64 kv heads; GQA 4:1: 16.
+    assert hopper_bwd.section(2048, 64, 2, 1) == 64 and hopper_bwd.section(2048, 64, 2, 4) == 16
+    # 3 MB a kv head: 10 fit, a power of two: 8. Over 32 MB a kv head: one.
+    assert hopper_bwd.section(3 * mb // 256, 64, 2, 1) == 8
+    assert hopper_bwd.section(65536, 64, 2, 8) == 1
+    assert hopper_bwd.L2_QDO_BYTES == 32 * mb
 
 
 def test_the_gluon_backward_comes_before_the_atomic_one(launches, monkeypatch):
@@ -129,7 +171,7 @@ def _unsupported():
     bias = torch.zeros(_L, _L, dtype=bf)
     return [
         ("d80", _qkv(1, 2, 2, _L, _L, 80, bf, "cpu", grad=False), {}),
-        ("d256", _qkv(1, 2, 2, _L, _L, 256, bf, "cpu", grad=False), {}),
+        ("d160", _qkv(1, 2, 2, _L, _L, 160, bf, "cpu", grad=False), {}),
         ("d48", _qkv(1, 2, 2, _L, _L, 48, bf, "cpu", grad=False), {}),
         ("fp32", _qkv(1, 2, 2, _L, _L, 64, torch.float32, "cpu", grad=False), {}),
         ("dropout", qkv, dict(dropout_p=0.1)),
@@ -167,7 +209,7 @@ def test_supports_names_every_feature():
                    dbias=q, aligned=False)
     for name, value in changes.items():
         assert not hopper_bwd.supports(q, **{**base, name: value}), name
-    for t in (torch.empty(1, 1, 1, 64), torch.empty(1, 1, 1, 96, dtype=torch.float16)):
+    for t in (torch.empty(1, 1, 1, 64), torch.empty(1, 1, 1, 80, dtype=torch.float16)):
         assert not hopper_bwd.supports(t, **base)
 
 
@@ -192,10 +234,9 @@ def test_interpreter_keeps_the_atomic_free_backward(device, launches, monkeypatc
 # against ``_attn_bwd_hopper``'s scalar code; the GPU tests below check the kernel itself.
 # ---------------------------------------------------------------------------------------------
 
-def _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0):
-    """``_attn_bwd_hopper``'s steps for the key block at ``n0``: [(head offset g, start_m,
-    masked)], and the refill coordinates it issues after each step (None past the end)."""
-    bn = hopper_bwd.BLOCK_N
+def _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0, bn):
+    """``_attn_bwd_hopper``'s steps for the key block of ``bn`` keys at ``n0``: [(head offset g,
+    start_m, masked)], and the refill coordinates it issues after each step (None past the end)."""
     m_end = -(-Lq // block_m) * block_m
     m_first = max(n0 - cdiag, 0) // block_m * block_m
     m_full = n0 + bn - 1 - cdiag
@@ -217,12 +258,56 @@ def _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0):
     return steps, prologue, refills
 
 
-def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages):
+def _twin_walk(n_n, BH, section, grid):
+    """``_attn_bwd_hopper_persistent``'s tiles, per program: [(key block, batch x kv head,
+    K + V mbarrier phase)] in the order it takes them."""
+    programs = []
+    for pid in range(grid):
+        tiles = []
+        for tile in range(pid, n_n * BH, grid):
+            sec = tile // (section * n_n)
+            r = tile - sec * section * n_n
+            width = min(section, BH - sec * section)
+            blk = r // width
+            bh = sec * section + r - blk * width
+            tiles.append((blk, bh, (tile // grid) & 1))
+        programs.append(tiles)
+    return programs
+
+
+class _Ring:
+    """A program's ring of ``stages`` slots as ``_bwd_tile`` fills and waits on it across its
+    tiles: each wait must find the fill of the phase it waits for, holding the step's
+    coordinates, and a tile leaves no fill unconsumed."""
+
+    def __init__(self, stages):
+        self.stages, self.it = stages, 0
+        self.fills = [[] for _ in range(stages)]
+        self.used = [0] * stages
+
+    def tile(self, steps, prologue, refills):
+        for i, coords in enumerate(prologue):
+            self.fills[(self.it + i) % self.stages].append(coords)
+        for i, step in enumerate(steps):
+            slot, phase = (self.it + i) % self.stages, ((self.it + i) // self.stages) & 1
+            n = self.used[slot]  # the slot's fills consumed so far: the wait is for the next one
+            assert n & 1 == phase and (self.it + i) // self.stages == n
+            assert len(self.fills[slot]) > n and self.fills[slot][n] == step[:2]
+            self.used[slot] += 1
+            if refills[i] is not None:
+                self.fills[slot].append(refills[i])
+        assert [len(f) for f in self.fills] == self.used, "a load left in the ring past the tile"
+        self.it += len(steps)
+
+
+def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages, bn, grid=None, section=None):
     """dq, dk, dv as ``_attn_bwd_hopper`` + ``_dq_convert`` compute them (float64, no
-    rounding), with the schedule's invariants asserted on the way."""
+    rounding), with the schedule's invariants asserted on the way; with ``grid`` (programs) and
+    ``section`` (kv heads), as ``_attn_bwd_hopper_persistent`` walks the tiles, each program's
+    ring carried from tile to tile."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    group, bn = Hq // Hkv, hopper_bwd.BLOCK_N
+    group = Hq // Hkv
     cdiag = Lk - Lq if causal else Lk + bn
     qk_scale = scale * 1.4426950408889634
     pad = -(-Lq // 128) * 128  # STAT_ALIGN rows of statistics: the padding rows' LSE is +inf
@@ -236,46 +321,57 @@ def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages):
 
     dq_acc = torch.zeros((B, Hq, Lq, D), dtype=torch.float64)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for b in range(B):
-        for hk in range(Hkv):
-            for n0 in range(0, Lk, bn):
-                steps, prologue, refills = _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0)
-                assert steps, "every key block is seen by some query"
-                assert prologue == [s[:2] for s in steps[:stages]]
-                assert refills == [s[:2] for s in steps[stages:]] + [None] * min(stages, len(steps))
-                kb, vb = rows(k[b, hk], n0, bn), rows(v[b, hk], n0, bn)
-                key = torch.arange(n0, n0 + bn)[:, None]
-                seen = set()
-                for g, start_m, masked in steps:
-                    h = hk * group + g
-                    query = torch.arange(start_m, start_m + block_m)[None, :]
-                    real = (key < Lk) & (query < Lq)
-                    visible = key <= query + cdiag
-                    assert masked or bool(visible[real].all()), "an unmasked step with an invisible pair"
-                    seen.add((h, start_m))
-                    qb, dob = rows(q[b, h], start_m, block_m), rows(dout[b, h], start_m, block_m)
-                    s_acc = -(lse2[b, h, start_m:start_m + block_m].clamp(max=1e20) / qk_scale)[None, :]
-                    p = torch.exp2((s_acc + kb @ qb.T) * qk_scale)
-                    if masked:
-                        p = torch.where(visible, p, 0.0)
-                    n = min(bn, Lk - n0)  # the key rows stored (TMA clips the rest)
-                    dv[b, hk, n0:n0 + n] += (p @ dob)[:n]
-                    ds = p * (vb @ dob.T - delta[b, h, start_m:start_m + block_m][None, :])
-                    dk[b, hk, n0:n0 + n] += (ds @ qb)[:n]
-                    dq_acc[b, h, start_m:start_m + block_m] += (ds.T @ kb)[:max(0, Lq - start_m)]
-                # Every (head, query block) with a visible key in the block is visited, once.
-                for h in range(hk * group, hk * group + group):
-                    for m in range(0, Lq, block_m):
-                        query = torch.arange(m, min(m + block_m, Lq))[None, :]
-                        keys = torch.arange(n0, min(n0 + bn, Lk))[:, None]
-                        if bool((keys <= query + cdiag).any()):
-                            assert (h, m) in seen
-                assert len(seen) == len(steps)
+    n_n = -(-Lk // bn)
+    if grid is None:
+        walk = [[(n0 // bn, b * Hkv + hk, 0)] for b in range(B) for hk in range(Hkv) for n0 in range(0, Lk, bn)]
+    else:
+        walk = _twin_walk(n_n, B * Hkv, section, grid)
+    tiles = [(blk, bh) for program in walk for blk, bh, _ in program]
+    assert sorted(tiles) == sorted((blk, bh) for blk in range(n_n) for bh in range(B * Hkv)), "each tile once"
+    for program in walk:
+        ring = _Ring(stages)
+        for done, (blk, bh, kv_phase) in enumerate(program):
+            assert kv_phase == done & 1  # the K + V mbarrier's phase: the program's tiles so far
+            b, hk, n0 = bh // Hkv, bh % Hkv, blk * bn
+            steps, prologue, refills = _twin_schedule(Lq, Lk, group, cdiag, block_m, stages, n0, bn)
+            ring.tile(steps, prologue, refills)
+            assert steps, "every key block is seen by some query"
+            assert prologue == [s[:2] for s in steps[:stages]]
+            assert refills == [s[:2] for s in steps[stages:]] + [None] * min(stages, len(steps))
+            kb, vb = rows(k[b, hk], n0, bn), rows(v[b, hk], n0, bn)
+            key = torch.arange(n0, n0 + bn)[:, None]
+            seen = set()
+            for g, start_m, masked in steps:
+                h = hk * group + g
+                query = torch.arange(start_m, start_m + block_m)[None, :]
+                real = (key < Lk) & (query < Lq)
+                visible = key <= query + cdiag
+                assert masked or bool(visible[real].all()), "an unmasked step with an invisible pair"
+                seen.add((h, start_m))
+                qb, dob = rows(q[b, h], start_m, block_m), rows(dout[b, h], start_m, block_m)
+                s_acc = -(lse2[b, h, start_m:start_m + block_m].clamp(max=1e20) / qk_scale)[None, :]
+                p = torch.exp2((s_acc + kb @ qb.T) * qk_scale)
+                if masked:
+                    p = torch.where(visible, p, 0.0)
+                n = min(bn, Lk - n0)  # the key rows stored (TMA clips the rest)
+                dv[b, hk, n0:n0 + n] += (p @ dob)[:n]
+                ds = p * (vb @ dob.T - delta[b, h, start_m:start_m + block_m][None, :])
+                dk[b, hk, n0:n0 + n] += (ds @ qb)[:n]
+                dq_acc[b, h, start_m:start_m + block_m] += (ds.T @ kb)[:max(0, Lq - start_m)]
+            # Every (head, query block) with a visible key in the block is visited, once.
+            for h in range(hk * group, hk * group + group):
+                for m in range(0, Lq, block_m):
+                    query = torch.arange(m, min(m + block_m, Lq))[None, :]
+                    keys = torch.arange(n0, min(n0 + bn, Lk))[:, None]
+                    if bool((keys <= query + cdiag).any()):
+                        assert (h, m) in seen
+            assert len(seen) == len(steps)
     return dq_acc * scale, dk * scale, dv
 
 
-@pytest.mark.parametrize("block_m,stages", sorted({c for table in (hopper_bwd.CONFIGS, hopper_bwd.WS_CONFIGS)
-                                                 for cs in table.values() for c in cs}))
+@pytest.mark.parametrize("block_n,block_m,stages", sorted({(hopper_bwd.TILE_N[d][0], *c)
+                                                         for table in (hopper_bwd.CONFIGS, hopper_bwd.WS_CONFIGS)
+                                                         for d, cs in table.items() for c in cs}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", [
     # Partial last blocks, GQA 2:1 (the walk crossing heads), the ring wrapping.
@@ -285,14 +381,70 @@ def _twin_backward(q, k, v, out, dout, lse, causal, scale, block_m, stages):
     # Lq > Lk: the first 320 queries see no key (LSE -inf: +inf statistics, P = 0).
     pytest.param(2, 2, 2, 390, 70, id="cross-390x70"),
 ])
-def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, block_m, stages):
+def test_the_kernels_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, causal, block_n, block_m, stages):
     D = 64
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float64, "cpu", grad=True)
     out, lse = reference.attention(q, k, v, causal, return_lse=True)
     dout = randn(*out.shape, dtype=torch.float64, device="cpu")
     want = torch.autograd.grad(out, (q, k, v), dout)
     got = _twin_backward(q.detach(), k.detach(), v.detach(), out.detach(), dout, lse.detach(), causal, D ** -0.5,
-                         block_m, stages)
+                         block_m, stages, block_n)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_persistent_walk_takes_every_tile_once_heaviest_first(causal):
+    """``_attn_bwd_hopper_persistent``'s walk (twinned) for every small shape: each (key block,
+    kv head) tile exactly once over the programs; in tile order, sections of ``section`` kv
+    heads (the last narrower), each section's heads at one key block before the next block, and
+    the key blocks first to last, whose work (steps) never grows: the heaviest tiles first
+    under a causal mask (equal work without one); each program's K + V phase alternates."""
+    bn, block_m, stages = hopper_bwd.TILE_N[64][0], *hopper_bwd.PERSISTENT_CONFIGS[64][0]
+    for Lq, Lk in ((1000, 1000), (300, 877), (400, 70)):
+        n_n = -(-Lk // bn)
+        cdiag = Lk - Lq if causal else Lk + bn
+        work = [len(_twin_schedule(Lq, Lk, 1, cdiag, block_m, stages, blk * bn, bn)[0]) for blk in range(n_n)]
+        assert work == sorted(work, reverse=True)
+        for BH in range(1, 7):
+            for section in range(1, BH + 2):
+                for grid in range(1, n_n * BH + 2):
+                    walk = _twin_walk(n_n, BH, section, grid)
+                    taken = {}
+                    for pid, program in enumerate(walk):
+                        assert [ph for _, _, ph in program] == [t & 1 for t in range(len(program))]
+                        for t, (blk, bh, _) in enumerate(program):
+                            taken[pid + t * grid] = (blk, bh)
+                    assert sorted(taken.values()) == [(b, h) for b in range(n_n) for h in range(BH)]
+                    order = [taken[t] for t in range(n_n * BH)]
+                    want = [(blk, h) for s0 in range(0, BH, section) for blk in range(n_n)
+                            for h in range(s0, min(s0 + section, BH))]
+                    assert order == want
+                    tile_work = [work[blk] for blk, _ in order]
+                    for s0 in range(0, BH, section):  # in a section, the work never grows
+                        sec = tile_work[s0 * n_n:(s0 + min(section, BH - s0)) * n_n]
+                        assert sec == sorted(sec, reverse=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,grid,section", [
+    # 12 tiles (3 key blocks x 2 batches x 2 kv heads) over 5 programs, sections of 3 kv heads
+    # and a last one of 1; GQA 2:1, partial last blocks.
+    pytest.param(2, 4, 2, 300, 300, 5, 3, id="300-gqa-5x3"),
+    # Lq > Lk: the first 320 queries see no key; 2 programs over 4 tiles, one head a section.
+    pytest.param(2, 2, 2, 390, 70, 2, 1, id="cross-390x70-2x1"),
+])
+def test_the_persistent_twin_matches_the_reference(B, Hq, Hkv, Lq, Lk, grid, section, causal):
+    """The persistent walk (twinned): each program's ring carried from tile to tile (slots and
+    phases continue, no load left over), every tile's dK and dV, the dQ parts summed."""
+    D = 64
+    block_m, stages = hopper_bwd.PERSISTENT_CONFIGS[D][0]
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, torch.float64, "cpu", grad=True)
+    out, lse = reference.attention(q, k, v, causal, return_lse=True)
+    dout = randn(*out.shape, dtype=torch.float64, device="cpu")
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    got = _twin_backward(q.detach(), k.detach(), v.detach(), out.detach(), dout, lse.detach(), causal, D ** -0.5,
+                         block_m, stages, hopper_bwd.TILE_N[D][0], grid=grid, section=section)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
 
@@ -315,7 +467,8 @@ def _variant(ws, D, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "WS", ws)
 
 
-# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_N is 128, BLOCK_M 64 or 128 (the candidates).
+# (B, Hq, Hkv, Lq, Lk), each with its reason: BLOCK_N is 128 (64 at D256), BLOCK_M 64 or 128
+# (the candidates).
 GPU_CASES = [
     # Whole blocks: key blocks on the causal diagonal (masked steps), query blocks skipped above it.
     pytest.param(2, 4, 4, 256, 256, id="256"),
@@ -341,7 +494,7 @@ def _check_gluon(B, Hq, Hkv, Lq, Lk, D, causal, dtype, launches, monkeypatch, ls
 
 
 @gpu
-@pytest.mark.parametrize("D", hopper_bwd.HEAD_DIMS)
+@pytest.mark.parametrize("D", sorted(hopper_bwd.PADDED))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
@@ -393,6 +546,38 @@ def test_every_gluon_candidate_matches_reference(ws, D, cand, causal, launches, 
     _check_gluon(1, 4, 2, 1000, 1000, D, causal, torch.bfloat16, launches, monkeypatch)
 
 
+# The persistent form (D64), heavy with "persist" in its ids as the forward's: its ring's phases
+# continue from tile to tile (a new way to wait forever, never run yet). 3 programs (the SM
+# count faked) so that each walks several tiles; L2 sections of one kv head (the budget faked).
+@gpu
+@pytest.mark.heavy
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", hopper_bwd.DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk", GPU_CASES)
+def test_persist_gluon_backward_matches_reference(B, Hq, Hkv, Lq, Lk, causal, dtype, launches, monkeypatch):
+    monkeypatch.setattr(hopper_bwd, "WS", False)
+    monkeypatch.setattr(hopper_bwd, "PERSISTENT", True)
+    monkeypatch.setattr(common, "sm_count", lambda device: 3)
+    monkeypatch.setattr(hopper_bwd, "L2_QDO_BYTES", 1)
+    _check_gluon(B, Hq, Hkv, Lq, Lk, 64, causal, dtype, launches, monkeypatch)
+
+
+@gpu
+@pytest.mark.heavy
+@pytest.mark.parametrize("causal", [False, True])
+def test_persist_gluon_backward_walks_many_tiles(causal, launches, monkeypatch):
+    """40 tiles (8 key blocks x 5 kv heads) over 3 programs (13-14 tiles each), L2 sections of
+    2 kv heads, the last one narrower; GQA 2:1; Lq > Lk (under causal the first 100 queries see
+    no key). The outputs start poisoned: every tile must be written."""
+    monkeypatch.setattr(hopper_bwd, "WS", False)
+    monkeypatch.setattr(hopper_bwd, "PERSISTENT", True)
+    monkeypatch.setattr(common, "sm_count", lambda device: 3)
+    Lq, Lk, D = 1000, 900, 64
+    monkeypatch.setattr(hopper_bwd, "L2_QDO_BYTES", 2 * 2 * Lq * 2 * D * 2)
+    assert hopper_bwd.section(Lq, D, 2, 2) == 2
+    _check_gluon(1, 10, 5, Lq, Lk, D, causal, torch.bfloat16, launches, monkeypatch)
+
+
 # ---------------------------------------------------------------------------------------------
 # the launch path (CPU, through the fake CUDA driver): what runs is what the compile check built
 # ---------------------------------------------------------------------------------------------
@@ -408,10 +593,11 @@ common.TUNE = False  # the first candidate of each (nothing to time on)
 out = []
 with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.launcher_branches(90), \\
         _backend.host_only(stub=False):
+    common.sm_count = lambda device: 4  # fewer programs than tiles for the persistent form
     hopper_bwd.ENABLED = True
-    for ws, D, causal in ((ws, D, causal) for ws in (False, True) for D in hopper_bwd.HEAD_DIMS
-                          for causal in (False, True)):
-        hopper_bwd.WS = ws
+    for ws, persistent, D, causal in ((ws, p, D, causal) for ws, p in ((False, False), (True, False), (False, True))
+                                      for D in sorted(hopper_bwd.PADDED) for causal in (False, True)):
+        hopper_bwd.WS, hopper_bwd.PERSISTENT = ws, persistent
         # GQA 4:2, Lq 300, Lk 333 (3 key blocks); q a strided view (a packed projection).
         qkv = torch.randn(1, 300, 3 * 4, D, dtype=torch.bfloat16)
         q = qkv[:, :, :4].transpose(1, 2).requires_grad_()
@@ -422,8 +608,8 @@ with fake_driver.installed(90, record=True, check=True) as fake, fake_driver.lau
         torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
         (rec,) = [r for r in fake.launches if r.compiled.name.startswith("_attn_bwd_hopper")]
         src = rec.compiled.src
-        out.append(dict(ws=ws, D=D, causal=causal, names=[r.compiled.name for r in fake.launches],
-                        grid=list(rec.grid), signature=src.signature,
+        out.append(dict(ws=ws, persistent=persistent, D=D, causal=causal, names=[r.compiled.name for r in fake.launches],
+                        grid=list(rec.grid), ints=list(rec.args[8:18]), signature=src.signature,
                         constants={src.fn.arg_names[i[0]]: getattr(c, "value", c) for i, c in src.constants.items()},
                         num_warps=rec.compiled.options["num_warps"]))
 json.dump(out, sys.stdout)
@@ -431,9 +617,12 @@ json.dump(out, sys.stdout)
 
 
 def test_gluon_launches_match_the_compiled_specs():
-    """Both Gluon backwards launched through Triton's own launch path on CPU tensors (the fake
+    """The Gluon backwards launched through Triton's own launch path on CPU tensors (the fake
     driver checks every argument against the specialization): the preprocess, one Gluon launch
-    over 3 key blocks x 2 kv heads (the warp-specialized kernel at D64 under "ws") and the dQ
+    over 3 key blocks (6 of 64 keys at D256) x 2 kv heads at D64, 96 (the D128 build: blocks
+    128 wide), 128, 192 (the D256 build) and 256 (the warp-specialized kernel at D64 under
+    "ws", the persistent one at D64 under "persistent":
+    min(6 tiles, 4 SMs: the count faked) programs, with B x Hkv and its L2 section) and the dQ
     conversion, with exactly the signature and constexprs the compile check builds
     (``aot_spec_args``: 16-byte aligned descriptors, unspecialized shape arguments)."""
     import json
@@ -445,15 +634,23 @@ def test_gluon_launches_match_the_compiled_specs():
     proc = fake_driver.run_without_interpreter(["-c", _LAUNCH_SCRIPT], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = json.loads(proc.stdout)
-    assert len(launches) == 8
+    assert len(launches) == 30
     for rec in launches:
-        D = rec["D"]
+        D = hopper_bwd.PADDED[rec["D"]]  # D96, D192: the D128, D256 builds
         ws = rec["ws"] and D in hopper_bwd.WS_CONFIGS
-        block_m, stages = (hopper_bwd.WS_CONFIGS if ws else hopper_bwd.CONFIGS)[D][0]
-        sig, constexprs = hopper_bwd.aot_spec_args("bf16", D, block_m, stages, ws)
-        kernel = "_attn_bwd_hopper_ws" if ws else "_attn_bwd_hopper"
+        persistent = rec["persistent"] and D in hopper_bwd.PERSISTENT_CONFIGS
+        table = hopper_bwd.WS_CONFIGS if ws else hopper_bwd.PERSISTENT_CONFIGS if persistent else hopper_bwd.CONFIGS
+        block_m, stages = table[D][0]
+        sig, constexprs = hopper_bwd.aot_spec_args("bf16", D, block_m, stages, ws, persistent)
+        kernel = "_attn_bwd_hopper" + ("_ws" if ws else "_persistent" if persistent else "")
         assert rec["names"] == ["_attn_bwd_preprocess", kernel, "_dq_convert"]
-        assert rec["grid"] == [3 * 2, 1, 1]
+        bn = hopper_bwd.TILE_N[D][0]
+        assert rec["grid"] == [4 if persistent else -(-333 // bn) * 2, 1, 1]
+        # Hq, Hkv, GROUP, Lq, Lk, cdiag; the persistent form's B x Hkv and L2 section (kv heads)
+        cdiag = 333 - 300 if rec["causal"] else 333 + bn
+        assert rec["ints"][:6] == [4, 2, 2, 300, 333, cdiag]
+        if persistent:
+            assert rec["ints"][8:] == [2, hopper_bwd.section(300, D, 2, 2)]
         assert rec["signature"] == sig
         assert {k: v for k, v in rec["constants"].items() if k in constexprs} == constexprs
         assert rec["num_warps"] == constexprs["num_warps"]

@@ -5,13 +5,17 @@ global memory by TMA bulk reduce-adds (``cp.reduce.async.bulk.tensor.add``), con
 dtype by the atomic backward's small kernel (``backward_atomic._dq_convert``).
 
 ``_attn_bwd_hopper`` runs in one partition; ``_attn_bwd_hopper_ws`` (D64) has FA3's partitions
-(a TMA loader warp, two MMA warpgroups, a dQ writer warp; its docstring).
+(a TMA loader warp, two MMA warpgroups, a dQ writer warp; its docstring);
+``_attn_bwd_hopper_persistent`` (D64) runs the first's tile (``_bwd_tile``) for tile after
+tile of a program per SM, key blocks heaviest first (its docstring).
 
-Taken only when ``FUSED_BLOCK_HOPPER_ATTN_BWD=1`` (the single-partition kernel) or ``=ws`` (the
-warp-specialized one at D64, the single-partition one at D128) is set, never while
-``torch.are_deterministic_algorithms_enabled()`` (the reduce-adds land in a different order from
-run to run, so dQ's last bits vary), on sm_90 CUDA, for the cases :func:`supports` names:
-16-bit q/k/v, head dim 64 or 128, causal (bottom-right, as the other kernels) or not, GQA/MQA,
+Taken only when ``FUSED_BLOCK_HOPPER_ATTN_BWD=1`` (the single-partition kernel, its persistent
+form a timed candidate), ``=ws`` (the warp-specialized one at D64, the single-partition one at
+D128) or ``=persistent`` (the persistent form at D64, the single-partition kernel at D128) is
+set, never while ``torch.are_deterministic_algorithms_enabled()`` (the reduce-adds land in a
+different order from run to run, so dQ's last bits vary), on sm_90 CUDA, for the cases
+:func:`supports` names: 16-bit q/k/v, head dim 64, 128 or 256, or 96 and 192 (the 128 and 256
+kernels on zero columns: :data:`PADDED`), causal (bottom-right, as the other kernels) or not, GQA/MQA,
 TMA-able layouts, with the LSE's gradient or sinks (both live in the row statistics of
 ``_attn_bwd_preprocess``, which this backward shares). Dropout, padding masks, windows, varlen,
 softcap, ALiBi, biases and bool masks, and every call without the switch, run the atomic-free
@@ -21,14 +25,15 @@ interpreter's (the interpreter cannot run Gluon). This kernel has not yet run on
 of ``tests/test_attention_hopper_bwd.py`` and ``bench/attention_dq_atomic.py`` verifies it.
 Its numerics and schedule have a float64 CPU twin in the tests (line for line).
 
-Structure of ``_attn_bwd_hopper`` (one program per (key block of BLOCK_N = 128 keys, batch,
-kv head); key blocks in order: under a causal mask the first see the most queries, so the
-heaviest start first):
+Structure of ``_attn_bwd_hopper`` (one program per (key block of BLOCK_N = 128 keys, 64 at
+D256, batch, kv head); key blocks in order: under a causal mask the first see the most
+queries, so the heaviest start first):
 
 - 8 warps = two warpgroups; the products with the keys as rows (S^T, dP^T, dV, dK: 128 rows)
   split the key rows between them (64 each, FA3's "SdP_swapAB"), dK and dV (128 x D fp32) stay
   in their registers for the whole program, dQ's product (BLOCK_M x D) splits its rows
-  (128 query rows a step: D64's first tile) or its columns (64 rows: FA3's D128 tile).
+  (128 query rows a step: D64's first tile) or its columns (64 rows: FA3's D128 tile). At
+  D256 (64 keys, 64 query rows) every product splits its columns between the warpgroups.
 - K and V are loaded once by TMA; Q, dO and the statistics rows (LSE * log2 e, delta) of each
   (group head, query block) step through a ring of ``STAGES`` shared-memory slots with one
   mbarrier per slot, refilled by TMA as soon as the step that read a slot finished, so the
@@ -51,8 +56,10 @@ Descriptors are host-side, over the whole (B, H, L, D) views, and over the stati
 
 Not (yet) in it, compared with FA3's backward: warp specialization at D128 (the MMA
 warpgroups' 240 registers do not hold its tiles here: it spilled) and FA3's tile at D64 in the
-warp-specialized kernel (64 query rows a step, not 128), a persistent LPT scheduler, dQ tiles
-of 80 rows at D128 (Gluon tiles are powers of two), and the score features above.
+warp-specialized kernel (64 query rows a step, not 128), the persistent form at D128 (it
+spilled in the step loop), dQ tiles of 80 rows at D128 (Gluon tiles are powers of two), a
+ring of two stages at D256 (two stages of 64 query rows, K, V and a dQ tile exceed 227 KB of
+shared memory: one stage, :data:`TILE_N`), and the score features above.
 """
 import os
 
@@ -70,17 +77,37 @@ from fused_block.kernels.attention.backward_atomic import CONVERT_BLOCK_M, _dq_c
 from fused_block.kernels.attention.configs import _bucket
 
 ENV = "FUSED_BLOCK_HOPPER_ATTN_BWD"
-HEAD_DIMS = (64, 128)
+# The head dims the kernels are compiled for (HEAD_D)...
+HEAD_DIMS = (64, 128, 256)
+# ...and the head dims they take, each with the kernel's: 96 and 192 run the 128 and 256
+# kernels with the columns past D zero (as the forward's ``hopper.PADDED``: the descriptors'
+# blocks are HEAD_D wide over D-wide tensors, TMA reads zeros there and clips the stores and
+# reduce-adds), which add nothing to any product; the dQ accumulator stays D wide.
+PADDED = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 DTYPES = (torch.float16, torch.bfloat16)
-BLOCK_N = 128
 NUM_WARPS = 8
-DQ_BUFS = 2
+# Per head dim, the key block (BLOCK_N keys a program) and the dQ tiles in shared memory
+# (DQ_BUFS: a step's reduce-add awaited DQ_BUFS - 1 steps later). D256 (FA3's 64 x 64 tile):
+# K + V 64 KB, a ring stage of Q + dO 64 KB, a 64 x 256 fp32 dQ tile 64 KB, dS^T 8 KB: one
+# stage and one dQ tile (209 KB) fit in 227 KB, two stages (275 KB) or two dQ tiles do not;
+# registers: dK + dV 128 a thread, S^T + dP^T 32, the dQ tile 64 (250 used, no spill).
+TILE_N = {64: (128, 2), 128: (128, 2), 256: (64, 1)}
 # Per head dim, the candidates (BLOCK_M query rows a step, STAGES ring slots), timed once per
 # key on the GPU (``ConfigCache``; the first with FUSED_BLOCK_TUNE=0). FA3's tiles: 128 x 128
 # at D64, 64 x 128 at D128 (80 x 128 non-causal: not a power of two), Q and dO double
-# buffered. Shared memory, 16-bit: K + V + STAGES x (Q + dO) + dS^T + 2 fp32 dQ tiles.
-CONFIGS = {64: ((128, 2), (64, 3)), 128: ((64, 2), )}
-_CANDIDATES = {d: [common.Config.of(num_warps=NUM_WARPS, BLOCK_M=m, STAGES=st, WS=False) for m, st in CONFIGS[d]]
+# buffered. Shared memory, 16-bit: K + V + STAGES x (Q + dO) + dS^T + DQ_BUFS fp32 dQ tiles.
+# D256: 64 x 64, one stage (:data:`TILE_N`: no step's loads overlap the step before).
+CONFIGS = {64: ((128, 2), (64, 3)), 128: ((64, 2), ), 256: ((64, 1), )}
+# The persistent form (``_attn_bwd_hopper_persistent``: a program per SM, key blocks heaviest
+# first), on the head dim's first tile: last among the candidates, so it is taken only where
+# the GPU timed it faster (or with FUSED_BLOCK_HOPPER_ATTN_BWD=persistent). D64 only: at D128
+# the tile loop around the step loop spilled 184-224 bytes in the step loop (255 registers,
+# ptxas, whatever the walk's form: the one-program-a-tile build has no register to spare
+# either), so D128 runs the one-program-a-tile kernel under the "persistent" switch.
+PERSISTENT_CONFIGS = {64: ((128, 2), )}
+_CANDIDATES = {d: [common.Config.of(num_warps=NUM_WARPS, BLOCK_M=m, STAGES=st, WS=False, PERSISTENT=persistent)
+                   for table, persistent in ((CONFIGS, False), (PERSISTENT_CONFIGS, True))
+                   for m, st in table.get(d, ())]
                for d in HEAD_DIMS}
 _CACHE = common.ConfigCache("attention_bwd_hopper")
 _LOG2E = 1.4426950408889634
@@ -90,13 +117,20 @@ _LOG2E = 1.4426950408889634
 # query rows a step fits without spills; D128 (dK and dV alone take 128 of them) spilled at
 # 32 rows too, and runs the single-partition kernel under the "ws" switch.
 WS_CONFIGS = {64: ((64, 2), (64, 3))}
-_WS_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, STAGES=st, WS=True) for m, st in c]
+_WS_CANDIDATES = {d: [common.Config.of(num_warps=4, BLOCK_M=m, STAGES=st, WS=True, PERSISTENT=False) for m, st in c]
                   for d, c in WS_CONFIGS.items()}
 
+# The persistent form's L2 sections: as many kv heads a section as keep their query heads' Q and
+# dO (the operands every key block of the head streams) in L2, at most this much.
+L2_QDO_BYTES = 32 << 20
+
 # The opt-in switch, read once at import (no environment lookup per call; tests set these):
-# "1" the single-partition kernel, "ws" the warp-specialized one.
-ENABLED = os.environ.get(ENV, "0") in ("1", "ws")
+# "1" the single-partition kernel (its persistent form a timed candidate), "ws" the
+# warp-specialized one, "persistent" the single-partition kernel in its persistent form only
+# (where it has configs: D64; D128 runs the one-program-a-tile kernel).
+ENABLED = os.environ.get(ENV, "0") in ("1", "ws", "persistent")
 WS = os.environ.get(ENV, "0") == "ws"
+PERSISTENT = os.environ.get(ENV, "0") == "persistent"
 
 
 @builtin
@@ -172,42 +206,14 @@ def _step(k2, v2, q2, do2, st, ds_smem, dq_smem, DQD, dk, dv, b, h, n0, start_m,
     return dk, dv
 
 
-# Shape arguments are not specialized (as the other attention kernels'): the compile check
-# builds exactly what runs, whatever the head counts and lengths.
-@gluon.jit(do_not_specialize=("Hq", "Hkv", "GROUP", "Lq", "Lk", "cdiag"))
-def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk, cdiag, qk_scale, scale,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, num_warps: gl.constexpr):
-    """The backward (the module docstring's structure): ``QD``, ``KD``, ``VD``, ``DOD``
-    (B, H, L, D) descriptors of the inputs, ``DQD`` of the fp32 accumulator (zeroed, summed
-    unscaled), ``DKD``/``DVD`` of the outputs, ``SD`` of the statistics (B * Hq + 1, 2,
-    stride_stat); ``qk_scale`` = scale * log2(e), ``scale`` for dK. Causality is the runtime
-    bound ``cdiag``: query i sees key j iff j <= i + cdiag (Lk - Lq, bottom-right; without
-    causality Lk + BLOCK_N, which no key block reaches: no block is masked or skipped). One
-    build serves both (ptxas allocated the build without the masked path worse: it spilled)."""
+@gluon.jit
+def _bwd_smem(QD, KD, VD, DOD, SD, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, DQ_BUFS: gl.constexpr):
+    """A program's shared memory: K, V, the ring of ``STAGES`` (Q, dO, statistics) slots, dS^T,
+    the ``DQ_BUFS`` fp32 dQ tiles; one mbarrier for K + V and one per ring slot, initialized."""
     dtype: gl.constexpr = QD.dtype
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M, num_warps)
-    dkv_layout: gl.constexpr = _mma_layout(BLOCK_N, HEAD_D, num_warps)
-    dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_D, num_warps)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-
-    n_n = gl.cdiv(Lk, BLOCK_N)
-    pid = gl.program_id(0)
-    nblk = pid % n_n
-    bh = pid // n_n
-    b = bh // Hkv
-    hkv = bh % Hkv
-    n0 = nblk * BLOCK_N
-
-    # Query blocks: [m_first, m_end) see some key of the block; from m_full on, every one.
-    m_end = gl.cdiv(Lq, BLOCK_M) * BLOCK_M
-    m_first = gl.maximum(n0 - cdiag, 0) // BLOCK_M * BLOCK_M
-    m_full = n0 + BLOCK_N - 1 - cdiag  # a block starting at or past this row is unmasked
-    n_m = (m_end - m_first) // BLOCK_M
-    n_steps = GROUP * n_m  # (group head, query block) pairs, head-major
-    h0 = hkv * GROUP
-
     k_smem = gl.allocate_shared_memory(dtype, KD.block_type.shape, KD.layout)
     v_smem = gl.allocate_shared_memory(dtype, VD.block_type.shape, VD.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + QD.block_type.shape, QD.layout)
@@ -221,6 +227,35 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
+    return k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem, kv_bar, bars
+
+
+@gluon.jit
+def _bwd_tile(QD, KD, VD, DOD, DQD, DKD, DVD, SD, k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem, kv_bar,
+              bars, b, hkv, nblk, Hq, GROUP, Lq, cdiag, qk_scale, scale, it, kv_phase, num_warps: gl.constexpr):
+    """One tile: the key block ``nblk`` of (batch ``b``, kv head ``hkv``), its dK and dV stored.
+    ``it``: the ring's position (steps of earlier tiles of the program: slot and mbarrier phase
+    continue from there), ``kv_phase``: the K + V mbarrier's phase; returns the position after
+    the tile. Every load the tile issues it consumes, and its last TMA store is awaited: the
+    ring is empty and the dQ buffers free when it returns."""
+    dtype: gl.constexpr = QD.dtype
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    HEAD_D: gl.constexpr = k_smem.shape[3]
+    STAGES: gl.constexpr = q_smem.shape[0]
+    DQ_BUFS: gl.constexpr = dq_smem.shape[0]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M, num_warps)
+    dkv_layout: gl.constexpr = _mma_layout(BLOCK_N, HEAD_D, num_warps)
+    dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_D, num_warps)
+    n0 = nblk * BLOCK_N
+
+    # Query blocks: [m_first, m_end) see some key of the block; from m_full on, every one.
+    m_end = gl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    m_first = gl.maximum(n0 - cdiag, 0) // BLOCK_M * BLOCK_M
+    m_full = n0 + BLOCK_N - 1 - cdiag  # a block starting at or past this row is unmasked
+    n_m = (m_end - m_first) // BLOCK_M
+    n_steps = GROUP * n_m  # (group head, query block) pairs, head-major
+    h0 = hkv * GROUP
 
     mbarrier.expect(kv_bar, 2 * KD.block_type.nbytes)
     tma.async_copy_global_to_shared(KD, [b, hkv, n0, 0], kv_bar, k_smem)
@@ -230,16 +265,17 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
         pred = i < n_steps
         g = i // n_m
         sm = m_first + (i - g * n_m) * BLOCK_M
-        mbarrier.expect(bars.index(i), step_bytes, pred=pred)
-        tma.async_copy_global_to_shared(QD, [b, h0 + g, sm, 0], bars.index(i), q_smem.index(i), pred=pred)
-        tma.async_copy_global_to_shared(DOD, [b, h0 + g, sm, 0], bars.index(i), do_smem.index(i), pred=pred)
-        tma.async_copy_global_to_shared(SD, [b * Hq + h0 + g, 0, sm], bars.index(i), st_smem.index(i), pred=pred)
+        j = (it + i) % STAGES
+        mbarrier.expect(bars.index(j), step_bytes, pred=pred)
+        tma.async_copy_global_to_shared(QD, [b, h0 + g, sm, 0], bars.index(j), q_smem.index(j), pred=pred)
+        tma.async_copy_global_to_shared(DOD, [b, h0 + g, sm, 0], bars.index(j), do_smem.index(j), pred=pred)
+        tma.async_copy_global_to_shared(SD, [b * Hq + h0 + g, 0, sm], bars.index(j), st_smem.index(j), pred=pred)
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=dkv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=dkv_layout)
     k2 = k_smem.reshape([BLOCK_N, HEAD_D])
     v2 = v_smem.reshape([BLOCK_N, HEAD_D])
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, kv_phase)
 
     # The step's (head, query block) and the refill's, STAGES steps ahead, advanced by
     # counters (no division per step): the block moves on and past m_end wraps to the next head.
@@ -248,8 +284,8 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
     h_nx = h0 + STAGES // n_m
     m_nx = m_first + STAGES % n_m * BLOCK_M
     for i in range(n_steps):
-        slot = i % STAGES
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        slot = (it + i) % STAGES
+        mbarrier.wait(bars.index(slot), ((it + i) // STAGES) & 1)
         q2 = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         do2 = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         st = st_smem.index(slot).reshape([2, BLOCK_M])
@@ -280,9 +316,6 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
         m_nx = gl.where(wrap, m_first, m_nx)
         h_nx += wrap.to(gl.int32)
 
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
     # Epilogue: dK * scale and dV through the K and V tiles (every product that read them
     # finished in the last step) and TMA stores; rows past Lk are clipped.
     k_smem.reshape([BLOCK_N, HEAD_D]).store((dk * scale).to(dtype))
@@ -292,6 +325,71 @@ def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk,
     tma.async_copy_shared_to_global(DKD, [b, hkv, n0, 0], k_smem)
     tma.async_copy_shared_to_global(DVD, [b, hkv, n0, 0], v_smem)
     tma.store_wait(pendings=0)
+    return it + n_steps
+
+
+@gluon.jit
+def _bwd_smem_release(kv_bar, bars, STAGES: gl.constexpr):
+    """The mbarriers of :func:`_bwd_smem` invalidated (the program's last tile is done)."""
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+# Shape arguments are not specialized (as the other attention kernels'): the compile check
+# builds exactly what runs, whatever the head counts and lengths.
+@gluon.jit(do_not_specialize=("Hq", "Hkv", "GROUP", "Lq", "Lk", "cdiag"))
+def _attn_bwd_hopper(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk, cdiag, qk_scale, scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, num_warps: gl.constexpr):
+    """The backward (the module docstring's structure), one program a tile (``_bwd_tile``):
+    ``QD``, ``KD``, ``VD``, ``DOD`` (B, H, L, D) descriptors of the inputs, ``DQD`` of the fp32
+    accumulator (zeroed, summed unscaled), ``DKD``/``DVD`` of the outputs, ``SD`` of the
+    statistics (B * Hq + 1, 2, stride_stat); ``qk_scale`` = scale * log2(e), ``scale`` for dK.
+    Causality is the runtime bound ``cdiag``: query i sees key j iff j <= i + cdiag (Lk - Lq,
+    bottom-right; without causality Lk + BLOCK_N, which no key block reaches: no block is masked
+    or skipped). One build serves both (ptxas allocated the build without the masked path
+    worse: it spilled)."""
+    n_n = gl.cdiv(Lk, BLOCK_N)
+    pid = gl.program_id(0)
+    bh = pid // n_n
+    k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem, kv_bar, bars = _bwd_smem(
+        QD, KD, VD, DOD, SD, BLOCK_M, BLOCK_N, HEAD_D, STAGES, DQ_BUFS)
+    _bwd_tile(QD, KD, VD, DOD, DQD, DKD, DVD, SD, k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem, kv_bar,
+              bars, bh // Hkv, bh % Hkv, pid % n_n, Hq, GROUP, Lq, cdiag, qk_scale, scale, 0, 0, num_warps)
+    _bwd_smem_release(kv_bar, bars, STAGES)
+
+
+@gluon.jit(do_not_specialize=("Hq", "Hkv", "GROUP", "Lq", "Lk", "cdiag", "BH", "SECTION"))
+def _attn_bwd_hopper_persistent(QD, KD, VD, DOD, DQD, DKD, DVD, SD, Hq, Hkv, GROUP, Lq, Lk, cdiag, qk_scale, scale,
+                                BH, SECTION, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                                STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, num_warps: gl.constexpr):
+    """``_attn_bwd_hopper`` persistent (the forward's ``_attn_fwd_hopper_persistent`` schedule,
+    FA3's static form): a program per SM walks the tiles pid, pid + grid, ...; ``BH`` = batch x
+    kv heads. Tiles (key block, batch x kv head) in sections of ``SECTION`` consecutive kv heads
+    (as many as keep their groups' Q and dO in L2, the last section narrower); in a section the
+    key blocks first to last (under a causal mask the first key blocks see the most query rows:
+    the heaviest first, longest processing time first), every head of the section at one block
+    before the next block (:func:`tile_order` is the same walk on the host). Shared memory and
+    mbarriers live across tiles: the ring's position and the K + V mbarrier's phase continue."""
+    n_n = gl.cdiv(Lk, BLOCK_N)
+    n_tiles = n_n * BH
+    k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem, dq_smem, kv_bar, bars = _bwd_smem(
+        QD, KD, VD, DOD, SD, BLOCK_M, BLOCK_N, HEAD_D, STAGES, DQ_BUFS)
+    it = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        sec = tile // (SECTION * n_n)
+        r = tile - sec * SECTION * n_n
+        width = gl.minimum(SECTION, BH - sec * SECTION)
+        blk = r // width
+        bh = sec * SECTION + r - blk * width
+        it = _bwd_tile(QD, KD, VD, DOD, DQD, DKD, DVD, SD, k_smem, v_smem, q_smem, do_smem, st_smem, ds_smem,
+                       dq_smem, kv_bar, bars, bh // Hkv, bh % Hkv, blk, Hq, GROUP, Lq, cdiag, qk_scale, scale, it,
+                       (tile // gl.num_programs(0)) & 1, num_warps)
+        # Every warp is past this tile's epilogue (dK and dV left K's and V's buffers) before
+        # the next tile's loads overwrite them.
+        gl.thread_barrier()
+    _bwd_smem_release(kv_bar, bars, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,10 +657,10 @@ def _plain(rank: int):
 def supports(q, *, arch: int, dropout_p: float, key_padding_mask, has_window: bool, varlen, score_mod: bool, dbias,
              aligned: bool) -> bool:
     """Whether this kernel takes the call (the switch and determinism aside; ``launchers.backward``'s
-    arguments: the rest run ``backward.py``): sm_90, 16-bit, D in :data:`HEAD_DIMS`, causal or not
+    arguments: the rest run ``backward.py``): sm_90, 16-bit, D in :data:`PADDED`, causal or not
     (+ GQA), TMA-able layouts (``aligned``), no other feature. ``has_window``: a window, or a
     right bound other than the causal diagonal's."""
-    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in HEAD_DIMS and aligned and dropout_p == 0.0
+    return (arch == 90 and q.dtype in DTYPES and q.shape[3] in PADDED and aligned and dropout_p == 0.0
             and key_padding_mask is None and not has_window and varlen is None and not score_mod and dbias is None)
 
 
@@ -580,58 +678,85 @@ def backward(q, k, v, do, dq, dk, dv, stats, stride_stat: int, causal: bool, sca
     sq, sk, sv, sdo, sdq, sdk = strides
     acc = common.empty((B, Hq, Lq, D), torch.float32, q.device)
     launch = (q, k, v, do, dk, dv, acc, stats, stride_stat, bool(causal), float(scale), (sq, sk, sv, sdo, sdk))
-    ws = WS and D in WS_CONFIGS
-    key = (D, ws, bool(causal), Hq // Hkv > 1, _bucket(Lq), _bucket(Lk))
-    cfg = _CACHE.get(key, (_WS_CANDIDATES if ws else _CANDIDATES)[D], lambda c: _launch(c, launch))
+    head_d = PADDED[D]
+    ws = WS and head_d in WS_CONFIGS
+    persistent = PERSISTENT and head_d in PERSISTENT_CONFIGS
+    # The tile count's bucket: whether a program per tile or per SM wins depends on it.
+    key = (D, ws, persistent, bool(causal), Hq // Hkv > 1, _bucket(Lq), _bucket(Lk),
+           _bucket(B * Hkv * common.cdiv(Lk, TILE_N[head_d][0])))
+    if ws:
+        cands = _WS_CANDIDATES[head_d]
+    else:
+        cands = [c for c in _CANDIDATES[head_d] if c["PERSISTENT"] or not persistent]
+    cfg = _CACHE.get(key, cands, lambda c: _launch(c, launch))
     _launch(cfg, launch)
     common.launch("attention_dq_convert", _dq_convert, (B * Hq * common.cdiv(Lq, CONVERT_BLOCK_M),),
                   (acc, dq, *sdq, Hq, Lq, D, float(scale)),
-                  dict(BLOCK_M=CONVERT_BLOCK_M, BLOCK_D=D, INTERPRET=False), common.Config.of(num_warps=4))
+                  dict(BLOCK_M=CONVERT_BLOCK_M, BLOCK_D=head_d, INTERPRET=False), common.Config.of(num_warps=4))
 
 
 def _launch(cfg, launch) -> None:
     q, k, v, do, dk, dv, acc, stats, stride_stat, causal, scale, strides = launch
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
+    head_d = PADDED[D]  # blocks HEAD_D wide over the D-wide tensors (zeros past D)
     block_m, ws = cfg["BLOCK_M"], cfg["WS"]
-    out_rows = BLOCK_N // 2 if ws else BLOCK_N  # its warpgroups store 64 rows of dK and dV each
+    block_n, dq_bufs = TILE_N[head_d]
+    out_rows = block_n // 2 if ws else block_n  # its warpgroups store 64 rows of dK and dV each
     gdt = _GL_DTYPES[q.dtype]
     descs = []
-    for t, s, rows in ((q, strides[0], block_m), (k, strides[1], BLOCK_N), (v, strides[2], BLOCK_N),
+    for t, s, rows in ((q, strides[0], block_m), (k, strides[1], block_n), (v, strides[2], block_n),
                        (do, strides[3], block_m)):
-        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, D], _layout(rows, D, gdt)))
-    descs.append(TensorDescriptor(acc, list(acc.shape), [Hq * Lq * D, Lq * D, D, 1], [1, 1, block_m, D],
+        descs.append(TensorDescriptor(t, list(t.shape), [*s, 1], [1, 1, rows, head_d], _layout(rows, head_d, gdt)))
+    descs.append(TensorDescriptor(acc, list(acc.shape), [Hq * Lq * D, Lq * D, D, 1], [1, 1, block_m, head_d],
                                   _plain(4)))
     for t in (dk, dv):
-        descs.append(TensorDescriptor(t, list(t.shape), [*strides[4], 1], [1, 1, out_rows, D],
-                                      _layout(out_rows, D, gdt)))
+        descs.append(TensorDescriptor(t, list(t.shape), [*strides[4], 1], [1, 1, out_rows, head_d],
+                                      _layout(out_rows, head_d, gdt)))
     descs.append(TensorDescriptor(stats, list(stats.shape), [2 * stride_stat, stride_stat, 1], [1, 2, block_m],
                                   _plain(3)))
-    grid = (common.cdiv(Lk, BLOCK_N) * B * Hkv,)
+    tiles = common.cdiv(Lk, block_n) * B * Hkv
+    cdiag = Lk - Lq if causal else Lk + block_n
+    args = (*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, cdiag, scale * _LOG2E, scale)
+    if cfg["PERSISTENT"]:
+        kernel, grid = _attn_bwd_hopper_persistent, (min(tiles, common.sm_count(q.device)),)
+        args += (B * Hkv, section(Lq, head_d, q.element_size(), Hq // Hkv))
+    else:
+        kernel, grid = (_attn_bwd_hopper_ws if ws else _attn_bwd_hopper), (tiles,)
     common.count_launch("attention_bwd_hopper")
     if common.STUB_LAUNCHES:
         return
     acc.zero_()  # idempotent for the tuner's timing: the kernel accumulates
-    cdiag = Lk - Lq if causal else Lk + BLOCK_N
-    kernel = _attn_bwd_hopper_ws if ws else _attn_bwd_hopper
-    kernel[grid](*descs, Hq, Hkv, Hq // Hkv, Lq, Lk, cdiag, scale * _LOG2E, scale, BLOCK_M=block_m,
-                 BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=cfg["STAGES"], DQ_BUFS=DQ_BUFS, num_warps=cfg.num_warps)
+    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=cfg["STAGES"], DQ_BUFS=dq_bufs,
+                 num_warps=cfg.num_warps)
 
 
-def aot_spec_args(dtype: str, head_d: int, block_m: int, stages: int, ws: bool = False) -> tuple:
+def section(Lq: int, head_d: int, elem: int, group: int) -> int:
+    """KV heads per L2 section of the persistent kernel (the forward's ``hopper._section`` with
+    the backward's streamed operands): the largest power of two of kv heads whose query heads'
+    Q and dO fit :data:`L2_QDO_BYTES` (at least one)."""
+    kv_head = group * Lq * 2 * head_d * elem
+    return 1 << (max(L2_QDO_BYTES // kv_head, 1).bit_length() - 1)
+
+
+def aot_spec_args(dtype: str, head_d: int, block_m: int, stages: int, ws: bool = False,
+                  persistent: bool = False) -> tuple:
     """(signature, constexprs) of one compiled variant, for ``specs.aot_specs``."""
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     sig = {}
-    for name, rows in (("QD", block_m), ("KD", BLOCK_N), ("VD", BLOCK_N), ("DOD", block_m)):
+    block_n, dq_bufs = TILE_N[head_d]
+    for name, rows in (("QD", block_m), ("KD", block_n), ("VD", block_n), ("DOD", block_m)):
         sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {head_d}],{_layout(rows, head_d, gdt)!r}>"
     sig["DQD"] = f"tensordesc<fp32[1, 1, {block_m}, {head_d}],{_plain(4)!r}>"
-    out_rows = BLOCK_N // 2 if ws else BLOCK_N
+    out_rows = block_n // 2 if ws else block_n
     for name in ("DKD", "DVD"):
         sig[name] = f"tensordesc<{dtype}[1, 1, {out_rows}, {head_d}],{_layout(out_rows, head_d, gdt)!r}>"
     sig["SD"] = f"tensordesc<fp32[1, 2, {block_m}],{_plain(3)!r}>"
     sig.update(Hq="i32", Hkv="i32", GROUP="i32", Lq="i32", Lk="i32", cdiag="i32", qk_scale="fp32", scale="fp32")
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=stages,
-                      DQ_BUFS=DQ_BUFS, num_warps=4 if ws else NUM_WARPS)
+    if persistent:
+        sig.update(BH="i32", SECTION="i32")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_d, STAGES=stages,
+                      DQ_BUFS=dq_bufs, num_warps=4 if ws else NUM_WARPS)
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs

@@ -299,17 +299,20 @@ def aot_specs(exhaustive=None) -> list:
                     fn=hopper._attn_fwd_hopper_pp_persistent, signature=sig, constexprs=constexprs,
                     num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
                     archs=(90,)))
-    # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition and warp-specialized:
-    # sm_90 only, every candidate (one build serves causal and not: causality is a runtime
-    # bound), bf16.
-    for ws, table in ((False, hopper_bwd.CONFIGS), (True, hopper_bwd.WS_CONFIGS)):
+    # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition, warp-specialized and
+    # persistent: sm_90 only, every candidate (one build serves causal and not: causality is a
+    # runtime bound), bf16.
+    for ws, persistent, table in ((False, False, hopper_bwd.CONFIGS), (True, False, hopper_bwd.WS_CONFIGS),
+                                  (False, True, hopper_bwd.PERSISTENT_CONFIGS)):
         for block_d, cands in table.items():
             for block_m, stages in cands:
-                sig, constexprs = hopper_bwd.aot_spec_args("bf16", block_d, block_m, stages, ws)
+                sig, constexprs = hopper_bwd.aot_spec_args("bf16", block_d, block_m, stages, ws, persistent)
+                fn = (hopper_bwd._attn_bwd_hopper_ws if ws else
+                      hopper_bwd._attn_bwd_hopper_persistent if persistent else hopper_bwd._attn_bwd_hopper)
                 specs.append(aot.KernelSpec(
-                    name=(f"attention_bwd_hopper{'_ws' if ws else ''} (Gluon) D{block_d} 16 "
-                          f"{block_m}x{hopper_bwd.BLOCK_N}/{stages}"),
-                    fn=hopper_bwd._attn_bwd_hopper_ws if ws else hopper_bwd._attn_bwd_hopper, signature=sig,
+                    name=(f"attention_bwd_hopper{'_ws' if ws else '_persistent' if persistent else ''} (Gluon) "
+                          f"D{block_d} 16 {block_m}x{hopper_bwd.TILE_N[block_d][0]}/{stages}"),
+                    fn=fn, signature=sig,
                     constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
                     tma=True, hot_loops=True, archs=(90,)))
     # The opt-in atomic-dQ backward (backward_atomic.py): sm_90 only (TMA reduce-adds), every
@@ -330,10 +333,12 @@ def aot_specs(exhaustive=None) -> list:
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=_aligned_args(fn), wgmma=True,
                     tma=True, hot_loops=True, archs=(90,)))
     fn = backward_atomic._dq_convert
-    specs.append(aot.KernelSpec(
-        name="attention_dq_convert D128 bf16", fn=fn, signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
-        constexprs=dict(BLOCK_M=backward_atomic.CONVERT_BLOCK_M, BLOCK_D=128, INTERPRET=False), num_warps=4,
-        aligned=_aligned_args(fn), archs=(90,)))
+    for block_d in (128, 256):  # 256: the Gluon backward's D192 and D256
+        specs.append(aot.KernelSpec(
+            name=f"attention_dq_convert D{block_d} bf16", fn=fn,
+            signature=_signature(fn, {"DQ_ACC": "*fp32", "DQ": "*bf16"}),
+            constexprs=dict(BLOCK_M=backward_atomic.CONVERT_BLOCK_M, BLOCK_D=block_d, INTERPRET=False), num_warps=4,
+            aligned=_aligned_args(fn), archs=(90,)))
     specs = [dataclasses.replace(s, spills_ok=TF32_SPILLS) if " tf32" in s.name else s for s in specs]
     return aot.take_turns(specs, items)
 
