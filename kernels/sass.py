@@ -309,6 +309,18 @@ def _attention_gluon_bwd(B, H, L, D, causal, variant):
         _attention(B, H, L, D, causal)
 
 
+def _attention_bwd_host_desc(B, H, L, D, causal):
+    """The backward's host-side descriptor candidate (configs' ``HOST_DESC``: timed after the
+    first config, never first until a GPU run) in place of the first config."""
+    from fused_block.kernels import common
+    from fused_block.kernels.attention import configs, launchers
+
+    first = launchers._bwd_candidates
+    with _opt_in(launchers, _BWD_CACHE=common.ConfigCache("attention_bwd"),
+                 _bwd_candidates=lambda *a: [configs._host_desc_twin(first(*a)[0])]):
+        _attention(B, H, L, D, causal)
+
+
 def _attention_window(B, H, L, D, left):
     import torch
 
@@ -430,6 +442,9 @@ WORKLOADS = (
     *((f"attention D{d} gluon bwd{' ' + v if v else ''}", _attention_gluon_bwd, (*s, False, v))
       for d, s, variants in ((64, (8, 32, 2048, 64), ("", "ws")), (128, (4, 16, 4096, 128), ("",)))
       for v in variants),
+    # The backward's host-side descriptor candidate (docs/attention-scheduling.md).
+    *((f"attention D{d}{' causal' if c else ''} bwd hostdesc", _attention_bwd_host_desc, (*s, c))
+      for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     # Issue 17's features at the bench's shapes: Mistral's 4096-key window over 16k tokens
     # (a band block costs a plain one), packed sequences, softcap + sinks, a T5 bias, and a
     # decode step (split-KV) over a 16k cache with GQA 32:8.
