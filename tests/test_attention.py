@@ -189,10 +189,11 @@ def test_scheduled_forward(B, Hq, Hkv, Lq, Lk, D, causal, padding, window, group
 
 # The backward's host-side descriptors (configs' ``HOST_DESC`` candidates, forced): every tile
 # of Q, K, V, dO, the statistics, dQ, dK and dV through the launcher's (B, H, L, D)
-# descriptors. Cases: causal whole blocks; two batches (the batch coordinate), GQA 2:1, padding
-# with a fully padded batch and partial blocks (rows past Lq and Lk read as zero, stores
-# clipped); a causal window over cross-attention (the band class) with D = 32 (BLOCK_D 64:
-# zero columns); softcap with ALiBi (the score class's steps).
+# descriptors (mode 1), or those a program reads or writes once (2). Cases: causal whole
+# blocks; two batches (the batch coordinate), GQA 2:1, padding with a fully padded batch and
+# partial blocks (rows past Lq and Lk read as zero, stores clipped); a causal window over
+# cross-attention (the band class) with D = 32 (BLOCK_D 64: zero columns); softcap with MQA
+# 2:1 (the score class's steps).
 HOST_DESC_CASES = [
     pytest.param(1, 2, 2, 128, 128, 64, True, False, {}, id="self-128-causal-d64"),
     pytest.param(2, 4, 2, 140, 140, 128, False, True, {}, id="self-140-pad-d128-gqa"),
@@ -202,23 +203,24 @@ HOST_DESC_CASES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", (1, 2))
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding,features", HOST_DESC_CASES)
-def test_host_descriptor_backward(B, Hq, Hkv, Lq, Lk, D, causal, padding, features, dtype, device, launches,
+def test_host_descriptor_backward(B, Hq, Hkv, Lq, Lk, D, causal, padding, features, mode, dtype, device, launches,
                                   monkeypatch):
     if device.type == "cuda" and not attention_testing.HOPPER:
         pytest.skip("host-side TMA descriptors are a Hopper candidate")
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
-    seen = attention_testing.forced_host_desc(monkeypatch)
+    seen = attention_testing.forced_host_desc(monkeypatch, mode)
     mask = _padding(B, Lk, device) if padding else None
     before = common.LAUNCHES["attention_tma"]
     _compare(q, k, v, causal, mask, **features)
     _launched_once(launches)
     if device.type == "cuda" and dtype == torch.float32:
         # Hopper runs IEEE fp32 on pointers (launchers._use_tma): the descriptors are not built.
-        assert seen == [(True, 0)]
+        assert seen == [(mode, 0)]
     else:
         assert common.LAUNCHES["attention_tma"] > before
-        assert seen == [(True, 12)]  # the 12 host-side descriptors of backward._attn_bwd
+        assert seen == [(mode, 12)]  # the 12 host-side descriptors of backward._attn_bwd
 
 
 def _ws_forward(monkeypatch, switch=True):

@@ -259,14 +259,15 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                       HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
                       EVEN_D: tl.constexpr,
                       PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr, HOST: tl.constexpr = False, QD=0, DOD=0,
+                      STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr, HOST: tl.constexpr = 0, QD=0, DOD=0,
                       KD=0, VD=0, STD=0, DKD=0, DVD=0):
     """dK, dV of keys [start_n, start_n + BLOCK_N), summed over the group's query heads
     (``PART`` 1: only dV, 2: only dK, 0: both). ``VARLEN``: sequence ``b``, its queries and
     keys from tokens ``q0`` and ``k0``, Lq and Lk its lengths. ``HOST`` (dense batches on the
-    TMA path): every tile through the host's descriptors ``QD``..``DVD`` (blocks BLOCK_M x
+    TMA path) 1: every tile through the host's descriptors ``QD``..``DVD`` (blocks BLOCK_M x
     BLOCK_D of Q and dO, BLOCK_N x BLOCK_D of K, V, dK and dV, 2 x BLOCK_M of STATS), none
-    built here."""
+    built here; 2: K, V, dK and dV through them, the loop's Q, dO and STATS through tensor
+    maps built here (the loop as without ``HOST``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     cap_in = 0.0
     cap_out = 0.0
@@ -305,7 +306,7 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
         Q_b = Q + b.to(tl.int64) * stride_qb
         DO_b = DO + b.to(tl.int64) * stride_dob
         STATS_b = STATS + (b * Hq).to(tl.int64) * (2 * stride_stat)
-    if HOST:
+    if HOST == 1:
         q_desc, do_desc, stats_desc = QD, DOD, STD
     else:
         Lq_desc = tl.maximum(Lq, 1) if VARLEN else Lq  # an empty sequence: no load, a valid descriptor
@@ -345,7 +346,7 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                             slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b, stride_ah, stride_am,
                             stride_an, False, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                             HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET,
-                            b=b, HOST=HOST)
+                            b=b, HOST=HOST == 1)
         start_m += BLOCK_M
         wrap = start_m >= full_end
         start_m = tl.where(wrap, head_end, start_m)
@@ -368,7 +369,7 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                                 inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm, stride_bn,
                                 amask_b, stride_ah, stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
                                 HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N,
-                                BLOCK_D, INTERPRET, b=b, HOST=HOST)
+                                BLOCK_D, INTERPRET, b=b, HOST=HOST == 1)
             start_m += BLOCK_M
             start_m = tl.where(start_m == head_end, full_end, start_m)
             wrap = start_m >= m_end
@@ -419,10 +420,11 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                     HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
                     EVEN_D: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAT_ALIGN: tl.constexpr,
-                    INTERPRET: tl.constexpr, hk=0, HOST: tl.constexpr = False, QD=0, DOD=0, KD=0, VD=0, DQD=0):
+                    INTERPRET: tl.constexpr, hk=0, HOST: tl.constexpr = 0, QD=0, DOD=0, KD=0, VD=0, DQD=0):
     """dQ of queries [start_m, start_m + BLOCK_M) of head ``h`` (``VARLEN``: of sequence ``b``,
-    from token ``q0``). ``HOST`` (dense batches on the TMA path): every tile through the host's
-    descriptors ``QD``..``DQD`` (kv head ``hk``), none built here."""
+    from token ``q0``). ``HOST`` (dense batches on the TMA path) 1: every tile through the host's
+    descriptors ``QD``..``DQD`` (kv head ``hk``), none built here; 2: Q, dO and dQ through them,
+    the loop's K and V through tensor maps built here (the loop as without ``HOST``)."""
     bh = b * Hq + h
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if VARLEN:
@@ -434,9 +436,13 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     if HOST:
-        k_desc, v_desc = KD, VD
         q = _tile(QD, b, h, start_m, BLOCK_M, BLOCK_D)
         do = _tile(DOD, b, h, start_m, BLOCK_M, BLOCK_D)
+        if HOST == 1:
+            k_desc, v_desc = KD, VD
+        else:
+            k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+            v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
     else:
         q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
         do_desc = _desc(do_base, Lq, D, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
@@ -471,14 +477,14 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
                       False, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
                       SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
-                      BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST)
+                      BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST == 1)
     for start_n in tl.range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
                       diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, scale, qk_scale, seed, bh, dropout_p, inv_keep,
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
                       True, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
                       SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
-                      BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST)
+                      BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST == 1)
     if WINDOW:
         for start_n in tl.range(lo, full_lo, BLOCK_N):
             dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n,
@@ -487,7 +493,7 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                           stride_an, True, IS_CAUSAL, WINDOW, HAS_PAD,
                           HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D,
                           BLOCK_M,
-                          BLOCK_N, BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST)
+                          BLOCK_N, BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST == 1)
     if not HOST:
         dq_desc = _desc(dq_base, Lq, D, stride_dqm, BLOCK_M, BLOCK_D, USE_TMA)
     if not _tf32_scaled_ds(Q.dtype.element_ty, IEEE):
@@ -586,7 +592,7 @@ def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
                   HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
                   BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr,
-                  HOST: tl.constexpr = False, QD1=0, DOD1=0, KD1=0, VD1=0, STD=0, DKD=0, DVD=0, QD2=0, DOD2=0, KD2=0,
+                  HOST: tl.constexpr = 0, QD1=0, DOD1=0, KD1=0, VD1=0, STD=0, DKD=0, DVD=0, QD2=0, DOD2=0, KD2=0,
                   VD2=0, DQD=0):
     """Program ``r`` of the flat (batch, kv head) ``bhk`` (the role by ``r``: :func:`_attn_bwd`'s
     numbering). ``HOST``: the host's descriptors (:func:`_attn_bwd`)."""
@@ -686,7 +692,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
               EVEN_D: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
               BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, SCHED: tl.constexpr, STAT_ALIGN: tl.constexpr,
-              INTERPRET: tl.constexpr, HOST_DESC: tl.constexpr = False):
+              INTERPRET: tl.constexpr, HOST_DESC: tl.constexpr = 0):
     """Per (batch, kv head): programs [0, kv_blocks) compute dK/dV (BLOCK_N1 keys, BLOCK_M1
     queries per step), the next q_blocks * GROUPS programs dQ (BLOCK_M2 queries, BLOCK_N2 keys
     per step), each head's query blocks heaviest first. DK and DV share strides. The band as
@@ -705,14 +711,15 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
     most work first (the launcher's ``_bwd_order``). 2: the same order persistent, the grid's
     programs taking its tiles in turn (snake order: round k's in reverse when k is odd).
 
-    ``HOST_DESC`` (dense batches on the TMA path; a timed candidate, docs/attention-scheduling.md):
-    every tile through the host's descriptors instead of tensor maps written per program:
+    ``HOST_DESC`` (dense batches on the TMA path; timed candidates, docs/attention-scheduling.md):
+    1, every tile through the host's descriptors instead of tensor maps written per program:
     ``QD1``, ``DOD1`` (Q, dO: (B, Hq, Lq, D), blocks of BLOCK_M1 rows), ``KD1``, ``VD1``,
     ``DKD``, ``DVD`` (K, V, dK, dV: (B, Hkv, Lk, D), BLOCK_N1 rows) and ``STD`` (STATS, block
     (1, 2, BLOCK_M1)) for the dK/dV programs, ``QD2``, ``DOD2``, ``DQD`` (BLOCK_M2 rows),
-    ``KD2``, ``VD2`` (BLOCK_N2 rows) for the dQ programs. Otherwise (and for packed
-    sequences) they are unused."""
-    HOST: tl.constexpr = USE_TMA and HOST_DESC and not VARLEN
+    ``KD2``, ``VD2`` (BLOCK_N2 rows) for the dQ programs; 2, the tiles a program reads or writes
+    once through them (K, V, dK, dV; Q, dO, dQ), its loop's through tensor maps as without.
+    Otherwise (and for packed sequences) they are unused."""
+    HOST: tl.constexpr = HOST_DESC if USE_TMA and not VARLEN else 0
     pid = tl.program_id(0)
     seed = 0
     if HAS_DROPOUT:

@@ -154,7 +154,7 @@ def aot_specs(exhaustive=None) -> list:
                     blocks += " ws" if m.get("WS") else ""
                     blocks += {0: "", 1: " lpt", 2: " persistent"}[m.get("SCHED", 0)]
                     blocks += " vhost" if m.get("VHOST") else ""
-                    blocks += " hostdesc" if m.get("HOST_DESC") else ""
+                    blocks += {0: "", 1: " hostdesc", 2: " hostdesc edges"}[m.get("HOST_DESC", 0)]
                     tag = "" if cls == "plain" else f" {cls}"
                     items.setdefault((kname, arch, cls, tma), []).append([])
                     for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive):
