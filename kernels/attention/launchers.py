@@ -591,15 +591,20 @@ def _bwd_launch(cfg, launch):
 def _bwd_descs(cfg, ptrs, strides, block_d: int) -> tuple:
     """The backward's host-side descriptors (``HOST_DESC``; ``backward._attn_bwd``'s QD1 ..
     DQD): Q, dO, K, V, dK, dV and STATS at the dK/dV programs' blocks, Q, dO, K, V and dQ at
-    the dQ programs'. ``strides``: the launch's (q, k, v, do, dq, dk strides first)."""
+    the dQ programs'; with ``HOST_DESC`` 2 only those of the tiles a program reads or writes
+    once (the loops' are unused: the tensor in their place). ``strides``: the launch's (q, k,
+    v, do, dq, dk strides first)."""
     q, k, v, do, dq, dk, dv, stats = ptrs[:8]
     sq, sk, sv, sdo, sdq, sdk = (tuple(strides[3 * i:3 * i + 3]) for i in range(6))
     m1, n1, m2, n2 = cfg["BLOCK_M1"], cfg["BLOCK_N1"], cfg["BLOCK_M2"], cfg["BLOCK_N2"]
-    stride_stat = stats.shape[2]
-    return (_tma_desc(q, sq, m1, block_d), _tma_desc(do, sdo, m1, block_d), _tma_desc(k, sk, n1, block_d),
-            _tma_desc(v, sv, n1, block_d), _stats_desc(stats, stride_stat, m1), _tma_desc(dk, sdk, n1, block_d),
-            _tma_desc(dv, sdk, n1, block_d), _tma_desc(q, sq, m2, block_d), _tma_desc(do, sdo, m2, block_d),
-            _tma_desc(k, sk, n2, block_d), _tma_desc(v, sv, n2, block_d), _tma_desc(dq, sdq, m2, block_d))
+    edges = (_tma_desc(k, sk, n1, block_d), _tma_desc(v, sv, n1, block_d), _tma_desc(dk, sdk, n1, block_d),
+             _tma_desc(dv, sdk, n1, block_d), _tma_desc(q, sq, m2, block_d), _tma_desc(do, sdo, m2, block_d),
+             _tma_desc(dq, sdq, m2, block_d))
+    if cfg["HOST_DESC"] == 2:
+        return (q, q, *edges[:2], q, *edges[2:6], q, q, edges[6])
+    loops = (_tma_desc(q, sq, m1, block_d), _tma_desc(do, sdo, m1, block_d), _stats_desc(stats, stats.shape[2], m1),
+             _tma_desc(k, sk, n2, block_d), _tma_desc(v, sv, n2, block_d))
+    return (*loops[:2], *edges[:2], loops[2], *edges[2:6], *loops[3:], edges[6])
 
 
 def _stats_desc(stats, stride_stat: int, block_m: int):

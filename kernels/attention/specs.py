@@ -51,12 +51,15 @@ def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
     if tma and meta is not None and "WS" in meta and not meta["WS"]:
         for p, block in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
             ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
-    if tma and meta is not None and meta.get("HOST_DESC"):
-        for p, block in _BWD_DESCS.items():
-            ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
-        ptrs["STD"] = f"tensordesc<fp32[1, 2, {meta['BLOCK_M1']}]>"
-    elif "STD" in fn.arg_names:
+    if "STD" in fn.arg_names:
         ptrs["STD"] = "*fp32"
+    if tma and meta is not None and meta.get("HOST_DESC"):
+        # 2: the loops' descriptors unused (the tensors in their place)
+        for p, block in _BWD_DESCS.items():
+            if meta["HOST_DESC"] == 1 or p not in ("QD1", "DOD1", "KD2", "VD2"):
+                ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
+        if meta["HOST_DESC"] == 1:
+            ptrs["STD"] = f"tensordesc<fp32[1, 2, {meta['BLOCK_M1']}]>"
     ptrs.update({p: "*fp32" for p in ("LSE", "STATS", "SINKS", "SLOPES", "DBIAS", "DSINK") if p in fn.arg_names})
     ptrs.update({p: t for p, t in (("MASK", "*u8"), ("SEED", "*i64"), ("CU_Q", "*i32"), ("CU_K", "*i32"),
                                    ("ORDER", "*i32"),
