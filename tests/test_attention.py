@@ -224,6 +224,22 @@ def test_host_descriptor_backward(B, Hq, Hkv, Lq, Lk, D, causal, padding, featur
         assert seen == [(mode, 12 if mode == 1 else 7)]
 
 
+@pytest.mark.parametrize("mode", (1, 2))
+def test_host_descriptor_backward_strided(mode, device, launches, monkeypatch):
+    """The host-side descriptors over (B, L, H, D) buffers viewed as (B, H, L, D) (a model's
+    projections transposed: head stride D, row stride H * D), gradients in the same layout;
+    bf16, causal GQA 2:1 with partial blocks (L = 100)."""
+    if device.type == "cuda" and not attention_testing.HOPPER:
+        pytest.skip("host-side TMA descriptors are a Hopper candidate")
+    B, Hq, Hkv, L, D = 2, 4, 2, 100, 64
+    q, k, v = (randn(B, L, h, D, dtype=torch.bfloat16, device=device).transpose(1, 2).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    seen = attention_testing.forced_host_desc(monkeypatch, mode)
+    _compare(q, k, v, True)
+    _launched_once(launches)
+    assert seen == [(mode, 12 if mode == 1 else 7)]
+
+
 def _ws_forward(monkeypatch, switch=True):
     """Sets FUSED_BLOCK_WS's switch (``switch``) for this test, with a fresh forward config
     cache and on CUDA each key's first candidate taken (FUSED_BLOCK_TUNE=0: with the switch, a
