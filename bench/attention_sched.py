@@ -1,13 +1,14 @@
 """The attention scheduling candidates (docs/attention-scheduling.md) one by one: each config
 of the forward's and the backward's table for a shape, forced as the only candidate, bf16 D128
-causal; one short run on an sm_90 GPU:
+causal (D64 for "dense64"); one short run on an sm_90 GPU:
 
-    python -m bench.attention_sched [--shapes varlen,dense] [--kernels fwd,bwd] [--json PATH]
+    python -m bench.attention_sched [--shapes varlen,dense,dense64] [--kernels fwd,bwd] [--json PATH]
 
 Shapes: "varlen", 16 packed sequences of 258-1935 tokens (16,080 tokens and 11.73 M visible
 pairs per head: the token and pair counts of the 2026-12-04 probe's draw of 64-2048, whose
-lengths were not recorded), H16; "dense", B4 H16 L4096. Per candidate (its table index, tiles,
-``SCHED``, ``VHOST``): the forward's TFLOP/s (the default backward not run), or the backward's
+lengths were not recorded), H16; "dense", B4 H16 L4096; "dense64", B8 H32 L2048 at D64 (the
+backward's ``HOST_DESC`` candidate's main target). Per candidate (its table index, tiles,
+``SCHED``, ``VHOST``, ``HOST_DESC``): the forward's TFLOP/s (the default backward not run), or the backward's
 alone (the default forward run once), counting the visible pairs only (the backward 2.5x the
 forward's products), ``do_bench``'s median. Each forced config compiles once (about 10-30 s).
 """
@@ -18,12 +19,13 @@ import sys
 import torch
 
 LENGTHS = (258, 259, 302, 367, 392, 462, 594, 610, 790, 1122, 1386, 1886, 1887, 1896, 1934, 1935)
-SHAPES = ("varlen", "dense")
+SHAPES = ("varlen", "dense", "dense64")
 KERNELS = ("fwd", "bwd")
-H, D = 16, 128
+DIMS = {"varlen": (16, 128), "dense": (16, 128), "dense64": (32, 64)}  # (heads, head dim)
 
 
 def _inputs(shape):
+    H, D = DIMS[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*s):
@@ -34,7 +36,7 @@ def _inputs(shape):
         cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         pairs = sum(n * (n + 1) // 2 for n in LENGTHS)
         return (rand(T, H, D), rand(T, H, D), rand(T, H, D)), dict(cu=cu, max_len=max(LENGTHS)), pairs
-    B, L = 4, 4096
+    B, L = (8, 2048) if shape == "dense64" else (4, 4096)
     return (rand(B, H, L, D), rand(B, H, L, D), rand(B, H, L, D)), {}, B * L * (L + 1) // 2
 
 
@@ -54,7 +56,8 @@ def _measure(shape, kname, rep):
     from fused_block.kernels import common
     from fused_block.kernels.attention import configs, launchers
 
-    key = (128, "16", False, "band" if shape == "varlen" else "plain")
+    H, D = DIMS[shape]
+    key = (D, "16", False, "band" if shape == "varlen" else "plain")
     tables = configs.FWD_CONFIGS if kname == "fwd" else configs.BWD_CONFIGS
     (q, k, v), extra, pairs = _inputs(shape)
     fwd_flops = 4 * pairs * H * D
@@ -90,7 +93,7 @@ def _measure(shape, kname, rep):
         rows.append(row)
         print(f"{shape:<7} {kname:<4} #{index} {m.get('BLOCK_M', m.get('BLOCK_M1'))}x"
               f"{m.get('BLOCK_N', m.get('BLOCK_N1'))} w{cfg.num_warps}/s{cfg.num_stages} SCHED={m.get('SCHED')} "
-              f"VHOST={m.get('VHOST', '-')} SPLIT={m.get('SPLIT_KV', '-')}: "
+              f"VHOST={m.get('VHOST', '-')} HOST_DESC={m.get('HOST_DESC', '-')} SPLIT={m.get('SPLIT_KV', '-')}: "
               f"{row.get('tflops', '-')} TFLOP/s {row.get('ms', '')} ms {row.get('error', '')}", flush=True)
     launchers._FWD_CACHE = common.ConfigCache("attention_fwd")
     launchers._BWD_CACHE = common.ConfigCache("attention_bwd")

@@ -328,6 +328,18 @@ def _attention_gluon_bwd(B, H, L, D, causal, variant):
         _attention(B, H, L, D, causal)
 
 
+def _attention_bwd_host_desc(B, H, L, D, causal, mode=1):
+    """The backward's host-side descriptor candidates (configs' ``HOST_DESC`` ``mode`` 1 or 2:
+    timed after the first config, never first until a GPU run) in place of the first config."""
+    from fused_block.kernels import common
+    from fused_block.kernels.attention import configs, launchers
+
+    first = launchers._bwd_candidates
+    with _opt_in(launchers, _BWD_CACHE=common.ConfigCache("attention_bwd"),
+                 _bwd_candidates=lambda *a: [configs._host_desc_twin(first(*a)[0], mode)]):
+        _attention(B, H, L, D, causal)
+
+
 def _attention_window(B, H, L, D, left):
     import torch
 
@@ -451,6 +463,11 @@ WORKLOADS = (
       for d, s, variants in ((64, (8, 32, 2048, 64), ("", "ws", "persistent")),
                              (128, (4, 16, 4096, 128), ("",)))
       for v in variants),
+    # The backward's host-side descriptor candidates (docs/attention-scheduling.md): every
+    # tile (1), the tiles read or written once (2, "edges").
+    *((f"attention D{d}{' causal' if c else ''} bwd hostdesc{' edges' if m == 2 else ''}", _attention_bwd_host_desc,
+       (*s, c, m))
+      for m in (1, 2) for d, s in ((64, (8, 32, 2048, 64)), (128, (4, 16, 4096, 128))) for c in (True, False)),
     # Issue 17's features at the bench's shapes: Mistral's 4096-key window over 16k tokens
     # (a band block costs a plain one), packed sequences, softcap + sinks, a T5 bias, and a
     # decode step (split-KV) over a 16k cache with GQA 32:8.

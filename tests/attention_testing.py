@@ -133,3 +133,31 @@ def forced_schedule(monkeypatch, sched: int, vhost: bool = False, l2_budget: int
 
     monkeypatch.setattr(common, "launch", record)
     return seen
+
+
+def forced_host_desc(monkeypatch, mode: int = 1):
+    """Runs the backward with its first candidate's ``HOST_DESC`` twin of ``mode`` (1: every
+    tile through the host-side descriptors, 2: the tiles read or written once; timed
+    candidates of sm_90's tables) and a fresh config cache. Returns the list its launches
+    append (HOST_DESC, the number of host-side descriptor arguments) to."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fused_block.kernels.attention import configs
+
+    monkeypatch.setattr(launchers, "_BWD_CACHE", common.ConfigCache("attention_bwd"))
+    bwd_candidates = launchers._bwd_candidates
+
+    def forced_bwd(*args):
+        return [configs._host_desc_twin(bwd_candidates(*args)[0], mode)]
+
+    monkeypatch.setattr(launchers, "_bwd_candidates", forced_bwd)
+    seen = []
+    launch = common.launch
+
+    def record(name, kernel, grid, args, constexprs, config):
+        if name == "attention_bwd":
+            seen.append((config["HOST_DESC"], sum(isinstance(a, TensorDescriptor) for a in args)))
+        return launch(name, kernel, grid, args, constexprs, config)
+
+    monkeypatch.setattr(common, "launch", record)
+    return seen

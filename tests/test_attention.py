@@ -187,6 +187,59 @@ def test_scheduled_forward(B, Hq, Hkv, Lq, Lk, D, causal, padding, window, group
         assert sched == 1 or seen[1][3][0] <= common.sm_count(device)
 
 
+# The backward's host-side descriptors (configs' ``HOST_DESC`` candidates, forced): every tile
+# of Q, K, V, dO, the statistics, dQ, dK and dV through the launcher's (B, H, L, D)
+# descriptors (mode 1), or those a program reads or writes once (2). Cases: causal whole
+# blocks; two batches (the batch coordinate), GQA 2:1, padding with a fully padded batch and
+# partial blocks (rows past Lq and Lk read as zero, stores clipped); a causal window over
+# cross-attention (the band class) with D = 32 (BLOCK_D 64: zero columns); softcap with MQA
+# 2:1 (the score class's steps).
+HOST_DESC_CASES = [
+    pytest.param(1, 2, 2, 128, 128, 64, True, False, {}, id="self-128-causal-d64"),
+    pytest.param(2, 4, 2, 140, 140, 128, False, True, {}, id="self-140-pad-d128-gqa"),
+    pytest.param(1, 2, 2, 90, 120, 32, True, False, dict(window=(40, -1)), id="cross-90x120-causal-window"),
+    pytest.param(1, 2, 1, 70, 70, 64, True, False, dict(softcap=30.0), id="self-70-causal-softcap-mqa"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", (1, 2))
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding,features", HOST_DESC_CASES)
+def test_host_descriptor_backward(B, Hq, Hkv, Lq, Lk, D, causal, padding, features, mode, dtype, device, launches,
+                                  monkeypatch):
+    if device.type == "cuda" and not attention_testing.HOPPER:
+        pytest.skip("host-side TMA descriptors are a Hopper candidate")
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
+    seen = attention_testing.forced_host_desc(monkeypatch, mode)
+    mask = _padding(B, Lk, device) if padding else None
+    before = common.LAUNCHES["attention_tma"]
+    _compare(q, k, v, causal, mask, **features)
+    _launched_once(launches)
+    if device.type == "cuda" and dtype == torch.float32:
+        # Hopper runs IEEE fp32 on pointers (launchers._use_tma): the descriptors are not built.
+        assert seen == [(mode, 0)]
+    else:
+        assert common.LAUNCHES["attention_tma"] > before
+        # backward._attn_bwd's 12 host-side descriptors, or (2) the 7 of the tiles read or written once
+        assert seen == [(mode, 12 if mode == 1 else 7)]
+
+
+@pytest.mark.parametrize("mode", (1, 2))
+def test_host_descriptor_backward_strided(mode, device, launches, monkeypatch):
+    """The host-side descriptors over (B, L, H, D) buffers viewed as (B, H, L, D) (a model's
+    projections transposed: head stride D, row stride H * D), gradients in the same layout;
+    bf16, causal GQA 2:1 with partial blocks (L = 100)."""
+    if device.type == "cuda" and not attention_testing.HOPPER:
+        pytest.skip("host-side TMA descriptors are a Hopper candidate")
+    B, Hq, Hkv, L, D = 2, 4, 2, 100, 64
+    q, k, v = (randn(B, L, h, D, dtype=torch.bfloat16, device=device).transpose(1, 2).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    seen = attention_testing.forced_host_desc(monkeypatch, mode)
+    _compare(q, k, v, True)
+    _launched_once(launches)
+    assert seen == [(mode, 12 if mode == 1 else 7)]
+
+
 def _ws_forward(monkeypatch, switch=True):
     """Sets FUSED_BLOCK_WS's switch (``switch``) for this test, with a fresh forward config
     cache and on CUDA each key's first candidate taken (FUSED_BLOCK_TUNE=0: with the switch, a

@@ -6,7 +6,7 @@ import triton.language as tl
 from fused_block.kernels import common
 from fused_block.kernels.attention.forward import _SHAPE_ARGS, _lpt_tile
 from fused_block.kernels.attention.helpers import (_clamp_ranges, _desc, _desc3, _dropout_keep, _find_seq,
-                                                   _key_ranges, _load, _query_ranges, _score_mod, _store)
+                                                   _key_ranges, _load, _query_ranges, _score_mod, _store, _tile)
 
 
 @triton.jit
@@ -112,7 +112,8 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc
                WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
                EVEN_D: tl.constexpr, PART: tl.constexpr, AHEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, b=0,
+               HOST: tl.constexpr = False):
     """Query block [start_m, start_m + BLOCK_M) of head ``h`` (flat ``bh``, statistics at
     ``stats_h``: the head's rows of STATS): its contribution to a key block's dK and dV (scores
     computed transposed); ``PART`` 1 / 2: only dV / only dK. ``q_desc``/``do_desc`` are
@@ -124,13 +125,18 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc
     rows of Q and dO) and rows with no visible key have LSE * log2(e) = +inf, hence P = 0: the
     statistics need neither masks nor selects. Score modifications as the forward's, transposed
     (``slopes_b``, ``bias_b``, ``amask_b``: the batch's rows; bias and mask loads are bounded).
+    ``HOST``: ``q_desc``/``do_desc`` are the host's (B, Hq, Lq, D) descriptors (batch ``b``),
+    ``stats_desc`` the host's over STATS (B * Hq + 1, 2, stride_stat).
     """
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     SCORE_MOD: tl.constexpr = SOFTCAP or HAS_ALIBI or HAS_BIAS or HAS_AMASK
     # fp32 under TF32 products: dK's operand is dS * scale, not dS (``_tf32_scaled_ds``).
     TF32: tl.constexpr = _tf32_scaled_ds(k.dtype, IEEE)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    if USE_TMA:
+    if HOST:
+        q = _tile(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+        do = _tile(do_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+    elif USE_TMA:
         q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
         do = do_desc.load([h, start_m, 0]).reshape([BLOCK_M, BLOCK_D])
     else:
@@ -139,7 +145,9 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, Q_b, DO_b, lse2, delta, stats_desc
         do = _load(do_desc, DO_b + h.to(tl.int64) * stride_doh, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D,
                    MASKED, EVEN_D, False)
     if not AHEAD:
-        if USE_TMA:
+        if HOST:
+            lse2, delta = tl.split(tl.trans(stats_desc.load([bh, 0, start_m]).reshape([2, BLOCK_M])))
+        elif USE_TMA:
             # One (2, BLOCK_M) tile: this block's LSE * log2(e) and delta rows.
             lse2, delta = tl.split(tl.trans(stats_desc.load([h, 0, start_m]).reshape([2, BLOCK_M])))
         else:
@@ -193,12 +201,17 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
              HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
              HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
              EVEN_D: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """One key block's contribution to a query block's dQ."""
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+             b=0, hk=0, HOST: tl.constexpr = False):
+    """One key block's contribution to a query block's dQ. ``HOST``: ``k_desc``/``v_desc`` are
+    the host's (B, Hkv, Lk, D) descriptors (batch ``b``, kv head ``hk``)."""
     PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"  # for fp32 operands
     SCORE_MOD: tl.constexpr = SOFTCAP or HAS_ALIBI or HAS_BIAS or HAS_AMASK
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    if HOST:
+        k = _tile(k_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     qk = common.dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     if SCORE_MOD:
         s, t = _score_mod(qk, offs_m, offs_n, Lq, Lk, qk_scale, cap_in, cap_out, slope2, Lk - Lq, bias_bh,
@@ -217,7 +230,10 @@ def _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, s
     if HAS_PAD:
         pad = tl.load(pad_base + offs_n, mask=offs_n < Lk, other=1)
         p = tl.where((pad == 0)[None, :], p, 0.0)
-    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
+    if HOST:
+        v = _tile(v_desc, b, hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, MASKED, EVEN_D, USE_TMA)
     dp = common.dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, PRECISION)
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, bh, start_m, start_n, dropout_p, BLOCK_M, BLOCK_N, False, IEEE)
@@ -243,10 +259,15 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                       HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
                       EVEN_D: tl.constexpr,
                       PART: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
+                      STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr, HOST: tl.constexpr = 0, QD=0, DOD=0,
+                      KD=0, VD=0, STD=0, DKD=0, DVD=0):
     """dK, dV of keys [start_n, start_n + BLOCK_N), summed over the group's query heads
     (``PART`` 1: only dV, 2: only dK, 0: both). ``VARLEN``: sequence ``b``, its queries and
-    keys from tokens ``q0`` and ``k0``, Lq and Lk its lengths."""
+    keys from tokens ``q0`` and ``k0``, Lq and Lk its lengths. ``HOST`` (dense batches on the
+    TMA path) 1: every tile through the host's descriptors ``QD``..``DVD`` (blocks BLOCK_M x
+    BLOCK_D of Q and dO, BLOCK_N x BLOCK_D of K, V, dK and dV, 2 x BLOCK_M of STATS), none
+    built here; 2: K, V, dK and dV through them, the loop's Q, dO and STATS through tensor
+    maps built here (the loop as without ``HOST``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     cap_in = 0.0
     cap_out = 0.0
@@ -256,10 +277,14 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
     slopes_b = SLOPES + b * stride_slb
     bias_b = BIAS + b.to(tl.int64) * stride_bb
     amask_b = AMASK + b.to(tl.int64) * stride_ab
-    k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
-    v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
-    k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
-    v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
+    if HOST:
+        k = _tile(KD, b, hk, start_n, BLOCK_N, BLOCK_D)
+        v = _tile(VD, b, hk, start_n, BLOCK_N, BLOCK_D)
+    else:
+        k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+        v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+        k = _load(k_desc, k_base, start_n, Lk, stride_kn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
+        v = _load(v_desc, v_base, start_n, Lk, stride_vn, D, BLOCK_N, BLOCK_D, True, EVEN_D, USE_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Query blocks: [m_lo, head_end) straddle the band's right edge (the causal diagonal),
@@ -281,10 +306,13 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
         Q_b = Q + b.to(tl.int64) * stride_qb
         DO_b = DO + b.to(tl.int64) * stride_dob
         STATS_b = STATS + (b * Hq).to(tl.int64) * (2 * stride_stat)
-    Lq_desc = tl.maximum(Lq, 1) if VARLEN else Lq  # an empty sequence: no load, a valid descriptor
-    q_desc = _desc3(Q_b, Hq, Lq_desc, D, stride_qh, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
-    do_desc = _desc3(DO_b, Hq, Lq_desc, D, stride_doh, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
-    stats_desc = _desc3(STATS_b, Hq, 2, stride_stat, 2 * stride_stat, stride_stat, 2, BLOCK_M, USE_TMA)
+    if HOST == 1:
+        q_desc, do_desc, stats_desc = QD, DOD, STD
+    else:
+        Lq_desc = tl.maximum(Lq, 1) if VARLEN else Lq  # an empty sequence: no load, a valid descriptor
+        q_desc = _desc3(Q_b, Hq, Lq_desc, D, stride_qh, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+        do_desc = _desc3(DO_b, Hq, Lq_desc, D, stride_doh, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
+        stats_desc = _desc3(STATS_b, Hq, 2, stride_stat, 2 * stride_stat, stride_stat, 2, BLOCK_M, USE_TMA)
     # Each loop walks the (group head, query block) pairs with counters (no division per
     # step): the block advances, and past its segment's end moves on to the next segment or
     # wraps to the next head. One flat loop, not a nest: the pipeline runs across heads.
@@ -317,7 +345,8 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                             stride_doh, stride_dom, scale, qk_scale, seed, dropout_p, inv_keep, Lk, cap_in, cap_out,
                             slopes_b, bias_b, stride_bh, stride_bm, stride_bn, amask_b, stride_ah, stride_am,
                             stride_an, False, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                            HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET)
+                            HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N, BLOCK_D, INTERPRET,
+                            b=b, HOST=HOST == 1)
         start_m += BLOCK_M
         wrap = start_m >= full_end
         start_m = tl.where(wrap, head_end, start_m)
@@ -340,7 +369,7 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
                                 inv_keep, Lk, cap_in, cap_out, slopes_b, bias_b, stride_bh, stride_bm, stride_bn,
                                 amask_b, stride_ah, stride_am, stride_an, True, IS_CAUSAL, WINDOW, HAS_DROPOUT, SOFTCAP,
                                 HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, PART, AHEAD, BLOCK_M, BLOCK_N,
-                                BLOCK_D, INTERPRET)
+                                BLOCK_D, INTERPRET, b=b, HOST=HOST == 1)
             start_m += BLOCK_M
             start_m = tl.where(start_m == head_end, full_end, start_m)
             wrap = start_m >= m_end
@@ -361,14 +390,22 @@ def _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base
     else:
         dk_base = DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
         dv_base = DV + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-    if PART != 1:
-        dk_desc = _desc(dk_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
-        _store(dk_desc, dk_base, start_n, Lk, stride_dkn, D, common.cast(dk, DK.dtype.element_ty, INTERPRET),
-               BLOCK_N, BLOCK_D, USE_TMA)
-    if PART != 2:
-        dv_desc = _desc(dv_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
-        _store(dv_desc, dv_base, start_n, Lk, stride_dkn, D, common.cast(dv, DV.dtype.element_ty, INTERPRET),
-               BLOCK_N, BLOCK_D, USE_TMA)
+    if HOST:
+        if PART != 1:
+            DKD.store([b, hk, start_n, 0], common.cast(dk, DK.dtype.element_ty, INTERPRET).reshape(
+                [1, 1, BLOCK_N, BLOCK_D]))
+        if PART != 2:
+            DVD.store([b, hk, start_n, 0], common.cast(dv, DV.dtype.element_ty, INTERPRET).reshape(
+                [1, 1, BLOCK_N, BLOCK_D]))
+    else:
+        if PART != 1:
+            dk_desc = _desc(dk_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
+            _store(dk_desc, dk_base, start_n, Lk, stride_dkn, D, common.cast(dk, DK.dtype.element_ty, INTERPRET),
+                   BLOCK_N, BLOCK_D, USE_TMA)
+        if PART != 2:
+            dv_desc = _desc(dv_base, Lk, D, stride_dkn, BLOCK_N, BLOCK_D, USE_TMA)
+            _store(dv_desc, dv_base, start_n, Lk, stride_dkn, D, common.cast(dv, DV.dtype.element_ty, INTERPRET),
+                   BLOCK_N, BLOCK_D, USE_TMA)
 
 
 @triton.jit
@@ -383,9 +420,11 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                     HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
                     EVEN_D: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAT_ALIGN: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    INTERPRET: tl.constexpr, hk=0, HOST: tl.constexpr = 0, QD=0, DOD=0, KD=0, VD=0, DQD=0):
     """dQ of queries [start_m, start_m + BLOCK_M) of head ``h`` (``VARLEN``: of sequence ``b``,
-    from token ``q0``)."""
+    from token ``q0``). ``HOST`` (dense batches on the TMA path) 1: every tile through the host's
+    descriptors ``QD``..``DQD`` (kv head ``hk``), none built here; 2: Q, dO and dQ through them,
+    the loop's K and V through tensor maps built here (the loop as without ``HOST``)."""
     bh = b * Hq + h
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if VARLEN:
@@ -396,12 +435,21 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-    q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
-    do_desc = _desc(do_base, Lq, D, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
-    k_desc = _desc(k_base, tl.maximum(Lk, 1) if VARLEN else Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
-    v_desc = _desc(v_base, tl.maximum(Lk, 1) if VARLEN else Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
-    q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
-    do = _load(do_desc, do_base, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
+    if HOST:
+        q = _tile(QD, b, h, start_m, BLOCK_M, BLOCK_D)
+        do = _tile(DOD, b, h, start_m, BLOCK_M, BLOCK_D)
+        if HOST == 1:
+            k_desc, v_desc = KD, VD
+        else:
+            k_desc = _desc(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+            v_desc = _desc(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+    else:
+        q_desc = _desc(q_base, Lq, D, stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+        do_desc = _desc(do_base, Lq, D, stride_dom, BLOCK_M, BLOCK_D, USE_TMA)
+        k_desc = _desc(k_base, tl.maximum(Lk, 1) if VARLEN else Lk, D, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+        v_desc = _desc(v_base, tl.maximum(Lk, 1) if VARLEN else Lk, D, stride_vn, BLOCK_N, BLOCK_D, USE_TMA)
+        q = _load(q_desc, q_base, start_m, Lq, stride_qm, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
+        do = _load(do_desc, do_base, start_m, Lq, stride_dom, D, BLOCK_M, BLOCK_D, True, EVEN_D, USE_TMA)
     if VARLEN:
         stats = STATS + h.to(tl.int64) * (2 * stride_stat) + (q0 // STAT_ALIGN + b) * STAT_ALIGN + start_m
     else:
@@ -429,14 +477,14 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
                       False, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
                       SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
-                      BLOCK_D, INTERPRET)
+                      BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST == 1)
     for start_n in tl.range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n, offs_m,
                       diag_hi, diag_lo, Lk, D, stride_kn, stride_vn, scale, qk_scale, seed, bh, dropout_p, inv_keep,
                       Lq, cap_in, cap_out, slope2, bias_bh, stride_bm, stride_bn, amask_bh, stride_am, stride_an,
                       True, IS_CAUSAL, WINDOW, HAS_PAD, HAS_DROPOUT,
                       SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_M, BLOCK_N,
-                      BLOCK_D, INTERPRET)
+                      BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST == 1)
     if WINDOW:
         for start_n in tl.range(lo, full_lo, BLOCK_N):
             dq = _dq_step(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, pad_base, start_m, start_n,
@@ -445,12 +493,17 @@ def _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, h, start_m, q
                           stride_an, True, IS_CAUSAL, WINDOW, HAS_PAD,
                           HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D,
                           BLOCK_M,
-                          BLOCK_N, BLOCK_D, INTERPRET)
-    dq_desc = _desc(dq_base, Lq, D, stride_dqm, BLOCK_M, BLOCK_D, USE_TMA)
+                          BLOCK_N, BLOCK_D, INTERPRET, b=b, hk=hk, HOST=HOST == 1)
+    if not HOST:
+        dq_desc = _desc(dq_base, Lq, D, stride_dqm, BLOCK_M, BLOCK_D, USE_TMA)
     if not _tf32_scaled_ds(Q.dtype.element_ty, IEEE):
         dq = dq * scale  # TF32: scaled in dS (``_tf32_scaled_ds``)
-    _store(dq_desc, dq_base, start_m, Lq, stride_dqm, D, common.cast(dq, DQ.dtype.element_ty, INTERPRET),
-           BLOCK_M, BLOCK_D, USE_TMA)
+    if HOST:
+        DQD.store([b, h, start_m, 0], common.cast(dq, DQ.dtype.element_ty, INTERPRET).reshape(
+            [1, 1, BLOCK_M, BLOCK_D]))
+    else:
+        _store(dq_desc, dq_base, start_m, Lq, stride_dqm, D, common.cast(dq, DQ.dtype.element_ty, INTERPRET),
+               BLOCK_M, BLOCK_D, USE_TMA)
 
 
 @triton.jit
@@ -538,9 +591,11 @@ def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
                   HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_AMASK: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
-                  BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
+                  BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, STAT_ALIGN: tl.constexpr, INTERPRET: tl.constexpr,
+                  HOST: tl.constexpr = 0, QD1=0, DOD1=0, KD1=0, VD1=0, STD=0, DKD=0, DVD=0, QD2=0, DOD2=0, KD2=0,
+                  VD2=0, DQD=0):
     """Program ``r`` of the flat (batch, kv head) ``bhk`` (the role by ``r``: :func:`_attn_bwd`'s
-    numbering)."""
+    numbering). ``HOST``: the host's descriptors (:func:`_attn_bwd`)."""
     b = bhk // Hkv
     hk = bhk % Hkv
     # Known non-negative, hk's int64 offsets are zero-extended: no sign word held across the
@@ -566,7 +621,7 @@ def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
                               stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                               IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                               HAS_AMASK, USE_TMA, IEEE, EVEN_D, 1, BLOCK_D,
-                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET, HOST, QD1, DOD1, KD1, VD1, STD, DKD, DVD)
         elif r < 2 * num_n_blocks:
             _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk,
                               (r - num_n_blocks) * BLOCK_N1, 0, 0,
@@ -577,7 +632,7 @@ def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
                               stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                               IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                               HAS_AMASK, USE_TMA, IEEE, EVEN_D, 2, BLOCK_D,
-                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+                              BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET, HOST, QD1, DOD1, KD1, VD1, STD, DKD, DVD)
         else:
             r2 = r - 2 * num_n_blocks
             _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
@@ -590,7 +645,7 @@ def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
                             stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                             IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                             HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
-                            BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET)
+                            BLOCK_M2, BLOCK_N2, STAT_ALIGN, INTERPRET, hk, HOST, QD2, DOD2, KD2, VD2, DQD)
     elif r < num_n_blocks:
         _bwd_dkdv_program(Q, K, V, DO, DK, DV, STATS, MASK, k_base, v_base, pad_base, b, hk, r * BLOCK_N1, 0, 0,
                           stride_qb, stride_qh, stride_qm, stride_kn, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -600,7 +655,7 @@ def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
                           stride_bn, stride_ab, stride_ah, stride_am, stride_an, QR, stride_qrb, stride_qrh,
                           IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
                           HAS_AMASK, USE_TMA, IEEE, EVEN_D, 0, BLOCK_D,
-                          BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET)
+                          BLOCK_M1, BLOCK_N1, STAT_ALIGN, INTERPRET, HOST, QD1, DOD1, KD1, VD1, STD, DKD, DVD)
     else:
         r2 = r - num_n_blocks
         _bwd_dq_program(Q, DO, DQ, STATS, k_base, v_base, pad_base, b, hk * GROUPS + r2 // num_m_blocks,
@@ -612,13 +667,14 @@ def _bwd_dense_roles(r, bhk, num_n_blocks, num_m_blocks, Lq, Lk, seed, inv_keep,
                         stride_bn, stride_ab, stride_ah, stride_am, stride_an, KR, stride_krb, stride_krh,
                         IS_CAUSAL, WINDOW, VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK,
                         USE_TMA, IEEE, EVEN_D, BLOCK_D, BLOCK_M2,
-                        BLOCK_N2, STAT_ALIGN, INTERPRET)
+                        BLOCK_N2, STAT_ALIGN, INTERPRET, hk, HOST, QD2, DOD2, KD2, VD2, DQD)
 
 
 
 
 @triton.jit(do_not_specialize=_SHAPE_ARGS + ("GH",))
 def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLOPES, BIAS, AMASK, KR, QR,
+              QD1, DOD1, KD1, VD1, STD, DKD, DVD, QD2, DOD2, KD2, VD2, DQD,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
@@ -636,7 +692,7 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
               EVEN_D: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
               BLOCK_N2: tl.constexpr, SPLIT_KV: tl.constexpr, SCHED: tl.constexpr, STAT_ALIGN: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              INTERPRET: tl.constexpr, HOST_DESC: tl.constexpr = 0):
     """Per (batch, kv head): programs [0, kv_blocks) compute dK/dV (BLOCK_N1 keys, BLOCK_M1
     queries per step), the next q_blocks * GROUPS programs dQ (BLOCK_M2 queries, BLOCK_N2 keys
     per step), each head's query blocks heaviest first. DK and DV share strides. The band as
@@ -653,7 +709,17 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
     (:func:`forward._lpt_tile`: kv heads in groups of ``GH``, a group's programs by rank, its
     heads innermost); ``ORDER`` maps a rank to the program number above (its role and block),
     most work first (the launcher's ``_bwd_order``). 2: the same order persistent, the grid's
-    programs taking its tiles in turn (snake order: round k's in reverse when k is odd)."""
+    programs taking its tiles in turn (snake order: round k's in reverse when k is odd).
+
+    ``HOST_DESC`` (dense batches on the TMA path; timed candidates, docs/attention-scheduling.md):
+    1, every tile through the host's descriptors instead of tensor maps written per program:
+    ``QD1``, ``DOD1`` (Q, dO: (B, Hq, Lq, D), blocks of BLOCK_M1 rows), ``KD1``, ``VD1``,
+    ``DKD``, ``DVD`` (K, V, dK, dV: (B, Hkv, Lk, D), BLOCK_N1 rows) and ``STD`` (STATS, block
+    (1, 2, BLOCK_M1)) for the dK/dV programs, ``QD2``, ``DOD2``, ``DQD`` (BLOCK_M2 rows),
+    ``KD2``, ``VD2`` (BLOCK_N2 rows) for the dQ programs; 2, the tiles a program reads or writes
+    once through them (K, V, dK, dV; Q, dO, dQ), its loop's through tensor maps as without.
+    Otherwise (and for packed sequences) they are unused."""
+    HOST: tl.constexpr = HOST_DESC if USE_TMA and not VARLEN else 0
     pid = tl.program_id(0)
     seed = 0
     if HAS_DROPOUT:
@@ -745,7 +811,8 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
                                      GROUPS, D, win_left, win_right, scale, dropout_p, softcap, IS_CAUSAL, WINDOW,
                                      VARLEN, HAS_PAD, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA,
                                      IEEE, EVEN_D, BLOCK_D, BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, SPLIT_KV,
-                                     STAT_ALIGN, INTERPRET)
+                                     STAT_ALIGN, INTERPRET, HOST, QD1, DOD1, KD1, VD1, STD, DKD, DVD, QD2, DOD2,
+                                     KD2, VD2, DQD)
         else:
             if SCHED == 1:
                 bhk, rank = _lpt_tile(pid, per_head, NSEQ * Hkv, GH)
@@ -761,4 +828,5 @@ def _attn_bwd(Q, K, V, DO, DQ, DK, DV, STATS, MASK, SEED, CU_Q, CU_K, ORDER, SLO
                              stride_am, stride_an, stride_krb, stride_krh, stride_qrb, stride_qrh, Hq, Hkv, GROUPS, D,
                              win_left, win_right, scale, dropout_p, softcap, IS_CAUSAL, WINDOW, VARLEN, HAS_PAD,
                              HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_AMASK, USE_TMA, IEEE, EVEN_D, BLOCK_D,
-                             BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, SPLIT_KV, STAT_ALIGN, INTERPRET)
+                             BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, SPLIT_KV, STAT_ALIGN, INTERPRET, HOST, QD1,
+                             DOD1, KD1, VD1, STD, DKD, DVD, QD2, DOD2, KD2, VD2, DQD)

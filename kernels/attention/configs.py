@@ -50,9 +50,9 @@ def _fwd_cfg(bm, bn, warps, stages, ws=False, sched=0, vhost=False):
                             VHOST=vhost)
 
 
-def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False, sched=0):
+def _bwd_cfg(m1, n1, m2, n2, warps, stages, split_kv=False, sched=0, host_desc=0):
     return common.Config.of(num_warps=warps, num_stages=stages, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
-                            BLOCK_N2=n2, SPLIT_KV=split_kv, SCHED=sched)
+                            BLOCK_N2=n2, SPLIT_KV=split_kv, SCHED=sched, HOST_DESC=host_desc)
 
 
 F, B = _fwd_cfg, _bwd_cfg
@@ -248,6 +248,26 @@ FWD_CONFIGS = _with_classes(FWD_CONFIGS, {"band": _derived(FWD_CONFIGS, _BAND_FW
                                           "score": _derived(FWD_CONFIGS, _SCORE_FWD)})
 BWD_CONFIGS = _with_classes(BWD_CONFIGS, {"band": _derived(BWD_CONFIGS, _BAND_BWD),
                                           "score": _derived(BWD_CONFIGS, _SCORE_BWD)})
+
+
+def _host_desc_twin(cfg, mode=1):
+    m = cfg.meta()
+    return _bwd_cfg(m["BLOCK_M1"], m["BLOCK_N1"], m["BLOCK_M2"], m["BLOCK_N2"], cfg.num_warps, cfg.num_stages,
+                    m["SPLIT_KV"], m["SCHED"], mode)
+
+
+# The backward's host-side descriptors (``HOST_DESC``, docs/attention-scheduling.md): sm_90's
+# 16-bit first configs, every head dim, dropout and class, with Q, K, V, dO, dQ, dK, dV and the
+# row statistics read and written through descriptors the launcher builds (1), instead of the
+# 7 (dK/dV) or 5 (dQ) tensor maps each program writes to global memory around its loop; in
+# the plain class also with only the tiles a program reads or writes once through them (2:
+# the loops keep their maps and their length, 4 and 3 maps fewer). Dense batches only: packed
+# sequences keep their per-sequence device descriptors (the twins run as the first config
+# there). Timed after the first config and never first: not yet run on a GPU
+# (FUSED_BLOCK_TUNE=0 and the pointer path take the first).
+BWD_CONFIGS[90] = {key: [cfgs[0], _host_desc_twin(cfgs[0]), *([_host_desc_twin(cfgs[0], 2)] if key[3] == "plain" else []),
+                         *cfgs[1:]] if key[1] == "16" else cfgs
+                   for key, cfgs in BWD_CONFIGS[90].items()}
 
 # Split-KV decoding (decode.py): BLOCK_N keys per step, by (head-dim class, operand kind,
 # class); the query rows (the GQA group's GROUPS * Lq <= 16 * GROUPS) take BLOCK_M = 16 .. 64

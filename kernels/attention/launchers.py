@@ -579,9 +579,47 @@ def _bwd_launch(cfg, launch):
         order = _bwd_order(cfg, varlen, Lq, Lk, n_kv, n_q, groups, constexprs, tail[7], tail[8], q.device)
     programs = per_head * B * Hkv
     grid = (_grid_size(min(programs, common.sm_count(q.device)) if cfg["SCHED"] == 2 else programs),)
+    if cfg["HOST_DESC"] and constexprs["USE_TMA"] and varlen is None:
+        descs = _bwd_descs(cfg, ptrs, strides, constexprs["BLOCK_D"])
+    else:
+        descs = (q,) * 12  # unused
     common.launch("attention_bwd", _attn_bwd, grid,
-                  (*ptrs[:12], order, *ptrs[12:], kr, qr, *strides, *skr, *sqr, *tail[:7], gh, *tail[7:]),
+                  (*ptrs[:12], order, *ptrs[12:], kr, qr, *descs, *strides, *skr, *sqr, *tail[:7], gh, *tail[7:]),
                   constexprs, cfg)
+
+
+def _bwd_descs(cfg, ptrs, strides, block_d: int) -> tuple:
+    """The backward's host-side descriptors (``HOST_DESC``; ``backward._attn_bwd``'s QD1 ..
+    DQD): Q, dO, K, V, dK, dV and STATS at the dK/dV programs' blocks, Q, dO, K, V and dQ at
+    the dQ programs'; with ``HOST_DESC`` 2 only those of the tiles a program reads or writes
+    once (the loops' are unused: the tensor in their place). ``strides``: the launch's (q, k,
+    v, do, dq, dk strides first)."""
+    q, k, v, do, dq, dk, dv, stats = ptrs[:8]
+    sq, sk, sv, sdo, sdq, sdk = (tuple(strides[3 * i:3 * i + 3]) for i in range(6))
+    m1, n1, m2, n2 = cfg["BLOCK_M1"], cfg["BLOCK_N1"], cfg["BLOCK_M2"], cfg["BLOCK_N2"]
+    edges = (_tma_desc(k, sk, n1, block_d), _tma_desc(v, sv, n1, block_d), _tma_desc(dk, sdk, n1, block_d),
+             _tma_desc(dv, sdk, n1, block_d), _tma_desc(q, sq, m2, block_d), _tma_desc(do, sdo, m2, block_d),
+             _tma_desc(dq, sdq, m2, block_d))
+    if cfg["HOST_DESC"] == 2:
+        return (q, q, *edges[:2], q, *edges[2:6], q, q, edges[6])
+    loops = (_tma_desc(q, sq, m1, block_d), _tma_desc(do, sdo, m1, block_d), _stats_desc(stats, stats.shape[2], m1),
+             _tma_desc(k, sk, n2, block_d), _tma_desc(v, sv, n2, block_d))
+    return (*loops[:2], *edges[:2], loops[2], *edges[2:6], *loops[3:], edges[6])
+
+
+def _stats_desc(stats, stride_stat: int, block_m: int):
+    """Host-side descriptor over the backward's row statistics ``stats`` ((B * Hq + 1, 2,
+    stride_stat) fp32, contiguous), block (1, 2, block_m): a query block's LSE and delta rows
+    (``_tma_desc``'s fast path after the first of a block shape)."""
+    shape, desc_strides, block_shape = list(stats.shape), [2 * stride_stat, stride_stat, 1], [1, 2, block_m]
+    if ("stats", block_m) not in _DESC_BLOCKS:
+        desc = TensorDescriptor(stats, shape, desc_strides, block_shape)
+        _DESC_BLOCKS.add(("stats", block_m))
+        return desc
+    desc = _new_object(TensorDescriptor)
+    desc.__dict__ = {"base": stats, "shape": shape, "strides": desc_strides, "block_shape": block_shape,
+                     "padding": "zero"}
+    return desc
 
 
 _BWD_ORDERS = {}  # dense batches' program orders, by shape, config and band

@@ -36,14 +36,30 @@ def _aligned_args(fn):
                  and not n.startswith(("stride_b", "stride_a", "stride_db", "stride_kr", "stride_qr"))) + ("D",)
 
 
+# The backward's host-side descriptors (``HOST_DESC``) and the block each one's rows take.
+_BWD_DESCS = {"QD1": "BLOCK_M1", "DOD1": "BLOCK_M1", "KD1": "BLOCK_N1", "VD1": "BLOCK_N1", "DKD": "BLOCK_N1",
+              "DVD": "BLOCK_N1", "QD2": "BLOCK_M2", "DOD2": "BLOCK_M2", "KD2": "BLOCK_N2", "VD2": "BLOCK_N2",
+              "DQD": "BLOCK_M2"}
+
+
 def _data_ptrs(fn, dt, meta=None, block_d=None, tma=False):
-    """Argument types: data pointers, and the forward's descriptor arguments (host-side
-    descriptors on its TMA path without warp specialization, else the tensors)."""
-    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "QD", "KD", "VD", "OD", "DOD")
-            if p in fn.arg_names}
+    """Argument types: data pointers, and the forward's and the backward's descriptor arguments
+    (host-side descriptors on the forward's TMA path without warp specialization and with the
+    backward's ``HOST_DESC`` on dense batches, else the tensors)."""
+    ptrs = {p: f"*{dt}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "QD", "KD", "VD", "OD", "DOD",
+                                  *_BWD_DESCS) if p in fn.arg_names}
     if tma and meta is not None and "WS" in meta and not meta["WS"]:
         for p, block in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
             ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
+    if "STD" in fn.arg_names:
+        ptrs["STD"] = "*fp32"
+    if tma and meta is not None and meta.get("HOST_DESC"):
+        # 2: the loops' descriptors unused (the tensors in their place)
+        for p, block in _BWD_DESCS.items():
+            if meta["HOST_DESC"] == 1 or p not in ("QD1", "DOD1", "KD2", "VD2"):
+                ptrs[p] = f"tensordesc<{dt}[1, 1, {meta[block]}, {block_d}]>"
+        if meta["HOST_DESC"] == 1:
+            ptrs["STD"] = f"tensordesc<fp32[1, 2, {meta['BLOCK_M1']}]>"
     ptrs.update({p: "*fp32" for p in ("LSE", "STATS", "SINKS", "SLOPES", "DBIAS", "DSINK") if p in fn.arg_names})
     ptrs.update({p: t for p, t in (("MASK", "*u8"), ("SEED", "*i64"), ("CU_Q", "*i32"), ("CU_K", "*i32"),
                                    ("ORDER", "*i32"),
@@ -141,6 +157,7 @@ def aot_specs(exhaustive=None) -> list:
                     blocks += " ws" if m.get("WS") else ""
                     blocks += {0: "", 1: " lpt", 2: " persistent"}[m.get("SCHED", 0)]
                     blocks += " vhost" if m.get("VHOST") else ""
+                    blocks += {0: "", 1: " hostdesc", 2: " hostdesc edges"}[m.get("HOST_DESC", 0)]
                     tag = "" if cls == "plain" else f" {cls}"
                     items.setdefault((kname, arch, cls, tma), []).append([])
                     for flags, combo_name in _aot_combos(cls, block_d, tma, exhaustive):
@@ -148,8 +165,11 @@ def aot_specs(exhaustive=None) -> list:
                         if kname == "bwd":
                             flags = dict(flags, STAT_ALIGN=STAT_ALIGN)
                         flags = {n: v for n, v in flags.items() if n in fn.arg_names}
-                        # the forward's host-side descriptors
-                        host = tma and (not flags["VARLEN"] or m.get("VHOST", False))
+                        # the forward's host-side descriptors, the backward's (dense batches)
+                        if kname == "fwd":
+                            host = tma and (not flags["VARLEN"] or m.get("VHOST", False))
+                        else:
+                            host = tma and not flags["VARLEN"]
                         specs.append(aot.KernelSpec(
                             name=(f"attention_{kname} D{block_d} {kind}{' dropout' if dropout else ''}{tag} {blocks} "
                                   f"{'tma' if tma else 'ptr'}: {combo_name}"),
