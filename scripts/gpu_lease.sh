@@ -11,8 +11,8 @@
 #                Gluon forwards and backward, the atomic-dQ backward); a wrong mbarrier phase
 #                hangs instead of failing, hence steps of their own with short limits
 #   hopper-ws    their warp-specialized, ping-pong and persistent forms (heavy cases)
-#   sched        the Triton attention's new tile orders and varlen host-descriptor path (timed
-#                candidates after the first config), each forced by its tests
+#   sched        the Triton attention's new tile orders, varlen host-descriptor path and the
+#                backward's host descriptors (timed candidates after the first config), each forced
 #   hopper-bench the Gluon forwards beside our Triton kernel and SDPA cuDNN (L4096 D128, D64)
 #   bwd-bench    the atomic-dQ and Gluon backwards beside ours and cuDNN
 #   profile      python -m bench --profile block,hf: one training step of the Pre-LN layer and of
@@ -65,12 +65,12 @@ step hopper-ws 45 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_HEAVY=1 FUSED_BLOCK_COLLECT
     "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-hopper-ws.xml" \
     tests/test_attention_hopper.py tests/test_attention_hopper_bwd.py \
     -k "wspec or persist or pingpong or overlap"
-# The Triton kernels' new tile orders and varlen host-descriptor path (timed candidates after
-# the first config: forced one by one by these tests).
+# The Triton kernels' new tile orders, varlen host-descriptor path and the backward's host-side
+# descriptors (timed candidates after the first config: forced one by one by these tests).
 # shellcheck disable=SC2046  # xdist_args is a list of options
 step sched 30 env FUSED_BLOCK_TUNE=0 FUSED_BLOCK_COLLECTED="$WORK/collected-sched.txt" \
     "$PY" -m pytest -q -rfE -p no:cacheprovider $(xdist_args "$WORKERS") --junitxml="$WORK/junit-sched.xml" \
-    tests/test_attention.py tests/test_attention_varlen.py -k "scheduled and bfloat16"
+    tests/test_attention.py tests/test_attention_varlen.py -k "(scheduled or host_descriptor) and (bfloat16 or strided)"
 step hopper-bench 55 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_hopper --rep 30 \
     --providers gluon,gluon_pingpong,triton,sdpa_cudnn --shapes "L4096 D128,D64" --json "$OUT/attention-hopper.json"
 step bwd-bench 40 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_dq_atomic --rep 30 \
