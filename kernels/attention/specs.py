@@ -277,48 +277,26 @@ def aot_specs(exhaustive=None) -> list:
                         fn=getattr(hopper, f"_attn_fwd_hopper{variant}"), signature=sig,
                         constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True,
                         tma=True, hot_loops=True, archs=(90,)))
-    # The ping-pong variant (hopper.PINGPONG_CONFIGS: 2 consumers, or 3 at 192 rows), the same way.
-    for block_d, cands in hopper.PINGPONG_CONFIGS.items():
-        for block_m, block_n, stages in cands:
-            items.setdefault(("hopper", "_pp", block_d), []).append([])
-            for causal in (True, False):
-                items["hopper", "_pp", block_d][-1].append(len(specs))
-                sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws=True,
-                                                       block_m=block_m, overlap=False)
-                specs.append(aot.KernelSpec(
-                    name=(f"attention_fwd_hopper_pp (Gluon) D{block_d} 16 {block_m}x{block_n}/{stages}: "
-                          f"{'causal' if causal else 'full'}"),
-                    fn=hopper._attn_fwd_hopper_pp, signature=sig, constexprs=constexprs,
-                    num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
-                    archs=(90,)))
-    # Its consumers one score block deeper (hopper.PP_OVERLAP_CONFIGS, OVERLAP), the same way.
-    for block_d, cands in hopper.PP_OVERLAP_CONFIGS.items():
-        for block_m, block_n, stages in cands:
-            items.setdefault(("hopper", "_pp_overlap", block_d), []).append([])
-            for causal in (True, False):
-                items["hopper", "_pp_overlap", block_d][-1].append(len(specs))
-                sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws=True,
-                                                       block_m=block_m, overlap=True)
-                specs.append(aot.KernelSpec(
-                    name=(f"attention_fwd_hopper_pp overlap (Gluon) D{block_d} 16 {block_m}x{block_n}/{stages}: "
-                          f"{'causal' if causal else 'full'}"),
-                    fn=hopper._attn_fwd_hopper_pp, signature=sig, constexprs=constexprs,
-                    num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
-                    archs=(90,)))
-    # Its persistent form (hopper.PP_PERSISTENT_CONFIGS), the same way.
-    for block_d, cands in hopper.PP_PERSISTENT_CONFIGS.items():
-        for block_m, block_n, stages in cands:
-            items.setdefault(("hopper", "_pp_persistent", block_d), []).append([])
-            for causal in (True, False):
-                items["hopper", "_pp_persistent", block_d][-1].append(len(specs))
-                sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws=True,
-                                                       persistent=True, block_m=block_m)
-                specs.append(aot.KernelSpec(
-                    name=(f"attention_fwd_hopper_pp_persistent (Gluon) D{block_d} 16 {block_m}x{block_n}/{stages}: "
-                          f"{'causal' if causal else 'full'}"),
-                    fn=hopper._attn_fwd_hopper_pp_persistent, signature=sig, constexprs=constexprs,
-                    num_warps=constexprs["num_warps"], num_stages=stages, wgmma=True, tma=True, hot_loops=True,
-                    archs=(90,)))
+    # The ping-pong variant (hopper.PINGPONG_CONFIGS: 2 consumers, or 3 at 192 rows), its consumers
+    # one score block deeper (PP_OVERLAP_CONFIGS, OVERLAP) and its persistent form
+    # (PP_PERSISTENT_CONFIGS), the same way.
+    for variant, table, overlap, persistent in (("_pp", hopper.PINGPONG_CONFIGS, False, False),
+                                                ("_pp overlap", hopper.PP_OVERLAP_CONFIGS, True, False),
+                                                ("_pp_persistent", hopper.PP_PERSISTENT_CONFIGS, False, True)):
+        for block_d, cands in table.items():
+            for block_m, block_n, stages in cands:
+                items.setdefault(("hopper", variant, block_d), []).append([])
+                for causal in (True, False):
+                    items["hopper", variant, block_d][-1].append(len(specs))
+                    sig, constexprs = hopper.aot_spec_args("bf16", block_d, causal, block_n, stages, ws=True,
+                                                           persistent=persistent, block_m=block_m,
+                                                           overlap=None if persistent else overlap)
+                    specs.append(aot.KernelSpec(
+                        name=(f"attention_fwd_hopper{variant} (Gluon) D{block_d} 16 {block_m}x{block_n}/{stages}: "
+                              f"{'causal' if causal else 'full'}"),
+                        fn=hopper._attn_fwd_hopper_pp_persistent if persistent else hopper._attn_fwd_hopper_pp,
+                        signature=sig, constexprs=constexprs, num_warps=constexprs["num_warps"], num_stages=stages,
+                        wgmma=True, tma=True, hot_loops=True, archs=(90,)))
     # The opt-in Gluon Hopper backward (hopper_bwd.py), single-partition, warp-specialized and
     # persistent: sm_90 only, every candidate (one build serves causal and not: causality is a
     # runtime bound), bf16.
