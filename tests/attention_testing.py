@@ -161,3 +161,33 @@ def forced_host_desc(monkeypatch, mode: int = 1):
 
     monkeypatch.setattr(common, "launch", record)
     return seen
+
+
+def qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device, grad=True):
+    """Fresh random (q, k, v) in (B, H, L, D), k and v with Hkv heads."""
+    return (randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=grad),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad),
+            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad))
+
+
+def unsupported_features(L: int) -> list:
+    """(name, tensors, features) of bf16 D64 calls (B 1, 2 heads, L tokens, CPU) whose score
+    features or layout the opt-in Hopper backwards do not take: dropout, padding, a window,
+    softcap, ALiBi, a bias (with its gradient), a bool mask, rows TMA cannot read."""
+    bf = torch.bfloat16
+    tensors = qkv(1, 2, 2, L, L, 64, bf, "cpu", grad=False)
+    _, k, v = tensors
+    # A row stride TMA cannot take (an odd number of elements: 2-byte misaligned rows).
+    odd = torch.randn(1, 2, L, 65).to(bf)[..., :64]
+    bias = torch.zeros(L, L, dtype=bf)
+    return [
+        ("dropout", tensors, dict(dropout_p=0.1)),
+        ("padding", tensors, dict(key_padding_mask=torch.zeros(1, L, dtype=torch.bool))),
+        ("window", tensors, dict(window=(8, 0))),
+        ("softcap", tensors, dict(softcap=30.0)),
+        ("alibi", tensors, dict(alibi=torch.ones(2))),
+        ("bias", tensors, dict(bias=bias)),
+        ("bias-grad", tensors, dict(bias=bias, dbias=torch.empty(1, 1, L, L, dtype=bf))),
+        ("mask", tensors, dict(mask=torch.ones(L, L, dtype=torch.bool))),
+        ("unaligned", (odd, k, v), {}),
+    ]

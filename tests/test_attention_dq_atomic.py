@@ -12,7 +12,8 @@ everything else runs the atomic-free backward (launch counts).
 import pytest
 import torch
 
-from attention_testing import check
+from attention_testing import check, unsupported_features
+from attention_testing import qkv as _qkv
 from fused_block import reference
 from fused_block.attention import attention
 from fused_block.kernels import common
@@ -21,12 +22,6 @@ from numerics import randn
 
 ON_CUDA = torch.cuda.is_available()
 SM90 = ON_CUDA and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device, grad=True):
-    return (randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=grad),
-            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad),
-            randn(B, Hkv, Lk, D, dtype=dtype, device=device, requires_grad=grad))
 
 
 def _runs_here():
@@ -203,25 +198,11 @@ def test_deterministic_mode_numerics(deterministic, device, launches, monkeypatc
 def _unsupported():
     """(name, tensors, features) of calls the atomic backward does not take."""
     bf = torch.bfloat16
-    qkv = _qkv(1, 2, 2, _L, _L, 64, bf, "cpu", grad=False)
-    q, k, v = qkv
-    # A row stride TMA cannot take (an odd number of elements: 2-byte misaligned rows).
-    odd = torch.randn(1, 2, _L, 65).to(bf)[..., :64]
-    bias = torch.zeros(_L, _L, dtype=bf)
     return [
         ("d256", _qkv(1, 2, 2, _L, _L, 256, bf, "cpu", grad=False), {}),
         ("d32", _qkv(1, 2, 2, _L, _L, 32, bf, "cpu", grad=False), {}),
         ("fp32", _qkv(1, 2, 2, _L, _L, 64, torch.float32, "cpu", grad=False), {}),
-        ("dropout", qkv, dict(dropout_p=0.1)),
-        ("padding", qkv, dict(key_padding_mask=torch.zeros(1, _L, dtype=torch.bool))),
-        ("window", qkv, dict(window=(8, 0))),
-        ("softcap", qkv, dict(softcap=30.0)),
-        ("alibi", qkv, dict(alibi=torch.ones(2))),
-        ("bias", qkv, dict(bias=bias)),
-        ("bias-grad", qkv, dict(bias=bias, dbias=torch.empty(1, 1, _L, _L, dtype=bf))),
-        ("mask", qkv, dict(mask=torch.ones(_L, _L, dtype=torch.bool))),
-        ("unaligned", (odd, k, v), {}),
-    ]
+    ] + unsupported_features(_L)
 
 
 @pytest.mark.parametrize("name,tensors,features", _unsupported(), ids=[c[0] for c in _unsupported()])
