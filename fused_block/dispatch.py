@@ -95,14 +95,20 @@ _SCALARS = (bool, int, float)
 
 def gemm(op, a, b, c, **kw):
     """``matmul.gemm(a, b, c, **kw)`` on the candidate chosen for this call's key; ``op`` names
-    the product in :func:`table` (e.g. "linear.fwd", "ffn.dx")."""
+    the product in :func:`table` (e.g. "linear.fwd", "ffn.dx"). Returns None, except with
+    ``rowsum=True`` (a weight gradient ``dY^T X`` with its bias gradient: ``a`` is dY, ``part``
+    not given): colsum(dY), as our kernel's fp32 partial sums ``(cdiv(rows, PARTIAL_ROWS), N)``
+    (reduce them with ``matmul.reduce_partials``, another bias's partials in the same launch)
+    or as the cuBLAS candidate's finished ``(N,)`` sums in dY's dtype (``torch.sum``: one
+    reduction kernel, as eager's ``addmm`` backward computes a bias gradient, in place of an
+    elementwise pass and a reduction launch)."""
     dtype = a.dtype
     sig = (op, a.shape, b.shape, dtype, c.dtype, a.device, common.fp32_precision() if dtype is _FP32 else "", *kw,
            *[v if v is None or v.__class__ in _SCALARS else True for k, v in kw.items() if k != "seed"])
     key = _KEYS.get(sig)
     if key is None:
         if a.numel() == 0 or b.numel() == 0:
-            return _k.gemm(a, b, c, **kw)
+            return _triton(a, b, c, kw)
         if kw.get("a2") is not None:  # its K joins a2's columns: not in the signature
             key = _key(op, a, b, c, kw)
         else:
@@ -122,9 +128,19 @@ def gemm(op, a, b, c, **kw):
                 path = _choose(key, a, b, c, kw)
     _RAN[key] = path
     if path == CUBLAS:
-        _cublas(a, b, c, **kw)
-    else:
-        _k.gemm(a, b, c, **kw)
+        return _cublas(a, b, c, **kw)
+    return _triton(a, b, c, kw)
+
+
+def _triton(a, b, c, kw):
+    """Our kernel's candidate: ``matmul.gemm``, with ``rowsum`` into partials it allocates and returns."""
+    if kw.get("rowsum"):
+        rows = a.shape[0] if a.dim() == 2 else a.numel() // a.shape[-1]
+        part = common.empty((common.cdiv(rows, _k.PARTIAL_ROWS), a.shape[-1]), _FP32, a.device)
+        _k.gemm(a, b, c, part=part, **kw)
+        return part
+    _k.gemm(a, b, c, **kw)
+    return None
 
 
 def _key(op, a, b, c, kw) -> tuple:
@@ -203,7 +219,7 @@ def _run(path, a, b, c, kw):
     if path == CUBLAS:
         _cublas(a, b, c, **kw)
     else:
-        _k.gemm(a, b, c, **kw)
+        _triton(a, b, c, kw)
 
 
 def _mat(t):
@@ -271,9 +287,9 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
         _product(C, A, B, bias)
         if lora_a is not None:
             C.addmm_(lora_a, lora_b)
-        if rowsum:  # colsum(dY) partials, dY = a read as rows (A is its transpose)
-            _k.act_grad(a, None, 0, dbias=True, store_dpre=False, part=part)
-        return
+        if rowsum:  # colsum(dY), dY = a read as rows (A is its transpose): eager's bias gradient
+            return torch.sum(_mat(a), 0)
+        return None
     if route == "addmm_activation":  # cuBLASLt's GELU (tanh) / ReLU epilogue, nothing after it
         torch._addmm_activation(bias, A, B, use_gelu=activation == 2, out=_mat(c))
         return

@@ -16,13 +16,14 @@ nobody uses:
 - ``linear`` saves x (for dW), the weight (for dX) and, with an activation, the
   pre-activation. Backward: one elementwise pass for the activation and dropout gradient (with
   the bias gradient's partial sums), the dX and dW GEMMs; without an activation the bias
-  gradient's partials come from the dW GEMM, which reads dY anyway. One small kernel reduces
-  the partials into the bias's dtype (deterministic, no atomics).
+  gradient comes with the dW GEMM: our kernel's partials (it reads dY anyway), or on cuBLAS
+  ``torch.sum`` of dY's columns. One small kernel reduces partials into the bias's dtype
+  (deterministic, no atomics).
 - ``mlp`` / ``swiglu`` save x and the pre-activation only (for SwiGLU the gate and up
   projections); the hidden activation is recomputed in the backward's first GEMM. Backward:
   ``dPre = (dY @ W2) * act'(pre)`` (SwiGLU: dGate and dUp) in one GEMM epilogue that also
   emits the first bias's partial sums and the recomputed hidden activation; ``dW2 = dY^T H``
-  with the second bias's partials; ``dW1 = dPre^T X``; ``dX = dPre @ W1`` (SwiGLU: the gate
+  with the second bias's gradient (partials, or ``torch.sum`` on cuBLAS); ``dW1 = dPre^T X``; ``dX = dPre @ W1`` (SwiGLU: the gate
   and up weights read in place); one reduction for both biases.
 
 Dropout is fused into the epilogues: ``mlp``'s ``dropout_p`` on the hidden activation (the
@@ -138,14 +139,14 @@ def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropou
         if need_x:
             _gemm("linear.dx", dpre, weight, dx)
         if need_w:
-            rowsum = need_b and part is None  # dB = colsum(dY) from the dW GEMM's reads of dY
-            if rowsum:
-                part = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), N), torch.float32, g.device)
-            _gemm("linear.dw", dpre, x, dw, part=part if rowsum else None, rowsum=rowsum, transpose_a=True)
+            if need_b and part is None:  # dB = colsum(dY) with the dW GEMM: partials or the sums
+                part = _gemm("linear.dw", dpre, x, dw, rowsum=True, transpose_a=True)
+            else:
+                _gemm("linear.dw", dpre, x, dw, transpose_a=True)
         elif need_b and part is None:
             part = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_b:
-            db = _k.reduce_partials(part, g.dtype)[0]
+            db = part if part.dim() == 1 else _k.reduce_partials(part, g.dtype)[0]
         if need_u:  # the low-rank pair's gradients: dU = dPre @ B, dB = dPre.T @ U (small GEMMs)
             du = common.empty(lora_u.shape, g.dtype, g.device)
             _gemm("lora.du", dpre, lora_b, du)
@@ -343,10 +344,10 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
                     aux2=pre[:, F:] if swiglu else None, hout=h if save == SAVE_PRE and need_w2 else None,
                     part=part1, seed=seed, dropout_p=dropout_p, activation=_code(activation), act_grad=True)
         if need_w2:
-            rowsum = need_b2 and part2 is None
-            if rowsum:
-                part2 = common.empty((common.cdiv(M, _k.PARTIAL_ROWS), D2), torch.float32, dev)
-            _gemm("ffn.dw2", g, h, dw2, part=part2 if rowsum else None, rowsum=rowsum, transpose_a=True)
+            if need_b2 and part2 is None:  # dB2 = colsum(dY) with the dW2 GEMM: partials or the sums
+                part2 = _gemm("ffn.dw2", g, h, dw2, rowsum=True, transpose_a=True)
+            else:
+                _gemm("ffn.dw2", g, h, dw2, transpose_a=True)
         elif need_b2 and part2 is None:
             part2 = _k.act_grad(g, None, 0, dbias=True, store_dpre=False)[1]
         if need_w1:
@@ -357,11 +358,13 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
             else:
                 _gemm("ffn.dx", dpre, w1, dx)
         db1 = db2 = None
-        if need_b1 and need_b2:
+        if need_b2 and part2.dim() == 1:  # the cuBLAS candidate's finished sums
+            db2, part2 = part2, None
+        if need_b1 and part2 is not None:
             db1, db2 = _k.reduce_partials(part1, dt, part2)
         elif need_b1:
             db1 = _k.reduce_partials(part1, dt)[0]
-        elif need_b2:
+        elif part2 is not None:
             db2 = _k.reduce_partials(part2, dt)[0]
     return dx, dw1, db1 if need_b1 else g.new_empty(0), dw2, db2 if need_b2 else g.new_empty(0)
 
