@@ -17,6 +17,7 @@
 #   bwd-bench    the atomic-dQ and Gluon backwards beside ours and cuDNN
 #   profile      python -m bench --profile block,hf: one training step of the Pre-LN layer and of
 #                the LLaMA spec per provider under torch.profiler, with the dispatch's timings
+#   normprobe    scripts/norm_bwd_probe.py (the RMSNorm backward's variants beside LayerNorm's)
 #   bench        python -m bench --quick for SPECS (loss, norm, matmul), each within its share
 #   new          the gpu_quick subset of FIRST_FILES (the files of this phase's new paths)
 #   suite        the rest of the gpu_quick subset in the time left (breadth first)
@@ -79,6 +80,8 @@ step bwd-bench 40 env FUSED_BLOCK_PRINT_TUNING=1 "$PY" -m bench.attention_dq_ato
 # Issue 29: one training step per provider under torch.profiler, then the quick specs.
 step profile 110 env FUSED_BLOCK_PRINT_TUNING=1 FUSED_BLOCK_COMMIT="${COMMIT:-}" \
     "$PY" -m bench --profile block,hf --out "$RESULTS"
+# Issue 29 item 3: the add+RMSNorm backward beside add+LayerNorm's, variant by variant (into results).
+step normprobe 40 bash -c "FUSED_BLOCK_PRINT_TUNING=1 \"$PY\" scripts/norm_bwd_probe.py >\"$RESULTS/norm-bwd-probe.txt\" 2>&1"
 n_specs=$(echo "$SPECS" | tr ',' '\n' | wc -l)
 bench_limit=$(( $(left) - 100 ))
 [ "$bench_limit" -gt 45 ] && bench_limit=45

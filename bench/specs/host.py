@@ -31,10 +31,14 @@ Method (the same for both layers, on CPU tensors, one CPU thread):
   fp32, where the CPU kernels do the least work (bf16 on CPU adds conversions a GPU does not
   make), so its time is the lower bound of its host cost and the ratio errs against us. Ours
   runs in bf16, the benchmarked configuration (its gradient casts run; fp32 would skip them).
-- All four are timed in alternating rounds of a few steps, in this thread's CPU time
-  (``time.thread_time``: time the OS gives other processes is not counted); each one's time
-  is its fastest round's mean step time: the run the rest of the machine disturbed least (on
-  a shared machine medians drift with the load; the minimum estimates the code's own cost).
+- All four are timed in alternating rounds of ten steps after two untimed ones, in this
+  thread's CPU time (``time.thread_time``: time the OS gives other processes is not counted);
+  each one's time is its fastest round's mean step time: the run the rest of the machine
+  disturbed least (on a shared machine medians drift with the load; the minimum estimates the
+  code's own cost). The untimed steps refill the caches the other modes' rounds evicted: with
+  rounds of three timed steps and none untimed (until 2026-12-05) each round's first, cold step
+  weighed a third, torch's step measured 426-543 us from one process to the next (its warm
+  steps: ~375), and the ratios flattered ours (Pre-LN dropout 0: 1.11-1.32 then, ~1.4 warm).
 - Kernels: ``fused_block.profiling.count_kernels`` (Triton launches plus PyTorch ops that
   launch a device kernel; views and bare allocations excluded).
 
