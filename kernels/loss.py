@@ -34,11 +34,14 @@ merged in vocabulary order; the last chunk writes loss and lse); pass 2, the log
 ``_grad_chunk_kernel`` (dlogits in place, ``_ce_kernel``'s formula), then
 dW[chunk] = dlogits.T @ hidden over all N rows once (``torch.mm``, no accumulator),
 ``_colsum_kernel`` db[chunk], and dlogits @ W[chunk] added into an fp32 (N, H) accumulator
-(dh itself for fp32; :func:`_product`), the last chunk writing dh. 8 N V H FLOPs with gradients
+(dh itself for fp32; for 16-bit hidden states dW's last 2 N rows, whose chunks write their dW
+after the loop from their dlogits recomputed: :func:`deferred_start`; :func:`_product`), the
+last chunk writing dh. 8 N V H FLOPs with gradients (and the deferred rows' 2 N / 4 V more)
 against the loop's 6 N V H: the loop is the faster where its accumulator fits.
 
-Chunk sizes come from a memory budget: the chunk buffer at most ``CHUNK_BUDGET_BYTES`` and at
-most 1/MAX_LOGITS_FRACTION of the fp32 (N, V) logits (:func:`chunk_rows`, :func:`chunk_cols`).
+Chunk sizes come from a memory budget: the chunk buffer at most ``CHUNK_BUDGET_BYTES`` (the
+token loop) or ``VOCAB_CHUNK_BUDGET_BYTES`` (the vocabulary-outer schedule) and at most
+1/MAX_LOGITS_FRACTION of the fp32 (N, V) logits (:func:`chunk_rows`, :func:`chunk_cols`).
 
 The products count themselves in ``common.LAUNCHES`` (``lce_logits``, ``lce_dh``, ``lce_dw``)
 like the Triton launches, so that tests see them run.
@@ -70,10 +73,17 @@ SMALL_N = 512
 # chunk for 2 C FLOPs per weight element: at C = 1024, 256 FLOP per byte, above H100/H200's
 # ~206 (989 TFLOP/s bf16 over 4.8 TB/s), so the accumulation stays compute-bound.
 TARGET_CHUNK_ROWS = 1024
-# The chunk buffer's size limit in bytes (both schedules): LLaMA-3's head (vocabulary 128,256)
-# in bf16 at 1,024 rows is 263 MB, within it; the vocabulary-outer schedule's (N, Vc) buffer at
-# 8,192 tokens takes Vc = 16,384 columns (8 chunks).
+# The token loop's chunk buffer's size limit in bytes: LLaMA-3's head (vocabulary 128,256) in
+# bf16 at 1,024 rows is 263 MB, within it.
 CHUNK_BUDGET_BYTES = 256 << 20
+# The vocabulary-outer schedule's (N, Vc) buffer, the memory-first schedule's: at most 32 MiB
+# (2,048 columns at 8,192 tokens, 63 chunks of LLaMA-3's head: its peak beside the inputs is
+# dW, dhidden and this buffer, 1.07 GiB, where Liger-Kernel measured 1.10) unless that leaves
+# fewer than 1,024 columns (the products' N and K stay whole tiles many times over). Each chunk
+# adds dlogits @ W[chunk] into dhidden's fp32 accumulator: K = Vc, 2 Vc FLOPs per 8 bytes of
+# the accumulator read and written, compute-bound from Vc = 1,024 on H100/H200 (~206 FLOP/B).
+VOCAB_CHUNK_BUDGET_BYTES = 32 << 20
+MIN_VOCAB_CHUNK_COLS = 1024
 # Tests set these to force a chunk size (several chunks on interpreter-sized inputs) and a
 # schedule ("rows" or "vocab", see schedule()).
 FORCE_CHUNK_ROWS = None
@@ -112,10 +122,12 @@ def chunk_cols(n: int, v: int, elem: int) -> int:
     """Vocabulary entries per chunk of the vocabulary-outer schedule (:func:`schedule`): the
     (n, padded_stride(Vc)) chunk buffer in the hidden dtype at most 1/MAX_LOGITS_FRACTION of
     the fp32 (n, v) logits whatever n (Vc <= v / 4 for 16-bit logits, v / 8 for fp32) and at
-    most CHUNK_BUDGET_BYTES, a multiple of 64 (whole 16-byte rows) where v allows."""
+    most VOCAB_CHUNK_BUDGET_BYTES unless that leaves fewer than MIN_VOCAB_CHUNK_COLS columns,
+    a multiple of 64 (whole 16-byte rows) where v allows."""
     if FORCE_CHUNK_COLS is not None:
         return max(1, min(v, FORCE_CHUNK_COLS))
-    c = min(4 * v // (MAX_LOGITS_FRACTION * elem), CHUNK_BUDGET_BYTES // (max(n, 1) * elem))
+    c = min(4 * v // (MAX_LOGITS_FRACTION * elem),
+            max(VOCAB_CHUNK_BUDGET_BYTES // (max(n, 1) * elem), MIN_VOCAB_CHUNK_COLS))
     return max(1, min(v, c - c % 64 if c >= 64 else c - c % 16 if c >= 16 else c))
 
 
@@ -683,8 +695,11 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
     pass 2 per chunk recomputes the logits, overwrites them with dlogits
     (``_grad_chunk_kernel``), writes dW[chunk] = dlogits.T @ hidden (cuBLAS over all N
     rows, once, in the weight's dtype: no accumulator), db[chunk] = colsum(dlogits), and
-    accumulates dh += dlogits @ W[chunk] (:func:`_product`) in fp32 (an (N, H) accumulator for
-    16-bit hidden states, dh itself for fp32), the last chunk writing dh."""
+    accumulates dh += dlogits @ W[chunk] (:func:`_product`) in fp32, the last chunk writing dh.
+    The fp32 accumulator: dh itself for fp32 hidden states; for 16-bit ones the rows of dW
+    from :func:`deferred_start` on, whose chunks write their dW after the loop, from their
+    dlogits recomputed (their logits GEMM and gradient pass twice), or where there are none
+    an (N, H) buffer."""
     N, H = hidden.shape
     V = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
@@ -693,7 +708,7 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
     chunks = common.cdiv(V, VC)
     buf = common.empty((N, padded_stride(VC, elem)), dt, dev)
     opts = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, softcap=softcap)
-    bounds = [(c0, min(V, c0 + VC)) for c0 in range(0, V, VC)]
+    bounds = _bounds(0, V, VC)
     if not lse_known:
         state = common.empty((4, N), torch.float32, dev) if chunks > 1 else None
         for i, (c0, c1) in enumerate(bounds):
@@ -702,19 +717,63 @@ def _vocab_outer(hidden, weight, bias, target, loss_rows, lse, dh, dw, db, *, ig
             lse_chunk(logits, target, state, loss_rows, lse, c0, V, first=i == 0, last=i == chunks - 1, **opts)
     if not grad:
         return
-    dh_acc = dh if dh is None or dh.dtype == torch.float32 or chunks == 1 else common.empty((N, H), torch.float32,
-                                                                                           dev)
+    # dhidden's fp32 accumulator (16-bit hidden states, several chunks): in dW's storage, in the
+    # rows of its last chunks, whose dW is written after dhidden from their dlogits recomputed
+    # (:func:`deferred_start`), else an (N, H) buffer of its own.
+    dh_acc, deferred = dh, chunks
+    if dh is not None and dh.dtype != torch.float32 and chunks > 1:
+        t = deferred_start(V, N, H, dw)
+        if t is None:
+            dh_acc = common.empty((N, H), torch.float32, dev)
+        else:
+            bounds = _bounds(0, t, VC) + _bounds(t, V, VC)
+            deferred, chunks = len(_bounds(0, t, VC)), len(bounds)
+            dh_acc = dw.view(-1)[t * H:(t + 2 * N) * H].view(torch.float32).view(N, H)
     for i, (c0, c1) in enumerate(bounds):
         logits = buf[:, :c1 - c0]
         w = weight[c0:c1]
-        logits_product(hidden, w, bias[c0:c1] if bias is not None else None, logits)
-        grad_chunk(logits, target, lse, c0, V, scale_mode=scale_mode, scale_t=scale_t, scale=scale_value, **opts)
-        if dw is not None:
+        _dlogits(hidden, w, bias, target, lse, c0, c1, V, logits, scale_mode, scale_t, scale_value, opts)
+        if dw is not None and i < deferred:
             dw_accumulate(logits, hidden, dw[c0:c1], dw[c0:c1], False)
         if db is not None:
             colsum_accumulate(logits, db[c0:c1], db[c0:c1], False)
         if dh is not None:
             dh_accumulate(logits, w, dh_acc, dh if i == chunks - 1 else dh_acc, i > 0)
+    for c0, c1 in bounds[deferred:]:  # dhidden is complete: its accumulator's rows are free
+        logits = buf[:, :c1 - c0]
+        _dlogits(hidden, weight[c0:c1], bias, target, lse, c0, c1, V, logits, scale_mode, scale_t, scale_value, opts)
+        dw_accumulate(logits, hidden, dw[c0:c1], dw[c0:c1], False)
+
+
+def _dlogits(hidden, w, bias, target, lse, c0, c1, V, logits, scale_mode, scale_t, scale_value, opts):
+    """Pass 2's dlogits of the vocabulary chunk [c0, c1) into ``logits``: its logits GEMM, then
+    ``_grad_chunk_kernel`` in place."""
+    logits_product(hidden, w, bias[c0:c1] if bias is not None else None, logits)
+    grad_chunk(logits, target, lse, c0, V, scale_mode=scale_mode, scale_t=scale_t, scale=scale_value, **opts)
+
+
+def _bounds(v0: int, v1: int, vc: int) -> list:
+    """[v0, v1) in chunks of vc columns: (c0, c1) pairs."""
+    return [(c0, min(v1, c0 + vc)) for c0 in range(v0, v1, vc)]
+
+
+# What :func:`deferred_start` may spend: dhidden's accumulator takes 2 N rows of dW, whose
+# logits GEMM and gradient pass then run twice, 2 N / (4 V) of the schedule's 8 N V H FLOPs
+# (3.2% at LLaMA-3's head and 8,192 tokens), taken where 2 N <= V / MAX_DEFERRED_FRACTION_INV.
+MAX_DEFERRED_FRACTION_INV = 4
+
+
+def deferred_start(v: int, n: int, h: int, dw):
+    """The first vocabulary row whose dW the vocabulary-outer schedule writes after dhidden, so
+    that dW's rows from there hold dhidden's fp32 (n, h) accumulator meanwhile (2 n rows of a
+    16-bit (v, h) dW), a multiple of 64 below v - 2 n; None where there is none: no dW, not a
+    contiguous 16-bit one, 2 n above v / MAX_DEFERRED_FRACTION_INV (the recomputation's
+    price), or v - 2 n below 64. The saving: the accumulator, 4 n h bytes (128 MiB at 8,192
+    tokens of 4,096)."""
+    if dw is None or dw.element_size() != 2 or not dw.is_contiguous() or 2 * n * MAX_DEFERRED_FRACTION_INV > v:
+        return None
+    t = v - 2 * n
+    return t - t % 64 if t >= 64 else None
 
 
 # ---------------------------------------------------------------------------------------------
