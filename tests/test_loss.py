@@ -114,18 +114,31 @@ VOCAB_CASES = [
 
 @pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
 @pytest.mark.parametrize("case", VOCAB_CASES, ids=[c[0] for c in VOCAB_CASES])
-def test_vocabulary_outer_schedule(case, dtype_mode, device, launches, monkeypatch):
+@pytest.mark.parametrize("n,cols", [(N, 32), (9, 16)], ids=["37-tokens", "9-tokens"])
+def test_vocabulary_outer_schedule(case, dtype_mode, n, cols, device, launches, monkeypatch):
+    # 9 tokens in chunks of 16, 16-bit: dhidden's fp32 (9, H) accumulator takes 2 x 9 rows of dW
+    # from row 64 (the multiple of 64 below 101 - 18), so the chunks [64, 80), [80, 96) and
+    # [96, 101) write their dW after dhidden, from their dlogits recomputed, and no (9, H) fp32
+    # tensor is allocated. 37 tokens: 2 x 37 rows are too many (kloss.deferred_start), fp32:
+    # dhidden accumulates in itself.
     _, options, has_bias = case
     dtype, mode = dtype_mode
     monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "vocab")
-    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 32)
-    hidden, weight, bias, target = _inputs(N, V, H, dtype, device, bias=has_bias)
-    _check(dtype, mode, hidden, weight, bias, target, device, **options)
-    chunks = -(-V // 32)
-    # pass 1: logits GEMM + lse merge per chunk; pass 2: logits GEMM again, dlogits, dW, dh (db)
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", cols)
+    hidden, weight, bias, target = _inputs(n, V, H, dtype, device, bias=has_bias, ignore=5 if n == N else 2)
+    with Allocations() as rec:
+        _check(dtype, mode, hidden, weight, bias, target, device, **options)
+    chunks = -(-V // cols)
+    start = kloss.deferred_start(V, n, H, weight.detach()) if dtype != torch.float32 else None
+    assert start == (64 if n == 9 and dtype != torch.float32 else None)
+    deferred = 0 if start is None else len(range(start, V, cols))
+    if dtype != torch.float32:  # dhidden's accumulator: a buffer of its own unless in dW's rows
+        assert any(a.shape == (n, H) and a.dtype == torch.float32 for a in rec.records) == (not deferred)
+    # pass 1: logits GEMM + lse merge per chunk; pass 2: logits GEMM again, dlogits, dW, dh (db),
+    # and for the deferred chunks the logits GEMM and dlogits again before their dW
     # ("none": pass 1 in the forward, pass 2 in the backward from the saved LSE)
-    assert launches["lce_lse"] == chunks and launches["lce_grad"] == chunks
-    assert launches["lce_logits"] == 2 * chunks and launches["matmul"] == 0
+    assert launches["lce_lse"] == chunks and launches["lce_grad"] == chunks + deferred
+    assert launches["lce_logits"] == 2 * chunks + deferred and launches["matmul"] == 0
     assert launches["lce_dw"] == launches["lce_dh"] == chunks
     assert launches["lce_colsum"] == (chunks if has_bias else 0) and launches["lce_ce"] == 0
     # every reduction: pass 2 in the backward, dloss folded into dlogits, no scaled copies
@@ -158,30 +171,6 @@ def test_vocabulary_outer_gradients_in_the_backward(device, launches, monkeypatc
         for a, b, w in zip(one, three, want):
             torch.testing.assert_close(a.double(), w.double(), atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(b, 3 * a, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype_mode", [m for m in DTYPE_MODES if m.values[0][0] != torch.float32])
-@pytest.mark.parametrize("case", VOCAB_CASES, ids=[c[0] for c in VOCAB_CASES])
-def test_vocabulary_outer_accumulates_dhidden_in_dws_last_rows(case, dtype_mode, device, launches, monkeypatch):
-    # 16-bit, 9 tokens, vocabulary 101 in chunks of 16: dhidden's fp32 (9, H) accumulator takes
-    # 2 x 9 rows of dW from row 64 (the multiple of 64 below 101 - 18), so the chunks [64, 80),
-    # [80, 96), [96, 101) write their dW after dhidden, from their dlogits recomputed; no (9, H)
-    # fp32 tensor is allocated, and every gradient matches.
-    _, options, has_bias = case
-    dtype, mode = dtype_mode
-    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "vocab")
-    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 16)
-    n = 9
-    assert kloss.deferred_start(V, n, H, torch.empty(V, H, dtype=dtype)) == 64
-    hidden, weight, bias, target = _inputs(n, V, H, dtype, device, bias=has_bias, seed=3, ignore=2)
-    with Allocations() as rec:
-        _check(dtype, mode, hidden, weight, bias, target, device, **options)
-    assert not [a for a in rec.records if a.shape == (n, H) and a.dtype == torch.float32]
-    chunks, deferred = -(-V // 16), 3
-    assert launches["lce_lse"] == chunks and launches["lce_grad"] == chunks + deferred
-    assert launches["lce_logits"] == 2 * chunks + deferred
-    assert launches["lce_dw"] == launches["lce_dh"] == chunks
-    assert launches["lce_colsum"] == (chunks if has_bias else 0)
 
 
 def test_deferred_rows_rule():
