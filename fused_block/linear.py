@@ -23,8 +23,9 @@ nobody uses:
   projections); the hidden activation is recomputed in the backward's first GEMM. Backward:
   ``dPre = (dY @ W2) * act'(pre)`` (SwiGLU: dGate and dUp) in one GEMM epilogue that also
   emits the first bias's partial sums and the recomputed hidden activation; ``dW2 = dY^T H``
-  with the second bias's gradient (partials, or ``torch.sum`` on cuBLAS); ``dW1 = dPre^T X``; ``dX = dPre @ W1`` (SwiGLU: the gate
-  and up weights read in place); one reduction for both biases.
+  with the second bias's gradient (partials, or ``torch.sum`` on cuBLAS); ``dW1 = dPre^T X``;
+  ``dX = dPre @ W1`` (SwiGLU: the gate and up weights read in place); one reduction for both
+  biases' partials.
 
 Dropout is fused into the epilogues: ``mlp``'s ``dropout_p`` on the hidden activation (the
 first GEMM's epilogue, after the activation), ``output_dropout_p`` on the second GEMM's output
@@ -124,7 +125,6 @@ def _linear_bwd_fake(g, x, weight, pre, seed, activation, dropout_p, need_x, nee
 def _linear_backward(g, x, weight, pre, seed, lora_u, lora_b, activation, dropout_p, need_x, need_w, need_b,
                      need_u, need_lb):
     N = g.shape[-1]
-    M = _n_rows(g)
     K = weight.shape[1] if weight is not None else (x.shape[-1] if x is not None else 0)
     act = _code(activation)
     dx = _empty((*g.shape[:-1], K), g.dtype, g.device, need_x)

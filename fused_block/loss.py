@@ -38,7 +38,8 @@ pass 2 recomputes each chunk's logits, forms dlogits, writes dW[chunk] and db[ch
 adds dlogits @ W[chunk] into an fp32 (N, H) dhidden accumulator (within the rule since H <= V /
 8; for 16-bit inputs held in dW's last 2 N rows, whose dW is written last from their dlogits
 recomputed, where 2 N <= V / 4): 8 N V H FLOPs with gradients instead of 6 (and 2 N / 4 V more
-for those rows), no allocation beyond the results above 1/8 of the fp32 logits. fp32 weights accumulate dW in dW itself and keep the token loop.
+for those rows), no allocation beyond the results above 1/8 of the fp32 logits. fp32 weights
+accumulate dW in dW itself and keep the token loop.
 
 Precision: fp32 log-sum-exp and loss; the logits and dlogits of a chunk are rounded to the
 hidden dtype (as eager ``F.linear`` and a bf16 model's gradient are); the products and the
