@@ -57,6 +57,8 @@ running them repeatedly).
 Offsets: row and vocabulary origins are int64, so more than 2^31 logits elements in all (many
 chunks) and (V, H) weights past 2^31 elements work.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -84,8 +86,24 @@ CHUNK_BUDGET_BYTES = 256 << 20
 # the accumulator read and written, compute-bound from Vc = 1,024 on H100/H200 (~206 FLOP/B).
 VOCAB_CHUNK_BUDGET_BYTES = 32 << 20
 MIN_VOCAB_CHUNK_COLS = 1024
+
+
+def _env_schedule():
+    """``FUSED_BLOCK_LCE_SCHEDULE``: "auto" (or unset: :func:`schedule`'s memory rule), "rows"
+    (time first: the token loop everywhere, 6 N V H FLOPs with gradients, its fp32 (V, H) dW
+    accumulator where there are several chunks) or "vocab" (memory first: the vocabulary-outer
+    schedule wherever the token loop would keep that accumulator)."""
+    value = os.environ.get("FUSED_BLOCK_LCE_SCHEDULE", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("rows", "vocab"):
+        raise ValueError(f"FUSED_BLOCK_LCE_SCHEDULE must be 'auto', 'rows' or 'vocab', got {value!r}")
+    return value
+
+
+PREFER = _env_schedule()
 # Tests set these to force a chunk size (several chunks on interpreter-sized inputs) and a
-# schedule ("rows" or "vocab", see schedule()).
+# schedule ("rows" or "vocab", see schedule()) on every call.
 FORCE_CHUNK_ROWS = None
 FORCE_CHUNK_COLS = None
 FORCE_SCHEDULE = None
@@ -143,9 +161,13 @@ def schedule(n: int, v: int, h: int, elem: int, weight_fp32: bool, need_dh: bool
     16-bit hidden states only) within the same bound, i.e. H <= V / 8 (LLaMA-3's 4,096 <= 16,032,
     GPT-2's 768 <= 6,282), and a weight with unit column stride (its vocabulary chunks are row
     slices).
-    fp32 weights accumulate dW in dW itself (no accumulator): always "rows"."""
-    if not need_dw or weight_fp32 or chunk_rows(n, v, h, elem) >= n:
+    fp32 weights accumulate dW in dW itself (no accumulator): always "rows".
+    ``FUSED_BLOCK_LCE_SCHEDULE`` (:data:`PREFER`) sets the policy instead of the memory rule:
+    "rows" always, or "vocab" wherever the token loop would keep its dW accumulator."""
+    if not need_dw or weight_fp32 or chunk_rows(n, v, h, elem) >= n or PREFER == "rows":
         return "rows"
+    if PREFER == "vocab":
+        return "vocab" if weight_unit_cols else "rows"
     acc_ok = MAX_LOGITS_FRACTION * 4 * v * h <= 4 * n * v
     dh_acc_ok = not need_dh or MAX_LOGITS_FRACTION * 4 * n * h <= 4 * n * v
     return "vocab" if not acc_ok and dh_acc_ok and weight_unit_cols else "rows"

@@ -173,6 +173,27 @@ def test_vocabulary_outer_gradients_in_the_backward(device, launches, monkeypatc
             torch.testing.assert_close(b, 3 * a, atol=1e-6, rtol=1e-5)
 
 
+def test_schedule_policy_switch(monkeypatch):
+    # FUSED_BLOCK_LCE_SCHEDULE: "rows" (time first) everywhere, "vocab" (memory first) wherever
+    # the token loop would keep its fp32 dW accumulator, "auto" the memory rule; anything else
+    # is refused, naming the variable.
+    sched = kloss.schedule
+    for value, want in (("", None), ("auto", None), ("Rows", "rows"), (" vocab ", "vocab")):
+        monkeypatch.setenv("FUSED_BLOCK_LCE_SCHEDULE", value)
+        assert kloss._env_schedule() == want
+    monkeypatch.setenv("FUSED_BLOCK_LCE_SCHEDULE", "fastest")
+    with pytest.raises(ValueError, match="FUSED_BLOCK_LCE_SCHEDULE"):
+        kloss._env_schedule()
+    monkeypatch.setattr(kloss, "PREFER", "rows")
+    assert sched(8192, 128256, 4096, 2, False, True, True) == "rows"  # the rule's "vocab"
+    monkeypatch.setattr(kloss, "PREFER", "vocab")
+    assert sched(8192, 50257, 768, 2, False, True, True) == "vocab"  # the rule's "rows" (N >= 8 H)
+    assert sched(512, 20000, 4096, 2, False, True, True) == "vocab"  # dhidden's accumulator too
+    assert sched(64, 128256, 4096, 2, False, True, True) == "rows"  # one chunk: no accumulator to spare
+    assert sched(512, 128256, 4096, 4, True, True, True) == "rows"  # fp32: dW accumulates in itself
+    assert sched(512, 128256, 4096, 2, False, True, True, weight_unit_cols=False) == "rows"
+
+
 def test_deferred_rows_rule():
     bf16 = torch.empty(128256, 8, dtype=torch.bfloat16, device="meta")
     # LLaMA-3's head at 8,192 tokens: 2 N = 16,384 rows from 111,872 - 111,872 % 64 on
