@@ -173,6 +173,21 @@ def test_vocabulary_outer_gradients_in_the_backward(device, launches, monkeypatc
             torch.testing.assert_close(b, 3 * a, atol=1e-6, rtol=1e-5)
 
 
+def test_vocabulary_outer_frozen_head(device, monkeypatch):
+    # No dW (a frozen head): dhidden's accumulator cannot live in dW's rows, so it is a buffer
+    # of its own and no chunk is recomputed; dhidden the same as with dW's rows holding it.
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "vocab")
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 16)
+    hidden, weight, bias, target = _inputs(9, V, H, torch.bfloat16, device, ignore=2, seed=4)
+    (want,) = torch.autograd.grad(fused_block.linear_cross_entropy(hidden, weight, target, bias), (hidden,))
+    h = hidden.detach().requires_grad_()
+    with Allocations() as rec:
+        (dh,) = torch.autograd.grad(fused_block.linear_cross_entropy(h, weight.detach(), target, bias.detach()),
+                                    (h,))
+    assert any(a.shape == (9, H) and a.dtype == torch.float32 for a in rec.records)
+    assert torch.equal(dh, want)
+
+
 def test_schedule_policy_switch(monkeypatch):
     # FUSED_BLOCK_LCE_SCHEDULE: "rows" (time first) everywhere, "vocab" (memory first) wherever
     # the token loop would keep its fp32 dW accumulator, "auto" the memory rule; anything else
