@@ -421,6 +421,9 @@ def test_host_benchmark_reports_every_configuration():
         assert r["outside_launch"] == []
     table = host.format_rows(rows)
     assert all(r["config"] in table for r in rows)
+    assert all(r["fwd_us"] > 0 and r["fwd_nograd_us"] > 0 and r["torch_fwd_us"] > 0 for r in rows)
+    forward = host.format_forward(rows)
+    assert all(r["config"] in forward for r in rows)
     assert list(profs) == [r["config"] for r in rows]
     assert all(p.groups.get("fused_block/blocks.py", 0) > 0 for p in profs.values())
     breakdown = host.format_profiles(profs)

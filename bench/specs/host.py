@@ -88,7 +88,8 @@ def _name(norm_first, p):
 
 
 def _steps(norm_first, p):
-    """Training steps of torch's layer and of its converted copy (same weights)."""
+    """Training steps of torch's layer and of its converted copy (same weights), then their
+    forwards alone (with autograd recording)."""
     import fused_block
 
     s = SHAPE
@@ -101,9 +102,10 @@ def _steps(norm_first, p):
         x = torch.randn(s["batch"], s["seq"], s["d_model"], dtype=dtype, requires_grad=True)
         dy = torch.randn_like(x)
         inputs = (x, *layer.parameters())
-        return lambda: torch.autograd.grad(layer(x), inputs, dy)
+        return (lambda: torch.autograd.grad(layer(x), inputs, dy)), (lambda: layer(x))
 
-    return step_of(ours, OURS_DTYPE), step_of(ref, TORCH_DTYPE)
+    (ours, ours_fwd), (theirs, theirs_fwd) = step_of(ours, OURS_DTYPE), step_of(ref, TORCH_DTYPE)
+    return ours, theirs, ours_fwd, theirs_fwd
 
 
 @contextlib.contextmanager
@@ -129,6 +131,26 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _best(fn, rounds, per_round=10) -> float:
+    """Best-of-rounds CPU time (us) of ``fn``, each round's first two calls untimed."""
+    best = float("inf")
+    for _ in range(rounds):
+        for _ in range(2):
+            fn()
+        t0 = time.thread_time()
+        for _ in range(per_round):
+            fn()
+        best = min(best, (time.thread_time() - t0) / per_round * 1e6)
+    return best
+
+
+def _no_grad(fn):
+    def run():
+        with torch.no_grad():
+            fn()
+    return run
 
 
 def _rounds(ours, theirs, rounds, per_round):
@@ -223,9 +245,12 @@ def _measure_here(quick, arch) -> dict:
     branches = fake_driver.launcher_branches(arch) if arch else contextlib.nullcontext()
     with _one_thread(), fake_driver.installed(record=False, check=False), branches:
         for norm_first, p in CONFIGS:
-            ours, theirs = _steps(norm_first, p)
+            ours, theirs, ours_fwd, theirs_fwd = _steps(norm_first, p)
             times = _rounds(ours, theirs, rounds=8 if quick else 30, per_round=10)
+            n = 4 if quick else 15
+            forward = dict(torch_fwd_us=_best(theirs_fwd, n))
             with _mode("direct"):
+                forward.update(fwd_us=_best(ours_fwd, n), fwd_nograd_us=_best(_no_grad(ours_fwd), n))
                 ours()  # warm: the counts are a steady step's
                 before, stats = common.LAUNCHES.copy(), launch.STATS.copy()
                 counts = profiling.count_kernels(ours)
@@ -240,7 +265,7 @@ def _measure_here(quick, arch) -> dict:
                              kernels=dataclasses.asdict(counts),
                              torch_kernels=dataclasses.asdict(profiling.count_kernels(theirs)),
                              launch_paths=paths, products=products, surcharge_us=surcharge,
-                             outside_launch=outside))
+                             outside_launch=outside, **forward))
             gc.collect()
     return {"rows": rows, "profiles": profs}
 
@@ -291,6 +316,20 @@ def format_profiles(profs, rows=14) -> str:
     return "\n".join(lines)
 
 
+def format_forward(rows) -> str:
+    """The forward alone: ours (direct path) with autograd recording and under ``no_grad`` (the
+    difference: what recording costs our forward, the ops' autograd Functions and what they
+    save), torch's with autograd."""
+    head = f"{'config':<22} {'ours':>8} {'no_grad':>8} {'autograd':>9} {'torch':>8}"
+    lines = ["forward host us: ours with autograd recording, ours under no_grad, the difference (what "
+             "recording costs our forward: the ops' autograd Functions and what they save), torch's "
+             "forward with autograd", head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['config']:<22} {r['fwd_us']:>8.0f} {r['fwd_nograd_us']:>8.0f} "
+                     f"{r['fwd_us'] - r['fwd_nograd_us']:>9.0f} {r['torch_fwd_us']:>8.0f}")
+    return "\n".join(lines)
+
+
 def format_rows(rows) -> str:
     head = (f"{'config':<22} {'stubbed':>8} {'triton':>8} {'direct':>8} {'torch':>8} {'ratio':>20} "
             f"{'bf16 mm':>8} {'direct*':>8} {'target':>7} {'kernels':>8} {'torch':>6}  launches (steady step)")
@@ -313,7 +352,8 @@ def format_rows(rows) -> str:
 
 
 def report(quick: bool = False) -> str:
-    """The host table, the kernels of a Pre-LN step with dropout 0, and a profile of it."""
+    """The host table, the forward alone, the kernels of a Pre-LN step with dropout 0, and a
+    profile of it."""
     try:
         rows, profs = run(quick)
     except Exception as exc:  # noqa: BLE001 - reported in the output, the run goes on
@@ -321,7 +361,7 @@ def report(quick: bool = False) -> str:
     first = rows[0]["config"]
     return "\n".join([
         f"== host time per training step (this CPU, no GPU; sm_90 launcher branches; {SHAPE}) ==",
-        format_rows(rows), "",
+        format_rows(rows), "", format_forward(rows), "",
         f"== kernels per step: {first} ==", rows[0]["kernels"].table(), "",
         "== where our host time goes (direct launch path): own time per component, us per step under "
         "cProfile (which inflates short calls: read the shares) ==", format_profiles(profs), "",
