@@ -21,11 +21,12 @@ The first call of each shape times the candidate configs (``FUSED_BLOCK_PRINT_TU
 prints them). A backend the machine lacks shows "-".
 """
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from bench import harness
 
 # (name, B, Hq, Hkv, L, D, causal)
 SHAPES = (
@@ -139,8 +140,7 @@ def main(argv=None) -> int:
         for p, err in row.get("errors", {}).items():
             print(f"  {p}: {err}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        harness.write_gpu_json(args.json, rows=rows)
     return 0
 
 

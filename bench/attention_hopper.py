@@ -22,11 +22,12 @@ The first call of each shape class times the Gluon candidates (``FUSED_BLOCK_PRI
 prints them); compiles dominate the run time.
 """
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from bench import harness
 
 # (name, B, Hq, Hkv, L, D, causal): the issue's table, D64 also non-causal, and D256.
 SHAPES = (
@@ -160,8 +161,7 @@ def main(argv=None) -> int:
             for p, err in row.get("errors", {}).items():
                 print(f"{row['shape']}: {p}: {err}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "passes": passes, "rows": rows}, f, indent=1)
+            harness.write_gpu_json(args.json, passes=passes, rows=rows)
     return 0
 
 

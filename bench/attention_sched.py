@@ -13,10 +13,11 @@ alone (the default forward run once), counting the visible pairs only (the backw
 forward's products), ``do_bench``'s median. Each forced config compiles once (about 10-30 s).
 """
 import argparse
-import json
 import sys
 
 import torch
+
+from bench import harness
 
 LENGTHS = (258, 259, 302, 367, 392, 462, 594, 610, 790, 1122, 1386, 1886, 1887, 1896, 1934, 1935)
 SHAPES = ("varlen", "dense", "dense64")
@@ -116,8 +117,7 @@ def main(argv=None) -> int:
         return 2
     rows = [row for shape in shapes for kname in kernels for row in _measure(shape, kname, args.rep)]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        harness.write_gpu_json(args.json, rows=rows)
     return 0
 
 

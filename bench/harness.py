@@ -522,6 +522,13 @@ def environment() -> dict:
     return env
 
 
+def write_gpu_json(path: str, **payload) -> None:
+    """The standalone GPU benchmarks' JSON file (``python -m bench.attention_hopper --json``, ...):
+    ``{"device": the current GPU's name, **payload}``."""
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), **payload}, f, indent=1)
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", (text or "cpu").lower()).strip("-") or "cpu"
 
