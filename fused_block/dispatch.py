@@ -216,10 +216,16 @@ def _choose(key, a, b, c, kw):
 
 
 def _run(path, a, b, c, kw):
+    """One timed run of a candidate, with what its caller must still do for a finished result:
+    for ``rowsum`` our kernel's partial sums are reduced (one launch, as ``linear``'s backward
+    does; the FFN's reduces two biases' partials in that one launch, so there this charges ours
+    a little more than it pays), where cuBLAS's ``torch.sum`` returns the finished sums."""
     if path == CUBLAS:
         _cublas(a, b, c, **kw)
     else:
-        _triton(a, b, c, kw)
+        part = _triton(a, b, c, kw)
+        if part is not None:
+            _k.reduce_partials(part, a.dtype)
 
 
 def _mat(t):

@@ -295,6 +295,25 @@ def test_call_signature_memo_gives_each_call_its_own_key(device, monkeypatch):
     assert len(dispatch._KEYS) == 2 * (len(calls) - 1)
 
 
+def test_timed_candidates_finish_the_bias_gradient(device, launches):
+    # What the timed choice runs per candidate of a weight gradient with its bias gradient
+    # (dispatch._run): both end with the finished bias sums, so the timings compare like with
+    # like: cuBLAS's product and torch.sum; our kernel's product with the partial sums and
+    # their reduction launch.
+    dtype = torch.bfloat16
+    dy = randn(M, N, dtype=dtype, device=device)
+    x = randn(M, K, dtype=dtype, device=device)
+    kw = dict(rowsum=True, transpose_a=True)
+    ref = dy.double().t() @ x.double()
+    baseline = (dy.t() @ x).double()  # PyTorch's own product in bf16
+    for cand, matmuls, reductions in ((dispatch.TRITON, 1, 1), (dispatch.CUBLAS, 0, 0)):
+        dw = torch.full((N, K), float("nan"), dtype=dtype, device=device)
+        before = launches["matmul"], launches["bias_grad_reduce"]
+        dispatch._run(cand, dy, x, dw, kw)
+        assert (launches["matmul"] - before[0], launches["bias_grad_reduce"] - before[1]) == (matmuls, reductions)
+        assert_close(f"dW ({cand})", dw, ref, baseline)
+
+
 def test_bad_switches(monkeypatch):
     with pytest.raises(ValueError, match="candidate"):
         with dispatch.force("cudnn"):
