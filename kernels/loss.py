@@ -534,8 +534,10 @@ _OUT_DTYPE = {}  # (device, dtype) -> whether torch's addmm takes out_dtype=floa
 
 def _has_out_dtype(acc, a) -> bool:
     """Whether this torch's ``addmm`` computes 16-bit x 16-bit -> fp32 on ``acc``'s device (its
-    ``out_dtype`` overload: CUDA only, and not in every torch the package declares): tried once
-    per device and dtype on 2 x 2 operands."""
+    ``out_dtype`` overload: CUDA only, and not in every torch the package declares), in place
+    as :func:`_addmm_fp32` calls it: tried once per device and dtype on 2 x 2 operands, both
+    ways it is used (``beta=1`` adds to the fp32 output it writes, ``beta=0`` ignores it, NaNs
+    included, as ``addmm`` documents); an overload that does either otherwise is not used."""
     key = (acc.device, a.dtype)
     ok = _OUT_DTYPE.get(key)
     if ok is None:
@@ -544,10 +546,12 @@ def _has_out_dtype(acc, a) -> bool:
         ok = acc.device.type != "cpu"
         if acc.device.type == "cuda":
             m = torch.ones(2, 2, dtype=a.dtype, device=a.device)
-            t = torch.zeros(2, 2, dtype=torch.float32, device=acc.device)
+            added = torch.ones(2, 2, dtype=torch.float32, device=acc.device)
+            ignored = torch.full((2, 2), float("nan"), dtype=torch.float32, device=acc.device)
             try:
-                torch.addmm(t, m, m, beta=1, out_dtype=torch.float32, out=t)
-                ok = bool((t == 2).all())
+                torch.addmm(added, m, m, beta=1, out_dtype=torch.float32, out=added)
+                torch.addmm(ignored, m, m, beta=0, out_dtype=torch.float32, out=ignored)
+                ok = bool((added == 3).all()) and bool((ignored == 2).all())
             except (RuntimeError, TypeError):
                 ok = False
         _OUT_DTYPE[key] = ok

@@ -572,15 +572,22 @@ def test_bench_spec_cases_and_numerics():
 
 
 
-def test_fp32_accumulating_product_without_the_out_dtype_overload(monkeypatch):
-    """Where torch's addmm has no 16-bit -> fp32 overload (the CPU; a torch on CUDA without it,
-    probed once per device), the fp32 accumulation upcasts instead: the same sums."""
+def test_fp32_accumulating_product(device):
+    """The loss's fp32-accumulating product in place, both ways it is called: ``beta=1`` adds to
+    the fp32 accumulator, ``beta=0`` ignores what it holds (NaNs included). On CUDA through
+    torch's 16-bit -> fp32 ``addmm`` overload where the once-per-device probe found it working;
+    on the CPU (no such product) by upcasting: the same sums either way."""
     from fused_block.kernels import loss as kloss
 
-    a = torch.randn(5, 7, dtype=torch.bfloat16)
-    b = torch.randn(7, 3, dtype=torch.bfloat16)
-    acc = torch.randn(5, 3)
-    want = acc + a.double().matmul(b.double()).float()
-    assert not kloss._has_out_dtype(acc, a)
+    a = torch.randn(5, 7, dtype=torch.bfloat16, device=device)
+    b = torch.randn(7, 3, dtype=torch.bfloat16, device=device)
+    product = a.double().matmul(b.double())
+    acc = torch.randn(5, 3, device=device)
+    want = (acc.double() + product).float()
+    if device.type == "cpu":
+        assert not kloss._has_out_dtype(acc, a)  # no 16-bit -> fp32 product on the CPU: the upcast
     kloss._addmm_fp32(acc, a, b, 1)
     torch.testing.assert_close(acc, want)
+    acc.fill_(float("nan"))
+    kloss._addmm_fp32(acc, a, b, 0)
+    torch.testing.assert_close(acc, product.float())
