@@ -83,6 +83,8 @@ _FLAGS = ("act_grad", "bias", "residual", "store_pre", "hout", "part", "rowsum",
           "a2", "transpose_a", "transpose_b")
 _FP32 = torch.float32
 _deterministic = torch._C._get_deterministic_algorithms
+_compiling = torch.compiler.is_compiling
+_tracing = torch._C._get_tracing_state
 
 
 # The call's signature (op, shapes, dtypes, device, the keywords' names, each keyword's value
@@ -130,6 +132,65 @@ def gemm(op, a, b, c, **kw):
     if path == CUBLAS:
         return _cublas(a, b, c, **kw)
     return _triton(a, b, c, kw)
+
+
+# A plain projection's signature (shapes, dtype, device, fp32 precision, bias or not) -> the keys
+# of its three products (forward with the bias alone; dX; dW with or without dB), derived once.
+_PLAIN_KEYS = {}
+TORCH = "torch"  # in table(): a plain projection run as torch's own F.linear (see below)
+
+
+def _plain_keys(x, weight, bias):
+    """The keys ``linear``'s forward and backward give their products for this projection."""
+    n = weight.shape[0]
+    dy = x.new_empty(1).expand(*x.shape[:-1], n)  # dY's shape, dtype and device (the keys read no more)
+    return (_key("linear.fwd", x, weight, x, {"bias": bias, "transpose_b": True}),
+            _key("linear.dx", dy, weight, x, {}),
+            _key("linear.dw", dy, x, weight, {"rowsum": True, "transpose_a": True} if bias is not None
+                 else {"transpose_a": True}))
+
+
+def linear_on_torch(x, weight, bias) -> bool:
+    """Whether the plain projection ``x @ weight.T + bias`` (no activation, residual, dropout or
+    LoRA) runs as torch's own ``F.linear``, forward and backward (torch's autograd: ``addmm``;
+    ``mm`` for dX, ``mm`` for dW and ``sum`` for dB: eager's ops), instead of ``linear``'s
+    Function with its products dispatched one by one.
+
+    It does where its forward product and the gradient products this call will need (dX if x
+    needs a gradient, dW if the weight does) are chosen, or statically ruled, for cuBLAS: their
+    cuBLAS candidates are then exactly the ops torch runs (the bias gradient included,
+    ``torch.sum`` of dY's columns), so the only difference is the host cost, which torch's C++
+    autograd pays at eager's price (``python -m bench --only host``). Not with a forced
+    candidate (``force``, ``FUSED_BLOCK_GEMM``: the tests of each candidate), under
+    deterministic algorithms (our kernels run), in the interpreter (the static rule's first
+    candidate is ours), while ``torch.compile`` or ``torch.jit.trace`` records (the graph keeps
+    ``linear``'s op), or on a GPU before a product's choice is timed (the call runs ``linear``'s
+    own path, which times it). Listed in :func:`table` as the forward key with candidate
+    ``"torch"``."""
+    if _compiling() or _FORCE is not None or _deterministic() or _tracing() is not None:
+        return False  # compiled graphs and traces keep linear's op
+    dtype = x.dtype
+    sig = (x.shape, weight.shape, dtype, x.device, common.fp32_precision() if dtype is _FP32 else "", bias is None)
+    keys = _PLAIN_KEYS.get(sig)
+    if keys is None:
+        if x.numel() == 0 or weight.numel() == 0:
+            return False
+        if len(_PLAIN_KEYS) > 4096:
+            _PLAIN_KEYS.clear()
+        keys = _PLAIN_KEYS[sig] = _plain_keys(x, weight, bias)
+    grad = torch.is_grad_enabled()
+    chosen = _CACHE.chosen
+    for key, needed in zip(keys, (True, grad and x.requires_grad, grad and weight.requires_grad)):
+        if needed:
+            path = chosen.get(key)
+            if path is None:
+                if key[1] == 0 or (common.TUNE and not common.STUB_LAUNCHES):
+                    return False  # the interpreter's rule is ours; on a GPU linear's path times it
+                path = CUBLAS  # FUSED_BLOCK_TUNE=0: the static rule's for products with nothing to fuse
+            if path != CUBLAS:
+                return False
+    _RAN[keys[0]] = TORCH
+    return True
 
 
 def _triton(a, b, c, kw):

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fused_block import _backend, _library, _validate, reference
+from fused_block import dispatch as _dispatch
 from fused_block.dispatch import gemm as _gemm
 from fused_block.kernels import common
 from fused_block.kernels import matmul as _k
@@ -684,6 +685,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
         u, lb = _check_lora(x, lora, (n,))
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p, lora=lora)
+    if (activation is None and residual is None and u is None and dropout_p == 0
+            and _dispatch.linear_on_torch(x, weight, bias)):
+        return F.linear(x, weight, bias)  # its products all on cuBLAS: torch's own op and autograd
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     act = activation or "none"
     if _backend.needs_autograd(x, weight, bias, residual, u, lb):

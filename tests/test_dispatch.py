@@ -314,6 +314,55 @@ def test_timed_candidates_finish_the_bias_gradient(device, launches):
         assert_close(f"dW ({cand})", dw, ref, baseline)
 
 
+def test_plain_projection_on_cublas_runs_as_torchs_linear(device, monkeypatch):
+    # A plain projection (bias alone) whose forward product is chosen for cuBLAS runs as torch's
+    # F.linear with torch's autograd: eager's very ops (addmm; mm, mm, sum), so its output and
+    # every gradient equal eager's bit for bit, and no Triton kernel runs. Chosen for ours (the
+    # interpreter's rule), or forced, or with anything to fuse, linear's own path runs.
+    monkeypatch.setattr(dispatch, "_RAN", {})
+    monkeypatch.setattr(dispatch._CACHE, "chosen", {})
+    dtype = torch.bfloat16
+    x = _t(3, 5, K, dtype=dtype, device=device)
+    w = _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b = _t(N, dtype=dtype, device=device)
+    dy = randn(3, 5, N, dtype=dtype, device=device)
+    inputs = (x, w, b)
+    eager = torch.nn.functional.linear(x, w, b)
+    want = torch.autograd.grad(eager, inputs, dy)
+    with dispatch.force(None):
+        assert not dispatch.linear_on_torch(x, w, b)  # nothing chosen yet: linear's path chooses
+        y = linear(x, w, b)  # ... the keys its products are chosen under
+        torch.autograd.grad(y, inputs, dy)
+        keys = next(iter(dispatch._PLAIN_KEYS.values()))
+        assert list(dispatch._RAN) == list(keys)
+        key = keys[0]
+        for cand, on_torch in ((dispatch.CUBLAS, True), (dispatch.TRITON, False)):
+            for k in keys:
+                dispatch._CACHE.chosen[k] = cand
+            before = common.LAUNCHES.copy()
+            y = linear(x, w, b)
+            grads = torch.autograd.grad(y, inputs, dy)
+            ran = sum((common.LAUNCHES - before).values())
+            assert (ran == 0) == on_torch
+            assert dispatch._RAN[key] == (dispatch.TORCH if on_torch else cand)
+            if on_torch:
+                assert torch.equal(y, eager) and all(torch.equal(g, e) for g, e in zip(grads, want))
+            else:
+                assert_close("y", y, x.double() @ w.double().t() + b.double(), eager)
+        for k in keys:
+            dispatch._CACHE.chosen[k] = dispatch.CUBLAS
+        dispatch._CACHE.chosen[keys[2]] = dispatch.TRITON  # dW on ours: linear's path, but not
+        assert not dispatch.linear_on_torch(x, w, b)
+        with torch.no_grad():  # ... where no gradient is computed
+            assert dispatch.linear_on_torch(x, w, b)
+        dispatch._CACHE.chosen[keys[2]] = dispatch.CUBLAS
+        assert not dispatch.linear_on_torch(x[:, :2], w, b)  # another shape: its own keys, unchosen
+        with dispatch.force("cublas"):
+            assert not dispatch.linear_on_torch(x, w, b)  # a forced candidate runs linear's path
+        linear(x, w, b, "gelu")  # an epilogue to fuse: linear's path, its product dispatched
+        assert dispatch._RAN[list(dispatch._RAN)[-1]] in dispatch.CANDIDATES
+
+
 def test_bad_switches(monkeypatch):
     with pytest.raises(ValueError, match="candidate"):
         with dispatch.force("cudnn"):

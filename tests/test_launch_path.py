@@ -409,6 +409,31 @@ def test_cuda_branches_launch_with_every_argument(arch, dtype, monkeypatch):
 # the host-time benchmark
 # ---------------------------------------------------------------------------------------------
 
+def test_host_benchmark_replays_products_with_their_backward():
+    # The bf16 surcharge's recorder sees the products a step hands to cuBLAS, F.linear included
+    # (a plain projection on cuBLAS runs as torch's own: dispatch.linear_on_torch), and replays
+    # an F.linear with the backward its arguments' gradients ask for.
+    from bench.specs import host
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(6, 8, requires_grad=True)
+
+    def step():
+        torch.autograd.grad(torch.nn.functional.linear(torch.mm(x, w.t()) @ w, w).sum(), (x, w))
+
+    calls = host._recorded_products(step)
+    assert [name for _, name, _, _ in calls] == ["mm", "linear"]
+    assert calls[1][2][0] == ("t", (4, 8), (8, 1), True)  # shape, strides, requires_grad
+    backward = []
+    grad = torch.autograd.grad
+    try:
+        torch.autograd.grad = lambda out, need, g: backward.append(len(need)) or grad(out, need, g)
+        assert host._replay_us(calls, torch.float32, reps=1) > 0
+    finally:
+        torch.autograd.grad = grad
+    assert backward and set(backward) == {2}  # x's and w's gradients, each replay
+
+
 def test_host_benchmark_reports_every_configuration():
     from bench.specs import host
 

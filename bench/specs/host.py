@@ -174,12 +174,17 @@ def _rounds(ours, theirs, rounds, per_round):
 
 
 # The products our step hands to cuBLAS (the dispatch's "cublas" candidate) run as real CPU
-# matrix products here: torch.mm / addmm / _addmm_activation and Tensor.addmm_.
-_PRODUCT_FNS = ((torch, "mm"), (torch, "addmm"), (torch, "_addmm_activation"), (torch.Tensor, "addmm_"))
+# matrix products here: torch.mm / addmm / _addmm_activation and Tensor.addmm_, the bias
+# gradients' torch.sum beside them, and F.linear (a plain projection on cuBLAS runs as torch's
+# own, dispatch.linear_on_torch), whose backward (mm, mm, sum) torch's autograd runs in C++, out
+# of a Python recorder's sight: a recorded F.linear is replayed with its backward (the
+# gradients its arguments required).
+_PRODUCT_FNS = ((torch, "mm"), (torch, "addmm"), (torch, "_addmm_activation"), (torch.Tensor, "addmm_"),
+                (torch, "sum"), (torch.nn.functional, "linear"))
 
 
 def _spec(t):
-    return ("t", tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor) else ("v", t)
+    return ("t", tuple(t.shape), t.stride(), t.requires_grad) if isinstance(t, torch.Tensor) else ("v", t)
 
 
 def _recorded_products(step) -> list:
@@ -205,13 +210,22 @@ def _recorded_products(step) -> list:
 def _replay_us(calls, dtype, reps) -> float:
     """CPU time (us) of one replay of ``calls`` on fresh tensors of the recorded shapes and
     strides in ``dtype``: best of a few rounds of ``reps``."""
-    def make(spec):
+    def make(spec, grad=False):
         if spec[0] == "v":
             return spec[1]
         shape, stride = spec[1], spec[2]
-        return torch.empty_strided(shape, stride, dtype=dtype).normal_()
+        return torch.empty_strided(shape, stride, dtype=dtype).normal_().requires_grad_(grad and spec[3])
 
-    bound = [(getattr(owner, name), [make(a) for a in args], {k: make(v) for k, v in kw.items()})
+    def with_backward(fn):  # F.linear: forward and the backward torch's autograd runs for it
+        def run(*args):
+            out = fn(*args)
+            need = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if need:
+                torch.autograd.grad(out, need, torch.ones_like(out))
+        return run
+
+    bound = [(with_backward(getattr(owner, name)) if name == "linear" else getattr(owner, name),
+              [make(a, name == "linear") for a in args], {k: make(v) for k, v in kw.items()})
              for owner, name, args, kw in calls]
     best = float("inf")
     for _ in range(5):
@@ -334,7 +348,7 @@ def format_rows(rows) -> str:
     head = (f"{'config':<22} {'stubbed':>8} {'triton':>8} {'direct':>8} {'torch':>8} {'ratio':>20} "
             f"{'bf16 mm':>8} {'direct*':>8} {'target':>7} {'kernels':>8} {'torch':>6}  launches (steady step)")
     lines = ["host us per step; ratio = ours / torch's with launches stubbed, Triton's, direct; bf16 mm = what "
-             "our step's cuBLAS products cost this CPU beyond the same calls in fp32 (torch's dtype here; on a "
+             "our step's cuBLAS products (with their bias sums) cost this CPU beyond the same calls in fp32 (torch's dtype here; on a "
              "GPU a product's host cost does not depend on it); direct* = (direct - bf16 mm) / torch, the "
              "target's figure", head, "-" * len(head)]
     for r in rows:
