@@ -383,7 +383,10 @@ def table():
     dicts with op, device ("interpreter", "sm_80" or "sm_90": the config-table class), dtype,
     out_dtype, precision (fp32 only), M (bucket: rows rounded up to a power of two), N, K,
     activation code, the epilogue flags set (b2 alone: the gated two-projection forward; a2
-    with b2: a product continuing over a second pair), and candidate."""
+    with b2: a product continuing over a second pair), and candidate: "triton", "cublas", or
+    "torch" (a plain projection run as torch's own ``F.linear``, its backward products by
+    torch's autograd on cuBLAS: :func:`linear_on_torch`; its dX and dW keys are then not
+    listed unless they ran otherwise)."""
     rows = []
     for key, cand in _RAN.items():
         op, arch, dtype, out_dtype, precision, m, n, k, activation = key[:9]
