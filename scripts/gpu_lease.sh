@@ -18,6 +18,7 @@
 #   profile      python -m bench --profile block,hf: one training step of the Pre-LN layer and of
 #                the LLaMA spec per provider under torch.profiler, with the dispatch's timings
 #   normprobe    scripts/norm_bwd_probe.py (the RMSNorm backward's variants beside LayerNorm's)
+#   hostgpu      scripts/host_gpu_probe.py (host time per step with real launches, ours / torch's)
 #   bench        python -m bench --quick for SPECS (loss, norm, matmul), each within its share
 #   new          the gpu_quick subset of FIRST_FILES (the files of this phase's new paths)
 #   suite        the rest of the gpu_quick subset in the time left (breadth first)
@@ -82,6 +83,9 @@ step profile 110 env FUSED_BLOCK_PRINT_TUNING=1 FUSED_BLOCK_COMMIT="${COMMIT:-}"
     "$PY" -m bench --profile block,hf --out "$RESULTS"
 # Issue 29 item 3: the add+RMSNorm backward beside add+LayerNorm's, variant by variant (into results).
 step normprobe 40 bash -c "FUSED_BLOCK_PRINT_TUNING=1 \"$PY\" scripts/norm_bwd_probe.py >\"$RESULTS/norm-bwd-probe.txt\" 2>&1"
+# Issue 29 item 1: the host time per step with real launches (the CPU benchmark's estimate), and
+# a CUDA-graph replay's, at the host benchmark's tiny shape (into results).
+step hostgpu 40 bash -c "\"$PY\" scripts/host_gpu_probe.py --json \"$RESULTS/host-gpu.json\" >\"$RESULTS/host-gpu.txt\" 2>&1"
 n_specs=$(echo "$SPECS" | tr ',' '\n' | wc -l)
 bench_limit=$(( $(left) - 100 ))
 [ "$bench_limit" -gt 45 ] && bench_limit=45

@@ -434,6 +434,26 @@ def test_host_benchmark_replays_products_with_their_backward():
     assert backward and set(backward) == {2}  # x's and w's gradients, each replay
 
 
+def test_host_gpu_probe_measures_every_configuration():
+    # scripts/host_gpu_probe.py (the lease's host figure with real launches) runs end to end;
+    # here on the CPU with the launches stubbed, its figures meaningless, its rows and table whole.
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "host_gpu_probe.py")
+    spec = importlib.util.spec_from_file_location("host_gpu_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    with _backend.host_only():
+        rows = probe.measure(torch.device("cpu"), rounds=1, per_round=1)
+    from bench.specs import host
+
+    assert [r["config"] for r in rows] == [host._name(*c) for c in host.CONFIGS]
+    assert all(r["ours_cpu_us"] > 0 and r["torch_cpu_us"] > 0 and r["cpu_ratio"] > 0 for r in rows)
+    table = probe.format_rows(rows)
+    assert all(r["config"] in table for r in rows)
+
+
 def test_host_benchmark_reports_every_configuration():
     from bench.specs import host
 
