@@ -241,7 +241,9 @@ def _route(a, c, act_grad, a2, b2, activation, residual, dropout_p, store_pre, b
     ``matmul.act_grad``), "dual" (the dual-K product alone), "plain" (the product alone, + the
     bias gradient's sums), "addmm_activation" (cuBLASLt's GELU (tanh) / ReLU epilogue with
     nothing after it; torch's CPU version of use_gelu is the erf GELU, so the tanh GELU takes
-    the epilogue kernel there) or "epilogue" (the product, then ``matmul.epilogue``)."""
+    the epilogue kernel there), "addmm_residual" (a residual and at most a bias after the
+    product: the residual as cuBLAS's C input, ``addmm(residual, a, b)``, then the bias added by
+    torch: no Triton pass) or "epilogue" (the product, then ``matmul.epilogue``)."""
     if act_grad:
         return "act_grad"
     if b2 is not None and a2 is not None:
@@ -252,6 +254,9 @@ def _route(a, c, act_grad, a2, b2, activation, residual, dropout_p, store_pre, b
     if (not gated and bias is not None and (activation == 3 or activation == 2 and a.is_cuda) and residual is None
             and not dropout_p and not store_pre and lora_a is None and c.dtype == a.dtype):
         return "addmm_activation"
+    if (not gated and not activation and residual is not None and not dropout_p and not store_pre and lora_a is None
+            and residual.dtype == a.dtype and c.dtype == a.dtype):
+        return "addmm_residual"
     return "epilogue"
 
 
@@ -359,6 +364,12 @@ def _cublas(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residu
         return None
     if route == "addmm_activation":  # cuBLASLt's GELU (tanh) / ReLU epilogue, nothing after it
         torch._addmm_activation(bias, A, B, use_gelu=activation == 2, out=_mat(c))
+        return
+    if route == "addmm_residual":  # residual + a @ b in one rounding (cuBLAS's C, beta = 1), + bias
+        C = _mat(c)
+        torch.addmm(_mat(residual), A, B, out=C)
+        if bias is not None:
+            C.add_(bias)
         return
     if b2 is not None:  # gated
         pre = _mat(aux) if store_pre else common.empty((M, 2 * N), a.dtype, a.device)
