@@ -181,16 +181,21 @@ def linear_on_torch(x, weight, bias) -> bool:
     grad = torch.is_grad_enabled()
     chosen = _CACHE.chosen
     for key, needed in zip(keys, (True, grad and x.requires_grad, grad and weight.requires_grad)):
-        if needed:
-            path = chosen.get(key)
-            if path is None:
-                if key[1] == 0 or (common.TUNE and not common.STUB_LAUNCHES):
-                    return False  # the interpreter's rule is ours; on a GPU linear's path times it
-                path = CUBLAS  # FUSED_BLOCK_TUNE=0: the static rule's for products with nothing to fuse
-            if path != CUBLAS:
-                return False
+        if needed and (chosen.get(key) or _untimed(key)) != CUBLAS:
+            return False
     _RAN[keys[0]] = TORCH
     return True
+
+
+def _untimed(key):
+    """What :func:`_choose` runs for a new key of a product with nothing to fuse where it times
+    nothing (``ConfigCache.get``: the interpreter, ``FUSED_BLOCK_TUNE=0``, stubbed launches):
+    the static rule's first candidate; None where it would time the candidates (then
+    ``linear``'s own path runs the call and times them)."""
+    interpreter = key[1] == 0
+    if not interpreter and common.TUNE and not common.STUB_LAUNCHES:
+        return None
+    return _ORDERS[(interpreter, False)][0]
 
 
 def _triton(a, b, c, kw):
