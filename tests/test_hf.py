@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fused_block  # noqa: E402
+from fused_block import profiling  # noqa: E402
 from fused_block.attention import attention_qkvpacked  # noqa: E402
 import numerics  # noqa: E402
 import op_counting  # noqa: E402
@@ -353,6 +354,58 @@ def test_llama_layer_step_runs_no_unfused_pytorch_ops(device, launches):
     assert all(p.grad is not None for p in layer.parameters())
 
 
+@pytest.mark.parametrize("arch, path, unfused", [("llama", "model.norm", {"pow", "mean", "rsqrt"}),
+                                                  ("gpt2", "transformer.ln_f", {"native_layer_norm"})])
+def test_model_level_norms_run_fused(arch, path, unfused, device, launches):
+    """The norms outside the layers (LLaMA's final norm, GPT-2's ln_f) run the fused norm their
+    layers run: a converted model's training step runs none of Hugging Face's RMSNorm ops or
+    torch's layer_norm; the state dict is the original's. (Their answers and their weights'
+    gradients: the whole models' tests above.)"""
+    model = _model(arch, device).train()
+    fused = _converted(model)
+    assert "_fused_block" in fused.get_submodule(path).__dict__
+    assert list(fused.state_dict()) == list(model.state_dict())
+    ids, mask = _inputs(arch, device)
+    counts = profiling.count_kernels(lambda: fused(ids, attention_mask=mask, labels=ids).loss.backward())
+    assert not unfused & set(counts.torch), counts.table()
+    assert counts.triton["add_norm_fwd"] == counts.triton["add_norm_bwd"] == 5, counts.table()  # 2 a layer, 1
+
+
+def test_model_level_norm_runs_the_original_where_its_answer_differs(device, launches):
+    """LLaMA's final norm with an fp32 weight and a bf16 input returns fp32 (``weight *
+    x.to(bf16)``) where the fused norm returns bf16: the original forward runs, after one
+    warning (a float64 input too); with the input's dtype, the fused norm runs. A model none of
+    whose layers converts keeps its final norm as it is."""
+    fused = _converted(_model("llama", device).eval())
+    norm = fused.model.norm
+    x = numerics.randn(B, L, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        for inp, reason in ((x, "a torch.float32 weight with a torch.bfloat16 input"),
+                            (x.double(), "dtype torch.float64")):
+            before = launches["add_norm_fwd"]
+            with pytest.warns(UserWarning, match=f"LlamaRMSNorm runs its original forward: {reason}"):
+                got = norm(inp)
+            assert launches["add_norm_fwd"] == before and got.dtype == torch.promote_types(inp.dtype, torch.float32)
+            torch.testing.assert_close(got, type(norm).forward(norm, inp), atol=0, rtol=0)
+        ref64 = type(norm).forward(copy.deepcopy(norm).double(), x.double())
+        norm.to(torch.bfloat16)
+        base = type(norm).forward(norm, x)
+        with _no_fallback():
+            got = norm(hidden_states=x)
+    assert launches["add_norm_fwd"] == before + 1 and got.dtype == torch.bfloat16
+    _assert_close("norm", got, ref64, base, torch.bfloat16, device)
+
+    class Linear(torch.nn.Linear):  # a subclass: the layers' conversion refuses it
+        pass
+
+    plain = _model("llama", device).eval()
+    for layer in plain.model.layers:
+        layer.self_attn.q_proj.__class__ = Linear
+    with pytest.warns(UserWarning, match="left unconverted"):
+        fused_block.convert(plain)
+    assert not any("_fused_block" in m.__dict__ or "forward" in m.__dict__ for m in plain.model.modules())
+
+
 def test_mlp_without_silu_runs_hugging_faces_module(device, launches):
     """hidden_act other than SiLU (the fused op is SiLU-gated): one warning at conversion, the
     MLP runs Hugging Face's module, everything else stays fused, the answer is the original's."""
@@ -528,8 +581,10 @@ def test_gemma_logits_and_gradients_match_the_original(arch, device, launches):
     assert outs["fused"][0].logits is None
     assert launches["attention_fwd"] == launches["attention_bwd"] == n
     sandwich = arch != "gemma"
-    # per layer: 2 norms (Gemma 1), 4 (sandwich: post-attention alone, pre-feedforward with the add)
-    assert launches["add_norm_fwd"] == n * (4 if sandwich else 2) and launches["add_norm_bwd"] == launches["add_norm_fwd"]
+    # per layer: 2 norms (Gemma 1), 4 (sandwich: post-attention alone, pre-feedforward with the add);
+    # the model's final norm
+    assert launches["add_norm_fwd"] == n * (4 if sandwich else 2) + 1
+    assert launches["add_norm_bwd"] == launches["add_norm_fwd"]
     assert launches["rope_qknorm" if arch == "gemma3" else "rope_qkvpacked"] == 2 * n
     assert launches["matmul"] == n * 12 and launches["act_grad"] == 0  # the MLP as geglu
     assert launches["lce_ce"] == launches["lce_logits"] == launches["lce_dw"] == 1
@@ -640,7 +695,8 @@ def test_gpt_oss_logits_and_gradients_match_the_original(router_aux, device, lau
     assert outs["fused"][0].logits is None
     assert seen == [((3, 0), True), ((-1, -1), True)]
     assert launches["attention_fwd"] == launches["attention_bwd"] == 2
-    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == 4 and launches["rope_qkvpacked"] == 4
+    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == 5  # 2 a layer, the final norm
+    assert launches["rope_qkvpacked"] == 4
     # per layer: the QKV and out projections, 1 GEMM forward and 2 backward each (the experts
     # are Hugging Face's); the head's products (one chunk) on cuBLAS
     assert launches["matmul"] == 2 * 6 and launches["lce_ce"] == launches["lce_logits"] == launches["lce_dw"] == 1
@@ -678,7 +734,7 @@ def test_gpt_oss_fp32_norms_of_from_pretrained(device, launches):
     with torch.no_grad(), _no_fallback():
         logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in (ref, base, fused)]
     _assert_close("logits", logits[2], logits[0], logits[1], torch.float16, device)
-    assert launches["attention_fwd"] == 2 and launches["add_norm_fwd"] == 4
+    assert launches["attention_fwd"] == 2 and launches["add_norm_fwd"] == 5  # the fp32 final norm too
 
 
 def test_gpt_oss_greedy_generation_matches(device, launches):
@@ -779,7 +835,8 @@ def test_bloom_logits_and_gradients_match_the_original(padding, device, launches
         _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.float32, device)
     assert outs["fused"][0].logits is None
     assert launches["attention_fwd"] == launches["attention_bwd"] == 2
-    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == 4
+    # 2 a layer, the embeddings' word_embeddings_layernorm and the final ln_f
+    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == 6
     # per layer: query_key_value and dense 1 GEMM forward and 2 backward each, the MLP 2 and 4;
     # the head's products (one chunk) on cuBLAS
     assert launches["matmul"] == 2 * 12 and launches["act_grad"] == 0

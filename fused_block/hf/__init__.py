@@ -49,7 +49,7 @@ try:
 except ImportError as e:  # the hf extra is not installed
     raise ImportError("fused_block.hf needs transformers: pip install fused-block[hf]") from e
 
-from fused_block.hf import _core, _lm, bert, bloom, gemma, gpt2, gpt_oss, llama, phi3, seq2seq, t5
+from fused_block.hf import _core, _lm, _norms, bert, bloom, gemma, gpt2, gpt_oss, llama, phi3, seq2seq, t5
 from fused_block.hf.interface import register
 from fused_block.hf._core import is_transformers_model  # noqa: F401
 from fused_block.hf._lm import causal_lm_loss  # noqa: F401
@@ -84,5 +84,9 @@ register()
 
 
 def convert_modules(model) -> list:
-    """Patch every recognised layer of ``model`` in place; returns the converted modules."""
-    return _core.convert_modules(model, FAMILIES, CAUSAL_LMS, _lm.patch, _lm.check)
+    """Patch every recognised layer of ``model`` in place, its causal LM's loss, and the
+    model-level norms beside the converted layers (:mod:`fused_block.hf._norms`); returns the
+    converted modules."""
+    converted = _core.convert_modules(model, FAMILIES, CAUSAL_LMS, _lm.patch, _lm.check)
+    layers = [m for m in converted if type(m).__name__ in FAMILIES]
+    return converted + _norms.convert(model, FAMILIES, layers)
