@@ -66,7 +66,8 @@ def _same(norm, x):  # torch.nn.LayerNorm: its weight and bias in the input's dt
 
 # Norm class name -> (the fused norm, the original's output dtype).
 KINDS = {
-    **dict.fromkeys(("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"), (_rms, _promoted)),
+    **dict.fromkeys(("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"),
+                    (_rms, _promoted)),
     **dict.fromkeys(("T5LayerNorm", "MT5LayerNorm"), (_rms, _t5)),
     "GptOssRMSNorm": (_rms, _input),  # (weight * x).to(input dtype)
     **dict.fromkeys(_UNIT_OFFSET, (_rms_unit_offset, _input)),  # (x * (1 + w.float())).type_as(x)
