@@ -374,8 +374,9 @@ def test_model_level_norms_run_fused(arch, path, unfused, device, launches):
 def test_model_level_norm_runs_the_original_where_its_answer_differs(device, launches):
     """LLaMA's final norm with an fp32 weight and a bf16 input returns fp32 (``weight *
     x.to(bf16)``) where the fused norm returns bf16: the original forward runs, after one
-    warning (a float64 input too); with the input's dtype, the fused norm runs. A model none of
-    whose layers converts keeps its final norm as it is."""
+    warning (a float64 input too, and one of another width: the original's error); with the
+    input's dtype, the fused norm runs. A model none of whose layers converts keeps its final
+    norm as it is."""
     fused = _converted(_model("llama", device).eval())
     norm = fused.model.norm
     x = numerics.randn(B, L, 64, dtype=torch.bfloat16, device=device)
@@ -387,6 +388,8 @@ def test_model_level_norm_runs_the_original_where_its_answer_differs(device, lau
                 got = norm(inp)
             assert launches["add_norm_fwd"] == before and got.dtype == torch.promote_types(inp.dtype, torch.float32)
             torch.testing.assert_close(got, type(norm).forward(norm, inp), atol=0, rtol=0)
+        with pytest.warns(UserWarning, match=r"an input of shape \(2, 9, 32\)"), pytest.raises(RuntimeError):
+            norm(x[..., :32].float())  # the original's own error
         ref64 = type(norm).forward(copy.deepcopy(norm).double(), x.double())
         norm.to(torch.bfloat16)
         base = type(norm).forward(norm, x)
