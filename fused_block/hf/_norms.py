@@ -135,13 +135,18 @@ def _plan(norm, x, out_dtype):
         return f"an input of type {type(x).__name__} (the fused norm takes plain tensors)", None
     if x.dtype not in KERNEL_DTYPES:
         return f"dtype {x.dtype} (the kernels take fp32, fp16 and bf16)", None
+    if x.dim() == 0:
+        return "a 0-dim input", None
+    width = getattr(norm, "normalized_shape", None)  # torch.nn.LayerNorm's, with or without a weight
+    if width is not None and tuple(x.shape[-1:]) != tuple(width):
+        return f"an input of shape {tuple(x.shape)} for a normalized shape {tuple(width)}", None
     for name in ("weight", "bias"):
         t = getattr(norm, name, None)
         if t is None:
             continue
         if type(t) not in _TENSORS:
             return f"a {name} of type {type(t).__name__}", None
-        if x.dim() == 0 or t.shape != x.shape[-1:] or t.device != x.device:
+        if t.shape != x.shape[-1:] or t.device != x.device:
             return (f"an input of shape {tuple(x.shape)} on {x.device} for a {name} of shape {tuple(t.shape)} on "
                     f"{t.device}"), None
     if x.shape[-1] > MAX_HIDDEN:
