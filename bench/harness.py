@@ -68,6 +68,7 @@ What a run measures (CUDA only)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -230,19 +231,32 @@ def unavailable_row(op: str, reason: str, case: str = "-") -> dict:
 
 
 # A provider named ``<ours>[triton]`` (profile cases): ours with every GEMM on our fused kernel
-# (``fused_block.dispatch.force("triton")``), beside ours with the per-key choice.
+# (``fused_block.dispatch.force("triton")``), beside ours with the per-key choice; one named
+# ``<ours>[rows]`` (HF training steps): ours with the loss on its time-first token loop
+# (``FUSED_BLOCK_LCE_SCHEDULE=rows``: 6 N V H FLOPs and an fp32 (V, H) dW accumulator), beside
+# ours with the memory rule's schedule.
 TRITON_ONLY = "[triton]"
+LOSS_ROWS = "[rows]"
 
 
-def gemm_scope(provider: str):
+@contextlib.contextmanager
+def provider_scope(provider: str):
     """The context a provider's step runs in: every GEMM forced onto our kernel for a
-    ``...[triton]`` provider, nothing otherwise."""
-    import contextlib
-
+    ``...[triton]`` provider, the loss's token loop for a ``...[rows]`` one, nothing otherwise."""
     if provider.endswith(TRITON_ONLY):
         from fused_block import dispatch
-        return dispatch.force("triton")
-    return contextlib.nullcontext()
+        with dispatch.force("triton"):
+            yield
+    elif provider.endswith(LOSS_ROWS):
+        from fused_block.kernels import loss
+
+        before, loss.PREFER = loss.PREFER, "rows"
+        try:
+            yield
+        finally:
+            loss.PREFER = before
+    else:
+        yield
 
 
 def describe_error(exc: BaseException) -> str:

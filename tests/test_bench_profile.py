@@ -120,7 +120,9 @@ def test_profile_cases_of_the_specs():
     assert case.shape["d_model"] == 1024 and case.shape["batch"] == 8
     (case,) = main.profile_cases(hf)
     assert case.op == "hf_train" and case.shape["model"] == "llama-1b" and case.shape["n_layer"] == 4
-    assert list(case.providers)[:4] == ["fused_block", "fused_block[triton]", "eager", "torch.compile"]
+    # llama-1b's loss on the memory rule's vocabulary-outer schedule: also on the token loop
+    assert list(case.providers)[:5] == ["fused_block", "fused_block[triton]", "fused_block[rows]", "eager",
+                                        "torch.compile"]
     assert ("liger" in case.providers) == hf.liger_available()
     default = main.profile_cases(norm)  # no profile_cases(): its first quick training case
     assert len(default) <= 1 and all(c.mode == "fwd+bwd" for c in default)
@@ -158,12 +160,22 @@ def test_liger_replacements_are_scoped_to_its_steps(monkeypatch):
     assert modeling_llama.apply_rotary_pos_emb is original and not hasattr(modeling_llama, "LigerOnly")
 
 
-def test_triton_only_providers_force_our_gemm():
+def test_provider_scopes_force_our_gemm_or_the_loss_token_loop():
+    """``[triton]``: every GEMM on our kernel; ``[rows]``: the loss's token loop (for the training
+    steps whose loss the memory rule puts on the vocabulary-outer schedule); each undone after."""
     from fused_block import dispatch
+    from fused_block.kernels import loss
+    from bench.specs import hf
 
-    before = dispatch._FORCE
-    with harness.gemm_scope("fused_block[triton]"):
-        assert dispatch._FORCE == "triton"
+    before, prefer = dispatch._FORCE, loss.PREFER
+    with harness.provider_scope("fused_block[triton]"):
+        assert dispatch._FORCE == "triton" and loss.PREFER == prefer
     assert dispatch._FORCE == before
-    with harness.gemm_scope("fused_block"):
-        assert dispatch._FORCE == before
+    with harness.provider_scope("fused_block[rows]"):
+        assert loss.PREFER == "rows" and dispatch._FORCE == before
+        assert loss.schedule(8192, 32000, 2048, 2, False, True, True) == "rows"
+    assert loss.PREFER == prefer
+    with harness.provider_scope("fused_block"):
+        assert dispatch._FORCE == before and loss.PREFER == prefer
+    rows = {name for name, spec in hf.MODELS.items() if "fused_block[rows]" in hf._train_providers(spec)}
+    assert rows == {"llama-1b", "gemma-2b"}  # gpt2-small's loss is on the token loop already; T5's is not fused

@@ -112,7 +112,7 @@ def _train_factory(provider, norm_first, dropout, shape):
 
         def step(inputs):
             x, dy = inputs
-            with _fastpath(False), harness.gemm_scope(provider):
+            with _fastpath(False), harness.provider_scope(provider):
                 return torch.autograd.grad(fn(x), (x,) + params, dy)
         return harness.rotating(make, step, 2 * dims[0] * dims[1] * dims[2] * 2)
     return factory

@@ -24,6 +24,12 @@ Providers:
   ``--quick``, ``max-autotune`` in the full run) for the training step; for generation,
   transformers' own compiled decoding (``cache_implementation="static"``, which compiles the
   decoding forward).
+- ``fused_block[rows]`` (training steps whose loss the memory rule puts on the vocabulary-outer
+  schedule: llama-1b's and gemma-2b's, :func:`loss_on_vocab_schedule`): the same with the fused
+  loss on its time-first token loop (``FUSED_BLOCK_LCE_SCHEDULE=rows``: the logits GEMM once,
+  6 N V H FLOPs, and an fp32 (V, H) weight-gradient accumulator) where the memory rule takes
+  the vocabulary-outer schedule (8 N V H, no accumulator): the loss's time against memory
+  trade, beside Liger's (which sums the weight gradient in bf16 across its chunks).
 - ``liger`` (training steps of the models Liger-Kernel patches, LLaMA and Gemma, when
   ``liger_kernel`` is importable): the unconverted model after ``apply_liger_kernel_to_llama`` /
   ``apply_liger_kernel_to_gemma(model=model)`` with Liger's defaults (RoPE, RMSNorm, SwiGLU /
@@ -128,6 +134,21 @@ def seq2seq_train_flops(model, batch, src, tgt, n_layer):
     return 3 * (linears + scores)
 
 
+
+def loss_on_vocab_schedule(spec) -> bool:
+    """Whether the memory rule puts the causal LM's loss on the vocabulary-outer schedule at
+    the spec's shape (8 N V H FLOPs; bf16, gradients of both): then its training step also runs
+    as ``fused_block[rows]``, the loss on the token loop (6 N V H, its fp32 (V, H) dW
+    accumulator), for the time and peak memory of both."""
+    from fused_block.kernels import loss
+
+    if spec["arch"] == "t5":
+        return False
+    cfg = _config(spec["arch"], spec["n_layer"])
+    return loss.schedule(spec["train_batch"] * spec["seq"], cfg.vocab_size, spec["d_model"], DTYPE.itemsize,
+                         False, True, True) == "vocab"
+
+
 # Liger-Kernel's patch function per architecture (the training step's ``liger`` provider).
 LIGER = {"llama": "apply_liger_kernel_to_llama", "gemma": "apply_liger_kernel_to_gemma"}
 
@@ -197,7 +218,7 @@ def _provider(provider, spec, mode, quick):
                 torch.randint(0, vocab, (spec["train_batch"], spec["target"]), device="cuda")
 
             def step():  # a step reads every weight and far more activations than L2 holds
-                with scope(), harness.gemm_scope(provider):
+                with scope(), harness.provider_scope(provider):
                     return torch.autograd.grad(fn(ids, labels=labels).loss, params)
             return step
         model.eval()
@@ -213,7 +234,8 @@ def _provider(provider, spec, mode, quick):
 
 
 def _train_providers(spec):
-    names = ("fused_block", "eager", "torch.compile")
+    rows = ("fused_block[rows]",) if loss_on_vocab_schedule(spec) else ()
+    names = ("fused_block",) + rows + ("eager", "torch.compile")
     return names + (("liger",) if spec["arch"] in LIGER and liger_available() else ())
 
 
