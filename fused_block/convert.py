@@ -5,18 +5,22 @@ import sys
 from torch import nn
 
 from fused_block.blocks import TransformerDecoderLayer, TransformerEncoderLayer
+from fused_block.norm import LayerNorm
 
 _CONVERSIONS = {
     nn.TransformerEncoderLayer: TransformerEncoderLayer,
     nn.TransformerDecoderLayer: TransformerDecoderLayer,
 }
+_FUSED = tuple(_CONVERSIONS.values())
 
 
 def convert(model: nn.Module) -> nn.Module:
     """Replace every ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` in ``model``.
 
     Works inside ``nn.TransformerEncoder``, ``nn.TransformerDecoder``, ``nn.Transformer`` and
-    any user module. The fused layers reuse the original submodules, so parameters stay the
+    any user module; the final ``norm`` (an ``nn.LayerNorm``) of an encoder or decoder whose
+    layers are fused becomes :class:`fused_block.LayerNorm` (the same module object and
+    parameters, the fused kernel). The fused layers reuse the original submodules, so parameters stay the
     same tensors (weights, device, dtype, ``requires_grad``, and an optimizer built before the
     conversion all keep working) and each layer keeps its train/eval mode. Only layers whose
     type is exactly torch's are converted; user subclasses (custom ``forward``) are left alone.
@@ -38,9 +42,17 @@ def convert(model: nn.Module) -> nn.Module:
             cls = _CONVERSIONS.get(type(child))
             if cls is not None:
                 setattr(parent, name, cls.from_torch(child))
+    # A stack's final norm (nn.Transformer always has two) runs the fused LayerNorm where the
+    # stack's layers are fused: the same module, its class swapped for fused_block.LayerNorm
+    # (a subclass without state of its own: parameters, hooks, mode and state dict unchanged).
+    for m in model.modules():
+        if (type(m) in (nn.TransformerEncoder, nn.TransformerDecoder) and type(m.norm) is nn.LayerNorm
+                and any(type(layer) in _FUSED for layer in m.layers)):
+            m.norm.__class__ = LayerNorm
     # nn.TransformerEncoder keeps its inference fast path: its nested tensors reach the fused
     # layers, which run them on the kernels, and the encoder pads the output with zeros as
-    # torch's does (a decoder reading that memory then sees torch's values).
+    # torch's does (a decoder reading that memory then sees torch's values); its norm sees the
+    # padded output.
     if "transformers" in sys.modules:
         from fused_block import hf
 

@@ -148,7 +148,7 @@ def test_training_step_never_allocates_the_logits(device, launches, monkeypatch)
 # convert()
 # ---------------------------------------------------------------------------------------------
 
-def test_convert_nn_transformer_in_place(device):
+def test_convert_nn_transformer_in_place(device, launches):
     torch.manual_seed(0)
     model = nn.Transformer(32, 2, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=64, dropout=0.0)
     model = model.to(device)
@@ -159,6 +159,8 @@ def test_convert_nn_transformer_in_place(device):
     assert out is model
     assert all(type(m) is fused_block.TransformerEncoderLayer for m in model.encoder.layers)
     assert type(model.decoder.layers[0]) is fused_block.TransformerDecoderLayer
+    assert type(model.encoder.norm) is type(model.decoder.norm) is fused_block.LayerNorm  # the stacks' final norms
+    assert model.state_dict().keys() == ref.state_dict().keys()
     assert {n: p for n, p in model.named_parameters()} == before  # the same Parameter objects
     assert not model.encoder.layers[0].training and model.decoder.layers[0].training
     assert model.encoder.use_nested_tensor is ref.encoder.use_nested_tensor  # torch's decision stays
@@ -167,6 +169,9 @@ def test_convert_nn_transformer_in_place(device):
               src_key_padding_mask=torch.tensor([[False] * 10, [False] * 7 + [True] * 3], device=device))
     kw["memory_key_padding_mask"] = kw["src_key_padding_mask"]
     _assert_models_match(ref, model, lambda m: m(src, tgt, **kw).square().mean())
+    before = launches["add_norm_fwd"]
+    torch.testing.assert_close(model.encoder.norm(src), ref.encoder.norm(src), atol=1e-5, rtol=1e-5)
+    assert launches["add_norm_fwd"] == before + 1
 
 
 def test_convert_user_module_keeps_optimizer_dtype_and_subclasses(device):
