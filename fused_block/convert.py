@@ -20,10 +20,11 @@ def convert(model: nn.Module) -> nn.Module:
     Works inside ``nn.TransformerEncoder``, ``nn.TransformerDecoder``, ``nn.Transformer`` and
     any user module; the final ``norm`` (an ``nn.LayerNorm``) of an encoder or decoder whose
     layers are fused becomes :class:`fused_block.LayerNorm` (the same module object and
-    parameters, the fused kernel). The fused layers reuse the original submodules, so parameters stay the
-    same tensors (weights, device, dtype, ``requires_grad``, and an optimizer built before the
-    conversion all keep working) and each layer keeps its train/eval mode. Only layers whose
-    type is exactly torch's are converted; user subclasses (custom ``forward``) are left alone.
+    parameters, the fused kernel). The fused layers reuse the original submodules, so
+    parameters stay the same tensors (weights, device, dtype, ``requires_grad``, and an
+    optimizer built before the conversion all keep working) and each layer keeps its train/eval
+    mode. Only layers whose type is exactly torch's are converted; user subclasses (custom
+    ``forward``) are left alone.
     Returns ``model`` (or, when ``model`` itself is such a layer, its fused replacement).
 
     Hugging Face ``transformers`` models (GPT-2, BERT, LLaMA, Mistral, Qwen2, Qwen3, Phi-3

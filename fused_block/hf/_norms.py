@@ -140,6 +140,8 @@ def _plan(norm, x, out_dtype):
     width = getattr(norm, "normalized_shape", None)  # torch.nn.LayerNorm's, with or without a weight
     if width is not None and tuple(x.shape[-1:]) != tuple(width):
         return f"an input of shape {tuple(x.shape)} for a normalized shape {tuple(width)}", None
+    if width is None and getattr(norm, "weight", None) is None:
+        return "an RMSNorm without its weight", None
     for name in ("weight", "bias"):
         t = getattr(norm, name, None)
         if t is None:
@@ -153,7 +155,9 @@ def _plan(norm, x, out_dtype):
         return f"rows of {x.shape[-1]} elements (the kernels take up to {MAX_HIDDEN})", None
     dtype = out_dtype(norm, x)
     if dtype != x.dtype and (dtype is None or x.dtype != torch.float32):
-        return (f"a {norm.weight.dtype} weight with a {x.dtype} input (the original's output: "
+        params = ", ".join(f"a {t.dtype} {name}" for name in ("weight", "bias")
+                           if (t := getattr(norm, name, None)) is not None)
+        return (f"{params} with a {x.dtype} input (the original's output: "
                 f"{'a mix it does not take' if dtype is None else dtype})"), None
     return None, dtype
 
