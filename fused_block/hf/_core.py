@@ -6,6 +6,7 @@ A family module (``llama.py``, ``gpt2.py``, ...) supplies a :class:`Family`; the
 with the others lives here (patching, the guard, argument handling, cached weight packing) or
 in :mod:`fused_block.hf._attention` (mask plans, the KV cache, the attention dispatch).
 """
+import contextlib
 import inspect
 import sys
 import types
@@ -335,6 +336,63 @@ def cached(state, name, tensors, make):
 def packed(state, name, tensors):
     """``torch.cat(tensors)`` (None for absent biases), cached as :func:`cached`."""
     return None if tensors[0] is None else cached(state, name, tensors, torch.cat)
+
+
+class _Parts:
+    """A saved view of a packed weight, kept as the parts it was concatenated from."""
+
+    def __init__(self, parts, versions, size, stride, offset):
+        self.parts, self.versions, self.size, self.stride, self.offset = parts, versions, size, stride, offset
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+@contextlib.contextmanager
+def saved_as_parts(weight, parts):
+    """Inside, autograd saves ``weight``, the concatenation of ``parts`` (dim 0) that
+    :func:`packed` made for this call, and any view of it as ``parts`` themselves, concatenated
+    again when the backward reads them: a training step keeps the copy for its GEMM, not until
+    the backward (the parts are the parameters, alive anyway; LLaMA-3-8B's q/k/v weights are
+    50 MB a layer, 1.6 GB over 32 layers, which a saved copy would hold through the step, and
+    past FSDP's resharding). The backward pays one more concatenation per packed weight.
+    Autograd's check stays: a part changed in place between the forward and the backward
+    raises at the backward, as a saved tensor would. Not where nothing is saved (no gradient,
+    a cached copy), while ``torch.compile`` traces (its graph decides what it saves), or under
+    other saved-tensor hooks (activation checkpointing, offloading: theirs apply)."""
+    if (weight is None or not weight.requires_grad or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or _TOP_HOOKS is None or _TOP_HOOKS(False) is not None):
+        yield
+        return
+    storage = weight.untyped_storage().data_ptr()
+    versions = tuple(p._version for p in parts)
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != storage:
+            return t
+        return _Parts(parts, versions, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(t):
+        if type(t) is not _Parts:
+            return t
+        if tuple(p._version for p in t.parts) != t.versions:
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               "inplace operation: a weight of a packed projection (fused_block.hf) changed "
+                               "between the forward and the backward")
+        return torch.cat(t.parts).as_strided(t.size, t.stride, t.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def packed_linear(state, name, x, weights, bias, **kw):
+    """``linear(x, packed(state, name, weights), bias, **kw)``, the packed weight saved for the
+    backward as its parts (:func:`saved_as_parts`)."""
+    from fused_block.linear import linear
+
+    w = packed(state, name, weights)
+    with saved_as_parts(w, weights):
+        return linear(x, w, bias, **kw)
 
 
 def packed_bias(state, name, linears):

@@ -8,7 +8,7 @@ from torch import nn
 from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
-from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed
+from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed, packed_linear
 from fused_block.linear import linear, mlp
 from fused_block.norm import add_layer_norm
 
@@ -41,12 +41,12 @@ def run(layer, call, x):
     H = s.num_attention_heads
     D = s.attention_head_size
     state = layer._fused_block
-    w = packed(state, "qkv_weight", (s.query.weight, s.key.weight, s.value.weight))
     b = packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias))
     scale = float(getattr(s, "scaling", D ** -0.5))
     qkv_lora = lora.stacked([(s.query, s.query.out_features), (s.key, s.key.out_features),
                              (s.value, s.value.out_features)], x)  # PEFT LoRA: fused_block.lora
-    o = self_attention(linear(x, w, b, lora=qkv_lora), H, H, None, None, call.get("attention_mask"), False,
+    qkv = packed_linear(state, "qkv_weight", x, (s.query.weight, s.key.weight, s.value.weight), b, lora=qkv_lora)
+    o = self_attention(qkv, H, H, None, None, call.get("attention_mask"), False,
                        mask_convention(s.config), scale, s.dropout.p if layer.training else 0.0, "BertLayer")
     a = linear(o, so.dense.weight, so.dense.bias, lora=lora.terms(so.dense, o))
     p1 = so.dropout.p if layer.training else 0.0

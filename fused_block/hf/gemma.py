@@ -36,7 +36,7 @@ from fused_block.blocks import _like
 from fused_block.hf import llama
 from fused_block.hf._attention import (implementation_reason, mask_convention, mask_reason,
                                        self_attention)
-from fused_block.hf._core import SAME, Family, kv_cache, packed, warn_once
+from fused_block.hf._core import SAME, Family, kv_cache, packed, packed_linear, warn_once
 from fused_block.linear import gated_linear, geglu, linear
 from fused_block.norm import add_rms_norm
 
@@ -157,10 +157,10 @@ def run(layer, call, x):
     H = attn.q_proj.out_features // D
     Hkv = attn.k_proj.out_features // D
     n1, _ = _norm(x, None, layer.input_layernorm)
-    w = packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
-    qkv = linear(n1, w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
+    qkv = packed_linear(state, "qkv_weight", n1, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), b,
+                        lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
     qkv = llama.rope(layer, qkv, H, Hkv, call, unit_offset=True)  # Gemma 3: (1 + w) q/k norms in the launch
     p = attn.attention_dropout if attn.training else 0.0
     softcap, window = getattr(attn, "attn_logit_softcapping", None), getattr(attn, "sliding_window", None)

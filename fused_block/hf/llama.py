@@ -23,7 +23,7 @@ from fused_block import lora
 from fused_block.blocks import _TP_RUN, _like
 from fused_block.hf._attention import (implementation_reason, mask_convention, mask_reason,
                                        self_attention)
-from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, warn_once
+from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, packed_linear, warn_once
 from fused_block.linear import gated_linear, linear, swiglu
 from fused_block.norm import add_rms_norm
 from fused_block.rope import rope_qkvpacked
@@ -149,12 +149,12 @@ def attention_sublayer(layer, call, n1, tp=None, sinks=None, half_tables=False):
     D = attn.head_dim
     H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
     Hkv = attn.k_proj.weight.shape[0] // D
-    w = packed(state, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
     # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
     # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
-    qkv = linear(n1 if tp is None else tp.enter(n1), w, b, lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
+    qkv = packed_linear(state, "qkv_weight", n1 if tp is None else tp.enter(n1),  # (B, L, (H + 2 Hkv) D): one GEMM
+                        (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), b, lora=qkv_lora)
     qkv = rope(layer, qkv, H, Hkv, call, half_tables=half_tables)  # q, k rotated and v copied: one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
     with _NO_SHIFT if tp is None or p == 0 else tp.seeds([tp.rank]):  # each rank's heads, their own masks

@@ -20,7 +20,7 @@ from torch import nn
 from fused_block.blocks import _like
 from fused_block.hf._attention import (attend, cross_keys, implementation_reason, kv_heads, mask_convention,
                                        mask_reason, plan, self_attention)
-from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed, packed_bias
+from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed_bias, packed_linear
 from fused_block.linear import linear, mlp
 from fused_block.norm import add_layer_norm
 
@@ -69,8 +69,8 @@ def check_call(layer, call):
 def _qkv(layer, attn, x, prefix):
     """The packed [q; k; v] projection of x (one GEMM)."""
     state = layer._fused_block
-    w = packed(state, prefix + "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
-    return linear(x, w, packed_bias(state, prefix + "qkv_bias", (attn.q_proj, attn.k_proj, attn.v_proj)))
+    return packed_linear(state, prefix + "qkv_weight", x, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                         packed_bias(state, prefix + "qkv_bias", (attn.q_proj, attn.k_proj, attn.v_proj)))
 
 
 def _self_attention(layer, call, x, causal):
@@ -92,8 +92,8 @@ def _cross_attention(layer, call, x):
     H, D = attn.num_heads, attn.head_dim
     q = linear(x, attn.q_proj.weight, attn.q_proj.bias).unflatten(-1, (H, D)).transpose(1, 2)
     k, v = cross_keys(kv_cache(call), attn.layer_idx, lambda: kv_heads(
-        linear(enc, packed(state, "kv_weight", (attn.k_proj.weight, attn.v_proj.weight)),
-               packed_bias(state, "kv_bias", (attn.k_proj, attn.v_proj))), H))
+        packed_linear(state, "kv_weight", enc, (attn.k_proj.weight, attn.v_proj.weight),
+                      packed_bias(state, "kv_bias", (attn.k_proj, attn.v_proj))), H))
     p = plan(call.get("encoder_attention_mask"), B, Lq, k.shape[2], False, mask_convention(attn.config))
     o = attend(q, k, v, p, attn.scaling, attn.dropout if layer.training else 0.0, type(layer).__name__)
     return linear(o.transpose(1, 2).reshape(B, Lq, H * D), attn.out_proj.weight, attn.out_proj.bias)

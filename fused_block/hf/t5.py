@@ -39,7 +39,7 @@ from torch import nn
 
 from fused_block.hf._attention import (attend, cross_keys, implementation_reason, kv_heads, mask_convention,
                                        mask_reason, plan, self_attention)
-from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed
+from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed, packed_linear
 from fused_block.linear import gated_linear, geglu, linear, mlp, swiglu
 from fused_block.norm import add_rms_norm
 
@@ -201,8 +201,8 @@ def _self_attention(layer, call, x):
     cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's self-attention half
     past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
     past = past.clone() if isinstance(past, torch.Tensor) else past  # as T5Attention (static caches)
-    qkv = linear(x, packed(state, "qkv_weight", (attn.q.weight, attn.k.weight, attn.v.weight)),
-                 packed(state, "qkv_bias", (attn.q.bias, attn.k.bias, attn.v.bias)))
+    qkv = packed_linear(state, "qkv_weight", x, (attn.q.weight, attn.k.weight, attn.v.weight),
+                        packed(state, "qkv_bias", (attn.q.bias, attn.k.bias, attn.v.bias)))
     bias = _Bias(attn, call.get("position_bias"), x, past)
     o = self_attention(qkv, attn.n_heads, attn.n_heads, cache, attn.layer_idx, call.get("attention_mask"),
                        _decoder(layer), mask_convention(attn.config), attn.scaling,
@@ -217,8 +217,8 @@ def _cross_attention(layer, call, x):
     H, D = attn.n_heads, attn.key_value_proj_dim
     q = linear(x, attn.q.weight, attn.q.bias).unflatten(-1, (H, D)).transpose(1, 2)
     k, v = cross_keys(kv_cache(call), attn.layer_idx, lambda: kv_heads(
-        linear(enc, packed(state, "kv_weight", (attn.k.weight, attn.v.weight)),
-               packed(state, "kv_bias", (attn.k.bias, attn.v.bias))), H))
+        packed_linear(state, "kv_weight", enc, (attn.k.weight, attn.v.weight),
+                      packed(state, "kv_bias", (attn.k.bias, attn.v.bias))), H))
     bias = call.get("encoder_decoder_position_bias")
     if bias is None:  # T5Attention: zeros (the cross-attention has no relative bias)
         bias = attn.compute_bias(Lq, k.shape[2], device=x.device) if attn.has_relative_attention_bias else \
