@@ -472,6 +472,12 @@ def test_model_level_norm_runs_the_original_where_its_answer_differs(device, lau
     with pytest.warns(UserWarning, match="left unconverted"):
         fused_block.convert(plain)
     assert not any("_fused_block" in m.__dict__ or "forward" in m.__dict__ for m in plain.model.modules())
+    # Another stack's layers (a ModuleList's elements) keep their norms, the model's own convert.
+    bert = _model("bert", device).eval()
+    bert.tower = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.LayerNorm(64))])
+    fused_block.convert(bert)
+    assert "_fused_block" in bert.bert.embeddings.LayerNorm.__dict__
+    assert "_fused_block" not in bert.tower[0][0].__dict__
 
 
 def test_mlp_without_silu_runs_hugging_faces_module(device, launches):

@@ -10,9 +10,10 @@ work in a LLaMA model (Liger-Kernel's patches replace it). :func:`convert` gives
 an instance-level ``forward`` that runs the norm its layers run (``add_rms_norm`` /
 ``add_layer_norm`` without a residual: one launch forward, one and its partial sums' reduction
 backward). Which modules: those of a norm class of :data:`KINDS` that a converted layer holds
-(so a model none of whose layers is converted keeps every norm), outside every layer of the
-families' classes (whose own forward, converted or not, calls its norms). Parameters, state
-dict and the module's hooks are untouched.
+(so a model none of whose layers is converted keeps every norm), outside every layer: the
+families' (whose own forward, converted or not, calls its norms) and any other module held in
+an ``nn.ModuleList`` (another stack's layers, e.g. a vision tower's beside a converted text
+model). Parameters, state dict and the module's hooks are untouched.
 
 Per call, the original forward runs (after a one-time warning) where the fused norm would not
 give the original's answer: an input that is not a plain fp32/fp16/bf16 tensor of the weight's
@@ -110,7 +111,11 @@ def convert(model, families, layers) -> list:
     classes = {type(s) for layer in layers for s in layer.modules() if _kind(s) is not None}
     if not classes:
         return []
-    inside = {id(s) for m in model.modules() if type(m).__name__ in families for s in m.modules()}
+    # Not inside a layer: the families' (their forward calls their norms) or any other stack's
+    # (an element of a ModuleList: a vision tower's layers beside a converted text model).
+    layer_like = [m for m in model.modules() if type(m).__name__ in families]
+    layer_like += [e for m in model.modules() if isinstance(m, torch.nn.ModuleList) for e in m]
+    inside = {id(s) for m in layer_like for s in m.modules()}
     patched = []
     for m in model.modules():
         if type(m) not in classes or id(m) in inside or "_fused_block" in m.__dict__:
