@@ -364,11 +364,12 @@ def saved_as_parts(weight, parts):
             or _TOP_HOOKS is None or _TOP_HOOKS(False) is not None):
         yield
         return
-    storage = weight.untyped_storage().data_ptr()
+    storage = weight.untyped_storage()._cdata  # the storage itself (data pointers repeat: meta, empty)
     versions = tuple(p._version for p in parts)
 
     def pack(t):
-        if t.untyped_storage().data_ptr() != storage:
+        # the copy, or a tensor on its storage (F.linear's transpose, an op's detached alias)
+        if t.layout is not torch.strided or t.untyped_storage()._cdata != storage:
             return t
         return _Parts(parts, versions, t.size(), t.stride(), t.storage_offset())
 
