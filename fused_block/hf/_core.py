@@ -15,6 +15,7 @@ import torch
 
 from fused_block import _backend, _guard, lora
 from fused_block.blocks import _TP
+from fused_block.linear import linear
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Hugging Face activation names (ACT2FN keys) and the GEMM epilogue's equivalent.
@@ -389,8 +390,6 @@ def saved_as_parts(weight, parts):
 def packed_linear(state, name, x, weights, bias, **kw):
     """``linear(x, packed(state, name, weights), bias, **kw)``, the packed weight saved for the
     backward as its parts (:func:`saved_as_parts`)."""
-    from fused_block.linear import linear
-
     w = packed(state, name, weights)
     with saved_as_parts(w, weights):
         return linear(x, w, bias, **kw)

@@ -31,9 +31,7 @@ import torch
 from fused_block.hf._core import KERNEL_DTYPES, warn_once
 from fused_block.hf.gemma import NORMS as _UNIT_OFFSET
 from fused_block.hf.llama import rms_eps
-from fused_block.norm import MAX_HIDDEN, add_layer_norm, add_rms_norm
-
-_TENSORS = (torch.Tensor, torch.nn.Parameter)
+from fused_block.norm import _TENSOR_TYPES, MAX_HIDDEN, add_layer_norm, add_rms_norm
 
 
 def _rms(norm, x):
@@ -65,26 +63,24 @@ def _same(norm, x):  # torch.nn.LayerNorm: its weight and bias in the input's dt
     return x.dtype if all(t is None or t.dtype == x.dtype for t in (norm.weight, norm.bias)) else None
 
 
-# Norm class name -> (the fused norm, the original's output dtype).
+# Hugging Face's norm class name -> (the fused norm, the original's output dtype).
 KINDS = {
     **dict.fromkeys(("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"),
                     (_rms, _promoted)),
     **dict.fromkeys(("T5LayerNorm", "MT5LayerNorm"), (_rms, _t5)),
     "GptOssRMSNorm": (_rms, _input),  # (weight * x).to(input dtype)
     **dict.fromkeys(_UNIT_OFFSET, (_rms_unit_offset, _input)),  # (x * (1 + w.float())).type_as(x)
-    "LayerNorm": (_layer, _same),  # torch.nn.LayerNorm itself (:func:`_kind`)
 }
+_LAYER_NORM = (_layer, _same)  # torch.nn.LayerNorm itself
 
 
 def _kind(module):
-    """The module's entry of :data:`KINDS`, or None: Hugging Face's norm classes, and
-    ``torch.nn.LayerNorm`` itself over one dim."""
+    """``(fused norm, output dtype)`` of Hugging Face's norm classes (:data:`KINDS`) and of
+    ``torch.nn.LayerNorm`` itself over one dim; None for any other module."""
     cls = type(module)
     if cls is torch.nn.LayerNorm:
-        return KINDS["LayerNorm"] if len(module.normalized_shape) == 1 else None
-    if cls.__name__ == "LayerNorm" or not cls.__module__.startswith("transformers.models."):
-        return None
-    return KINDS.get(cls.__name__)
+        return _LAYER_NORM if len(module.normalized_shape) == 1 else None
+    return KINDS.get(cls.__name__) if cls.__module__.startswith("transformers.models.") else None
 
 
 def _check(norm):
@@ -151,7 +147,7 @@ def _plan(norm, x, out_dtype):
         t = getattr(norm, name, None)
         if t is None:
             continue
-        if type(t) not in _TENSORS:
+        if type(t) not in _TENSOR_TYPES:
             return f"a {name} of type {type(t).__name__}", None
         if t.shape != x.shape[-1:] or t.device != x.device:
             return (f"an input of shape {tuple(x.shape)} on {x.device} for a {name} of shape {tuple(t.shape)} on "
