@@ -58,10 +58,10 @@ def config(arch, layers=2, **overrides):
         extra = {}
         if arch == "gemma2":
             extra = dict(attn_logit_softcapping=None, final_logit_softcapping=30.0, query_pre_attn_scalar=24,
-                         layer_types=["sliding_attention", "full_attention"][:layers])
+                         layer_types=(["sliding_attention", "full_attention"] * layers)[:layers])
         elif arch == "gemma3":
             extra = dict(query_pre_attn_scalar=24, sliding_window=512,
-                         layer_types=["sliding_attention", "full_attention"][:layers])
+                         layer_types=(["sliding_attention", "full_attention"] * layers)[:layers])
         # Tied embeddings (their default) make the tiny models' greedy decoding repeat one token:
         # the generation test unties them (a constructor argument, not an attribute to set later).
         extra["tie_word_embeddings"] = overrides.pop("tie_word_embeddings", True)
@@ -81,7 +81,7 @@ def config(arch, layers=2, **overrides):
         cfg = transformers.GptOssConfig(
             hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
-            layer_types=["sliding_attention", "full_attention"][:layers], num_local_experts=4, num_experts_per_tok=2,
+            layer_types=(["sliding_attention", "full_attention"] * layers)[:layers], num_local_experts=4, num_experts_per_tok=2,
             rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                  original_max_position_embeddings=16, rope_theta=150000.0),
             experts_implementation="eager", bos_token_id=0, eos_token_id=V - 1, pad_token_id=None, **common)

@@ -841,6 +841,45 @@ def test_gpt_oss_batched_generation_with_left_padding(device, launches):
     assert launches["attention_fwd"] == 3 * 2
 
 
+def test_alternating_4d_masks_are_read_once_each_per_forward(device, launches):
+    """Gemma 3 with four layers alternating sliding (window 4: cuts keys) and full attention on a
+    left-padded batch: the model's two 4-D masks, built once per forward, are read once each (one
+    synchronization apiece, not one per layer), into causal + padding (+ the window) for the
+    kernel; the answer is the original's. A mask changed in place is read again; one that is
+    not causal + padding goes to the kernel as it is."""
+    model = _model("gemma3", device, layers=4, sliding_window=4).eval()  # sliding, full, sliding, full
+    fused = _converted(model)
+    ids, mask = _inputs("gemma3", device)
+    keep = mask[..., None] == 1
+    with torch.no_grad(), _no_fallback():
+        got = fused(ids, attention_mask=mask).logits
+        counts = profiling.count_kernels(lambda: fused(ids, attention_mask=mask))
+        want = model(ids, attention_mask=mask).logits
+        theirs = profiling.count_kernels(lambda: model(ids, attention_mask=mask))  # the mask builder's own
+    ours = counts.syncs.get("_local_scalar_dense", 0) - theirs.syncs.get("_local_scalar_dense", 0)
+    assert ours == 2 and counts.syncs.keys() == {"_local_scalar_dense"}, (counts.syncs, theirs.syncs)
+    assert launches["attention_fwd"] == 2 * 4
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=1e-5, rtol=0)
+
+    Lk = 6
+    causal4d = torch.full((2, 1, Lk, Lk), torch.finfo(torch.float32).min, device=device).triu(1)
+    causal4d[1, ..., :2] = torch.finfo(torch.float32).min  # the second row's first two keys: padding
+    window4d = causal4d.clone().masked_fill_(torch.ones(Lk, Lk, dtype=torch.bool, device=device).tril(-2),
+                                              torch.finfo(torch.float32).min)  # a window of (1, 0)
+    plan = hf._attention.plan
+    for _ in range(2):  # alternating, as the layers: each mask read on its first use only
+        counts = profiling.count_kernels(lambda: (plan(causal4d, 2, Lk, Lk, True, "sdpa"),
+                                                  plan(window4d, 2, Lk, Lk, True, "sdpa", window=(1, 0))))
+        assert counts.syncs == ({"_local_scalar_dense": 2} if _ == 0 else {}), counts.syncs
+    full, sliding = plan(causal4d, 2, Lk, Lk, True, "sdpa"), plan(window4d, 2, Lk, Lk, True, "sdpa", window=(1, 0))
+    assert full.causal and full.window == (-1, -1) and full.key_padding.tolist() == [[False] * Lk, [True] * 2 + [False] * 4]
+    assert sliding.causal and sliding.window == (1, 0) and sliding.light
+    assert plan(causal4d, 2, Lk, Lk, True, "sdpa", window=(1, 0)).window == (-1, -1)  # the mask holds no window
+    causal4d[0, 0, 1, 3] = 0.0  # in place: a key the causal mask hid is seen -> the mask itself
+    changed = plan(causal4d, 2, Lk, Lk, True, "sdpa")
+    assert changed.bias is causal4d and not changed.causal
+
+
 def test_gpt_oss_called_mlp_hooks_tables_and_fallbacks(device, launches):
     """The MoE MLP is called, not bypassed: a hook on its experts runs and the layer stays
     fused, and the router logits are recorded (``output_router_logits``). Without the model's

@@ -47,7 +47,11 @@ class Plan:
         return self.mask is None and self.bias is None
 
 
-_LAST_MASK = [None, None]  # (weakref to the last 4-D mask read, what it was read as)
+# The 4-D masks read lately: (weakref to the mask, (B, Lq, Lk, causal, window, mask version),
+# what it was read as), newest last. A model builds a mask per attention kind per forward (Gemma
+# 2/3 and gpt-oss alternate a sliding and a full one layer by layer): each is read once.
+_READ_MASKS = []
+_READ_MASKS_KEPT = 8
 
 
 def mask_convention(config):
@@ -109,11 +113,13 @@ def plan(mask, B, Lq, Lk, causal, convention, window=(-1, -1)):
                     window=window)
     if torch.compiler.is_compiling() or _capturing(mask):
         return general_plan(mask, B, Lq, Lk)  # no value read: the kernel reads the mask itself
-    last_ref, last = _LAST_MASK
-    if last_ref is not None and last_ref() is mask and last[0] == (B, Lq, Lk, causal, window):
-        return last[1]
+    key = (B, Lq, Lk, causal, window, None if mask.is_inference() else mask._version)  # (no counter)
+    for ref, seen, read in _READ_MASKS:
+        if ref() is mask and seen == key:
+            return read
     read = _read_mask(mask, B, Lq, Lk, causal, window)
-    _LAST_MASK[:] = [weakref.ref(mask), ((B, Lq, Lk, causal, window), read)]
+    _READ_MASKS[:] = [e for e in _READ_MASKS[1 - _READ_MASKS_KEPT:] if e[0]() is not None]
+    _READ_MASKS.append((weakref.ref(mask), key, read))
     return read
 
 
@@ -175,27 +181,31 @@ WINDOW_ATTR, PACKED_ATTR = "_fused_block_window", "_fused_block_packed"
 
 
 def _read_mask(mask, B, Lq, Lk, causal, window):
+    """Whether a 4-D mask is causal (bottom-right, as the layer) and/or key padding, with the
+    layer's window or none: the kernel's flags, else :func:`general_plan`. Every test runs on the
+    device and one synchronization reads them all."""
     general = general_plan(mask, B, Lq, Lk)
     if mask.shape[-1] != Lk or mask.shape[0] not in (1, B) or mask.shape[1] != 1:
         return general
     if mask.dtype == torch.bool:
-        keep = mask
+        keep, valid = mask, mask.new_ones((), dtype=torch.bool)
     else:
         keep = mask == 0
-        if not bool((keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
-            return general
+        valid = (keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()  # only 0 and "minus infinity"
     # The keys no query sees: the padding (and, under a sliding window, keys before every
-    # query's window, which the window hides anyway); the comparison below decides.
+    # query's window, which the window hides anyway); the comparisons below decide.
     key_padding = ~keep[:, 0].any(dim=-2)
-    visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device, window=window)
-    if not torch.equal(visible, keep.expand(visible.shape)):
-        if window == (-1, -1):
-            return general
-        visible = reference.visible_keys(Lq, Lk, causal, key_padding, mask.device)
-        if not torch.equal(visible, keep.expand(visible.shape)):
-            return general
-        window = (-1, -1)  # the mask holds no window (the layer's cuts no key of it)
-    return Plan(True, causal=causal, key_padding=_padding(key_padding, B), window=window)
+    windows = [window] if window == (-1, -1) else [window, (-1, -1)]  # the layer's, or the mask holds none
+    matches = [(reference.visible_keys(Lq, Lk, causal, key_padding, mask.device, window=w) == keep).all()
+               for w in windows]
+    bits = torch.stack([valid, key_padding.any(), *matches]).to(torch.int32)
+    code = int((bits << torch.arange(len(bits), device=bits.device, dtype=torch.int32)).sum().item())
+    valid, padded, *matches = (code >> i & 1 for i in range(len(bits)))
+    matched = [w for w, ok in zip(windows, matches) if ok]
+    if not valid or not matched:
+        return general
+    return Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=False) if padded else None,
+                window=matched[0])
 
 
 def _padding(key_padding, B, read=True):
