@@ -77,6 +77,17 @@ def profile_cases(mod) -> list:
     return [c for c in mod.cases(True) if c.mode == "fwd+bwd"][:1]
 
 
+def timed_choices() -> list:
+    """The norms' and attention's verdicts so far (``fused_block.norm_choices()``,
+    ``attention_choices()``) as JSON rows: op, bucket (its fields as strings), candidate,
+    milliseconds per candidate."""
+    import fused_block
+
+    return [{"op": op, "bucket": [str(v) for v in bucket], "candidate": best, "ms": dict(times)}
+            for op, found in (("norm", fused_block.norm_choices()), ("attention", fused_block.attention_choices()))
+            for bucket, (best, times) in found.items()]
+
+
 def run_profiles(names) -> list:
     """Profile one step of each provider of each named spec's profile cases (CUDA), printing the
     tables; returns the records for the results JSON (with the GEMM dispatch table)."""
@@ -88,14 +99,14 @@ def run_profiles(names) -> list:
             print(f"profile {name}: spec unavailable ({mod})", flush=True)
             continue
         for case in profile_cases(mod):
-            profiles, failed, dispatch = [], {}, []
+            profiles, failed, dispatch, verdicts = [], {}, [], []
             for provider, factory in case.providers.items():
                 fn = None
                 try:
                     fn = factory()
                     profiles.append(harness.profile_step(provider, fn))
                     if provider == case.ours:  # the candidates ours' steps ran (before any forced run)
-                        dispatch = fused_block.dispatch_table()
+                        dispatch, verdicts = fused_block.dispatch_table(), timed_choices()
                 except Exception as exc:  # noqa: BLE001 - reported, the others still run
                     failed[provider] = harness.describe_error(exc)
                 finally:
@@ -107,9 +118,13 @@ def run_profiles(names) -> list:
                 print(f"  {provider}: unavailable ({reason})", flush=True)
             print("\nGEMM dispatch (fused_block.dispatch_table()):\n" + fused_block.dispatch.format_table(dispatch),
                   flush=True)
+            print("\nnorm and attention choices (fused_block.norm_choices(), attention_choices()):\n"
+                  + "\n".join(f"  {v['op']:<9} {v['candidate']:<10} {v['bucket']}  "
+                               + ", ".join(f"{c}={t:.4f}ms" for c, t in v["ms"].items()) for v in verdicts),
+                  flush=True)
             records.append({"spec": name, "op": case.op, "shape": dict(case.shape),
                             "dtype": harness.dtype_name(case.dtype), "mode": case.mode, "profiles": profiles,
-                            "unavailable": failed, "dispatch": dispatch})
+                            "unavailable": failed, "dispatch": dispatch, "choices": verdicts})
     return records
 
 

@@ -230,8 +230,9 @@ def unavailable_row(op: str, reason: str, case: str = "-") -> dict:
     return {"op": op, "case": case, "dtype": "-", "tensor": "-", "unavailable": reason}
 
 
-# A provider named ``<ours>[triton]`` (profile cases): ours with every GEMM on our fused kernel
-# (``fused_block.dispatch.force("triton")``), beside ours with the per-key choice; one named
+# A provider named ``<ours>[triton]``: ours with every op on our kernels (the GEMMs on our fused
+# kernel, ``fused_block.dispatch.force("triton")``; the norms and attention without torch's path
+# as a candidate), beside ours with the per-key choices; one named
 # ``<ours>[rows]`` (HF training steps): ours with the loss on its time-first token loop
 # (``FUSED_BLOCK_LCE_SCHEDULE=rows``: 6 N V H FLOPs and an fp32 (V, H) dW accumulator), beside
 # ours with the memory rule's schedule.
@@ -241,12 +242,18 @@ LOSS_ROWS = "[rows]"
 
 @contextlib.contextmanager
 def provider_scope(provider: str):
-    """The context a provider's step runs in: every GEMM forced onto our kernel for a
+    """The context a provider's step runs in: every op forced onto our kernels for a
     ``...[triton]`` provider, the loss's token loop for a ``...[rows]`` one, nothing otherwise."""
     if provider.endswith(TRITON_ONLY):
-        from fused_block import dispatch
-        with dispatch.force("triton"):
-            yield
+        from fused_block import _attn_sdpa, dispatch, norm
+
+        norms, attention = norm.force(norm.TRITON), _attn_sdpa.force(_attn_sdpa.TRITON)
+        try:
+            with dispatch.force("triton"):
+                yield
+        finally:
+            norm.force(norms)
+            _attn_sdpa.force(attention)
     elif provider.endswith(LOSS_ROWS):
         from fused_block.kernels import loss
 
@@ -601,7 +608,8 @@ def write_results(out_dir: str, env: dict, ceilings: dict, measurements: list, n
                   *, quick: bool = False, plots: bool = True, profiles: list = (), suffix: str = "") -> list:
     """Write the JSON, the markdown table and the plots; returns the paths written. ``profiles``
     (``python -m bench --profile``): one dict per profiled case, ``{"op", "shape", "profiles":
-    [summarize_profile(...) per provider], "dispatch": fused_block.dispatch_table()}``, kept
+    [summarize_profile(...) per provider], "dispatch": fused_block.dispatch_table(), "choices": the norms' and
+    attention's verdicts}``, kept
     under the JSON's ``"profiles"``; ``suffix`` goes after the file stem."""
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, results_stem(env, quick) + suffix)

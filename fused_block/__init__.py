@@ -8,4 +8,5 @@ from fused_block.attention import (attention, attention_qkvpacked, attention_var
 from fused_block.rope import rope, rope_qkvpacked  # noqa: F401
 from fused_block.loss import LinearCrossEntropy, linear_cross_entropy  # noqa: F401
 from fused_block._attn_sdpa import choices as attention_choices  # noqa: F401
+from fused_block.norm import choices as norm_choices  # noqa: F401
 from fused_block.dispatch import table as dispatch_table  # noqa: F401

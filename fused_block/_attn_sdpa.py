@@ -19,11 +19,11 @@ the kernels' configs (``kernels.common.ConfigCache``). The Triton kernels stay t
 ``FUSED_BLOCK_PRINT_TUNING=1`` to print each as it is made.
 """
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 
+from fused_block._timing import time_candidates
 from fused_block.kernels import common
 
 TRITON, CUDNN, FLASH = "triton", "sdpa_cudnn", "sdpa_flash"
@@ -101,49 +101,10 @@ def choose(q, k, causal, grad, timed):
         return hit[0]
     if not common.TUNE or torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return TRITON
-    times = _time_all(grad, *timed())
+    times = time_candidates(grad, *timed(), ours=TRITON)
     best = min(times, key=times.get)
     _CHOSEN[key] = (best, times)
     if os.environ.get("FUSED_BLOCK_PRINT_TUNING"):
         print(f"[fused_block] attention {key}: " + ", ".join(f"{c}={t:.4f}ms" for c, t in sorted(
             times.items(), key=lambda ct: ct[1])))
     return best
-
-
-def leaves_of(*tensors, grad):
-    """Fresh leaves (same strides and values) of the call's tensors, for timing."""
-    return [t.detach().requires_grad_(grad) for t in tensors]
-
-
-def _time_all(grad, leaves, fns):
-    """Milliseconds per candidate that runs this case (a backend that refuses it is left out)."""
-    from triton.testing import do_bench
-
-    douts = {}
-
-    def step(name, fn):
-        def go():
-            out = fn(*leaves)
-            if grad:
-                if name not in douts:
-                    douts[name] = torch.randn_like(out)
-                torch.autograd.grad(out, leaves, douts[name])
-        return go
-
-    times = {}
-    counts = common.LAUNCHES.copy()  # the timing's launches are not the caller's
-    try:
-        for name, fn in fns.items():
-            go = step(name, fn)
-            try:
-                with warnings.catch_warnings():  # a backend's reasons for refusing the case
-                    warnings.simplefilter("ignore")
-                    go()  # first call: compiles, and raises if the backend refuses the case
-                times[name] = do_bench(go, warmup=5, rep=25)
-            except Exception:  # noqa: BLE001 - a backend refusing the case: not a candidate
-                if name == TRITON:
-                    raise
-    finally:
-        common.LAUNCHES.clear()
-        common.LAUNCHES.update(counts)
-    return times

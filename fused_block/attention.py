@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fused_block import _attn_sdpa, _backend, _library, _validate, reference
+from fused_block import _attn_sdpa, _backend, _library, _timing, _validate, reference
 from fused_block.kernels import attention as _kernels
 from fused_block.kernels import common
 
@@ -608,7 +608,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
                                                                         -1, 0.0, None, None, None, None)[0]}
             for c in (_attn_sdpa.CUDNN, _attn_sdpa.FLASH):
                 fns[c] = lambda q, k, v, c=c: _attn_sdpa.run(c, q, k, v, causal, scale)
-            return _attn_sdpa.leaves_of(q, k, v, grad=grad), fns
+            return _timing.leaves_of(q, k, v, grad=grad), fns
 
         choice = _attn_sdpa.choose(q, k, causal, grad, timed)
         if choice != _attn_sdpa.TRITON:
@@ -718,7 +718,7 @@ def _packed_choice(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask
                                                                    None, causal, scale, 0.0, -1, -1)[0]}
         for c in (_attn_sdpa.CUDNN, _attn_sdpa.FLASH):
             fns[c] = lambda t, c=c: _packed_sdpa(c, t, num_heads, num_kv_heads, causal, scale, batch_first)
-        return _attn_sdpa.leaves_of(_unit_last_stride(qkv), grad=grad), fns
+        return _timing.leaves_of(_unit_last_stride(qkv), grad=grad), fns
 
     return _attn_sdpa.choose(q, k, causal, grad, timed)
 

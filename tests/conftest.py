@@ -82,6 +82,17 @@ def triton_attention():
 
 
 @pytest.fixture(autouse=True)
+def triton_norms():
+    """Likewise for the norms' timed choice against torch's path (``fused_block.norm``): our
+    kernels, but in the tests of that choice (tests/test_norm.py's ``norm_candidate``)."""
+    from fused_block import norm
+
+    before = norm.force(norm.TRITON)
+    yield
+    norm.force(before)
+
+
+@pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees its own one-time warnings (fused_block's fallbacks warn once per reason)."""
     from fused_block import _backend

@@ -120,11 +120,11 @@ def test_choice_is_timed_once_per_bucket_and_listed(monkeypatch):
     monkeypatch.setattr(common, "TUNE", True)  # timing on, whatever FUSED_BLOCK_TUNE says (GPU runs set 0)
     calls = []
 
-    def fake_time(grad, leaves, fns):
+    def fake_time(grad, leaves, fns, ours):
         calls.append(sorted(fns))
         return {_attn_sdpa.TRITON: 2.0, _attn_sdpa.CUDNN: 1.0, _attn_sdpa.FLASH: 3.0}
 
-    monkeypatch.setattr(_attn_sdpa, "_time_all", fake_time)
+    monkeypatch.setattr(_attn_sdpa, "time_candidates", fake_time)
     before = _attn_sdpa.force(None)
     try:
         q = torch.randn(2, 4, 100, 64, dtype=torch.bfloat16)

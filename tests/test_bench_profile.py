@@ -160,17 +160,26 @@ def test_liger_replacements_are_scoped_to_its_steps(monkeypatch):
     assert modeling_llama.apply_rotary_pos_emb is original and not hasattr(modeling_llama, "LigerOnly")
 
 
-def test_provider_scopes_force_our_gemm_or_the_loss_token_loop():
-    """``[triton]``: every GEMM on our kernel; ``[rows]``: the loss's token loop (for the training
-    steps whose loss the memory rule puts on the vocabulary-outer schedule); each undone after."""
-    from fused_block import dispatch
+def test_provider_scopes_force_our_kernels_or_the_loss_token_loop():
+    """``[triton]``: every op on our kernels (GEMMs, norms, attention); ``[rows]``: the loss's
+    token loop (for the training steps whose loss the memory rule puts on the vocabulary-outer
+    schedule); each undone after. The norm spec times ours both ways."""
+    from fused_block import _attn_sdpa, dispatch, norm
     from fused_block.kernels import loss
     from bench.specs import hf
+    from bench.specs import norm as norm_spec
 
     before, prefer = dispatch._FORCE, loss.PREFER
-    with harness.provider_scope("fused_block[triton]"):
-        assert dispatch._FORCE == "triton" and loss.PREFER == prefer
-    assert dispatch._FORCE == before
+    norms, attention = norm.force(None), _attn_sdpa.force(None)
+    try:
+        with harness.provider_scope("fused_block[triton]"):
+            assert dispatch._FORCE == "triton" and loss.PREFER == prefer
+            assert norm._FORCED == norm.TRITON and _attn_sdpa._FORCED == _attn_sdpa.TRITON
+        assert dispatch._FORCE == before and norm._FORCED is None and _attn_sdpa._FORCED is None
+    finally:
+        norm.force(norms)
+        _attn_sdpa.force(attention)
+    assert list(norm_spec.IMPLS)[:2] == ["fused_block", "fused_block[triton]"]
     with harness.provider_scope("fused_block[rows]"):
         assert loss.PREFER == "rows" and dispatch._FORCE == before
         assert loss.schedule(8192, 32000, 2048, 2, False, True, True) == "rows"
@@ -179,3 +188,20 @@ def test_provider_scopes_force_our_gemm_or_the_loss_token_loop():
         assert dispatch._FORCE == before and loss.PREFER == prefer
     rows = {name for name, spec in hf.MODELS.items() if "fused_block[rows]" in hf._train_providers(spec)}
     assert rows == {"llama-1b", "gemma-2b"}  # gpt2-small's loss is on the token loop already; T5's is not fused
+
+
+def test_timed_choices_are_json_rows(monkeypatch):
+    """The norms' and attention's verdicts, as the profile records keep them: op, bucket (its
+    fields as strings: dtypes are not JSON), candidate and each candidate's milliseconds."""
+    from bench.__main__ import timed_choices
+    from fused_block import _attn_sdpa
+    from fused_block import norm as fnorm
+
+    monkeypatch.setattr(fnorm, "_CHOSEN", {(90, True, torch.bfloat16, True, True, False, 4096, 16384, True, False):
+                                           ("torch", {"triton": 0.5, "torch": 0.4})})
+    monkeypatch.setattr(_attn_sdpa, "_CHOSEN", {(90, torch.bfloat16, True, True, 64, 1, 512, 1024, 1024):
+                                                ("sdpa_cudnn", {"triton": 1.0, "sdpa_cudnn": 0.8})})
+    rows = json.loads(json.dumps(timed_choices()))
+    assert [(r["op"], r["candidate"]) for r in rows] == [("norm", "torch"), ("attention", "sdpa_cudnn")]
+    assert rows[0]["bucket"][2] == "torch.bfloat16" and rows[0]["ms"] == {"triton": 0.5, "torch": 0.4}
+

@@ -592,3 +592,123 @@ def test_rms_norm_unit_offset_bad_flag(device, launches):
     with pytest.raises(TypeError, match="^unit_offset"):
         fused_block.add_rms_norm(x, None, torch.zeros(8, device=device), unit_offset=1)
     assert launches["add_norm_fwd"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's path as a candidate (fused_block.norm: eager's add + F.layer_norm / F.rms_norm)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def norm_candidate():
+    """Runs the test with a forced candidate (``fused_block.norm.force``), restored after."""
+    from fused_block import norm as fnorm
+
+    before = fnorm.force(None)
+    yield fnorm
+    fnorm.force(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("has_res,out_is_residual", [(True, False), (False, False), (True, True)],
+                         ids=["residual", "no-residual", "post-ln"])
+def test_torch_candidate_matches_reference(device, launches, norm_candidate, dtype, norm, has_res, out_is_residual):
+    """Where torch's path is chosen it gives the op's outputs (dtypes, the second output as the
+    op's: residual_out, x itself, or out again) and every gradient, within the block rule
+    against float64; no kernel of ours runs."""
+    norm_candidate.force(norm_candidate.TORCH)
+    inputs = _inputs((5, 3, 96), dtype, device, has_res=has_res, has_b=norm == "layer")
+    out, rout = _check_fwd_bwd(norm, inputs, dtype, device, out_is_residual=out_is_residual)
+    assert out.dtype == rout.dtype == dtype
+    if out_is_residual:
+        assert rout is out
+    elif not has_res:
+        assert rout is inputs[0]
+    assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == launches["add_norm_bwd_reduce"] == 0
+
+
+@pytest.mark.parametrize("case", ["dropout", "unit_offset", "fp32_residual", "fp32_weight", "residual_in_fp32"])
+def test_torch_candidate_only_where_it_computes_the_op(device, launches, norm_candidate, case):
+    """What eager's single-call path does not compute as the op does (dropout, whose mask is our
+    seed's; Gemma's unit offset; a residual stream or parameters in another dtype than x) runs
+    our kernels even with torch's path forced."""
+    norm_candidate.force(norm_candidate.TORCH)
+    x = randn(4, 64, dtype=torch.bfloat16, device=device)
+    residual = randn(4, 64, dtype=torch.float32 if case == "fp32_residual" else torch.bfloat16, device=device)
+    weight = randn(64, dtype=torch.float32 if case == "fp32_weight" else torch.bfloat16, device=device)
+    kw = {"dropout": dict(dropout_p=0.1), "unit_offset": dict(unit_offset=True),
+          "residual_in_fp32": dict(residual_in_fp32=True)}.get(case, {})
+    fused_block.add_rms_norm(x, None if case == "residual_in_fp32" else residual, weight, **kw)
+    assert launches["add_norm_fwd"] == 1
+
+
+def test_norm_choice_is_timed_once_per_bucket_and_listed(device, monkeypatch, norm_candidate):
+    """The first call of a bucket times both candidates (here a stand-in timing) and keeps the
+    faster; later calls of the bucket (rows rounded up to a power of two) reuse it untimed;
+    ``fused_block.norm_choices()`` lists it. Untimed, the static rule (our kernels): with
+    FUSED_BLOCK_TUNE=0, in the interpreter, under deterministic algorithms and torch.compile."""
+    fnorm = norm_candidate
+    monkeypatch.setattr(fnorm, "_CHOSEN", {})
+    monkeypatch.setattr(fnorm, "_KEYS", {})  # the signatures' buckets hold the arch, patched below
+    monkeypatch.setattr(common, "TUNE", True)
+    calls = []
+
+    def fake_time(grad, leaves, fns, ours):
+        calls.append((grad, sorted(fns), [t is not None and t.requires_grad for t in leaves]))
+        return {fnorm.TRITON: 2.0, fnorm.TORCH: 1.0}
+
+    monkeypatch.setattr(fnorm._timing, "time_candidates", fake_time)
+    x = randn(100, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = randn(64, dtype=torch.bfloat16, device=device)  # frozen: not a leaf that takes a gradient
+    args = (None, w, None, 1e-6, True, False, True)
+    monkeypatch.setattr(common, "arch", lambda dev: 0)
+    assert fnorm._choose(x, *args) == fnorm.TRITON  # the interpreter: untimed
+    monkeypatch.setattr(common, "arch", lambda dev: 90)
+    fnorm._KEYS.clear()
+    assert fnorm._choose(x, *args) == fnorm.TORCH
+    assert fnorm._choose(x[:70], *args) == fnorm.TORCH  # the same bucket (128 rows)
+    assert calls == [(True, [fnorm.TORCH, fnorm.TRITON], [True, False, False, False])]
+    (bucket, (best, times)), = fused_block.norm_choices().items()
+    assert best == fnorm.TORCH and times[fnorm.TRITON] == 2.0 and bucket[:3] == (90, True, torch.bfloat16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert fnorm._choose(x, *args) == fnorm.TRITON
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(fnorm, "_compiling", lambda: True)
+    assert fnorm._choose(x, *args) == fnorm.TRITON
+    monkeypatch.setattr(fnorm, "_compiling", torch.compiler.is_compiling)
+    monkeypatch.setattr(common, "TUNE", False)
+    assert fnorm._choose(x[:20], *args) == fnorm.TRITON  # a new bucket, untimed
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="candidate"):
+        fnorm.force("eager")
+
+
+def test_norm_candidates_timing_runs_each_backward(device, monkeypatch):
+    """The timing (``_timing.time_candidates``, with a stand-in for ``do_bench``) runs each
+    candidate's forward and its backward into the leaves that take a gradient (x and the
+    weight here; not the frozen residual), for Post-LN's output returned twice too; the
+    launches it makes are not the caller's."""
+    import triton.testing
+
+    from fused_block import _timing
+    from fused_block import norm as fnorm
+
+    ran = collections.Counter()
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.5)[1])
+    x = randn(6, 32, dtype=torch.float32, device=device, requires_grad=True)
+    residual = randn(6, 32, dtype=torch.float32, device=device)
+    w = randn(32, dtype=torch.float32, device=device, requires_grad=True)
+    before = common.LAUNCHES.copy()
+    for out_is_residual in (False, True):
+        leaves = _timing.leaves_of(x, residual, w, None, grad=[True, False, True, False])
+        for t, name in ((leaves[0], "x"), (leaves[2], "w")):
+            t.register_hook(lambda g, name=name: ran.update([name]))
+        fns = {fnorm.TRITON: lambda *t: fnorm._kernels(*t, 1e-6, 0.0, torch.float32, out_is_residual, True,
+                                                         False, True),
+               fnorm.TORCH: lambda *t: fnorm._torch_add_norm(*t, 1e-6, True, out_is_residual)}
+        times = _timing.time_candidates(True, leaves, fns, ours=fnorm.TRITON)
+        assert times == {fnorm.TRITON: 1.5, fnorm.TORCH: 1.5}
+    assert ran == {"x": 8, "w": 8}  # 2 candidates x (first call + do_bench's) x 2 layouts
+    assert common.LAUNCHES == before

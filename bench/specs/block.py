@@ -41,7 +41,7 @@ T = batch * seq tokens, plus attention ``4 B L^2 d`` (QK^T and PV); backward is 
 forward, so ``fwd+bwd`` counts 3x. Norms, bias, activations and dropout are not counted.
 
 ``profile_cases()`` (``python -m bench --profile block``): the Pre-LN GPT-2-medium training step,
-dropout 0, for fused_block (also as ``fused_block[triton]``: every GEMM on our fused kernel), eager
+dropout 0, for fused_block (also as ``fused_block[triton]``: every op on our kernels), eager
 and torch.compile.
 
 Targets on an H200 (from issue 12; a benchmark, not a test): a training step at least 1.3x
@@ -161,7 +161,7 @@ PROFILE_PROVIDERS = ("fused_block", "fused_block[triton]", "eager", "torch.compi
 
 def profile_cases() -> list:
     """``python -m bench --profile block``: the Pre-LN GPT-2-medium training step without dropout
-    (the issue's case), ours (with the per-key GEMM choice, and with every GEMM on our kernel:
+    (the issue's case), ours (with the per-key choices, and with every op on our kernels:
     ``[triton]``) beside eager and torch.compile."""
     shape = SHAPES["gpt2-medium"]
     providers = {p: _train_factory(p, True, 0.0, shape) for p in PROFILE_PROVIDERS}

@@ -42,8 +42,8 @@ Every provider's peak memory (``torch.cuda.max_memory_allocated`` over one step,
 model, inputs and state allocated before it) is reported beside its time.
 
 ``profile_cases()`` (``python -m bench --profile hf``): the llama-1b training step at its
-``--quick`` size (4 layers), for every provider and ``fused_block[triton]`` (every GEMM on our
-fused kernel: what the GEMM dispatch changes).
+``--quick`` size (4 layers), for every provider and ``fused_block[triton]`` (every op on our
+kernels: what the choices between ours and torch's paths change).
 
 Ops and modes:
 
@@ -262,7 +262,7 @@ def cases(quick: bool) -> list:
 
 def profile_cases() -> list:
     """``python -m bench --profile hf``: llama-1b's training step at its ``--quick`` size, every
-    provider, and ours with every GEMM on our fused kernel (``fused_block[triton]``)."""
+    provider, and ours with every op on our kernels (``fused_block[triton]``)."""
     (case,) = [c for c in cases(True) if c.op == "hf_train" and c.shape["model"] == "llama-1b"]
     spec = dict(MODELS["llama-1b"], **QUICK["llama-1b"])
     providers = dict(case.providers)
