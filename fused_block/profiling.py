@@ -8,7 +8,8 @@ is a view (``OpOverload.is_view``: view, transpose, split, detach, ...), only al
 (empty, empty_strided, new_empty, ...), or only produces empty tensors. zeros, fill_, copy_,
 cat, sum, clone and dtype casts (``_to_copy``) all count; ops that return a Python value
 (``_local_scalar_dense`` from ``.item()``, ``equal``) count as kernels and also as host-device
-synchronizations. The functions of ``fused_block``'s own ops are entered, not counted: the
+synchronizations, as do copies from device memory to the host (``.tolist()``, ``.cpu()``; on a
+CPU machine ``.tolist()`` of a CPU tensor reads it without an op, which nothing sees). The functions of ``fused_block``'s own ops are entered, not counted: the
 ops inside them are.
 
 :func:`host_profile` breaks a step's host time down by function (cProfile); run the step
@@ -36,6 +37,19 @@ _NO_KERNEL = {
     _aten.lift_fresh.default, _aten.set_.source_Storage_storage_offset, _aten.resize_.default,
 }
 _SYNCS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
+_COPIES = {_aten._to_copy.default, _aten.copy_.default}
+
+
+def _reads_to_host(func, args, kwargs, out) -> bool:
+    """A copy from device memory into host memory that waits for it (``.tolist()``, ``.cpu()``
+    and ``.to("cpu")`` of a CUDA tensor; not a ``non_blocking`` one): a synchronization. For
+    ``copy_(dst, src)`` the source is the second argument."""
+    if func not in _COPIES or kwargs.get("non_blocking") or (func is _aten.copy_.default and len(args) > 2
+                                                            and args[2]):
+        return False
+    src, dst = (args[1], args[0]) if func is _aten.copy_.default else (args[0], out)
+    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type != "cpu"
+            and dst.device.type == "cpu" and src.device.type != "meta")
 
 
 def _produces_data(out) -> bool:
@@ -68,7 +82,7 @@ class _AtenKernels(TorchDispatchMode):
             with self:
                 return func.redispatch(_backend_keys(args), *args, **kwargs)
         out = func(*args, **kwargs)
-        if func in _SYNCS:
+        if func in _SYNCS or _reads_to_host(func, args, kwargs, out):
             self.syncs[func.overloadpacket.__name__] += 1
             self.kernels[func.overloadpacket.__name__] += 1
         elif not func.is_view and func not in _NO_KERNEL and _produces_data(out):

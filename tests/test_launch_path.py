@@ -183,6 +183,29 @@ def test_count_kernels_counts_compute_not_views_or_allocations():
     assert c.total == 7 and "7 kernels" in c.table()
 
 
+def test_copies_to_the_host_count_as_syncs():
+    """A copy from device memory into host memory that waits for it (``.cpu()``, ``.tolist()``,
+    ``copy_`` into a CPU tensor) is a synchronization; a ``non_blocking`` one, a copy to the
+    device and a host-to-host copy are not. (A tensor that says it is on CUDA stands in for a
+    device tensor on any machine.)"""
+    class OnDevice(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    aten = torch.ops.aten
+    dev = torch.Tensor._make_subclass(OnDevice, torch.zeros(3))
+    host = torch.zeros(3)
+    assert profiling._reads_to_host(aten._to_copy.default, (dev,), {"device": "cpu"}, host)
+    assert not profiling._reads_to_host(aten._to_copy.default, (dev,), {"non_blocking": True}, host)
+    assert not profiling._reads_to_host(aten._to_copy.default, (host,), {}, dev)  # to the device
+    assert not profiling._reads_to_host(aten._to_copy.default, (host,), {}, host)
+    assert profiling._reads_to_host(aten.copy_.default, (host, dev), {}, host)
+    assert not profiling._reads_to_host(aten.copy_.default, (host, dev, True), {}, host)  # non_blocking
+    assert not profiling._reads_to_host(aten.copy_.default, (dev, host), {}, dev)
+    assert not profiling._reads_to_host(aten.add.Tensor, (dev, host), {}, host)
+
+
 def test_count_kernels_counts_launches_not_markers():
     """A stubbed common.launch is a kernel of a real step; a name bumped in common.LAUNCHES
     without a launch (a launcher's path marker) is not."""
