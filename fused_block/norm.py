@@ -406,14 +406,16 @@ def add_rms_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | Non
                  unit_offset: bool = False) -> tuple[Tensor, Tensor]:
     """As :func:`add_layer_norm` with RMSNorm: ``out = residual_out * rsqrt(mean(residual_out^2) + eps) * weight``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``torch.nn.RMSNorm``. ``unit_offset``:
+    ``eps=None`` means the machine epsilon of x's computation dtype, as torch's ``rms_norm``
+    (``torch.nn.RMSNorm``'s default) computes it: fp32's for fp16/bf16/fp32 x (not the 16-bit
+    type's, which its documentation names). ``unit_offset``:
     the weight is stored as an offset from 1 and the row is scaled by ``1 + weight``, computed
     in fp32 (Gemma's RMSNorm: ``(x * rsqrt(mean(x^2) + eps) * (1.0 + w.float())).type_as(x)``);
     the flag reaches the kernels (no ``1 + weight`` tensor is formed), and the weight's gradient
     is the same as without it. No effect without a weight.
     """
     if eps is None and isinstance(x, Tensor) and x.is_floating_point():
-        eps = torch.finfo(x.dtype).eps
+        eps = reference.default_rms_eps(x.dtype)
     _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual)
     if not isinstance(unit_offset, bool):
         raise TypeError(f"unit_offset must be a bool, got {type(unit_offset).__name__}")

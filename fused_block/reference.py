@@ -57,13 +57,22 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p
     return out, out if out_is_residual else h.to(residual_dtype)
 
 
+def default_rms_eps(dtype) -> float:
+    """RMSNorm's eps when none is given, as torch's ``rms_norm`` takes it: the machine epsilon
+    of the type it computes in (fp32 for fp16, bf16 and fp32; float64's for float64)."""
+    return _EPS_F64 if dtype == torch.float64 else _EPS_F32
+
+
+_EPS_F32, _EPS_F64 = torch.finfo(torch.float32).eps, torch.finfo(torch.float64).eps
+
+
 def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
                  residual_in_fp32=False, out_is_residual=False, *, dropout_mask=None, compute_dtype=None,
                  unit_offset=False):
-    """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means ``torch.finfo(x.dtype).eps``.
-    ``unit_offset``: scaled by ``1 + weight`` (Gemma's), formed in the compute dtype."""
+    """As :func:`add_layer_norm` with RMSNorm; ``eps=None`` means :func:`default_rms_eps` of x's
+    dtype. ``unit_offset``: scaled by ``1 + weight`` (Gemma's), formed in the compute dtype."""
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = default_rms_eps(x.dtype)
     cdt = _compute_dtype(x.dtype, compute_dtype)
     h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -712,3 +712,21 @@ def test_norm_candidates_timing_runs_each_backward(device, monkeypatch):
         assert times == {fnorm.TRITON: 1.5, fnorm.TORCH: 1.5}
     assert ran == {"x": 8, "w": 8}  # 2 candidates x (first call + do_bench's) x 2 layouts
     assert common.LAUNCHES == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_rms_norm_default_eps_is_torchs(device, launches, dtype):
+    """``eps=None`` as torch's rms_norm takes it (``torch.nn.RMSNorm``'s default): the machine
+    epsilon of fp32, the type it computes 16-bit x in, not of x's dtype (bf16's is 0.0078, which
+    would swamp rows whose mean square is 1e-6)."""
+    x = randn(5, 16, dtype=dtype, device=device, scale=1e-3)
+    theirs = torch.nn.RMSNorm(16, device=device, dtype=dtype)
+    ours = fused_block.RMSNorm(16, device=device, dtype=dtype)
+    ours.load_state_dict(theirs.state_dict())
+    x64 = x.double()
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+    with torch.no_grad():
+        assert_close("RMSNorm", ours(x), want, theirs(x))
+        out, _ = fused_block.add_rms_norm(x)
+        assert_close("add_rms_norm", out, want, torch.nn.functional.rms_norm(x, (16,)))
+    assert launches["add_norm_fwd"] == 2
