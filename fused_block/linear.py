@@ -729,6 +729,7 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
         u, lbg, lbu = _check_lora(x, lora, (f, f))
     if not _backend.use_triton(x):
         return reference.gated(x, w_gate, w_up, b_gate, b_up, dropout_p=dropout_p, lora=lora, activation=activation)
+    b_gate, b_up = _both_biases(b_gate, b_up)
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
     x2 = _flat(x)
     if _backend.needs_autograd(x, w_gate, w_up, b_gate, b_up, u, lbg, lbu):
@@ -821,6 +822,15 @@ def geglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Opt
     return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "geglu", dropout_p, output_dropout_p)
 
 
+def _both_biases(b_gate, b_up):
+    """One kernel adds both biases of a gated layer or neither: a missing one (with the other
+    given) is a zero vector."""
+    if (b_gate is None) == (b_up is None):
+        return b_gate, b_up
+    return (b_gate if b_gate is not None else torch.zeros_like(b_up),
+            b_up if b_up is not None else torch.zeros_like(b_gate))
+
+
 def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activation, dropout_p, output_dropout_p):
     _validate.tensor("x", x, min_ndim=1)
     _backend.no_dtensor(activation, x, w_gate, w_up, w_down)
@@ -836,10 +846,7 @@ def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activati
     if not _backend.use_triton(x):
         return reference.gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
                                    activation=activation, dropout_p=dropout_p, output_dropout_p=output_dropout_p)
-    if (b_gate is None) != (b_up is None):
-        # One kernel adds both biases or neither: a missing one is a zero vector.
-        b_gate = b_gate if b_gate is not None else torch.zeros_like(b_up)
-        b_up = b_up if b_up is not None else torch.zeros_like(b_gate)
+    b_gate, b_up = _both_biases(b_gate, b_up)
     return _ffn(x, w_gate, w_up, b_gate, b_up, w_down, b_down, residual, activation, dropout_p, output_dropout_p,
                 False)
 

@@ -1064,6 +1064,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
     else:
         K = K1 + (a2.shape[1] if a2 is not None else 0)
         dual = 2 if a2 is not None else 1
+        if dual == 1 and (bias is None) != (bias2 is None):  # the kernel would read c as the missing one
+            raise ValueError("matmul: the up projection (b2) takes bias2 exactly when bias is given")
         # The second operands are read with the first ones' strides: equal layouts (the two
         # weights of a SwiGLU stored differently are the rare case that pays for a copy).
         if b2.stride() != b.stride():

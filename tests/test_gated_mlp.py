@@ -228,6 +228,30 @@ def test_gated_linear_geglu_with_dropout(dtype_mode, device, launches):
     assert launches["act_grad"] == 1
 
 
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0]])
+@pytest.mark.parametrize("given", ["b_gate", "b_up"])
+def test_gated_linear_with_one_bias(given, dtype_mode, device, launches):
+    """One of the two biases given: the other is zero (the kernel adds both or neither), output
+    and every gradient against the reference; the kernel refuses one bias without the other."""
+    dtype, mode = dtype_mode
+    x, wg, wu, _, _, bg, bu, _ = _inputs("swiglu", 9, 24, 40, True, False, dtype, device)
+    bg, bu = (bg, None) if given == "b_gate" else (None, bu)
+
+    def ours(x, wg, wu, b):
+        return gated_linear(x, wg, wu, *((b, None) if given == "b_gate" else (None, b)))
+
+    def ref(x, wg, wu, b, compute_dtype=None):
+        return reference.gated(x, wg, wu, *((b, None) if given == "b_gate" else (None, b)),
+                               compute_dtype=compute_dtype)
+
+    check("gated one bias", ours, ref, (x, wg, wu, bg if given == "b_gate" else bu), dtype, device, mode)
+    assert launches["matmul"] >= 1
+    c = torch.empty(9, 40, dtype=dtype, device=device)
+    with pytest.raises(ValueError, match="bias2"):
+        kmatmul.gemm(x.detach(), wg.detach(), c, b2=wu.detach(), bias=torch.zeros(40, dtype=dtype, device=device),
+                     activation=kmatmul.SWIGLU, transpose_b=True)
+
+
 @pytest.mark.parametrize("shape", [(0, 8, 16), (3, 0, 16)], ids=["no_rows", "no_in_features"])
 def test_swiglu_zero_sizes(shape, device):
     inputs = _inputs("swiglu", *shape, True, True, torch.float32, device)
