@@ -105,6 +105,10 @@ def _check_angles(ref_name, ref, B, L, D, positions, inv_freq, cos, sin, scale, 
         if inv_freq.requires_grad and torch.is_grad_enabled():
             raise ValueError("inv_freq: no gradient flows to the frequencies; pass inv_freq.detach()")
         return rot_dim
+    if scale != 1.0:  # the tables are read as given: a scale of its own would be ignored
+        raise ValueError(f"scale applies to angles from positions and inv_freq; cos and sin are used as given "
+                         f"(scale them instead: Hugging Face's tables hold attention_scaling already), got "
+                         f"scale={scale}")
     _validate.tensor("cos", cos, ndim=3)
     _validate.tensor("sin", sin, ndim=3)
     if cos.shape[0] not in (1, B) or cos.shape[1] != L:
@@ -133,7 +137,7 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
             kernel, then multiplied by ``scale`` (Hugging Face's ``attention_scaling``).
         cos, sin: instead of positions, (B or 1, L, D_rot) tables in Hugging Face's layout (any
             float dtype, read in fp32): ``cat((f, f))`` for half-split, ``repeat_interleave(f, 2)``
-            for interleaved.
+            for interleaved; used as given (``scale`` must be 1: a table's scaling is in it).
         interleaved: False: half-split pairs (i, i + D_rot/2), GPT-NeoX/Hugging Face LLaMA
             ``rotate_half``; True: adjacent pairs (2i, 2i + 1), GPT-J / Meta's LLaMA.
     Dimensions past D_rot are copied unchanged (partial rotary). Returns ``(q_out, k_out)``,

@@ -146,6 +146,7 @@ def test_bad_inputs_name_the_argument(device, launches):
         (dict(positions=None, inv_freq=None), ValueError, "exactly one pair"),
         (dict(positions=None, inv_freq=None, cos=cos[..., :5], sin=sin[..., :5]), ValueError, "cos: the rotary dim"),
         (dict(positions=None, inv_freq=None, cos=cos, sin=sin[:, :2]), ValueError, "sin must have shape"),
+        (dict(positions=None, inv_freq=None, cos=cos, sin=sin, scale=0.5), ValueError, "scale applies to angles"),
         (dict(scale=0.0), ValueError, "scale must be > 0"),
         (dict(interleaved=1), TypeError, "interleaved must be a bool"),
         (dict(inv_freq=inv.clone().requires_grad_()), ValueError, "inv_freq: no gradient"),
@@ -280,6 +281,8 @@ def test_rope_qkvpacked_bad_inputs_name_the_argument(device, launches):
         (dict(inv_freq=None), ValueError, "pass either inv_freq"),
         (dict(inv_freq=torch.cat((inv, inv))), ValueError, "inv_freq must have between"),
         (dict(scale=float("inf")), ValueError, "scale must be finite"),
+        (dict(inv_freq=None, cos=torch.ones(1, L, 32, device=device), sin=torch.zeros(1, L, 32, device=device),
+              scale=2.0), ValueError, "scale applies to angles"),
     ]
     for override, exc, match in cases:
         kw = dict(qkv=qkv, num_heads=HQ, num_kv_heads=HK, inv_freq=inv)
