@@ -878,6 +878,10 @@ def test_alternating_4d_masks_are_read_once_each_per_forward(device, launches):
     causal4d[0, 0, 1, 3] = 0.0  # in place: a key the causal mask hid is seen -> the mask itself
     changed = plan(causal4d, 2, Lk, Lk, True, "sdpa")
     assert changed.bias is causal4d and not changed.causal
+    with torch.inference_mode():  # no version counter to tell an in-place change: read on every use
+        frozen = window4d.clone()
+    counts = profiling.count_kernels(lambda: [plan(frozen, 2, Lk, Lk, True, "sdpa", window=(1, 0)) for _ in range(2)])
+    assert counts.syncs == {"_local_scalar_dense": 2}, counts.syncs
 
 
 def test_gpt_oss_called_mlp_hooks_tables_and_fallbacks(device, launches):

@@ -113,7 +113,9 @@ def plan(mask, B, Lq, Lk, causal, convention, window=(-1, -1)):
                     window=window)
     if torch.compiler.is_compiling() or _capturing(mask):
         return general_plan(mask, B, Lq, Lk)  # no value read: the kernel reads the mask itself
-    key = (B, Lq, Lk, causal, window, None if mask.is_inference() else mask._version)  # (no counter)
+    if mask.is_inference():  # no version counter to tell an in-place change: read every time
+        return _read_mask(mask, B, Lq, Lk, causal, window)
+    key = (B, Lq, Lk, causal, window, mask._version)
     for ref, seen, read in _READ_MASKS:
         if ref() is mask and seen == key:
             return read
