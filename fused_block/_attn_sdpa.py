@@ -23,14 +23,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fused_block._timing import time_candidates
+from fused_block._timing import check_candidate, forced_by_env, time_candidates
 from fused_block.kernels import common
 
 TRITON, CUDNN, FLASH = "triton", "sdpa_cudnn", "sdpa_flash"
 CANDIDATES = (TRITON, CUDNN, FLASH)
-_FORCED = os.environ.get("FUSED_BLOCK_ATTENTION", "").strip().lower() or None
-if _FORCED is not None and _FORCED not in CANDIDATES:
-    raise ValueError(f"FUSED_BLOCK_ATTENTION must be one of {', '.join(CANDIDATES)}, got {_FORCED!r}")
+_FORCED = forced_by_env("FUSED_BLOCK_ATTENTION", CANDIDATES)
 _CHOSEN = {}  # bucket -> (candidate, {candidate: ms})
 
 
@@ -38,8 +36,7 @@ def force(candidate):
     """Forces ``candidate`` (one of :data:`CANDIDATES`, or None for the timed choice) for every
     call SDPA expresses; returns the previous setting (tests; ``FUSED_BLOCK_ATTENTION``)."""
     global _FORCED
-    if candidate is not None and candidate not in CANDIDATES:
-        raise ValueError(f"candidate must be one of {', '.join(CANDIDATES)} or None, got {candidate!r}")
+    check_candidate(candidate, CANDIDATES)
     before, _FORCED = _FORCED, candidate
     return before
 

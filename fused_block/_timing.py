@@ -1,11 +1,29 @@
-"""Timing a call's candidates on its own tensors, for the choices made once per shape bucket
-between our kernels and torch's path: attention's SDPA backends (``fused_block._attn_sdpa``)
-and the norms' eager ops (``fused_block.norm``). CUDA only (``triton.testing.do_bench``)."""
+"""The choices made once per shape bucket between our kernels and torch's paths (the GEMMs'
+cuBLAS, ``fused_block.dispatch``; attention's SDPA backends, ``fused_block._attn_sdpa``; the
+norms' eager ops, ``fused_block.norm``): a forced candidate's switches, and the timing of the
+candidates on a call's own tensors (CUDA only: ``triton.testing.do_bench``)."""
+import os
 import warnings
 
 import torch
 
 from fused_block.kernels import common
+
+
+def forced_by_env(variable, candidates):
+    """The candidate environment ``variable`` forces (None when unset, empty or "auto")."""
+    value = os.environ.get(variable, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in candidates:
+        raise ValueError(f"{variable} must be 'auto' or one of {', '.join(candidates)}, got {value!r}")
+    return value
+
+
+def check_candidate(candidate, candidates):
+    """A candidate to force: one of ``candidates``, or None for the timed choice."""
+    if candidate is not None and candidate not in candidates:
+        raise ValueError(f"candidate must be one of {', '.join(candidates)} or None, got {candidate!r}")
 
 
 def leaves_of(*tensors, grad):

@@ -40,6 +40,7 @@ import os
 
 import torch
 
+from fused_block import _timing
 from fused_block.kernels import common
 from fused_block.kernels import matmul as _k
 
@@ -48,12 +49,7 @@ CANDIDATES = (TRITON, CUBLAS)
 
 
 def _env_force():
-    value = os.environ.get("FUSED_BLOCK_GEMM", "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value not in CANDIDATES:
-        raise ValueError(f"FUSED_BLOCK_GEMM must be 'auto', 'triton' or 'cublas', got {value!r}")
-    return value
+    return _timing.forced_by_env("FUSED_BLOCK_GEMM", CANDIDATES)
 
 
 _FORCE = _env_force()
@@ -69,8 +65,7 @@ def force(candidate):
     """Run every product on ``candidate`` ("triton", "cublas", or None for the per-key choice)
     inside the block (where the candidate expresses the call)."""
     global _FORCE
-    if candidate is not None and candidate not in CANDIDATES:
-        raise ValueError(f"candidate must be None or one of {CANDIDATES}, got {candidate!r}")
+    _timing.check_candidate(candidate, CANDIDATES)
     previous, _FORCE = _FORCE, candidate
     try:
         yield

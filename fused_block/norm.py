@@ -275,16 +275,7 @@ TRITON, TORCH = "triton", "torch"
 CANDIDATES = (TRITON, TORCH)
 
 
-def _env_force():
-    value = os.environ.get("FUSED_BLOCK_NORM", "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value not in CANDIDATES:
-        raise ValueError(f"FUSED_BLOCK_NORM must be 'auto', 'triton' or 'torch', got {value!r}")
-    return value
-
-
-_FORCED = _env_force()
+_FORCED = _timing.forced_by_env("FUSED_BLOCK_NORM", CANDIDATES)
 _CHOSEN = {}  # bucket -> (candidate, {candidate: ms})
 _KEYS = {}  # the call's signature (shape, dtype, device, flags) -> its bucket: derived once
 _compiling = torch.compiler.is_compiling
@@ -295,8 +286,7 @@ def force(candidate):
     """Forces ``candidate`` ("triton", "torch", or None for the timed choice) for every call
     torch's path expresses; returns the previous setting (tests; ``FUSED_BLOCK_NORM``)."""
     global _FORCED
-    if candidate is not None and candidate not in CANDIDATES:
-        raise ValueError(f"candidate must be one of {', '.join(CANDIDATES)} or None, got {candidate!r}")
+    _timing.check_candidate(candidate, CANDIDATES)
     before, _FORCED = _FORCED, candidate
     return before
 
