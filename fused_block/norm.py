@@ -239,7 +239,7 @@ def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_i
     else:
         residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
     grad = _backend.needs_autograd(x, residual, weight, bias)
-    if (not dropout_p and not unit_offset and _torch_expresses(x.dtype, residual_dtype, residual, weight, bias)
+    if (not dropout_p and not unit_offset and _torch_expresses(x, residual_dtype, residual, weight, bias)
             and _choose(x, residual, weight, bias, eps, is_rms, out_is_residual, grad) == TORCH):
         return _torch_add_norm(x, residual, weight, bias, eps, is_rms, out_is_residual)
     return _kernels(x, residual, weight, bias, eps, dropout_p, residual_dtype, out_is_residual, is_rms, unit_offset,
@@ -273,12 +273,11 @@ def _kernels(x, residual, weight, bias, eps, dropout_p, residual_dtype, out_is_r
 
 TRITON, TORCH = "triton", "torch"
 CANDIDATES = (TRITON, TORCH)
-
-
 _FORCED = _timing.forced_by_env("FUSED_BLOCK_NORM", CANDIDATES)
 _CHOSEN = {}  # bucket -> (candidate, {candidate: ms})
 _KEYS = {}  # the call's signature (shape, dtype, device, flags) -> its bucket: derived once
 _compiling = torch.compiler.is_compiling
+_autocasting = torch.is_autocast_enabled
 _deterministic = torch._C._get_deterministic_algorithms
 
 
@@ -298,12 +297,15 @@ def choices():
     return dict(_CHOSEN)
 
 
-def _torch_expresses(dtype, residual_dtype, residual, weight, bias) -> bool:
+def _torch_expresses(x, residual_dtype, residual, weight, bias) -> bool:
     """Whether eager's ``x + residual`` then ``F.layer_norm`` / ``F.rms_norm`` computes this call
-    with our outputs' dtypes: every tensor in x's dtype (no dropout, whose mask is our seed's,
-    and no unit offset: the caller checks those)."""
+    with our outputs' dtypes: every tensor in x's dtype, outside autocast (which runs the norms
+    in fp32: an fp32 output); no dropout, whose mask is our seed's, and no unit offset (the
+    caller checks those)."""
+    dtype = x.dtype
     return (residual_dtype is dtype and (residual is None or residual.dtype is dtype)
-            and (weight is None or weight.dtype is dtype) and (bias is None or bias.dtype is dtype))
+            and (weight is None or weight.dtype is dtype) and (bias is None or bias.dtype is dtype)
+            and not _autocasting(x.device.type))
 
 
 def _torch_add_norm(x, residual, weight, bias, eps, is_rms, out_is_residual):

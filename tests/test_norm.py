@@ -627,19 +627,21 @@ def test_torch_candidate_matches_reference(device, launches, norm_candidate, dty
     assert launches["add_norm_fwd"] == launches["add_norm_bwd"] == launches["add_norm_bwd_reduce"] == 0
 
 
-@pytest.mark.parametrize("case", ["dropout", "unit_offset", "fp32_residual", "fp32_weight", "residual_in_fp32"])
+@pytest.mark.parametrize("case", ["dropout", "unit_offset", "fp32_residual", "fp32_weight", "residual_in_fp32",
+                                  "autocast"])
 def test_torch_candidate_only_where_it_computes_the_op(device, launches, norm_candidate, case):
     """What eager's single-call path does not compute as the op does (dropout, whose mask is our
-    seed's; Gemma's unit offset; a residual stream or parameters in another dtype than x) runs
-    our kernels even with torch's path forced."""
+    seed's; Gemma's unit offset; a residual stream or parameters in another dtype than x;
+    autocast, which runs torch's norms in fp32) runs our kernels even with torch's path forced."""
     norm_candidate.force(norm_candidate.TORCH)
     x = randn(4, 64, dtype=torch.bfloat16, device=device)
     residual = randn(4, 64, dtype=torch.float32 if case == "fp32_residual" else torch.bfloat16, device=device)
     weight = randn(64, dtype=torch.float32 if case == "fp32_weight" else torch.bfloat16, device=device)
     kw = {"dropout": dict(dropout_p=0.1), "unit_offset": dict(unit_offset=True),
           "residual_in_fp32": dict(residual_in_fp32=True)}.get(case, {})
-    fused_block.add_rms_norm(x, None if case == "residual_in_fp32" else residual, weight, **kw)
-    assert launches["add_norm_fwd"] == 1
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=case == "autocast"):
+        out, _ = fused_block.add_rms_norm(x, None if case == "residual_in_fp32" else residual, weight, **kw)
+    assert launches["add_norm_fwd"] == 1 and out.dtype == torch.bfloat16
 
 
 def test_norm_choice_is_timed_once_per_bucket_and_listed(device, monkeypatch, norm_candidate):
