@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fused_block._timing import check_candidate, forced_by_env, time_candidates
+from fused_block._timing import check_candidate, forced_by_env, time_candidates, untimeable
 from fused_block.kernels import common
 
 TRITON, CUDNN, FLASH = "triton", "sdpa_cudnn", "sdpa_flash"
@@ -96,7 +96,8 @@ def choose(q, k, causal, grad, timed):
     hit = _CHOSEN.get(key)
     if hit is not None:
         return hit[0]
-    if not common.TUNE or torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if (not common.TUNE or torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+            or untimeable()):
         return TRITON
     times = time_candidates(grad, *timed(), ours=TRITON)
     best = min(times, key=times.get)

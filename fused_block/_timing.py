@@ -26,6 +26,17 @@ def check_candidate(candidate, candidates):
         raise ValueError(f"candidate must be one of {', '.join(candidates)} or None, got {candidate!r}")
 
 
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def untimeable() -> bool:
+    """Whether candidates must not be timed here: under saved-tensor hooks (non-reentrant
+    activation checkpointing, offloading), which would see the timing's own saved tensors (a
+    checkpoint's recomputation would then save fewer than its forward did and raise); the
+    caller runs its static rule without remembering a verdict."""
+    return _TOP_HOOKS is None or _TOP_HOOKS(False) is not None
+
+
 def leaves_of(*tensors, grad):
     """Fresh leaves (same strides and values) of the call's tensors, for timing: each requires
     a gradient where ``grad`` says so (a bool for all, or one per tensor); None stays None."""

@@ -319,8 +319,8 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, out_is_residual):
 
 def _choose(x, residual, weight, bias, eps, is_rms, out_is_residual, grad):
     """The candidate for this call: forced, remembered for its bucket, or timed now (CUDA, with
-    ``FUSED_BLOCK_TUNE`` on, outside CUDA graph capture: forward, and backward when a gradient
-    is needed, on the call's own tensors). Else, and under deterministic algorithms and
+    ``FUSED_BLOCK_TUNE`` on, outside CUDA graph capture and saved-tensor hooks: forward, and
+    backward when a gradient is needed, on the call's own tensors). Else, and under deterministic algorithms and
     ``torch.compile``, the static rule: our kernels (faster than eager's in every case
     the H200 measured: add+LayerNorm fwd+bwd 4,083 against 2,285 GB/s, add+RMSNorm 2,595
     against 2,469 at 16384 x 4096)."""
@@ -341,8 +341,8 @@ def _choose(x, residual, weight, bias, eps, is_rms, out_is_residual, grad):
     if hit is not None:
         return hit[0]
     if key[0] == 0 or not key[7] or not common.TUNE or common.STUB_LAUNCHES or (
-            x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return TRITON  # nothing timed: the interpreter, no rows, FUSED_BLOCK_TUNE=0, stubbed launches, capture
+            x.is_cuda and torch.cuda.is_current_stream_capturing()) or _timing.untimeable():
+        return TRITON  # not timed: the interpreter, no rows, FUSED_BLOCK_TUNE=0, stubs, capture, saved-tensor hooks
     needs = [grad and t is not None and t.requires_grad for t in (x, residual, weight, bias)]
     leaves = _timing.leaves_of(x, residual, weight, bias, grad=needs)
     residual_dtype = x.dtype

@@ -112,7 +112,8 @@ def test_sdpa_takes_only_what_it_computes():
 def test_choice_is_timed_once_per_bucket_and_listed(monkeypatch):
     """The first call of a bucket times the candidates (here a stand-in timing) and keeps the
     fastest; later calls of the bucket reuse it without timing; ``choices()`` lists it. Under
-    deterministic algorithms, or with FUSED_BLOCK_TUNE=0, our kernels (no timing)."""
+    deterministic algorithms, saved-tensor hooks, or with FUSED_BLOCK_TUNE=0, our kernels (no
+    timing)."""
     from fused_block.kernels import common
 
     monkeypatch.setattr(_attn_sdpa, "_CHOSEN", {})
@@ -130,6 +131,9 @@ def test_choice_is_timed_once_per_bucket_and_listed(monkeypatch):
         q = torch.randn(2, 4, 100, 64, dtype=torch.bfloat16)
         k = torch.randn(2, 2, 100, 64, dtype=torch.bfloat16)
         timed = lambda: ([q, k], {c: None for c in _attn_sdpa.CANDIDATES})  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # non-reentrant checkpointing
+            assert _attn_sdpa.choose(q, k, True, True, timed) == _attn_sdpa.TRITON  # untimed, no verdict kept
+        assert not calls
         assert _attn_sdpa.choose(q, k, True, True, timed) == _attn_sdpa.CUDNN
         q2 = torch.randn(2, 4, 120, 64, dtype=torch.bfloat16)  # the same bucket (128 rows)
         k2 = torch.randn(2, 2, 120, 64, dtype=torch.bfloat16)

@@ -648,7 +648,8 @@ def test_norm_choice_is_timed_once_per_bucket_and_listed(device, monkeypatch, no
     """The first call of a bucket times both candidates (here a stand-in timing) and keeps the
     faster; later calls of the bucket (rows rounded up to a power of two) reuse it untimed;
     ``fused_block.norm_choices()`` lists it. Untimed, the static rule (our kernels): with
-    FUSED_BLOCK_TUNE=0, in the interpreter, under deterministic algorithms and torch.compile."""
+    FUSED_BLOCK_TUNE=0, in the interpreter, under deterministic algorithms, torch.compile and
+    saved-tensor hooks."""
     fnorm = norm_candidate
     monkeypatch.setattr(fnorm, "_CHOSEN", {})
     monkeypatch.setattr(fnorm, "_KEYS", {})  # the signatures' buckets hold the arch, patched below
@@ -667,6 +668,8 @@ def test_norm_choice_is_timed_once_per_bucket_and_listed(device, monkeypatch, no
     assert fnorm._choose(x, *args) == fnorm.TRITON  # the interpreter: untimed
     monkeypatch.setattr(common, "arch", lambda dev: 90)
     fnorm._KEYS.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # e.g. non-reentrant checkpointing:
+        assert fnorm._choose(x, *args) == fnorm.TRITON  # the timing's saves would be seen; untimed, unkept
     assert fnorm._choose(x, *args) == fnorm.TORCH
     assert fnorm._choose(x[:70], *args) == fnorm.TORCH  # the same bucket (128 rows)
     assert calls == [(True, [fnorm.TORCH, fnorm.TRITON], [True, False, False, False])]
