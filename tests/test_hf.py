@@ -728,6 +728,32 @@ def test_gemma_softcap_and_windows_run_fused(device, launches):
     assert launches["attention_fwd"] == 3  # both layers
 
 
+def test_gemma_softcap_only_where_the_original_applies_it(device, launches):
+    """Gemma 3 keeps ``attn_logit_softcapping`` from its config without applying it (its
+    attention passes no softcap on): the fused layer does not apply it either (the original's
+    answer, no warning, the kernel ran). Gemma 2 applies it, which needs the kernel: with a head
+    dim outside the kernel's range the layer runs its original forward after a warning (SDPA
+    has no softcap)."""
+    ids, mask = _inputs("gemma3", device)
+    keep = mask[..., None] == 1
+    model = _model("gemma3", device, layers=1, attn_logit_softcapping=5.0, attn_implementation="eager").eval()
+    fused = fused_block.convert(copy.deepcopy(model))
+    with torch.no_grad(), _no_fallback():
+        got = fused(ids, attention_mask=mask).logits
+    want = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    assert launches["attention_fwd"] == 1
+    assert hf.gemma.softcap(fused.model.layers[0].self_attn) is None
+    odd = _model("gemma2", device, layers=1, head_dim=20, attn_logit_softcapping=50.0,
+                 attn_implementation="eager").eval()
+    fused = fused_block.convert(copy.deepcopy(odd))
+    with torch.no_grad(), pytest.warns(UserWarning, match="head dim 20.*softcap"):
+        got = fused(ids, attention_mask=mask).logits
+    want = odd(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    assert launches["attention_fwd"] == 1  # no more
+
+
 # ---------------------------------------------------------------------------------------------
 # gpt-oss: attention sinks, alternating sliding / full layers (window 4: cuts keys), YaRN RoPE,
 # q/k/v/o biases, GQA; the MoE MLP is Hugging Face's (see hf_testing.config)

@@ -18,8 +18,9 @@ packed output, the KV cache, the attention kernel, GQA) with Gemma's parts:
   (``rope_qkvpacked``'s ``norm_unit_offset``). Its local and global layers' RoPE bases: the
   model passes each layer its layer type's cos/sin tables (``position_embeddings``), which the
   RoPE kernel reads (Gemma 1/2: fp32 angles from the rotary module's ``inv_freq``).
-- Attention: Gemma 2/3's scaling ``query_pre_attn_scalar ** -0.5``, their
-  ``attn_logit_softcapping`` (the kernel's ``softcap``) and sliding windows (the kernel's
+- Attention: Gemma 2/3's scaling ``query_pre_attn_scalar ** -0.5``, Gemma 2's
+  ``attn_logit_softcapping`` (the kernel's ``softcap``; Gemma 3 keeps the config's value
+  without applying it, and so does the fused layer: :func:`softcap`) and sliding windows (the kernel's
   ``window``, local layers skipping the key blocks outside it), through the shared attention
   dispatch (:func:`fused_block.hf._attention.self_attention`).
 
@@ -34,7 +35,7 @@ from torch import nn
 from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf import llama
-from fused_block.hf._attention import (implementation_reason, mask_convention, mask_reason,
+from fused_block.hf._attention import (implementation_reason, kernel_head_dim, mask_convention, mask_reason,
                                        self_attention)
 from fused_block.hf._core import SAME, Family, kv_cache, packed, packed_linear, warn_once
 from fused_block.linear import gated_linear, geglu, linear
@@ -89,11 +90,38 @@ def check(layer):
     return None
 
 
+def softcap(attn):
+    """The attention logits' softcap the original applies: ``attn_logit_softcapping`` where the
+    attention's forward passes it to the attention function (Gemma 2's), None where it does not
+    (Gemma 3 keeps the config's value without using it), ``False`` where its source cannot be
+    read to tell (the layer then runs its original forward)."""
+    value = getattr(attn, "attn_logit_softcapping", None)
+    if value is None:
+        return None
+    kind = type(attn)
+    used = _SOFTCAP_USED.get(kind)
+    if used is None:
+        try:
+            src = inspect.getsource(kind.forward)
+        except (OSError, TypeError):
+            return False
+        used = _SOFTCAP_USED[kind] = re.search(r"softcap\s*=\s*self\.attn_logit_softcapping", src) is not None
+    return value if used else None
+
+
+_SOFTCAP_USED = {}  # attention class -> whether its forward passes attn_logit_softcapping on
+
+
 def check_call(layer, call):
     attn = layer.self_attn
     hidden = call["hidden_states"]
     if call.get("position_embeddings") is None and llama.rotary_positions(layer, call, *hidden.shape[:2]) is None:
         return "no position_embeddings (and no model-level rotary module with position_ids)"
+    cap = softcap(attn)
+    if cap is False:
+        return "attn_logit_softcapping set, and the attention's source, which tells whether it applies it, unreadable"
+    if cap is not None and not kernel_head_dim(attn.head_dim, hidden.dtype):
+        return f"head dim {attn.head_dim} in {hidden.dtype} (outside the attention kernel's range; the softcap needs it)"
     return (implementation_reason(attn.config)
             or mask_reason(call.get("attention_mask"), hidden.shape[1], True, mask_convention(attn.config)))
 
@@ -163,10 +191,9 @@ def run(layer, call, x):
                         lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
     qkv = llama.rope(layer, qkv, H, Hkv, call, unit_offset=True)  # Gemma 3: (1 + w) q/k norms in the launch
     p = attn.attention_dropout if attn.training else 0.0
-    softcap, window = getattr(attn, "attn_logit_softcapping", None), getattr(attn, "sliding_window", None)
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                       mask_convention(attn.config), attn.scaling, p, type(layer).__name__, softcap=softcap,
-                       sliding_window=window)
+                       mask_convention(attn.config), attn.scaling, p, type(layer).__name__, softcap=softcap(attn),
+                       sliding_window=getattr(attn, "sliding_window", None))
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
     if not _sandwich(layer):  # Gemma 1: h = x + o, normalized in the same launch
         n2, h = _norm(_like(o, x), x, layer.post_attention_layernorm)
