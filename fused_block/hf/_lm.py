@@ -153,7 +153,11 @@ def _forward(self, *args, **kwargs):
             outputs.router_logits, self.num_experts, self.num_experts_per_tok, call.get("attention_mask"))
         loss = loss + self.router_aux_loss_coef * extra["aux_loss"].to(loss.device)
     out = state.output(loss=loss, logits=None, **extra)
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    # The original's tuple (to_tuple: the fields that are not None) has the logits second: the
+    # slot stays, holding None, so that the fields after it keep their positions.
+    return tuple(getattr(out, f) for f in fields if f == "logits" or getattr(out, f) is not None)
 
 
 def causal_lm_loss(head, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
