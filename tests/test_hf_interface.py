@@ -147,16 +147,26 @@ def test_models_outside_the_interface_run_their_eager_attention(device, launches
     assert launches["attention_fwd"] == 0
 
 
-@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
-def test_packed_batch_matches_the_sequences_one_by_one(flash_kwargs, device, launches):
+@pytest.mark.parametrize("name,converted,flash_kwargs", [
+    ("llama", False, False), ("llama", False, True), ("llama", True, False), ("llama", True, True),
+    ("mistral", False, False), ("mistral", True, False)],
+    ids=["position_ids", "cu_seq_lens", "converted-position_ids", "converted-cu_seq_lens", "window-position_ids",
+         "window-converted-position_ids"])
+def test_packed_batch_matches_the_sequences_one_by_one(name, converted, flash_kwargs, device, launches):
     """DataCollatorWithFlattening's batch (one row, restarting position_ids, and with
     return_flash_attn_kwargs its cu_seq_lens_q/k): the loss and every gradient of the
     sequences run one by one (the sum of their losses over the batch's token count), within the
     rule against those in float64. The varlen kernel runs them (no padding), the sequences kept
     apart by cu_seq_lens or else by the restarting position_ids (transformers' own packed mask
-    is not built when the model makes a cache, as in training with use_cache)."""
-    model = interface_model("llama", device, "sdpa").train()
+    is not built when the model makes a cache, as in training with use_cache); so do the
+    layers ``convert`` fuses on the interface, and layers whose sliding window cuts keys (Mistral
+    with a window of 3: the light mask made to carry the window has no padding, so the
+    position_ids are still read)."""
+    model = interface_model(name, device, "sdpa", **({"sliding_window": 3} if name == "mistral" else {})).train()
     ref, ours = copy.deepcopy(model).double(), _ours(model)
+    if converted:
+        with no_fallback():
+            fused_block.convert(ours)
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (4, 7, 3)]  # no padding anywhere
     batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(

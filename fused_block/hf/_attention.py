@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fused_block import reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
-from fused_block.attention import attention_qkvpacked
+from fused_block.attention import attention_qkvpacked, attention_varlen_qkvpacked
 from fused_block.blocks import _capturing
 from fused_block.hf._core import warn_once
 
@@ -150,12 +150,14 @@ def light_plan(mask, B, Lq, Lk, causal):
         return None
     window = getattr(mask, WINDOW_ATTR, (-1, -1))
     packed = getattr(mask, PACKED_ATTR, None) is not None
+    unpadded = getattr(mask, UNPADDED_ATTR, False)  # ones, made to carry the window: no padding to read
     if mask.dim() == 2 and tuple(mask.shape) == (B, Lk):
         if packed:  # (the interface runs these through the varlen kernel itself)
             return Plan(True, mask=light_dense(mask, Lq, Lk))
-        return Plan(True, causal=True, key_padding=~mask, window=window)
+        return Plan(True, causal=True, key_padding=None if unpadded else ~mask, window=window)
     if mask.dim() == 4 and tuple(mask.shape[1:]) == (1, 1, Lk) and mask.shape[0] in (1, B) and not packed:
-        return Plan(True, causal=False, key_padding=_padding(~mask[:, 0, 0], B, read=False), window=window)
+        return Plan(True, causal=False, key_padding=None if unpadded else _padding(~mask[:, 0, 0], B, read=False),
+                    window=window)
     return None
 
 
@@ -178,8 +180,9 @@ def light_dense(mask, Lq, Lk):
 
 
 # The light masks' extras (set by fused_block.hf.interface.mask on the mask tensor it returns):
-# the sliding window (left, right) and a packed batch's sequence indices (B, L).
-WINDOW_ATTR, PACKED_ATTR = "_fused_block_window", "_fused_block_packed"
+# the sliding window (left, right), a packed batch's sequence indices (B, L), and whether the
+# mask holds no padding (made of ones: the model got no attention_mask).
+WINDOW_ATTR, PACKED_ATTR, UNPADDED_ATTR = "_fused_block_window", "_fused_block_packed", "_fused_block_unpadded"
 
 
 def _read_mask(mask, B, Lq, Lk, causal, window):
@@ -221,7 +224,7 @@ def kernel_head_dim(D, dtype):
 
 
 def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name, softcap=None,
-                   sliding_window=None, sinks=None, position_bias=None):
+                   sliding_window=None, sinks=None, position_bias=None, packing=None):
     """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
     out-projection's input. The cache (if any) stores k and v (views) and returns the keys to
     attend; when those are this call's own (L of them: nothing was cached before, as in
@@ -231,7 +234,12 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
     convention, :func:`window_of`) and ``sinks`` (gpt-oss's, (H,)) go to the kernel.
     ``position_bias``: an additive bias broadcastable to (B, H, L, Lk) (T5's relative position
     bias), or a function of Lk, the number of keys after the cache's update, returning it; it
-    goes to the kernel's ``bias`` input with its gradient (:func:`attend`)."""
+    goes to the kernel's ``bias`` input with its gradient (:func:`attend`). ``packing``: the
+    layer's call (its ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``position_ids``): under the
+    conventions whose attention reads packed batches from them (flash-attention's and the
+    ``"fused_block"`` interface's; transformers gives eager and sdpa a mask that holds the
+    packing), a one-row batch of packed sequences runs the varlen kernel, each sequence
+    attending only to itself, as the original's attention does."""
     B, L, _ = qkv.shape
     D = qkv.shape[2] // (H + 2 * Hkv)
     heads = qkv.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)  # (B, H + 2 Hkv, L, D) view
@@ -241,6 +249,21 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
     if callable(position_bias):
         position_bias = position_bias(k.shape[2])
     p = plan(mask, B, L, k.shape[2], causal, convention, window_of(sliding_window, causal))
+    if packing is not None and convention != "sdpa" and B == 1 and k.shape[2] == L and p.kernel and p.light \
+            and p.key_padding is None and p.n_keys is None:
+        from fused_block.hf.interface import packed_lengths
+
+        found = packed_lengths(mask, packing, B, L, L)
+        if found is not None:
+            cu, _, longest, _ = found
+            if position_bias is None and kernel_head_dim(D, qkv.dtype):
+                out = attention_varlen_qkvpacked(qkv[0], cu, longest, H, Hkv, causal=p.causal, scale=scale,
+                                                 dropout_p=dropout_p, window=p.window, softcap=softcap, sinks=sinks)
+                return out[None]
+            # What the varlen kernel does not take: the sequences' block-diagonal mask, dense.
+            seq = torch.searchsorted(cu[1:], torch.arange(L, device=qkv.device, dtype=cu.dtype), right=True)
+            same = (seq[:, None] == seq[None, :])[None, None]
+            p = Plan(True, mask=reference.visible_keys(L, L, p.causal, None, qkv.device, window=p.window) & same)
     if p.kernel and p.light and p.n_keys is None and k.shape[2] == L and softcap is None and position_bias is None \
             and kernel_head_dim(D, qkv.dtype):
         return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window,

@@ -47,7 +47,8 @@ def run(layer, call, x):
                              (s.value, s.value.out_features)], x)  # PEFT LoRA: fused_block.lora
     qkv = packed_linear(state, "qkv_weight", x, (s.query.weight, s.key.weight, s.value.weight), b, lora=qkv_lora)
     o = self_attention(qkv, H, H, None, None, call.get("attention_mask"), False,
-                       mask_convention(s.config), scale, s.dropout.p if layer.training else 0.0, "BertLayer")
+                       mask_convention(s.config), scale, s.dropout.p if layer.training else 0.0, "BertLayer",
+                       packing=call)
     a = linear(o, so.dense.weight, so.dense.bias, lora=lora.terms(so.dense, o))
     p1 = so.dropout.p if layer.training else 0.0
     h, _ = add_layer_norm(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)

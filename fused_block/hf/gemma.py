@@ -193,7 +193,7 @@ def run(layer, call, x):
     p = attn.attention_dropout if attn.training else 0.0
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                        mask_convention(attn.config), attn.scaling, p, type(layer).__name__, softcap=softcap(attn),
-                       sliding_window=getattr(attn, "sliding_window", None))
+                       sliding_window=getattr(attn, "sliding_window", None), packing=call)
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
     if not _sandwich(layer):  # Gemma 1: h = x + o, normalized in the same launch
         n2, h = _norm(_like(o, x), x, layer.post_attention_layernorm)

@@ -59,7 +59,7 @@ def run(block, call, x):
     qkv = linear(n1, attn.c_attn.weight.t(), attn.c_attn.bias, lora=lora.terms(attn.c_attn, n1))  # [q; k; v]
     o = self_attention(qkv, H, H, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                        mask_convention(attn.config), _scale(attn), attn.attn_dropout.p if block.training else 0.0,
-                       "GPT2Block")
+                       "GPT2Block", packing=call)
     o = linear(o, attn.c_proj.weight.t(), attn.c_proj.bias, lora=lora.terms(attn.c_proj, o))
     n2, h = add_layer_norm(_like(o, x), x, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, p_resid)
     act = ACTIVATIONS[attn.config.activation_function]

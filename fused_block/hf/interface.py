@@ -52,8 +52,8 @@ import torch.nn.functional as F
 
 from fused_block.attention import attention_varlen
 from fused_block.blocks import _capturing
-from fused_block.hf._attention import (PACKED_ATTR, WINDOW_ATTR, attend, general_plan, kernel_head_dim, light_dense,
-                                       light_plan)
+from fused_block.hf._attention import (PACKED_ATTR, UNPADDED_ATTR, WINDOW_ATTR, attend, general_plan,
+                                       kernel_head_dim, light_dense, light_plan)
 from fused_block.hf._core import KERNEL_DTYPES, warn_once
 
 NAME = "fused_block"
@@ -114,17 +114,13 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
         extras[WINDOW_ATTR] = (window - 1, 0) if causal else (window, window)
     if packed is not None:
         extras[PACKED_ATTR] = packed
-    if causal:
-        if padding is None:
-            if allow_is_causal_skip and q_length in (1, kv_length) and not extras:
-                return None  # top-left = bottom-right: SDPA's None
-            padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
-        return _with(padding, extras)
     if padding is None:
-        if allow_is_bidirectional_skip and not extras:
-            return None
+        if not extras and (allow_is_causal_skip and q_length in (1, kv_length) if causal
+                           else allow_is_bidirectional_skip):
+            return None  # causal: top-left = bottom-right, SDPA's None
         padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
-    return _with(padding[:, None, None, :], extras)
+        extras[UNPADDED_ATTR] = True  # restarting position_ids may still pack sequences (attention reads them)
+    return _with(padding if causal else padding[:, None, None, :], extras)
 
 
 def _with(mask, extras):
@@ -222,7 +218,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     Lk = key.shape[2]
     reason = kernel_reason(query, key, value, kwargs)
     if reason is None:
-        packed = _packed_lengths(attention_mask, kwargs, B, Lq, Lk)
+        packed = packed_lengths(attention_mask, kwargs, B, Lq, Lk)
         if packed is not None and kwargs.get("position_bias") is not None:
             reason = "a position bias in a packed batch (the varlen kernel takes no bias)"
         elif packed is not None:
@@ -258,7 +254,14 @@ def kernel_reason(query, key, value, kwargs):
     return None
 
 
-def _packed_lengths(attention_mask, kwargs, B, Lq, Lk):
+def _unpadded(attention_mask):
+    """No mask, or a light mask of ones (:func:`mask` without the model's attention_mask, made
+    to carry a sliding window): the model got no padding, so restarting ``position_ids`` say
+    whether the row packs sequences."""
+    return attention_mask is None or getattr(attention_mask, UNPADDED_ATTR, False)
+
+
+def packed_lengths(attention_mask, kwargs, B, Lq, Lk):
     """``(cu_seqlens_q, cu_seqlens_k, max_q, max_k)`` of a packed one-row batch, or None."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
@@ -273,7 +276,7 @@ def _packed_lengths(attention_mask, kwargs, B, Lq, Lk):
     if B != 1 or Lq != Lk:
         return None
     ids = getattr(attention_mask, PACKED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
-    if ids is None and attention_mask is None and _restarting(kwargs.get("position_ids"), Lq, Lk):
+    if ids is None and _unpadded(attention_mask) and _restarting(kwargs.get("position_ids"), Lq, Lk):
         positions = kwargs["position_ids"]
         step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
         ids = (step != 1).cumsum(-1)  # transformers' find_packed_sequence_indices
@@ -324,7 +327,7 @@ def _fallback(module, query, key, value, attention_mask, reason, dropout, scalin
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
     dense = _dense(attention_mask, B, Lq, Lk, query.device)
-    packed = _packed_visibility(kwargs, Lq, Lk, query.device, attention_mask is None)
+    packed = _packed_visibility(kwargs, Lq, Lk, query.device, _unpadded(attention_mask))
     if packed is not None:  # the sequences of a packed batch see only themselves
         if dense is None:
             dense = _top_left(Lq, Lk, query.device) if causal and Lq > 1 else None

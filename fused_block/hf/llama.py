@@ -160,7 +160,7 @@ def attention_sublayer(layer, call, n1, tp=None, sinks=None, half_tables=False):
     with _NO_SHIFT if tp is None or p == 0 else tp.seeds([tp.rank]):  # each rank's heads, their own masks
         o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                            mask_convention(attn.config), attn.scaling, p, type(layer).__name__,
-                           sliding_window=sliding_window(attn), sinks=sinks)
+                           sliding_window=sliding_window(attn), sinks=sinks, packing=call)
     return linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
 
 

@@ -73,7 +73,7 @@ def run(layer, call, x):
     qkv = llama.rope(layer, qkv, H, Hkv, call)
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                        mask_convention(attn.config), attn.scaling, attn.attention_dropout if training else 0.0,
-                       type(layer).__name__)
+                       type(layer).__name__, packing=call)
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
     p_attn = layer.resid_attn_dropout.p if training else 0.0
     n2, h = add_rms_norm(_like(o, x), x, ln2.weight, llama.rms_eps(ln2), p_attn)

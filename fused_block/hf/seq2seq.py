@@ -79,7 +79,7 @@ def _self_attention(layer, call, x, causal):
     cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's self-attention half
     o = self_attention(_qkv(layer, attn, x, ""), attn.num_heads, attn.num_heads, cache, attn.layer_idx,
                        call.get("attention_mask"), causal, mask_convention(attn.config), attn.scaling,
-                       attn.dropout if layer.training else 0.0, type(layer).__name__)
+                       attn.dropout if layer.training else 0.0, type(layer).__name__, packing=call)
     return linear(o, attn.out_proj.weight, attn.out_proj.bias)
 
 

@@ -206,7 +206,8 @@ def _self_attention(layer, call, x):
     bias = _Bias(attn, call.get("position_bias"), x, past)
     o = self_attention(qkv, attn.n_heads, attn.n_heads, cache, attn.layer_idx, call.get("attention_mask"),
                        _decoder(layer), mask_convention(attn.config), attn.scaling,
-                       attn.dropout if layer.training else 0.0, type(layer).__name__, position_bias=bias)
+                       attn.dropout if layer.training else 0.0, type(layer).__name__, position_bias=bias,
+                       packing=call)
     return linear(o, attn.o.weight, attn.o.bias), bias.value
 
 
