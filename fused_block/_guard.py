@@ -165,7 +165,9 @@ def module_reason(path, m, allowed, tolerate_hook=None, accept=None):
     if parametrize.is_parametrized(m):
         params = dict(params)
         for name, plist in m.parametrizations.items():
-            params[name] = plist.original
+            # one original, or several (original0, original1, ...: weight_norm's g and v)
+            for pname, p in plist._parameters.items():
+                params[name if pname == "original" else f"{name}.{pname}"] = p
     for name, p in params.items():
         if not _plain_tensor(p) and not (accept is not None and accept(path, name, p)):
             return tensors_reason(path, m, (name,)) if name in m._parameters else \

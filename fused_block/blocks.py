@@ -50,6 +50,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from fused_block import _backend, _guard, lora, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -229,7 +230,7 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
     or in a CUDA graph capture without a verdict from the warm-up, an unhinted causal mask or
     a float padding mask is general, which is slower, never wrong.
     """
-    if attn_mask is None and key_padding_mask is None:
+    if attn_mask is None and key_padding_mask is None and not (is_causal and L != S):
         return _Masks(causal=bool(is_causal))
     mask_name, kpm_name = names
     causal = bool(is_causal)
@@ -1125,7 +1126,14 @@ def _from_torch(cls, layer, children):
 
 
 def _convert_mha(mha):
-    new = MultiheadAttention.__new__(MultiheadAttention)
+    cls = MultiheadAttention
+    if parametrize.is_parametrized(mha):
+        # parametrize swapped in a subclass holding a property per parametrized tensor: the
+        # same subclass of ours (type_before_parametrizations then names ours)
+        kind = type(mha)
+        cls = type(kind.__name__, (MultiheadAttention,),
+                   {k: v for k, v in kind.__dict__.items() if k not in ("__dict__", "__weakref__")})
+    new = cls.__new__(cls)
     new.__dict__.update(mha.__dict__)
     for key in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
         if key in mha.__dict__:

@@ -74,18 +74,23 @@ def _uses_hint_only(layer):
     return isinstance(layer, (blocks.TransformerEncoderLayer, blocks.TransformerDecoderLayer))
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _head_and_loss(layers, head, x, targets, return_logits):
     """``(logits or None, loss)`` of the LM head ``head`` on x (B, T, d) for targets (B, T).
 
     Fused layers: the fused linear + cross-entropy (no logits unless ``return_logits``);
-    torch's layers: ``F.linear`` and ``F.cross_entropy`` on fp32 logits."""
-    if all(_uses_hint_only(layer) for layer in layers):
+    torch's layers, and a model in a dtype the kernels do not take (float64, which the fused
+    layers run as PyTorch's math): ``F.linear`` and ``F.cross_entropy`` on fp32 (or wider) logits."""
+    if x.dtype in _KERNEL_DTYPES and all(_uses_hint_only(layer) for layer in layers):
         import fused_block
 
         loss = fused_block.linear_cross_entropy(x, head.weight, targets, head.bias, ignore_index=-100)
         return (head(x) if return_logits else None), loss
     logits = head(x)  # (B, T, vocab)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    wide = logits if logits.dtype == torch.float64 else logits.float()
+    loss = F.cross_entropy(wide.flatten(0, 1), targets.flatten(), ignore_index=-100)
     return (logits if return_logits else None), loss
 
 

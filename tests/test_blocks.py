@@ -265,6 +265,25 @@ def test_is_causal_without_mask(device):
         torch.testing.assert_close(f(x, is_causal=True), expected, atol=_atol(torch.float32, device) * 4, rtol=0)
 
 
+@pytest.mark.parametrize("L_q,S", [(3, 9), (7, 1)])
+def test_is_causal_alone_with_other_key_length_is_torchs_causal_mask(L_q, S, device, launches):
+    """MultiheadAttention(is_causal=True) without masks where the keys outnumber the queries or
+    the other way round: torch's meaning of the hinted causal mask (``ones(L, S).triu(1)``,
+    top-left), not the kernel's bottom-right alignment (which would hide every key from the
+    first L - S queries)."""
+    torch.manual_seed(0)
+    t = nn.MultiheadAttention(32, 2, device=device)
+    f = fused_block.MultiheadAttention(32, 2, device=device)
+    f.load_state_dict(t.state_dict())
+    q, kv = torch.randn(L_q, 2, 32, device=device), torch.randn(S, 2, 32, device=device)
+    causal = torch.ones(L_q, S, dtype=torch.bool, device=device).triu(1)
+    with torch.no_grad():
+        want, _ = t(q, kv, kv, need_weights=False, attn_mask=causal, is_causal=True)
+        got, _ = f(q, kv, kv, need_weights=False, is_causal=True)
+    torch.testing.assert_close(got, want, atol=_atol(torch.float32, device) * 4, rtol=0)
+    assert launches["attention_fwd"] == 1
+
+
 @pytest.mark.parametrize("kind", ["random_float", "per_head_3d_bool", "float_padding"])
 def test_general_masks_run_the_kernel_with_a_bias(kind, device, launches, monkeypatch):
     """Masks the causal and padding flags cannot express reach the kernel, a bool mask as its

@@ -366,6 +366,34 @@ def test_parametrized_weights_are_read_through(device, launches):
         torch.testing.assert_close(get(fused).original.grad, get(ref).original.grad, **TOL)
 
 
+def test_parametrizations_with_several_originals_and_made_before_convert(device, launches):
+    """weight_norm on linear1 (a parametrization over two originals, g and v) and a
+    parametrization on the attention's in_proj_weight made before ``convert`` (the converted
+    MultiheadAttention keeps the parametrized property): both read through, torch's answer and
+    gradients of every original."""
+    from torch.nn.utils import parametrize
+
+    class Scaled(nn.Module):
+        def forward(self, w):
+            return 1.1 * w
+
+    ref = nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device).train()
+    nn.utils.parametrizations.weight_norm(ref.linear1)
+    parametrize.register_parametrization(ref.self_attn, "in_proj_weight", Scaled())
+    fused = fused_block.convert(copy.deepcopy(ref))
+    assert parametrize.type_before_parametrizations(fused.self_attn) is fused_block.MultiheadAttention
+    x = torch.randn(B, L, D, device=device)
+    with _no_fallback():
+        got = fused(x)
+    torch.testing.assert_close(got, ref(x), **TOL)
+    assert launches["matmul"] > 0 and launches["attention_fwd"] == 1
+    got.sum().backward()
+    ref(x).sum().backward()
+    for get in (lambda m: m.linear1.parametrizations.weight.original0, lambda m: m.linear1.parametrizations.weight.original1,
+                lambda m: m.self_attn.parametrizations.in_proj_weight.original):
+        torch.testing.assert_close(get(fused).grad, get(ref).grad, **TOL)
+
+
 # ---------------------------------------------------------------------------------------------
 # The guard costs no compiled graph and no recomputed verdict (issue 29, item 5)
 # ---------------------------------------------------------------------------------------------

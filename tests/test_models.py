@@ -121,6 +121,22 @@ def test_models_match_their_torch_twins(family, device, launches):
     assert launches["lce_ce"] == launches["lce_dw"] == 1  # the converted model's loss: the fused head
 
 
+def test_float64_model_loss_is_the_torch_twins(device, launches):
+    """A fused model in float64 (its layers run PyTorch's math, the kernels taking 16/32-bit
+    data): the loss is F.cross_entropy's, as its torch twin's, not the fused loss's dtype error."""
+    torch.manual_seed(0)
+    t = models.DecoderOnly(TINY_GPT, fused=False).to(device).double()
+    f = fused_block.convert(copy.deepcopy(t))
+    idx, tgt = _tokens(2, 12, device=device), _tokens(2, 12, seed=1, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the layers' float64 fallback warns once
+        got = f(idx, targets=tgt)[1]
+    want = t(idx, targets=tgt)[1]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert launches["lce_ce"] == 0
+
+
 def test_training_step_never_allocates_the_logits(device, launches, monkeypatch):
     """LlamaLike's training step (forward, loss, backward) in chunks of 4 tokens (what the
     chunk rule does from 512 tokens up, forced on 18): no tensor of the logits' width (V, or
