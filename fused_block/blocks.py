@@ -858,8 +858,7 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         reason = _guard.reason(self, _describe_layer)
         if reason is not None:
             if is_causal and src_mask is None and isinstance(src, Tensor) and not nested:  # torch's MHA wants it
-                src_mask = _causal_mask(src.shape[-2 if src.dim() == 2 or not self.self_attn.batch_first else 1],
-                                        src)
+                src_mask = _causal_mask(src.shape[1 if src.dim() == 3 and self.self_attn.batch_first else 0], src)
             return self._unfused(reason, nn.TransformerEncoderLayer.forward, src, src_mask, src_key_padding_mask,
                                  is_causal)
         if nested:
@@ -983,13 +982,20 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
     def _ffn_dropout(self):
         return self.dropout3
 
+    def __setstate__(self, state):
+        # torch's decoder layer sets activation = F.relu when the state holds no "activation"
+        # entry, which is the case for a module activation (a submodule, in _modules: the
+        # tanh GELU, a callable module): the attribute would hide it in a copy or a load.
+        nn.Module.__setstate__(self, state)
+        if not hasattr(self, "activation"):
+            self.activation = F.relu
+
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
         reason = _guard.reason(self, _describe_layer)
         if reason is not None:
             if tgt_is_causal and tgt_mask is None and isinstance(tgt, Tensor):  # torch's MHA wants the mask
-                tgt_mask = _causal_mask(tgt.shape[-2 if tgt.dim() == 2 or not self.self_attn.batch_first else 1],
-                                        tgt)
+                tgt_mask = _causal_mask(tgt.shape[1 if tgt.dim() == 3 and self.self_attn.batch_first else 0], tgt)
             return self._unfused(reason, nn.TransformerDecoderLayer.forward, tgt, memory, tgt_mask, memory_mask,
                                  tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
         tp = self.__dict__.get(_TP)

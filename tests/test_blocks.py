@@ -265,6 +265,42 @@ def test_is_causal_without_mask(device):
         torch.testing.assert_close(f(x, is_causal=True), expected, atol=_atol(torch.float32, device) * 4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_is_causal_alone_in_the_unfused_forward_with_sequence_first_inputs(kind, device, launches):
+    """A layer running torch's forward (a hook on linear1) with (L, B, E) inputs and the causal
+    hint alone: the causal mask torch's attention wants is (L, L), not (B, B); the fused path's
+    answer, after the fallback's warning."""
+    f = _layers(kind, batch_first=False)[1].to(device)
+    x, mem = _x(False, L, device, batch=B + 1), _x(False, L + 2, device, batch=B + 1)
+    args, kw = ((x,), {"is_causal": True}) if kind == "encoder" else ((x, mem), {"tgt_is_causal": True})
+    with torch.no_grad():
+        want = f(*args, **kw)
+        f.linear1.register_forward_hook(lambda m, i, o: None)
+        with pytest.warns(UserWarning, match="hook"):
+            got = f(*args, **kw)
+    torch.testing.assert_close(got, want, atol=_atol(torch.float32, device) * 4, rtol=0)
+
+
+def test_module_activation_survives_copy_and_load(device, launches):
+    """A decoder layer whose activation is a submodule (the tanh GELU of activation="gelu_tanh")
+    keeps it through deepcopy and torch.save/load (torch's decoder layer's __setstate__ would
+    set F.relu over it)."""
+    import io
+
+    f = fused_block.TransformerDecoderLayer(D, H, FF, dropout=0.0, activation="gelu_tanh", batch_first=True)
+    f = f.to(device)
+    x, mem = _x(True, L, device), _x(True, L + 2, device)
+    buffer = io.BytesIO()
+    torch.save(f, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        want = f(x, mem)
+        for other in (copy.deepcopy(f), loaded):
+            assert isinstance(other.activation, nn.GELU)
+            torch.testing.assert_close(other(x, mem), want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("L_q,S", [(3, 9), (7, 1)])
 def test_is_causal_alone_with_other_key_length_is_torchs_causal_mask(L_q, S, device, launches):
     """MultiheadAttention(is_causal=True) without masks where the keys outnumber the queries or
