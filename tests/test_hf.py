@@ -706,28 +706,29 @@ def test_gemma_greedy_generation_matches(arch, device, launches):
     assert launches["matmul"] == 16 * 4 * layers
 
 
+def _matches_unpadded(model, arch, device, expect=None):
+    """The converted copy of ``model`` gives its logits on ``arch``'s padded inputs (the padding's
+    positions not compared), with no fallback warning, or the one ``expect`` matches; returns
+    the converted model."""
+    ids, mask = _inputs(arch, device)
+    keep = mask[..., None] == 1
+    fused = fused_block.convert(copy.deepcopy(model))
+    with torch.no_grad(), _no_fallback() if expect is None else pytest.warns(UserWarning, match=expect):
+        got = fused(ids, attention_mask=mask).logits
+    want = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    return fused
+
+
 def test_gemma_softcap_and_windows_run_fused(device, launches):
     """Gemma 2's attention softcap (its default 50) and a sliding window that cuts keys (Gemma
     3's sliding layer, window 4 over 9 tokens) run the kernel (softcap=, window=), no warning,
     the original's answer (Gemma 2's with eager attention, which applies the softcap); the
     padding's logits are not compared."""
-    ids, mask = _inputs("gemma2", device)
-    keep = mask[..., None] == 1
     capped = _model("gemma2", device, layers=1, attn_logit_softcapping=50.0, attn_implementation="eager").eval()
-    fused = fused_block.convert(copy.deepcopy(capped))
-    with torch.no_grad(), _no_fallback():
-        got = fused(ids, attention_mask=mask).logits
-    want = capped(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    _matches_unpadded(capped, "gemma2", device)
     assert launches["attention_fwd"] == 1
-    windowed = _model("gemma3", device, sliding_window=4).eval()
-    fused = fused_block.convert(copy.deepcopy(windowed))
-    ids, mask = _inputs("gemma3", device)
-    keep = mask[..., None] == 1
-    with torch.no_grad(), _no_fallback():
-        got = fused(ids, attention_mask=mask).logits
-    want = windowed(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    _matches_unpadded(_model("gemma3", device, sliding_window=4).eval(), "gemma3", device)
     assert launches["attention_fwd"] == 3  # both layers
 
 
@@ -737,23 +738,13 @@ def test_gemma_softcap_only_where_the_original_applies_it(device, launches):
     answer, no warning, the kernel ran). Gemma 2 applies it, which needs the kernel: with a head
     dim outside the kernel's range the layer runs its original forward after a warning (SDPA
     has no softcap)."""
-    ids, mask = _inputs("gemma3", device)
-    keep = mask[..., None] == 1
     model = _model("gemma3", device, layers=1, attn_logit_softcapping=5.0, attn_implementation="eager").eval()
-    fused = fused_block.convert(copy.deepcopy(model))
-    with torch.no_grad(), _no_fallback():
-        got = fused(ids, attention_mask=mask).logits
-    want = model(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    fused = _matches_unpadded(model, "gemma3", device)
     assert launches["attention_fwd"] == 1
     assert hf.gemma.softcap(fused.model.layers[0].self_attn) is None
     odd = _model("gemma2", device, layers=1, head_dim=20, attn_logit_softcapping=50.0,
                  attn_implementation="eager").eval()
-    fused = fused_block.convert(copy.deepcopy(odd))
-    with torch.no_grad(), pytest.warns(UserWarning, match="head dim 20.*softcap"):
-        got = fused(ids, attention_mask=mask).logits
-    want = odd(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=0)
+    _matches_unpadded(odd, "gemma2", device, expect="head dim 20.*softcap")
     assert launches["attention_fwd"] == 1  # no more
 
 
