@@ -922,8 +922,8 @@ def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
     ``k_cache``, ``v_cache``: (B, Hkv, L_cache, D); ``k``, ``v``: (B, Hkv, L_new, D) of the
     caches' dtype (any strides with a contiguous last dim); ``cache_seqlens``: (B,) int32, the
     rows already filled: batch b's new rows go to [cache_seqlens[b], cache_seqlens[b] + L_new).
-    Rows that would land at or past L_cache are dropped (the values are not read on the host:
-    no sync). Attend to the filled prefix afterwards with ``attention(q, k_cache[:, :, :n],
+    Rows that would land outside [0, L_cache) are dropped (the values are not read on the host:
+    no sync), a negative ``cache_seqlens[b]`` included. Attend to the filled prefix afterwards with ``attention(q, k_cache[:, :, :n],
     ...)`` or a key padding mask; decode steps (Lq <= 16) over long caches take the split-KV
     kernels. Returns None.
     """
@@ -944,9 +944,10 @@ def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
     if not _backend.use_triton(k_cache):
         L = k_cache.shape[2]
         for b, start in enumerate(cache_seqlens.tolist()):
-            n = max(0, min(k.shape[2], L - start))
-            k_cache[b, :, start:start + n] = k[b, :, :n]
-            v_cache[b, :, start:start + n] = v[b, :, :n]
+            first, end = max(0, -start), min(k.shape[2], L - start)  # the new rows landing in [0, L)
+            if end > first:
+                k_cache[b, :, start + first:start + end] = k[b, :, first:end]
+                v_cache[b, :, start + first:start + end] = v[b, :, first:end]
         return None
     _kv_cache_append_op(k_cache, v_cache, k, v, cache_seqlens)
     return None

@@ -367,7 +367,8 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
             db1 = _k.reduce_partials(part1, dt)[0]
         elif part2 is not None:
             db2 = _k.reduce_partials(part2, dt)[0]
-    return dx, dw1, db1 if need_b1 else g.new_empty(0), dw2, db2 if need_b2 else g.new_empty(0)
+    unused = _empty((), dt, dev, False)  # (not g.new_empty: g is None when only dB2 was wanted past dropout)
+    return dx, dw1, db1 if need_b1 else unused, dw2, db2 if need_b2 else unused
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,9 +401,10 @@ class _LinearFn(torch.autograd.Function):
             out, pre = _linear_lora_fwd(x2, weight, bias, residual, lora_u, lora_b, activation, save_pre, seed,
                                         dropout_p)
         ctx.set_materialize_grads(False)
+        # The low-rank pair whole (U is (rows, R), B a parameter): their gradients' shapes and the
+        # backward's outputs come from them, whichever of the two takes a gradient.
         ctx.save_for_backward(x2 if need_w else None, weight if need_x else None, pre if save_pre else None,
-                              seed if need and dropout_p > 0 else None, lora_u if need_lb else None,
-                              lora_b if need_u else None)
+                              seed if need and dropout_p > 0 else None, lora_u, lora_b)
         ctx.activation, ctx.dropout_p, ctx.x_dtype, ctx.x_shape = activation, dropout_p, x.dtype, x.shape
         ctx.lora = lora_u is not None
         return out if x2 is x else _output(out, x.shape[:-1])

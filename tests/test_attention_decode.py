@@ -232,6 +232,17 @@ def test_kv_cache_append_then_decode(dtype, device, launches):
     assert launches["attention_decode"] == 1
 
 
+def test_kv_cache_append_drops_rows_before_the_cache(device, launches):
+    """A negative fill level: the new rows that would land before row 0 are dropped, as those
+    past the end are (never out of bounds), the others written."""
+    import fused_block
+    kc = torch.zeros(1, 2, 6, 4, device=device)
+    vc = torch.zeros_like(kc)
+    kn = torch.arange(1.0, 4.0, device=device)[None, None, :, None].expand(1, 2, 3, 4).contiguous()
+    fused_block.kv_cache_append(kc, vc, kn, kn, torch.tensor([-2], dtype=torch.int32, device=device))
+    assert kc[0, :, 0].eq(3.0).all() and kc[0, :, 1:].eq(0).all() and vc[0, :, 0].eq(3.0).all()
+
+
 def test_kv_cache_append_bad_input(device, launches):
     import fused_block
     kc = torch.zeros(2, 2, 10, 16, device=device)

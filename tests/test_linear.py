@@ -912,3 +912,37 @@ def test_autocast(device, launches):
 def test_public_names():
     for name in ("linear", "mlp", "swiglu", "Linear", "MLP"):
         assert hasattr(fused_block, name)
+
+
+def test_bias_gradient_of_empty_products(device, launches):
+    """A product with nothing to multiply (in_features 0, or an MLP's hidden width 0) still has
+    its bias gradient, the column sums of dY (it came from the weight-gradient product, which an
+    empty product skipped: unwritten memory)."""
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    w = torch.randn(5, 0, device=device, requires_grad=True)
+    b = torch.randn(5, device=device, requires_grad=True)
+    g = torch.randn(3, 5, device=device)
+    linear(x, w, b).backward(g)
+    torch.testing.assert_close(b.grad, g.sum(0), atol=1e-6, rtol=0)
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    w1, b1 = torch.randn(0, 4, device=device, requires_grad=True), torch.randn(0, device=device, requires_grad=True)
+    w2, b2 = torch.randn(5, 0, device=device, requires_grad=True), torch.randn(5, device=device, requires_grad=True)
+    mlp(x, w1, b1, w2, b2, "gelu").backward(g)
+    torch.testing.assert_close(b2.grad, g.sum(0), atol=1e-6, rtol=0)
+    assert x.grad.eq(0).all()
+
+
+def test_output_dropout_with_only_the_second_bias_training(device, launches):
+    """mlp with output dropout where only b2 takes a gradient (everything else frozen): dB2 is the
+    kept gradient's column sums (the backward used the dropout pass's dY, which it did not store)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, device=device)
+    w1, b1, w2 = torch.randn(12, 8, device=device), torch.randn(12, device=device), torch.randn(4, 12, device=device)
+    b2 = torch.randn(4, device=device, requires_grad=True)
+    g = torch.randn(6, 4, device=device)
+    torch.manual_seed(1)
+    out = mlp(x, w1, b1, w2, b2, "gelu", output_dropout_p=0.5)
+    (db2,) = torch.autograd.grad(out, b2, g)
+    keep = out != 0  # dropout2 acts on linear2's output, its bias included: a dropped element is 0
+    torch.testing.assert_close(db2, (g * keep / 0.5).sum(0), atol=1e-5, rtol=1e-5)
+

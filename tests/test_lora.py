@@ -57,6 +57,30 @@ def test_linear_with_lora(dtype_mode, activation, residual, device, launches):
     assert launches["matmul"] >= 1
 
 
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0]])
+@pytest.mark.parametrize("frozen", [("lb",), ("u",), ("w", "b", "u", "lb")], ids=["B", "U", "all-but-x"])
+def test_linear_with_lora_partial_gradients(dtype_mode, frozen, device, launches):
+    """Any subset of the inputs taking a gradient: a frozen low-rank B (U training), a frozen U
+    (LoRA-FA's frozen A), or only x (the base and the adapters frozen): the others' gradients
+    against the reference."""
+    dtype, mode = dtype_mode
+    x, w = _t(M, K, dtype=dtype, device=device), _t(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    b = _t(N, dtype=dtype, device=device)
+    u, lb = _t(M, R, dtype=dtype, device=device), _t(N, R, dtype=dtype, device=device, scale=0.3)
+    inputs = dict(x=x, w=w, b=b, u=u, lb=lb)
+    for name in frozen:
+        inputs[name].requires_grad_(False)
+
+    def ours(x, w, b, u, lb):
+        return linear(x, w, b, "gelu", lora=(u, lb))
+
+    def ref(x, w, b, u, lb, compute_dtype=None):
+        return reference.linear(x, w, b, "gelu", lora=(u, lb), compute_dtype=compute_dtype)
+
+    check("linear+lora", ours, ref, list(inputs.values()), dtype, device, mode)
+    assert launches["matmul"] >= 1
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
 def test_gated_linear_with_lora(dtype_mode, activation, device, launches):

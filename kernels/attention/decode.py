@@ -191,7 +191,8 @@ def _kv_cache_append(KC, VC, KN, VN, SEQLENS,
                      Hkv, L_new, L_cache, D, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program ((b * Hkv + hk) * cdiv(L_new, BLOCK_M) + row block): rows [r0, r0 + BLOCK_M) of the
     new keys and values of (b, hk) written into the caches at SEQLENS[b] + row, in place; rows
-    that would land at or past L_cache are dropped (never out of bounds)."""
+    that would land outside [0, L_cache) are dropped (never out of bounds, a negative
+    SEQLENS[b] included)."""
     pid = tl.program_id(0)
     n_rb = tl.cdiv(L_new, BLOCK_M)
     bh = pid // n_rb
@@ -200,7 +201,7 @@ def _kv_cache_append(KC, VC, KN, VN, SEQLENS,
     rows = (pid % n_rb) * BLOCK_M + tl.arange(0, BLOCK_M)
     dst = tl.load(SEQLENS + b) + rows
     cols = tl.arange(0, BLOCK_D)
-    ok = ((rows < L_new) & (dst < L_cache))[:, None] & (cols < D)[None, :]
+    ok = ((rows < L_new) & (dst >= 0) & (dst < L_cache))[:, None] & (cols < D)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     d64 = dst.to(tl.int64)[:, None]
     k = tl.load(KN + b.to(tl.int64) * stride_knb + hk.to(tl.int64) * stride_knh + r64 * stride_knn + cols[None, :],
