@@ -219,6 +219,78 @@ def _padding(key_padding, B, read=True):
     return key_padding.expand(B, -1) if key_padding.shape[0] != B else key_padding
 
 
+def unpadded(attention_mask):
+    """No mask, or a light mask of ones (:func:`mask` without the model's attention_mask, made
+    to carry a sliding window): the model got no padding, so restarting ``position_ids`` say
+    whether the row packs sequences."""
+    return attention_mask is None or getattr(attention_mask, UNPADDED_ATTR, False)
+
+
+def packed_lengths(attention_mask, kwargs, B, Lq, Lk):
+    """``(cu_seqlens_q, cu_seqlens_k, max_q, max_k)`` of a packed one-row batch, or None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        cu_q = cu_k if cu_q is None else cu_q
+        cu_k = cu_q if cu_k is None else cu_k
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = max_k if max_q is None else max_q
+        max_k = max_q if max_k is None else max_k
+        if max_q is None:  # read once per tensor (one sync per forward)
+            max_q = max_k = _max_length(cu_q)
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+    if B != 1 or Lq != Lk:
+        return None
+    ids = getattr(attention_mask, PACKED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
+    if ids is None and unpadded(attention_mask) and restarting(kwargs.get("position_ids"), Lq, Lk):
+        positions = kwargs["position_ids"]
+        step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
+        ids = (step != 1).cumsum(-1)  # transformers' find_packed_sequence_indices
+    if ids is None:
+        return None
+    return _lengths_of(ids)
+
+
+_LAST_IDS = [None, None]  # (weakref to the last sequence-index tensor read, its lengths)
+
+
+def _lengths_of(ids):
+    """cu_seqlens (int32) and the longest length of a (1, L) sequence-index tensor; read once
+    per tensor (every layer of a forward gets the same one): one sync per forward."""
+    ref, last = _LAST_IDS
+    if ref is not None and ref() is ids and last[0] == ids._version:
+        return last[1]
+    lengths = torch.bincount(ids[0].to(torch.int64))
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    found = (cu, cu, longest, longest)
+    _LAST_IDS[:] = [weakref.ref(ids), (ids._version, found)]
+    return found
+
+
+def _max_length(cu):
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+_LAST_POSITIONS = [None, None]  # (weakref to the last position_ids read, (version, restarting))
+
+
+def restarting(position_ids, Lq, Lk):
+    """Whether the (1, L) ``position_ids`` of a one-row call without cached keys restart (a
+    packed batch, as DataCollatorWithFlattening makes; transformers' own test: a step other
+    than 1), read once per tensor: one sync per forward, for one-row batches only, as
+    flash-attention's packed check. Not read while torch.compile traces or a CUDA graph
+    captures (then only cu_seq_lens_q/k or a packed mask from transformers say so)."""
+    if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, Lq) or Lq != Lk or Lq < 2 \
+            or torch.compiler.is_compiling() or _capturing(position_ids):
+        return False
+    ref, last = _LAST_POSITIONS
+    if ref is not None and ref() is position_ids and last[0] == position_ids._version:
+        return last[1]
+    found = bool((position_ids.diff(dim=-1) != 1).any())
+    _LAST_POSITIONS[:] = [weakref.ref(position_ids), (position_ids._version, found)]
+    return found
+
+
 def kernel_head_dim(D, dtype):
     return D % 8 == 0 and MIN_HEAD_DIM <= D <= (MAX_FP32_HEAD_DIM if dtype == torch.float32 else MAX_HEAD_DIM)
 
@@ -251,8 +323,6 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
     p = plan(mask, B, L, k.shape[2], causal, convention, window_of(sliding_window, causal))
     if packing is not None and convention != "sdpa" and B == 1 and k.shape[2] == L and p.kernel and p.light \
             and p.key_padding is None and p.n_keys is None:
-        from fused_block.hf.interface import packed_lengths
-
         found = packed_lengths(mask, packing, B, L, L)
         if found is not None:
             cu, _, longest, _ = found

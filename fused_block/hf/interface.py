@@ -38,7 +38,6 @@ function), which the kernel reads as a mask.
 ``import fused_block`` never imports transformers; importing ``fused_block.hf`` does.
 """
 import sys
-import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -48,12 +47,10 @@ from transformers.masking_utils import (AttentionMaskInterface, and_masks, bidir
                                         prepare_padding_mask, remap_positions_for_packed_sequence, sdpa_mask,
                                         sliding_window_bidirectional_overlay, sliding_window_overlay)
 
-import torch.nn.functional as F
-
 from fused_block.attention import attention_varlen
-from fused_block.blocks import _capturing
 from fused_block.hf._attention import (PACKED_ATTR, UNPADDED_ATTR, WINDOW_ATTR, attend, general_plan,
-                                       kernel_head_dim, light_dense, light_plan)
+                                       kernel_head_dim, light_dense, light_plan, packed_lengths, restarting,
+                                       unpadded)
 from fused_block.hf._core import KERNEL_DTYPES, warn_once
 
 NAME = "fused_block"
@@ -254,58 +251,6 @@ def kernel_reason(query, key, value, kwargs):
     return None
 
 
-def _unpadded(attention_mask):
-    """No mask, or a light mask of ones (:func:`mask` without the model's attention_mask, made
-    to carry a sliding window): the model got no padding, so restarting ``position_ids`` say
-    whether the row packs sequences."""
-    return attention_mask is None or getattr(attention_mask, UNPADDED_ATTR, False)
-
-
-def packed_lengths(attention_mask, kwargs, B, Lq, Lk):
-    """``(cu_seqlens_q, cu_seqlens_k, max_q, max_k)`` of a packed one-row batch, or None."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:
-        cu_q = cu_k if cu_q is None else cu_q
-        cu_k = cu_q if cu_k is None else cu_k
-        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-        max_q = max_k if max_q is None else max_q
-        max_k = max_q if max_k is None else max_k
-        if max_q is None:  # read once per tensor (one sync per forward)
-            max_q = max_k = _max_length(cu_q)
-        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
-    if B != 1 or Lq != Lk:
-        return None
-    ids = getattr(attention_mask, PACKED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
-    if ids is None and _unpadded(attention_mask) and _restarting(kwargs.get("position_ids"), Lq, Lk):
-        positions = kwargs["position_ids"]
-        step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
-        ids = (step != 1).cumsum(-1)  # transformers' find_packed_sequence_indices
-    if ids is None:
-        return None
-    return _lengths_of(ids)
-
-
-_LAST_IDS = [None, None]  # (weakref to the last sequence-index tensor read, its lengths)
-
-
-def _lengths_of(ids):
-    """cu_seqlens (int32) and the longest length of a (1, L) sequence-index tensor; read once
-    per tensor (every layer of a forward gets the same one): one sync per forward."""
-    ref, last = _LAST_IDS
-    if ref is not None and ref() is ids and last[0] == ids._version:
-        return last[1]
-    lengths = torch.bincount(ids[0].to(torch.int64))
-    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    longest = int(lengths.max())
-    found = (cu, cu, longest, longest)
-    _LAST_IDS[:] = [weakref.ref(ids), (ids._version, found)]
-    return found
-
-
-def _max_length(cu):
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-
-
 def _varlen(query, key, value, attention_mask, packed, causal, dropout, scaling, softcap, sinks):
     """A packed one-row batch through the varlen kernel: (1, H, T, D) -> (1, T, H, D)."""
     cu_q, cu_k, max_q, max_k = packed
@@ -327,7 +272,7 @@ def _fallback(module, query, key, value, attention_mask, reason, dropout, scalin
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
     dense = _dense(attention_mask, B, Lq, Lk, query.device)
-    packed = _packed_visibility(kwargs, Lq, Lk, query.device, _unpadded(attention_mask))
+    packed = _packed_visibility(kwargs, Lq, Lk, query.device, unpadded(attention_mask))
     if packed is not None:  # the sequences of a packed batch see only themselves
         if dense is None:
             dense = _top_left(Lq, Lk, query.device) if causal and Lq > 1 else None
@@ -363,26 +308,6 @@ def _top_left(Lq, Lk, device):
     return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()[None, None]
 
 
-_LAST_POSITIONS = [None, None]  # (weakref to the last position_ids read, (version, restarting))
-
-
-def _restarting(position_ids, Lq, Lk):
-    """Whether the (1, L) ``position_ids`` of a one-row call without cached keys restart (a
-    packed batch, as DataCollatorWithFlattening makes; transformers' own test: a step other
-    than 1), read once per tensor: one sync per forward, for one-row batches only, as
-    flash-attention's packed check. Not read while torch.compile traces or a CUDA graph
-    captures (then only cu_seq_lens_q/k or a packed mask from transformers say so)."""
-    if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, Lq) or Lq != Lk or Lq < 2 \
-            or torch.compiler.is_compiling() or _capturing(position_ids):
-        return False
-    ref, last = _LAST_POSITIONS
-    if ref is not None and ref() is position_ids and last[0] == position_ids._version:
-        return last[1]
-    restarting = bool((position_ids.diff(dim=-1) != 1).any())
-    _LAST_POSITIONS[:] = [weakref.ref(position_ids), (position_ids._version, restarting)]
-    return restarting
-
-
 def _packed_visibility(kwargs, Lq, Lk, device, from_positions):
     """(B or 1, 1, Lq, Lk) bool: the queries and keys of the same sequence of a packed batch
     (``cu_seq_lens_q/k``, the cumulative lengths, or else, with ``from_positions``, restarting
@@ -390,7 +315,7 @@ def _packed_visibility(kwargs, Lq, Lk, device, from_positions):
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         positions = kwargs.get("position_ids")
-        if not (from_positions and _restarting(positions, Lq, Lk)):
+        if not (from_positions and restarting(positions, Lq, Lk)):
             return None
         step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
         seq = (step != 1).cumsum(-1).to(device)  # transformers' find_packed_sequence_indices
