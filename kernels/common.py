@@ -226,6 +226,17 @@ def rows(t, operand: str):
     return (t.numel() // n if n else 0, n), (n, 1)
 
 
+def unit(t):
+    """``t`` where its last dim is read at unit stride (stride 1, or one element), else a
+    contiguous copy: the launchers' vectors and tables (biases, norm weights, frequencies, sinks,
+    slopes, sequence offsets), which their kernels index as ``ptr + i``. A strided view
+    (``base[::2]``) or an expanded one (stride 0) passed in place would be read as another
+    tensor. None stays None."""
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
 def empty(shape, dtype, device):
     """Allocate a launcher's output, contiguous (NaN-filled while ``POISON_OUTPUTS`` is set).
 

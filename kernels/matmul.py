@@ -1059,6 +1059,8 @@ def gemm(a, b, c, *, a2=None, b2=None, c2=None, bias=None, bias2=None, residual=
         N, sb = b_rows, sb[::-1]
     if M == 0 or N == 0:
         return
+    if bias is not None:  # read at unit stride (common.unit)
+        bias, bias2 = common.unit(bias), common.unit(bias2)
     if a2 is None and b2 is None:
         K, dual = K1, 0
     else:

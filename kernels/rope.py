@@ -330,6 +330,17 @@ def _packed_config(D, n_rot, n_copy):
     return common.Config.of(num_warps=cfg.num_warps, BLOCK_H=cfg["BLOCK_H"], BLOCK_C=block_c)
 
 
+def _tables(inv_freq, cos, sin):
+    """The angle sources as the kernels read them: ``inv_freq`` at unit stride, ``cos`` and
+    ``sin`` at unit last stride and with one set of strides for both (the kernels take cos's)."""
+    if cos is None:
+        return common.unit(inv_freq), None, None
+    cos, sin = common.unit(cos), common.unit(sin)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return inv_freq, cos, sin
+
+
 def rope(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj):
     """Rotate q (B, L, Hq, D) and k (B, L, Hk, D); returns contiguous ``(q_out, k_out)``.
 
@@ -345,6 +356,7 @@ def rope(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj)
     if B * L == 0:
         return qo, ko
     from_table = positions is None
+    inv_freq, cos, sin = _tables(inv_freq, cos, sin)
     cfg = _CONFIGS.get((common.next_pow2(D), min(common.next_pow2(max(HQ, HK)), 64)), [_config(D, max(HQ, HK))],
                        None)
     block_h = cfg["BLOCK_H"]
@@ -386,6 +398,7 @@ def rope_packed(x, rows, n_rot, n_heads, positions, inv_freq, cos, sin, scale, r
     if B * L == 0:
         return out
     from_table = cos is not None
+    inv_freq, cos, sin = _tables(inv_freq, cos, sin)
     n_copy = n_heads - n_rot
     cfg = _PACKED_CONFIGS.get((common.next_pow2(D), min(common.next_pow2(n_rot), 64),
                                min(common.next_pow2(max(n_copy * D, 1)), _TILE)),
@@ -434,6 +447,8 @@ def rope_packed_qknorm(x, x_in, wq, wk, rows, n_q, n_rot, n_heads, positions, in
     if B * L == 0:
         return (out, dwq, dwk) if conj else out
     from_table = cos is not None
+    inv_freq, cos, sin = _tables(inv_freq, cos, sin)
+    wq, wk = common.unit(wq), common.unit(wk)
     grid = (B * L, rot_blocks + common.cdiv(n_copy * D, cfg["BLOCK_C"]))
     stride_pb, stride_pl = (0, 0) if positions is None else (positions.stride(0) if positions.shape[0] > 1 else 0,
                                                               positions.stride(1))

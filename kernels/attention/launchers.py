@@ -145,6 +145,7 @@ def _score_args(shape, softcap, alibi, bias, mask, dummy):
     (stride_slb; bias's and mask's 4 over ``shape`` (B, Hq, Lq, Lk), zero along broadcast dims)
     and the flags. ``alibi``: (Hq,) or (B, Hq) fp32; ``bias``: float, ``mask``: bool (True =
     attend), both broadcastable to ``shape``."""
+    alibi = common.unit(alibi)  # heads at unit stride
     slopes, stride_slb = (dummy, 0) if alibi is None else (alibi, alibi.stride(0) if alibi.dim() == 2 else 0)
     if bias is None:
         bias_t, sb = dummy, (0, 0, 0, 0)
@@ -241,6 +242,15 @@ def _mask_arg(key_padding_mask, dummy):
     return m.view(torch.uint8), m.stride(0)
 
 
+def _varlen(varlen, q, Lq: int, Lk: int) -> tuple:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, the offsets at unit stride
+    (their kernels index them so); q and the lengths as stand-ins for a dense batch."""
+    if varlen is None:
+        return q, q, Lq, Lk
+    cu_q, cu_k, max_q, max_k = varlen
+    return common.unit(cu_q), common.unit(cu_k), max_q, max_k
+
+
 def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: float, dropout_p: float, *,
             window=(-1, -1), varlen=None, softcap=0.0, sinks=None, alibi=None, bias=None, mask=None) -> None:
     """Writes ``out`` (a (B, Hq, Lq, D) view in q's dtype, any strides) and ``lse`` ((B, Hq, Lq)
@@ -270,7 +280,8 @@ def forward(q, k, v, out, lse, key_padding_mask, seed, causal: bool, scale: floa
     dropout = dropout_p > 0.0
     mask_pad, stride_mb = _mask_arg(key_padding_mask, q)
     is_causal, has_window, win_left, win_right = _band(causal, window)
-    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (q, q, Lq, Lk)
+    cu_q, cu_k, max_q, max_k = _varlen(varlen, q, Lq, Lk)
+    sinks = common.unit(sinks)
     nseq = cu_q.numel() - 1 if varlen is not None else B
     if varlen is None and not dropout and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_KEYS:
         if _decode(q, k, v, out, lse, mask_pad, stride_mb, sinks, alibi, bias, mask, softcap, scale, is_causal,
@@ -475,7 +486,8 @@ def backward(do, q, k, v, out, lse, dlse, dq, dk, dv, key_padding_mask, seed, ca
         return
     arch = common.arch(q.device)
     block_d = _block_d(D)
-    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (q, q, Lq, Lk)
+    cu_q, cu_k, max_q, max_k = _varlen(varlen, q, Lq, Lk)
+    sinks = common.unit(sinks)
     nseq = cu_q.numel() - 1 if varlen is not None else B
     # Row statistics padded to a multiple of every backward query block (unmasked loads);
     # varlen: each sequence's rows (helpers._find_seq's virtual blocks of STAT_ALIGN rows).
@@ -735,6 +747,7 @@ def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens) -> None:
         return
     block_m = 16
     n_rb = common.cdiv(L_new, block_m)
+    cache_seqlens = common.unit(cache_seqlens)
     common.launch("attention_kv_append", _kv_cache_append, (_grid_size(B * Hkv * n_rb),),
                   (k_cache, v_cache, k, v, cache_seqlens, *k_cache.stride()[:3], *v_cache.stride()[:3],
                    *k.stride()[:3], *v.stride()[:3], Hkv, L_new, k_cache.shape[2], D),
