@@ -474,6 +474,11 @@ def _check(q, k, v, causal, scale, key_padding_mask, dropout_p):
     _check_options(causal, scale, key_padding_mask, dropout_p, B, k.shape[2], "q", q)
 
 
+def _check_return_lse(return_lse):
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+
 def _check_softcap(softcap):
     """``softcap`` as the kernels' float (0.0 = none)."""
     if softcap is None:
@@ -587,6 +592,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     ``torch.use_deterministic_algorithms(True)`` and ``FUSED_BLOCK_TUNE=0``).
     """
     _check(q, k, v, causal, scale, key_padding_mask, dropout_p)
+    _check_return_lse(return_lse)
     _backend.no_dtensor("attention", q, k, v)
     window = _check_window(window)
     cap = _check_softcap(softcap)
@@ -664,6 +670,7 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     _check_head_dim("qkv", D)
     B, L = (qkv.shape[0], qkv.shape[1]) if batch_first else (qkv.shape[1], qkv.shape[0])
     _check_options(causal, scale, key_padding_mask, dropout_p, B, L, "qkv", qkv)
+    _check_return_lse(return_lse)
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dropout_p = float(dropout_p)
@@ -829,6 +836,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     differentiable fp32 LSE (Hq, Tq).
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p)
+    _check_return_lse(return_lse)
     window = _check_window(window)
     cap = _check_softcap(softcap)
     sinks, alibi_slopes = _check_scores(q, cu_seqlens_q.numel() - 1, q.shape[1], 0, 0, sinks, alibi_slopes,
@@ -874,6 +882,7 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
     D = qkv.shape[1] // heads
     _check_head_dim("qkv", D)
     _check_options(causal, scale, None, dropout_p, 1, qkv.shape[0], "qkv", qkv)
+    _check_return_lse(return_lse)
     _check_cu_seqlens("cu_seqlens", cu_seqlens, qkv.shape[0], "max_seqlen", max_seqlen, "qkv", qkv)
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -941,6 +950,17 @@ def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
     _validate.tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
     _validate.shape("cache_seqlens", cache_seqlens, (B,))
     _validate.same_device("k_cache", k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} is written in place and must not be an expanded view (stride 0 along a dim "
+                             f"of size > 1: several of its elements share memory), got strides {t.stride()}")
+    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+        raise ValueError("v_cache must not share k_cache's memory (both are written in place)")
+    if torch.is_grad_enabled():
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            if t.requires_grad:
+                raise ValueError(f"{name} requires grad: kv_cache_append writes the caches in place and has no "
+                                 f"gradient; call it under torch.no_grad() or with detached tensors")
     if not _backend.use_triton(k_cache):
         L = k_cache.shape[2]
         for b, start in enumerate(cache_seqlens.tolist()):

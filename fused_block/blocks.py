@@ -45,6 +45,7 @@ Only head dims outside the kernel's range run attention through
 a wrong answer. A query whose keys are all masked gives 0 here (torch's layers give NaN).
 """
 import contextlib
+import math
 import weakref
 
 import torch
@@ -347,6 +348,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.rope, self.rope_interleaved = bool(rope), bool(rope_interleaved)
         if self.rope:
             self.rope_base = float(rope_base)
+            if not (math.isfinite(self.rope_base) and self.rope_base > 0):
+                raise ValueError(f"rope_base must be finite and > 0, got {rope_base}")
             self.register_buffer("inv_freq", _inv_freq(self.head_dim, self.rope_base, device), persistent=False)
 
     def _apply(self, fn, *args, **kwargs):
@@ -529,9 +532,10 @@ class MultiheadAttention(nn.MultiheadAttention):
             _warn_once(("MultiheadAttention", reason), f"fused_block: MultiheadAttention (GQA or RoPE) runs "
                        f"plain PyTorch ops on its tensors: {reason}")
             ops = _REFERENCE
-        _check_input("query", query, self.embed_dim)
-        _check_input("key", key, self.kdim)
-        _check_input("value", value, self.vdim)
+        _check_input("query", query, self.embed_dim, self)
+        _check_input("key", key, self.kdim, self)
+        _check_input("value", value, self.vdim, self)
+        _check_flag("is_causal", is_causal)
         for name, t in (("key", key), ("value", value)):
             if t.dim() != query.dim():
                 raise ShapeError(f"{name} must be {query.dim()}-D like query, got shape {tuple(t.shape)}")
@@ -573,13 +577,34 @@ def _check_heads(d_model, nhead, num_kv_heads):
             raise ShapeError(f"num_kv_heads ({num_kv_heads}) must divide nhead ({nhead})")
 
 
-def _check_input(name, t, d_model):
+def _check_input(name, t, d_model, mha):
+    """A layer's tensor input ``name``: floating point, 2-D or 3-D with ``d_model`` features, on the
+    device of ``mha``'s parameters, in their dtype (or float64: the reference path; or any
+    floating dtype under autocast)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {str(t.dtype).replace('torch.', '')}")
     if t.dim() not in (2, 3):
         raise ShapeError(f"{name} must be 3-D (batched) or 2-D (unbatched), got shape {tuple(t.shape)}")
     if t.shape[-1] != d_model:
         raise ShapeError(f"{name}: was expecting embedding dimension of {d_model}, but got {t.shape[-1]}")
+    (w,) = _params(mha._modules["out_proj"], "weight")
+    if t.dtype is not w.dtype or t.device != w.device:
+        _check_like(name, t, w)
+
+
+def _check_like(name, t, w):
+    if t.device != w.device:
+        raise ValueError(f"{name} is on {t.device} but the layer's parameters are on {w.device}")
+    if t.dtype is not torch.float64 and not torch.is_autocast_enabled(t.device.type):
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')} but the layer's parameters have "
+                        f"{str(w.dtype).replace('torch.', '')}: cast one to the other, or run under torch.autocast")
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _activation_name(activation):
@@ -871,7 +896,8 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
     def _fused_forward(self, src, src_mask, src_key_padding_mask, is_causal):
         mods = self._modules
         attn = mods["self_attn"]
-        _check_input("src", src, attn.embed_dim)
+        _check_input("src", src, attn.embed_dim, attn)
+        _check_flag("is_causal", is_causal)
         x, batched = _batch(src, attn.batch_first)
         B, L = _dims(x, attn.batch_first)
         L = _tp_length(self, L, masks=(("src_mask", src_mask),))  # SP: x holds this rank's part of the sequence
@@ -1009,8 +1035,10 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
                        tgt_is_causal, memory_is_causal):
         sa_mod, ca_mod = self.self_attn, self.multihead_attn
         bf = sa_mod.batch_first
-        _check_input("tgt", tgt, sa_mod.embed_dim)
-        _check_input("memory", memory, sa_mod.embed_dim)
+        _check_input("tgt", tgt, sa_mod.embed_dim, sa_mod)
+        _check_input("memory", memory, sa_mod.embed_dim, sa_mod)
+        _check_flag("tgt_is_causal", tgt_is_causal)
+        _check_flag("memory_is_causal", memory_is_causal)
         if memory.dim() != tgt.dim():
             raise ShapeError(f"memory must be {tgt.dim()}-D like tgt, got shape {tuple(memory.shape)}")
         x, batched = _batch(tgt, bf)

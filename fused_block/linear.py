@@ -635,11 +635,19 @@ def _rows(t):
 LORA_RANK_ALIGN = 16
 
 
+def _lora_form(lora, outs):
+    """``lora`` itself, checked to be a tuple (U, B_1, ..., B_k) for ``len(outs)`` outputs."""
+    if not isinstance(lora, (tuple, list)) or len(lora) != 1 + len(outs):
+        raise TypeError(f"lora must be a tuple (U, {', '.join(f'B{i}' for i in range(len(outs)))}), got {lora!r}")
+    for i, t in enumerate(lora):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"lora {'U' if i == 0 else f'B{i - 1}'} must be a torch.Tensor, got {type(t).__name__}")
+    return lora
+
+
 def _check_lora(x, lora, outs):
     """``lora`` = (U, B_1, ..., B_k) with U (..., R) on x's leading dims and each B (n_i, R),
     x's dtype and device; returns them as 2-D rows with R padded to LORA_RANK_ALIGN."""
-    if not isinstance(lora, (tuple, list)) or len(lora) != 1 + len(outs):
-        raise TypeError(f"lora must be a tuple (U, {', '.join(f'B{i}' for i in range(len(outs)))}), got {lora!r}")
     u, bs = lora[0], lora[1:]
     _validate.tensor("lora U", u, min_ndim=1)
     if u.dtype != x.dtype:
@@ -683,7 +691,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     _check_residual(x, residual, n)
     u = lb = None
     if lora is not None:
-        lora = _autocast(*lora)
+        lora = _autocast(*_lora_form(lora, (n,)))
         u, lb = _check_lora(x, lora, (n,))
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p, lora=lora)
@@ -727,7 +735,7 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
     _validate.shape("w_up", w_up, w_gate.shape)
     u = lbg = lbu = None
     if lora is not None:
-        lora = _autocast(*lora)
+        lora = _autocast(*_lora_form(lora, (f, f)))
         u, lbg, lbu = _check_lora(x, lora, (f, f))
     if not _backend.use_triton(x):
         return reference.gated(x, w_gate, w_up, b_gate, b_up, dropout_p=dropout_p, lora=lora, activation=activation)

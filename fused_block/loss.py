@@ -47,6 +47,7 @@ dW/db sums accumulate in fp32 (cuBLAS's own; across chunks an fp32 accumulator);
 follow torch's matmul precision because the products are torch's.
 Deterministic: a fixed chunk order, no atomics. The loss is fp32 whatever the input dtype.
 """
+import math
 from typing import Optional
 
 import torch
@@ -210,12 +211,30 @@ _LCEFn_apply = _library.fast_apply(_LCEFn)
 # validation and the public function
 # ---------------------------------------------------------------------------------------------
 
-def _number(name, value, *, low, high=None, high_name=None):
+def _number(name, value, *, low, high=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not value >= low or (high is not None and not value <= high):
-        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    if not value >= low or not (value <= high if high is not None else math.isfinite(value)):
+        bounds = f"in [{low}, {high}]" if high is not None else f"finite and >= {low}"
         raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction):
+    """The loss options (of :func:`linear_cross_entropy` and :class:`LinearCrossEntropy`)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -2 ** 63 <= ignore_index < 2 ** 63:
+        raise ValueError(f"ignore_index must fit in int64 (a class index), got {ignore_index}")
+    _number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    _number("z_loss", z_loss, low=0.0)
+    if softcap is not None:
+        _validate.positive("softcap", softcap)
+        if not math.isfinite(softcap):
+            raise ValueError(f"softcap must be finite (None for no softcapping), got {softcap}")
+    if not isinstance(reduction, str):
+        raise TypeError(f"reduction must be a str, got {type(reduction).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, return_lse):
@@ -241,16 +260,7 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(target.shape)}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    _number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    _number("z_loss", z_loss, low=0.0)
-    if softcap is not None:
-        _validate.positive("softcap", softcap)
-    if not isinstance(reduction, str):
-        raise TypeError(f"reduction must be a str, got {type(reduction).__name__}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     # Values are checked only where that costs no synchronization: CPU tensors, outside a trace.
@@ -319,6 +329,7 @@ class LinearCrossEntropy(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: Optional[float] = None, reduction: str = "mean"):
+        _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         self.softcap, self.reduction = softcap, reduction
@@ -333,7 +344,8 @@ class LinearCrossEntropy(torch.nn.Linear):
         return head
 
     def forward(self, input: Tensor, target: Optional[Tensor] = None, *, return_lse: bool = False):
-        if target is None:
+        if target is None:  # the options as set now (attributes), checked as the loss checks them
+            _check_options(self.ignore_index, self.label_smoothing, self.z_loss, self.softcap, self.reduction)
             logits = torch.nn.functional.linear(input, self.weight, self.bias)
             return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
         return linear_cross_entropy(input, self.weight, target, self.bias, ignore_index=self.ignore_index,

@@ -213,6 +213,8 @@ class EncoderOnly(nn.Module):
         """idx (B, T) -> MLM logits (B, T, vocab); key_padding_mask (B, T) bool, True = padding;
         targets (B, T) with -100 where no loss is taken: ``(logits, loss)`` (module doc)."""
         B, T = idx.shape
+        if T > self.config.max_len:
+            raise ValueError(f"idx: sequence length {T} exceeds max_len {self.config.max_len}")
         pos = torch.arange(T, device=idx.device)
         seg = self.seg(token_type_ids) if token_type_ids is not None else self.seg.weight[0]
         x = self.drop(self.emb_norm(self.tok(idx) + self.pos(pos) + seg))  # (B, T, d)
@@ -268,12 +270,14 @@ class EncoderDecoder(nn.Module):
         self.generator.weight = self.emb.weight  # tied
         nn.init.normal_(self.emb.weight, std=c.d_model ** -0.5)
 
-    def _embed(self, idx):
+    def _embed(self, idx, name):
+        if idx.shape[1] > self.config.max_len:
+            raise ValueError(f"{name}: sequence length {idx.shape[1]} exceeds max_len {self.config.max_len}")
         return self.drop(self.emb(idx) * math.sqrt(self.config.d_model) + self.pe[:idx.shape[1]])
 
     def encode(self, src, src_key_padding_mask=None):
         """src (B, S) -> memory (B, S, d)."""
-        x = self._embed(src)
+        x = self._embed(src, "src")
         for layer in self.encoder:
             x = layer(x, src_key_padding_mask=src_key_padding_mask)
         return x
@@ -283,7 +287,7 @@ class EncoderDecoder(nn.Module):
         return self.generator(self._decode_hidden(tgt, memory, tgt_key_padding_mask, memory_key_padding_mask))
 
     def _decode_hidden(self, tgt, memory, tgt_key_padding_mask, memory_key_padding_mask):
-        x = self._embed(tgt)
+        x = self._embed(tgt, "tgt")
         T = tgt.shape[1]
         for layer in self.decoder:
             mask = None if _uses_hint_only(layer) else _causal_mask(T, tgt.device)

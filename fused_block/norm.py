@@ -433,6 +433,8 @@ def _flatten_normalized(module, x, residual):
         raise ValueError(f"x: expected trailing dims {shape}, got shape {tuple(x.shape)}")
     if len(shape) == 1:
         return x, residual, module.weight, getattr(module, "bias", None)
+    if isinstance(residual, Tensor) and residual.shape != x.shape:  # (flattened below, another shape would pass)
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     lead = x.shape[:x.dim() - len(shape)]
     n = math.prod(shape)
     flat = lambda t: None if t is None else t.reshape(*lead, n)  # noqa: E731

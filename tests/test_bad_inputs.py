@@ -66,6 +66,35 @@ def _dec():
     return fused_block.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True).to(DEV)
 
 
+def _mha():
+    return fused_block.MultiheadAttention(16, 4, batch_first=True).to(DEV)
+
+
+def _kv(**kw):
+    args = dict(k_cache=torch.zeros(2, 2, 8, 16, dtype=BF16, device=DEV),
+                v_cache=torch.zeros(2, 2, 8, 16, dtype=BF16, device=DEV),
+                k=r(2, 2, 3, 16, dtype=BF16), v=r(2, 2, 3, 16, dtype=BF16),
+                cache_seqlens=torch.zeros(2, dtype=torch.int32, device=DEV))
+    args.update(kw)
+    return fused_block.kv_cache_append(**args)
+
+
+def _kv_one_cache():
+    cache = torch.zeros(2, 2, 8, 16, dtype=BF16, device=DEV)
+    return _kv(k_cache=cache, v_cache=cache)
+
+
+def _lce_head_logits_after_option_change():
+    head = fused_block.LinearCrossEntropy(16, 10).to(DEV)
+    head.softcap = 0.0
+    return head(r(4, 16))
+
+
+def _models():
+    from fused_block import models
+    return models
+
+
 META = torch.device("meta")
 
 # (id, callable, exception type, the argument the message must name)
@@ -109,6 +138,12 @@ CATALOGUE = [
     ("attn-dropout", lambda: _attn(dropout_p=1.0), ValueError, "dropout_p"),
     ("attn-causal-type", lambda: _attn(causal="yes"), TypeError, "causal"),
     ("attn-scale", lambda: _attn(scale=-1.0), ValueError, "scale"),
+    ("attn-return-lse-type", lambda: _attn(return_lse="no"), TypeError, "return_lse"),
+    # kv_cache_append: the caches are written in place
+    ("kv-cache-expanded", lambda: _kv(k_cache=torch.zeros(1, 2, 8, 16, dtype=BF16, device=DEV).expand(2, 2, 8, 16)),
+     ValueError, "k_cache"),
+    ("kv-caches-share-memory", _kv_one_cache, ValueError, "v_cache"),
+    ("kv-new-keys-require-grad", lambda: _kv(k=r(2, 2, 3, 16, dtype=BF16).requires_grad_()), ValueError, "k"),
     # linear / mlp
     ("linear-inner-dims", lambda: _linear(weight=r(8, 12)), ValueError, "weight"),
     ("linear-bias-length", lambda: _linear(bias=r(7)), ValueError, "bias"),
@@ -119,6 +154,8 @@ CATALOGUE = [
     ("linear-weight-rank", lambda: _linear(weight=r(16)), ValueError, "weight"),
     ("linear-residual-shape", lambda: _linear(residual=r(4, 16)), ValueError, "residual"),
     ("linear-device", lambda: _linear(bias=r(8, device=META)), ValueError, "bias"),
+    ("linear-lora-type", lambda: _linear(lora=3), TypeError, "lora"),
+    ("linear-lora-member-type", lambda: _linear(lora=(r(4, 16), 3)), TypeError, "lora B0"),
     ("mlp-w2-inner", lambda: _mlp(w2=r(16, 31)), ValueError, "w2"),
     ("mlp-b2-length", lambda: _mlp(b2=r(15)), ValueError, "b2"),
     ("mlp-w1-inner", lambda: _mlp(w1=r(32, 15)), ValueError, "w1"),
@@ -139,6 +176,9 @@ CATALOGUE = [
     ("lce-label-smoothing-above-one", lambda: _lce(label_smoothing=1.5), ValueError, "label_smoothing"),
     ("lce-negative-z-loss", lambda: _lce(z_loss=-1e-4), ValueError, "z_loss"),
     ("lce-softcap-zero", lambda: _lce(softcap=0.0), ValueError, "softcap"),
+    ("lce-softcap-inf", lambda: _lce(softcap=float("inf")), ValueError, "softcap"),
+    ("lce-z-loss-inf", lambda: _lce(z_loss=float("inf")), ValueError, "z_loss"),
+    ("lce-ignore-index-overflow", lambda: _lce(ignore_index=2 ** 64), ValueError, "ignore_index"),
     ("lce-reduction", lambda: _lce(reduction="avg"), ValueError, "reduction"),
     ("lce-ignore-index-type", lambda: _lce(ignore_index=-100.0), TypeError, "ignore_index"),
     ("lce-empty-vocabulary", lambda: _lce(weight=r(0, 16)), ValueError, "weight"),
@@ -147,7 +187,35 @@ CATALOGUE = [
       if DEV.type == "cpu" else []),
     ("LinearCrossEntropy-in-features", _module(lambda: fused_block.LinearCrossEntropy(16, 10).to(DEV), r(4, 12),
                                                torch.zeros(4, dtype=torch.int64, device=DEV)), ValueError, "weight"),
+    ("LinearCrossEntropy-softcap", lambda: fused_block.LinearCrossEntropy(16, 10, softcap=0.0), ValueError, "softcap"),
+    ("LinearCrossEntropy-label-smoothing", lambda: fused_block.LinearCrossEntropy(16, 10, label_smoothing=2.0),
+     ValueError, "label_smoothing"),
+    ("LinearCrossEntropy-logits-options", _lce_head_logits_after_option_change, ValueError, "softcap"),
     # modules
+    ("LayerNorm-2d-residual-shape", _module(lambda: fused_block.LayerNorm((4, 5)).to(DEV), r(2, 3, 4, 5), r(2, 3, 5, 4)),
+     ValueError, "residual"),
+    ("RMSNorm-2d-residual-shape", _module(lambda: fused_block.RMSNorm((4, 5)).to(DEV), r(2, 3, 4, 5), r(2, 3, 5, 4)),
+     ValueError, "residual"),
+    ("Encoder-int-src", _module(_enc, torch.ones(2, 6, 16, dtype=torch.int64, device=DEV)), TypeError, "src"),
+    ("Encoder-src-dtype", _module(_enc, r(2, 6, 16, dtype=BF16)), TypeError, "src"),
+    ("Encoder-src-device", _module(_enc, r(2, 6, 16, device=META)), ValueError, "src"),
+    ("Encoder-is-causal-type", _module(_enc, r(2, 6, 16), is_causal="yes"), TypeError, "is_causal"),
+    ("Encoder-rope-base", lambda: fused_block.TransformerEncoderLayer(16, 4, 32, rope=True, rope_base=0.0), ValueError,
+     "rope_base"),
+    ("Decoder-memory-dtype", _module(_dec, r(2, 6, 16), r(2, 5, 16, dtype=torch.float16)), TypeError, "memory"),
+    ("Decoder-tgt-is-causal-type", _module(_dec, r(2, 6, 16), r(2, 5, 16), tgt_is_causal=1), TypeError,
+     "tgt_is_causal"),
+    ("MHA-key-dtype", lambda: _mha()(r(2, 6, 16), r(2, 5, 16, dtype=torch.float16), r(2, 5, 16), need_weights=False),
+     TypeError, "key"),
+    ("MHA-int-query", lambda: _mha()(*(torch.ones(2, 6, 16, dtype=torch.int64, device=DEV),) * 3, need_weights=False),
+     TypeError, "query"),
+    ("EncoderOnly-too-long", lambda: _models().EncoderOnly(_models().EncoderOnlyConfig(
+        vocab_size=50, max_len=8, n_layer=1, n_head=2, d_model=32, dim_feedforward=64, dropout=0.0)).to(DEV)(
+        torch.zeros(2, 10, dtype=torch.int64, device=DEV)), ValueError, "max_len"),
+    ("EncoderDecoder-src-too-long", lambda: _models().EncoderDecoder(_models().EncoderDecoderConfig(
+        vocab_size=50, max_len=8, n_encoder_layers=1, n_decoder_layers=1, n_head=2, d_model=32, dim_feedforward=64,
+        dropout=0.0)).to(DEV)(torch.zeros(2, 10, dtype=torch.int64, device=DEV),
+                              torch.zeros(2, 4, dtype=torch.int64, device=DEV)), ValueError, "src"),
     ("LayerNorm-shape", _module(lambda: fused_block.LayerNorm(16).to(DEV), r(4, 8)), ValueError, "x"),
     ("RMSNorm-shape", _module(lambda: fused_block.RMSNorm(16).to(DEV), r(4, 8)), ValueError, "x"),
     ("Linear-in-features", _module(lambda: fused_block.Linear(16, 8).to(DEV), r(4, 12)), ValueError, "weight"),
