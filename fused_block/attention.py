@@ -513,6 +513,8 @@ def _check_scores(q, B, Hq, Lq, Lk, sinks, alibi_slopes, bias=None, mask=None, d
             raise ValueError(f"alibi_slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = ({B}, {Hq}), "
                              f"got {tuple(alibi_slopes.shape)}")
         _validate.same_device("q", q, alibi_slopes=alibi_slopes)
+        if alibi_slopes.requires_grad and torch.is_grad_enabled():
+            raise ValueError("alibi_slopes: no gradient flows to the slopes; pass alibi_slopes.detach()")
         alibi_slopes = _unit_last_stride(alibi_slopes)
     for name, t, dtypes in (("bias", bias, (torch.float32, q.dtype)), ("mask", mask, (torch.bool,))):
         if t is None:

@@ -139,6 +139,8 @@ CATALOGUE = [
     ("attn-causal-type", lambda: _attn(causal="yes"), TypeError, "causal"),
     ("attn-scale", lambda: _attn(scale=-1.0), ValueError, "scale"),
     ("attn-return-lse-type", lambda: _attn(return_lse="no"), TypeError, "return_lse"),
+    ("attn-alibi-requires-grad", lambda: _attn(alibi_slopes=torch.ones(4, device=DEV, requires_grad=True)), ValueError,
+     "alibi_slopes"),
     # kv_cache_append: the caches are written in place
     ("kv-cache-expanded", lambda: _kv(k_cache=torch.zeros(1, 2, 8, 16, dtype=BF16, device=DEV).expand(2, 2, 8, 16)),
      ValueError, "k_cache"),
