@@ -956,7 +956,8 @@ def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             raise ValueError(f"{name} is written in place and must not be an expanded view (stride 0 along a dim "
                              f"of size > 1: several of its elements share memory), got strides {t.stride()}")
-    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+    if k_cache is v_cache or (not torch.compiler.is_compiling() and k_cache.numel()
+                              and k_cache.data_ptr() == v_cache.data_ptr()):  # (pointers: not traceable)
         raise ValueError("v_cache must not share k_cache's memory (both are written in place)")
     if torch.is_grad_enabled():
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
