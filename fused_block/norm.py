@@ -279,6 +279,7 @@ _KEYS = {}  # the call's signature (shape, dtype, device, flags) -> its bucket: 
 _compiling = torch.compiler.is_compiling
 _autocasting = torch.is_autocast_enabled
 _deterministic = torch._C._get_deterministic_algorithms
+_tracing = torch._C._get_tracing_state
 
 
 def force(candidate):
@@ -326,8 +327,10 @@ def _choose(x, residual, weight, bias, eps, is_rms, out_is_residual, grad):
     against 2,469 at 16384 x 4096)."""
     if _FORCED is not None:
         return _FORCED
-    if _compiling() or _deterministic():
-        return TRITON  # a compiled graph keeps our ops (no verdict read: no guard on the table)
+    if _compiling() or _deterministic() or _tracing() is not None:
+        # A compiled graph or a torch.jit.trace keeps our ops (no verdict read: no guard on the
+        # table; a trace's sizes are traced values, not the ints of a bucket key).
+        return TRITON
     sig = (x.shape, x.dtype, x.device, is_rms, residual is None, weight is None, bias is None, grad, out_is_residual)
     key = _KEYS.get(sig)
     if key is None:
