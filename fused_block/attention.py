@@ -474,6 +474,20 @@ def _check(q, k, v, causal, scale, key_padding_mask, dropout_p):
     _check_options(causal, scale, key_padding_mask, dropout_p, B, k.shape[2], "q", q)
 
 
+def _autocast(*tensors):
+    """Under ``torch.autocast``, q, k and v (or qkv) in its dtype, as SDPA (one of autocast's
+    lower-precision ops) takes them; float64 as given, as autocast leaves it. The score
+    modifications keep their dtypes (sinks and slopes fp32; a bias fp32 or q's dtype)."""
+    if not torch._C._is_any_autocast_enabled() or not isinstance(tensors[0], Tensor):
+        return tensors  # (a non-tensor q: the checks' TypeError)
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
+
+
 def _check_return_lse(return_lse):
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -593,6 +607,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     ``FUSED_BLOCK_ATTENTION=triton|sdpa_cudnn|sdpa_flash`` forces one; our kernels under
     ``torch.use_deterministic_algorithms(True)`` and ``FUSED_BLOCK_TUNE=0``).
     """
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, causal, scale, key_padding_mask, dropout_p)
     _check_return_lse(return_lse)
     _backend.no_dtensor("attention", q, k, v)
@@ -658,6 +673,7 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     q, k and v views of qkv instead: the same kernels, plus the output's head merge (a copy)
     and the gradient's assembly into qkv's shape by autograd.
     """
+    (qkv,) = _autocast(qkv)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_heads(num_heads, num_kv_heads)
     if not isinstance(batch_first, bool):
@@ -837,6 +853,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lengths, not B x max^2. Returns ``out`` (Tq, Hq, D) contiguous, or ``(out, lse)`` with the
     differentiable fp32 LSE (Hq, Tq).
     """
+    q, k, v = _autocast(q, k, v)
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p)
     _check_return_lse(return_lse)
     window = _check_window(window)
@@ -874,6 +891,7 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
     :func:`attention_varlen` on q, k and v views of qkv instead (the head merge a copy, the
     gradient assembled by autograd).
     """
+    (qkv,) = _autocast(qkv)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_heads(num_heads, num_kv_heads)
     _validate.tensor("qkv", qkv, ndim=2)

@@ -651,6 +651,42 @@ def test_backward_is_deterministic(device, path, launches):
 # torch.library and torch.compile
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("form", ["dense", "qkvpacked", "varlen"])
+def test_autocast(device, launches, form):
+    """Like SDPA: under autocast fp32 q, k, v are cast to its dtype (the output in it, gradients
+    back in fp32), so head dims past fp32's limit run too."""
+    lowp, B, H, L, D = torch.bfloat16, 2, 2, 8, 160  # D > 128: fp32 kernels would refuse it
+    qkv = randn(B, L, 3 * H * D, dtype=torch.float32, device=device, requires_grad=True)
+
+    def views(t):  # q, k, v (B, H, L, D) of the packed tensor
+        return [u.transpose(1, 2) for u in t.view(B, L, 3 * H, D).split(H, 2)]
+
+    def run(t):
+        if form == "dense":
+            return attention(*views(t), causal=True)
+        if form == "qkvpacked":
+            return attention_qkvpacked(t, H, causal=True).view(B, L, H, D).transpose(1, 2)
+        cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=device)
+        q, k, v = (u.transpose(1, 2).reshape(B * L, H, D) for u in views(t))
+        return fused_block.attention_varlen(q, k, v, cu, cu, L, L, causal=True).view(B, L, H, D).transpose(1, 2)
+
+    with torch.autocast(device.type, dtype=lowp):
+        out = run(qkv)
+    assert out.dtype == lowp
+    g = randn(*out.shape, dtype=lowp, device=device)
+    (grad,) = torch.autograd.grad(out, qkv, g)
+    assert grad.dtype == torch.float32
+    q64 = qkv.detach().double().requires_grad_()
+    ref = reference.attention(*views(q64), causal=True)
+    (ref_grad,) = torch.autograd.grad(ref, q64, g.double())
+    qb = qkv.detach().to(lowp).requires_grad_()
+    base = reference.attention(*views(qb), causal=True, compute_dtype=lowp)
+    (base_grad,) = torch.autograd.grad(base, qb, g)
+    assert_close("autocast out", out, ref, base)
+    assert_close("autocast grad", grad, ref_grad, base_grad.float(), atol=ATOL[lowp])
+    assert launches["attention_fwd"] == 1 and launches["attention_bwd"] == 1
+
+
 def test_opcheck(device):
     """Every op: schema and fake tensors (the fakes' strides must match the kernels' outputs);
     the full check (autograd registration, AOT dispatch) on one call of each forward op."""
