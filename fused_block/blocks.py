@@ -55,6 +55,7 @@ from torch.nn.utils import parametrize
 
 from fused_block import _backend, _guard, lora, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
+from fused_block.kernels import matmul as _kmatmul
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
 from fused_block.attention import attention_varlen_qkvpacked as _attention_varlen_qkvpacked
@@ -602,6 +603,18 @@ def _check_like(name, t, w):
                         f"{str(w.dtype).replace('torch.', '')}: cast one to the other, or run under torch.autocast")
 
 
+def _hidden_dropout(hid, p):
+    """Dropout of an FFN's hidden activation between its GEMMs (where a custom activation
+    callable runs). Where the kernels run: the keep-mask the GEMM epilogues draw, from a seed of
+    ``_backend.dropout_seed`` (``torch.manual_seed`` fixes it; a tensor-parallel rank's is
+    shifted by its rank, so each rank's FFN columns get a mask of their own); elsewhere torch's."""
+    if not _backend.use_triton(hid) or hid.numel() == 0:
+        return F.dropout(hid, p, training=True)
+    n = hid.shape[-1]
+    keep = _kmatmul.dropout_mask(_backend.dropout_seed(p, hid.device), hid.numel() // n, n, p, hid.device)
+    return hid * keep.view(hid.shape) * (1.0 / (1.0 - p))
+
+
 def _check_flag(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -694,8 +707,11 @@ class _LayerMixin:
         run = self.__dict__.get(_TP_RUN)
         if run is None:
             return self._ffn_local(x, residual, output_dropout)
-        p_in = self.dropout.p if self.training and self._activation() is not None else 0.0
-        p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
+        # The seeds the FFN's dropouts draw (_backend.dropout_seed), in order; where the kernels
+        # do not run (CPU tensors without the interpreter) the references draw none.
+        seeded = self.training and _backend.use_triton(x)
+        p_in = self.dropout.p if seeded else 0.0
+        p_out = self._ffn_dropout().p if seeded and output_dropout else 0.0
         with run.seeds([run.rank] * (p_in > 0) + [0] * (p_out > 0)):
             y = run.leave(self._ffn_local(run.enter(x), None, output_dropout))
         return y if residual is None else y + residual
@@ -714,7 +730,7 @@ class _LayerMixin:
                            p_out)
         # A custom activation callable runs between the GEMMs, so its dropout does too.
         hid = self.activation(ops.linear(x, l1.weight, l1.bias))
-        hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
+        hid = _hidden_dropout(hid, p_in) if p_in > 0 else hid
         return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
 
     def _ffn_lora(self, x, residual, p_in, p_out, name, ops):
@@ -734,7 +750,7 @@ class _LayerMixin:
             hid = ops.linear(x, w1, b1, name, None, p_in, lora=t1)
         else:
             hid = self.activation(ops.linear(x, w1, b1, lora=t1))
-            hid = F.dropout(hid, p_in, training=True) if p_in > 0 else hid
+            hid = _hidden_dropout(hid, p_in) if p_in > 0 else hid
         return ops.linear(hid, base2.weight, base2.bias, None, residual, p_out, lora=lora.terms(l2, hid))
 
     def _activation(self):

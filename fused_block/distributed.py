@@ -345,6 +345,11 @@ class _Plan:
         return (expected is not None and isinstance(t, DTensor) and t.device_mesh == self.mesh
                 and tuple(t.placements) == expected)
 
+    def whole_length(self, n):
+        """The whole sequence's length where the layer's input (its internal layout) holds ``n``
+        of its tokens: this rank's part under sequence parallelism."""
+        return n * self.size if isinstance(self.internal, Shard) else n
+
     # -- the layer's input and output ---------------------------------------------------------
     def _convert(self, t, src, dst):
         """A plain local tensor from layout ``src`` to ``dst`` (a DTensor from its own)."""
@@ -358,7 +363,9 @@ class _Plan:
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name}: tensor parallelism needs batched (3-D) inputs, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if split and isinstance(src, Replicate) and not isinstance(t, DTensor):
+        if isinstance(t, DTensor) and t.device_mesh != self.mesh:
+            raise ValueError(f"{name}: a DTensor on {t.device_mesh}, but the layer is tensor parallel on {self.mesh}")
+        if split and (isinstance(t, DTensor) or isinstance(src, Replicate)):  # (a DTensor's shape is the global one)
             _divides(f"{name}: the sequence length (dim {self.seq_dim}, split by sequence parallelism)",
                      t.shape[self.seq_dim], self.size)
         return self._convert(t, src, dst)

@@ -77,7 +77,10 @@ def _tokens(step, rows, vocab=64):
 
 def _loss(model, tokens):
     if hasattr(model, "model"):  # Hugging Face: labels are shifted inside
-        return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1], use_cache=False).loss
+        ids = tokens[:, :-1]
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0  # the first row left-padded: the layers read a padding mask (the whole sequence's)
+        return model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
     return model(tokens[:, :-1], targets=tokens[:, 1:])[1]
 
 
@@ -384,6 +387,20 @@ def _per_head_mask(mesh, world):
     layer(x, src_mask=torch.zeros(ROWS * world, T, T))
 
 
+def _odd_sequence_dtensor(mesh, world):  # the DTensor's (global) length is checked too
+    from torch.distributed.tensor import DTensor, Replicate
+    layer = _parallelize(_layer("llama", world), mesh, _style(True))
+    layer(DTensor.from_local(_layer_inputs("llama", world, length=T + 1)[0], mesh, (Replicate(),)))
+
+
+def _other_mesh(mesh, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    other = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))["b"]
+    layer = _parallelize(_layer("post_ln", world), mesh, _style(False))
+    layer(DTensor.from_local(_layer_inputs("post_ln", world)[0], other, (Replicate(),)))
+
+
 def _parallelize(module, mesh, plan):
     from torch.distributed.tensor.parallel import parallelize_module
     return parallelize_module(module, mesh, plan)
@@ -394,7 +411,10 @@ ERRORS = {"_odd_heads": "nhead ({h}) is not divisible by the tensor-parallel deg
           "_gqa": "num_kv_heads (2) != nhead (4)",
           "_per_head_mask": "src_mask: per-head (3-D) masks are not supported under tensor parallelism",
           "_odd_sequence": "the sequence length (dim 1, split by sequence parallelism) ({t}) is not divisible by "
-                           "the tensor-parallel degree ({w})"}
+                           "the tensor-parallel degree ({w})",
+          "_odd_sequence_dtensor": "the sequence length (dim 1, split by sequence parallelism) ({t}) is not "
+                                   "divisible by the tensor-parallel degree ({w})",
+          "_other_mesh": "src: a DTensor on"}
 
 
 def _tp_run(rank, world, layer_cases, model_cases, dropout_cases, errors, norms):
@@ -572,6 +592,29 @@ def test_seed_shift_offsets_the_seeds_in_draw_order():
         assert _backend.dropout_seed(0.0, "cpu").numel() == 0
         shifted = [_backend.dropout_seed(0.5, "cpu") for _ in range(3)]
     assert [s.item() for s in shifted] == [plain[0].item() + 5, plain[1].item(), plain[2].item()]
+
+
+def test_custom_activation_hidden_dropout_takes_the_rank_shift(device):
+    """A custom activation callable runs between the FFN's GEMMs, and so does its dropout: it
+    draws its seed as the kernels' dropouts do (``_backend.dropout_seed``), so under tensor
+    parallelism a rank's shift gives its FFN columns a mask of its own (torch's generator gave
+    every rank the same one); the same seed and shift give the same mask."""
+    from fused_block import _backend
+    torch.manual_seed(0)
+    layer = fused_block.TransformerEncoderLayer(32, 2, 64, dropout=0.5, activation=torch.tanh, batch_first=True,
+                                                norm_first=True, device=device).train()
+    layer.dropout1.p = layer.dropout2.p = 0.0  # the hidden dropout alone draws
+    layer.self_attn.dropout = 0.0
+    x = torch.randn(2, 8, 32, device=device)
+
+    def run(offset):
+        torch.manual_seed(7)
+        with _backend.seed_shift([offset]):
+            return layer(x)
+
+    first, shifted, again = run(0), run(1), run(0)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, shifted)
 
 
 # ---------------------------------------------------------------------------------------------

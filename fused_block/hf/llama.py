@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fused_block import lora
-from fused_block.blocks import _TP_RUN, _like
+from fused_block.blocks import _TP, _TP_RUN, _like
 from fused_block.hf._attention import (implementation_reason, mask_convention, mask_reason,
                                        self_attention)
 from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, packed_linear, warn_once
@@ -75,10 +75,14 @@ def sliding_window(attn):
 def check_call(layer, call):
     attn = layer.self_attn
     hidden = call["hidden_states"]
-    if call.get("position_embeddings") is None and rotary_positions(layer, call, *hidden.shape[:2]) is None:
+    B, L = hidden.shape[:2]
+    plan = layer.__dict__.get(_TP)
+    if plan is not None:  # sequence parallel: hidden holds this rank's part of the sequence
+        L = plan.whole_length(L)
+    if call.get("position_embeddings") is None and rotary_positions(layer, call, B, L) is None:
         return "no position_embeddings (and no model-level rotary module with position_ids)"
-    return (implementation_reason(attn.config)
-            or mask_reason(call.get("attention_mask"), hidden.shape[1], True, mask_convention(attn.config)))
+    return implementation_reason(attn.config) or mask_reason(call.get("attention_mask"), L, True,
+                                                             mask_convention(attn.config))
 
 
 def rotary_positions(layer, call, B, L):
