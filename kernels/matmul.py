@@ -1332,7 +1332,9 @@ def reduce_partials(part1, dtype, part2=None):
 
 def dropout_mask(seed, M, N, dropout_p, device):
     """The bool keep-mask (M, N) that the GEMM epilogues and :func:`act_grad` use for ``seed``
-    and ``dropout_p`` (for tests: the references take it as ``dropout_mask=``)."""
+    and ``dropout_p``: for tests (the references take it as ``dropout_mask=``), and for a
+    layer's dropout between its FFN's GEMMs around a custom activation callable
+    (``blocks._hidden_dropout``, which then draws its seed as the fused dropouts do)."""
     if not _has_dropout(seed, dropout_p):
         return torch.ones((M, N), dtype=torch.bool, device=device)
     out = common.empty((M, N), torch.int8, device)
