@@ -212,6 +212,11 @@ def tp_plan(model, *, sequence_parallel=False):
         if name and supported(m):
             stacks.setdefault(name.rpartition(".")[0], []).append(name)
     if not stacks:
+        other = sorted({type(m).__name__ for m in model.modules()
+                        if hasattr(m.__dict__.get("_fused_block"), "family")})  # converted layers
+        if other:
+            raise ValueError(f"{type(model).__name__}: its converted layers ({', '.join(other)}) have no tensor-parallel "
+                             f"plan; converted layers that do: {', '.join(_LLAMA_LAYERS)}")
         raise ValueError(f"{type(model).__name__} has no fused_block Transformer layer or converted LLaMA-family "
                          "layer (run fused_block.convert first)")
     plan = {}

@@ -594,6 +594,17 @@ def test_seed_shift_offsets_the_seeds_in_draw_order():
     assert [s.item() for s in shifted] == [plain[0].item() + 5, plain[1].item(), plain[2].item()]
 
 
+def test_tp_plan_names_converted_layers_it_has_no_plan_for():
+    pytest.importorskip("transformers")
+    import hf_testing
+    from fused_block.distributed import tp_plan
+    model = fused_block.convert(hf_testing.model("qwen3", "cpu"))
+    with pytest.raises(ValueError, match=r"converted layers \(Qwen3DecoderLayer\) have no tensor-parallel plan"):
+        tp_plan(model)
+    with pytest.raises(ValueError, match="run fused_block.convert first"):
+        tp_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
 def test_custom_activation_hidden_dropout_takes_the_rank_shift(device):
     """A custom activation callable runs between the FFN's GEMMs, and so does its dropout: it
     draws its seed as the kernels' dropouts do (``_backend.dropout_seed``), so under tensor
