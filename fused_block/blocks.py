@@ -55,10 +55,10 @@ from torch.nn.utils import parametrize
 
 from fused_block import _backend, _guard, lora, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
-from fused_block.kernels import matmul as _kmatmul
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
 from fused_block.attention import attention_varlen_qkvpacked as _attention_varlen_qkvpacked
+from fused_block.kernels import matmul as _kmatmul
 from fused_block.linear import gated_linear as _gated_linear
 from fused_block.linear import linear as _linear
 from fused_block.linear import mlp as _mlp
