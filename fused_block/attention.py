@@ -317,10 +317,6 @@ def attention_varlen_packed_bwd(dout: Tensor, qkv: Tensor, out: Tensor, lse: Ten
     return dqkv
 
 
-def _unit_last_stride(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, seed, causal, scale, dropout_p, window_left, window_right, softcap,
@@ -335,7 +331,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, key_padding_mask, seed, sinks, alibi_slopes, bias, mask = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else _unit_last_stride(dout)
+        dout = torch.zeros_like(out) if dout is None else common.unit(dout)
         bias_grad = bias is not None and ctx.needs_input_grad[13]
         dq, dk, dv, dsinks, dbias = attention_bwd(dout, q, k, v, out, lse, dlse, key_padding_mask, seed,
                                                   *ctx.options, sinks, alibi_slopes, bias, mask, bias_grad)
@@ -362,7 +358,7 @@ class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         qkv, out, lse, key_padding_mask, seed = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else _unit_last_stride(dout)
+        dout = torch.zeros_like(out) if dout is None else common.unit(dout)
         dqkv = attention_packed_bwd(dout, qkv, out, lse, dlse, *ctx.args, key_padding_mask, seed, *ctx.options)
         return dqkv, None, None, None, None, None, None, None, None, None, None
 
@@ -388,7 +384,7 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k, seed, sinks, alibi_slopes = ctx.saved_tensors
         max_q, max_k, *options = ctx.options
-        dout = torch.zeros_like(out) if dout is None else _unit_last_stride(dout)
+        dout = torch.zeros_like(out) if dout is None else common.unit(dout)
         dq, dk, dv, dsinks = attention_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, seed,
                                                   *options, sinks, alibi_slopes)
         return (dq, dk, dv) + (None,) * 11 + (dsinks if sinks is not None else None, None)
@@ -515,12 +511,11 @@ def _broadcastable(name, t, shape):
 
 def _check_scores(q, B, Hq, Lq, Lk, sinks, alibi_slopes, bias=None, mask=None, dense=True):
     """Shapes, dtypes and devices of the score modifications (``dense``: bias and mask allowed).
-    Returns sinks and slopes with unit strides (the kernels index them by head)."""
+    Returns sinks and slopes as given (the launchers read them at unit stride: common.unit)."""
     if sinks is not None:
         _validate.tensor("sinks", sinks, dtypes=(torch.float32, q.dtype), ndim=1)
         _validate.shape("sinks", sinks, (Hq,))
         _validate.same_device("q", q, sinks=sinks)
-        sinks = _unit_last_stride(sinks)
     if alibi_slopes is not None:
         _validate.tensor("alibi_slopes", alibi_slopes, dtypes=(torch.float32,))
         if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
@@ -529,7 +524,6 @@ def _check_scores(q, B, Hq, Lq, Lk, sinks, alibi_slopes, bias=None, mask=None, d
         _validate.same_device("q", q, alibi_slopes=alibi_slopes)
         if alibi_slopes.requires_grad and torch.is_grad_enabled():
             raise ValueError("alibi_slopes: no gradient flows to the slopes; pass alibi_slopes.detach()")
-        alibi_slopes = _unit_last_stride(alibi_slopes)
     for name, t, dtypes in (("bias", bias, (torch.float32, q.dtype)), ("mask", mask, (torch.bool,))):
         if t is None:
             continue
@@ -622,7 +616,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
                                    softcap=cap or None, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                                    return_lse=return_lse)
     _check_fp32_width("q", q, q.shape[-1])
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = common.unit(q), common.unit(k), common.unit(v)
     grad = _backend.needs_autograd(q, k, v, sinks, bias)
     if (q.is_cuda or _attn_sdpa.forced_sdpa()) and _attn_sdpa.expresses(
             q, k, v, causal, key_padding_mask, dropout_p, window, cap, sinks, alibi_slopes, bias, mask, return_lse):
@@ -709,7 +703,7 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
                             batch_first, return_lse)
     if choice != _attn_sdpa.TRITON:
         return _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first)
-    args = (_unit_last_stride(qkv), num_heads, num_kv_heads, batch_first, key_padding_mask,
+    args = (common.unit(qkv), num_heads, num_kv_heads, batch_first, key_padding_mask,
             _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):
         out, lse = _PackedAttention_apply(*args)
@@ -743,7 +737,7 @@ def _packed_choice(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask
                                                                    None, causal, scale, 0.0, -1, -1)[0]}
         for c in (_attn_sdpa.CUDNN, _attn_sdpa.FLASH):
             fns[c] = lambda t, c=c: _packed_sdpa(c, t, num_heads, num_kv_heads, causal, scale, batch_first)
-        return _timing.leaves_of(_unit_last_stride(qkv), grad=grad), fns
+        return _timing.leaves_of(common.unit(qkv), grad=grad), fns
 
     return _attn_sdpa.choose(q, k, causal, grad, timed)
 
@@ -867,7 +861,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                           window=window, softcap=cap or None, sinks=sinks,
                                           alibi_slopes=alibi_slopes, return_lse=return_lse)
     _check_fp32_width("q", q, q.shape[-1])
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = common.unit(q), common.unit(k), common.unit(v)
     args = (int(max_seqlen_q), int(max_seqlen_k), _seed(dropout_p, q.device), causal, scale, dropout_p, *window,
             cap, sinks, alibi_slopes)
     if _backend.needs_autograd(q, k, v, sinks):
@@ -921,7 +915,7 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
         out = out.flatten(1)
         return (out, lse) if return_lse else out
     _check_fp32_width("qkv", qkv, D)
-    args = (_unit_last_stride(qkv), cu_seqlens, int(max_seqlen), num_heads, num_kv_heads,
+    args = (common.unit(qkv), cu_seqlens, int(max_seqlen), num_heads, num_kv_heads,
             _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):
         out, lse = _VarlenPackedAttention_apply(*args)
@@ -971,7 +965,7 @@ def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
     _validate.shape("cache_seqlens", cache_seqlens, (B,))
     _validate.same_device("k_cache", k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        if 0 in t.stride() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             raise ValueError(f"{name} is written in place and must not be an expanded view (stride 0 along a dim "
                              f"of size > 1: several of its elements share memory), got strides {t.stride()}")
     if k_cache is v_cache or (not torch.compiler.is_compiling() and k_cache.numel()

@@ -83,16 +83,12 @@ def _add_norm_bwd(dout: Tensor | None, dout2: Tensor | None, dresidual_out: Tens
                                x_dtype, dres_dtype, dw_dtype, db_dtype, unit_offset)
 
 
-def _unit_last_stride(t):
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
 def _rows(t):
     """``t`` as the ops take it: itself when contiguous (no view), else a (rows, hidden) view
     (a copy only when the leading dims cannot be flattened) with a unit last stride."""
     if t is None or t.is_contiguous():
         return t
-    return _unit_last_stride(t.reshape(-1, t.shape[-1]))
+    return common.unit(t.reshape(-1, t.shape[-1]))
 
 
 def _forward(x, residual, args):
@@ -251,7 +247,7 @@ def _kernels(x, residual, weight, bias, eps, dropout_p, residual_dtype, out_is_r
     # Without a residual, dropout or dtype change, residual_out is x itself: nothing to store.
     store_residual = residual is not None or dropout_p > 0 or residual_dtype != x.dtype
     seed = _backend.dropout_seed(dropout_p, x.device) if dropout_p > 0 else None
-    args = (_unit_last_stride(weight), _unit_last_stride(bias), seed, float(eps), float(dropout_p), is_rms,
+    args = (common.unit(weight), common.unit(bias), seed, float(eps), float(dropout_p), is_rms,
             residual_dtype, store_residual, unit_offset and weight is not None)
     if grad:
         if out_is_residual:

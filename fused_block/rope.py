@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fused_block import _backend, _library, _validate, reference
+from fused_block.kernels import common
 from fused_block.kernels import rope as _k
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -38,10 +39,6 @@ def _rope_op(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Option
         return _k.rope(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj)
 
 
-def _unit_last(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved):
@@ -56,8 +53,8 @@ class _RoPE(torch.autograd.Function):
         positions, inv_freq, cos, sin = ctx.saved_tensors
         # An unused output has no gradient: give the kernel zero heads of it instead of zeros.
         B, L, _, D = ctx.q_shape
-        gq = _unit_last(dq) if dq is not None else dk.new_empty((B, L, 0, D))
-        gk = _unit_last(dk) if dk is not None else dq.new_empty((B, L, 0, D))
+        gq = common.unit(dq) if dq is not None else dk.new_empty((B, L, 0, D))
+        gk = common.unit(dk) if dk is not None else dq.new_empty((B, L, 0, D))
         rq, rk = _rope_op(gq, gk, positions, inv_freq, cos, sin, ctx.scale, ctx.rot_dim, ctx.interleaved, True)
         return (rq if dq is not None else None, rk if dk is not None else None,
                 None, None, None, None, None, None, None)
@@ -148,8 +145,8 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
     if not _backend.use_triton(q):
         return reference.rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved)
     if cos is not None:
-        cos, sin = _unit_last(cos), _unit_last(sin)
-    q, k = _unit_last(q), _unit_last(k)
+        cos, sin = common.unit(cos), common.unit(sin)
+    q, k = common.unit(q), common.unit(k)
     if not _backend.needs_autograd(q, k):
         return _rope_op(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved, False)
     return _RoPE_apply(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved)
@@ -188,7 +185,7 @@ class _RoPEPacked(torch.autograd.Function):
         if grad is None:
             return (None,) * 11
         positions, inv_freq, cos, sin = ctx.saved_tensors
-        dqkv = _rope_packed_op(_unit_last(grad), positions, inv_freq, cos, sin, *ctx.args, True)
+        dqkv = _rope_packed_op(common.unit(grad), positions, inv_freq, cos, sin, *ctx.args, True)
         return (dqkv,) + (None,) * 10
 
 
@@ -246,7 +243,7 @@ class _RoPEPackedQKNorm(torch.autograd.Function):
         if grad is None:
             return (None,) * 16
         qkv, q_weight, k_weight, positions, inv_freq, cos, sin = ctx.saved_tensors
-        dqkv, dwq, dwk = _rope_qknorm_bwd_op(_unit_last(grad), qkv, q_weight, k_weight, positions, inv_freq, cos, sin,
+        dqkv, dwq, dwk = _rope_qknorm_bwd_op(common.unit(grad), qkv, q_weight, k_weight, positions, inv_freq, cos, sin,
                                              *ctx.args)
         return (dqkv if ctx.needs_input_grad[0] else None, dwq.to(q_weight.dtype) if ctx.needs_input_grad[1] else None,
                 dwk.to(k_weight.dtype) if ctx.needs_input_grad[2] else None) + (None,) * 13
@@ -330,15 +327,15 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
                                         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
                                         norm_unit_offset=norm_unit_offset)
     if cos is not None:
-        cos, sin = _unit_last(cos), _unit_last(sin)
+        cos, sin = common.unit(cos), common.unit(sin)
     if norm:
         args = (q_norm_weight, k_norm_weight, positions, inv_freq, cos, sin, num_heads, num_heads + num_kv_heads,
                 heads, batch_first, float(scale), rot_dim, interleaved, float(norm_eps), norm_unit_offset)
         if _backend.needs_autograd(qkv, q_norm_weight, k_norm_weight):
-            return _RoPEPackedQKNorm_apply(_unit_last(qkv), *args)
-        return _rope_qknorm_op(_unit_last(qkv), *args)
+            return _RoPEPackedQKNorm_apply(common.unit(qkv), *args)
+        return _rope_qknorm_op(common.unit(qkv), *args)
     args = (positions, inv_freq, cos, sin, num_heads + num_kv_heads, heads, batch_first, float(scale), rot_dim,
             interleaved)
     if _backend.needs_autograd(qkv):
-        return _RoPEPacked_apply(_unit_last(qkv), *args)
-    return _rope_packed_op(_unit_last(qkv), *args, False)
+        return _RoPEPacked_apply(common.unit(qkv), *args)
+    return _rope_packed_op(common.unit(qkv), *args, False)

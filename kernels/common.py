@@ -229,7 +229,8 @@ def rows(t, operand: str):
 def unit(t):
     """``t`` where its last dim is read at unit stride (stride 1, or one element), else a
     contiguous copy: the launchers' vectors and tables (biases, norm weights, frequencies, sinks,
-    slopes, sequence offsets), which their kernels index as ``ptr + i``. A strided view
+    slopes, sequence offsets), which their kernels index as ``ptr + i``, and the ops' operands
+    whose kernels take a unit last stride (q/k/v, rows, gradients). A strided view
     (``base[::2]``) or an expanded one (stride 0) passed in place would be read as another
     tensor. None stays None."""
     if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
