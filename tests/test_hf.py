@@ -186,6 +186,54 @@ def test_batched_generation_with_left_padding(implementation, device, launches):
     assert launches["attention_fwd"] == 3
 
 
+# Query rows that see no key: the left-padded positions of a causal model and every position of
+# an all-zero attention_mask row. Eager's additive masks (and BLOOM's, always eager) give them
+# the mean of V (score + finfo.min rounds to finfo.min for every key: equal logits); with
+# sinks (gpt-oss) the sink takes the whole weight and they give 0.
+@pytest.mark.parametrize("arch,implementation", [("llama", "eager"), ("gemma2", "eager"), ("bert", "eager"),
+                                                 ("bloom", None), ("gpt_oss", None)])
+def test_rows_that_see_no_key_match_the_original(arch, implementation, device, launches):
+    """Every logit, padded positions included, and a loss that counts the padded positions'
+    labels are the original's (fp32, the original's own answer: in float64 its fp32 softmax of
+    a float64 ``finfo.min`` gives NaN there), with the kernels run (no fallback)."""
+    model = _model(arch, device, attn_implementation=implementation, layers=1).eval()
+    fused = _converted(model)
+    ids, _ = _inputs("llama", device)
+    left = torch.ones_like(ids)
+    left[1, :3] = 0  # left padding
+    empty = torch.ones_like(ids)
+    empty[1] = 0  # a row of no token at all
+    for mask in (left, empty):
+        with torch.no_grad(), _no_fallback():
+            got, want = fused(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+    if arch != "bert":
+        with _no_fallback():
+            got, want = (m(ids, attention_mask=left, labels=ids).loss for m in (fused, model))
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+    assert launches["attention_fwd"] == 3 - (arch == "bert")
+
+
+def test_dead_rows_are_read_with_the_mask(device):
+    """Eager's additive 4-D mask of a left-padded causal batch is read once (one
+    synchronization) into causal + key padding for the kernel and the rows of no visible key;
+    a bool mask's (sdpa's) rows of no visible key are kept apart, and a mask that has none
+    gives no rows (nothing added to the kernel's output)."""
+    B_, L_ = 2, 6
+    pad = torch.ones(B_, L_, dtype=torch.bool, device=device)
+    pad[1, :2] = False
+    keep = torch.ones(L_, L_, dtype=torch.bool, device=device).tril()[None, None] & pad[:, None, None, :]
+    additive = torch.zeros(B_, 1, L_, L_, device=device).masked_fill(~keep, torch.finfo(torch.float32).min)
+    p = hf._attention.plan(additive, B_, L_, L_, True, "sdpa")
+    assert p.kernel and p.causal and p.key_padding is not None and p.empty is None
+    assert p.dead.tolist() == [[[False] * L_], [[True, True] + [False] * (L_ - 2)]]
+    assert p.rows_of_mean(False) is p.dead
+    q = hf._attention.plan(keep, B_, L_, L_, True, "sdpa")
+    assert q.dead is None and q.rows_of_mean(False) is None and q.rows_of_mean(True).equal(p.dead)
+    unpadded = torch.zeros(1, 1, L_, L_, device=device).masked_fill(~keep[:1], torch.finfo(torch.float32).min)
+    assert hf._attention.plan(unpadded, 1, L_, L_, True, "sdpa").dead is None
+
+
 # The families with their own layer code (LLaMA's stands for Mistral and Qwen2); one layer
 # where a layer is the slow part in the interpreter.
 @pytest.mark.parametrize("arch,layers", [("llama", 2), ("qwen3", 2), ("phi3", 2), ("gpt2", 2), ("gemma3", 1),
@@ -514,19 +562,23 @@ def test_cast_model_rotary_frequencies_are_converted_once(device, launches):
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
     unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,
-    unread; outside capture the same masks are read (no padding -> no padding mask; causal 4-D
-    -> the kernels' causal flag)."""
+    unread, its rows of no visible key a device tensor; outside capture the same masks are
+    read (no padding -> no padding mask; causal 4-D -> the kernels' causal flag)."""
     B, L = 2, 5
     pad = torch.ones(B, L, dtype=torch.long)
     causal4d = torch.full((B, 1, L, L), torch.finfo(torch.float32).min).triu(1)
-    monkeypatch.setattr(torch.Tensor, "any", lambda *a, **k: pytest.fail("a mask value was read"))
-    monkeypatch.setattr(torch.Tensor, "all", lambda *a, **k: pytest.fail("a mask value was read"))
-    monkeypatch.setattr(torch, "equal", lambda *a, **k: pytest.fail("a mask value was read"))
+
+    def read(*a, **k):
+        pytest.fail("a mask value was read")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):  # what synchronizes
+        monkeypatch.setattr(torch.Tensor, name, read)
+    monkeypatch.setattr(torch, "equal", read)
     monkeypatch.setattr(hf._attention, "_capturing", lambda t: True)
     plan = hf._attention.plan(pad, B, L, L, True, "sdpa")
     assert plan.kernel and plan.causal and plan.key_padding is not None
     plan = hf._attention.plan(causal4d, B, L, L, True, "sdpa")
     assert plan.kernel and plan.bias is causal4d and plan.mask is None and not plan.causal
+    assert isinstance(plan.dead, torch.Tensor)
     monkeypatch.undo()
     assert hf._attention.plan(pad, B, L, L, True, "sdpa").key_padding is None
     read = hf._attention.plan(causal4d, B, L, L, True, "sdpa")

@@ -81,6 +81,22 @@ def test_training_step_matches_the_original(name, implementation, device, launch
     assert fused_counts["add_norm_fwd"] == fused_counts["add_norm_bwd"] == NORMS
 
 
+# An all-zero encoder attention_mask row: the encoder's queries of that row and the decoder's
+# cross-attention queries see no key. Eager's additive masks give them the mean of V, and so
+# does T5's sdpa path, which merges the bool mask into its position bias as a float mask.
+@pytest.mark.parametrize("name, implementation", [("bart", "eager"), ("t5", "sdpa"), ("t5", "eager")])
+def test_a_source_row_of_no_token_matches_the_original(name, implementation, device, launches):
+    model = seq2seq_model(name, device, implementation).eval()
+    fused = _converted(model)
+    enc, targets = seq2seq_inputs(name, device)
+    enc["attention_mask"] = enc["attention_mask"].clone()
+    enc["attention_mask"][1] = 0
+    with torch.no_grad(), no_fallback():
+        got, want = (m(**enc, labels=targets).logits for m in (fused, model))
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+    assert launches["attention_fwd"] == ATTENTIONS
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_logits(name, device, launches):
     model = seq2seq_model(name, device, "sdpa").eval()

@@ -11,7 +11,8 @@ window; the kernel gets ``causal``, a (B, Lk) padding mask and the window. Anyth
 (packed sequences, other custom patterns, a 4-D mask under ``torch.compile`` where its values
 cannot be read) the kernel reads tile by tile (its ``mask`` / ``bias``); a mask of a shape it
 does not broadcast runs ``scaled_dot_product_attention`` with that very mask after a one-time
-warning.
+warning. Query rows that an additive mask hides every key from (eager's left padding) get the
+original's output there, the mean of V (:func:`dead_rows`), not the kernel's 0.
 """
 import weakref
 
@@ -26,20 +27,37 @@ from fused_block.blocks import _capturing
 from fused_block.hf._core import warn_once
 
 
+_UNREAD = "unread"  # a general bool mask's rows of no visible key: found where a position bias needs them
+
+
 class Plan:
     """How attention runs: the kernel (``causal``, ``key_padding`` (B, Lk) or None, the first
     ``n_keys`` keys, a ``window`` (left, right), or a general 4-D ``mask`` (bool) / ``bias``
     (additive float) read tile by tile) or SDPA with the model's own ``sdpa_mask`` /
-    ``sdpa_causal`` and a reason."""
+    ``sdpa_causal`` and a reason; ``dead``: the query rows an additive mask hides every key
+    from, whose output the original's softmax makes the mean of V (:func:`dead_rows`);
+    ``empty``: a bool mask's rows with no visible key (:func:`dead_rows`)."""
 
     __slots__ = ("kernel", "causal", "key_padding", "n_keys", "window", "mask", "bias", "sdpa_mask", "sdpa_causal",
-                 "reason")
+                 "reason", "dead", "empty")
 
     def __init__(self, kernel, causal=False, key_padding=None, n_keys=None, window=(-1, -1), mask=None, bias=None,
-                 sdpa_mask=None, sdpa_causal=False, reason=None):
+                 sdpa_mask=None, sdpa_causal=False, reason=None, dead=None, empty=None):
         self.kernel, self.causal, self.key_padding, self.n_keys = kernel, causal, key_padding, n_keys
         self.window, self.mask, self.bias = window, mask, bias
         self.sdpa_mask, self.sdpa_causal, self.reason = sdpa_mask, sdpa_causal, reason
+        # (B or 1, 1 or H, Lq) bool or None: an additive mask's dead rows (:func:`dead_rows`), a bool
+        # mask's rows with no visible key, which only a position bias merged into it as SDPA's
+        # float mask makes dead (transformers' sdpa path for T5).
+        self.dead, self.empty = dead, empty
+
+    def rows_of_mean(self, biased):
+        """The query rows whose output is the mean of V in the original, or None: an additive
+        mask's dead rows, and with a position bias (``biased``: SDPA's float mask, where transformers
+        merges the bias with ``finfo.min`` for hidden keys) a bool mask's rows of no visible key."""
+        if self.dead is not None or not biased:
+            return self.dead
+        return dead_rows(self.mask) if self.empty is _UNREAD else self.empty
 
     @property
     def light(self):
@@ -125,14 +143,16 @@ def plan(mask, B, Lq, Lk, causal, convention, window=(-1, -1)):
     return read
 
 
-def general_plan(mask, B, Lq, Lk):
+def general_plan(mask, B, Lq, Lk, dead=None, read=False):
     """A 4-D (B or 1, 1 or H, Lq, Lk) mask for the kernel as it is: bool (True = attend) as its
-    ``mask``, float as its additive ``bias``; SDPA for a shape it does not broadcast."""
+    ``mask``, float as its additive ``bias``, with its rows of no visible key (:func:`dead_rows`:
+    ``dead`` when ``read``, already read and None where there are none); SDPA for a shape it
+    does not broadcast."""
     if mask.dim() == 4 and mask.shape[0] in (1, B) and tuple(mask.shape[2:]) == (Lq, Lk):
         if mask.dtype == torch.bool:
-            return Plan(True, mask=mask)
+            return Plan(True, mask=mask, empty=dead if read else _UNREAD)
         if mask.is_floating_point():
-            return Plan(True, bias=mask)
+            return Plan(True, bias=mask, dead=dead if read else dead_rows(mask))
     return Plan(False, sdpa_mask=mask, reason=f"an attention mask of shape {tuple(mask.shape)} and dtype "
                 f"{mask.dtype} for {Lq} queries and {Lk} keys")
 
@@ -187,11 +207,12 @@ WINDOW_ATTR, PACKED_ATTR, UNPADDED_ATTR = "_fused_block_window", "_fused_block_p
 
 def _read_mask(mask, B, Lq, Lk, causal, window):
     """Whether a 4-D mask is causal (bottom-right, as the layer) and/or key padding, with the
-    layer's window or none: the kernel's flags, else :func:`general_plan`. Every test runs on the
-    device and one synchronization reads them all."""
-    general = general_plan(mask, B, Lq, Lk)
+    layer's window or none: the kernel's flags, else :func:`general_plan`; and, for an additive
+    mask, whether it has :func:`dead_rows`. Every test runs on the device and one
+    synchronization reads them all."""
     if mask.shape[-1] != Lk or mask.shape[0] not in (1, B) or mask.shape[1] != 1:
-        return general
+        return general_plan(mask, B, Lq, Lk)
+    dead = dead_rows(mask)
     if mask.dtype == torch.bool:
         keep, valid = mask, mask.new_ones((), dtype=torch.bool)
     else:
@@ -203,14 +224,58 @@ def _read_mask(mask, B, Lq, Lk, causal, window):
     windows = [window] if window == (-1, -1) else [window, (-1, -1)]  # the layer's, or the mask holds none
     matches = [(reference.visible_keys(Lq, Lk, causal, key_padding, mask.device, window=w) == keep).all()
                for w in windows]
-    bits = torch.stack([valid, key_padding.any(), *matches]).to(torch.int32)
+    bits = torch.stack([valid, key_padding.any(), dead.any(), *matches]).to(torch.int32)
     code = int((bits << torch.arange(len(bits), device=bits.device, dtype=torch.int32)).sum().item())
-    valid, padded, *matches = (code >> i & 1 for i in range(len(bits)))
+    valid, padded, has_dead, *matches = (code >> i & 1 for i in range(len(bits)))
+    dead = dead if has_dead else None
     matched = [w for w, ok in zip(windows, matches) if ok]
     if not valid or not matched:
-        return general
+        return general_plan(mask, B, Lq, Lk, dead=dead, read=True)
+    rows = dict(empty=dead) if mask.dtype == torch.bool else dict(dead=dead)
     return Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=False) if padded else None,
-                window=matched[0])
+                window=matched[0], **rows)
+
+
+def dead_rows(mask):
+    """The query rows of an additive 4-D mask (B or 1, 1 or H, Lq, Lk) that hide every key with
+    the mask dtype's ``finfo.min`` (Hugging Face's eager masks), or of a bool mask that show
+    none: (B or 1, 1 or H, Lq) bool.
+
+    There the original's softmax sees ``score + finfo.min``, which rounds to ``finfo.min`` for
+    every key (its ulp, ~2e31 in fp32 and bf16, swamps any score): equal logits, so the row's
+    output is the mean of V over all keys, where the kernel, which takes such a bias as
+    -inf, gives 0 (a row with no visible key). :func:`average_dead` sets those rows to the
+    original's value. Left-padded positions of a causal model under eager attention, and
+    every query of an all-zero ``attention_mask`` row, are such rows. (Transformers' sdpa
+    masks unmask them instead, so they are rows of visible keys there, except where transformers
+    merges T5's position bias into a float mask with ``finfo.min`` for the hidden keys: the
+    plan's ``empty`` rows, averaged when a position bias is given.)"""
+    if mask.dtype == torch.bool:
+        return ~mask.any(-1)
+    return (mask == torch.finfo(mask.dtype).min).all(-1)
+
+
+def average_dead(out, v, dead, packed=False):
+    """``out`` (B, H, Lq, D), or (B, Lq, H * D) when ``packed``, with the rows ``dead`` (a plan's
+    :func:`dead_rows`) set to the mean of ``v`` (B, Hkv, Lk, D) over its keys (its head group's
+    under GQA): the original's output there, summed in fp32 and rounded once. The gradient is
+    that mean's (dV gets each such row's dO / Lk; the kernel's rows get none). Not eager's own
+    autograd, which differentiates ``score + finfo.min`` as if the score were not absorbed and
+    so also passes those rows' gradients to q and k (to the bias and softcap with them): terms
+    of a function whose value does not depend on them. No attention dropout on these rows (the
+    original drops some of the uniform weights; the same expectation)."""
+    B, Hkv, Lk, D = v.shape
+    mean = (v.sum(2, dtype=torch.float32) / Lk).to(v.dtype)  # (B, Hkv, D)
+    if packed:
+        H = out.shape[-1] // D
+        if H != Hkv:
+            mean = mean.repeat_interleave(H // Hkv, dim=1)
+        rows = dead.transpose(1, 2)[..., None]  # (B or 1, Lq, 1 or H, 1)
+        return torch.where(rows, mean[:, None], out.view(*out.shape[:2], H, D)).view(out.shape)
+    H = out.shape[1]
+    if H != Hkv:
+        mean = mean.repeat_interleave(H // Hkv, dim=1)
+    return torch.where(dead[..., None], mean[:, :, None], out)
 
 
 def _padding(key_padding, B, read=True):
@@ -296,7 +361,7 @@ def kernel_head_dim(D, dtype):
 
 
 def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scale, dropout_p, name, softcap=None,
-                   sliding_window=None, sinks=None, position_bias=None, packing=None):
+                   sliding_window=None, sinks=None, position_bias=None, packing=None, merged=False):
     """qkv (B, L, (H + 2 Hkv) * D), the packed [q; k; v] projection -> (B, L, H * D), the
     out-projection's input. The cache (if any) stores k and v (views) and returns the keys to
     attend; when those are this call's own (L of them: nothing was cached before, as in
@@ -311,7 +376,7 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
     conventions whose attention reads packed batches from them (flash-attention's and the
     ``"fused_block"`` interface's; transformers gives eager and sdpa a mask that holds the
     packing), a one-row batch of packed sequences runs the varlen kernel, each sequence
-    attending only to itself, as the original's attention does."""
+    attending only to itself, as the original's attention does. ``merged``: as :func:`attend`'s."""
     B, L, _ = qkv.shape
     D = qkv.shape[2] // (H + 2 * Hkv)
     heads = qkv.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2)  # (B, H + 2 Hkv, L, D) view
@@ -336,9 +401,11 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
             p = Plan(True, mask=reference.visible_keys(L, L, p.causal, None, qkv.device, window=p.window) & same)
     if p.kernel and p.light and p.n_keys is None and k.shape[2] == L and softcap is None and position_bias is None \
             and kernel_head_dim(D, qkv.dtype):
-        return attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window,
-                                   sinks=sinks)
-    out = attend(q, k, v, p, scale, dropout_p, name, softcap, sinks, position_bias)
+        out = attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window,
+                                  sinks=sinks)
+        rows = p.rows_of_mean(merged)
+        return out if rows is None or sinks is not None else average_dead(out, v, rows, packed=True)
+    out = attend(q, k, v, p, scale, dropout_p, name, softcap, sinks, position_bias, merged)
     return out.transpose(1, 2).reshape(B, L, H * D)
 
 
@@ -364,23 +431,29 @@ def kv_heads(kv, H):
     return kv[:, :H], kv[:, H:]
 
 
-def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, position_bias=None):
+def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, position_bias=None, merged=False):
     """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) as plan ``p`` says, with
     ``position_bias`` (an additive float bias broadcastable to (B, H, Lq, Lk), T5's relative
     position bias, BLOOM's ALiBi; its gradient flows) added to the scaled scores: the kernel's ``bias``
-    input beside its causal / padding / mask, or the bias inside SDPA's float mask."""
+    input beside its causal / padding / mask, or the bias inside SDPA's float mask. ``merged``:
+    the original merges a bool mask into its position bias (zeros included) as SDPA's float mask,
+    ``finfo.min`` at hidden keys (transformers' sdpa path for T5), so that its rows of no visible
+    key average V (:meth:`Plan.rows_of_mean`)."""
     D = q.shape[-1]
     if p.kernel and not kernel_head_dim(D, q.dtype):
-        p = Plan(False, sdpa_mask=_dense(p, q.shape[2], k.shape[2], q.device),
-                 reason=f"head dim {D} in {q.dtype} (outside the attention kernel's range)")
+        dense = _dense(p, q.shape[2], k.shape[2], q.device)
+        p = Plan(False, sdpa_mask=dense, reason=f"head dim {D} in {q.dtype} (outside the attention kernel's range)",
+                 dead=p.dead if dense.dtype == torch.bool else None)  # SDPA averages a float mask's itself
     if p.kernel:
-        mask, extra = p.mask, p.bias
         if p.n_keys is not None:
             k, v = k[:, :, :p.n_keys], v[:, :, :p.n_keys]
             position_bias = None if position_bias is None else position_bias[..., :p.n_keys]
         bias = p.bias if position_bias is None else position_bias if p.bias is None else p.bias + position_bias
-        return _attention(q, k, v, p.causal, scale, p.key_padding, dropout_p, window=p.window, softcap=softcap,
-                          sinks=sinks, mask=p.mask, bias=bias)
+        out = _attention(q, k, v, p.causal, scale, p.key_padding, dropout_p, window=p.window, softcap=softcap,
+                         sinks=sinks, mask=p.mask, bias=bias)
+        # Sinks: the original's softmax gives such a row's weight to the sink, an output of 0, as the kernel.
+        rows = p.rows_of_mean(merged or position_bias is not None)
+        return out if rows is None or sinks is not None else average_dead(out, v, rows)
     if softcap is not None or sinks is not None:
         raise NotImplementedError(f"{name}: {p.reason}, with a softcap or sinks, which SDPA does not compute")
     warn_once((name, p.reason), f"{name}: {p.reason}; attention runs through "
@@ -398,8 +471,10 @@ def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, positio
             mask = bias.masked_fill(~mask, torch.finfo(q.dtype).min)
         else:
             mask = (mask + bias).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                          scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                         scale=scale)
+    # A float mask's dead rows SDPA averages itself; those of a kernel plan made a bool mask, not.
+    return out if p.dead is None or mask.dtype != torch.bool else average_dead(out, v, p.dead)
 
 
 def _dense(p, Lq, Lk, device):

@@ -207,7 +207,7 @@ def _self_attention(layer, call, x):
     o = self_attention(qkv, attn.n_heads, attn.n_heads, cache, attn.layer_idx, call.get("attention_mask"),
                        _decoder(layer), mask_convention(attn.config), attn.scaling,
                        attn.dropout if layer.training else 0.0, type(layer).__name__, position_bias=bias,
-                       packing=call)
+                       packing=call, merged=True)
     return linear(o, attn.o.weight, attn.o.bias), bias.value
 
 
@@ -226,7 +226,7 @@ def _cross_attention(layer, call, x):
             _zeros(x, H, Lq, k.shape[2])
     p = plan(call.get("encoder_attention_mask"), B, Lq, k.shape[2], False, mask_convention(attn.config))
     o = attend(q, k, v, p, attn.scaling, attn.dropout if layer.training else 0.0, type(layer).__name__,
-               position_bias=_live(bias))
+               position_bias=_live(bias), merged=True)
     return linear(o.transpose(1, 2).reshape(B, Lq, H * D), attn.o.weight, attn.o.bias), bias
 
 
