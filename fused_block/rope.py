@@ -255,7 +255,9 @@ _RoPEPackedQKNorm_apply = _library.fast_apply(_RoPEPackedQKNorm)
 
 def _check_qk_norm(qkv, D, q_weight, k_weight, eps):
     """``(norms, eps)``: whether the per-head norms are asked for (both weights), after checking
-    them, and then eps as a Python number (numpy's converted; >= 0 as torch's ``rms_norm`` takes it)."""
+    them, and then eps as a Python number (numpy's converted). eps must be > 0, where torch's
+    ``rms_norm`` takes 0: the kernel's padding heads (zeros) would get rstd = inf, and their
+    NaN would reach the weights' gradients."""
     if q_weight is None and k_weight is None:
         return False, eps
     if q_weight is None or k_weight is None:
@@ -264,7 +266,7 @@ def _check_qk_norm(qkv, D, q_weight, k_weight, eps):
         _validate.tensor(name, w, ndim=1)
         _validate.shape(name, w, (D,))
     _validate.same_device("qkv", qkv, q_norm_weight=q_weight, k_norm_weight=k_weight)
-    eps = _validate.non_negative("norm_eps", eps)
+    eps = _validate.positive("norm_eps", eps)
     if not math.isfinite(eps):
         raise ValueError(f"norm_eps must be finite, got {eps}")
     return True, eps
@@ -297,7 +299,8 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
             ``scale`` and ``interleaved`` as :func:`rope`.
         q_norm_weight, k_norm_weight: (D,) each, or both None: every q head (k head) is first
             RMS-normalized over its D elements, ``x / sqrt(mean(x^2) + norm_eps)`` with fp32
-            statistics, and multiplied by the weight (Qwen3's ``q_norm`` / ``k_norm``; any float
+            statistics (``norm_eps`` > 0: unlike torch's ``rms_norm``, not 0), and multiplied by
+            the weight (Qwen3's ``q_norm`` / ``k_norm``; any float
             dtype, read in fp32), in the same launch; the weights then get gradients too.
             ``norm_unit_offset``: the heads are scaled by ``1 + weight`` instead (Gemma 3's
             ``q_norm`` / ``k_norm``, whose weights are offsets from 1), in fp32.

@@ -379,8 +379,9 @@ def test_rope_qkvpacked_qk_norm_bad_inputs_name_the_argument(device, launches):
         (dict(q_norm_weight=w, k_norm_weight=w[:16]), ValueError, r"k_norm_weight must have shape \(32,\)"),
         (dict(q_norm_weight=w[None], k_norm_weight=w), ValueError, "q_norm_weight must be 1-D"),
         (dict(q_norm_weight=w.long(), k_norm_weight=w), TypeError, "q_norm_weight must have dtype"),
-        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=-1e-6), ValueError, "norm_eps must be >= 0"),
-        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=float("nan")), ValueError, "norm_eps must be >= 0"),
+        # 0 too (torch's rms_norm takes it): the kernel's padding heads would put NaN in the weights' gradients
+        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=float("nan")), ValueError, "norm_eps must be > 0"),
         (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=np.bool_(True)), TypeError,
          "norm_eps must be a number, got numpy.bool"),
         (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=float("inf")), ValueError, "norm_eps must be finite"),
