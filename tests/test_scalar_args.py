@@ -5,7 +5,8 @@ torch's argument parser takes numpy integer and floating scalars for a float arg
 (``F.cross_entropy``'s ``ignore_index``), and refuses numpy's bool where a bool is required
 (SDPA's ``is_causal``); its norms take ``eps=0``. The public functions follow (the refusals
 are in tests/test_bad_inputs.py, the layers' constructors in tests/test_blocks.py). Each numpy
-kind is exercised once per op family against the float64 reference, with the kernels proven
+kind is exercised once per op family (norms, attention, rope, loss, linear layers) against the
+float64 reference, with the kernels proven
 to run (``launches``) and to receive Python scalars only (``numpy_args``: the conversion
 happens once, at the public boundary, so the kernels' argument specializations and config
 caches never see a numpy scalar).
@@ -23,7 +24,8 @@ from fused_block import _backend, reference
 from fused_block.kernels import attention as kattention
 from fused_block.kernels import common
 from attention_testing import check as check_attention
-from gemm_testing import baseline_mode, fp32_mode
+from gemm_testing import baseline_mode, fp32_mode, kernel_masks, seeded
+from gemm_testing import check as check_gemm
 from numerics import DTYPES, assert_close, randn
 
 
@@ -326,4 +328,32 @@ def test_loss_numpy_options(dtype, device, launches, numpy_args):
     head = fused_block.LinearCrossEntropy(16, 37, bias=False, **options)
     assert [type(getattr(head, k)) for k in options] == [int, float, float, float]
     assert launches["lce_ce"] == 1
+    assert not numpy_args
+
+
+# ---------------------------------------------------------------------------------------------
+# linear layers: dropout probabilities
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mlp_numpy_dropouts(dtype, device, launches, numpy_args):
+    """mlp's hidden (numpy float32) and output (float64) dropout probabilities, against the
+    reference with the kernels' own masks; the MLP module keeps a numpy dropout as a Python
+    float. 13 rows, width 16, hidden 24."""
+    M, D, F_ = 13, 16, 24
+    x = randn(M, D, dtype=dtype, device=device, requires_grad=True)
+    w1 = randn(F_, D, dtype=dtype, device=device, scale=D ** -0.5, requires_grad=True)
+    w2 = randn(D, F_, dtype=dtype, device=device, scale=F_ ** -0.5, requires_grad=True)
+    b1, b2 = (randn(n, dtype=dtype, device=device, requires_grad=True) for n in (F_, D))
+    p1, p2 = np.float32(0.25), np.float64(0.125)
+    m1, m2 = kernel_masks(9, device, (M, F_, float(p1)), (M, D, float(p2)))
+
+    def ref(x, w1, b1, w2, b2, compute_dtype=None):
+        return reference.mlp(x, w1, b1, w2, b2, "gelu", None, float(p1), float(p2), dropout_mask=m1,
+                             output_dropout_mask=m2, compute_dtype=compute_dtype)
+
+    ours = seeded(lambda x, w1, b1, w2, b2: fused_block.mlp(x, w1, b1, w2, b2, "gelu", None, p1, p2), 9)
+    check_gemm("mlp", ours, ref, (x, w1, b1, w2, b2), dtype, device)
+    assert launches["matmul"] == 6
+    assert type(fused_block.MLP(D, F_, dropout=np.float32(0.25)).dropout) is float
     assert not numpy_args
