@@ -6,10 +6,9 @@ torch's argument parser takes numpy integer and floating scalars for a float arg
 (SDPA's ``is_causal``); its norms take ``eps=0``. The public functions follow (the refusals
 are in tests/test_bad_inputs.py, the layers' constructors in tests/test_blocks.py). Each numpy
 kind is exercised once per op family (norms, attention, rope, loss, linear layers) against the
-float64 reference, with the kernels proven
-to run (``launches``) and to receive Python scalars only (``numpy_args``: the conversion
-happens once, at the public boundary, so the kernels' argument specializations and config
-caches never see a numpy scalar).
+float64 reference, with the kernels proven to run (``launches``) and to receive Python scalars
+only (``numpy_args``: the conversion happens once, at the public boundary, so the kernels'
+argument specializations and config caches never see a numpy scalar).
 
 Shapes are tiny (the interpreter): the numerics of each op are covered by its own test file;
 these cases prove that a numpy scalar means what the Python number means.
