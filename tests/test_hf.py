@@ -111,7 +111,8 @@ def test_bf16_logits(arch, device, launches):
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
 def test_norm_eps_zero(arch, eps, device, launches):
     """A config whose norms' eps is 0 (torch's LayerNorm and RMSNorm take it): the converted
-    model's fused norms run at eps = 0, its fp32 logits as the original's."""
+    model's fused norms run at eps = 0 (no layer left unconverted: no fused_block warning), its
+    fp32 logits as the original's."""
     model = _model(arch, device, **{eps: 0.0}).eval()
     ref = copy.deepcopy(model).double()
     fused = _converted(model)
