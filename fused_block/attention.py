@@ -584,6 +584,9 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
       row's softmax denominator and takes no value; differentiable. A row with no visible key
       then outputs 0 with LSE = its sink.
     - ``scale`` defaults to 1/sqrt(D).
+    - Scalars as SDPA takes them: ``scale``, ``softcap`` and ``dropout_p`` Python or numpy
+      numbers, the window's sides Python or numpy integers (converted to Python's here);
+      ``causal`` and ``return_lse`` Python bools (numpy's bool raises TypeError).
     - ``dropout_p``: dropout on the attention probabilities (applied whenever > 0, as in SDPA).
       The mask is drawn from a seed taken from torch's generator (``torch.manual_seed`` fixes
       it) and regenerated in backward, never stored.

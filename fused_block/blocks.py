@@ -865,9 +865,11 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
     """``torch.nn.TransformerEncoderLayer`` on the fused kernels.
 
     Same constructor, defaults, parameters, initialization (same values for the same seed)
-    and state dict. Added keywords: ``norm="layer" | "rms"`` (``norm1``/``norm2`` become
-    ``nn.RMSNorm(d_model, eps=layer_norm_eps)``) and ``num_kv_heads`` (grouped-query
-    attention; changes ``self_attn.in_proj_weight``'s shape, see :class:`MultiheadAttention`).
+    and state dict; numpy scalars where torch's takes them (sizes, dropout, ``layer_norm_eps``,
+    flags), kept as Python numbers. Added keywords: ``norm="layer" | "rms"`` (``norm1``/
+    ``norm2`` become ``nn.RMSNorm(d_model, eps=layer_norm_eps)``) and ``num_kv_heads``
+    (grouped-query attention; changes ``self_attn.in_proj_weight``'s shape, see
+    :class:`MultiheadAttention`).
 
     ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)``: src is
     (B, L, E) with ``batch_first``, else (L, B, E), or unbatched (L, E); fp32, fp16 or bf16.

@@ -293,6 +293,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     shape). Returns the fp32 loss, and with ``return_lse`` also the per-token log-sum-exp of
     the (softcapped) logits, fp32, target's shape, without gradient.
 
+    As ``F.cross_entropy`` takes them, ``ignore_index`` may be a numpy integer and the float
+    options numpy numbers (converted to Python's here); bools are refused.
+
     A target outside [0, V) that is not ``ignore_index`` raises ValueError for CPU tensors;
     on CUDA (where checking would synchronize) that token's loss and gradients are NaN.
     Under autocast hidden, weight and bias are cast like ``F.linear``'s inputs.
