@@ -2,6 +2,8 @@
 
 Everything here runs before any kernel launch, so bad input never reaches Triton.
 """
+import sys
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,15 +38,96 @@ def shape(name, t, expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
+def type_name(value) -> str:
+    """The type of ``value`` for an error message: builtins by name (``float``), others with their
+    module (``numpy.bool``, ``numpy.float32``, ``torch.Tensor``), so that numpy's ``bool`` does not
+    read as Python's."""
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _from_numpy(value, integer_only):
+    """A numpy integer (and, unless ``integer_only``, floating) scalar as the Python int (float)
+    torch's argument parser reads from it; None for anything else (numpy's bool included). No
+    numpy scalar exists while numpy is not imported: it is never imported here."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    if isinstance(value, np.integer):
+        return int(value)
+    if not integer_only and isinstance(value, np.floating):
+        return float(value)
+    return None
+
+
+def scalar(value):
+    """``value`` with numpy's integer, floating and bool scalars made Python ints, floats and
+    bools; anything else as given. For the constructor arguments the layers hand to torch's
+    (which takes numpy's scalars and checks them itself), kept as Python's: the kernels, their
+    caches and compiled graphs then never see a numpy scalar."""
+    t = type(value)
+    if t is float or t is int or t is bool or t.__module__ != "numpy":
+        return value
+    n = _from_numpy(value, False)
+    if n is None and isinstance(value, sys.modules["numpy"].bool_):
+        return bool(value)
+    return value if n is None else n
+
+
+def number(name, value, what="a number"):
+    """``value`` as a Python int or float: ints and floats (subclasses such as ``numpy.float64``
+    converted), and numpy integer and floating scalars, as torch's ops take them for a float
+    argument. Bools (Python's and numpy's) raise TypeError naming ``name``: a flag is no number."""
+    t = type(value)
+    if t is float or t is int:
+        return value
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, int) and t is not bool:
+        return int(value)
+    n = _from_numpy(value, False)
+    if n is None:
+        raise TypeError(f"{name} must be {what}, got {type_name(value)}")
+    return n
+
+
+def integer(name, value):
+    """``value`` as a Python int: ints (subclasses converted) and numpy integer scalars, as torch's
+    ops take them for an int argument; floats and bools raise TypeError naming ``name``."""
+    t = type(value)
+    if t is int:
+        return value
+    if isinstance(value, int) and t is not bool:
+        return int(value)
+    n = _from_numpy(value, True)
+    if n is None:
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    return n
+
+
 def probability(name, p):
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(p).__name__}")
+    """``p`` (see :func:`number`) in [0, 1), as a Python number."""
+    if type(p) is not float:
+        p = number(name, p, "a float")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")
+    return p
 
 
 def positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    """``value`` (see :func:`number`) > 0, as a Python number."""
+    if type(value) is not float:
+        value = number(name, value)
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def non_negative(name, value):
+    """``value`` (see :func:`number`) >= 0 (not NaN), as a Python number: a norm's eps, which torch
+    takes down to 0."""
+    if type(value) is not float:
+        value = number(name, value)
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value

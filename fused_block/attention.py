@@ -430,8 +430,8 @@ def _check_window(window):
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
     for side, n in zip(("left", "right"), window):
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"window's {side} size must be an int, got {type(n).__name__}")
+        if type(n) is not int:
+            n = _validate.integer(f"window's {side} size", n)  # (numpy integers too)
         if n < -1:
             raise ValueError(f"window's {side} size must be -1 (unlimited) or >= 0, got {n}")
     return int(window[0]), int(window[1])
@@ -439,9 +439,9 @@ def _check_window(window):
 
 def _check_options(causal, scale, key_padding_mask, dropout_p, B, Lk, ref_name, ref):
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {_validate.type_name(causal)}")
     if scale is not None:
-        _validate.positive("scale", scale)
+        scale = _validate.positive("scale", scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
     if key_padding_mask is not None:
@@ -486,14 +486,14 @@ def _autocast(*tensors):
 
 def _check_return_lse(return_lse):
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise TypeError(f"return_lse must be a bool, got {_validate.type_name(return_lse)}")
 
 
 def _check_softcap(softcap):
     """``softcap`` as the kernels' float (0.0 = none)."""
     if softcap is None:
         return 0.0
-    _validate.positive("softcap", softcap)
+    softcap = _validate.positive("softcap", softcap)
     if not math.isfinite(softcap):
         raise ValueError(f"softcap must be finite, got {softcap}")
     return float(softcap)
@@ -584,6 +584,9 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
       row's softmax denominator and takes no value; differentiable. A row with no visible key
       then outputs 0 with LSE = its sink.
     - ``scale`` defaults to 1/sqrt(D).
+    - Scalars as SDPA takes them: ``scale``, ``softcap`` and ``dropout_p`` Python or numpy
+      numbers, the window's sides Python or numpy integers (converted to Python's here);
+      ``causal`` and ``return_lse`` Python bools (numpy's bool raises TypeError).
     - ``dropout_p``: dropout on the attention probabilities (applied whenever > 0, as in SDPA).
       The mask is drawn from a seed taken from torch's generator (``torch.manual_seed`` fixes
       it) and regenerated in backward, never stored.
@@ -640,13 +643,16 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
 
 
 def _check_heads(num_heads, num_kv_heads):
+    """``(num_heads, num_kv_heads)`` as Python ints (numpy integers converted), after checking them."""
+    if type(num_heads) is not int or type(num_kv_heads) is not int:
+        num_heads, num_kv_heads = (_validate.integer("num_heads", num_heads),
+                                   _validate.integer("num_kv_heads", num_kv_heads))
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
         if n <= 0:
             raise ValueError(f"{name} must be positive, got {n}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return num_heads, num_kv_heads
 
 
 def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=None, key_padding_mask=None,
@@ -669,9 +675,9 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     """
     (qkv,) = _autocast(qkv)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _check_heads(num_heads, num_kv_heads)
+    num_heads, num_kv_heads = _check_heads(num_heads, num_kv_heads)
     if not isinstance(batch_first, bool):
-        raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
+        raise TypeError(f"batch_first must be a bool, got {_validate.type_name(batch_first)}")
     _validate.tensor("qkv", qkv, ndim=3)
     _backend.no_dtensor("attention_qkvpacked", qkv)
     heads = num_heads + 2 * num_kv_heads
@@ -773,8 +779,8 @@ def _seqlen_values(cu):
 
 
 def _check_max_seqlen(name, m):
-    if isinstance(m, bool) or not isinstance(m, int):
-        raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+    if type(m) is not int:
+        m = _validate.integer(name, m)  # (numpy integers too: the callers take int(max_seqlen))
     if m < 0:
         raise ValueError(f"{name} must be >= 0, got {m}")
 
@@ -887,7 +893,7 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
     """
     (qkv,) = _autocast(qkv)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _check_heads(num_heads, num_kv_heads)
+    num_heads, num_kv_heads = _check_heads(num_heads, num_kv_heads)
     _validate.tensor("qkv", qkv, ndim=2)
     heads = num_heads + 2 * num_kv_heads
     if qkv.shape[1] % heads != 0:

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from fused_block import _backend, _guard, lora, reference
+from fused_block import _backend, _guard, _validate, lora, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
@@ -331,7 +331,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
                  add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
                  dtype=None, *, num_kv_heads=None, rope=False, rope_base=10000.0, rope_interleaved=False):
-        _check_heads(embed_dim, num_heads, num_kv_heads)
+        embed_dim, num_heads, num_kv_heads = _check_heads(embed_dim, num_heads, num_kv_heads)
+        dropout, batch_first = _validate.scalar(dropout), _validate.scalar(batch_first)  # numpy's: Python's
         torch_options = add_bias_kv or add_zero_attn or kdim not in (None, embed_dim) or vdim not in (None, embed_dim)
         if torch_options and (num_kv_heads not in (None, num_heads) or rope):
             raise ValueError("add_bias_kv, add_zero_attn, kdim and vdim need num_kv_heads == num_heads and rope=False")
@@ -565,17 +566,23 @@ class MultiheadAttention(nn.MultiheadAttention):
 # helpers shared by the layers
 # ---------------------------------------------------------------------------------------------
 
+def _positive_int(name, v):
+    v = _validate.scalar(v)  # numpy integers, as torch's layers take them
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ShapeError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
 def _check_heads(d_model, nhead, num_kv_heads):
-    for name, v in (("d_model", d_model), ("nhead", nhead)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ShapeError(f"{name} must be a positive int, got {v!r}")
+    """``(d_model, nhead, num_kv_heads)`` as Python ints (num_kv_heads may be None), after checking them."""
+    d_model, nhead = _positive_int("d_model", d_model), _positive_int("nhead", nhead)
     if d_model % nhead:
         raise ShapeError(f"nhead ({nhead}) must divide d_model ({d_model}): embed_dim must be divisible by num_heads")
     if num_kv_heads is not None:
-        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
-            raise ShapeError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+        num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
         if nhead % num_kv_heads:
             raise ShapeError(f"num_kv_heads ({num_kv_heads}) must divide nhead ({nhead})")
+    return d_model, nhead, num_kv_heads
 
 
 def _check_input(name, t, d_model, mha):
@@ -616,8 +623,8 @@ def _hidden_dropout(hid, p):
 
 
 def _check_flag(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if not isinstance(value, bool):  # numpy's bool too, as torch's layers (SDPA) refuse it
+        raise TypeError(f"{name} must be a bool, got {_validate.type_name(value)}")
 
 
 def _activation_name(activation):
@@ -858,9 +865,11 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
     """``torch.nn.TransformerEncoderLayer`` on the fused kernels.
 
     Same constructor, defaults, parameters, initialization (same values for the same seed)
-    and state dict. Added keywords: ``norm="layer" | "rms"`` (``norm1``/``norm2`` become
-    ``nn.RMSNorm(d_model, eps=layer_norm_eps)``) and ``num_kv_heads`` (grouped-query
-    attention; changes ``self_attn.in_proj_weight``'s shape, see :class:`MultiheadAttention`).
+    and state dict; numpy scalars where torch's takes them (sizes, dropout, ``layer_norm_eps``,
+    flags), kept as Python numbers. Added keywords: ``norm="layer" | "rms"`` (``norm1``/
+    ``norm2`` become ``nn.RMSNorm(d_model, eps=layer_norm_eps)``) and ``num_kv_heads``
+    (grouped-query attention; changes ``self_attn.in_proj_weight``'s shape, see
+    :class:`MultiheadAttention`).
 
     ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)``: src is
     (B, L, E) with ``batch_first``, else (L, B, E), or unbatched (L, E); fp32, fp16 or bf16.
@@ -874,7 +883,10 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
                  layer_norm_eps=1e-5, batch_first=False, norm_first=False, bias=True, device=None,
                  dtype=None, *, norm="layer", num_kv_heads=None, rope=False, rope_base=10000.0,
                  rope_interleaved=False):
-        _check_heads(d_model, nhead, num_kv_heads)
+        d_model, nhead, num_kv_heads = _check_heads(d_model, nhead, num_kv_heads)
+        # numpy scalars (torch's layers take them) as Python's, once: the modules built here keep them
+        dim_feedforward, dropout, layer_norm_eps, batch_first, norm_first = map(
+            _validate.scalar, (dim_feedforward, dropout, layer_norm_eps, batch_first, norm_first))
         factory = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)
         # Construction order as torch's, so a seed gives the same initial values.
@@ -1001,7 +1013,10 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
                  layer_norm_eps=1e-5, batch_first=False, norm_first=False, bias=True, device=None,
                  dtype=None, *, norm="layer", num_kv_heads=None, rope=False, rope_base=10000.0,
                  rope_interleaved=False):
-        _check_heads(d_model, nhead, num_kv_heads)
+        d_model, nhead, num_kv_heads = _check_heads(d_model, nhead, num_kv_heads)
+        # numpy scalars (torch's layers take them) as Python's, once: the modules built here keep them
+        dim_feedforward, dropout, layer_norm_eps, batch_first, norm_first = map(
+            _validate.scalar, (dim_feedforward, dropout, layer_norm_eps, batch_first, norm_first))
         factory = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)
         mha = dict(dropout=dropout, batch_first=batch_first, bias=bias, num_kv_heads=num_kv_heads, **factory)

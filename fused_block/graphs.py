@@ -36,6 +36,8 @@ What a captured step requires (PyTorch's rules, and what the layers do about the
 import torch
 from torch.utils._pytree import tree_map
 
+from fused_block import _validate
+
 __all__ = ["GraphedStep", "capture"]
 
 
@@ -84,8 +86,7 @@ def capture(step, *inputs, warmup: int = 3, pool=None) -> GraphedStep:
     """
     if not callable(step):
         raise TypeError(f"step must be callable, got {type(step).__name__}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int):
-        raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
+    warmup = _validate.integer("warmup", warmup)
     if warmup < 1:
         raise ValueError(f"warmup must be >= 1 (the first call chooses kernel configs), got {warmup}")
     if not inputs:

@@ -684,7 +684,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     _validate.tensor("x", x, min_ndim=1)
     _backend.no_dtensor("linear", x, weight)
     _check_activation(activation)
-    _validate.probability("dropout_p", dropout_p)
+    dropout_p = _validate.probability("dropout_p", dropout_p)
     x, weight, bias = _autocast(x, weight, bias)
     _check_layer("x", x, "weight", weight, "bias", bias)
     n = weight.shape[0]
@@ -727,7 +727,7 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
     _validate.tensor("x", x, min_ndim=1)
     _check_activation(activation, GATED)
     _backend.no_dtensor("gated_linear", x, w_gate, w_up)
-    _validate.probability("dropout_p", dropout_p)
+    dropout_p = _validate.probability("dropout_p", dropout_p)
     x, w_gate, w_up, b_gate, b_up = _autocast(x, w_gate, w_up, b_gate, b_up)
     _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
     _check_layer("x", x, "w_up", w_up, "b_up", b_up)
@@ -784,8 +784,8 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     _validate.tensor("x", x, min_ndim=1)
     _backend.no_dtensor("mlp", x, w1, w2)
     _check_activation(activation, MLP_ACTIVATIONS)
-    _validate.probability("dropout_p", dropout_p)
-    _validate.probability("output_dropout_p", output_dropout_p)
+    dropout_p = _validate.probability("dropout_p", dropout_p)
+    output_dropout_p = _validate.probability("output_dropout_p", output_dropout_p)
     x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _check_layer("x", x, "w1", w1, "b1", b1)
     hidden = w1.shape[0]
@@ -844,8 +844,8 @@ def _both_biases(b_gate, b_up):
 def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activation, dropout_p, output_dropout_p):
     _validate.tensor("x", x, min_ndim=1)
     _backend.no_dtensor(activation, x, w_gate, w_up, w_down)
-    _validate.probability("dropout_p", dropout_p)
-    _validate.probability("output_dropout_p", output_dropout_p)
+    dropout_p = _validate.probability("dropout_p", dropout_p)
+    output_dropout_p = _validate.probability("output_dropout_p", output_dropout_p)
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = _autocast(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     _check_layer("x", x, "w_gate", w_gate, "b_gate", b_gate)
     _check_layer("x", x, "w_up", w_up, "b_up", b_up)
@@ -911,7 +911,7 @@ class MLP(torch.nn.Module):
                  bias: bool = True, dropout: float = 0.0, device=None, dtype=None):
         super().__init__()
         _check_activation(activation, MLP_ACTIVATIONS)
-        _validate.probability("dropout", dropout)
+        dropout = _validate.probability("dropout", dropout)
         width = 2 * dim_feedforward if activation in GATED else dim_feedforward
         self.linear1 = torch.nn.Linear(d_model, width, bias, device=device, dtype=dtype)
         self.linear2 = torch.nn.Linear(dim_feedforward, d_model, bias, device=device, dtype=dtype)

@@ -212,32 +212,35 @@ _LCEFn_apply = _library.fast_apply(_LCEFn)
 # ---------------------------------------------------------------------------------------------
 
 def _number(name, value, *, low, high=None):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = _validate.number(name, value, "a float")
     if not value >= low or not (value <= high if high is not None else math.isfinite(value)):
         bounds = f"in [{low}, {high}]" if high is not None else f"finite and >= {low}"
         raise ValueError(f"{name} must be {bounds}, got {value}")
+    return value
 
 
 def _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction):
-    """The loss options (of :func:`linear_cross_entropy` and :class:`LinearCrossEntropy`)."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    """The loss options (of :func:`linear_cross_entropy` and :class:`LinearCrossEntropy`), returned
+    with numpy scalars made Python ints and floats (as torch's ``cross_entropy`` takes them: numpy
+    integers for ``ignore_index``, numpy numbers for the floats), except ``reduction``."""
+    ignore_index = _validate.integer("ignore_index", ignore_index)
     if not -2 ** 63 <= ignore_index < 2 ** 63:
         raise ValueError(f"ignore_index must fit in int64 (a class index), got {ignore_index}")
-    _number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    _number("z_loss", z_loss, low=0.0)
+    label_smoothing = _number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    z_loss = _number("z_loss", z_loss, low=0.0)
     if softcap is not None:
-        _validate.positive("softcap", softcap)
+        softcap = _validate.positive("softcap", softcap)
         if not math.isfinite(softcap):
             raise ValueError(f"softcap must be finite (None for no softcapping), got {softcap}")
     if not isinstance(reduction, str):
         raise TypeError(f"reduction must be a str, got {type(reduction).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return ignore_index, label_smoothing, z_loss, softcap
 
 
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, return_lse):
+    """``_check_options``' options, after checking every argument."""
     _validate.tensor("hidden", hidden, min_ndim=1)
     _validate.tensor("weight", weight, ndim=2)
     _validate.tensor("bias", bias, ndim=1, optional=True)
@@ -260,9 +263,10 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(target.shape)}")
-    _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    ignore_index, label_smoothing, z_loss, softcap = _check_options(ignore_index, label_smoothing, z_loss, softcap,
+                                                                    reduction)
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise TypeError(f"return_lse must be a bool, got {_validate.type_name(return_lse)}")
     # Values are checked only where that costs no synchronization: CPU tensors, outside a trace.
     if target.device.type == "cpu" and not torch.compiler.is_compiling() and target.numel():
         bad = (target != ignore_index) & ((target < 0) | (target >= weight.shape[0]))
@@ -270,6 +274,7 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
             value = target[bad].flatten()[0].item()
             raise ValueError(f"target holds class index {value} outside [0, {weight.shape[0]}) "
                              f"(and not ignore_index={ignore_index})")
+    return ignore_index, label_smoothing, z_loss, softcap
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
@@ -288,6 +293,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     shape). Returns the fp32 loss, and with ``return_lse`` also the per-token log-sum-exp of
     the (softcapped) logits, fp32, target's shape, without gradient.
 
+    As ``F.cross_entropy`` takes them, ``ignore_index`` may be a numpy integer and the float
+    options numpy numbers (converted to Python's here); bools are refused.
+
     A target outside [0, V) that is not ``ignore_index`` raises ValueError for CPU tensors;
     on CUDA (where checking would synchronize) that token's loss and gradients are NaN.
     Under autocast hidden, weight and bias are cast like ``F.linear``'s inputs.
@@ -295,7 +303,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     if isinstance(hidden, torch.Tensor) and not hidden.is_meta:  # meta tensors have no autocast state
         hidden, weight, bias = _autocast(hidden, weight, bias)
     x = hidden
-    _check(x, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, return_lse)
+    ignore_index, label_smoothing, z_loss, softcap = _check(x, weight, target, bias, ignore_index, label_smoothing,
+                                                            z_loss, softcap, reduction, return_lse)
     if not _backend.use_triton(x):
         return reference.linear_cross_entropy(x, weight, target, bias, ignore_index=ignore_index,
                                               label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
@@ -329,7 +338,8 @@ class LinearCrossEntropy(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: Optional[float] = None, reduction: str = "mean"):
-        _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+        ignore_index, label_smoothing, z_loss, softcap = _check_options(ignore_index, label_smoothing, z_loss, softcap,
+                                                                        reduction)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         self.softcap, self.reduction = softcap, reduction
@@ -345,9 +355,10 @@ class LinearCrossEntropy(torch.nn.Linear):
 
     def forward(self, input: Tensor, target: Optional[Tensor] = None, *, return_lse: bool = False):
         if target is None:  # the options as set now (attributes), checked as the loss checks them
-            _check_options(self.ignore_index, self.label_smoothing, self.z_loss, self.softcap, self.reduction)
+            softcap = _check_options(self.ignore_index, self.label_smoothing, self.z_loss, self.softcap,
+                                     self.reduction)[3]
             logits = torch.nn.functional.linear(input, self.weight, self.bias)
-            return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
+            return logits if softcap is None else softcap * torch.tanh(logits / softcap)
         return linear_cross_entropy(input, self.weight, target, self.bias, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
                                     reduction=self.reduction, return_lse=return_lse)

@@ -202,14 +202,16 @@ def _vector_ok(t, n, device) -> bool:
 
 
 def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual):
+    """``(eps, dropout_p)`` as Python floats or ints (numpy scalars converted), after checking
+    every argument."""
     if (type(x) in _TENSOR_TYPES and x.dtype in _validate.FLOAT_DTYPES and x.dim() >= 1
-            and 0 < x.shape[-1] <= MAX_HIDDEN and type(eps) is float and eps > 0 and type(dropout_p) is float
+            and 0 < x.shape[-1] <= MAX_HIDDEN and type(eps) is float and eps >= 0 and type(dropout_p) is float
             and 0.0 <= dropout_p < 1.0 and type(residual_in_fp32) is bool and type(out_is_residual) is bool):
         device = x.device
         if ((residual is None or (type(residual) in _TENSOR_TYPES and residual.dtype in _validate.FLOAT_DTYPES
                                   and residual.shape == x.shape and residual.device == device))
                 and _vector_ok(weight, x.shape[-1], device) and _vector_ok(bias, x.shape[-1], device)):
-            return  # the common case of the checks below
+            return eps, dropout_p  # the common case of the checks below
     _validate.tensor("x", x, min_ndim=1)
     _validate.tensor("residual", residual, optional=True)
     _validate.tensor("weight", weight, optional=True)
@@ -221,12 +223,13 @@ def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_r
     _validate.shape("residual", residual, x.shape)
     _validate.shape("weight", weight, (N,))
     _validate.shape("bias", bias, (N,))
-    _validate.positive("eps", eps)
-    _validate.probability("dropout_p", dropout_p)
+    eps = _validate.non_negative("eps", eps)
+    dropout_p = _validate.probability("dropout_p", dropout_p)
     if not isinstance(residual_in_fp32, bool):
-        raise TypeError(f"residual_in_fp32 must be a bool, got {type(residual_in_fp32).__name__}")
+        raise TypeError(f"residual_in_fp32 must be a bool, got {_validate.type_name(residual_in_fp32)}")
     if not isinstance(out_is_residual, bool):
-        raise TypeError(f"out_is_residual must be a bool, got {type(out_is_residual).__name__}")
+        raise TypeError(f"out_is_residual must be a bool, got {_validate.type_name(out_is_residual)}")
+    return eps, dropout_p
 
 
 def _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms, unit_offset=False):
@@ -368,7 +371,10 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
         x: (..., N) fp32/fp16/bf16, any strides; N in [1, 2^24 - 1] (``MAX_HIDDEN``).
         residual: same shape as x, any float dtype, or None (then residual_out = dropout(x)).
         weight, bias: (N,) or None; may be fp32 while x is fp16/bf16 (autocast).
-        eps: added to the variance. dropout_p: dropout on x before the add, in [0, 1).
+        eps: added to the variance, >= 0 as torch takes it (at 0 a row of zero variance gives
+            NaN, as torch's norms do). dropout_p: dropout on x before the add, in [0, 1).
+            Both may be Python or numpy numbers (converted to Python floats here); bools are
+            refused.
         residual_in_fp32: with residual None, keep residual_out in fp32.
         out_is_residual: Post-LN, where the normalized output is also the next residual stream:
             return ``(out, out)`` (the second an alias of out; the sum itself is not returned).
@@ -381,7 +387,7 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
         separate PyTorch add. Backward saves residual_out (or x) and the fp32 mean and rstd; the
         dropout mask is regenerated from its seed.
     """
-    _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
+    eps, dropout_p = _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
     if type(x) is not Tensor and _backend.is_dtensor(x):
         from fused_block import distributed
         return distributed.add_norm(add_layer_norm, x, residual, (weight, bias), eps, dropout_p, residual_in_fp32,
@@ -407,9 +413,9 @@ def add_rms_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | Non
     """
     if eps is None and isinstance(x, Tensor) and x.is_floating_point():
         eps = reference.default_rms_eps(x.dtype)
-    _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual)
+    eps, dropout_p = _check(x, residual, weight, None, eps, dropout_p, residual_in_fp32, out_is_residual)
     if not isinstance(unit_offset, bool):
-        raise TypeError(f"unit_offset must be a bool, got {type(unit_offset).__name__}")
+        raise TypeError(f"unit_offset must be a bool, got {_validate.type_name(unit_offset)}")
     if type(x) is not Tensor and _backend.is_dtensor(x):
         from fused_block import distributed
         return distributed.add_norm(add_rms_norm, x, residual, (weight,), eps, dropout_p, residual_in_fp32,

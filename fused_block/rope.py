@@ -77,11 +77,12 @@ def _check(q, k, positions, inv_freq, cos, sin, scale, interleaved):
 
 
 def _check_angles(ref_name, ref, B, L, D, positions, inv_freq, cos, sin, scale, interleaved, default_positions):
-    """The angle arguments for B sequences of L tokens with head dim D; returns the rotary dim.
+    """The angle arguments for B sequences of L tokens with head dim D; returns the rotary dim
+    and ``scale`` as a Python number (numpy's converted).
     ``default_positions``: positions may be None with inv_freq (0..L-1)."""
     if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
-    _validate.positive("scale", scale)
+        raise TypeError(f"interleaved must be a bool, got {_validate.type_name(interleaved)}")
+    scale = _validate.positive("scale", scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     from_positions = positions is not None or inv_freq is not None
@@ -101,7 +102,7 @@ def _check_angles(ref_name, ref, B, L, D, positions, inv_freq, cos, sin, scale, 
         _validate.same_device(ref_name, ref, positions=positions, inv_freq=inv_freq)
         if inv_freq.requires_grad and torch.is_grad_enabled():
             raise ValueError("inv_freq: no gradient flows to the frequencies; pass inv_freq.detach()")
-        return rot_dim
+        return rot_dim, scale
     if scale != 1.0:  # the tables are read as given: a scale of its own would be ignored
         raise ValueError(f"scale applies to angles from positions and inv_freq; cos and sin are used as given "
                          f"(scale them instead: Hugging Face's tables hold attention_scaling already), got "
@@ -117,7 +118,7 @@ def _check_angles(ref_name, ref, B, L, D, positions, inv_freq, cos, sin, scale, 
     _validate.same_device(ref_name, ref, cos=cos, sin=sin)
     if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         raise ValueError("cos/sin: no gradient flows to the tables; pass cos.detach() and sin.detach()")
-    return rot_dim
+    return rot_dim, scale
 
 
 def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Optional[Tensor] = None, *,
@@ -140,7 +141,7 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
     Dimensions past D_rot are copied unchanged (partial rotary). Returns ``(q_out, k_out)``,
     contiguous (B, L, H, D) in q's dtype. Gradients flow to q and k (not to the angle inputs).
     """
-    rot_dim = _check(q, k, positions, inv_freq, cos, sin, scale, interleaved)
+    rot_dim, scale = _check(q, k, positions, inv_freq, cos, sin, scale, interleaved)
     _backend.no_dtensor("rope", q, k)
     if not _backend.use_triton(q):
         return reference.rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved)
@@ -253,26 +254,31 @@ _RoPEPackedQKNorm_apply = _library.fast_apply(_RoPEPackedQKNorm)
 
 
 def _check_qk_norm(qkv, D, q_weight, k_weight, eps):
-    """True when the per-head norms are asked for (both weights), after checking them."""
+    """``(norms, eps)``: whether the per-head norms are asked for (both weights), after checking
+    them, and then eps as a Python number (numpy's converted). eps must be > 0, where torch's
+    ``rms_norm`` takes 0: the kernel's padding heads (zeros) would get rstd = inf, and their
+    NaN would reach the weights' gradients."""
     if q_weight is None and k_weight is None:
-        return False
+        return False, eps
     if q_weight is None or k_weight is None:
         raise ValueError("pass both q_norm_weight and k_norm_weight, or neither")
     for name, w in (("q_norm_weight", q_weight), ("k_norm_weight", k_weight)):
         _validate.tensor(name, w, ndim=1)
         _validate.shape(name, w, (D,))
     _validate.same_device("qkv", qkv, q_norm_weight=q_weight, k_norm_weight=k_weight)
-    _validate.positive("norm_eps", eps)
+    eps = _validate.positive("norm_eps", eps)
     if not math.isfinite(eps):
         raise ValueError(f"norm_eps must be finite, got {eps}")
-    return True
+    return True, eps
 
 
 def _count(name, n):
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    """``n`` as a Python int (numpy's converted), after checking it is positive."""
+    if type(n) is not int:
+        n = _validate.integer(name, n)
     if n <= 0:
         raise ValueError(f"{name} must be positive, got {n}")
+    return n
 
 
 def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = None, positions: Optional[Tensor] = None,
@@ -293,7 +299,8 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
             ``scale`` and ``interleaved`` as :func:`rope`.
         q_norm_weight, k_norm_weight: (D,) each, or both None: every q head (k head) is first
             RMS-normalized over its D elements, ``x / sqrt(mean(x^2) + norm_eps)`` with fp32
-            statistics, and multiplied by the weight (Qwen3's ``q_norm`` / ``k_norm``; any float
+            statistics (``norm_eps`` > 0: unlike torch's ``rms_norm``, not 0), and multiplied by
+            the weight (Qwen3's ``q_norm`` / ``k_norm``; any float
             dtype, read in fp32), in the same launch; the weights then get gradients too.
             ``norm_unit_offset``: the heads are scaled by ``1 + weight`` instead (Gemma 3's
             ``q_norm`` / ``k_norm``, whose weights are offsets from 1), in fp32.
@@ -305,10 +312,9 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
     statistics are recomputed).
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _count("num_heads", num_heads)
-    _count("num_kv_heads", num_kv_heads)
+    num_heads, num_kv_heads = _count("num_heads", num_heads), _count("num_kv_heads", num_kv_heads)
     if not isinstance(batch_first, bool):
-        raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
+        raise TypeError(f"batch_first must be a bool, got {_validate.type_name(batch_first)}")
     _validate.tensor("qkv", qkv, ndim=3)
     _backend.no_dtensor("rope_qkvpacked", qkv)
     heads = num_heads + 2 * num_kv_heads
@@ -317,10 +323,10 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
                          "times the head dim")
     B, L = (qkv.shape[0], qkv.shape[1]) if batch_first else (qkv.shape[1], qkv.shape[0])
     D = qkv.shape[2] // heads
-    rot_dim = _check_angles("qkv", qkv, B, L, D, positions, inv_freq, cos, sin, scale, interleaved, True)
-    norm = _check_qk_norm(qkv, D, q_norm_weight, k_norm_weight, norm_eps)
+    rot_dim, scale = _check_angles("qkv", qkv, B, L, D, positions, inv_freq, cos, sin, scale, interleaved, True)
+    norm, norm_eps = _check_qk_norm(qkv, D, q_norm_weight, k_norm_weight, norm_eps)
     if not isinstance(norm_unit_offset, bool):
-        raise TypeError(f"norm_unit_offset must be a bool, got {type(norm_unit_offset).__name__}")
+        raise TypeError(f"norm_unit_offset must be a bool, got {_validate.type_name(norm_unit_offset)}")
     if not _backend.use_triton(qkv):
         return reference.rope_qkvpacked(qkv, num_heads, num_kv_heads, positions, inv_freq, cos=cos, sin=sin,
                                         scale=scale, interleaved=interleaved, batch_first=batch_first,

@@ -3,6 +3,7 @@
 Each bad input must raise ValueError or TypeError naming the argument, before any kernel
 launch: nothing raises from inside Triton, nothing returns a silently wrong result.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -111,10 +112,22 @@ CATALOGUE = [
     ("ln-weight-shape", lambda: _norm(weight=r(8)), ValueError, "weight"),
     ("ln-bias-shape", lambda: _norm(bias=r(16, 1)), ValueError, "bias"),
     ("ln-weight-device", lambda: _norm(weight=r(16, device=META)), ValueError, "weight"),
-    ("ln-eps-zero", lambda: _norm(eps=0.0), ValueError, "eps"),
+    ("ln-eps-negative", lambda: _norm(eps=-1e-5), ValueError, "eps must be >= 0"),
+    ("ln-eps-nan", lambda: _norm(eps=float("nan")), ValueError, "eps must be >= 0"),
+    ("ln-eps-numpy-negative", lambda: _norm(eps=np.float32(-1e-5)), ValueError, "eps must be >= 0"),
+    ("ln-eps-bool", lambda: _norm(eps=True), TypeError, "eps must be a number, got bool"),
+    ("ln-eps-numpy-bool", lambda: _norm(eps=np.bool_(True)), TypeError, "eps must be a number, got numpy.bool"),
+    ("ln-eps-str", lambda: _norm(eps="1e-5"), TypeError, "eps must be a number, got str"),
     ("ln-dropout-one", lambda: _norm(dropout_p=1.0), ValueError, "dropout_p"),
     ("ln-dropout-negative", lambda: _norm(dropout_p=-0.1), ValueError, "dropout_p"),
     ("ln-residual-in-fp32-type", lambda: _norm(residual_in_fp32=1), TypeError, "residual_in_fp32"),
+    # numpy's bool is refused where a flag is required (as SDPA's is_causal refuses it), by its full name
+    ("ln-residual-in-fp32-numpy-bool", lambda: _norm(residual_in_fp32=np.bool_(True)), TypeError,
+     "residual_in_fp32 must be a bool, got numpy.bool"),
+    ("rms-unit-offset-numpy-bool", lambda: _rms(unit_offset=np.bool_(True)), TypeError,
+     "unit_offset must be a bool, got numpy.bool"),
+    ("rms-eps-zero-dim-array", lambda: _rms(eps=np.array(1e-5)), TypeError, "eps must be a number, got numpy.ndarray"),
+    ("rms-dropout-numpy", lambda: _rms(dropout_p=np.float32(1.0)), ValueError, "dropout_p must be in"),
     ("rms-int-x", lambda: _rms(x=torch.ones(4, 16, dtype=torch.int32, device=DEV)), TypeError, "x"),
     ("rms-weight-shape", lambda: _rms(weight=r(17)), ValueError, "weight"),
     ("rms-dropout", lambda: _rms(dropout_p=1.5), ValueError, "dropout_p"),
@@ -137,6 +150,17 @@ CATALOGUE = [
     ("attn-mask-dtype", lambda: _attn(key_padding_mask=torch.zeros(2, 8, device=DEV)), TypeError, "key_padding_mask"),
     ("attn-dropout", lambda: _attn(dropout_p=1.0), ValueError, "dropout_p"),
     ("attn-causal-type", lambda: _attn(causal="yes"), TypeError, "causal"),
+    ("attn-causal-numpy-bool", lambda: _attn(causal=np.bool_(True)), TypeError, "causal must be a bool, got numpy.bool"),
+    ("attn-window-float", lambda: _attn(window=(np.float64(2.0), -1)), TypeError,
+     "window's left size must be an int, got numpy.float64"),
+    ("attn-window-numpy-bool", lambda: _attn(window=(-1, np.bool_(False))), TypeError,
+     "window's right size must be an int, got numpy.bool"),
+    ("attn-window-numpy-below", lambda: _attn(window=(np.int64(-2), -1)), ValueError, "window's left size"),
+    ("attn-scale-numpy-inf", lambda: _attn(scale=np.float32("inf")), ValueError, "scale must be finite"),
+    ("attn-softcap-numpy-zero", lambda: _attn(softcap=np.float16(0)), ValueError, "softcap must be > 0"),
+    ("attn-dropout-bool", lambda: _attn(dropout_p=True), TypeError, "dropout_p must be a float, got bool"),
+    ("attn-packed-heads-float", lambda: fused_block.attention_qkvpacked(r(2, 8, 48, dtype=BF16), np.float64(1)),
+     TypeError, "num_heads must be an int, got numpy.float64"),
     ("attn-scale", lambda: _attn(scale=-1.0), ValueError, "scale"),
     ("attn-return-lse-type", lambda: _attn(return_lse="no"), TypeError, "return_lse"),
     ("attn-alibi-requires-grad", lambda: _attn(alibi_slopes=torch.ones(4, device=DEV, requires_grad=True)), ValueError,
@@ -183,6 +207,14 @@ CATALOGUE = [
     ("lce-ignore-index-overflow", lambda: _lce(ignore_index=2 ** 64), ValueError, "ignore_index"),
     ("lce-reduction", lambda: _lce(reduction="avg"), ValueError, "reduction"),
     ("lce-ignore-index-type", lambda: _lce(ignore_index=-100.0), TypeError, "ignore_index"),
+    # as F.cross_entropy: numpy integers are class indices, numpy floats and bools are not
+    ("lce-ignore-index-numpy-float", lambda: _lce(ignore_index=np.float64(-100)), TypeError,
+     "ignore_index must be an int, got numpy.float64"),
+    ("lce-ignore-index-numpy-bool", lambda: _lce(ignore_index=np.bool_(True)), TypeError,
+     "ignore_index must be an int, got numpy.bool"),
+    ("lce-z-loss-numpy-negative", lambda: _lce(z_loss=np.float32(-1)), ValueError, "z_loss"),
+    ("lce-return-lse-numpy-bool", lambda: _lce(return_lse=np.bool_(True)), TypeError,
+     "return_lse must be a bool, got numpy.bool"),
     ("lce-empty-vocabulary", lambda: _lce(weight=r(0, 16)), ValueError, "weight"),
     # values are checked where that needs no synchronization: CPU tensors (CUDA: NaN for the token)
     *([("lce-target-out-of-range", lambda: _lce(target=torch.tensor([0, 1, 10, 2])), ValueError, "target")]
@@ -202,6 +234,9 @@ CATALOGUE = [
     ("Encoder-src-dtype", _module(_enc, r(2, 6, 16, dtype=BF16)), TypeError, "src"),
     ("Encoder-src-device", _module(_enc, r(2, 6, 16, device=META)), ValueError, "src"),
     ("Encoder-is-causal-type", _module(_enc, r(2, 6, 16), is_causal="yes"), TypeError, "is_causal"),
+    ("Encoder-is-causal-numpy-bool", _module(_enc, r(2, 6, 16), is_causal=np.bool_(True)), TypeError,
+     "is_causal must be a bool, got numpy.bool"),
+    ("Encoder-nhead-float", lambda: fused_block.TransformerEncoderLayer(16, np.float64(4), 32), ValueError, "nhead"),
     ("Encoder-rope-base", lambda: fused_block.TransformerEncoderLayer(16, 4, 32, rope=True, rope_base=0.0), ValueError,
      "rope_base"),
     ("Decoder-memory-dtype", _module(_dec, r(2, 6, 16), r(2, 5, 16, dtype=torch.float16)), TypeError, "memory"),

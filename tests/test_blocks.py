@@ -17,6 +17,7 @@ import copy
 import warnings
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -439,6 +440,50 @@ def test_float64_runs_the_reference(device):
     x = _x(True, L, device).double()
     kpm = _padding(B, L, device)
     torch.testing.assert_close(f(x, src_key_padding_mask=kpm), t(x, src_key_padding_mask=kpm), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# scalar arguments as torch's layers take them: numpy scalars, layer_norm_eps = 0
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, dtype", [("encoder", torch.float32), ("decoder", torch.bfloat16),
+                                         ("encoder", torch.float16)])
+def test_numpy_constructor_arguments(kind, dtype, device, launches):
+    """Sizes (numpy int64, int32), dropout (float64), layer_norm_eps (float32) and flags (numpy's
+    bool), as torch's layers take them: the fused layer keeps Python scalars (its kernels never
+    see numpy's) and matches torch's layer built from the Python values."""
+    eps, norm_first = np.float32(1e-5), kind == "encoder"
+    t, _ = _layers(kind, batch_first=True, norm_first=norm_first, layer_norm_eps=float(eps))
+    cls = fused_block.TransformerEncoderLayer if kind == "encoder" else fused_block.TransformerDecoderLayer
+    f = cls(np.int64(D), np.int32(H), np.int64(FF), dropout=np.float64(0.0), layer_norm_eps=eps,
+            batch_first=np.bool_(True), norm_first=np.bool_(norm_first))
+    attn = f.self_attn
+    assert [type(v) for v in (attn.embed_dim, attn.num_heads, attn.num_kv_heads, attn.dropout, f.norm1.eps,
+                              f.dropout1.p, f.linear2.in_features)] == [int, int, int, float, float, float, int]
+    assert attn.batch_first is True and f.norm_first is norm_first
+    inputs = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
+    _three_ways(t, f, inputs, {}, dtype, device)
+    norms = 2 if kind == "encoder" else 3
+    assert launches["add_norm_fwd"] == norms and launches["add_norm_bwd"] == norms
+    assert launches["attention_fwd"] == norms - 1
+
+
+@pytest.mark.parametrize("norm, dtype", [("layer", torch.float32), ("rms", torch.bfloat16), ("layer", torch.float16)])
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the norm kernels' padding rows (masked)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_convert_with_layer_norm_eps_zero(norm, dtype, device, launches):
+    """convert() of torch's layer whose norms have eps = 0 (torch takes it; LayerNorm from
+    ``layer_norm_eps=0``, or RMSNorm) matches torch's layer: the fused norms run at eps = 0.
+    (GELU as in the low-precision tests above: at ReLU's kink a 16-bit pre-activation rounded
+    to the other side of 0 flips a hidden unit's gradient, in either implementation.)"""
+    t = nn.TransformerEncoderLayer(D, H, FF, 0.0, "gelu", layer_norm_eps=0, batch_first=True, norm_first=True)
+    if norm == "rms":
+        t.norm1, t.norm2 = nn.RMSNorm(D, eps=0.0), nn.RMSNorm(D, eps=0.0)
+    _randomize(t)
+    f = fused_block.convert(copy.deepcopy(t))
+    assert type(f) is fused_block.TransformerEncoderLayer and f.norm1.eps == 0
+    _three_ways(t, f, [_x(True, L, device)], {"src_key_padding_mask": _padding(B, L, device)}, dtype, device)
+    assert launches["add_norm_fwd"] == 2 and launches["add_norm_bwd"] == 2
 
 
 # ---------------------------------------------------------------------------------------------

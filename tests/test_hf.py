@@ -106,6 +106,24 @@ def test_bf16_logits(arch, device, launches):
     assert launches["attention_fwd"] == 2
 
 
+@pytest.mark.parametrize("arch, eps", [("gpt2", "layer_norm_epsilon"), ("llama", "rms_norm_eps")])
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the norm kernels' padding rows (masked)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_norm_eps_zero(arch, eps, device, launches):
+    """A config whose norms' eps is 0 (torch's LayerNorm and RMSNorm take it): the converted
+    model's fused norms run at eps = 0 (no layer left unconverted: no fused_block warning), its
+    fp32 logits as the original's."""
+    model = _model(arch, device, **{eps: 0.0}).eval()
+    ref = copy.deepcopy(model).double()
+    fused = _converted(model)
+    ids, mask = _inputs(arch, device)
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                  for m in (ref, model, fused)]
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["add_norm_fwd"] >= 4  # per layer: 2
+
+
 def _first_parting(want, got, steps):
     """Greedy tokens (``generate``'s sequences and scores, new tokens only) agree until the first
     step where the original's own logits nearly tie between its token and the converted

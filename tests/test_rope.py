@@ -5,6 +5,7 @@ the last 16 dims are copied; 12 pairs are not a power of two, so the pair mask r
 heads and 2 key heads (GQA, and head blocks that do not divide); L = 5 tokens. q and k are
 views of one packed QKV projection output, as the converted models pass them.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -378,7 +379,11 @@ def test_rope_qkvpacked_qk_norm_bad_inputs_name_the_argument(device, launches):
         (dict(q_norm_weight=w, k_norm_weight=w[:16]), ValueError, r"k_norm_weight must have shape \(32,\)"),
         (dict(q_norm_weight=w[None], k_norm_weight=w), ValueError, "q_norm_weight must be 1-D"),
         (dict(q_norm_weight=w.long(), k_norm_weight=w), TypeError, "q_norm_weight must have dtype"),
+        # 0 too (torch's rms_norm takes it): the kernel's padding heads would put NaN in the weights' gradients
         (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=float("nan")), ValueError, "norm_eps must be > 0"),
+        (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=np.bool_(True)), TypeError,
+         "norm_eps must be a number, got numpy.bool"),
         (dict(q_norm_weight=w, k_norm_weight=w, norm_eps=float("inf")), ValueError, "norm_eps must be finite"),
     ]
     for override, exc, match in cases:
