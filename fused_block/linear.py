@@ -604,14 +604,17 @@ def _check_residual(x, residual, n):
 
 
 def _autocast(x, *tensors):
-    """Under autocast, cast x and the layer's parameters as ``F.linear`` would (not the residual)."""
+    """Under autocast, cast x and the layer's parameters as ``F.linear`` would (not the residual):
+    floating tensors to its dtype, float64 as given (autocast leaves it, so float64 stays float64
+    and a float64 operand beside a cast one is a dtype mismatch, as in ``F.linear``)."""
     if not torch._C._is_any_autocast_enabled():  # the common case, without reading x's device
         return (x, *tensors)
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
         return (x, *tensors)
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in (x, *tensors))
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (x, *tensors))
 
 
 def _flat(t):

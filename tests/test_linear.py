@@ -907,6 +907,17 @@ def test_autocast(device, launches):
     grads = torch.autograd.grad(out_res.sum(), (x, w, b, r))
     assert [t.dtype for t in grads] == [torch.float32] * 4
     assert launches["matmul"] == 4  # two forwards, dX and dW
+    # float64 is left as it is, as autocast leaves it for F.linear (which then computes in
+    # float64): the same TypeError as outside autocast (the op takes no float64), not a bf16
+    # product; a float64 weight beside cast x, the weight's dtype error.
+    x64, w64, b64 = (t.detach().double() for t in (x, w, b))
+    with torch.autocast(device.type, dtype=lowp):
+        assert F.linear(x64, w64, b64).dtype == torch.float64
+        with pytest.raises(TypeError, match="x must have dtype"):
+            linear(x64, w64, b64, "gelu")
+        with pytest.raises(TypeError, match="weight"):
+            linear(x.detach(), w64, b64)
+    assert launches["matmul"] == 4
 
 
 def test_public_names():
