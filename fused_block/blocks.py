@@ -230,7 +230,9 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
 
     Values decide only where they can be read (see :func:`_verdict`): under ``torch.compile``,
     or in a CUDA graph capture without a verdict from the warm-up, an unhinted causal mask or
-    a float padding mask is general, which is slower, never wrong.
+    a float padding mask is general, which is slower, never wrong. A float mask that requires
+    a gradient (a learned bias) is never read as a pattern: it stays the kernel's additive
+    bias, whatever its values (zeros, causal), and gets its gradient.
     """
     if attn_mask is None and key_padding_mask is None and not (is_causal and L != S):
         return _Masks(causal=bool(is_causal))
@@ -238,7 +240,7 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
     causal = bool(is_causal)
     unread = " whose values cannot be read under torch.compile or CUDA graph capture"
     mask_reason = f"a general (non-causal) {mask_name}"
-    if attn_mask is not None and not causal:
+    if attn_mask is not None and not causal and not attn_mask.requires_grad:
         if attn_mask.dim() == 2 and L == S:
             is_causal_mask = _verdict(_is_causal_mask, attn_mask, L)
             if is_causal_mask is None:
@@ -252,11 +254,12 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
         attn_mask = None  # torch trusts the is_causal hint as well
     kpm = key_padding_mask
     if kpm is not None and kpm.dtype != torch.bool:
-        is_padding = _verdict(_is_additive_bool_mask, kpm)
+        is_padding = False if kpm.requires_grad else _verdict(_is_additive_bool_mask, kpm)
         if is_padding:
             kpm = torch.isneginf(kpm)
         else:
-            reason = (f"a float {kpm_name} with values other than 0 and -inf" if is_padding is not None
+            reason = (f"a float {kpm_name} that requires a gradient" if kpm.requires_grad
+                      else f"a float {kpm_name} with values other than 0 and -inf" if is_padding is not None
                       else f"a float {kpm_name}{unread} (pass a bool mask)")
             return _Masks(general=_merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype), reason=reason)
     if attn_mask is not None:

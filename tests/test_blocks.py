@@ -379,6 +379,35 @@ def test_block_diagonal_src_mask_skips_hidden_blocks(kind, dtype, device, launch
     assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
+@pytest.mark.parametrize("init", ["zeros", "causal"])
+def test_a_learned_mask_gets_its_gradient_whatever_its_values(init, device, launches):
+    """A float mask that requires a gradient (a learned attention bias, zero-initialized as
+    usual, or at the causal pattern) is the kernel's additive bias, never read as "masks
+    nothing" / "causal" and dropped: its gradient is torch's (src_mask, a float key padding
+    mask, a decoder's memory_mask)."""
+    t, f = _layers("decoder", norm_first=True, batch_first=True)
+    f.load_state_dict(t.state_dict())
+    f = f.to(device)
+    t = t.to(device)
+    ref = copy.deepcopy(t).double()
+    tgt, mem = _x(True, L, device), _x(True, S, device)
+    grad_out = numerics.randn(*tgt.shape, dtype=torch.float64, device=device)
+    masks = dict(tgt_mask=torch.zeros(L, L, device=device) if init == "zeros" else _causal(L, device),
+                 memory_mask=torch.zeros(L, S, device=device),
+                 tgt_key_padding_mask=torch.zeros(B, L, device=device))
+    grads = {}
+    for name, layer, dtype in (("ref", ref, torch.float64), ("base", t, torch.float32), ("fused", f, torch.float32)):
+        kw = {k: m.to(dtype).requires_grad_() for k, m in masks.items()}
+        out = layer(tgt.to(dtype), mem.to(dtype), **kw)
+        grads[name] = torch.autograd.grad(out, list(kw.values()), grad_out.to(dtype))
+    for k, g64, gb, gf in zip(masks, *grads.values()):
+        seen = torch.isfinite(g64)  # (torch's gradient at a -inf entry: 0, or NaN)
+        assert gf is not None and bool(torch.isfinite(gf).all()), k
+        _assert_close(k, gf[seen], g64[seen], gb[seen], torch.float32, device)
+        assert float(g64[seen].abs().max()) > 0, k  # the test discriminates
+    assert launches["attention_bwd"] == 2 and launches["attention_dbias"] == 2
+
+
 def test_float_padding_mask_of_zeros_and_neg_inf_uses_kernel(device, launches):
     """nn.TransformerEncoder hands its layers float (0 / -inf) padding masks."""
     t, f = _layers("encoder", norm_first=False, batch_first=True)
