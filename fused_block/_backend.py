@@ -116,6 +116,34 @@ def not_scriptable(module):
 _NO_SEED = {}
 
 
+def once_differentiable(backward):
+    """For a kernel Function's ``backward``: outside ``create_graph=True`` (the usual case) the
+    backward itself, for the price of one grad-mode read. Under it (double backward, gradient
+    penalties, ``torch.autograd.functional.hvp``) the backward runs without recording and its
+    gradients come back as tensors whose own backward raises a ``RuntimeError`` naming the op,
+    as torch's ``once_differentiable`` (whatever the incoming gradients require): a second
+    derivative through a kernel is an error, not a gradient with a silently missing graph."""
+    message = (f"fused_block: the backward of {backward.__qualname__.split('.')[0]} runs Triton kernels and has no "
+               "derivative of its own (double backward, create_graph=True): compute higher-order gradients with "
+               "the torch module or function it replaces, or in float64 (the PyTorch reference path)").encode()
+    is_grad_enabled = torch.is_grad_enabled
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if not is_grad_enabled():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        single = not isinstance(out, tuple)
+        outs = (out,) if single else out
+        delayed = torch._C._functions.DelayedError(message, len(outs))(
+            *[None if t is None else t.detach().requires_grad_() for t in outs])
+        delayed = delayed if isinstance(delayed, tuple) else (delayed,)
+        return delayed[0] if single else tuple(delayed)
+
+    return wrapper
+
+
 _LOCAL = threading.local()  # .seeds: [views of one drawn tensor, next index, device] inside seed_block
 
 

@@ -329,6 +329,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, key_padding_mask, seed, sinks, alibi_slopes, bias, mask = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else common.unit(dout)
@@ -356,6 +357,7 @@ class _PackedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dout, dlse):
         qkv, out, lse, key_padding_mask, seed = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else common.unit(dout)
@@ -381,6 +383,7 @@ class _VarlenAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k, seed, sinks, alibi_slopes = ctx.saved_tensors
         max_q, max_k, *options = ctx.options
@@ -406,6 +409,7 @@ class _VarlenPackedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dout, dlse):
         qkv, out, lse, cu_seqlens, seed = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()

@@ -410,6 +410,7 @@ class _LinearFn(torch.autograd.Function):
         return out if x2 is x else _output(out, x.shape[:-1])
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dout):
         need_x, need_w, need_b, need_r, need_u, need_lb = ctx.needs_input_grad[:6]
         dx = dw = db = du = dlb = None
@@ -447,6 +448,7 @@ class _GatedFn(torch.autograd.Function):
         return h
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dh):
         need = ctx.needs_input_grad
         if dh is None:
@@ -507,6 +509,7 @@ class _FFNFn(torch.autograd.Function):
         return out if x is x_in else _output(out, lead)
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dout):
         ni = ctx.needs_input_grad
         need_x, need_w1, need_b1, need_w2, need_b2 = ni[0], ni[1] or ni[2], ni[3] or ni[4], ni[5], ni[6]

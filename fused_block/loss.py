@@ -191,6 +191,7 @@ class _LCEFn(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dloss, _dlse):
         need_dh, need_dw, need_db = ctx.need
         if dloss is None:

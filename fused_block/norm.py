@@ -144,6 +144,7 @@ class _AddNorm(torch.autograd.Function):
         return out, rout if store_residual else x
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dout, dsecond=None):
         h, weight, mean, rstd, seed = ctx.saved_tensors
         need_x, need_res, need_w, need_b = ctx.needs_input_grad[:4]

@@ -49,6 +49,7 @@ class _RoPE(torch.autograd.Function):
         return _rope_op(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, False)
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, dq, dk):
         positions, inv_freq, cos, sin = ctx.saved_tensors
         # An unused output has no gradient: give the kernel zero heads of it instead of zeros.
@@ -182,6 +183,7 @@ class _RoPEPacked(torch.autograd.Function):
         return _rope_packed_op(qkv, positions, inv_freq, cos, sin, *ctx.args, False)
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, grad):
         if grad is None:
             return (None,) * 11
@@ -240,6 +242,7 @@ class _RoPEPackedQKNorm(torch.autograd.Function):
         return _rope_qknorm_op(qkv, q_weight, k_weight, positions, inv_freq, cos, sin, *ctx.args)
 
     @staticmethod
+    @_backend.once_differentiable
     def backward(ctx, grad):
         if grad is None:
             return (None,) * 16
