@@ -46,6 +46,7 @@ a wrong answer. A query whose keys are all masked gives 0 here (torch's layers g
 """
 import contextlib
 import math
+import threading
 import weakref
 
 import torch
@@ -486,7 +487,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         elif masks.general is not None:
             # A mask the causal/padding flags cannot express: the kernel's additive bias.
             bias = masks.general
-        varlen = _VARLEN[0]
+        varlen = _VARLEN.get(threading.get_ident()) if _VARLEN else None
         if varlen is not None:  # a jagged batch as one row of packed tokens (_forward_nested)
             if not (packed and reason is None and bias is None and ops is _FUSED and not self.rope
                     and masks.key_padding is None and masks.hidden is None):
@@ -811,18 +812,24 @@ _NO_SEED_BLOCK = contextlib.nullcontext()
 # one of its calls, set on the layer and its attention modules for the call's duration.
 _TP, _TP_RUN = "_fused_block_tp", "_fused_block_tp_run"
 # A nested batch's (cu_seqlens int32, longest length) while its tokens run as one row
-# (TransformerEncoderLayer._forward_nested): the self-attention runs the varlen kernel.
-_VARLEN = [None]
+# (TransformerEncoderLayer._forward_nested), by thread: that thread's self-attention runs the
+# varlen kernel, another thread's calls meanwhile are theirs. A dict (dynamo guards its
+# contents; a threading.local's attributes it does not), empty outside such a call.
+_VARLEN = {}
 
 
 @contextlib.contextmanager
 def _varlen_tokens(cu_seqlens, longest):
-    saved = _VARLEN[0]
-    _VARLEN[0] = (cu_seqlens, longest)
+    me = threading.get_ident()
+    saved = _VARLEN.get(me)
+    _VARLEN[me] = (cu_seqlens, longest)
     try:
         yield
     finally:
-        _VARLEN[0] = saved
+        if saved is None:
+            del _VARLEN[me]
+        else:
+            _VARLEN[me] = saved
 
 
 def _tp_length(layer, n, memory=False, masks=()):

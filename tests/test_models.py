@@ -264,6 +264,54 @@ def test_nested_input_to_a_fused_layer(device, launches, layout, causal, monkeyp
     assert launches["attention_fwd"] == 4
 
 
+def test_a_nested_batch_in_one_thread_leaves_another_threads_calls_alone(device, launches):
+    """While one thread's layer runs a nested batch as one packed row (its tokens' sequence
+    boundaries held for that thread's attention), a dense call in another thread attends over
+    its own rows: the same output as alone (the boundaries were process-global: found by
+    fuzzing, a silently wrong output or a shape error)."""
+    import threading
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    inside, resume = threading.Event(), threading.Event()
+
+    def pausing_relu(t):  # thread A's FFN activation: waits inside the nested forward
+        inside.set()
+        resume.wait(timeout=120)
+        return F.relu(t)
+
+    layer_a = fused_block.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True, activation=pausing_relu,
+                                                  device=device).eval()
+    layer_b = fused_block.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True, device=device).eval()
+    nested = torch.nested.nested_tensor([torch.randn(3, 32, device=device), torch.randn(8, 32, device=device)],
+                                        layout=torch.jagged)
+    x = torch.randn(1, 11, 32, device=device)  # as many tokens as the nested batch
+    with torch.no_grad():
+        alone = layer_b(x)
+    errors = []
+
+    def thread_a():
+        try:
+            with torch.no_grad():
+                layer_a(nested)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=thread_a)
+    t.start()
+    try:
+        assert inside.wait(timeout=120)
+        with torch.no_grad():
+            during = layer_b(x)
+    finally:
+        resume.set()
+        t.join()
+    assert not errors
+    torch.testing.assert_close(during, alone, atol=0, rtol=0)
+    assert launches["attention_fwd"] == 3
+
+
 def test_converted_transformer_in_eval_gives_torchs_answer(device, launches):
     """The issue's case (torch's module_db Transformer sample with both padding masks): eval,
     no_grad, src and tgt padding masks but no memory_key_padding_mask. torch's encoder fast path
