@@ -359,12 +359,17 @@ class MultiheadAttention(nn.MultiheadAttention):
             self.register_buffer("inv_freq", _inv_freq(self.head_dim, self.rope_base, device), persistent=False)
 
     def _apply(self, fn, *args, **kwargs):
-        """``to``/``half``/``cuda``/``to_empty`` also reach the frequencies buffer: recompute it
-        in fp32 from ``rope_base`` on its new device (cast frequencies would shift every angle;
-        ``to_empty`` would leave garbage), once per move rather than per call."""
+        """``to``/``half``/``cuda``/``to_empty`` also reach the frequencies buffer: it moves to the
+        new device as it was, in fp32 (cast frequencies would shift every angle), so a table the
+        user set (position interpolation's ``inv_freq / s``, a loaded one) is kept; one on the
+        meta device (which holds no values) is computed from ``rope_base`` there, once per move
+        rather than per call."""
+        before = self.inv_freq if self.rope else None
         out = super()._apply(fn, *args, **kwargs)
         if self.rope:
-            self.inv_freq = _inv_freq(self.head_dim, self.rope_base, self.inv_freq.device)
+            device = self.inv_freq.device
+            self.inv_freq = (_inv_freq(self.head_dim, self.rope_base, device) if before.is_meta
+                             else before.to(device=device, dtype=torch.float32))
         return out
 
     def _rotate(self, qkv, ops):

@@ -672,6 +672,14 @@ def test_swiglu_layer_keywords_and_rope_frequencies_after_moves(device):
     for m in (half, meta.to_empty(device=device)):
         assert m.self_attn.inv_freq.dtype == torch.float32
         torch.testing.assert_close(m.self_attn.inv_freq.cpu(), exact, atol=0, rtol=0)
+    # A table the user set (position interpolation) moves and casts as it is, in fp32: moves
+    # recomputed it from rope_base (found by fuzzing: a no-op .to() undid the interpolation).
+    scaled = copy.deepcopy(layer)
+    scaled.self_attn.inv_freq = exact / 4
+    for move in (lambda m: m.to("cpu"), lambda m: m.to(device), lambda m: m.bfloat16(), lambda m: m.float()):
+        move(scaled)
+        assert scaled.self_attn.inv_freq.dtype == torch.float32
+        torch.testing.assert_close(scaled.self_attn.inv_freq.cpu(), exact / 4, atol=0, rtol=0)
     x = _x(True, L, device)
     with torch.no_grad():
         got = half(x.to(torch.bfloat16), is_causal=True).float()
