@@ -23,11 +23,20 @@ INTERPRET = interpreting()
 FORCE_TRITON = False
 
 
+_compiling = torch.compiler.is_compiling
+_transforms_active = torch._C._are_functorch_transforms_active
+_is_batched, _is_legacy_batched = torch._C._functorch.is_batchedtensor, torch._C._functorch.is_legacy_batchedtensor
+
+
 def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on ``t`` runs the kernels (else the PyTorch reference): CUDA tensors, CPU
+    ones in the interpreter; not under a torch.func transform (``grad``, ``vmap``, ``jacrev``),
+    which the kernels' autograd Functions do not take, where the reference's torch ops give the
+    transform's answer (outside ``torch.compile``, which traces the ops themselves)."""
     if FORCE_TRITON:
         return True
     kind = t.device.type
-    return kind == "cuda" or (INTERPRET and kind == "cpu")
+    return (kind == "cuda" or (INTERPRET and kind == "cpu")) and (_compiling() or not _transforms_active())
 
 
 @contextlib.contextmanager
@@ -122,14 +131,23 @@ def once_differentiable(backward):
     penalties, ``torch.autograd.functional.hvp``) the backward runs without recording and its
     gradients come back as tensors whose own backward raises a ``RuntimeError`` naming the op,
     as torch's ``once_differentiable`` (whatever the incoming gradients require): a second
-    derivative through a kernel is an error, not a gradient with a silently missing graph."""
+    derivative through a kernel is an error, not a gradient with a silently missing graph.
+    Batched gradients (vmap over the backward) are a ``RuntimeError`` naming the op too."""
     message = (f"fused_block: the backward of {backward.__qualname__.split('.')[0]} runs Triton kernels and has no "
                "derivative of its own (double backward, create_graph=True): compute higher-order gradients with "
                "the torch module or function it replaces, or in float64 (the PyTorch reference path)").encode()
     is_grad_enabled = torch.is_grad_enabled
+    batched = (f"fused_block: the backward of {backward.__qualname__.split('.')[0]} runs Triton kernels, which take "
+               "no batched gradients (torch.autograd.functional.jacobian/hessian with vectorize=True, "
+               "autograd.grad(is_grads_batched=True), torch.func.vmap over a backward): leave them unvectorized")
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        for g in () if _compiling() else grads:  # the first gradient that arrived tells (dynamo: none)
+            if g is not None:
+                if _is_legacy_batched(g) or _is_batched(g):
+                    raise RuntimeError(batched)
+                break
         if not is_grad_enabled():
             return backward(ctx, *grads)
         with torch.no_grad():

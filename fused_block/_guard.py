@@ -103,6 +103,9 @@ class _HookDict(collections.OrderedDict):
         super().update(*args, **kwargs)
 
 
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
 def _global_hook_reason():
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks
             or _module._global_backward_hooks or _module._global_backward_pre_hooks):
@@ -225,6 +228,9 @@ def reason(layer, describe):
         return why
     if torch.compiler.is_compiling():
         return describe(layer)[0]
+    if _transforms_active():
+        return ("a torch.func transform (grad, vmap, jacrev, ...) is active, which the kernels' autograd "
+                "Functions do not take")
     v = _VERDICTS.get(id(layer))
     if v is not None and v.epoch == _EPOCH and v.layer() is layer:
         for m, cls in v.watch:

@@ -1,9 +1,15 @@
-"""Second derivatives through the kernels: every op's backward runs Triton kernels and has no
-derivative of its own. Under ``create_graph=True`` (a gradient penalty, double backward,
-``torch.autograd.functional.hvp``) the first gradients come back, and differentiating them
-again raises a RuntimeError naming the op, instead of a gradient whose graph is silently
-missing (found by fuzzing: a gradient penalty through a converted layer was dropped). Without
-``create_graph`` nothing changes (every other test).
+"""Autograd beyond one backward (found by fuzzing).
+
+- Second derivatives: every op's backward runs Triton kernels and has no derivative of its
+  own. Under ``create_graph=True`` (a gradient penalty, double backward,
+  ``torch.autograd.functional.hvp``) the first gradients come back, and differentiating them
+  again raises a RuntimeError naming the op, instead of a gradient whose graph is silently
+  missing (a gradient penalty through a converted layer was dropped). Without
+  ``create_graph`` nothing changes (every other test).
+- torch.func transforms (``grad``, ``vmap``): the ops run the PyTorch reference under them and
+  a converted layer its original forward, so the transform's answer is torch's (they raised
+  torch's internal errors); batched gradients through a kernel's backward (``jacobian`` with
+  ``vectorize=True``) are a RuntimeError naming the op.
 """
 import copy
 
@@ -12,6 +18,7 @@ import torch
 from torch import nn
 
 import fused_block
+from fused_block import reference
 from fused_block.linear import gated_linear
 from numerics import randn
 
@@ -88,3 +95,42 @@ def test_a_gradient_penalty_through_a_converted_layer_raises(device, launches):
     (gx ** 2).sum().backward()
     assert ref.linear1.weight.grad is not None and float(ref.linear1.weight.grad.abs().max()) > 0
     assert launches["attention_fwd"] == 1
+
+
+def test_torch_func_transforms_get_torchs_answer(device, launches):
+    """torch.func.grad of a converted layer through functional_call, and vmap of a layer and
+    of an op, equal the torch layer's and F.linear's (the reference path and the original
+    forward run under the transform: no kernel launch)."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    base = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True).to(device).eval()
+    layer = fused_block.convert(copy.deepcopy(base))
+    x = randn(2, 8, 32, dtype=F32, device=device)
+
+    def loss(params, m):
+        return functional_call(m, params, (x,)).pow(2).sum()
+
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        got = grad(loss)(dict(layer.named_parameters()), layer)
+    want = grad(loss)(dict(base.named_parameters()), base)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+    xs = randn(3, 2, 8, 32, dtype=F32, device=device)
+    torch.testing.assert_close(vmap(layer)(xs), vmap(base)(xs), atol=1e-5, rtol=1e-5)
+    w = _w(16, 32, device).detach()
+    torch.testing.assert_close(vmap(lambda a: fused_block.linear(a, w, None, "gelu"))(xs),
+                               vmap(lambda a: reference.linear(a, w, None, "gelu"))(xs), atol=0, rtol=0)
+    assert launches["attention_fwd"] == 0 and launches["matmul"] == 0
+
+
+def test_batched_gradients_through_a_kernel_raise(device, launches):
+    w = _w(16, 32, device)
+    x = randn(4, 32, dtype=F32, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="backward of _LinearFn .*no batched gradients"):
+        torch.autograd.functional.jacobian(lambda a: fused_block.linear(a, w, None, "gelu"), x, vectorize=True)
+    jac = torch.autograd.functional.jacobian(lambda a: fused_block.linear(a, w, None, "gelu"), x)
+    want = torch.autograd.functional.jacobian(lambda a: reference.linear(a, w.double(), None, "gelu"),
+                                              x.detach().double())
+    torch.testing.assert_close(jac.double(), want, atol=1e-4, rtol=1e-4)
+    assert launches["matmul"] > 0
