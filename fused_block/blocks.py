@@ -1115,7 +1115,8 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
             memory_key_padding_mask = None if memory_key_padding_mask is None else memory_key_padding_mask[None]
         # Each dropout is on by its own module's training flag, as torch's layer calls them.
         p = (lambda d: d.p if d.training else 0.0)  # noqa: E731
-        p1, p2, p3 = p(self.dropout1), p(self.dropout2), p(self.dropout3)
+        mods = self._modules
+        p1, p2, p3, p_ff = p(mods["dropout1"]), p(mods["dropout2"]), p(mods["dropout3"]), p(mods["dropout"])
         p_sa, p_ca = self._attn_dropout(sa_mod), self._attn_dropout(ca_mod)
 
         def sa(inp):
@@ -1126,7 +1127,6 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
             return ca_mod._attend(inp, mem, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
                                   p_ca, ("memory_mask", "memory_key_padding_mask"))
 
-        p_ff = p(self.dropout)
         with self._seed_block(x, p1, p2, p3, p_ff, p_sa, p_ca):
             if self.norm_first:
                 n1, x = self._add_norm(self.norm1, x)
