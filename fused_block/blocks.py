@@ -711,10 +711,11 @@ class _LayerMixin:
             return ops.add_rms_norm(x, residual, *_params(module, "weight"), module.eps, dropout_p, False,
                                     out_is_residual)
 
-    def _ffn(self, x, residual=None, output_dropout=True):
+    def _ffn(self, x, p_in, p_out, residual=None):
         """``residual + dropout2(linear2(dropout(act(linear1(x)))))``: one ``mlp`` with both
-        dropouts and the residual add fused into the GEMM epilogues. ``output_dropout=False``
-        leaves dropout2 out (Post-LN fuses it, with the add, into the next norm's kernel).
+        dropouts (probabilities ``p_in`` and ``p_out``, 0 where the dropout is off) and the
+        residual add fused into the GEMM epilogues. Post-LN passes ``p_out=0`` (it fuses dropout2,
+        with the add, into the next norm's kernel).
 
         Tensor parallel: this rank's FFN columns on the whole input; the partial sums are
         reduced, then the residual is added (in the epilogue it would be counted once per rank).
@@ -722,20 +723,16 @@ class _LayerMixin:
         partial sums alike, so it drops their sum)."""
         run = self.__dict__.get(_TP_RUN)
         if run is None:
-            return self._ffn_local(x, residual, output_dropout)
+            return self._ffn_local(x, residual, p_in, p_out)
         # The seeds the FFN's dropouts draw (_backend.dropout_seed), in order; where the kernels
         # do not run (CPU tensors without the interpreter) the references draw none.
-        seeded = self.training and _backend.use_triton(x)
-        p_in = self.dropout.p if seeded else 0.0
-        p_out = self._ffn_dropout().p if seeded and output_dropout else 0.0
-        with run.seeds([run.rank] * (p_in > 0) + [0] * (p_out > 0)):
-            y = run.leave(self._ffn_local(run.enter(x), None, output_dropout))
+        seeded = (p_in > 0 or p_out > 0) and _backend.use_triton(x)
+        with run.seeds([run.rank] * (seeded and p_in > 0) + [0] * (seeded and p_out > 0)):
+            y = run.leave(self._ffn_local(run.enter(x), None, p_in, p_out))
         return y if residual is None else y + residual
 
-    def _ffn_local(self, x, residual, output_dropout):
+    def _ffn_local(self, x, residual, p_in, p_out):
         mods = self._modules
-        p_in = mods["dropout"].p if self.training else 0.0
-        p_out = self._ffn_dropout().p if self.training and output_dropout else 0.0
         name = self._activation()
         l1, l2 = mods["linear1"], mods["linear2"]
         ops = _ops(x)
@@ -779,17 +776,19 @@ class _LayerMixin:
         return cached[1]
 
     def _seed_block(self, x, *ps):
-        """Training: the seeds of the layer's dropouts (probabilities ``ps``) drawn in one
-        kernel, see ``_backend.seed_block``."""
+        """The seeds of the layer's dropouts that are on (probabilities ``ps``, 0 for those
+        off) drawn in one kernel, see ``_backend.seed_block``."""
         n = 0
         for p in ps:
             n += p > 0
-        if n < 2 or not self.training or _ops(x) is not _FUSED or not _backend.use_triton(x):
+        if n < 2 or _ops(x) is not _FUSED or not _backend.use_triton(x):
             return _NO_SEED_BLOCK  # the reference's dropouts draw from torch's generator themselves
         return _backend.seed_block(n, x.device)
 
     def _attn_dropout(self, attn):
-        return attn.dropout if self.training else 0.0
+        """The attention's dropout probability, on by the attention module's own training flag
+        (torch's ``MultiheadAttention`` reads its own, whatever the layer's)."""
+        return attn.dropout if attn.training else 0.0
 
     def _ff_block(self, x):
         """torch's FFN block, calling the submodules (the unfused path); SwiGLU gates linear1's halves."""
@@ -948,22 +947,48 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         _check_padding_mask("src_key_padding_mask", src_key_padding_mask, B, L, batched)
         kpm = src_key_padding_mask if batched or src_key_padding_mask is None else src_key_padding_mask[None]
         names = ("src_mask", "src_key_padding_mask")
-        p1 = mods["dropout1"].p if self.training else 0.0
-        p2 = mods["dropout2"].p
+        # Each dropout is on by its own module's training flag (torch's layer calls dropout1,
+        # dropout2 and dropout, and its attention reads its own flag), not by the layer's.
+        d1, d2, d = mods["dropout1"], mods["dropout2"], mods["dropout"]
+        p1 = d1.p if d1.training else 0.0
+        p2 = d2.p if d2.training else 0.0
+        p_ff = d.p if d.training else 0.0
+        p_attn = self._attn_dropout(attn)
+        if not self.training and (p1 or p2 or p_ff or p_attn) and self._torch_fast_path(src):
+            p1 = p2 = p_ff = p_attn = 0.0  # torch's layer runs its inference fast path: no dropout at all
 
         def sa(inp):
-            return attn._attend(inp, None, None, src_mask, kpm, is_causal, self._attn_dropout(attn), names)
+            return attn._attend(inp, None, None, src_mask, kpm, is_causal, p_attn, names)
 
-        with self._seed_block(x, p1, p2, mods["dropout"].p, attn.dropout):
+        with self._seed_block(x, p1, p2, p_ff, p_attn):
             if self.norm_first:
                 n1, x = self._add_norm(mods["norm1"], x)              # x's two gradients summed in norm1's kernel
                 n2, h = self._add_norm(mods["norm2"], sa(n1), x, p1)  # h = x + drop1(attn)
-                y = self._ffn(n2, residual=h)                         # h + drop2(ffn), add in the epilogue
+                y = self._ffn(n2, p_ff, p2, residual=h)               # h + drop2(ffn), add in the epilogue
             else:
                 h, r = self._add_norm(mods["norm1"], _like(sa(x), x), x, p1, True)  # r: h for the next add
-                f = self._ffn(h, output_dropout=False)  # dropout2 rides in the norm kernel
-                y, _ = self._add_norm(mods["norm2"], _like(f, h), r, p2 if self.training else 0.0)
+                f = self._ffn(h, p_ff, 0.0)  # dropout2 rides in the norm kernel
+                y, _ = self._add_norm(mods["norm2"], _like(f, h), r, p2)
         return _unbatch(y, batched, attn.batch_first)
+
+    def _torch_fast_path(self, src):
+        """Whether torch's layer runs its inference fast path (``torch._transformer_encoder_layer_fwd``,
+        no dropout at all, whatever the dropout submodules' flags) on this call: its conditions,
+        checked only where the layer is in eval mode and one of its dropouts in training mode."""
+        attn, n1, n2 = self.self_attn, self.norm1, self.norm2
+        if not (self.activation_relu_or_gelu and torch.backends.mha.get_fastpath_enabled() and src.dim() == 3
+                and attn.batch_first and attn.in_proj_bias is not None and attn._qkv_same_embed_dim
+                and n1.eps == n2.eps and attn.num_heads % 2 == 0 and not torch.is_autocast_enabled()):
+            return False
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules()):
+            return False
+        tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
+                   n1.weight, n1.bias, n2.weight, n2.bias, self.linear1.weight, self.linear1.bias,
+                   self.linear2.weight, self.linear2.bias)
+        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+        if torch.overrides.has_torch_function(tensors) or any(t.device.type not in devices for t in tensors):
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
     def _forward_nested(self, src, src_mask, src_key_padding_mask, is_causal):
         """A nested (B, ragged L, E) src, as ``nn.TransformerEncoder``'s inference fast path hands
@@ -1103,28 +1128,31 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         if not batched:
             tgt_key_padding_mask = None if tgt_key_padding_mask is None else tgt_key_padding_mask[None]
             memory_key_padding_mask = None if memory_key_padding_mask is None else memory_key_padding_mask[None]
-        p = (lambda d: d.p if self.training else 0.0)  # noqa: E731
+        # Each dropout is on by its own module's training flag, as torch's layer calls them.
+        p = (lambda d: d.p if d.training else 0.0)  # noqa: E731
+        mods = self._modules
+        p1, p2, p3, p_ff = p(mods["dropout1"]), p(mods["dropout2"]), p(mods["dropout3"]), p(mods["dropout"])
+        p_sa, p_ca = self._attn_dropout(sa_mod), self._attn_dropout(ca_mod)
 
         def sa(inp):
             return sa_mod._attend(inp, None, None, tgt_mask, tgt_key_padding_mask, tgt_is_causal,
-                                  self._attn_dropout(sa_mod), ("tgt_mask", "tgt_key_padding_mask"))
+                                  p_sa, ("tgt_mask", "tgt_key_padding_mask"))
 
         def ca(inp):
             return ca_mod._attend(inp, mem, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
-                                  self._attn_dropout(ca_mod), ("memory_mask", "memory_key_padding_mask"))
+                                  p_ca, ("memory_mask", "memory_key_padding_mask"))
 
-        with self._seed_block(x, self.dropout1.p, self.dropout2.p, self.dropout3.p, self.dropout.p, sa_mod.dropout,
-                              ca_mod.dropout):
+        with self._seed_block(x, p1, p2, p3, p_ff, p_sa, p_ca):
             if self.norm_first:
                 n1, x = self._add_norm(self.norm1, x)
-                n2, h = self._add_norm(self.norm2, sa(n1), x, p(self.dropout1))
-                n3, h = self._add_norm(self.norm3, ca(n2), h, p(self.dropout2))
-                y = self._ffn(n3, residual=h)
+                n2, h = self._add_norm(self.norm2, sa(n1), x, p1)
+                n3, h = self._add_norm(self.norm3, ca(n2), h, p2)
+                y = self._ffn(n3, p_ff, p3, residual=h)
             else:
-                h, r = self._add_norm(self.norm1, _like(sa(x), x), x, p(self.dropout1), True)
-                h, r = self._add_norm(self.norm2, _like(ca(h), h), r, p(self.dropout2), True)
-                f = self._ffn(h, output_dropout=False)  # dropout3 rides in the norm kernel
-                y, _ = self._add_norm(self.norm3, _like(f, h), r, p(self.dropout3))
+                h, r = self._add_norm(self.norm1, _like(sa(x), x), x, p1, True)
+                h, r = self._add_norm(self.norm2, _like(ca(h), h), r, p2, True)
+                f = self._ffn(h, p_ff, 0.0)  # dropout3 rides in the norm kernel
+                y, _ = self._add_norm(self.norm3, _like(f, h), r, p3)
         return _unbatch(y, batched, bf)
 
     @classmethod
@@ -1201,7 +1229,7 @@ def _from_torch(cls, layer, children):
     new.norm = "rms" if isinstance(layer.norm1, nn.RMSNorm) else "layer"
     new.activation = getattr(layer, "activation", F.relu)
     new.activation_relu_or_gelu = getattr(layer, "activation_relu_or_gelu", 0)
-    new.train(layer.training)
+    new.training = layer.training  # the layer's own flag: each submodule keeps its own (its dropouts')
     return new
 
 

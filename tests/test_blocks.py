@@ -703,6 +703,107 @@ def test_dropout_in_training_is_seeded_and_differentiable(device):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in f.parameters())
 
 
+# Each dropout of torch's layers is on by its own module's training flag (dropout, dropout1..3
+# are called; MultiheadAttention reads its own flag), whatever the layer's.
+DROPOUT_SUBMODULES = ([("encoder", s) for s in ("dropout", "dropout1", "dropout2", "self_attn")]
+                      + [("decoder", s) for s in ("dropout", "dropout1", "dropout2", "dropout3", "self_attn",
+                                                  "multihead_attn")])
+_DROPPING = (nn.Dropout, nn.MultiheadAttention)
+
+
+def _set_modes(layer, layer_train, on=None):
+    """``layer`` in train or eval mode, every dropout submodule (and attention) in eval but ``on``
+    (a submodule name) in train."""
+    layer.train(layer_train)
+    for name, m in layer.named_children():
+        if isinstance(m, _DROPPING):
+            m.train(name == on)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("kind, sub", DROPOUT_SUBMODULES)
+def test_each_dropout_follows_its_own_modules_training_flag(kind, sub, norm_first, device, launches):
+    """One dropout submodule (p = 0.5, the others 0) flipped against the layer's mode, grad
+    enabled (torch's slow path): layer train + submodule eval is torch's no-dropout output
+    (float64 rule) and the fused all-eval output exactly; layer eval + submodule train drops,
+    in torch's layer and the fused one. Masks differ (other RNGs): an ON state is checked by
+    differing from the no-dropout output."""
+    t, f = _layers(kind, batch_first=True, norm_first=norm_first)
+    t, f = t.to(device), f.to(device)
+    f.load_state_dict(t.state_dict())
+    for m in (t, f):
+        mod = getattr(m, sub)
+        if isinstance(mod, nn.MultiheadAttention):
+            mod.dropout = 0.5
+        else:
+            mod.p = 0.5
+    ref = copy.deepcopy(t).double()
+    inputs = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
+
+    def run(m, dtype=torch.float32):
+        torch.manual_seed(7)
+        return m(*[x.to(dtype) for x in inputs])
+
+    _set_modes(f, False)
+    fused_eval = run(f)
+    _set_modes(t, False)
+    torch_eval = run(t)
+    # layer train, the submodule eval: no dropout anywhere
+    for m in (t, f, ref):
+        _set_modes(m, True)
+    out = run(f)
+    numerics.assert_close("output", out, run(ref, torch.float64), run(t), atol=_atol(torch.float32, device),
+                          factor=BLOCK_FACTOR)
+    torch.testing.assert_close(out, fused_eval, atol=0, rtol=0)
+    # layer eval, the submodule train: its dropout is on
+    for m in (t, f):
+        _set_modes(m, False, on=sub)
+    assert not torch.allclose(run(t), torch_eval)  # torch's layer drops here
+    assert not torch.allclose(run(f), fused_eval)
+    assert launches["attention_fwd"] == 3 * (1 + (kind == "decoder"))
+    assert launches["add_norm_fwd"] == 3 * (2 + (kind == "decoder"))  # one per norm
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_eval_layer_with_training_dropouts_without_grad_follows_torchs_fast_path(batch_first, device, launches):
+    """An eval encoder layer whose dropouts are in train mode, without grad: torch's layer takes
+    its inference fast path where it can (batch_first=True here: no dropout at all) and drops by
+    each submodule's flag where it cannot (batch_first=False); the fused layer does the same."""
+    t, f = _layers("encoder", dropout=0.5, batch_first=batch_first, norm_first=False)
+    t, f = t.to(device), f.to(device)
+    f.load_state_dict(t.state_dict())
+    x = _x(batch_first, L, device)
+    with torch.no_grad():
+        for m in (t, f):
+            m.eval()
+        torch_eval, fused_eval = t(x), f(x)
+        for m in (t, f):
+            for s in m.children():
+                if isinstance(s, _DROPPING):
+                    s.train()
+        y_t, y_f = t(x), f(x)
+    if batch_first:
+        torch.testing.assert_close(y_t, torch_eval, atol=0, rtol=0)
+        torch.testing.assert_close(y_f, fused_eval, atol=0, rtol=0)
+        torch.testing.assert_close(y_f, y_t, atol=_atol(torch.float32, device) * 4, rtol=0)
+    else:
+        assert not torch.allclose(y_t, torch_eval) and not torch.allclose(y_f, fused_eval)
+    assert launches["attention_fwd"] == 2
+
+
+def test_conversion_keeps_each_submodules_mode():
+    """``convert`` keeps the layer's mode and each submodule's own (the modules are shared)."""
+    t = nn.TransformerDecoderLayer(D, H, FF, dropout=0.5)
+    t.train()
+    t.dropout2.eval()
+    t.multihead_attn.eval()
+    modes = {n: m.training for n, m in t.named_modules()}
+    f = fused_block.convert(t)
+    assert isinstance(f, fused_block.TransformerDecoderLayer)
+    assert {n: m.training for n, m in f.named_modules()} == modes
+    assert {n: m.training for n, m in t.named_modules()} == modes
+
+
 def test_multihead_attention_module(device):
     """The MultiheadAttention subclass alone: fused without weights, torch's with them."""
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ against the original model run in float64.
 """
 import copy
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,86 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
         logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
                   for m in (ref, model, fused)]
     _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+
+
+# Per family: the dropout probabilities (0.5: every dropout discriminates), the groups of
+# submodules whose own training flag turns a dropout on in the original's forward (regexes on
+# the module paths: the attention modules, whose flag gates the attention dropout; the
+# nn.Dropout modules the original calls; BLOOM's attention and MLP modules, whose flag gates
+# their dropout_add), and the submodules whose flag the original does not read for it (GPT-2's
+# attn_dropout and BERT's attention.self.dropout: only their p is read; under GPT-2's eager
+# reorder_and_upcast_attn the attention module's, attn_dropout being called).
+DROPOUT_FLAGS = {
+    "gpt2": (dict(resid_pdrop=0.5, attn_pdrop=0.5),
+             [r".*\.h\.\d+\.attn", r".*\.attn\.resid_dropout", r".*\.mlp\.dropout"], r".*\.attn\.attn_dropout"),
+    "gpt2-reorder": (dict(resid_pdrop=0.5, attn_pdrop=0.5, reorder_and_upcast_attn=True),
+                     [r".*\.attn\.attn_dropout", r".*\.attn\.resid_dropout", r".*\.mlp\.dropout"],
+                     r".*\.h\.\d+\.attn"),
+    "bert": (dict(hidden_dropout_prob=0.5, attention_probs_dropout_prob=0.5),
+             [r".*\.attention\.self", r".*\.attention\.output\.dropout", r".*\.\d+\.output\.dropout"],
+             r".*\.attention\.self\.dropout"),
+    "llama": (dict(attention_dropout=0.5), [r".*\.self_attn"], None),
+    "phi3": (dict(attention_dropout=0.5, resid_pdrop=0.5),
+             [r".*\.self_attn", r".*\.resid_attn_dropout", r".*\.resid_mlp_dropout"], None),
+    "bloom": (dict(hidden_dropout=0.5, attention_dropout=0.5),
+              [r".*\.self_attention", r".*\.self_attention\.attention_dropout", r".*\.h\.\d+\.mlp"], None),
+}
+
+
+def _dropout_modes(model, groups, model_train, on=None):
+    """``model`` in train or eval mode, every nn.Dropout and every module of ``groups`` (regexes)
+    in eval but those whose path matches the regex ``on`` in train."""
+    model.train(model_train)
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.Dropout) or any(re.fullmatch(g, path) for g in groups):
+            m.train(on is not None and re.fullmatch(on, path) is not None)
+
+
+@pytest.mark.parametrize("arch", list(DROPOUT_FLAGS))
+def test_each_dropout_follows_the_flag_the_original_reads(arch, device, launches):
+    """Dropout p = 0.5, grad enabled, one layer. Model in train mode with every dropout's
+    deciding submodule in eval: the original's no-dropout logits (float64 rule), and the fused
+    eval logits exactly. Model in eval mode with one group of deciding submodules in train: the
+    original drops, the fused model too (masks differ: an ON state is checked by differing from
+    the no-dropout logits). A submodule whose flag the original ignores, alone in train: no
+    dropout."""
+    probs, groups, ignored = DROPOUT_FLAGS[arch]
+    every = groups + ([ignored] if ignored else [])
+    if arch == "gpt2-reorder":  # eager only: sdpa ignores the flag
+        model = _model("gpt2", device, "eager", layers=1, **probs)
+    else:
+        model = _model(arch, device, layers=1, **probs)
+    fused = _converted(model)
+    ref = copy.deepcopy(model).double()
+    for m in ref.modules():  # the reorder refuses float64; without it, the same function
+        if getattr(m, "reorder_and_upcast_attn", False):
+            m.reorder_and_upcast_attn = False
+    ids, mask = _inputs(model.config.model_type, device)
+
+    def logits(m):
+        torch.manual_seed(5)
+        with _no_fallback():
+            return m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+
+    _dropout_modes(model, every, False)
+    _dropout_modes(fused, every, False)
+    plain, fused_plain = logits(model), logits(fused)
+    for m in (ref, model, fused):
+        _dropout_modes(m, every, True)
+    out = logits(fused)
+    _assert_close("logits", out, logits(ref), logits(model), torch.float32, device)
+    torch.testing.assert_close(out, fused_plain, atol=0, rtol=0)
+    for group in groups:
+        for m in (model, fused):
+            _dropout_modes(m, every, False, on=group)
+        assert not torch.allclose(logits(model), plain), group  # the original drops here
+        assert not torch.allclose(logits(fused), fused_plain), group
+    if ignored is not None:
+        for m in (model, fused):
+            _dropout_modes(m, every, True, on=ignored)
+        torch.testing.assert_close(logits(model), plain, atol=1e-5, rtol=1e-5)  # the original does not drop
+        torch.testing.assert_close(logits(fused), fused_plain, atol=0, rtol=0)
+    assert launches["attention_fwd"] == 2 + len(groups) + (ignored is not None)
 
 
 @pytest.mark.parametrize("arch", _bounded(ARCHS, ("llama", "qwen3", "phi3", "gpt2", "bert")))

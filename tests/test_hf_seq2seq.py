@@ -11,6 +11,7 @@ the logits in bf16; 16 greedy tokens with both caches, token for token the origi
 state dict and save_pretrained round trips; activation checkpointing; the call-time guard.
 """
 import copy
+import re
 import tempfile
 
 import pytest
@@ -346,6 +347,61 @@ def test_t5_dropouts_run_fused_and_deterministic(device, launches):
         plain = fused.eval()(**enc, labels=targets).loss
         torch.testing.assert_close(plain, model.eval()(**enc, labels=targets).loss, atol=1e-5, rtol=1e-5)
     assert (runs[0][0] - plain).abs() > 1e-4
+
+
+# Per model: dropout probabilities (only those whose flag this checks, 0.5), the groups of
+# submodules whose own training flag turns a dropout on in the original (regexes on the module
+# paths): the attention modules (their flag gates the attention dropout), T5's nn.Dropout
+# modules (called). BART's layer-level dropouts read the layer's flag (as the fused layer
+# does); its attention_dropout alone is on here, so the layers' flag must not decide it.
+SEQ2SEQ_DROPOUT_FLAGS = {
+    "bart": (dict(attention_dropout=0.5), [r".*\.self_attn", r".*\.encoder_attn"]),
+    "t5": (dict(dropout_rate=0.5), [r".*\.SelfAttention", r".*\.EncDecAttention", r".*\.layer\.\d+\.dropout",
+                                    r".*\.DenseReluDense\.dropout"]),
+}
+
+
+def _dropout_modes(model, groups, model_train, on=None):
+    """``model`` in train or eval mode, every nn.Dropout and every module of ``groups`` in eval
+    but those whose path matches the regex ``on`` in train."""
+    model.train(model_train)
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.Dropout) or any(re.fullmatch(g, path) for g in groups):
+            m.train(on is not None and re.fullmatch(on, path) is not None)
+
+
+@pytest.mark.parametrize("name", list(SEQ2SEQ_DROPOUT_FLAGS))
+def test_each_dropout_follows_the_flag_the_original_reads(name, device, launches):
+    """Grad enabled, one layer each. Model in train mode with every dropout's deciding submodule
+    in eval: the original's no-dropout logits (float64 rule) and the fused eval logits exactly.
+    Model in eval mode with one group of deciding submodules in train: the original drops, the
+    fused model too (masks differ: an ON state is checked by differing from the no-dropout
+    logits)."""
+    probs, groups = SEQ2SEQ_DROPOUT_FLAGS[name]
+    model = seq2seq_model(name, device, "sdpa", layers=1, **probs)
+    fused = _converted(model, layers=2)
+    ref = copy.deepcopy(model).double()
+    enc, targets = seq2seq_inputs(name, device)
+
+    def logits(m):
+        torch.manual_seed(5)
+        with no_fallback():
+            return m(**enc, labels=targets).logits
+
+    _dropout_modes(model, groups, False)
+    _dropout_modes(fused, groups, False)
+    plain, fused_plain = logits(model), logits(fused)
+    for m in (ref, model, fused):
+        _dropout_modes(m, groups, True)
+    out = logits(fused)
+    assert_close("logits", out, logits(ref), logits(model), torch.float32, device)
+    torch.testing.assert_close(out, fused_plain, atol=0, rtol=0)
+    for group in groups:
+        for m in (model, fused):
+            _dropout_modes(m, groups, False, on=group)
+        assert not torch.allclose(logits(model), plain), group  # the original drops here
+        assert not torch.allclose(logits(fused), fused_plain), group
+    assert launches["attention_fwd"] == 3 * (2 + len(groups))  # encoder, decoder self and cross per forward
 
 
 def test_t5_traces_under_torch_compile(device, launches, monkeypatch):

@@ -46,11 +46,14 @@ def run(layer, call, x):
     qkv_lora = lora.stacked([(s.query, s.query.out_features), (s.key, s.key.out_features),
                              (s.value, s.value.out_features)], x)  # PEFT LoRA: fused_block.lora
     qkv = packed_linear(state, "qkv_weight", x, (s.query.weight, s.key.weight, s.value.weight), b, lora=qkv_lora)
+    # Each dropout on by the flag the original reads: the attention module's own for the
+    # attention's (BertSelfAttention: ``0.0 if not self.training else self.dropout.p``), the
+    # output nn.Dropout modules' own.
     o = self_attention(qkv, H, H, None, None, call.get("attention_mask"), False,
-                       mask_convention(s.config), scale, s.dropout.p if layer.training else 0.0, "BertLayer",
+                       mask_convention(s.config), scale, s.dropout.p if s.training else 0.0, "BertLayer",
                        packing=call)
     a = linear(o, so.dense.weight, so.dense.bias, lora=lora.terms(so.dense, o))
-    p1 = so.dropout.p if layer.training else 0.0
+    p1 = so.dropout.p if so.dropout.training else 0.0
     h, _ = add_layer_norm(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)
     act = ACTIVATIONS[s.config.hidden_act]
     if lora.is_lora(inter.dense) or lora.is_lora(out.dense):  # two GEMMs, the hidden activation between
@@ -58,7 +61,7 @@ def run(layer, call, x):
         f = linear(hid, out.dense.weight, out.dense.bias, lora=lora.terms(out.dense, hid))
     else:
         f = mlp(h, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias, act)
-    p2 = out.dropout.p if layer.training else 0.0
+    p2 = out.dropout.p if out.dropout.training else 0.0
     y, _ = add_layer_norm(_like(f, h), h, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps, p2)
     return y
 

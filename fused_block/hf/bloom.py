@@ -89,15 +89,18 @@ def run(block, call, x):
     Lk = k.shape[2]
     alibi = call["alibi"].view(B, H, 1, -1)  # slope * key position, broadcast over the queries
     p = plan(call.get("attention_mask"), B, L, Lk, True, _CONVENTION)
-    o = attend(q, k, v, p, attn.inv_norm_factor, attn.attention_dropout.p if block.training else 0.0, "BloomBlock",
+    # Each dropout on by the flag the original reads: the attention_dropout module's own, and
+    # BloomAttention's and BloomMLP's for their dropout_add.
+    d = attn.attention_dropout
+    o = attend(q, k, v, p, attn.inv_norm_factor, d.p if d.training else 0.0, "BloomBlock",
                position_bias=alibi)
     o = o.transpose(1, 2).reshape(B, L, H * D)
     o = linear(o, attn.dense.weight, attn.dense.bias, lora=lora.terms(attn.dense, o))
-    p_attn = attn.hidden_dropout if block.training else 0.0
+    p_attn = attn.hidden_dropout if attn.training else 0.0
     # h = residual + dropout(o), normalized in the same launch
     n2, h = add_layer_norm(_like(o, x), n1 if post else x, ln2.weight, ln2.bias, ln2.eps, p_attn)
     residual = n2 if post else h
-    p_mlp = m.hidden_dropout if block.training else 0.0
+    p_mlp = m.hidden_dropout if m.training else 0.0
     up, down = m.dense_h_to_4h, m.dense_4h_to_h
     if lora.is_lora(up) or lora.is_lora(down):  # two GEMMs, the hidden activation between
         hid = linear(n2, up.weight, up.bias, "gelu_tanh", lora=lora.terms(up, n2))

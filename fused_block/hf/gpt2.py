@@ -48,22 +48,33 @@ def check_call(block, call):
             or mask_reason(call.get("attention_mask"), call["hidden_states"].shape[1], True, mask_convention(cfg)))
 
 
+def _attn_dropout(attn):
+    """GPT2Attention's dropout probability: on by the attention module's own training flag (the
+    attention interface's and eager's), or by ``attn_dropout``'s where eager's
+    ``reorder_and_upcast_attn`` calls that module."""
+    d = attn.attn_dropout
+    on = d.training if attn.reorder_and_upcast_attn and attn.config._attn_implementation == "eager" else attn.training
+    return d.p if on else 0.0
+
+
 def run(block, call, x):
     attn, m = block.attn, block.mlp
     H = attn.num_heads
-    p_resid = attn.resid_dropout.p if block.training else 0.0
+    # Each dropout on by the flag the original reads: the nn.Dropout modules' own, the attention's.
+    d = attn.resid_dropout
+    p_resid = d.p if d.training else 0.0
     n1, _ = add_layer_norm(x, None, block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
     # Conv1D stores (in, out): its transpose is nn.Linear's layout as a view, no copy.
     # (PEFT LoRA wrappers of the Conv1Ds: their .weight and .bias are the base layer's; the
     # adapters' updates go into the same GEMMs, fused_block.lora.)
     qkv = linear(n1, attn.c_attn.weight.t(), attn.c_attn.bias, lora=lora.terms(attn.c_attn, n1))  # [q; k; v]
     o = self_attention(qkv, H, H, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                       mask_convention(attn.config), _scale(attn), attn.attn_dropout.p if block.training else 0.0,
+                       mask_convention(attn.config), _scale(attn), _attn_dropout(attn),
                        "GPT2Block", packing=call)
     o = linear(o, attn.c_proj.weight.t(), attn.c_proj.bias, lora=lora.terms(attn.c_proj, o))
     n2, h = add_layer_norm(_like(o, x), x, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, p_resid)
     act = ACTIVATIONS[attn.config.activation_function]
-    p_mlp = m.dropout.p if block.training else 0.0
+    p_mlp = m.dropout.p if m.dropout.training else 0.0
     if lora.is_lora(m.c_fc) or lora.is_lora(m.c_proj):  # two GEMMs, the hidden activation between
         hid = linear(n2, m.c_fc.weight.t(), m.c_fc.bias, act, lora=lora.terms(m.c_fc, n2))
         return linear(hid, m.c_proj.weight.t(), m.c_proj.bias, None, h, p_mlp, lora=lora.terms(m.c_proj, hid))

@@ -66,21 +66,22 @@ def run(layer, call, x):
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     D, Hkv = attn.head_dim, attn.num_key_value_heads
     H = attn.qkv_proj.out_features // D - 2 * Hkv
-    training = layer.training
     n1, _ = add_rms_norm(x, None, ln1.weight, llama.rms_eps(ln1))
     # PEFT LoRA on the projections: the adapters' updates inside the same GEMMs (fused_block.lora).
     qkv = linear(n1, attn.qkv_proj.weight, attn.qkv_proj.bias, lora=lora.terms(attn.qkv_proj, n1))  # [q; k; v]
     qkv = llama.rope(layer, qkv, H, Hkv, call)
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
-                       mask_convention(attn.config), attn.scaling, attn.attention_dropout if training else 0.0,
+                       mask_convention(attn.config), attn.scaling, attn.attention_dropout if attn.training else 0.0,
                        type(layer).__name__, packing=call)
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
-    p_attn = layer.resid_attn_dropout.p if training else 0.0
+    d = layer.resid_attn_dropout  # on by its own flag, as the original calls it
+    p_attn = d.p if d.training else 0.0
     n2, h = add_rms_norm(_like(o, x), x, ln2.weight, llama.rms_eps(ln2), p_attn)
     if not state.fused_mlp:
         return h + layer.resid_mlp_dropout(layer.mlp(n2))
     m = layer.mlp
-    p_mlp = layer.resid_mlp_dropout.p if training else 0.0
+    d = layer.resid_mlp_dropout
+    p_mlp = d.p if d.training else 0.0
     if lora.is_lora(m.gate_up_proj) or lora.is_lora(m.down_proj):  # two GEMMs, the hidden activation between
         w, b = m.gate_up_proj.weight, m.gate_up_proj.bias
         f = w.shape[0] // 2

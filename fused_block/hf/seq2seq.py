@@ -79,7 +79,7 @@ def _self_attention(layer, call, x, causal):
     cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's self-attention half
     o = self_attention(_qkv(layer, attn, x, ""), attn.num_heads, attn.num_heads, cache, attn.layer_idx,
                        call.get("attention_mask"), causal, mask_convention(attn.config), attn.scaling,
-                       attn.dropout if layer.training else 0.0, type(layer).__name__, packing=call)
+                       attn.dropout if attn.training else 0.0, type(layer).__name__, packing=call)  # its own flag
     return linear(o, attn.out_proj.weight, attn.out_proj.bias)
 
 
@@ -95,7 +95,7 @@ def _cross_attention(layer, call, x):
         packed_linear(state, "kv_weight", enc, (attn.k_proj.weight, attn.v_proj.weight),
                       packed_bias(state, "kv_bias", (attn.k_proj, attn.v_proj))), H))
     p = plan(call.get("encoder_attention_mask"), B, Lq, k.shape[2], False, mask_convention(attn.config))
-    o = attend(q, k, v, p, attn.scaling, attn.dropout if layer.training else 0.0, type(layer).__name__)
+    o = attend(q, k, v, p, attn.scaling, attn.dropout if attn.training else 0.0, type(layer).__name__)
     return linear(o.transpose(1, 2).reshape(B, Lq, H * D), attn.out_proj.weight, attn.out_proj.bias)
 
 

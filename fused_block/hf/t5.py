@@ -131,8 +131,9 @@ def _dtype_reason(layer, hidden):
     return None
 
 
-def _dropout_p(module, training):
-    return module.p if training else 0.0
+def _dropout_p(module):
+    """An nn.Dropout's probability where it is on (by its own training flag: the original calls it)."""
+    return module.p if module.training else 0.0
 
 
 def _clamp(h):
@@ -206,7 +207,7 @@ def _self_attention(layer, call, x):
     bias = _Bias(attn, call.get("position_bias"), x, past)
     o = self_attention(qkv, attn.n_heads, attn.n_heads, cache, attn.layer_idx, call.get("attention_mask"),
                        _decoder(layer), mask_convention(attn.config), attn.scaling,
-                       attn.dropout if layer.training else 0.0, type(layer).__name__, position_bias=bias,
+                       attn.dropout if attn.training else 0.0, type(layer).__name__, position_bias=bias,
                        packing=call, merged=True)
     return linear(o, attn.o.weight, attn.o.bias), bias.value
 
@@ -225,7 +226,7 @@ def _cross_attention(layer, call, x):
         bias = attn.compute_bias(Lq, k.shape[2], device=x.device) if attn.has_relative_attention_bias else \
             _zeros(x, H, Lq, k.shape[2])
     p = plan(call.get("encoder_attention_mask"), B, Lq, k.shape[2], False, mask_convention(attn.config))
-    o = attend(q, k, v, p, attn.scaling, attn.dropout if layer.training else 0.0, type(layer).__name__,
+    o = attend(q, k, v, p, attn.scaling, attn.dropout if attn.training else 0.0, type(layer).__name__,
                position_bias=_live(bias), merged=True)
     return linear(o.transpose(1, 2).reshape(B, Lq, H * D), attn.o.weight, attn.o.bias), bias
 
@@ -235,7 +236,7 @@ def _ffn(layer, x, residual):
     ff = layer.layer[-1]
     ffn = ff.DenseReluDense
     act = layer.layer[0].SelfAttention.config.dense_act_fn
-    p_hid, p_out = _dropout_p(ffn.dropout, layer.training), _dropout_p(ff.dropout, layer.training)
+    p_hid, p_out = _dropout_p(ffn.dropout), _dropout_p(ff.dropout)
     wo = ffn.wo
     if wo.weight.dtype == x.dtype:  # the whole FFN in two GEMMs
         if _gated(ffn):
@@ -260,11 +261,11 @@ def run(layer, call, x):
     n, _ = _add_norm(x, None, subs[0].layer_norm, 0.0)
     o, self_bias = _self_attention(layer, call, n)
     nxt = subs[1] if cross else subs[-1]
-    n, h = _add_norm(o, x, nxt.layer_norm, _dropout_p(subs[0].dropout, layer.training))
+    n, h = _add_norm(o, x, nxt.layer_norm, _dropout_p(subs[0].dropout))
     cross_bias = None
     if cross:
         o, cross_bias = _cross_attention(layer, call, n)
-        n, h = _add_norm(o, h, subs[-1].layer_norm, _dropout_p(subs[1].dropout, layer.training))
+        n, h = _add_norm(o, h, subs[-1].layer_norm, _dropout_p(subs[1].dropout))
     return _clamp(_ffn(layer, n, h)), self_bias, cross_bias
 
 
