@@ -23,7 +23,8 @@ def convert(model: nn.Module) -> nn.Module:
     parameters, the fused kernel). The fused layers reuse the original submodules, so
     parameters stay the same tensors (weights, device, dtype, ``requires_grad``, and an
     optimizer built before the conversion all keep working) and each layer keeps its train/eval
-    mode. Only layers whose type is exactly torch's are converted; user subclasses (custom
+    mode. A layer used in several places (shared weights) becomes one fused layer in all of
+    them. Only layers whose type is exactly torch's are converted; user subclasses (custom
     ``forward``) are left alone.
     Returns ``model`` (or, when ``model`` itself is such a layer, its fused replacement).
 
@@ -38,11 +39,16 @@ def convert(model: nn.Module) -> nn.Module:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if type(model) in _CONVERSIONS:
         return _CONVERSIONS[type(model)].from_torch(model)
+    # Every slot, shared layers included (ALBERT-style nn.ModuleList([layer] * n), one layer under
+    # two names: named_children() yields a shared child once): one fused layer per torch layer.
+    fused = {}
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):
             cls = _CONVERSIONS.get(type(child))
             if cls is not None:
-                setattr(parent, name, cls.from_torch(child))
+                if id(child) not in fused:
+                    fused[id(child)] = cls.from_torch(child)
+                setattr(parent, name, fused[id(child)])
     # A stack's final norm (nn.Transformer always has two) runs the fused LayerNorm where the
     # stack's layers are fused: the same module, its class swapped for fused_block.LayerNorm
     # (a subclass without state of its own: parameters, hooks, mode and state dict unchanged).

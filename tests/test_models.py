@@ -190,6 +190,37 @@ def test_convert_nn_transformer_in_place(device, launches):
     assert launches["add_norm_fwd"] == before + 1
 
 
+def test_convert_a_shared_layer_in_every_place(device, launches):
+    """A layer used several times (ALBERT-style nn.ModuleList([layer] * 3), one layer under two
+    names) becomes one fused layer in every slot, the same object each time (named_children()
+    yields a shared child once: the other slots kept torch's layer, found by fuzzing); the
+    answer is the shared torch layer's."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True).to(device)
+    enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    enc.layers, enc.num_layers = nn.ModuleList([layer] * 3), 3
+    ref = copy.deepcopy(enc)  # deepcopy keeps the sharing
+    fused_block.convert(enc)
+    assert all(type(m) is fused_block.TransformerEncoderLayer for m in enc.layers)
+    assert enc.layers[0] is enc.layers[1] is enc.layers[2]
+    assert enc.layers[0].linear1.weight is layer.linear1.weight
+
+    class Twice(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.a, self.b = m, m
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    net = fused_block.convert(Twice(copy.deepcopy(layer)))
+    assert type(net.a) is fused_block.TransformerEncoderLayer and net.a is net.b
+    x = torch.randn(2, 8, 32, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(enc(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert launches["attention_fwd"] == 3
+
+
 def test_convert_user_module_keeps_optimizer_dtype_and_subclasses(device):
     class Custom(nn.TransformerEncoderLayer):  # a user subclass: its forward is the user's, keep it
         pass
