@@ -124,6 +124,25 @@ def test_greedy_generation_matches(name, device, launches):
     assert launches["attention_fwd"] == runs
 
 
+def test_static_cache_with_a_sliding_window_matches(device, launches):
+    """Greedy decoding with a static cache on a model whose every layer slides (Mistral, window
+    4 < the prompt): generate prepares each step's mask ahead and the forward builds it again
+    from that light mask, which must come back as it is (read as a 2-D padding mask at the
+    sliding cache's absolute key positions it hid every key: repeated tokens, found by
+    fuzzing). The tokens are the sdpa original's, for one row and a left-padded batch."""
+    model = interface_model("mistral", device, "sdpa", num_hidden_layers=1, initializer_range=0.5,
+                            tie_word_embeddings=False, sliding_window=4).eval()
+    ours = _ours(model)
+    ids, mask = interface_inputs("mistral", device, generating=True)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=V - 1, cache_implementation="static")
+    for call in (dict(input_ids=ids[:1]), dict(input_ids=ids, attention_mask=mask)):
+        want = model.generate(**call, **kw)
+        assert len(set(want[0, ids.shape[1]:].tolist())) > 3  # a real sequence
+        with no_fallback():
+            assert torch.equal(ours.generate(**call, **kw), want)
+    assert launches["attention_fwd"] > 0
+
+
 def test_models_outside_the_interface_run_their_eager_attention(device, launches):
     """BLOOM's attention (ALiBi) does not go through AttentionInterface: built with
     attn_implementation="fused_block", its masks are eager's (one warning) and so is its

@@ -105,7 +105,13 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
         return sdpa_mask(**args)
     padding = None
     if attention_mask is not None:
-        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_end]
+        if attention_mask.shape[-1] == kv_length < kv_end:
+            # Already this call's keys (kv_offset on), not the absolute positions a 2-D mask
+            # covers: our own light mask, which generate makes ahead for a static sliding cache
+            # and the forward hands back here. Read at absolute positions, it would hide every key.
+            padding = attention_mask
+        else:
+            padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_end]
     extras = {}
     if cuts:  # causal: j > i - w (left w - 1); bidirectional: |i - j| <= w
         extras[WINDOW_ATTR] = (window - 1, 0) if causal else (window, window)
