@@ -14,7 +14,9 @@ Each takes a config dataclass and ``fused=True``; ``fused=False`` builds the sam
 fused one.
 
 Training loss: ``model(..., targets=targets)`` returns ``(logits, loss)``, the mean
-cross-entropy over the tokens whose target is not -100. On fused layers the head and the loss
+cross-entropy over the tokens whose target is not -100 (when every target is -100: 0 on fused
+layers, as :func:`fused_block.linear_cross_entropy` gives; NaN on torch's, as
+``F.cross_entropy`` gives). On fused layers the head and the loss
 are :func:`fused_block.linear_cross_entropy` (the (N, V) logits are never built) and
 ``logits`` is None unless ``return_logits=True`` asks for them (then the head also runs as a
 plain ``nn.Linear``); on torch's layers it is ``F.linear`` + ``F.cross_entropy`` (logits
@@ -41,9 +43,20 @@ def _layer_classes(fused):
     return nn.TransformerEncoderLayer, nn.TransformerDecoderLayer
 
 
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
+
+
 def _activation(name, fused):
-    # torch's layers take only "relu"/"gelu" as strings; GELU-tanh goes in as a module.
-    return name if fused or name in ("relu", "gelu") else nn.GELU(approximate="tanh")
+    """The layers' ``activation`` for the config's name. torch's layers take only "relu"/"gelu"
+    as strings; GELU-tanh goes in as a module, and SwiGLU (linear1 of twice the width) has no
+    torch layer: a ValueError, as for the other fused-only options."""
+    if not isinstance(name, str) or name not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, _ACTIVATIONS))}, got {name!r}")
+    if fused or name in ("relu", "gelu"):
+        return name
+    if name == "gelu_tanh":
+        return nn.GELU(approximate="tanh")
+    raise ValueError("activation='swiglu' needs fused=True (torch's layers have no SwiGLU)")
 
 
 def _layer_kwargs(cfg, fused):

@@ -190,6 +190,9 @@ def host_profile(fn, *, repeat=10, rounds=5) -> HostProfile:
     the rounds, so a round that the OS preempted (charged to whatever function was running)
     does not decide it. cProfile's own overhead inflates short functions: read the shares,
     not the absolute times. The garbage collector is paused meanwhile, for the same reason."""
+    for name, value in (("repeat", repeat), ("rounds", rounds)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     samples = collections.defaultdict(list)
     collecting = gc.isenabled()
     gc.disable()
@@ -197,9 +200,11 @@ def host_profile(fn, *, repeat=10, rounds=5) -> HostProfile:
         for _ in range(rounds):
             prof = cProfile.Profile()
             prof.enable()
-            for _ in range(repeat):
-                fn()
-            prof.disable()
+            try:
+                for _ in range(repeat):
+                    fn()
+            finally:  # an exception in fn leaves no profiler installed
+                prof.disable()
             for key, (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
                 samples[key].append((own / repeat * 1e6, cum / repeat * 1e6, calls / repeat))
     finally:

@@ -78,6 +78,39 @@ def test_torch_and_fused_builds_have_the_same_parameters(family):
     assert models.param_count(t) == models.param_count(f)
 
 
+def test_an_activation_torchs_layers_lack_is_refused_not_replaced():
+    """fused=False builds the same model on torch's layers or refuses: SwiGLU (no torch layer)
+    and unknown names are a ValueError naming the activation, as norm='rms' is (they silently
+    built a GELU-tanh model, found by fuzzing)."""
+    import dataclasses
+
+    with pytest.raises(ValueError, match="swiglu.*fused=True"):
+        models.DecoderOnly(dataclasses.replace(TINY_GPT, activation="swiglu"), fused=False)
+    for fused in (True, False):
+        with pytest.raises(ValueError, match="activation must be one of"):
+            models.DecoderOnly(dataclasses.replace(TINY_GPT, activation="gelu_tanhh"), fused=fused)
+    t = models.DecoderOnly(dataclasses.replace(TINY_GPT, activation="gelu_tanh"), fused=False)
+    assert isinstance(t.blocks[0].activation, nn.GELU) and t.blocks[0].activation.approximate == "tanh"
+
+
+def test_host_profile_uninstalls_its_profiler_when_fn_raises():
+    import sys
+
+    from fused_block import profiling
+
+    def boom():
+        raise KeyError("boom")
+
+    before = sys.getprofile()
+    with pytest.raises(KeyError):
+        profiling.host_profile(boom)
+    assert sys.getprofile() is before
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="repeat must be an int >= 1"):
+            profiling.host_profile(lambda: None, repeat=bad)
+    assert profiling.host_profile(lambda: None, repeat=1, rounds=1).total_us >= 0
+
+
 # ---------------------------------------------------------------------------------------------
 # the three model families against their torch-built twins
 # ---------------------------------------------------------------------------------------------
