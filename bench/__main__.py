@@ -62,11 +62,16 @@ def parse_args(argv):
     args = p.parse_args(argv)
     for opt in ("only", "profile"):
         value = getattr(args, opt)
-        value = [s.strip() for s in value.split(",") if s.strip()] if value else None
+        if value is not None:
+            value = [s.strip() for s in value.split(",") if s.strip()]
+            if not value:
+                p.error(f"--{opt}: no spec named (available: {', '.join(specs.names())})")
         setattr(args, opt, value)
         unknown = [s for s in value or () if s not in specs.names()]
         if unknown:
             p.error(f"--{opt}: no spec named {', '.join(unknown)} (available: {', '.join(specs.names())})")
+    if args.spec_budget is not None and not 0 < args.spec_budget < float("inf"):
+        p.error(f"--spec-budget: a number of seconds > 0, got {args.spec_budget}")
     return args
 
 

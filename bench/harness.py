@@ -218,11 +218,13 @@ def compiled(fn, **kwargs):
     return torch.compile(fn, **kwargs)
 
 
-def compare(op: str, case: str, tensor: str, actual, ref64, baseline, *, atol=None, factor=FACTOR) -> dict:
+def compare(op: str, case: str, tensor: str, actual, ref64, baseline, *, atol=None, factor=FACTOR,
+            dtype=None) -> dict:
     """A numerics row: ours (``actual``) and torch same-dtype (``baseline``) vs the float64 oracle,
-    judged by the tests' rule (``fused_block.testing.check``)."""
+    judged by the tests' rule (``fused_block.testing.check``). ``dtype``: the case's dtype, where
+    the tensor has another (a bf16 case's fp32 loss); the row is labelled with it."""
     v = check(actual, ref64, baseline, atol=atol, factor=factor)
-    return {"op": op, "case": case, "dtype": dtype_name(actual.dtype), "tensor": tensor,
+    return {"op": op, "case": case, "dtype": dtype_name(dtype or actual.dtype), "tensor": tensor,
             "err": v.err, "torch_err": v.torch_err, "atol": v.atol, "ok": v.ok}
 
 
@@ -592,14 +594,15 @@ def format_markdown(env: dict, ceilings: dict, measurements: list, numerics: lis
 
 
 def format_numerics(rows) -> str:
-    head = f"{'op':<16} {'case':<28} {'dtype':<9} {'tensor':<14} {'ours err':>10} {'torch err':>10} {'atol':>8}  result"
+    w = max([16] + [len(r["op"]) for r in rows])  # the op column fits the longest name
+    head = f"{'op':<{w}} {'case':<28} {'dtype':<9} {'tensor':<14} {'ours err':>10} {'torch err':>10} {'atol':>8}  result"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"{r['op']:<16} {r['case']:<28} {'-':<9} {'-':<14} {'':>10} {'':>10} {'':>8}  "
+            lines.append(f"{r['op']:<{w}} {r['case']:<28} {'-':<9} {'-':<14} {'':>10} {'':>10} {'':>8}  "
                          f"unavailable: {r['unavailable']}")
             continue
-        lines.append(f"{r['op']:<16} {r['case']:<28} {r['dtype']:<9} {r['tensor']:<14} {r['err']:>10.2e} "
+        lines.append(f"{r['op']:<{w}} {r['case']:<28} {r['dtype']:<9} {r['tensor']:<14} {r['err']:>10.2e} "
                      f"{r['torch_err']:>10.2e} {r['atol']:>8.1e}  {'pass' if r['ok'] else 'FAIL'}")
     return "\n".join(lines)
 

@@ -117,6 +117,13 @@ def test_numerics_rule_and_table():
     assert rounded["ok"] and rounded["torch_err"] > 0
     text = harness.format_numerics([good, bad, harness.unavailable_row("attention", "ImportError: not yet")])
     assert "pass" in text and "FAIL" in text and "unavailable: ImportError: not yet" in text
+    # A bf16 case's fp32 tensor (the loss) is labelled with the case's dtype; a long op name
+    # widens the op column instead of shifting its row.
+    loss = harness.compare("linear_cross_entropy", "4", "loss", torch.full((4,), 0.01), ref, torch.full((4,), 0.01),
+                           dtype=torch.bfloat16)
+    assert loss["dtype"] == harness.dtype_name(torch.bfloat16)
+    lines = harness.format_numerics([good, loss]).splitlines()
+    assert len({line.index(" out ") if " out " in line else line.index(" loss ") for line in lines[2:]}) == 1
 
 
 def test_rotating_cycles_through_enough_sets():
@@ -244,6 +251,10 @@ def test_only_rejects_unknown_spec():
 
     with pytest.raises(SystemExit):
         main.parse_args(["--only", "no_such_op"])
+    for bad in (["--only", ","], ["--only", ""], ["--profile", " "], ["--spec-budget", "-5"],
+                ["--spec-budget", "nan"], ["--spec-budget", "0"]):
+        with pytest.raises(SystemExit):  # an empty list ran every spec; budgets were not checked
+            main.parse_args(bad)
 
 
 def _numerics_spec(rows=None, error=None):

@@ -164,7 +164,7 @@ def numerics() -> list:
             want = _run(lambda a, b: reference.linear_cross_entropy(a, b, t, **opts), x.double(), w.double())
             base = _run(lambda a, b: reference.linear_cross_entropy(a, b, t, compute_dtype=dtype, **opts), x, w)
             for name, a, r, b in zip(("loss", "dhidden", "dweight"), got, want, base):
-                rows.append(harness.compare(OP, case, name, a, r, b, atol=harness.ATOL[dtype]))
+                rows.append(harness.compare(OP, case, name, a, r, b, atol=harness.ATOL[dtype], dtype=dtype))
     finally:
         kloss.FORCE_CHUNK_ROWS = before
     return rows
