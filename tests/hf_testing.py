@@ -6,6 +6,7 @@ multiple of any block size). The LLaMA family uses 2 KV heads (GQA). Weights are
 std 0.2 (HF's 0.02 makes tiny models' logits nearly flat, so greedy tokens would tie).
 """
 import contextlib
+import re
 import warnings
 
 import torch
@@ -28,6 +29,38 @@ def atol(dtype, device):
 def assert_close(name, actual, ref64, baseline, dtype, device):
     scale = max(1.0, ref64.detach().abs().max().item())
     numerics.assert_close(name, actual, ref64, baseline, atol=atol(dtype, device) * scale, factor=BLOCK_FACTOR)
+
+
+def dropout_modes(model, groups, model_train, on=None):
+    """``model`` in train or eval mode, every nn.Dropout and every module of ``groups`` (regexes)
+    in eval but those whose path matches the regex ``on`` in train."""
+    model.train(model_train)
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.Dropout) or any(re.fullmatch(g, path) for g in groups):
+            m.train(on is not None and re.fullmatch(on, path) is not None)
+
+
+def check_dropout_flags(ref, model, fused, logits, groups, every, device):
+    """The tests that each dropout follows the flag the original reads (``logits(m)``: one
+    forward with a fixed seed). Model in train mode with every deciding submodule (``every``) in
+    eval: the original's no-dropout logits (float64 rule) and the fused eval logits exactly;
+    model in eval mode with one of ``groups`` in train: the original drops, the fused model too
+    (masks differ: an ON state differs from the no-dropout logits). Returns the no-dropout
+    logits of the original and of the fused model."""
+    dropout_modes(model, every, False)
+    dropout_modes(fused, every, False)
+    plain, fused_plain = logits(model), logits(fused)
+    for m in (ref, model, fused):
+        dropout_modes(m, every, True)
+    out = logits(fused)
+    assert_close("logits", out, logits(ref), logits(model), torch.float32, device)
+    torch.testing.assert_close(out, fused_plain, atol=0, rtol=0)
+    for group in groups:
+        for m in (model, fused):
+            dropout_modes(m, every, False, on=group)
+        assert not torch.allclose(logits(model), plain), group  # the original drops here
+        assert not torch.allclose(logits(fused), fused_plain), group
+    return plain, fused_plain
 
 
 @contextlib.contextmanager

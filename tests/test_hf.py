@@ -10,7 +10,6 @@ against the original model run in float64.
 """
 import copy
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import op_counting  # noqa: E402
 from fused_block import hf  # noqa: E402
 
 from hf_testing import B, L, V  # noqa: E402
+from hf_testing import check_dropout_flags, dropout_modes  # noqa: E402
 from hf_testing import assert_close as _assert_close  # noqa: E402
 from hf_testing import inputs as _inputs  # noqa: E402
 from hf_testing import model as _model  # noqa: E402
@@ -117,15 +117,6 @@ DROPOUT_FLAGS = {
 }
 
 
-def _dropout_modes(model, groups, model_train, on=None):
-    """``model`` in train or eval mode, every nn.Dropout and every module of ``groups`` (regexes)
-    in eval but those whose path matches the regex ``on`` in train."""
-    model.train(model_train)
-    for path, m in model.named_modules():
-        if isinstance(m, torch.nn.Dropout) or any(re.fullmatch(g, path) for g in groups):
-            m.train(on is not None and re.fullmatch(on, path) is not None)
-
-
 @pytest.mark.parametrize("arch", list(DROPOUT_FLAGS))
 def test_each_dropout_follows_the_flag_the_original_reads(arch, device, launches):
     """Dropout p = 0.5, grad enabled, one layer. Model in train mode with every dropout's
@@ -152,22 +143,10 @@ def test_each_dropout_follows_the_flag_the_original_reads(arch, device, launches
         with _no_fallback():
             return m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
 
-    _dropout_modes(model, every, False)
-    _dropout_modes(fused, every, False)
-    plain, fused_plain = logits(model), logits(fused)
-    for m in (ref, model, fused):
-        _dropout_modes(m, every, True)
-    out = logits(fused)
-    _assert_close("logits", out, logits(ref), logits(model), torch.float32, device)
-    torch.testing.assert_close(out, fused_plain, atol=0, rtol=0)
-    for group in groups:
-        for m in (model, fused):
-            _dropout_modes(m, every, False, on=group)
-        assert not torch.allclose(logits(model), plain), group  # the original drops here
-        assert not torch.allclose(logits(fused), fused_plain), group
+    plain, fused_plain = check_dropout_flags(ref, model, fused, logits, groups, every, device)
     if ignored is not None:
         for m in (model, fused):
-            _dropout_modes(m, every, True, on=ignored)
+            dropout_modes(m, every, True, on=ignored)
         torch.testing.assert_close(logits(model), plain, atol=1e-5, rtol=1e-5)  # the original does not drop
         torch.testing.assert_close(logits(fused), fused_plain, atol=0, rtol=0)
     assert launches["attention_fwd"] == 2 + len(groups) + (ignored is not None)

@@ -11,7 +11,6 @@ the logits in bf16; 16 greedy tokens with both caches, token for token the origi
 state dict and save_pretrained round trips; activation checkpointing; the call-time guard.
 """
 import copy
-import re
 import tempfile
 
 import pytest
@@ -21,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import fused_block  # noqa: E402
 import fused_block.hf  # noqa: E402
-from hf_testing import assert_close, no_fallback, seq2seq_inputs, seq2seq_model  # noqa: E402
+from hf_testing import assert_close, check_dropout_flags, no_fallback, seq2seq_inputs, seq2seq_model  # noqa: E402
 
 NAMES = ["bart", "whisper", "t5", "t5-v1.0"]
 # Per forward of 2 + 2 layers: the encoder's QKV, out, fc1, fc2 GEMMs; the decoder's QKV, out,
@@ -361,15 +360,6 @@ SEQ2SEQ_DROPOUT_FLAGS = {
 }
 
 
-def _dropout_modes(model, groups, model_train, on=None):
-    """``model`` in train or eval mode, every nn.Dropout and every module of ``groups`` in eval
-    but those whose path matches the regex ``on`` in train."""
-    model.train(model_train)
-    for path, m in model.named_modules():
-        if isinstance(m, torch.nn.Dropout) or any(re.fullmatch(g, path) for g in groups):
-            m.train(on is not None and re.fullmatch(on, path) is not None)
-
-
 @pytest.mark.parametrize("name", list(SEQ2SEQ_DROPOUT_FLAGS))
 def test_each_dropout_follows_the_flag_the_original_reads(name, device, launches):
     """Grad enabled, one layer each. Model in train mode with every dropout's deciding submodule
@@ -388,19 +378,7 @@ def test_each_dropout_follows_the_flag_the_original_reads(name, device, launches
         with no_fallback():
             return m(**enc, labels=targets).logits
 
-    _dropout_modes(model, groups, False)
-    _dropout_modes(fused, groups, False)
-    plain, fused_plain = logits(model), logits(fused)
-    for m in (ref, model, fused):
-        _dropout_modes(m, groups, True)
-    out = logits(fused)
-    assert_close("logits", out, logits(ref), logits(model), torch.float32, device)
-    torch.testing.assert_close(out, fused_plain, atol=0, rtol=0)
-    for group in groups:
-        for m in (model, fused):
-            _dropout_modes(m, groups, False, on=group)
-        assert not torch.allclose(logits(model), plain), group  # the original drops here
-        assert not torch.allclose(logits(fused), fused_plain), group
+    check_dropout_flags(ref, model, fused, logits, groups, groups, device)
     assert launches["attention_fwd"] == 3 * (2 + len(groups))  # encoder, decoder self and cross per forward
 
 
