@@ -33,6 +33,13 @@ def is_lora(m) -> bool:
     return (cls.__module__, cls.__qualname__) == _LORA_LINEAR
 
 
+def merged_state(linears):
+    """What PEFT changes about the weights of ``linears`` without a version bump (a merge adds
+    its update through ``weight.data``): each LoRA wrapper's merged adapters, None for a plain
+    linear; a key for caches of those weights (``fused_block.hf._core.cached``)."""
+    return tuple(tuple(m.merged_adapters) if is_lora(m) else None for m in linears)
+
+
 def base(m):
     """The module whose weight a fused path reads: the wrapped base layer, or ``m`` itself."""
     return m.base_layer if is_lora(m) else m

@@ -300,6 +300,32 @@ def test_peft_lora_on_converted_hf_models_runs_fused(arch, order, device, launch
     assert launches["matmul"] > 0 and launches["attention_fwd"] > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_merging_after_a_forward_gives_peft_s_answer(arch, device, launches):
+    """merge_adapter(), unmerge_adapter() and merge_and_unload() after a no-grad forward: PEFT
+    writes the merge through ``weight.data`` (no version bump), so the packed q/k/v copy a
+    forward cached is made again from the merged state (it was reused: logits off by 0.6,
+    found by fuzzing)."""
+    targets = {"llama": ["q_proj", "v_proj"], "bert": ["query", "value"]}[arch]
+    ref, got, (ids, mask) = _hf_peft(arch, device, "adapt_then_convert", targets=targets)
+    ref.eval(), got.eval()
+    keep = mask[..., None] == 1
+
+    def same():
+        with torch.no_grad(), _no_fallback():
+            out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
+
+    same()
+    for step in ("merge_adapter", "unmerge_adapter"):
+        getattr(ref, step)()
+        getattr(got, step)()
+        same()
+    ref, got = ref.merge_and_unload(), got.merge_and_unload()
+    same()
+    assert launches["matmul"] > 0
+
+
 def test_lora_training_step_of_a_converted_llama(device, launches):
     """A LoRA training step (PEFT, lora_dropout 0.1, every linear of the layers targeted) on a
     converted LLaMA: the loss and every adapter gradient are PEFT's on the original model; the

@@ -322,21 +322,24 @@ def kv_cache(call):
 # weight packing
 # ---------------------------------------------------------------------------------------------
 
-def cached(state, name, tensors, make):
+def cached(state, name, tensors, make, stamp=()):
     """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
-    flows through them (generation; buffers), recomputed otherwise (training, compile)."""
+    flows through them (generation; buffers), recomputed otherwise (training, compile).
+    "Unchanged": the same storage and version counter, and the same ``stamp`` (what else the
+    caller knows changes them: PEFT's merges, :func:`fused_block.lora.merged_state`). A write
+    through ``.data`` bumps no version counter, so it is not seen."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return make(tensors)
-    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    key = (stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
     if hit is None or hit[0] != key:
         hit = state.packed[name] = (key, make(tensors))
     return hit[1]
 
 
-def packed(state, name, tensors):
+def packed(state, name, tensors, stamp=()):
     """``torch.cat(tensors)`` (None for absent biases), cached as :func:`cached`."""
-    return None if tensors[0] is None else cached(state, name, tensors, torch.cat)
+    return None if tensors[0] is None else cached(state, name, tensors, torch.cat, stamp)
 
 
 class _Parts:
@@ -387,10 +390,13 @@ def saved_as_parts(weight, parts):
         yield
 
 
-def packed_linear(state, name, x, weights, bias, **kw):
-    """``linear(x, packed(state, name, weights), bias, **kw)``, the packed weight saved for the
-    backward as its parts (:func:`saved_as_parts`)."""
-    w = packed(state, name, weights)
+def packed_linear(state, name, x, linears, bias, **kw):
+    """``linear(x, packed(state, name, their weights), bias, **kw)`` for the linear modules
+    ``linears`` (PEFT LoRA wrappers included: their base layer's weight, the packed copy made
+    again when PEFT merges or unmerges their adapters, which it writes through ``.data``), the
+    packed weight saved for the backward as its parts (:func:`saved_as_parts`)."""
+    weights = tuple(m.weight for m in linears)
+    w = packed(state, name, weights, lora.merged_state(linears))
     with saved_as_parts(w, weights):
         return linear(x, w, bias, **kw)
 

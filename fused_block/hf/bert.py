@@ -45,7 +45,7 @@ def run(layer, call, x):
     scale = float(getattr(s, "scaling", D ** -0.5))
     qkv_lora = lora.stacked([(s.query, s.query.out_features), (s.key, s.key.out_features),
                              (s.value, s.value.out_features)], x)  # PEFT LoRA: fused_block.lora
-    qkv = packed_linear(state, "qkv_weight", x, (s.query.weight, s.key.weight, s.value.weight), b, lora=qkv_lora)
+    qkv = packed_linear(state, "qkv_weight", x, (s.query, s.key, s.value), b, lora=qkv_lora)
     # Each dropout on by the flag the original reads: the attention module's own for the
     # attention's (BertSelfAttention: ``0.0 if not self.training else self.dropout.p``), the
     # output nn.Dropout modules' own.

@@ -187,7 +187,7 @@ def run(layer, call, x):
     n1, _ = _norm(x, None, layer.input_layernorm)
     b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
-    qkv = packed_linear(state, "qkv_weight", n1, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), b,
+    qkv = packed_linear(state, "qkv_weight", n1, (attn.q_proj, attn.k_proj, attn.v_proj), b,
                         lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM
     qkv = llama.rope(layer, qkv, H, Hkv, call, unit_offset=True)  # Gemma 3: (1 + w) q/k norms in the launch
     p = attn.attention_dropout if attn.training else 0.0

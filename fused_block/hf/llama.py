@@ -158,7 +158,7 @@ def attention_sublayer(layer, call, n1, tp=None, sinks=None, half_tables=False):
     # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
     qkv = packed_linear(state, "qkv_weight", n1 if tp is None else tp.enter(n1),  # (B, L, (H + 2 Hkv) D): one GEMM
-                        (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), b, lora=qkv_lora)
+                        (attn.q_proj, attn.k_proj, attn.v_proj), b, lora=qkv_lora)
     qkv = rope(layer, qkv, H, Hkv, call, half_tables=half_tables)  # q, k rotated and v copied: one packed tensor
     p = attn.attention_dropout if attn.training else 0.0
     with _NO_SHIFT if tp is None or p == 0 else tp.seeds([tp.rank]):  # each rank's heads, their own masks

@@ -69,7 +69,7 @@ def check_call(layer, call):
 def _qkv(layer, attn, x, prefix):
     """The packed [q; k; v] projection of x (one GEMM)."""
     state = layer._fused_block
-    return packed_linear(state, prefix + "qkv_weight", x, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+    return packed_linear(state, prefix + "qkv_weight", x, (attn.q_proj, attn.k_proj, attn.v_proj),
                          packed_bias(state, prefix + "qkv_bias", (attn.q_proj, attn.k_proj, attn.v_proj)))
 
 
@@ -92,7 +92,7 @@ def _cross_attention(layer, call, x):
     H, D = attn.num_heads, attn.head_dim
     q = linear(x, attn.q_proj.weight, attn.q_proj.bias).unflatten(-1, (H, D)).transpose(1, 2)
     k, v = cross_keys(kv_cache(call), attn.layer_idx, lambda: kv_heads(
-        packed_linear(state, "kv_weight", enc, (attn.k_proj.weight, attn.v_proj.weight),
+        packed_linear(state, "kv_weight", enc, (attn.k_proj, attn.v_proj),
                       packed_bias(state, "kv_bias", (attn.k_proj, attn.v_proj))), H))
     p = plan(call.get("encoder_attention_mask"), B, Lq, k.shape[2], False, mask_convention(attn.config))
     o = attend(q, k, v, p, attn.scaling, attn.dropout if attn.training else 0.0, type(layer).__name__)

@@ -202,7 +202,7 @@ def _self_attention(layer, call, x):
     cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's self-attention half
     past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
     past = past.clone() if isinstance(past, torch.Tensor) else past  # as T5Attention (static caches)
-    qkv = packed_linear(state, "qkv_weight", x, (attn.q.weight, attn.k.weight, attn.v.weight),
+    qkv = packed_linear(state, "qkv_weight", x, (attn.q, attn.k, attn.v),
                         packed(state, "qkv_bias", (attn.q.bias, attn.k.bias, attn.v.bias)))
     bias = _Bias(attn, call.get("position_bias"), x, past)
     o = self_attention(qkv, attn.n_heads, attn.n_heads, cache, attn.layer_idx, call.get("attention_mask"),
@@ -219,7 +219,7 @@ def _cross_attention(layer, call, x):
     H, D = attn.n_heads, attn.key_value_proj_dim
     q = linear(x, attn.q.weight, attn.q.bias).unflatten(-1, (H, D)).transpose(1, 2)
     k, v = cross_keys(kv_cache(call), attn.layer_idx, lambda: kv_heads(
-        packed_linear(state, "kv_weight", enc, (attn.k.weight, attn.v.weight),
+        packed_linear(state, "kv_weight", enc, (attn.k, attn.v),
                       packed(state, "kv_bias", (attn.k.bias, attn.v.bias))), H))
     bias = call.get("encoder_decoder_position_bias")
     if bias is None:  # T5Attention: zeros (the cross-attention has no relative bias)
