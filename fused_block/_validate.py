@@ -74,35 +74,33 @@ def scalar(value):
     return value if n is None else n
 
 
-def number(name, value, what="a number"):
-    """``value`` as a Python int or float: ints and floats (subclasses such as ``numpy.float64``
-    converted), and numpy integer and floating scalars, as torch's ops take them for a float
-    argument. Bools (Python's and numpy's) raise TypeError naming ``name``: a flag is no number."""
+def _python(name, value, integer_only, what):
+    """``value`` as a Python int (or float unless ``integer_only``): Python's (subclasses
+    converted) and numpy's scalars; bools and anything else raise TypeError naming ``name``."""
     t = type(value)
-    if t is float or t is int:
+    if t is int or (t is float and not integer_only):
         return value
-    if isinstance(value, float):
-        return float(value)
     if isinstance(value, int) and t is not bool:
         return int(value)
-    n = _from_numpy(value, False)
+    if isinstance(value, float) and not integer_only:
+        return float(value)
+    n = _from_numpy(value, integer_only)
     if n is None:
         raise TypeError(f"{name} must be {what}, got {type_name(value)}")
     return n
 
 
+def number(name, value, what="a number"):
+    """``value`` as a Python int or float: ints and floats (subclasses such as ``numpy.float64``
+    converted), and numpy integer and floating scalars, as torch's ops take them for a float
+    argument. Bools (Python's and numpy's) raise TypeError naming ``name``: a flag is no number."""
+    return _python(name, value, False, what)
+
+
 def integer(name, value):
     """``value`` as a Python int: ints (subclasses converted) and numpy integer scalars, as torch's
     ops take them for an int argument; floats and bools raise TypeError naming ``name``."""
-    t = type(value)
-    if t is int:
-        return value
-    if isinstance(value, int) and t is not bool:
-        return int(value)
-    n = _from_numpy(value, True)
-    if n is None:
-        raise TypeError(f"{name} must be an int, got {type_name(value)}")
-    return n
+    return _python(name, value, True, "an int")
 
 
 def probability(name, p):
