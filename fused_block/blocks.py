@@ -768,12 +768,14 @@ class _LayerMixin:
 
     def _activation(self):
         """The fused epilogue's name for ``self.activation``, looked up once per activation
-        object (the attribute may be reassigned; the name follows it)."""
+        object and ``nn.GELU`` form (the attribute may be reassigned, a GELU module's
+        ``approximate`` set in place; the name follows both)."""
         act = self.activation
+        form = act.approximate if type(act) is nn.GELU else None
         cached = self.__dict__.get("_activation_cache")
-        if cached is None or cached[0] is not act:
-            cached = self.__dict__["_activation_cache"] = (act, _activation_name(act))
-        return cached[1]
+        if cached is None or cached[0] is not act or cached[1] != form:
+            cached = self.__dict__["_activation_cache"] = (act, form, _activation_name(act))
+        return cached[2]
 
     def _seed_block(self, x, *ps):
         """The seeds of the layer's dropouts that are on (probabilities ``ps``, 0 for those

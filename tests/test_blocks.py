@@ -302,6 +302,27 @@ def test_module_activation_survives_copy_and_load(device, launches):
             torch.testing.assert_close(other(x, mem), want, atol=0, rtol=0)
 
 
+def test_a_gelu_module_changed_in_place_is_followed(device, launches):
+    """An ``nn.GELU`` activation whose ``approximate`` is set in place after a forward: the
+    fused layer runs the new form, as torch's layer does (the epilogue's name was cached by
+    the module's identity alone and kept erf's)."""
+    t, f = _layers("encoder", norm_first=True, batch_first=True, activation=nn.GELU())
+    with torch.no_grad():  # every pre-activation 2.7, where the forms differ most (4.7e-4), summed FF times
+        t.linear1.weight.zero_()
+        t.linear1.bias.fill_(2.7)
+        t.linear2.weight.fill_(1.0)
+    t, f = t.to(device), f.to(device)
+    f.load_state_dict(t.state_dict())
+    x = _x(True, L, device)
+    with torch.no_grad():
+        erf = f(x)
+        t.activation.approximate = f.activation.approximate = "tanh"
+        got, want = f(x), t(x)
+    diff, err = float((want - erf).abs().max()), float((got - want).abs().max())
+    assert diff > 0.01 and err < 0.1 * diff, (diff, err)
+    assert launches["attention_fwd"] == 2
+
+
 @pytest.mark.parametrize("L_q,S", [(3, 9), (7, 1)])
 def test_is_causal_alone_with_other_key_length_is_torchs_causal_mask(L_q, S, device, launches):
     """MultiheadAttention(is_causal=True) without masks where the keys outnumber the queries or
