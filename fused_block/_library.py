@@ -50,6 +50,20 @@ def op(name: str, fake):
     return register
 
 
+def _distinct(args):
+    """``args`` with each repeated tensor after its first occurrence replaced by a view of it
+    (``attention(q, q, q)``, ``add_rms_norm(x, x)``): Dynamo refuses an ``autograd.Function``
+    given the same tensor twice, and autograd sums the view's gradient into the tensor's."""
+    seen = set()
+    out = list(args)
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if id(a) in seen:
+                out[i] = a.view_as(a)
+            seen.add(id(a))
+    return out
+
+
 def fast_apply(fn_cls):
     """``fn_cls.apply`` (a ``torch.autograd.Function`` without ``setup_context``) minus the
     host cost of torch's Python wrapper around it where that wrapper does nothing.
@@ -59,7 +73,8 @@ def fast_apply(fn_cls):
     on the CPU) before the C++ apply. Here the C++ apply is called directly unless Dynamo
     traces the call (it must see ``fn_cls.apply``), a functorch transform is active, or an
     argument is a functorch wrapper (which ``unwrap_dead_wrappers`` might unwrap): those take
-    ``fn_cls.apply`` itself, so the result is the same in every case.
+    ``fn_cls.apply`` itself, so the result is the same in every case. Under Dynamo a tensor
+    passed twice goes in as itself and a view (:func:`_distinct`).
     """
     if torch.autograd.function._is_setup_context_defined(fn_cls.setup_context):
         raise TypeError(f"{fn_cls.__name__}: fast_apply takes Functions without setup_context")
@@ -70,7 +85,9 @@ def fast_apply(fn_cls):
     tensor = torch.Tensor
 
     def apply(*args):
-        if is_compiling() or transforms_active():
+        if is_compiling():
+            return fn_cls.apply(*_distinct(args))
+        if transforms_active():
             return fn_cls.apply(*args)
         for a in args:
             if isinstance(a, tensor) and is_wrapped(a):

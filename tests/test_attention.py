@@ -740,6 +740,24 @@ def test_torch_compile_fullgraph(device, launches):
     assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
+def test_torch_compile_fullgraph_with_one_tensor_as_q_k_and_v(device, launches):
+    """``attention(x, x, x)`` (self-attention without projections) traces: Dynamo refuses an
+    autograd Function given the same tensor twice, so the op hands it a view; the gradient is
+    the sum of the three, as in eager mode."""
+    x = randn(1, 2, 17, 16, dtype=torch.float32, device=device, requires_grad=True)  # the sum's order may differ
+
+    def f(x):
+        return attention(x, x, x, True).pow(2).sum()
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    g_got, = torch.autograd.grad(got, (x,))
+    want = f(x)
+    g_want, = torch.autograd.grad(want, (x,))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_got, g_want)
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
+
+
 def test_torch_compile_fullgraph_qkvpacked(device, launches):
     qkv = randn(2, 17, 4 * 16, dtype=torch.float16, device=device, requires_grad=True)
 

@@ -478,6 +478,25 @@ def test_torch_compile_fullgraph(device, launches, norm, second):
     torch.testing.assert_close(gw, rw)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_torch_compile_fullgraph_with_x_as_its_own_residual(device, launches, norm):
+    """``add_norm(x, x)`` traces (Dynamo refuses an autograd Function given the same tensor
+    twice: the op hands it a view), with eager's gradient, the sum of both uses."""
+    x = randn(6, 64, dtype=torch.float32, device=device, requires_grad=True)
+
+    def step(x):
+        out, rout = _call(_op(norm), norm, x, x, None, None)
+        return (out * rout.flip(-1)).sum()
+
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    gx, = torch.autograd.grad(loss, (x,))
+    ref_loss = step(x)
+    rx, = torch.autograd.grad(ref_loss, (x,))
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(gx, rx)
+    assert launches["add_norm_fwd"] >= 2 and launches["add_norm_bwd"] >= 2
+
+
 @pytest.mark.parametrize("cls,torch_cls,kw", [
     (fused_block.LayerNorm, torch.nn.LayerNorm, {}),
     (fused_block.LayerNorm, torch.nn.LayerNorm, {"bias": False}),
