@@ -46,6 +46,14 @@ def _like(t: Tensor, shape, dtype, alloc) -> Tensor:
     return buf.permute(*[order.index(i) for i in range(3)], 3)
 
 
+def _in_order_of(t: Tensor, out: Tensor) -> Tensor:
+    """``out`` (B, H, L, D) with dims 0..2 laid out in ``t``'s memory order, as :func:`_like`
+    lays out the kernels' outputs (a copy where it is not already; no in-place write, so
+    torch.func transforms take it)."""
+    order = sorted(range(3), key=lambda i: -t.stride(i))
+    return out.permute(*order, 3).contiguous().permute(*[order.index(i) for i in range(3)], 3)
+
+
 def _heads(t: Tensor, n_heads: int, batch_first: bool) -> Tensor:
     """(B, L, n * D) or (L, B, n * D) with a contiguous last dim -> the (B, n, L, D) view."""
     t = t.unflatten(-1, (n_heads, -1))
@@ -619,9 +627,11 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if not _backend.use_triton(q):
-        return reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
-                                   softcap=cap or None, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                                   return_lse=return_lse)
+        out, lse = reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
+                                       softcap=cap or None, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
+                                       mask=mask, return_lse=True)
+        out = _in_order_of(q, out)  # the kernels' layout, which callers may view (merging heads)
+        return (out, lse) if return_lse else out
     _check_fp32_width("q", q, q.shape[-1])
     q, k, v = common.unit(q), common.unit(k), common.unit(v)
     grad = _backend.needs_autograd(q, k, v, sinks, bias)

@@ -54,7 +54,15 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p
     cdt = _compute_dtype(x.dtype, compute_dtype)
     h, residual_dtype = _residual_add(x, residual, dropout_p, dropout_mask, residual_in_fp32, cdt)
     out = F.layer_norm(h, h.shape[-1:], _cast(weight, cdt), _cast(bias, cdt), eps).to(x.dtype)
-    return out, out if out_is_residual else h.to(residual_dtype)
+    return out, out if out_is_residual else _residual_out(x, residual, dropout_p, h, residual_dtype)
+
+
+def _residual_out(x, residual, dropout_p, h, residual_dtype):
+    """``h`` in ``residual_dtype``; x itself where nothing changed it (no residual, dropout or
+    dtype change), as the kernels return it (no copy)."""
+    if residual is None and not dropout_p and residual_dtype == x.dtype:
+        return x
+    return h.to(residual_dtype)
 
 
 def default_rms_eps(dtype) -> float:
@@ -79,7 +87,7 @@ def add_rms_norm(x, residual=None, weight=None, eps=None, dropout_p=0.0,
     if weight is not None:
         out = out * (1.0 + weight.to(cdt) if unit_offset else weight.to(cdt))
     out = out.to(x.dtype)
-    return out, out if out_is_residual else h.to(residual_dtype)
+    return out, out if out_is_residual else _residual_out(x, residual, dropout_p, h, residual_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +427,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     flat = logits.reshape(-1, logits.shape[-1])
-    t = target.reshape(-1)
+    t = target.reshape(-1).long()  # any integer dtype, as the kernels take it (F.cross_entropy: int64)
     valid = t != ignore_index
     lse = torch.logsumexp(flat, dim=-1)
     rows = F.cross_entropy(flat, torch.where(valid, t, 0), reduction="none", label_smoothing=label_smoothing)
@@ -430,4 +438,4 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         loss = rows.sum()
         if reduction == "mean":
             loss = loss / valid.sum().clamp(min=1)
-    return (loss, lse.to(out_dtype).reshape(target.shape)) if return_lse else loss
+    return (loss, lse.detach().to(out_dtype).reshape(target.shape)) if return_lse else loss  # the LSE: no gradient
