@@ -37,7 +37,8 @@ def main():
     parser.add_argument("--sp", action="store_true", help="sequence parallelism inside the tensor-parallel layers")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="sequences per data-parallel rank")
-    parser.add_argument("--tiny", action="store_true", help="d_model 32, 2 layers, 32 tokens (for the interpreter)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="d_model 32, 2 layers, sequences of 16 tokens (for the interpreter)")
     parser.add_argument("--checkpoint", help="a directory for torch.distributed.checkpoint")
     args = parser.parse_args()
 
