@@ -278,6 +278,47 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
     return _Masks(causal=causal, key_padding=kpm)
 
 
+# The attention op takes a bias below reference.SATURATED_BIAS as -inf (the kernels add it in
+# the log2 domain, in fp32, where it overflows). torch's softmax sees ``score + bias`` instead,
+# which for such a bias rounds to the bias itself (its ulp, ~2e31, swamps any score): a row whose
+# largest bias is that low weighs its keys by the bias alone. Half that value bounds the masks
+# worth a closer look: two such masks add up below it.
+_SATURATED = reference.SATURATED_BIAS
+
+
+def _saturates(mask):
+    """Whether a float mask holds a finite value low enough, alone or added to another, to
+    saturate the kernel's scores (see :func:`_saturated_rows`)."""
+    return bool(((mask < _SATURATED / 2) & (mask > float("-inf"))).any())
+
+
+def _may_saturate(attn_mask, key_padding_mask):
+    """Whether the masks (before merging) may give rows :func:`_saturated_rows` must set; read
+    once per mask and version (:func:`_verdict`), and True where they cannot be read."""
+    for m in (attn_mask, key_padding_mask):
+        if m is not None and m.dtype != torch.bool and _verdict(_saturates, m) is not False:
+            return True
+    return False
+
+
+def _saturated_rows(o, bias, v):
+    """``o`` (B, H, L, D), the kernel's attention under the additive ``bias`` (broadcastable to
+    (B, H, L, S)), with torch's value in the rows whose largest bias is finite and below
+    ``_SATURATED`` (a Hugging Face-style ``finfo.min`` mask hiding every key of the row): the
+    mean of V over the keys of that largest bias, where the kernel, which takes such a bias as
+    -inf, gives 0. The gradient is that mean's (dV); torch's autograd also passes those rows'
+    gradients to q and k through the absorbed scores, terms of a function that does not depend
+    on them. No attention dropout on these rows (the same expectation as torch's)."""
+    b = bias.float()
+    top = b.amax(-1, keepdim=True)
+    dead = (top < _SATURATED) & (top > float("-inf"))  # (B|1, H|1, L, 1)
+    w = ((b == top) & dead).float()
+    H, Hkv = o.shape[1], v.shape[1]
+    vf = v.float() if H == Hkv else v.float().repeat_interleave(H // Hkv, dim=1)
+    mean = (w @ vf) / w.sum(-1, keepdim=True).clamp_min(1.0)
+    return torch.where(dead, mean.to(o.dtype), o)
+
+
 def _merge_masks(attn_mask, kpm, causal, B, H, L, S, dtype):
     """One additive float mask broadcastable to (B, H, L, S), as torch's MultiheadAttention builds."""
     dev = (attn_mask if attn_mask is not None else kpm).device if (attn_mask is not None or kpm is not None) else None
@@ -510,6 +551,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         q, k, v = (_split_heads(t, n, bf) for t, n in ((q, H), (k, Hkv), (v, Hkv)))  # (B, n, L|S, D)
         if reason is None and bias is not None:
             o = ops.attention(q, k, v, False, None, None, dropout_p, bias=bias)
+            if _may_saturate(attn_mask, key_padding_mask):
+                o = _saturated_rows(o, bias, v)
         elif reason is None:
             keep = None if masks.hidden is None else ~masks.hidden  # the kernel's mask: True = attend
             o = ops.attention(q, k, v, masks.causal, None, masks.key_padding, dropout_p, mask=keep)

@@ -126,6 +126,12 @@ def alibi_bias(slopes, B, Hq, lq, lk, device, dtype):
     return -slopes.to(dtype).expand(B, Hq)[:, :, None, None] * dist
 
 
+# The kernels add an additive bias in the log2 domain, in fp32 (bias * log2(e)): a bias below
+# -finfo(fp32).max / log2(e) (about -2.36e38: fp32's and bf16's finfo.min, Hugging Face's
+# masking value) becomes -inf there, masking its key as -inf does.
+SATURATED_BIAS = -torch.finfo(torch.float32).max / 1.4426950408889634
+
+
 def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_p=0.0,
               *, window=(-1, -1), softcap=None, sinks=None, alibi_slopes=None, bias=None, mask=None,
               dropout_mask=None, return_lse=False, compute_dtype=None):
@@ -133,9 +139,9 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
 
     Scores: ``s = q k^T * scale``; ``softcap`` c: s <- c * tanh(s / c); then + ALiBi's bias
     (:func:`alibi_bias`, ``alibi_slopes`` (Hq,) or (B, Hq)) + ``bias`` (broadcastable to
-    (B, Hq, Lq, Lk)); keys invisible under ``window`` (:func:`visible_keys`), causality,
-    ``key_padding_mask`` or the bool ``mask`` (broadcastable, True = attend, SDPA's rule) get
-    -inf. ``sinks`` (Hq,): one more logit per head in each row's softmax denominator, with no
+    (B, Hq, Lq, Lk); below ``SATURATED_BIAS`` it is -inf, as in the kernels); keys invisible
+    under ``window`` (:func:`visible_keys`), causality, ``key_padding_mask`` or the bool
+    ``mask`` (broadcastable, True = attend, SDPA's rule) get -inf. ``sinks`` (Hq,): one more logit per head in each row's softmax denominator, with no
     value. A query row with no visible key outputs 0 (and its LSE is -inf, or the sink's
     logit). ``dropout_mask`` (bool, (B, Hq, Lq, Lk), True = kept) replaces the random mask on
     the probabilities. Returns ``out`` (q's dtype), or ``(out, lse)`` with the fp32-or-wider
@@ -154,7 +160,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     if alibi_slopes is not None:
         s = s + alibi_bias(alibi_slopes, B, Hq, Lq, Lk, q.device, cdt)
     if bias is not None:
-        s = s + bias.to(cdt)
+        s = s + bias.to(cdt).masked_fill(bias < SATURATED_BIAS, float("-inf"))
     vis = visible_keys(Lq, Lk, causal, key_padding_mask, q.device, window)
     if mask is not None:
         vis = vis & mask
@@ -162,14 +168,20 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     if sinks is not None:
         # The sink joins every row's denominator: the LSE is finite, P = exp(s - lse).
         sink = sinks.to(cdt)[None, :, None, None].expand(B, Hq, Lq, 1)
-        lse = torch.logsumexp(torch.cat([s, sink], -1), dim=-1)
-        p = torch.exp(s - lse[..., None])
-        has_key = None
+        logits = torch.cat([s, sink], -1)
+        lse = torch.logsumexp(logits, dim=-1)
+        e = torch.exp(logits - logits.amax(-1, keepdim=True).detach())
+        p = (e / e.sum(-1, keepdim=True))[..., :Lk]
     else:
         has_key = (s != float("-inf")).any(-1, keepdim=True)  # NaN scores propagate, as in SDPA
         # (B, Hq, Lq); -inf on rows with no visible key (computed on zeros there: a finite gradient)
-        lse = torch.logsumexp(s.masked_fill(~has_key, 0.0), dim=-1).masked_fill(~has_key[..., 0], float("-inf"))
-        p = torch.where(has_key, torch.exp(s - torch.where(has_key, lse[..., None], 0.0)), 0.0)
+        s0 = s.masked_fill(~has_key, 0.0)
+        lse = torch.logsumexp(s0, dim=-1).masked_fill(~has_key[..., 0], float("-inf"))
+        # Normalized by the row's own sum, not exp(s - lse): at scores near -1e38 the LSE rounds
+        # to the row's largest score (log(Lk) is below its ulp), which would weigh each key 1.
+        top = s0.amax(-1, keepdim=True) if Lk else s0.sum(-1, keepdim=True)  # (no key: an empty row)
+        e = torch.exp(s0 - top.detach())
+        p = torch.where(has_key, e / e.sum(-1, keepdim=True), 0.0)
     if dropout_p > 0.0:
         if dropout_mask is None:
             p = F.dropout(p, dropout_p, training=True)

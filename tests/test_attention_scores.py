@@ -277,6 +277,42 @@ def test_all_masked_rows(device, launches):
     assert launches["attention_fwd"] == 1 and launches["attention_bwd"] == 1
 
 
+# Output tolerances of rows computed two ways (the same kernel under a bias and a bool mask, or
+# the mean of V in fp32): a few of the output dtype's ulps.
+ROW_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+           torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # fp16's range ends at 65504
+def test_a_bias_below_the_saturation_point_masks_its_key(dtype, device, launches):
+    """A bias below ``reference.SATURATED_BIAS`` (~-2.36e38: fp32's and bf16's ``finfo.min``)
+    masks its key as -inf does, on the kernels and in the reference alike: a row of such keys
+    gives 0, a row of some gives the attention over the others; a bias above it (-1e38 on every
+    key) is an ordinary one, the mean of V (the reference normalizes by the row's own sum: its
+    LSE rounds to -1e38 itself, which weighed every key 1)."""
+    L, D = 6, 16
+    q, k, v = _qkv(1, 2, 2, L, L, D, dtype, device)
+    low = float(torch.finfo(torch.float32).min)
+    bias = torch.zeros(L, L, device=device)
+    bias[0] = low
+    bias[1] = -1e38
+    bias[2, :3] = low
+    bias[3, :2] = -2.5e38
+    bias[4, :2] = float("-inf")
+    bias[4, 2:] = low
+    keep = torch.ones(L, L, dtype=torch.bool, device=device)
+    keep[2, :3] = keep[3, :2] = False
+    want = attention(q, k, v, mask=keep).float()
+    mean = v.float().mean(2)
+    for fn in (attention, reference.attention):
+        out = fn(q, k, v, bias=bias.to(dtype)).float()
+        assert (out[:, :, 0] == 0).all() and (out[:, :, 4] == 0).all()
+        torch.testing.assert_close(out[:, :, 1], mean, **ROW_TOL[dtype])
+        torch.testing.assert_close(out[:, :, 2:4], want[:, :, 2:4], **ROW_TOL[dtype])
+        torch.testing.assert_close(out[:, :, 5:], want[:, :, 5:], **ROW_TOL[dtype])
+    assert launches["attention_fwd"] == 2
+
+
 # Everything at once: causal + a left window + softcap + sinks + ALiBi + bias + mask with GQA.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_everything_combined(dtype, device, path, launches):

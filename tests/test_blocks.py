@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fused_block
 from fused_block import _backend, blocks
@@ -427,6 +428,68 @@ def test_a_learned_mask_gets_its_gradient_whatever_its_values(init, device, laun
         _assert_close(k, gf[seen], g64[seen], gb[seen], torch.float32, device)
         assert float(g64[seen].abs().max()) > 0, k  # the test discriminates
     assert launches["attention_bwd"] == 2 and launches["attention_dbias"] == 2
+
+
+def _saturating_masks(kind, device):
+    """Float masks at fp32's ``finfo.min`` (Hugging Face's masking value) hiding every key of
+    some query rows: ``(kwargs, rows)``, rows (B, L) True where a query sees no key."""
+    low = torch.finfo(torch.float32).min
+    rows = torch.zeros(B, L, dtype=torch.bool, device=device)
+    kw = {}
+    if kind in ("src_mask", "both", "decoder"):
+        m = torch.zeros(L, S if kind == "decoder" else L, device=device)
+        m[2] = low          # query 2 sees no key
+        m[4, :3] = low      # query 4 sees some: an ordinary row
+        m[5, :2] = float("-inf")
+        m[5, 2:] = low      # query 5: its finfo.min keys share the weight, the -inf ones get none
+        rows[:, [2, 5]] = True
+        kw["memory_mask" if kind == "decoder" else "src_mask"] = m
+    if kind in ("padding", "both"):
+        kpm = torch.zeros(B, L, device=device)
+        kpm[1] = low        # the second sequence has no key at all
+        rows[1] = True
+        kw["src_key_padding_mask"] = kpm  # with src_mask: summed, torch's merge (finfo.min twice: -inf)
+    return kw, rows
+
+
+@pytest.mark.parametrize("kind", ["src_mask", "padding", "both", "decoder"])
+def test_rows_that_see_no_key_through_finfo_min_match_torch(kind, device, launches):
+    """A float mask at ``finfo.min`` (not -inf) hiding every key of a query row: torch's
+    softmax sees equal scores there (``score + finfo.min`` rounds to ``finfo.min``) and gives the
+    mean of V over those keys, where the kernel, which takes such a bias as -inf, gives 0; the
+    layers set those rows to torch's value. With the rows' output gradient zero every gradient
+    is torch's; with only theirs, V's (its projection's rows and the out-projection) is that of
+    torch's softmax (SDPA's math backend: the CPU flash kernel's backward rebuilds each weight
+    from a log-sum-exp that rounds to ``finfo.min`` itself, weighing every such key 1, not
+    1 / count), and torch's autograd also differentiates the absorbed scores (q and k): those
+    terms are documented, not reproduced."""
+    t, f = _layers(kind if kind == "decoder" else "encoder", norm_first=kind != "padding", batch_first=True)
+    t, f = t.to(device), f.to(device)
+    f.load_state_dict(t.state_dict())
+    kw, rows = _saturating_masks(kind, device)
+    inputs = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
+    ref, base = copy.deepcopy(t).double(), t
+    ref_kw = {k: m.double() for k, m in kw.items()}
+    if kind == "both":  # torch's merge in fp32 (finfo.min twice: -inf), for the float64 oracle too
+        merged = kw["src_mask"] + kw["src_key_padding_mask"][:, None, :]
+        ref_kw = {"src_mask": merged.repeat_interleave(H, 0).double()}
+    g = numerics.randn(B, L, D, dtype=torch.float64, device=device)
+    attn = "multihead_attn." if kind == "decoder" else "self_attn."  # the masked attention
+    for grad_out, every in ((g.masked_fill(rows[..., None], 0), True), (g.masked_fill(~rows[..., None], 0), False)):
+        with sdpa_kernel(SDPBackend.MATH):
+            ref_out, g64 = _run(ref, [x.double() for x in inputs], ref_kw, grad_out)
+            base_out, g_b = _run(base, inputs, kw, grad_out)
+        out, g_f = _run(f, inputs, kw, grad_out)
+        _assert_close("output", out, ref_out, base_out, torch.float32, device)
+        # The test discriminates: the rows are torch's mean of V (not 0), and the oracle is torch's.
+        assert float((ref_out - ref_out.masked_fill(rows[..., None], 0)).abs().max()) > 0.1
+        assert float((base_out - ref_out).abs().max()) < 1e-4
+        for name in g64:
+            if every or name.startswith(attn + "out_proj"):
+                _assert_close(name, g_f[name], g64[name], g_b[name], torch.float32, device)
+            elif name.startswith(attn + "in_proj"):  # V's rows
+                _assert_close(name, g_f[name][2 * D:], g64[name][2 * D:], g_b[name][2 * D:], torch.float32, device)
+    assert launches["attention_fwd"] >= 2
 
 
 def test_float_padding_mask_of_zeros_and_neg_inf_uses_kernel(device, launches):
