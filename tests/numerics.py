@@ -26,6 +26,17 @@ def assert_close(name, actual, ref64, baseline, *, atol=None, factor=FACTOR, dty
 
 
 @contextlib.contextmanager
+def assert_compiled_matches_eager(fn, x):
+    """``torch.compile(fn, fullgraph=True)`` (aot_eager) traces and gives eager's scalar ``fn(x)``
+    and gradient of x."""
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+    g_got, = torch.autograd.grad(got, (x,))
+    want = fn(x)
+    g_want, = torch.autograd.grad(want, (x,))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_got, g_want)
+
+
 def fp32_matmul_precision(precision):
     """``torch.set_float32_matmul_precision(precision)`` inside the block, restored after.
 

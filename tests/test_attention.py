@@ -23,7 +23,7 @@ from fused_block.kernels import common
 import attention_testing
 from attention_testing import path  # noqa: F401 - the fixture
 from gemm_testing import baseline_mode, fp32_mode
-from numerics import ATOL, DTYPES, assert_close, randn
+from numerics import ATOL, DTYPES, assert_close, assert_compiled_matches_eager, randn
 
 ON_CUDA, HOPPER = attention_testing.ON_CUDA, attention_testing.HOPPER
 
@@ -749,12 +749,7 @@ def test_torch_compile_fullgraph_with_one_tensor_as_q_k_and_v(device, launches):
     def f(x):
         return attention(x, x, x, True).pow(2).sum()
 
-    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
-    g_got, = torch.autograd.grad(got, (x,))
-    want = f(x)
-    g_want, = torch.autograd.grad(want, (x,))
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(g_got, g_want)
+    assert_compiled_matches_eager(f, x)
     assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
