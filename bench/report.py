@@ -68,7 +68,8 @@ def newest(paths) -> tuple:
         data = load(path)
         if not any(m.get("ms") for m in data["measurements"]):
             continue
-        key = (data["environment"].get("date") or "", not data.get("quick", False), pathlib.Path(path).name)
+        date = data["environment"].get("date") or ""  # ISO 8601: the day first, then the time
+        key = (date[:10], not data.get("quick", False), date, pathlib.Path(path).name)
         if best is None or key > best[0]:
             best = (key, pathlib.Path(path), data)
     return (None, None) if best is None else best[1:]

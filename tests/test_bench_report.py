@@ -71,6 +71,8 @@ def test_newest_takes_the_latest_date_and_a_full_run_over_a_quick_one(tmp_path):
     full = _write(tmp_path, _env("2026-12-03T10:00:00+00:00", gpu="NVIDIA H100 80GB HBM3"))
     assert report.newest([old, quick])[0] == quick
     assert report.newest([old, quick, full])[0] == full
+    later_quick = _write(tmp_path, _env("2026-12-03T18:00:00+00:00", gpu="NVIDIA H100 PCIe"), quick=True)
+    assert report.newest([old, quick, full, later_quick])[0] == full  # the same day: the full run, whatever the hour
     assert report.newest([]) == (None, None)
 
 
