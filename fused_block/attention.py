@@ -626,13 +626,13 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     sinks, alibi_slopes = _check_scores(q, B, Hq, Lq, k.shape[2], sinks, alibi_slopes, bias, mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
+    _check_fp32_width("q", q, q.shape[-1])  # on every path: a call valid here is valid on a GPU
     if not _backend.use_triton(q):
         out, lse = reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
                                        softcap=cap or None, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
                                        mask=mask, return_lse=True)
         out = _in_order_of(q, out)  # the kernels' layout, which callers may view (merging heads)
         return (out, lse) if return_lse else out
-    _check_fp32_width("q", q, q.shape[-1])
     q, k, v = common.unit(q), common.unit(k), common.unit(v)
     grad = _backend.needs_autograd(q, k, v, sinks, bias)
     if (q.is_cuda or _attn_sdpa.forced_sdpa()) and _attn_sdpa.expresses(
@@ -712,13 +712,13 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
                              sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True)
         out = (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
         return (out, lse) if return_lse else out
+    _check_fp32_width("qkv", qkv, D)
     if not _backend.use_triton(qkv):
         q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
         out, lse = reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
                                        return_lse=True)
         out = (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
         return (out, lse) if return_lse else out
-    _check_fp32_width("qkv", qkv, D)
     choice = _packed_choice(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask, dropout_p, window,
                             batch_first, return_lse)
     if choice != _attn_sdpa.TRITON:
@@ -876,11 +876,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                         dense=False)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
+    _check_fp32_width("q", q, q.shape[-1])
     if not _backend.use_triton(q):
         return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p,
                                           window=window, softcap=cap or None, sinks=sinks,
                                           alibi_slopes=alibi_slopes, return_lse=return_lse)
-    _check_fp32_width("q", q, q.shape[-1])
     q, k, v = common.unit(q), common.unit(k), common.unit(v)
     args = (int(max_seqlen_q), int(max_seqlen_k), _seed(dropout_p, q.device), causal, scale, dropout_p, *window,
             cap, sinks, alibi_slopes)
@@ -928,13 +928,13 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
                                     alibi_slopes=alibi_slopes, return_lse=True)
         out = out.flatten(1)
         return (out, lse) if return_lse else out
+    _check_fp32_width("qkv", qkv, D)
     if not _backend.use_triton(qkv):
         q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)
         out, lse = reference.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal, scale, dropout_p,
                                               window=window, return_lse=True)
         out = out.flatten(1)
         return (out, lse) if return_lse else out
-    _check_fp32_width("qkv", qkv, D)
     args = (common.unit(qkv), cu_seqlens, int(max_seqlen), num_heads, num_kv_heads,
             _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):

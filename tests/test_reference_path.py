@@ -50,3 +50,21 @@ def test_loss_takes_any_integer_target_and_returns_an_lse_without_gradient(plain
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, t))
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
     assert not lse.requires_grad and loss.requires_grad
+
+
+def test_fp32_head_dims_beyond_the_kernels_are_refused_on_every_path(plain):
+    """fp32 attention with a head dim above the kernels' limit raises the kernels' TypeError on
+    this path too: a call valid on a CPU is valid on a GPU (the layers fall back before it)."""
+    from fused_block.attention import MAX_FP32_HEAD_DIM, attention_qkvpacked, attention_varlen
+
+    D = MAX_FP32_HEAD_DIM + 8
+    q = randn(1, 2, 4, D, dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="head dims up to"):
+        fused_block.attention(q, q, q)
+    with pytest.raises(TypeError, match="head dims up to"):
+        attention_qkvpacked(randn(1, 4, 3 * 2 * D, dtype=torch.float32, device="cpu"), 2)
+    t = randn(4, 2, D, dtype=torch.float32, device="cpu")
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="head dims up to"):
+        attention_varlen(t, t, t, cu, cu, 4, 4)
+    assert fused_block.attention(q.bfloat16(), q.bfloat16(), q.bfloat16()).shape == q.shape  # 16-bit: any
