@@ -25,7 +25,6 @@ def assert_close(name, actual, ref64, baseline, *, atol=None, factor=FACTOR, dty
     assert verdict.ok, verdict.message(name, actual.dtype)
 
 
-@contextlib.contextmanager
 def assert_compiled_matches_eager(fn, x):
     """``torch.compile(fn, fullgraph=True)`` (aot_eager) traces and gives eager's scalar ``fn(x)``
     and gradient of x."""
@@ -37,6 +36,7 @@ def assert_compiled_matches_eager(fn, x):
     torch.testing.assert_close(g_got, g_want)
 
 
+@contextlib.contextmanager
 def fp32_matmul_precision(precision):
     """``torch.set_float32_matmul_precision(precision)`` inside the block, restored after.
 
