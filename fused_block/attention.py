@@ -37,11 +37,16 @@ MAX_FP32_HEAD_DIM = _kernels.MAX_FP32_BLOCK_D
 # layouts
 # ---------------------------------------------------------------------------------------------
 
+def _memory_order(t: Tensor) -> list:
+    """Dims 0..2 of a (B, H, L, D) tensor from the outermost in memory (stable by decreasing stride)."""
+    return sorted(range(3), key=lambda i: -t.stride(i))
+
+
 def _like(t: Tensor, shape, dtype, alloc) -> Tensor:
     """A new (B, H, L, D) tensor of ``shape`` whose dims 0..2 are laid out in ``t``'s memory
     order (stable by decreasing stride), last dim contiguous: (B, L, H, D)-ordered q gives a
     (B, L, H, D)-ordered output. ``alloc(shape, dtype)`` allocates a contiguous buffer."""
-    order = sorted(range(3), key=lambda i: -t.stride(i))
+    order = _memory_order(t)
     buf = alloc([shape[i] for i in order] + [shape[3]], dtype)
     return buf.permute(*[order.index(i) for i in range(3)], 3)
 
@@ -50,7 +55,7 @@ def _in_order_of(t: Tensor, out: Tensor) -> Tensor:
     """``out`` (B, H, L, D) with dims 0..2 laid out in ``t``'s memory order, as :func:`_like`
     lays out the kernels' outputs (a copy where it is not already; no in-place write, so
     torch.func transforms take it)."""
-    order = sorted(range(3), key=lambda i: -t.stride(i))
+    order = _memory_order(t)
     return out.permute(*order, 3).contiguous().permute(*[order.index(i) for i in range(3)], 3)
 
 
