@@ -73,8 +73,7 @@ def _empty(shape, dtype, device, needed):
 # its leading dims
 # ---------------------------------------------------------------------------------------------
 
-def _n_rows(t):
-    return t.shape[0] if t.dim() == 2 else t.numel() // t.shape[-1] if t.shape[-1] else 0
+_n_rows = common.n_rows  # every dim but the last, also when the last is 0 (K = 0: rows of nothing)
 
 
 def _linear_fwd_fake(x, weight, bias, residual, activation, save_pre, seed, dropout_p):

@@ -214,16 +214,29 @@ def _contiguous_strides(shape):
 _empty_strided = torch.empty_strided
 
 
+def n_rows(t) -> int:
+    """The rows of a (..., n) operand: the product of every dim but the last, also when n is 0
+    (``numel() // n`` cannot say how many rows an empty last dim has: a (2, 3, 0) tensor has 6
+    rows of nothing, and outputs allocated from its leading dims have 6 rows to write)."""
+    if t.dim() == 2:
+        return t.shape[0]
+    m = 1
+    for d in t.shape[:-1]:
+        m *= d
+    return m
+
+
 def rows(t, operand: str):
     """``(rows, cols), (row stride, col stride)`` of a launcher's operand: a 2-D tensor with any
     strides, or a contiguous one of another rank, whose rows are all its dims but the last
-    (read in place, no view). Any other layout is a ValueError naming ``operand``."""
+    (read in place, no view; :func:`n_rows` of them, also when the last dim is 0). Any other
+    layout is a ValueError naming ``operand``."""
     if t.dim() == 2:
         return t.shape, t.stride()
     if not t.is_contiguous():
         raise ValueError(f"{operand} of {t.dim()} dims must be contiguous, got strides {t.stride()}")
     n = t.shape[-1]
-    return (t.numel() // n if n else 0, n), (n, 1)
+    return (n_rows(t), n), (n, 1)
 
 
 def unit(t):
