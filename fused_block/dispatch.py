@@ -199,7 +199,7 @@ def _untimed(key):
 def _triton(a, b, c, kw):
     """Our kernel's candidate: ``matmul.gemm``, with ``rowsum`` into partials it allocates and returns."""
     if kw.get("rowsum"):
-        rows = a.shape[0] if a.dim() == 2 else a.numel() // a.shape[-1]
+        rows = common.n_rows(a)
         part = common.empty((common.cdiv(rows, _k.PARTIAL_ROWS), a.shape[-1]), _FP32, a.device)
         _k.gemm(a, b, c, part=part, **kw)
         return part
@@ -298,8 +298,12 @@ def _run(path, a, b, c, kw):
 
 
 def _mat(t):
-    """``t`` as a 2-D matrix: itself, or the (rows, last dim) view of a contiguous tensor."""
-    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
+    """``t`` as a 2-D matrix: itself, or the (rows, last dim) view of a contiguous tensor (its
+    rows counted, not inferred: ``view(-1, 0)`` is ambiguous for an empty last dim)."""
+    if t.dim() == 2:
+        return t
+    n = t.shape[-1]
+    return t.view(-1, n) if n else t.view(common.n_rows(t), 0)
 
 
 def _joined(x, y, dim):
