@@ -388,6 +388,95 @@ def test_linear_zero_sizes(shape, device):
         torch.testing.assert_close(a, e)
 
 
+# x of rank 3 with no input features (K = 0): the product over an empty K is 0, so the output is
+# act(bias) (+ the LoRA term, + residual) in each of the 2 * 3 rows; dx and dW are empty, the
+# biases' gradients the column sums of dY through act'(bias). The leading dims (2, 3) make the
+# op read x as a contiguous rank-3 operand (its rows counted from its shape, not from
+# numel() // K); N = 8, the hidden width F = 8, the output width 4 and the LoRA rank 4 keep one
+# tile. The float64 math below is plain torch on float64 copies (not fused_block.reference).
+
+def _k0_act(name, t):
+    return {"gelu": F.gelu, "gelu_tanh": lambda u: F.gelu(u, approximate="tanh"), "relu": F.relu,
+            "swiglu": F.silu, "geglu": lambda u: F.gelu(u, approximate="tanh")}[name](t)
+
+
+def _k0_gated(x, wg, wu, bg, bu, act, u=None, lbg=None, lbu=None):
+    gate, up = x @ wg.T + bg, x @ wu.T + bu
+    if u is not None:
+        gate, up = gate + u @ lbg.T, up + u @ lbu.T
+    return _k0_act(act, gate) * up
+
+
+def _k0_case(case, dtype, device):
+    """(ours, float64 math, inputs) of one op on x (2, 3, 0)."""
+    def t(*shape, scale=1.0):
+        return randn(*shape, dtype=dtype, device=device, scale=scale, requires_grad=True)
+
+    lead, N, F_, D2, R = (2, 3), 8, 8, 4, 4
+    x = t(*lead, 0)
+    if case == "linear_act_residual":
+        inputs = (x, t(N, 0), t(N), t(*lead, N))
+        return (lambda x, w, b, r: linear(x, w, b, "gelu", r),
+                lambda x, w, b, r, compute_dtype=None: _k0_act("gelu", x @ w.T + b) + r, inputs)
+    if case == "linear_lora":
+        inputs = (x, t(N, 0), t(N), t(*lead, R), t(N, R, scale=R ** -0.5))
+        return (lambda x, w, b, u, lb: linear(x, w, b, "gelu_tanh", lora=(u, lb)),
+                lambda x, w, b, u, lb, compute_dtype=None: _k0_act("gelu_tanh", x @ w.T + u @ lb.T + b), inputs)
+    if case in ("mlp_gelu", "mlp_swiglu"):
+        act = case[4:]
+        F1 = 2 * F_ if act == "swiglu" else F_
+        inputs = (x, t(F1, 0), t(F1), t(D2, F_, scale=F_ ** -0.5), t(D2), t(*lead, D2))
+
+        def math(x, w1, b1, w2, b2, r, compute_dtype=None):
+            h = (_k0_gated(x, w1[:F_], w1[F_:], b1[:F_], b1[F_:], act) if act == "swiglu"
+                 else _k0_act(act, x @ w1.T + b1))
+            return h @ w2.T + b2 + r
+        return lambda x, w1, b1, w2, b2, r: mlp(x, w1, b1, w2, b2, act, r), math, inputs
+    if case in ("swiglu", "geglu"):
+        op = getattr(fused_block, case)
+        inputs = (x, t(F_, 0), t(F_, 0), t(D2, F_, scale=F_ ** -0.5), t(F_), t(F_), t(D2), t(*lead, D2))
+        return (lambda x, wg, wu, wd, bg, bu, bd, r: op(x, wg, wu, wd, r, b_gate=bg, b_up=bu, b_down=bd),
+                lambda x, wg, wu, wd, bg, bu, bd, r, compute_dtype=None:
+                    _k0_gated(x, wg, wu, bg, bu, case) @ wd.T + bd + r, inputs)
+    if case == "gated_linear_lora":
+        from fused_block.linear import gated_linear
+        inputs = (x, t(F_, 0), t(F_, 0), t(F_), t(F_), t(*lead, R), t(F_, R, scale=R ** -0.5),
+                  t(F_, R, scale=R ** -0.5))
+        return (lambda x, wg, wu, bg, bu, u, lbg, lbu: gated_linear(x, wg, wu, bg, bu, lora=(u, lbg, lbu)),
+                lambda x, wg, wu, bg, bu, u, lbg, lbu, compute_dtype=None:
+                    _k0_gated(x, wg, wu, bg, bu, "swiglu", u, lbg, lbu), inputs)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[2], DTYPE_MODES[3]])
+@pytest.mark.parametrize("case", ["linear_act_residual", "linear_lora", "mlp_gelu", "mlp_swiglu", "swiglu",
+                                  "geglu", "gated_linear_lora"])
+def test_no_in_features_rank3(case, dtype_mode, device, launches):
+    # The output and every input's gradient against the float64 math. Before the row count of a
+    # rank-3 operand with an empty last dim was its leading dims' product, the ops saw 0 rows:
+    # linear's output was unwritten memory (NaN here), its bias gradient read partial sums of
+    # the wrong size, and mlp/swiglu's backward read out of bounds (a segfault).
+    dtype, mode = dtype_mode
+    ours, math, inputs = _k0_case(case, dtype, device)
+    check(case, ours, math, inputs, dtype, device, mode)
+    # The Triton kernels ran: the forward GEMM (a launch with 6 rows: none with 0 rows) and the
+    # backward's bias-gradient reduction.
+    assert launches["matmul"] >= 1 and launches["bias_grad_reduce"] >= 1
+
+
+@pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[2], DTYPE_MODES[3]])
+def test_no_out_features_rank3(dtype_mode, device, launches):
+    # x (2, 3, 5), weight (0, 5), a bias and no activation: an empty output, dx zeros (a product
+    # over an empty N, the one GEMM that runs), an empty dW and dB. The empty product's bias
+    # gradient is the sum of dY (2, 3, 0) viewed as rows: a (-1, 0) view of it is ambiguous, so
+    # the backward raised before its rows were counted.
+    dtype, mode = dtype_mode
+    x, w, b, _ = _linear_inputs(3, 5, 0, True, False, dtype, device, lead=(2,))
+    check("linear N=0", lambda x, w, b: linear(x, w, b), lambda x, w, b, compute_dtype=None: x @ w.T + b,
+          (x, w, b), dtype, device, mode)
+    assert launches["matmul"] >= 1  # dx's GEMM (zeros over an empty N) ran in Triton
+
+
 def test_linear_saves_only_what_backward_needs(device):
     x, w, b, r = _linear_inputs(37, 24, 40, True, True, torch.float32, device)
     # Every gradient: x (dW), weight (dX) and the pre-activation (act').
