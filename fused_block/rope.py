@@ -24,6 +24,15 @@ from fused_block.kernels import common
 from fused_block.kernels import rope as _k
 
 _INT_DTYPES = (torch.int32, torch.int64)
+# cos/sin tables: any float dtype, read in fp32 (a float64 table, e.g. one Hugging Face code
+# precomputed in float64, is rounded to fp32 before the kernel: :func:`_kernel_table`).
+_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _kernel_table(t):
+    """A cos/sin table as the kernels read it: fp32, fp16 or bf16 with a unit last stride; a
+    float64 table rounded to fp32 first (the kernels read every table in fp32)."""
+    return common.unit(t.float() if t.dtype is torch.float64 else t)
 
 
 def _fake(q, k, positions, inv_freq, cos, sin, scale, rot_dim, interleaved, conj):
@@ -108,8 +117,8 @@ def _check_angles(ref_name, ref, B, L, D, positions, inv_freq, cos, sin, scale, 
         raise ValueError(f"scale applies to angles from positions and inv_freq; cos and sin are used as given "
                          f"(scale them instead: Hugging Face's tables hold attention_scaling already), got "
                          f"scale={scale}")
-    _validate.tensor("cos", cos, ndim=3)
-    _validate.tensor("sin", sin, ndim=3)
+    _validate.tensor("cos", cos, dtypes=_TABLE_DTYPES, ndim=3)
+    _validate.tensor("sin", sin, dtypes=_TABLE_DTYPES, ndim=3)
     if cos.shape[0] not in (1, B) or cos.shape[1] != L:
         raise ValueError(f"cos must have shape ({B} or 1, {L}, rotary dim), got {tuple(cos.shape)}")
     _validate.shape("sin", sin, cos.shape)
@@ -135,8 +144,9 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
             Angles ``pos * inv_freq`` are rounded to fp32 and their cos/sin computed in fp32 in the
             kernel, then multiplied by ``scale`` (Hugging Face's ``attention_scaling``).
         cos, sin: instead of positions, (B or 1, L, D_rot) tables in Hugging Face's layout (any
-            float dtype, read in fp32): ``cat((f, f))`` for half-split, ``repeat_interleave(f, 2)``
-            for interleaved; used as given (``scale`` must be 1: a table's scaling is in it).
+            float dtype, float64 included, read in fp32): ``cat((f, f))`` for half-split,
+            ``repeat_interleave(f, 2)`` for interleaved; used as given (``scale`` must be 1: a
+            table's scaling is in it).
         interleaved: False: half-split pairs (i, i + D_rot/2), GPT-NeoX/Hugging Face LLaMA
             ``rotate_half``; True: adjacent pairs (2i, 2i + 1), GPT-J / Meta's LLaMA.
     Dimensions past D_rot are copied unchanged (partial rotary). Returns ``(q_out, k_out)``,
@@ -147,7 +157,7 @@ def rope(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inv_freq: Opt
     if not _backend.use_triton(q):
         return reference.rope(q, k, positions, inv_freq, cos=cos, sin=sin, scale=scale, interleaved=interleaved)
     if cos is not None:
-        cos, sin = common.unit(cos), common.unit(sin)
+        cos, sin = _kernel_table(cos), _kernel_table(sin)
     q, k = common.unit(q), common.unit(k)
     if not _backend.needs_autograd(q, k):
         return _rope_op(q, k, positions, inv_freq, cos, sin, float(scale), rot_dim, interleaved, False)
@@ -298,7 +308,8 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
             sequence strides with a contiguous last dim.
         num_heads: H; num_kv_heads: Hkv (default H).
         positions: (B or 1, L) int32/int64 absolute positions, or None for 0..L-1; with
-            ``inv_freq`` (D_rot / 2,) fp32. cos, sin: instead, (B or 1, L, D_rot) tables.
+            ``inv_freq`` (D_rot / 2,) fp32. cos, sin: instead, (B or 1, L, D_rot) tables (any
+            float dtype, float64 included, read in fp32).
             ``scale`` and ``interleaved`` as :func:`rope`.
         q_norm_weight, k_norm_weight: (D,) each, or both None: every q head (k head) is first
             RMS-normalized over its D elements, ``x / sqrt(mean(x^2) + norm_eps)`` with fp32
@@ -336,7 +347,7 @@ def rope_qkvpacked(qkv: Tensor, num_heads: int, num_kv_heads: Optional[int] = No
                                         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
                                         norm_unit_offset=norm_unit_offset)
     if cos is not None:
-        cos, sin = common.unit(cos), common.unit(sin)
+        cos, sin = _kernel_table(cos), _kernel_table(sin)
     if norm:
         args = (q_norm_weight, k_norm_weight, positions, inv_freq, cos, sin, num_heads, num_heads + num_kv_heads,
                 heads, batch_first, float(scale), rot_dim, interleaved, float(norm_eps), norm_unit_offset)

@@ -74,6 +74,28 @@ def test_rope_matches_float64(dtype, interleaved, source, D, rot, device, launch
     assert launches["rope"] == 2  # forward, and one backward launch for dq and dk together
 
 
+def _tables64(positions, rot, interleaved):
+    """Hugging Face's cos/sin layout computed in float64 (angles and cos/sin), as code that
+    precomputes its tables in float64 passes them."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    f = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+    f = f.repeat_interleave(2, -1) if interleaved else torch.cat((f, f), -1)
+    return f.cos(), f.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_float64_tables(dtype, interleaved, device, launches):
+    # cos/sin of any float dtype are read in fp32: float64 tables are accepted (rounded to fp32
+    # for the kernel) and give the float64 rotation within the dtype's rule. D 40 with a rotary
+    # dim of 24 (the partial rotary of test_rope_matches_float64).
+    q, k = _qkv(40, dtype, device)
+    positions = (torch.arange(L)[None] + torch.tensor([[3], [40]])).to(device)
+    cos, sin = _tables64(positions, 24, interleaved)
+    _check(q, k, dict(cos=cos, sin=sin, interleaved=interleaved), dtype)
+    assert launches["rope"] == 2  # forward, and one backward launch for dq and dk together
+
+
 def test_broadcast_positions_and_large_offsets(device):
     """(1, L) positions shared by the batch; positions ~ 8k, where fp32 angles lose digits
     exactly as Hugging Face's do (the reference rounds them to fp32 too)."""
@@ -220,6 +242,28 @@ def test_rope_qkvpacked_matches_float64(dtype, source, layout, interleaved, dims
     assert_close("dqkv", got, want, base_g)
     assert torch.equal(got[..., v], g[..., v])
     assert launches["rope_qkvpacked"] == 2 and launches["rope"] == 0  # one launch each way
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qkvpacked_float64_tables(dtype, device, launches):
+    # rope_qkvpacked's tables as rope's: float64 accepted, read in fp32 (the batch-first layout,
+    # D 40 with a rotary dim of 24, half-split).
+    qkv, batch_first = _packed(40, dtype, device, "batch_first")
+    qkv = qkv.detach().requires_grad_()
+    positions = (torch.arange(L)[None] + torch.tensor([[3], [40]])).to(device)
+    cos, sin = _tables64(positions, 24, False)
+    out = fused_block.rope_qkvpacked(qkv, HQ, HK, cos=cos, sin=sin)
+    x64 = qkv.detach().double().requires_grad_()
+    r64 = reference.rope_qkvpacked(x64, HQ, HK, cos=cos, sin=sin)
+    xb = qkv.detach().clone().requires_grad_()
+    base = reference.rope_qkvpacked(xb, HQ, HK, cos=cos, sin=sin, compute_dtype=dtype)
+    assert_close("out", out, r64, base)
+    g = randn(*out.shape, dtype=dtype, device=device)
+    (got,) = torch.autograd.grad(out, qkv, g)
+    (want,) = torch.autograd.grad(r64, x64, g.double())
+    (base_g,) = torch.autograd.grad(base, xb, g)
+    assert_close("dqkv", got, want, base_g)
+    assert launches["rope_qkvpacked"] == 2  # one launch each way
 
 
 def test_rope_qkvpacked_equals_rope_on_views(device):
