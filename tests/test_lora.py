@@ -400,6 +400,69 @@ def test_merging_after_a_forward_gives_peft_s_answer(arch, device, launches):
     assert launches["matmul"] > 0
 
 
+@pytest.mark.parametrize("change", ["optimizer-step", "scale"])
+def test_merging_again_after_the_adapters_changed_gives_peft_s_answer(change, device, launches):
+    """merge_adapter(), a no-grad forward (generation), unmerge_adapter(), the adapters changed
+    (an optimizer step updating them in place, or a new scale through ``set_scale``),
+    merge_adapter() again: the next forward uses the new merge. The merged adapters' names
+    are the same both times and PEFT's merges bump no version counter of the base weights, so
+    the packed q/k/v weight of the first merge was reused (logits off by 0.28)."""
+    ref, got, (ids, mask) = _hf_peft("llama", device, "adapt_then_convert", targets=["q_proj", "k_proj", "v_proj"])
+    ref.eval(), got.eval()
+    keep = mask[..., None] == 1
+
+    def same():
+        with torch.no_grad(), _no_fallback():
+            out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
+
+    for model in (ref, got):
+        model.merge_adapter()
+    same()
+    for model in (ref, got):
+        model.unmerge_adapter()
+    if change == "optimizer-step":
+        grads = {n: torch.randn_like(p) for n, p in got.named_parameters() if p.requires_grad}
+        for model in (ref, got):
+            params = [p for n, p in model.named_parameters() if n in grads]
+            for n, p in model.named_parameters():
+                if n in grads:
+                    p.grad = grads[n].clone()
+            torch.optim.SGD(params, lr=0.5).step()
+    else:
+        for model in (ref, got):
+            for m in model.modules():
+                if hasattr(m, "set_scale") and "default" in getattr(m, "scaling", {}):
+                    m.set_scale("default", 3.0)
+    for model in (ref, got):
+        model.merge_adapter()
+    same()
+    assert launches["matmul"] > 0
+
+
+def test_merge_and_unload_of_adapters_added_after_a_forward_gives_peft_s_answer(device, launches):
+    """A converted model's no-grad forward (the packed q/k/v weight cached), then adapters added
+    (get_peft_model) and merged away (merge_and_unload) with no forward between: the linears are
+    plain before and after and the merge bumped no version counter, so the first forward's
+    packed weight was reused (logits off by 0.32); PEFT's module swaps are seen now."""
+    hf_testing = pytest.importorskip("hf_testing")
+    base = hf_testing.model("llama", device).eval()
+    ids, mask = hf_testing.inputs("llama", device)
+    ref, got = copy.deepcopy(base), fused_block.convert(copy.deepcopy(base))
+    with torch.no_grad(), _no_fallback():
+        got(ids, attention_mask=mask)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(ref, cfg).merge_and_unload()
+    torch.manual_seed(1)
+    got = peft.get_peft_model(got, cfg).merge_and_unload()
+    keep = mask[..., None] == 1
+    with torch.no_grad(), _no_fallback():
+        out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
+    assert launches["matmul"] > 0
+
+
 def test_lora_training_step_of_a_converted_llama(device, launches):
     """A LoRA training step (PEFT, lora_dropout 0.1, every linear of the layers targeted) on a
     converted LLaMA: the loss and every adapter gradient are PEFT's on the original model; the
