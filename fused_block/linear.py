@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fused_block import _backend, _library, _validate, reference
+from fused_block import _backend, _guard, _library, _validate, lora, reference
 from fused_block import dispatch as _dispatch
 from fused_block.dispatch import gemm as _gemm
 from fused_block.kernels import common
@@ -908,6 +908,9 @@ class MLP(torch.nn.Module):
     as ``"swiglu"``). ``dropout``
     is applied, as in torch's layer, to the hidden activation and to the block's output
     (before the residual add), both fused into the GEMM epilogues; only in training mode.
+    PEFT's LoRA wrappers on linear1/linear2 run in the GEMMs (:mod:`fused_block.lora`); what
+    the fused forward does not reproduce (LoRA variants, hooks, other linear classes: the
+    guard, :func:`fused_block._guard.reason`) makes it call linear1 and linear2, warning once.
     """
 
     __prepare_scriptable__ = _backend.not_scriptable
@@ -925,9 +928,64 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
         p = self.dropout if self.training else 0.0
+        reason = _guard.reason(self, _describe_mlp)
+        if reason is not None:
+            _backend.warn_once(("MLP", reason), "fused_block: MLP runs its unfused forward, calling linear1 and "
+                               f"linear2 (slower, the same answer as those modules give): {reason}")
+            return self._unfused(x, residual, p)
+        l1, l2 = self._modules["linear1"], self._modules["linear2"]
+        if lora.is_lora(l1) or lora.is_lora(l2):
+            return self._lora_forward(x, residual, p)
         fn = reference.mlp if _torch_dtype(x) else mlp
-        return fn(x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
-                  self.activation, residual, p, p)
+        return fn(x, l1.weight, l1.bias, l2.weight, l2.bias, self.activation, residual, p, p)
+
+    def _lora_forward(self, x, residual, p):
+        """PEFT LoRA on linear1 and/or linear2 (:mod:`fused_block.lora`), as the layers' FFN
+        (``blocks._LayerMixin._ffn_lora``): each GEMM takes its adapters' low-rank update in its
+        reduction; the hidden activation is materialized between them, since linear2's
+        adapters (and their dropout) read it."""
+        l1, l2 = self._modules["linear1"], self._modules["linear2"]
+        base1, base2 = lora.base(l1), lora.base(l2)
+        ref = _torch_dtype(x)
+        lin = reference.linear if ref else linear
+        t1 = lora.terms(l1, x)
+        w1, b1 = base1.weight, base1.bias
+        if self.activation in GATED:
+            f = w1.shape[0] // 2
+            hid = (reference.gated if ref else gated_linear)(
+                x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
+                dropout_p=p, lora=lora.split_rows(t1, f), activation=self.activation)
+        else:
+            hid = lin(x, w1, b1, self.activation, None, p, lora=t1)
+        return lin(hid, base2.weight, base2.bias, None, residual, p, lora=lora.terms(l2, hid))
+
+    def _unfused(self, x, residual, p):
+        """``linear2(act(linear1(x)))`` calling the submodules (their hooks, adapters and
+        subclasses act), with the dropouts and residual of the fused forward."""
+        h = self.linear1(x)
+        if self.activation in GATED:
+            gate, up = h.chunk(2, dim=-1)
+            h = reference.gate_activation(gate, self.activation) * up
+        else:
+            h = reference.activation(h, self.activation)
+        y = self.linear2(F.dropout(h, p, training=True) if p > 0 else h)
+        y = F.dropout(y, p, training=True) if p > 0 else y
+        return y if residual is None else y + residual
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, dropout={self.dropout}"
+
+
+def _describe_mlp(block):
+    """The guard's spec (:func:`fused_block._guard.reason`) of an :class:`MLP`: the fused forward
+    reads linear1's and linear2's weights (a PEFT LoRA wrapper's parts through
+    :func:`fused_block.lora.spec`) instead of calling them."""
+    spec, skip, wrapped = {}, [], []
+    for name in ("linear1", "linear2"):
+        entries, called = lora.spec(name, getattr(block, name), (torch.nn.Linear,))
+        spec.update(entries)
+        skip.extend(called)
+        if lora.is_lora(getattr(block, name)):
+            wrapped.append(name)
+    why, watched = _guard.scan(block, spec, skip)
+    return why, watched, lora.live(block, wrapped) if wrapped else None

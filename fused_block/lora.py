@@ -35,9 +35,30 @@ def is_lora(m) -> bool:
 
 def merged_state(linears):
     """What PEFT changes about the weights of ``linears`` without a version bump (a merge adds
-    its update through ``weight.data``): each LoRA wrapper's merged adapters, None for a plain
-    linear; a key for caches of those weights (``fused_block.hf._core.cached``)."""
-    return tuple(tuple(m.merged_adapters) if is_lora(m) else None for m in linears)
+    its update through ``weight.data``, an unmerge subtracts it): a key for caches of those
+    weights (``fused_block.hf._core.cached``); None for a plain linear, and for a LoRA wrapper,
+    per merged adapter, its name, its scale and each of its parameters' identity, storage and
+    version counter (lora_A, lora_B, DoRA's magnitude, ...: what the merged update was made of).
+
+    The names alone do not change when an adapter is unmerged, updated in place (an optimizer
+    step bumps its parameters' versions) or rescaled, and merged again: the packed weight a
+    forward cached before then stayed in use (stale by the update)."""
+    return tuple(_merged(m) if is_lora(m) else None for m in linears)
+
+
+def _merged(m):
+    state = []
+    for a in m.merged_adapters:
+        params = []
+        for name in m.adapter_layer_names:
+            holder = m._modules.get(name)
+            if holder is None or a not in holder:
+                continue
+            entry = holder[a]
+            for t in (entry.parameters() if isinstance(entry, nn.Module) else (entry,)):
+                params.append((id(t), t.data_ptr(), t._version))
+        state.append((a, m.scaling.get(a), tuple(params)))
+    return tuple(state)
 
 
 def base(m):

@@ -230,6 +230,80 @@ def test_lora_variants_take_the_original_path(device):
         torch.testing.assert_close(out, _torch_forward(ref, x), atol=1e-5, rtol=1e-5)
 
 
+def _mlp_torch_forward(model, x, residual):
+    """PEFT's computation on a ``fused_block.MLP``: its LoRA wrappers called with torch's ops
+    between them (the module's fused forward not involved)."""
+    m = model.base_model.model
+    h = m.linear1(x)
+    if m.activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        h = nn.functional.silu(gate) * up
+    else:
+        h = nn.functional.gelu(h)
+    return m.linear2(h) + residual
+
+
+def _mlp_peft_pair(device, activation, targets, dropout=0.0, **cfg_kw):
+    # D = 32 -> FF = 24 (48 gate + up rows for SwiGLU): interpreter-sized; rank 4
+    block = fused_block.MLP(D, 24, activation=activation, device=device)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=dropout,
+                          **cfg_kw)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(block), cfg)
+    torch.manual_seed(1)
+    got = peft.get_peft_model(copy.deepcopy(block), cfg)
+    return ref, got
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("targets,dropout", [(["linear1", "linear2"], 0.0), (["linear1"], 0.0), (["linear2"], 0.0),
+                                             (["linear1", "linear2"], 0.1)],
+                         ids=["both", "linear1", "linear2", "both-lora-dropout"])
+def test_peft_lora_on_the_mlp_module(activation, targets, dropout, device, launches):
+    """fused_block.MLP with PEFT's LoRA on linear1 and/or linear2 runs the adapters fused: the
+    output and the gradients of the input, the residual and every adapter parameter are PEFT's
+    (the MLP read the base weights only: its output was the base model's, the adapters got no
+    gradient, without a warning)."""
+    ref, got = _mlp_peft_pair(device, activation, targets, dropout)
+    x = randn(B, L, D, dtype=torch.float32, device=device, requires_grad=True)
+    res = randn(B, L, D, dtype=torch.float32, device=device, requires_grad=True)
+    torch.manual_seed(7)
+    want = _mlp_torch_forward(ref, x, res)
+    torch.manual_seed(7)  # PEFT's lora_dropout modules are called in PEFT's order: the same masks
+    with _no_fallback():
+        out = got(x, res)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert launches["matmul"] >= 2  # both GEMMs, with their adapters
+    g = torch.randn_like(out)
+    trainable = [(n, p) for n, p in got.named_parameters() if p.requires_grad]
+    ref_params = dict(ref.named_parameters())
+    assert trainable and all("lora_" in n for n, _ in trainable)
+    assert {n.split(".")[2] for n, _ in trainable} == set(targets)
+    mine = torch.autograd.grad(out, [x, res] + [p for _, p in trainable], g)
+    theirs = torch.autograd.grad(want, [x, res] + [ref_params[n] for n, _ in trainable], g)
+    for n, a, b in zip(["x", "residual"] + [n for n, _ in trainable], mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_peft_dora_on_the_mlp_module_takes_the_unfused_path(activation, device):
+    """DoRA (a LoRA variant fused_block.lora does not fuse) on an MLP: its unfused forward calls
+    the PEFT wrappers, with the one-time warning; PEFT's output and gradients."""
+    ref, got = _mlp_peft_pair(device, activation, ["linear1", "linear2"], use_dora=True)
+    x = randn(B, L, D, dtype=torch.float32, device=device, requires_grad=True)
+    res = randn(B, L, D, dtype=torch.float32, device=device)
+    want = _mlp_torch_forward(ref, x, res)
+    with pytest.warns(UserWarning, match="linear1.lora_magnitude_vector|linear1: LoRA variant"):
+        out = got(x, res)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    trainable = [(n, p) for n, p in got.named_parameters() if p.requires_grad]
+    ref_params = dict(ref.named_parameters())
+    mine = torch.autograd.grad(out.sum(), [x] + [p for _, p in trainable])
+    theirs = torch.autograd.grad(want.sum(), [x] + [ref_params[n] for n, _ in trainable])
+    for n, a, b in zip(["x"] + [n for n, _ in trainable], mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=n)
+
+
 def test_opcheck(device):
     dt = torch.float16
     ops = torch.ops.fused_block
@@ -323,6 +397,69 @@ def test_merging_after_a_forward_gives_peft_s_answer(arch, device, launches):
         same()
     ref, got = ref.merge_and_unload(), got.merge_and_unload()
     same()
+    assert launches["matmul"] > 0
+
+
+@pytest.mark.parametrize("change", ["optimizer-step", "scale"])
+def test_merging_again_after_the_adapters_changed_gives_peft_s_answer(change, device, launches):
+    """merge_adapter(), a no-grad forward (generation), unmerge_adapter(), the adapters changed
+    (an optimizer step updating them in place, or a new scale through ``set_scale``),
+    merge_adapter() again: the next forward uses the new merge. The merged adapters' names
+    are the same both times and PEFT's merges bump no version counter of the base weights, so
+    the packed q/k/v weight of the first merge was reused (logits off by 0.28)."""
+    ref, got, (ids, mask) = _hf_peft("llama", device, "adapt_then_convert", targets=["q_proj", "k_proj", "v_proj"])
+    ref.eval(), got.eval()
+    keep = mask[..., None] == 1
+
+    def same():
+        with torch.no_grad(), _no_fallback():
+            out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
+
+    for model in (ref, got):
+        model.merge_adapter()
+    same()
+    for model in (ref, got):
+        model.unmerge_adapter()
+    if change == "optimizer-step":
+        grads = {n: torch.randn_like(p) for n, p in got.named_parameters() if p.requires_grad}
+        for model in (ref, got):
+            params = [p for n, p in model.named_parameters() if n in grads]
+            for n, p in model.named_parameters():
+                if n in grads:
+                    p.grad = grads[n].clone()
+            torch.optim.SGD(params, lr=0.5).step()
+    else:
+        for model in (ref, got):
+            for m in model.modules():
+                if hasattr(m, "set_scale") and "default" in getattr(m, "scaling", {}):
+                    m.set_scale("default", 3.0)
+    for model in (ref, got):
+        model.merge_adapter()
+    same()
+    assert launches["matmul"] > 0
+
+
+def test_merge_and_unload_of_adapters_added_after_a_forward_gives_peft_s_answer(device, launches):
+    """A converted model's no-grad forward (the packed q/k/v weight cached), then adapters added
+    (get_peft_model) and merged away (merge_and_unload) with no forward between: the linears are
+    plain before and after and the merge bumped no version counter, so the first forward's
+    packed weight was reused (logits off by 0.32); PEFT's module swaps are seen now."""
+    hf_testing = pytest.importorskip("hf_testing")
+    base = hf_testing.model("llama", device).eval()
+    ids, mask = hf_testing.inputs("llama", device)
+    ref, got = copy.deepcopy(base), fused_block.convert(copy.deepcopy(base))
+    with torch.no_grad(), _no_fallback():
+        got(ids, attention_mask=mask)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(ref, cfg).merge_and_unload()
+    torch.manual_seed(1)
+    got = peft.get_peft_model(got, cfg).merge_and_unload()
+    keep = mask[..., None] == 1
+    with torch.no_grad(), _no_fallback():
+        out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
     assert launches["matmul"] > 0
 
 

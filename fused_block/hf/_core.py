@@ -325,12 +325,15 @@ def kv_cache(call):
 def cached(state, name, tensors, make, stamp=()):
     """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
     flows through them (generation; buffers), recomputed otherwise (training, compile).
-    "Unchanged": the same storage and version counter, and the same ``stamp`` (what else the
-    caller knows changes them: PEFT's merges, :func:`fused_block.lora.merged_state`). A write
-    through ``.data`` bumps no version counter, so it is not seen."""
+    "Unchanged": the same storage and version counter, the same ``stamp`` (what else the
+    caller knows changes them: PEFT's merges, :func:`fused_block.lora.merged_state`), and no
+    module or parameter registered or assigned under a guarded layer since (the guard's epoch,
+    :mod:`fused_block._guard`: PEFT wrapping or unwrapping the linears, as ``get_peft_model`` and
+    ``merge_and_unload`` do around merges that are written through ``.data``). A write through
+    ``.data`` bumps no version counter, so it is not seen otherwise."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return make(tensors)
-    key = (stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+    key = (_guard._EPOCH, stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
     if hit is None or hit[0] != key:
         hit = state.packed[name] = (key, make(tensors))

@@ -41,7 +41,8 @@ def run(layer, call, x):
     H = s.num_attention_heads
     D = s.attention_head_size
     state = layer._fused_block
-    b = packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias))
+    b = packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias),
+               lora.merged_state((s.query, s.key, s.value)))  # lora_bias merges
     scale = float(getattr(s, "scaling", D ** -0.5))
     qkv_lora = lora.stacked([(s.query, s.query.out_features), (s.key, s.key.out_features),
                              (s.value, s.value.out_features)], x)  # PEFT LoRA: fused_block.lora

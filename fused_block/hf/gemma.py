@@ -185,7 +185,8 @@ def run(layer, call, x):
     H = attn.q_proj.out_features // D
     Hkv = attn.k_proj.out_features // D
     n1, _ = _norm(x, None, layer.input_layernorm)
-    b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
+    qkv_linears = (attn.q_proj, attn.k_proj, attn.v_proj)
+    b = packed(state, "qkv_bias", tuple(m.bias for m in qkv_linears), lora.merged_state(qkv_linears))  # lora_bias merges
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
     qkv = packed_linear(state, "qkv_weight", n1, (attn.q_proj, attn.k_proj, attn.v_proj), b,
                         lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM

@@ -153,7 +153,8 @@ def attention_sublayer(layer, call, n1, tp=None, sinks=None, half_tables=False):
     D = attn.head_dim
     H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
     Hkv = attn.k_proj.weight.shape[0] // D
-    b = packed(state, "qkv_bias", (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
+    qkv_linears = (attn.q_proj, attn.k_proj, attn.v_proj)
+    b = packed(state, "qkv_bias", tuple(m.bias for m in qkv_linears), lora.merged_state(qkv_linears))  # lora_bias merges
     # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
     # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
