@@ -1288,7 +1288,11 @@ def _convert_mha(mha):
                    {k: v for k, v in kind.__dict__.items() if k not in ("__dict__", "__weakref__")})
     new = cls.__new__(cls)
     new.__dict__.update(mha.__dict__)
-    for key in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
+    # Its own containers of parameters, buffers and submodules (torch's module stays as it
+    # was); the hook dicts (forward, backward, state-dict ones) are torch's module's very dict
+    # objects: a handle made before the conversion removes its hook from the converted module
+    # too (and the guard then lets the fused path run again).
+    for key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         if key in mha.__dict__:
             new.__dict__[key] = type(mha.__dict__[key])(mha.__dict__[key])
     new.num_kv_heads = mha.num_heads

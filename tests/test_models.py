@@ -431,6 +431,69 @@ def test_multilayer_coder_bf16_errors_are_torchs(device, launches):
     assert launches["add_norm_fwd"] > 0 and launches["matmul"] > 0
 
 
+def _assert_logs_match(got, want):
+    assert [tag for tag, _ in got] == [tag for tag, _ in want]
+    for (tag, g), (_, w) in zip(got, want):
+        if torch.is_tensor(w):
+            torch.testing.assert_close(g, w, atol=FP32_ATOL, rtol=0, msg=tag)
+        else:
+            assert g == w, tag
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_hooks_on_the_attention_registered_before_convert_are_removable(kind, device, launches):
+    """Hooks on a layer's attention modules, registered on torch's ``nn.MultiheadAttention``
+    before ``convert``: the converted layer runs torch's forward while they are there (the
+    guard: hooks on a submodule the fused path bypasses), and they see torch's values; their
+    handles remove them (the converted attention keeps the very hook dicts), after which the
+    layer runs the kernels again, with torch's answer. d_model 32, 2 heads, 2 x 5 tokens: the
+    smallest the kernels take."""
+    cls = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
+    names = ("self_attn",) if kind == "encoder" else ("self_attn", "multihead_attn")
+    x, mem = torch.randn(2, 5, 32, device=device), torch.randn(2, 4, 32, device=device)
+    grad = torch.randn(2, 5, 32, device=device)
+    t = cls(32, 2, 64, dropout=0.0, batch_first=True).to(device)
+    f = copy.deepcopy(t)
+    log_t, log_f, handles = [], [], []
+    for layer, log, keep in ((t, log_t, []), (f, log_f, handles)):
+        for name in names:
+            attn = getattr(layer, name)
+            keep.append(attn.register_forward_pre_hook(
+                lambda m, args, name=name, log=log: log.append((name + ".pre", args[0].detach().clone()))))
+            keep.append(attn.register_forward_hook(
+                lambda m, args, out, name=name, log=log: log.append((name + ".fwd", out[0].detach().clone()))))
+            keep.append(attn.register_full_backward_hook(
+                lambda m, gi, go, name=name, log=log: log.append((name + ".bwd", go[0].detach().clone()))))
+    f = fused_block.convert(f)
+    assert all(type(getattr(f, n)) is fused_block.MultiheadAttention for n in names)
+
+    def run(layer):
+        layer.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_()
+        out = layer(inp) if kind == "encoder" else layer(inp, mem)
+        out.backward(grad)
+        return [out, inp.grad] + [p.grad for p in layer.parameters()]
+
+    want = run(t)
+    with warnings.catch_warnings(record=True):  # the guard's one-time warning: torch's forward
+        warnings.simplefilter("always")
+        got = run(f)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=FP32_ATOL * 10, rtol=1e-3)
+    _assert_logs_match(log_f, log_t)
+    assert len(log_f) == 3 * len(names)
+
+    for h in handles:
+        h.remove()
+    log_f.clear()
+    before = launches["attention_fwd"]
+    got = run(f)
+    assert log_f == []
+    assert launches["attention_fwd"] == before + len(names)  # the kernels again
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=FP32_ATOL * 10, rtol=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------
 # training: convergence, checkpointing, DDP
 # ---------------------------------------------------------------------------------------------
