@@ -1262,14 +1262,28 @@ def _causal_mask(L, like):
 
 def _from_torch(cls, layer, children):
     """Build ``cls`` around ``layer``'s own submodules: the same Parameter objects (so an
-    optimizer created before conversion keeps working), device, dtype and mode."""
+    optimizer created before conversion keeps working), device, dtype and mode.
+
+    Everything else ``nn.Module`` keeps on the layer object carries over too: its hook dicts
+    (forward, forward-pre, backward, backward-pre, state-dict and load-state-dict hooks) are
+    the layer's very dict objects, so they fire on the fused layer and handles made before the
+    conversion still remove them; parameters, buffers and submodules the user registered on
+    the layer, and its plain attributes, stay, in the same order (the state dict's keys and
+    their order are torch's layer's). The containers of parameters, buffers and submodules are
+    the fused layer's own (same entries, the attention modules converted): torch's layer is not
+    changed. An instance-level ``forward`` (bound to torch's layer) does not carry over:
+    ``convert`` leaves such a layer unconverted."""
     new = cls.__new__(cls)
-    nn.Module.__init__(new)
+    state = dict(layer.__dict__)
+    state.pop("forward", None)
+    for key in ("_parameters", "_buffers", "_modules"):
+        state[key] = type(state[key])(state[key])
+    state["_non_persistent_buffers_set"] = set(state["_non_persistent_buffers_set"])
+    new.__dict__.update(state)
     for name in children:
         child = getattr(layer, name)
         if isinstance(child, nn.MultiheadAttention) and not isinstance(child, MultiheadAttention):
-            child = _convert_mha(child)
-        setattr(new, name, child)
+            new._modules[name] = _convert_mha(child)  # its slot: the state dict's order stays torch's
     new.norm_first = layer.norm_first
     new.norm = "rms" if isinstance(layer.norm1, nn.RMSNorm) else "layer"
     new.activation = getattr(layer, "activation", F.relu)
@@ -1288,7 +1302,11 @@ def _convert_mha(mha):
                    {k: v for k, v in kind.__dict__.items() if k not in ("__dict__", "__weakref__")})
     new = cls.__new__(cls)
     new.__dict__.update(mha.__dict__)
-    for key in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
+    # Its own containers of parameters, buffers and submodules (torch's module stays as it
+    # was); the hook dicts (forward, backward, state-dict ones) are torch's module's very dict
+    # objects: a handle made before the conversion removes its hook from the converted module
+    # too (and the guard then lets the fused path run again).
+    for key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         if key in mha.__dict__:
             new.__dict__[key] = type(mha.__dict__[key])(mha.__dict__[key])
     new.num_kv_heads = mha.num_heads

@@ -14,6 +14,12 @@ _CONVERSIONS = {
 _FUSED = tuple(_CONVERSIONS.values())
 
 
+def _convertible(m) -> bool:
+    """Exactly torch's layer, without an instance-level ``forward`` (a patch bound to this very
+    object, which the fused layer could not call)."""
+    return type(m) in _CONVERSIONS and "forward" not in m.__dict__
+
+
 def convert(model: nn.Module) -> nn.Module:
     """Replace every ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` in ``model``.
 
@@ -24,8 +30,12 @@ def convert(model: nn.Module) -> nn.Module:
     parameters stay the same tensors (weights, device, dtype, ``requires_grad``, and an
     optimizer built before the conversion all keep working) and each layer keeps its train/eval
     mode. A layer used in several places (shared weights) becomes one fused layer in all of
-    them. Only layers whose type is exactly torch's are converted; user subclasses (custom
-    ``forward``) are left alone.
+    them. The fused layer is the layer's module state too: hooks registered on the layer before
+    the conversion fire on the fused one (the same hook dicts: their handles still remove them),
+    and parameters, buffers, submodules and attributes the user added to it stay (the state dict
+    keeps its keys and their order). Only layers whose type is exactly torch's are converted;
+    user subclasses (custom ``forward``) and layers with an instance-level ``forward`` (a patch)
+    are left alone.
     Returns ``model`` (or, when ``model`` itself is such a layer, its fused replacement).
 
     Hugging Face ``transformers`` models (GPT-2, BERT, LLaMA, Mistral, Qwen2, Qwen3, Phi-3
@@ -37,17 +47,16 @@ def convert(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if type(model) in _CONVERSIONS:
+    if _convertible(model):
         return _CONVERSIONS[type(model)].from_torch(model)
     # Every slot, shared layers included (ALBERT-style nn.ModuleList([layer] * n), one layer under
     # two names: named_children() yields a shared child once): one fused layer per torch layer.
     fused = {}
     for parent in list(model.modules()):
         for name, child in list(parent._modules.items()):
-            cls = _CONVERSIONS.get(type(child))
-            if cls is not None:
+            if _convertible(child):
                 if id(child) not in fused:
-                    fused[id(child)] = cls.from_torch(child)
+                    fused[id(child)] = _CONVERSIONS[type(child)].from_torch(child)
                 setattr(parent, name, fused[id(child)])
     # A stack's final norm (nn.Transformer always has two) runs the fused LayerNorm where the
     # stack's layers are fused: the same module, its class swapped for fused_block.LayerNorm

@@ -431,6 +431,185 @@ def test_multilayer_coder_bf16_errors_are_torchs(device, launches):
     assert launches["add_norm_fwd"] > 0 and launches["matmul"] > 0
 
 
+def _hook_layer(layer, log):
+    """Every kind of hook nn.Module takes, on ``layer`` itself, each appending what it sees to
+    ``log``; the handles."""
+    def first(t):
+        return t[0] if isinstance(t, tuple) else t
+
+    def keep(tag):
+        return lambda *a: log.append((tag, first(a[-1]).detach().clone() if torch.is_tensor(first(a[-1]))
+                                      else sorted(a[-1])))
+
+    return [
+        layer.register_forward_pre_hook(lambda m, args: log.append(("pre", args[0].detach().clone()))),
+        layer.register_forward_pre_hook(lambda m, args, kw: log.append(("pre_kw", sorted(kw))), with_kwargs=True),
+        layer.register_forward_hook(lambda m, args, out: log.append(("fwd", out.detach().clone()))),
+        layer.register_forward_hook(lambda m, args, kw, out: log.append(("fwd_kw", sorted(kw))), with_kwargs=True),
+        layer.register_forward_hook(keep("fwd_always"), always_call=True),
+        layer.register_full_backward_pre_hook(keep("bwd_pre")),
+        layer.register_full_backward_hook(lambda m, gi, go: log.append(("bwd", gi[0].detach().clone()))),
+        layer.register_state_dict_pre_hook(lambda m, prefix, keep_vars: log.append(("sd_pre", prefix))),
+        layer.register_load_state_dict_post_hook(lambda m, keys: log.append(("load_post", sorted(keys.missing_keys)))),
+    ]
+
+
+def _assert_logs_match(got, want):
+    assert [tag for tag, _ in got] == [tag for tag, _ in want]
+    for (tag, g), (_, w) in zip(got, want):
+        if torch.is_tensor(w):
+            torch.testing.assert_close(g, w, atol=FP32_ATOL, rtol=0, msg=tag)
+        else:
+            assert g == w, tag
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_convert_keeps_hooks_state_and_attributes_registered_on_the_layer(kind, device, launches):
+    """What the user registered on torch's layer object before ``convert`` (every kind of hook,
+    a parameter, buffers, an attribute) stays on the fused layer: the hooks fire with the values
+    torch's layer gives them, the handles made before the conversion remove them, the state dict
+    keeps its keys and their order (the pre-conversion checkpoint loads strictly), and the fused
+    kernels run throughout (hooks on the layer itself keep it fused). A layer of d_model 32 and 2
+    heads on 2 x 5 tokens: the smallest the kernels take."""
+    cls = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
+    x, mem = torch.randn(2, 5, 32, device=device), torch.randn(2, 4, 32, device=device)
+    grad = torch.randn(2, 5, 32, device=device)
+    mask = torch.zeros(2, 5, dtype=torch.bool, device=device)
+    mask[0, 3:] = True
+    kw = {"src_key_padding_mask": mask} if kind == "encoder" else {"tgt_key_padding_mask": mask}
+
+    def build():
+        layer = cls(32, 2, 64, dropout=0.0, batch_first=True).to(device)
+        layer.register_buffer("step", torch.randn((), device=device))
+        layer.register_buffer("scratch", torch.randn(3, device=device), persistent=False)
+        layer.scale = nn.Parameter(torch.randn((), device=device))
+        layer.tag = "user"
+        return layer
+
+    t = nn.Sequential(build())
+    f = copy.deepcopy(t)  # the same weights, its own hooks and state
+    log_t, log_f = [], []
+    _hook_layer(t[0], log_t)
+    handles = _hook_layer(f[0], log_f)
+    layer_f = f[0]
+    checkpoint = t.state_dict()
+
+    fused_block.convert(f)
+    assert type(f[0]) is fused_block.TransformerEncoderLayer or type(f[0]) is fused_block.TransformerDecoderLayer
+    assert f[0].tag == "user" and f[0].scale is layer_f.scale and f[0].scratch is layer_f.scratch
+    assert list(f.state_dict()) == list(checkpoint)  # keys and order
+    assert f[0].norm == "layer" and f[0].activation is layer_f.activation and f[0].norm_first is False
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_()
+        args = (inp,) if kind == "encoder" else (inp, mem)
+        out = model[0](*args, **kw)  # kwargs: the with_kwargs hooks see them
+        out.backward(grad)
+        return out, inp.grad
+
+    assert [tag for tag, _ in log_f] == [tag for tag, _ in log_t] == ["sd_pre"]  # the state dicts above
+    log_t.clear(), log_f.clear()
+    before = launches["attention_fwd"]
+    out_t, dx_t = run(t)
+    out_f, dx_f = run(f)
+    assert launches["attention_fwd"] > before  # the fused path ran, with the layer's hooks firing
+    torch.testing.assert_close(out_f, out_t, atol=FP32_ATOL, rtol=0)
+    torch.testing.assert_close(dx_f, dx_t, atol=FP32_ATOL * 10, rtol=1e-3)
+    gt, gf = dict(t.named_parameters()), dict(f.named_parameters())
+    assert list(gf) == list(gt)
+    for name in gt:
+        if gt[name].grad is None:
+            assert gf[name].grad is None, name  # `scale`: the layer's forward does not read it
+        else:
+            torch.testing.assert_close(gf[name].grad, gt[name].grad, atol=FP32_ATOL * 10, rtol=1e-3, msg=name)
+    _assert_logs_match(log_f, log_t)
+    assert {tag for tag, _ in log_f} == {"pre", "pre_kw", "fwd", "fwd_kw", "fwd_always", "bwd_pre", "bwd"}
+
+    log_t.clear(), log_f.clear()
+    f.load_state_dict(checkpoint, strict=True)  # the checkpoint made before the conversion
+    t.load_state_dict(checkpoint, strict=True)
+    assert list(f.state_dict()) == list(t.state_dict())
+    assert [tag for tag, _ in log_f] == ["load_post", "sd_pre"]
+    _assert_logs_match(log_f, log_t)
+    torch.testing.assert_close(f[0].step, layer_f.step)
+
+    for h in handles:  # made before the conversion
+        h.remove()
+    log_f.clear()
+    before = launches["attention_fwd"]
+    run(f)
+    f.state_dict()
+    assert log_f == [] and launches["attention_fwd"] > before
+
+
+def test_convert_leaves_a_layer_with_an_instance_forward_alone(device):
+    """A layer whose ``forward`` was patched on the instance (bound to torch's layer object,
+    which the fused layer could not call) stays torch's layer, patch included; its neighbour is
+    converted. No kernel runs: tiny layers, no call."""
+    patched, plain = (nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True).to(device) for _ in range(2))
+    original = patched.forward
+    patched.forward = lambda *a, **k: original(*a, **k) * 2
+    model = fused_block.convert(nn.Sequential(patched, plain))
+    assert model[0] is patched and type(patched) is nn.TransformerEncoderLayer
+    assert type(model[1]) is fused_block.TransformerEncoderLayer
+    assert fused_block.convert(patched) is patched
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_hooks_on_the_attention_registered_before_convert_are_removable(kind, device, launches):
+    """Hooks on a layer's attention modules, registered on torch's ``nn.MultiheadAttention``
+    before ``convert``: the converted layer runs torch's forward while they are there (the
+    guard: hooks on a submodule the fused path bypasses), and they see torch's values; their
+    handles remove them (the converted attention keeps the very hook dicts), after which the
+    layer runs the kernels again, with torch's answer. d_model 32, 2 heads, 2 x 5 tokens: the
+    smallest the kernels take."""
+    cls = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
+    names = ("self_attn",) if kind == "encoder" else ("self_attn", "multihead_attn")
+    x, mem = torch.randn(2, 5, 32, device=device), torch.randn(2, 4, 32, device=device)
+    grad = torch.randn(2, 5, 32, device=device)
+    t = cls(32, 2, 64, dropout=0.0, batch_first=True).to(device)
+    f = copy.deepcopy(t)
+    log_t, log_f, handles = [], [], []
+    for layer, log, keep in ((t, log_t, []), (f, log_f, handles)):
+        for name in names:
+            attn = getattr(layer, name)
+            keep.append(attn.register_forward_pre_hook(
+                lambda m, args, name=name, log=log: log.append((name + ".pre", args[0].detach().clone()))))
+            keep.append(attn.register_forward_hook(
+                lambda m, args, out, name=name, log=log: log.append((name + ".fwd", out[0].detach().clone()))))
+            keep.append(attn.register_full_backward_hook(
+                lambda m, gi, go, name=name, log=log: log.append((name + ".bwd", go[0].detach().clone()))))
+    f = fused_block.convert(f)
+    assert all(type(getattr(f, n)) is fused_block.MultiheadAttention for n in names)
+
+    def run(layer):
+        layer.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_()
+        out = layer(inp) if kind == "encoder" else layer(inp, mem)
+        out.backward(grad)
+        return [out, inp.grad] + [p.grad for p in layer.parameters()]
+
+    want = run(t)
+    with warnings.catch_warnings(record=True):  # the guard's one-time warning: torch's forward
+        warnings.simplefilter("always")
+        got = run(f)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=FP32_ATOL * 10, rtol=1e-3)
+    _assert_logs_match(log_f, log_t)
+    assert len(log_f) == 3 * len(names)
+
+    for h in handles:
+        h.remove()
+    log_f.clear()
+    before = launches["attention_fwd"]
+    got = run(f)
+    assert log_f == []
+    assert launches["attention_fwd"] == before + len(names)  # the kernels again
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=FP32_ATOL * 10, rtol=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------
 # training: convergence, checkpointing, DDP
 # ---------------------------------------------------------------------------------------------
