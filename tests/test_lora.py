@@ -374,6 +374,14 @@ def test_peft_lora_on_converted_hf_models_runs_fused(arch, order, device, launch
     assert launches["matmul"] > 0 and launches["attention_fwd"] > 0
 
 
+def _same_logits(got, ref, ids, mask):
+    """The converted model's no-grad logits are PEFT's at the positions the mask keeps."""
+    keep = mask[..., None] == 1
+    with torch.no_grad(), _no_fallback():
+        out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "bert"])
 def test_merging_after_a_forward_gives_peft_s_answer(arch, device, launches):
     """merge_adapter(), unmerge_adapter() and merge_and_unload() after a no-grad forward: PEFT
@@ -383,20 +391,13 @@ def test_merging_after_a_forward_gives_peft_s_answer(arch, device, launches):
     targets = {"llama": ["q_proj", "v_proj"], "bert": ["query", "value"]}[arch]
     ref, got, (ids, mask) = _hf_peft(arch, device, "adapt_then_convert", targets=targets)
     ref.eval(), got.eval()
-    keep = mask[..., None] == 1
-
-    def same():
-        with torch.no_grad(), _no_fallback():
-            out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
-        torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
-
-    same()
+    _same_logits(got, ref, ids, mask)
     for step in ("merge_adapter", "unmerge_adapter"):
         getattr(ref, step)()
         getattr(got, step)()
-        same()
+        _same_logits(got, ref, ids, mask)
     ref, got = ref.merge_and_unload(), got.merge_and_unload()
-    same()
+    _same_logits(got, ref, ids, mask)
     assert launches["matmul"] > 0
 
 
@@ -409,16 +410,9 @@ def test_merging_again_after_the_adapters_changed_gives_peft_s_answer(change, de
     the packed q/k/v weight of the first merge was reused (logits off by 0.28)."""
     ref, got, (ids, mask) = _hf_peft("llama", device, "adapt_then_convert", targets=["q_proj", "k_proj", "v_proj"])
     ref.eval(), got.eval()
-    keep = mask[..., None] == 1
-
-    def same():
-        with torch.no_grad(), _no_fallback():
-            out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
-        torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
-
     for model in (ref, got):
         model.merge_adapter()
-    same()
+    _same_logits(got, ref, ids, mask)
     for model in (ref, got):
         model.unmerge_adapter()
     if change == "optimizer-step":
@@ -436,7 +430,7 @@ def test_merging_again_after_the_adapters_changed_gives_peft_s_answer(change, de
                     m.set_scale("default", 3.0)
     for model in (ref, got):
         model.merge_adapter()
-    same()
+    _same_logits(got, ref, ids, mask)
     assert launches["matmul"] > 0
 
 
@@ -456,10 +450,7 @@ def test_merge_and_unload_of_adapters_added_after_a_forward_gives_peft_s_answer(
     ref = peft.get_peft_model(ref, cfg).merge_and_unload()
     torch.manual_seed(1)
     got = peft.get_peft_model(got, cfg).merge_and_unload()
-    keep = mask[..., None] == 1
-    with torch.no_grad(), _no_fallback():
-        out, want = got(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
-    torch.testing.assert_close(out.masked_fill(~keep, 0), want.masked_fill(~keep, 0), atol=2e-5, rtol=1e-5)
+    _same_logits(got, ref, ids, mask)
     assert launches["matmul"] > 0
 
 
