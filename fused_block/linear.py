@@ -73,9 +73,6 @@ def _empty(shape, dtype, device, needed):
 # its leading dims
 # ---------------------------------------------------------------------------------------------
 
-_n_rows = common.n_rows  # every dim but the last, also when the last is 0 (K = 0: rows of nothing)
-
-
 def _linear_fwd_fake(x, weight, bias, residual, activation, save_pre, seed, dropout_p):
     shape = (*x.shape[:-1], weight.shape[0])
     return (x.new_empty(shape, dtype=_out_dtype(x, residual)),
@@ -262,7 +259,7 @@ def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: O
 
 def _ffn_fwd_fake(x, w1, w1_up, b1, b1_up, w2, b2, residual, activation, save, seed, dropout_p,
                   output_seed, output_dropout_p):
-    M, F = _n_rows(x), w1.shape[0]
+    M, F = common.n_rows(x), w1.shape[0]
     width = 2 * F if activation in GATED else F
     saved = (M, width) if save == SAVE_PRE else ((M, F) if save == SAVE_H else (0,))
     return x.new_empty((*x.shape[:-1], w2.shape[0]), dtype=_out_dtype(x, residual)), x.new_empty(saved)
@@ -281,7 +278,7 @@ def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor
     b2) with ``output_seed``, + residual. saved: the pre-activation (M, F), for SwiGLU [gate |
     up] (M, 2F) (``save == SAVE_PRE``), the hidden activation (``SAVE_H``), or empty.
     """
-    M, F = _n_rows(x), w1.shape[0]
+    M, F = common.n_rows(x), w1.shape[0]
     swiglu = activation in GATED
     h = common.empty((M, F), x.dtype, x.device)
     pre = common.empty((M, 2 * F if swiglu else F), x.dtype, x.device) if save == SAVE_PRE else None
@@ -317,7 +314,7 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
     leading dims, dw1 (F1, d_in), db1 (F1,), dw2 (D', F), db2 (D',)), each empty unless needed;
     F1 = 2F for SwiGLU (gate rows, then up rows)."""
     D2 = g.shape[-1]
-    M = _n_rows(g)
+    M = common.n_rows(g)
     F = w2.shape[1]
     swiglu = activation in GATED
     F1 = 2 * F if swiglu else F

@@ -31,13 +31,9 @@ MAX_HIDDEN = _k.MAX_HIDDEN
 # ---------------------------------------------------------------------------------------------
 
 
-def _n_rows(t):
-    return t.shape[0] if t.dim() == 2 else t.numel() // t.shape[-1]
-
-
 def _fwd_fake(x, residual, weight, bias, seed, eps, dropout_p, is_rms, residual_dtype, store_residual,
               unit_offset=False):
-    M = _n_rows(x)
+    M = common.n_rows(x)
     outs = [x.new_empty(x.shape)]
     if store_residual:
         outs.append(x.new_empty(x.shape, dtype=residual_dtype))

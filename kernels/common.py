@@ -239,7 +239,7 @@ def rows(t, operand: str):
     if not t.is_contiguous():
         raise ValueError(f"{operand} of {t.dim()} dims must be contiguous, got strides {t.stride()}")
     n = t.shape[-1]
-    return (n_rows(t), n), (n, 1)
+    return (t.numel() // n if n else n_rows(t), n), (n, 1)
 
 
 def unit(t):

@@ -406,17 +406,19 @@ def packed_linear(state, name, x, linears, bias, **kw):
 
 def packed_bias(state, name, linears):
     """The concatenated biases of ``linears`` (zeros for one without, e.g. Whisper's k_proj),
-    None when none has one; cached as :func:`cached`."""
+    None when none has one; cached as :func:`cached`, with the linears' PEFT merge state (a
+    merged ``lora_bias`` is written into the base bias through ``.data``)."""
     biases = [m.bias for m in linears]
     present = [b for b in biases if b is not None]
     if not present:
         return None
+    stamp = lora.merged_state(linears)
     if len(present) == len(biases):
-        return packed(state, name, tuple(biases))
+        return packed(state, name, tuple(biases), stamp)
 
     def make(ts):
         it = iter(ts)
         return torch.cat([next(it) if b is not None else ts[0].new_zeros(m.out_features)
                           for b, m in zip(biases, linears)])
 
-    return cached(state, name, tuple(present), make)
+    return cached(state, name, tuple(present), make, stamp)

@@ -8,7 +8,7 @@ from torch import nn
 from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
-from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed, packed_linear
+from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed_bias, packed_linear
 from fused_block.linear import linear, mlp
 from fused_block.norm import add_layer_norm
 
@@ -41,8 +41,7 @@ def run(layer, call, x):
     H = s.num_attention_heads
     D = s.attention_head_size
     state = layer._fused_block
-    b = packed(state, "qkv_bias", (s.query.bias, s.key.bias, s.value.bias),
-               lora.merged_state((s.query, s.key, s.value)))  # lora_bias merges
+    b = packed_bias(state, "qkv_bias", (s.query, s.key, s.value))
     scale = float(getattr(s, "scaling", D ** -0.5))
     qkv_lora = lora.stacked([(s.query, s.query.out_features), (s.key, s.key.out_features),
                              (s.value, s.value.out_features)], x)  # PEFT LoRA: fused_block.lora

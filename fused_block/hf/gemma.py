@@ -37,7 +37,7 @@ from fused_block.blocks import _like
 from fused_block.hf import llama
 from fused_block.hf._attention import (implementation_reason, kernel_head_dim, mask_convention, mask_reason,
                                        self_attention)
-from fused_block.hf._core import SAME, Family, kv_cache, packed, packed_linear, warn_once
+from fused_block.hf._core import SAME, Family, kv_cache, packed_bias, packed_linear, warn_once
 from fused_block.linear import gated_linear, geglu, linear
 from fused_block.norm import add_rms_norm
 
@@ -185,8 +185,7 @@ def run(layer, call, x):
     H = attn.q_proj.out_features // D
     Hkv = attn.k_proj.out_features // D
     n1, _ = _norm(x, None, layer.input_layernorm)
-    qkv_linears = (attn.q_proj, attn.k_proj, attn.v_proj)
-    b = packed(state, "qkv_bias", tuple(m.bias for m in qkv_linears), lora.merged_state(qkv_linears))  # lora_bias merges
+    b = packed_bias(state, "qkv_bias", (attn.q_proj, attn.k_proj, attn.v_proj))
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
     qkv = packed_linear(state, "qkv_weight", n1, (attn.q_proj, attn.k_proj, attn.v_proj), b,
                         lora=qkv_lora)  # (B, L, (H + 2 Hkv) D): one GEMM

@@ -23,7 +23,7 @@ from fused_block import lora
 from fused_block.blocks import _TP, _TP_RUN, _like
 from fused_block.hf._attention import (implementation_reason, mask_convention, mask_reason,
                                        self_attention)
-from fused_block.hf._core import SAME, Family, cached, kv_cache, packed, packed_linear, warn_once
+from fused_block.hf._core import SAME, Family, cached, kv_cache, packed_bias, packed_linear, warn_once
 from fused_block.linear import gated_linear, linear, swiglu
 from fused_block.norm import add_rms_norm
 from fused_block.rope import rope_qkvpacked
@@ -153,8 +153,7 @@ def attention_sublayer(layer, call, n1, tp=None, sinks=None, half_tables=False):
     D = attn.head_dim
     H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
     Hkv = attn.k_proj.weight.shape[0] // D
-    qkv_linears = (attn.q_proj, attn.k_proj, attn.v_proj)
-    b = packed(state, "qkv_bias", tuple(m.bias for m in qkv_linears), lora.merged_state(qkv_linears))  # lora_bias merges
+    b = packed_bias(state, "qkv_bias", (attn.q_proj, attn.k_proj, attn.v_proj))
     # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
     # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
     qkv_lora = lora.stacked([(attn.q_proj, H * D), (attn.k_proj, Hkv * D), (attn.v_proj, Hkv * D)], n1)
