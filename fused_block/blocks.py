@@ -1150,26 +1150,36 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
     def _fused_forward(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                        tgt_is_causal, memory_is_causal):
         sa_mod, ca_mod = self.self_attn, self.multihead_attn
-        bf = sa_mod.batch_first
+        # Each attention reads its inputs by its own batch_first, as torch's layer calls them:
+        # where a user set the two flags apart, cross-attention reads the self-attention block's
+        # output (tgt's layout) and memory by multihead_attn's flag, batch and sequence swapped
+        # (torch's answer); the norms and the FFN run per token, in any layout. Unbatched inputs
+        # are one sequence to both (torch's MultiheadAttention adds the batch dim by its flag).
+        bf, bf_ca = sa_mod.batch_first, ca_mod.batch_first
         _check_input("tgt", tgt, sa_mod.embed_dim, sa_mod)
         _check_input("memory", memory, sa_mod.embed_dim, sa_mod)
         _check_flag("tgt_is_causal", tgt_is_causal)
         _check_flag("memory_is_causal", memory_is_causal)
         if memory.dim() != tgt.dim():
             raise ShapeError(f"memory must be {tgt.dim()}-D like tgt, got shape {tuple(memory.shape)}")
+        if bf != bf_ca and self.__dict__.get(_TP_RUN) is not None:
+            raise ValueError("self_attn.batch_first and multihead_attn.batch_first differ: not supported under "
+                             "tensor parallelism (fused_block.distributed shards one layout)")
         x, batched = _batch(tgt, bf)
-        mem, _ = _batch(memory, bf)
+        mem, _ = _batch(memory, bf_ca)
         B, L = _dims(x, bf)
-        Bm, S = _dims(mem, bf)
+        Bm, S = _dims(mem, bf_ca)
         L, S = _tp_length(self, L, masks=(("tgt_mask", tgt_mask), ("memory_mask", memory_mask))), \
             _tp_length(self, S, memory=True)
-        if Bm != B:
-            raise ShapeError(f"memory: batch size {Bm} does not match tgt's {B}")
-        H = sa_mod.num_heads
-        _check_mask("tgt_mask", tgt_mask, B, H, L, L)
-        _check_mask("memory_mask", memory_mask, B, H, L, S)
+        swapped = batched and bf != bf_ca  # cross-attention reads tgt's batch as its sequence
+        turned = not batched and bf != bf_ca  # the unit batch dim moved to multihead_attn's place
+        Bc, Lc = (L, B) if swapped else (B, L)  # the queries as cross-attention reads them
+        if Bm != Bc:
+            raise ShapeError(f"memory: batch size {Bm} does not match tgt's {Bc}")
+        _check_mask("tgt_mask", tgt_mask, B, sa_mod.num_heads, L, L)
+        _check_mask("memory_mask", memory_mask, Bc, ca_mod.num_heads, Lc, S)
         _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, B, L, batched)
-        _check_padding_mask("memory_key_padding_mask", memory_key_padding_mask, B, S, batched)
+        _check_padding_mask("memory_key_padding_mask", memory_key_padding_mask, Bc, S, batched)
         if not batched:
             tgt_key_padding_mask = None if tgt_key_padding_mask is None else tgt_key_padding_mask[None]
             memory_key_padding_mask = None if memory_key_padding_mask is None else memory_key_padding_mask[None]
@@ -1184,8 +1194,10 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
                                   p_sa, ("tgt_mask", "tgt_key_padding_mask"))
 
         def ca(inp):
-            return ca_mod._attend(inp, mem, mem, memory_mask, memory_key_padding_mask, memory_is_causal,
-                                  p_ca, ("memory_mask", "memory_key_padding_mask"))
+            out = ca_mod._attend(inp.transpose(0, 1) if turned else inp, mem, mem, memory_mask,
+                                 memory_key_padding_mask, memory_is_causal, p_ca,
+                                 ("memory_mask", "memory_key_padding_mask"))
+            return out.transpose(0, 1) if turned else out
 
         with self._seed_block(x, p1, p2, p3, p_ff, p_sa, p_ca):
             if self.norm_first:

@@ -237,6 +237,42 @@ def test_decoder_general_masks_run_the_kernel(device, launches):
     assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
 
 
+def _hidden(n, m, device):
+    """A random bool (n, m) attention mask (True = masked) that leaves every query its first key."""
+    mask = torch.rand(n, m, device=device) < 0.3
+    mask[:, 0] = False
+    return mask
+
+
+@pytest.mark.parametrize("self_bf, cross_bf, norm_first, batched, dtype", [
+    (True, False, True, True, torch.float32),
+    (False, True, False, True, torch.bfloat16),
+    (True, False, False, True, torch.float16),
+    (False, True, True, False, torch.float32),  # unbatched: one sequence to both attentions
+])
+def test_converted_decoder_with_two_batch_first_flags(self_bf, cross_bf, norm_first, batched, dtype, device,
+                                                      launches):
+    """A converted torch decoder layer whose multihead_attn.batch_first a user set apart from
+    self_attn's: each attention reads its inputs by its own flag, as in torch's layer, so
+    cross-attention takes tgt's batch as its sequence and memory in its own layout (here
+    (S, L, E) or (L, S, E): its batch is tgt's L). GELU: see test_decoder_matches_torch_bf16."""
+    t = nn.TransformerDecoderLayer(D, H, FF, 0.0, "gelu", batch_first=self_bf, norm_first=norm_first)
+    t.multihead_attn.batch_first = cross_bf
+    _randomize(t)
+    f = fused_block.convert(copy.deepcopy(t))
+    assert f.self_attn.batch_first is self_bf and f.multihead_attn.batch_first is cross_bf
+    if batched:
+        tgt = _x(self_bf, L, device)  # to cross-attention: a batch of L, B queries each
+        memory = _x(cross_bf, S, device, batch=L)
+        kwargs = {"tgt_key_padding_mask": _padding(B, L, device), "memory_key_padding_mask": _padding(L, S, device),
+                  "memory_mask": _hidden(B, S, device)}
+    else:
+        tgt, memory = (numerics.randn(n, D, dtype=torch.float32, device=device) for n in (L, S))
+        kwargs = {"memory_key_padding_mask": _padding(1, S, device)[0], "memory_mask": _hidden(L, S, device)}
+    _three_ways(t, f, [tgt, memory], kwargs, dtype, device)
+    assert launches["attention_fwd"] == 2 and launches["attention_bwd"] == 2
+
+
 def test_decoder_matches_torch_bf16(device):
     # GELU, not ReLU: a bf16 pre-activation within rounding of 0 may take the other side of
     # ReLU's kink than the float64 oracle's (unrounded weights), moving a whole token's share
