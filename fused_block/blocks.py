@@ -62,6 +62,7 @@ from fused_block.attention import attention_varlen_qkvpacked as _attention_varle
 from fused_block.kernels import matmul as _kmatmul
 from fused_block.linear import gated_linear as _gated_linear
 from fused_block.linear import linear as _linear
+from fused_block.linear import lora_ffn as _lora_ffn
 from fused_block.linear import mlp as _mlp
 from fused_block.norm import LayerNorm, RMSNorm, add_layer_norm, add_rms_norm
 from fused_block.rope import rope_qkvpacked as _rope_qkvpacked
@@ -790,24 +791,15 @@ class _LayerMixin:
         return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
 
     def _ffn_lora(self, x, residual, p_in, p_out, name, ops):
-        """The FFN with PEFT LoRA on linear1 and/or linear2 (fused_block.lora): each GEMM takes
-        its adapters' low-rank update in its reduction; the hidden activation is materialized
-        between them, since linear2's adapters (and their dropout) read it."""
-        l1, l2 = self.linear1, self.linear2
-        base1, base2 = lora.base(l1), lora.base(l2)
-        t1 = lora.terms(l1, x)
-        w1, b1 = base1.weight, base1.bias
-        if name == "swiglu":
-            f = w1.shape[0] // 2
-            t1 = lora.split_rows(t1, f)
-            hid = ops.gated(x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
-                            dropout_p=p_in, lora=t1)
-        elif name is not None:
-            hid = ops.linear(x, w1, b1, name, None, p_in, lora=t1)
-        else:
-            hid = self.activation(ops.linear(x, w1, b1, lora=t1))
-            hid = _hidden_dropout(hid, p_in) if p_in > 0 else hid
-        return ops.linear(hid, base2.weight, base2.bias, None, residual, p_out, lora=lora.terms(l2, hid))
+        """The FFN with PEFT LoRA on linear1 and/or linear2: ``fused_block.linear.lora_ffn``, as
+        :class:`fused_block.MLP` runs it; a custom activation callable (``name`` None) and its
+        dropout run between the GEMMs."""
+        def hidden(pre):
+            hid = self.activation(pre)
+            return _hidden_dropout(hid, p_in) if p_in > 0 else hid
+
+        return _lora_ffn(x, self.linear1, self.linear2, name, residual, p_in, p_out, ops.linear, ops.gated,
+                         hidden if name is None else None)
 
     def _activation(self):
         """The fused epilogue's name for ``self.activation``, looked up once per activation

@@ -896,6 +896,31 @@ class Linear(torch.nn.Linear):
         return f"{super().extra_repr()}, activation={self.activation!r}"
 
 
+def lora_ffn(x, linear1, linear2, activation, residual, p_in, p_out, lin, gated, hidden=None):
+    """``dropout(linear2(dropout(act(linear1(x))))) + residual`` with PEFT LoRA on linear1
+    and/or linear2 (:mod:`fused_block.lora`), for :class:`MLP` and the Transformer layers' FFN
+    (``blocks._LayerMixin._ffn_lora``): each GEMM takes its adapters' low-rank update in its
+    reduction; the hidden activation is materialized between them, since linear2's adapters
+    (and their dropout) read it.
+
+    ``activation``: the first GEMM's epilogue (a name, or None), a gated one (:data:`GATED`)
+    on linear1's [gate; up] rows; or, with ``hidden`` (a layer's custom activation callable
+    and its dropout, which run between the GEMMs), ``hidden(linear1(x))`` instead. ``lin`` and
+    ``gated``: :func:`linear` and :func:`gated_linear`, or the reference's (float64)."""
+    base1, base2 = lora.base(linear1), lora.base(linear2)
+    t1 = lora.terms(linear1, x)
+    w1, b1 = base1.weight, base1.bias
+    if hidden is not None:
+        hid = hidden(lin(x, w1, b1, lora=t1))
+    elif activation in GATED:
+        f = w1.shape[0] // 2
+        hid = gated(x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
+                    dropout_p=p_in, lora=lora.split_rows(t1, f), activation=activation)
+    else:
+        hid = lin(x, w1, b1, activation, None, p_in, lora=t1)
+    return lin(hid, base2.weight, base2.bias, None, residual, p_out, lora=lora.terms(linear2, hid))
+
+
 class MLP(torch.nn.Module):
     """The feed-forward block ``linear2(act(linear1(x)))`` (+ residual) of a Transformer layer.
 
@@ -937,24 +962,10 @@ class MLP(torch.nn.Module):
         return fn(x, l1.weight, l1.bias, l2.weight, l2.bias, self.activation, residual, p, p)
 
     def _lora_forward(self, x, residual, p):
-        """PEFT LoRA on linear1 and/or linear2 (:mod:`fused_block.lora`), as the layers' FFN
-        (``blocks._LayerMixin._ffn_lora``): each GEMM takes its adapters' low-rank update in its
-        reduction; the hidden activation is materialized between them, since linear2's
-        adapters (and their dropout) read it."""
-        l1, l2 = self._modules["linear1"], self._modules["linear2"]
-        base1, base2 = lora.base(l1), lora.base(l2)
+        """PEFT LoRA on linear1 and/or linear2: :func:`lora_ffn`, as the layers' FFN."""
         ref = _torch_dtype(x)
-        lin = reference.linear if ref else linear
-        t1 = lora.terms(l1, x)
-        w1, b1 = base1.weight, base1.bias
-        if self.activation in GATED:
-            f = w1.shape[0] // 2
-            hid = (reference.gated if ref else gated_linear)(
-                x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
-                dropout_p=p, lora=lora.split_rows(t1, f), activation=self.activation)
-        else:
-            hid = lin(x, w1, b1, self.activation, None, p, lora=t1)
-        return lin(hid, base2.weight, base2.bias, None, residual, p, lora=lora.terms(l2, hid))
+        return lora_ffn(x, self._modules["linear1"], self._modules["linear2"], self.activation, residual, p, p,
+                        reference.linear if ref else linear, reference.gated if ref else gated_linear)
 
     def _unfused(self, x, residual, p):
         """``linear2(act(linear1(x)))`` calling the submodules (their hooks, adapters and
