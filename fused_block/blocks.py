@@ -284,13 +284,10 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
 # which for such a bias rounds to the bias itself (its ulp, ~2e31, swamps any score): a row whose
 # largest bias is that low weighs its keys by the bias alone. Half that value bounds the masks
 # worth a closer look: two such masks add up below it.
-_SATURATED = reference.SATURATED_BIAS
-
-
 def _saturates(mask):
     """Whether a float mask holds a finite value low enough, alone or added to another, to
     saturate the kernel's scores (see :func:`_saturated_rows`)."""
-    return bool(((mask < _SATURATED / 2) & (mask > float("-inf"))).any())
+    return bool(((mask < reference.SATURATED_BIAS / 2) & (mask > float("-inf"))).any())
 
 
 def _may_saturate(attn_mask, key_padding_mask):
@@ -305,14 +302,14 @@ def _may_saturate(attn_mask, key_padding_mask):
 def _saturated_rows(o, bias, v):
     """``o`` (B, H, L, D), the kernel's attention under the additive ``bias`` (broadcastable to
     (B, H, L, S)), with torch's value in the rows whose largest bias is finite and below
-    ``_SATURATED`` (a Hugging Face-style ``finfo.min`` mask hiding every key of the row): the
-    mean of V over the keys of that largest bias, where the kernel, which takes such a bias as
-    -inf, gives 0. The gradient is that mean's (dV); torch's autograd also passes those rows'
+    ``reference.SATURATED_BIAS`` (a Hugging Face-style ``finfo.min`` mask hiding every key of
+    the row): the mean of V over the keys of that largest bias, where the kernel, which takes
+    such a bias as -inf, gives 0. The gradient is that mean's (dV); torch's autograd also passes those rows'
     gradients to q and k through the absorbed scores, terms of a function that does not depend
     on them. No attention dropout on these rows (the same expectation as torch's)."""
     b = bias.float()
     top = b.amax(-1, keepdim=True)
-    dead = (top < _SATURATED) & (top > float("-inf"))  # (B|1, H|1, L, 1)
+    dead = (top < reference.SATURATED_BIAS) & (top > float("-inf"))  # (B|1, H|1, L, 1)
     w = ((b == top) & dead).float()
     H, Hkv = o.shape[1], v.shape[1]
     vf = v.float() if H == Hkv else v.float().repeat_interleave(H // Hkv, dim=1)
