@@ -309,11 +309,16 @@ def _mat(t):
 def _joined(x, y, dim):
     """``torch.cat((x, y), dim)`` as a view when ``y`` follows ``x`` in memory along ``dim`` (the
     halves of one buffer: an FFN's [gate | up] gradient, mlp's stacked gate and up weights),
-    else None."""
+    else None. Both must be views of one storage: tensors of two storages can also lie back to
+    back (two blocks of one CUDA caching-allocator segment: swiglu's separate gate and up
+    weights), and a view of the first reaching into the second is out of its storage's bounds."""
     if x.stride() != y.stride() or x.dtype != y.dtype:
         return None
     step = x.shape[dim] * x.stride(dim)
     if y.data_ptr() != x.data_ptr() + step * x.element_size():
+        return None
+    sx, sy = x.untyped_storage(), y.untyped_storage()
+    if sx.data_ptr() != sy.data_ptr() or sx.nbytes() != sy.nbytes():
         return None
     shape = list(x.shape)
     shape[dim] += y.shape[dim]

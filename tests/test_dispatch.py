@@ -188,6 +188,57 @@ def test_mlp_swiglu_stacked_on_cublas(dtype_mode, device, launches, cublas):
     assert launches["matmul"] == 0
 
 
+def _back_to_back(*shapes, dtype, device, scale):
+    """Tensors of ``shapes`` lying back to back in one buffer, each with a storage of its own (as
+    two blocks of one CUDA caching-allocator segment: separately allocated parameters), random
+    leaves; and the buffer (kept alive by the caller)."""
+    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if construct is None:
+        pytest.skip("this torch cannot make a storage over given memory")
+    numels = [torch.Size(s).numel() for s in shapes]
+    buf = torch.empty(sum(numels), dtype=dtype, device=device)
+    out, offset = [], 0
+    for shape, n in zip(shapes, numels):
+        size = n * buf.element_size()
+        t = torch.empty(0, dtype=dtype, device=device).set_(
+            construct(buf.data_ptr() + offset * buf.element_size(), buf.device, size), 0, shape)
+        t.copy_(randn(*shape, dtype=dtype, device=device, scale=scale))
+        out.append(t.requires_grad_())
+        offset += n
+    return out, buf
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+def test_gated_weights_back_to_back_in_separate_storages_on_cublas(dtype_mode, device, launches, cublas):
+    # swiglu's gate and up weights (and gated_linear's LoRA B pair) adjacent in memory but two
+    # storages: the dual-K dX (dU) may not join them into one view (out of the first's storage:
+    # setStorage raised), so it runs mm + addmm_; the halves of dPre still join.
+    dtype, mode = dtype_mode
+    F_, R = 40, 16
+    x = _t(M, K, dtype=dtype, device=device)
+    (wg, wu), buf = _back_to_back((F_, K), (F_, K), dtype=dtype, device=device, scale=K ** -0.5)
+    assert wu.data_ptr() == wg.data_ptr() + wg.numel() * wg.element_size()
+    wd = _t(K, F_, dtype=dtype, device=device, scale=F_ ** -0.5)
+
+    def ref(x, wg, wu, wd, compute_dtype=None):
+        return reference.swiglu(x, wg, wu, wd, compute_dtype=compute_dtype)
+
+    check("swiglu back-to-back cublas", lambda x, wg, wu, wd: swiglu(x, wg, wu, wd), ref, (x, wg, wu, wd), dtype,
+          device, mode)
+    u = _t(M, R, dtype=dtype, device=device)
+    (lbg, lbu), lbuf = _back_to_back((F_, R), (F_, R), dtype=dtype, device=device, scale=0.3)
+
+    def ours_g(x, wg, wu, u, lbg, lbu):
+        return gated_linear(x, wg, wu, lora=(u, lbg, lbu))
+
+    def ref_g(x, wg, wu, u, lbg, lbu, compute_dtype=None):
+        return reference.gated(x, wg, wu, None, None, lora=(u, lbg, lbu), compute_dtype=compute_dtype)
+
+    check("gated+lora back-to-back cublas", ours_g, ref_g, (x, wg, wu, u, lbg, lbu), dtype, device, mode)
+    assert launches["matmul"] == 0
+    del buf, lbuf
+
+
 @pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[2], DTYPE_MODES[3]])
 def test_lora_on_cublas(dtype_mode, device, launches, cublas):
     # LoRA in the reduction: addmm then addmm_ of the low-rank pair (PEFT's two roundings);
