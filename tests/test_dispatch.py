@@ -479,3 +479,37 @@ def test_unverified_epilogues_are_not_offered_by_default(monkeypatch):
     monkeypatch.setattr(dispatch, "NEW_EPILOGUES", True)
     dispatch._choose(key, a, a, c, dict(activation=1, store_pre=True))
     assert seen == [("triton",), ("triton", "cublas")]
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float16])
+def test_residual_dtype_is_part_of_the_key(residual_dtype, device, launches, monkeypatch):
+    """The cuBLAS candidate's route depends on the residual's dtype (cuBLAS's C input where it is
+    the output's, else the epilogue pass): fp32 x with a 16-bit residual (an fp32 output) gets a
+    key (and call signature) of its own, so a verdict remembered for an fp32 residual (cuBLAS,
+    offered there on a GPU) is not reused for a call whose cuBLAS candidate runs an unverified
+    pass; the call itself is right on either candidate, against float64."""
+    monkeypatch.setattr(dispatch, "_KEYS", {})
+    monkeypatch.setattr(dispatch, "_RAN", {})
+    monkeypatch.setattr(dispatch._CACHE, "chosen", {})
+    x, w = _t(M, K, dtype=torch.float32, device=device), _t(N, K, dtype=torch.float32, device=device)
+    r32, r16 = _t(M, N, dtype=torch.float32, device=device), _t(M, N, dtype=residual_dtype, device=device)
+    out = torch.empty(M, N, device=device)
+    kw32, kw16 = dict(residual=r32, transpose_b=True), dict(residual=r16, transpose_b=True)
+    assert not dispatch.unverified_epilogue(x, out, kw32) and dispatch.unverified_epilogue(x, out, kw16)
+    assert dispatch._key("linear.fwd", x, w, out, kw32) != dispatch._key("linear.fwd", x, w, out, kw16)
+    with dispatch.force(None):
+        linear(x.detach(), w.detach(), None, None, r32.detach())  # chooses (the interpreter: ours) for its key
+        dispatch._CACHE.chosen.update(dict.fromkeys(dispatch._CACHE.chosen, dispatch.CUBLAS))  # a GPU's verdict
+        before = launches["epilogue"]
+        y = linear(x.detach(), w.detach(), None, None, r16.detach())
+        assert launches["epilogue"] == before  # its own key: no cuBLAS verdict, so no epilogue pass
+    assert y.dtype == torch.float32
+    assert [r["epilogue"] for r in dispatch.table()] == [["residual", "transpose_b"]] * 2
+
+    def ref(x, w, r, compute_dtype=None):
+        return reference.linear(x, w, None, None, r, compute_dtype=compute_dtype)
+
+    for cand in dispatch.CANDIDATES:
+        with dispatch.force(cand):
+            check(f"linear fp32 + {residual_dtype} residual ({cand})", lambda x, w, r: linear(x, w, None, None, r),
+                  ref, (x, w, r16), torch.float32, device)
