@@ -83,7 +83,7 @@ _tracing = torch._C._get_tracing_state
 
 
 # The call's signature (op, shapes, dtypes, device, the keywords' names, each keyword's value
-# when it is a plain scalar, else whether it is None; not the dropout seed, new each step)
+# when it is a plain scalar, else None or the tensor's dtype; not the dropout seed, new each step)
 # -> its key: the key's 22 fields are
 # derived once per signature (about half of the dispatch's host time per product).
 _KEYS = {}
@@ -101,7 +101,7 @@ def gemm(op, a, b, c, **kw):
     elementwise pass and a reduction launch)."""
     dtype = a.dtype
     sig = (op, a.shape, b.shape, dtype, c.dtype, a.device, common.fp32_precision() if dtype is _FP32 else "", *kw,
-           *[v if v is None or v.__class__ in _SCALARS else True for k, v in kw.items() if k != "seed"])
+           *[v if v is None or v.__class__ in _SCALARS else v.dtype for k, v in kw.items() if k != "seed"])
     key = _KEYS.get(sig)
     if key is None:
         if a.numel() == 0 or b.numel() == 0:
@@ -207,9 +207,15 @@ def _triton(a, b, c, kw):
     return None
 
 
+def _dtype_or_false(t):
+    return False if t is None else t.dtype
+
+
 def _key(op, a, b, c, kw) -> tuple:
     """The choice's key for a call: a flat tuple of what the choice depends on (the device as
-    its config-table architecture, M rounded up to a power of two)."""
+    its config-table architecture, M rounded up to a power of two; the residual as its dtype,
+    False without one: the cuBLAS candidate's route, hence whether the choice may offer it,
+    depends on it, ``_route``)."""
     numel = a.numel()
     get = kw.get
     ta, tb = get("transpose_a", False), get("transpose_b", False)
@@ -225,7 +231,7 @@ def _key(op, a, b, c, kw) -> tuple:
     dtype = a.dtype
     return (op, common.arch(a.device), dtype, c.dtype, common.fp32_precision() if dtype is _FP32 else "",
             min(common.next_pow2(M), 65536), b.shape[0] if tb else b.shape[-1], K, get("activation", 0),
-            get("act_grad", False), get("bias") is not None, get("residual") is not None, get("store_pre", False),
+            get("act_grad", False), get("bias") is not None, _dtype_or_false(get("residual")), get("store_pre", False),
             get("hout") is not None, get("part") is not None, get("rowsum", False), bool(get("dropout_p", 0.0)),
             get("lora_a") is not None, get("b2") is not None, a2 is not None, ta, tb)
 
@@ -277,7 +283,7 @@ def _choose(key, a, b, c, kw):
     (only ours where the cuBLAS candidate would run an unverified pass: ``NEW_EPILOGUES``)."""
     arch = key[1]
     (activation, act_grad, _, residual, store_pre, _, _, _, dropout, lora) = key[8:18]
-    fused_forward = not act_grad and (bool(activation) or residual or dropout or store_pre or lora)
+    fused_forward = not act_grad and bool(activation or residual or dropout or store_pre or lora)
     order = _ORDERS[(arch == 0, fused_forward)]
     if arch != 0 and not NEW_EPILOGUES and unverified_epilogue(a, c, kw):
         order = (TRITON,)
@@ -309,11 +315,16 @@ def _mat(t):
 def _joined(x, y, dim):
     """``torch.cat((x, y), dim)`` as a view when ``y`` follows ``x`` in memory along ``dim`` (the
     halves of one buffer: an FFN's [gate | up] gradient, mlp's stacked gate and up weights),
-    else None."""
+    else None. Both must be views of one storage: tensors of two storages can also lie back to
+    back (two blocks of one CUDA caching-allocator segment: swiglu's separate gate and up
+    weights), and a view of the first reaching into the second is out of its storage's bounds."""
     if x.stride() != y.stride() or x.dtype != y.dtype:
         return None
     step = x.shape[dim] * x.stride(dim)
     if y.data_ptr() != x.data_ptr() + step * x.element_size():
+        return None
+    sx, sy = x.untyped_storage(), y.untyped_storage()
+    if sx.data_ptr() != sy.data_ptr() or sx.nbytes() != sy.nbytes():
         return None
     shape = list(x.shape)
     shape[dim] += y.shape[dim]

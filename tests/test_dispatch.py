@@ -188,6 +188,57 @@ def test_mlp_swiglu_stacked_on_cublas(dtype_mode, device, launches, cublas):
     assert launches["matmul"] == 0
 
 
+def _back_to_back(*shapes, dtype, device, scale):
+    """Tensors of ``shapes`` lying back to back in one buffer, each with a storage of its own (as
+    two blocks of one CUDA caching-allocator segment: separately allocated parameters), random
+    leaves; and the buffer (kept alive by the caller)."""
+    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if construct is None:
+        pytest.skip("this torch cannot make a storage over given memory")
+    numels = [torch.Size(s).numel() for s in shapes]
+    buf = torch.empty(sum(numels), dtype=dtype, device=device)
+    out, offset = [], 0
+    for shape, n in zip(shapes, numels):
+        size = n * buf.element_size()
+        t = torch.empty(0, dtype=dtype, device=device).set_(
+            construct(buf.data_ptr() + offset * buf.element_size(), buf.device, size), 0, shape)
+        t.copy_(randn(*shape, dtype=dtype, device=device, scale=scale))
+        out.append(t.requires_grad_())
+        offset += n
+    return out, buf
+
+
+@pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
+def test_gated_weights_back_to_back_in_separate_storages_on_cublas(dtype_mode, device, launches, cublas):
+    # swiglu's gate and up weights (and gated_linear's LoRA B pair) adjacent in memory but two
+    # storages: the dual-K dX (dU) may not join them into one view (out of the first's storage:
+    # setStorage raised), so it runs mm + addmm_; the halves of dPre still join.
+    dtype, mode = dtype_mode
+    F_, R = 40, 16
+    x = _t(M, K, dtype=dtype, device=device)
+    (wg, wu), buf = _back_to_back((F_, K), (F_, K), dtype=dtype, device=device, scale=K ** -0.5)
+    assert wu.data_ptr() == wg.data_ptr() + wg.numel() * wg.element_size()
+    wd = _t(K, F_, dtype=dtype, device=device, scale=F_ ** -0.5)
+
+    def ref(x, wg, wu, wd, compute_dtype=None):
+        return reference.swiglu(x, wg, wu, wd, compute_dtype=compute_dtype)
+
+    check("swiglu back-to-back cublas", lambda x, wg, wu, wd: swiglu(x, wg, wu, wd), ref, (x, wg, wu, wd), dtype,
+          device, mode)
+    u = _t(M, R, dtype=dtype, device=device)
+    (lbg, lbu), lbuf = _back_to_back((F_, R), (F_, R), dtype=dtype, device=device, scale=0.3)
+
+    def ours_g(x, wg, wu, u, lbg, lbu):
+        return gated_linear(x, wg, wu, lora=(u, lbg, lbu))
+
+    def ref_g(x, wg, wu, u, lbg, lbu, compute_dtype=None):
+        return reference.gated(x, wg, wu, None, None, lora=(u, lbg, lbu), compute_dtype=compute_dtype)
+
+    check("gated+lora back-to-back cublas", ours_g, ref_g, (x, wg, wu, u, lbg, lbu), dtype, device, mode)
+    assert launches["matmul"] == 0
+    del buf, lbuf
+
+
 @pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[2], DTYPE_MODES[3]])
 def test_lora_on_cublas(dtype_mode, device, launches, cublas):
     # LoRA in the reduction: addmm then addmm_ of the low-rank pair (PEFT's two roundings);
@@ -428,3 +479,37 @@ def test_unverified_epilogues_are_not_offered_by_default(monkeypatch):
     monkeypatch.setattr(dispatch, "NEW_EPILOGUES", True)
     dispatch._choose(key, a, a, c, dict(activation=1, store_pre=True))
     assert seen == [("triton",), ("triton", "cublas")]
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float16])
+def test_residual_dtype_is_part_of_the_key(residual_dtype, device, launches, monkeypatch):
+    """The cuBLAS candidate's route depends on the residual's dtype (cuBLAS's C input where it is
+    the output's, else the epilogue pass): fp32 x with a 16-bit residual (an fp32 output) gets a
+    key (and call signature) of its own, so a verdict remembered for an fp32 residual (cuBLAS,
+    offered there on a GPU) is not reused for a call whose cuBLAS candidate runs an unverified
+    pass; the call itself is right on either candidate, against float64."""
+    monkeypatch.setattr(dispatch, "_KEYS", {})
+    monkeypatch.setattr(dispatch, "_RAN", {})
+    monkeypatch.setattr(dispatch._CACHE, "chosen", {})
+    x, w = _t(M, K, dtype=torch.float32, device=device), _t(N, K, dtype=torch.float32, device=device)
+    r32, r16 = _t(M, N, dtype=torch.float32, device=device), _t(M, N, dtype=residual_dtype, device=device)
+    out = torch.empty(M, N, device=device)
+    kw32, kw16 = dict(residual=r32, transpose_b=True), dict(residual=r16, transpose_b=True)
+    assert not dispatch.unverified_epilogue(x, out, kw32) and dispatch.unverified_epilogue(x, out, kw16)
+    assert dispatch._key("linear.fwd", x, w, out, kw32) != dispatch._key("linear.fwd", x, w, out, kw16)
+    with dispatch.force(None):
+        linear(x.detach(), w.detach(), None, None, r32.detach())  # chooses (the interpreter: ours) for its key
+        dispatch._CACHE.chosen.update(dict.fromkeys(dispatch._CACHE.chosen, dispatch.CUBLAS))  # a GPU's verdict
+        before = launches["epilogue"]
+        y = linear(x.detach(), w.detach(), None, None, r16.detach())
+        assert launches["epilogue"] == before  # its own key: no cuBLAS verdict, so no epilogue pass
+    assert y.dtype == torch.float32
+    assert [r["epilogue"] for r in dispatch.table()] == [["residual", "transpose_b"]] * 2
+
+    def ref(x, w, r, compute_dtype=None):
+        return reference.linear(x, w, None, None, r, compute_dtype=compute_dtype)
+
+    for cand in dispatch.CANDIDATES:
+        with dispatch.force(cand):
+            check(f"linear fp32 + {residual_dtype} residual ({cand})", lambda x, w, r: linear(x, w, None, None, r),
+                  ref, (x, w, r16), torch.float32, device)
