@@ -15,6 +15,11 @@ the kernels' configs (``kernels.common.ConfigCache``). The Triton kernels stay t
 - with ``FUSED_BLOCK_ATTENTION=triton`` (``=sdpa_cudnn`` / ``=sdpa_flash`` force that backend
   where it expresses the case; tests use this to check each candidate's numerics).
 
+A verdict holds for its bucket, which does not record everything a backend checks (strides,
+pointer alignment, the exact lengths): a call the chosen backend refuses runs the Triton
+kernels (:func:`run_or_none`). SDPA's output is returned in the layout the ops document (q's
+memory order), a copy only where the backend's differs.
+
 :func:`choices` returns every verdict (bucket -> candidate, with the timings); set
 ``FUSED_BLOCK_PRINT_TUNING=1`` to print each as it is made.
 """
@@ -30,6 +35,8 @@ TRITON, CUDNN, FLASH = "triton", "sdpa_cudnn", "sdpa_flash"
 CANDIDATES = (TRITON, CUDNN, FLASH)
 _FORCED = forced_by_env("FUSED_BLOCK_ATTENTION", CANDIDATES)
 _CHOSEN = {}  # bucket -> (candidate, {candidate: ms})
+# SDPA takes grouped K/V heads (``enable_gqa``) from torch 2.5; before it, GQA is ours alone.
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 def force(candidate):
@@ -58,7 +65,7 @@ def expresses(q, k, v, causal, key_padding_mask, dropout_p, window, softcap, sin
     return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
             and not return_lse and key_padding_mask is None and mask is None and bias is None and not dropout_p
             and tuple(window) == (-1, -1) and not softcap and sinks is None and alibi_slopes is None
-            and (not causal or q.shape[2] == k.shape[2]))
+            and (not causal or q.shape[2] == k.shape[2]) and (k.shape[1] == q.shape[1] or _SDPA_GQA))
 
 
 def _bucket(q, k, causal, grad):
@@ -75,13 +82,35 @@ def backend_of(candidate):
 
 
 def run(candidate, q, k, v, causal, scale):
-    """SDPA through ``candidate``'s backend (q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D))."""
+    """SDPA through ``candidate``'s backend (q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D)); raises
+    torch's ``RuntimeError`` where the backend refuses the tensors (the timing leaves such a
+    candidate out)."""
     from torch.nn.attention import sdpa_kernel
 
     backend = backend_of(candidate)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     with sdpa_kernel([backend]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), scale=scale, **gqa)
+
+
+# torch's messages when no enabled backend takes the tensors (CUDA's, then the CPU's).
+_REFUSALS = ("No available kernel", "No viable backend")
+
+
+def run_or_none(candidate, q, k, v, causal, scale):
+    """:func:`run`, or None where the backend refuses these tensors, for the caller to run our
+    kernel instead. A verdict holds for a bucket, which does not record everything a backend
+    checks (strides and pointer alignment, the exact lengths): a call the timed winner refuses
+    must still get its answer, not an error (torch's own warnings say why it refused). Under
+    ``torch.compile`` the call is traced as it is (no refusal at trace time)."""
+    if torch.compiler.is_compiling():
+        return run(candidate, q, k, v, causal, scale)
+    try:
+        return run(candidate, q, k, v, causal, scale)
+    except RuntimeError as exc:
+        if not any(m in str(exc) for m in _REFUSALS):
+            raise
+        return None
 
 
 def choose(q, k, causal, grad, timed):

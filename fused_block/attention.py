@@ -651,7 +651,9 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
 
         choice = _attn_sdpa.choose(q, k, causal, grad, timed)
         if choice != _attn_sdpa.TRITON:
-            return _attn_sdpa.run(choice, q, k, v, causal, scale)
+            out = _attn_sdpa.run_or_none(choice, q, k, v, causal, scale)
+            if out is not None:
+                return _in_order_of(q, out)  # the contract's layout, whatever the backend's
     seed = _seed(dropout_p, q.device)
     args = (key_padding_mask, seed, causal, scale, dropout_p, *window, cap, sinks, alibi_slopes, bias, mask)
     if grad:
@@ -727,7 +729,9 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     choice = _packed_choice(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask, dropout_p, window,
                             batch_first, return_lse)
     if choice != _attn_sdpa.TRITON:
-        return _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first)
+        out = _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first, or_none=True)
+        if out is not None:
+            return out
     args = (common.unit(qkv), num_heads, num_kv_heads, batch_first, key_padding_mask,
             _seed(dropout_p, qkv.device), causal, scale, dropout_p, *window)
     if _backend.needs_autograd(qkv):
@@ -737,11 +741,14 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     return (out, lse) if return_lse else out
 
 
-def _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first):
+def _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first, or_none=False):
     """:func:`attention_qkvpacked` through SDPA's backend ``choice`` (views of qkv; autograd
-    assembles their gradients)."""
+    assembles their gradients); with ``or_none``, None where the backend refuses the tensors
+    (``_attn_sdpa.run_or_none``), else its error (the timing's)."""
     q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
-    out = _attn_sdpa.run(choice, q, k, v, causal, scale)
+    out = (_attn_sdpa.run_or_none if or_none else _attn_sdpa.run)(choice, q, k, v, causal, scale)
+    if out is None:
+        return None
     return (out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)).flatten(2)
 
 

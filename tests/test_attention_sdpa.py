@@ -109,6 +109,67 @@ def test_sdpa_takes_only_what_it_computes():
     assert not _attn_sdpa.expresses(q32, k32, k32, **_args(q32, k32))
 
 
+def test_gqa_stays_ours_where_sdpa_lacks_it(monkeypatch):
+    """SDPA takes grouped K/V heads from torch 2.5 (``enable_gqa``); the package allows torch
+    2.4, where a GQA call is ours and the same heads' call SDPA's."""
+    q = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    monkeypatch.setattr(_attn_sdpa, "_SDPA_GQA", False)
+    assert not _attn_sdpa.expresses(q, k, k, **_args(q, k))
+    assert _attn_sdpa.expresses(q, q, q, **_args(q, q))
+
+
+@pytest.mark.parametrize("candidate", CANDIDATES, indirect=True)
+def test_sdpa_candidate_output_in_q_memory_order(candidate, device, launches):
+    """The documented layout whatever the backend returns: q, k, v (B, H, L, D) views of
+    (B, L, H, D) tensors give an output laid out (B, L, H, D), which callers view to merge
+    heads (SDPA's math backend returns (B, H, L, D))."""
+    B, L, H, D = 2, 16, 4, 32
+    tensors = [randn(B, L, H, D, dtype=torch.bfloat16, device=device).transpose(1, 2).requires_grad_()
+               for _ in range(3)]
+    out = attention(*tensors, causal=True)
+    assert out.transpose(1, 2).is_contiguous()
+    out.transpose(1, 2).view(B, L, H * D)  # no copy needed
+    _check(lambda q, k, v: attention(q, k, v, causal=True),
+           lambda q, k, v, compute_dtype=None: reference.attention(q, k, v, True, compute_dtype=compute_dtype),
+           tensors, "qkv")
+    assert launches["attention_fwd"] == 0
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("candidate", [_attn_sdpa.CUDNN], indirect=True)
+def test_a_call_the_chosen_backend_refuses_runs_ours(candidate, packed, device, launches, monkeypatch):
+    """A bucket's verdict does not record everything a backend checks (strides, alignment,
+    exact lengths): where the chosen SDPA backend refuses the tensors (torch's "No available
+    kernel"), the call runs our kernel and gets its answer; any other error is raised."""
+    def refuse(*args):
+        raise RuntimeError("No available kernel.  Aborting execution.")
+
+    monkeypatch.setattr(_attn_sdpa, "run", refuse)
+    B, L, H, D = 2, 16, 4, 32
+    if packed:
+        qkv = randn(B, L, 3 * H * D, dtype=torch.bfloat16, device=device, requires_grad=True)
+
+        def ref(qkv, compute_dtype=None):
+            q, k, v = qkv.unflatten(-1, (3 * H, D)).transpose(1, 2).split(H, dim=1)
+            return reference.attention(q, k, v, True, compute_dtype=compute_dtype).transpose(1, 2).flatten(2)
+
+        _check(lambda qkv: attention_qkvpacked(qkv, H, H, causal=True), ref, (qkv,), ["qkv"])
+    else:
+        _check(lambda q, k, v: attention(q, k, v, causal=True),
+               lambda q, k, v, compute_dtype=None: reference.attention(q, k, v, True, compute_dtype=compute_dtype),
+               _qkv(B, H, H, L, D, torch.bfloat16, device), "qkv")
+    assert launches["attention_fwd"] == 1 and launches["attention_bwd"] == 1
+
+    def fail(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_attn_sdpa, "run", fail)
+    q, k, v = _qkv(B, H, H, L, D, torch.bfloat16, device)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        attention(q, k, v, causal=True)
+
+
 def test_choice_is_timed_once_per_bucket_and_listed(monkeypatch):
     """The first call of a bucket times the candidates (here a stand-in timing) and keeps the
     fastest; later calls of the bucket reuse it without timing; ``choices()`` lists it. Under
