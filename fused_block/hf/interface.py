@@ -128,7 +128,10 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
 
 def _with(mask, extras):
     """The light mask with its extras (the window, a packed batch's sequence indices) as
-    attributes :func:`attention` and the converted layers read (``_attention.light_plan``)."""
+    attributes :func:`attention` and the converted layers read (``_attention.light_plan``).
+    Contiguous: ``generate`` makes the masks it prepares ahead (static caches) contiguous, and
+    a copy of a strided slice (a full sliding cache's keys, ``kv_offset`` on) would lose them."""
+    mask = mask.contiguous()
     for name, value in extras.items():
         setattr(mask, name, value)
     return mask
