@@ -176,6 +176,38 @@ def test_chunked_prefill_on_a_static_cache_keeps_the_window(name, device, launch
     assert launches["attention_fwd"] == 2 * len(range(0, ids.shape[1], 2))
 
 
+def _layers_get_copied_masks(model):
+    """Each decoder layer gets a copy of its attention mask, as accelerate's hooks give a layer
+    on another device (``.to(device)``: a new tensor, without the attributes the interface
+    attached)."""
+    def copy_mask(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            kwargs["attention_mask"] = mask.clone()
+        return args, kwargs
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(copy_mask, with_kwargs=True)
+
+
+@pytest.mark.parametrize("name", ["gemma3-window", "gemma2"])
+def test_a_copied_light_mask_keeps_the_layer_s_window(name, device, launches):
+    """A light mask that lost its window attribute on its way to the layer (a device move)
+    runs the layer's own sliding window (flash-attention's reading of ``sliding_window``):
+    the logits of a padded batch longer than the window are still the original's (float64
+    rule); without it the sliding layers attended to every earlier key."""
+    model = interface_model(name, device, _original(name)).eval()
+    ref, ours = copy.deepcopy(model).double(), _ours(model)
+    _layers_get_copied_masks(ours)
+    ids, mask = interface_inputs(name, device)
+    with torch.no_grad():
+        want, base = (_masked(m(ids, attention_mask=mask).logits, mask) for m in (ref, model))
+        with no_fallback():
+            got = _masked(ours(ids, attention_mask=mask).logits, mask)
+    assert_close("logits", got, want, base, torch.float32, device)
+    assert launches["attention_fwd"] == 2
+
+
 def test_models_outside_the_interface_run_their_eager_attention(device, launches):
     """BLOOM's attention (ALiBi) does not go through AttentionInterface: built with
     attn_implementation="fused_block", its masks are eager's (one warning) and so is its

@@ -110,7 +110,7 @@ def plan(mask, B, Lq, Lk, causal, convention, window=(-1, -1)):
     4-D mask that is causal + padding + this window runs the kernel's window; any other runs
     the kernel with the mask itself)."""
     if convention == "fused_block":
-        light = light_plan(mask, B, Lq, Lk, causal)
+        light = light_plan(mask, B, Lq, Lk, causal, window if causal else (-1, -1))
         if light is not None:
             return light
     if mask is None:
@@ -157,18 +157,27 @@ def general_plan(mask, B, Lq, Lk, dead=None, read=False):
                 f"{mask.dtype} for {Lq} queries and {Lk} keys")
 
 
-def light_plan(mask, B, Lq, Lk, causal):
+def light_plan(mask, B, Lq, Lk, causal, window=(-1, -1)):
     """The plan of a mask from the ``"fused_block"`` mask interface, no value read; None for a
     mask of another form (a general 4-D mask). The forms: None (SDPA's convention: ``causal``
     from the module, top-left), (B, Lk) bool: causal (bottom-right) with the keys marked False
     as padding, (B or 1, 1, 1, Lk) bool: every query sees the keys marked True; either with
     the sliding window the interface found in the model's mask function
-    (:func:`fused_block.hf.interface.window_of_mask`)."""
+    (:func:`fused_block.hf.interface.window_of_mask`).
+
+    ``window``: the layer's own causal window (:func:`window_of` of its ``sliding_window``,
+    flash-attention's reading), taken by a (B, Lk) mask that carries none: the interface
+    attaches the window whenever it cuts a key, and a mask copied on its way to the layer
+    (moved to another device by accelerate's hooks, made contiguous) has lost its attributes.
+    Where the window cuts no key, taking it changes nothing."""
     if mask is None:
         return plan(None, B, Lq, Lk, causal, "sdpa")
     if mask.dtype != torch.bool:
         return None
-    window = getattr(mask, WINDOW_ATTR, (-1, -1))
+    layer_window = window
+    window = getattr(mask, WINDOW_ATTR, None)
+    if window is None:
+        window = layer_window if mask.dim() == 2 else (-1, -1)
     packed = getattr(mask, PACKED_ATTR, None) is not None
     unpadded = getattr(mask, UNPADDED_ATTR, False)  # ones, made to carry the window: no padding to read
     if mask.dim() == 2 and tuple(mask.shape) == (B, Lk):

@@ -50,7 +50,7 @@ from transformers.masking_utils import (AttentionMaskInterface, and_masks, bidir
 from fused_block.attention import attention_varlen
 from fused_block.hf._attention import (PACKED_ATTR, UNPADDED_ATTR, WINDOW_ATTR, attend, general_plan,
                                        kernel_head_dim, light_dense, light_plan, packed_lengths, restarting,
-                                       unpadded)
+                                       unpadded, window_of)
 from fused_block.hf._core import KERNEL_DTYPES, warn_once
 
 NAME = "fused_block"
@@ -206,7 +206,10 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
     - The mask's window (a light mask from :func:`mask` carries the sliding window it found in
       the model's mask function when the window cuts keys; else transformers' 4-D mask holds
-      it), so ``sliding_window`` is not applied again.
+      it), so ``sliding_window`` is not applied again; except to a causal light mask that
+      carries no window, which may be a copy that lost it on its way (a device move under
+      accelerate's hooks): the layer's window then applies, cutting nothing where the
+      interface attached none.
     - Packed batches (one row): ``cu_seq_lens_q/k`` with ``max_length_q/k`` (what
       ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes), the sequence
       indices of a packed mask from :func:`mask`, or restarting ``position_ids`` run the varlen
@@ -230,7 +233,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         elif packed is not None:
             return _varlen(query, key, value, attention_mask, packed, causal, dropout, scaling, softcap, s_aux)
         else:
-            plan = light_plan(attention_mask, B, Lq, Lk, causal)
+            plan = light_plan(attention_mask, B, Lq, Lk, causal,
+                              window_of(sliding_window, True) if causal else (-1, -1))
             if plan is None:
                 plan = general_plan(attention_mask, B, Lq, Lk)
             if not plan.kernel:
