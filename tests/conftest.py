@@ -4,7 +4,8 @@
 test module imports fused_block. With a GPU the same tests run on CUDA tensors unchanged.
 Also here: output poisoning and the launch counter (fixtures), the ``gpu_quick`` marker the
 GPU check selects, the ``heavy`` marker (left out unless ``FUSED_BLOCK_HEAVY=1`` or ``-m
-heavy``), ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run), ``FUSED_BLOCK_FIRST`` and
+heavy``) and the ``sweep`` marker (on the CPU, a cross-product's cases beyond its gpu_quick
+selection are heavy), ``FUSED_BLOCK_DEADLINE`` (a wall-clock limit for a run), ``FUSED_BLOCK_FIRST`` and
 ``FUSED_BLOCK_COLLECTED`` (the GPU scripts' run order and list of collected tests), and each
 test's seed.
 """
@@ -214,8 +215,22 @@ def _runs_heavy(config) -> bool:
     return HEAVY or "heavy" in (config.getoption("markexpr", "") or "")
 
 
+# sweep: a test function whose cases are a cross-product (dtype x broadcast shape x schedule,
+# ...) that the interpreter takes minutes over while the combinations add little: without a
+# GPU, the cases outside its gpu_quick selection (each parameter value at least once) are
+# heavy ones, so the default run on the CPU keeps that selection; on a GPU every case runs.
+def _mark_swept_out(items):
+    swept = [item for item in items if item.get_closest_marker("sweep")]
+    kept = {id(item) for item in gpu_quick_selection(swept)}
+    for item in swept:
+        if id(item) not in kept:
+            item.add_marker(pytest.mark.heavy)
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        _mark_swept_out(items)
     if not _runs_heavy(config):  # deselected, not skipped: they neither pass nor hide a failure
         heavy = [item for item in items if item.get_closest_marker("heavy")]
         if heavy:

@@ -171,6 +171,7 @@ SCHED_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("sched", (1, 2))
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding,window,group", SCHED_CASES)
+@pytest.mark.sweep
 def test_scheduled_forward(B, Hq, Hkv, Lq, Lk, D, causal, padding, window, group, sched, dtype, device, launches,
                            monkeypatch):
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
@@ -205,6 +206,7 @@ HOST_DESC_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", (1, 2))
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding,features", HOST_DESC_CASES)
+@pytest.mark.sweep
 def test_host_descriptor_backward(B, Hq, Hkv, Lq, Lk, D, causal, padding, features, mode, dtype, device, launches,
                                   monkeypatch):
     if device.type == "cuda" and not attention_testing.HOPPER:

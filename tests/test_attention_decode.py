@@ -45,6 +45,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,window,padding", CASES)
+@pytest.mark.sweep
 def test_decode_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, window, padding, dtype, mode, device, path,
                                   launches):
     q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True)
@@ -137,6 +138,7 @@ def test_decode_with_bias_and_mask(dtype, mode, device, path, launches):
 @pytest.mark.parametrize("block_n", [None] if ON_CUDA else DECODE_BLOCK_NS,
                          ids=lambda n: "device-config" if n is None else f"bn{n}")
 @pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
+@pytest.mark.sweep
 def test_decode_skips_key_blocks_the_mask_hides(dtype, mode, block_n, device, path, launches, monkeypatch):
     """Key blocks a bool mask hides from every row of a GQA group are never read by the split
     kernels: with NaN in keys 0..127 and 256..319 (outside every head's visible range, whole

@@ -73,6 +73,7 @@ CROSS = (2, 2, 1, 40, 100, 16)
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.sweep
 def test_softcap(causal, dtype, device, path, launches):
     # q scaled by 4: scores up to about +-8 against a cap of 3, so tanh saturates (the derivative
     # 1 - tanh^2 matters) on many entries.
@@ -139,6 +140,7 @@ def test_sinks_rows_without_keys(device, launches):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("alibi,causal", [("head", True), ("batch", False)])
+@pytest.mark.sweep
 def test_alibi(alibi, causal, dtype, device, path, launches):
     _check(CROSS if alibi == "batch" else SELF, dtype, device, causal=causal, alibi=alibi)
     _launched_once(launches)
@@ -152,6 +154,7 @@ BIASES = [pytest.param((1, 2, 40, 100), id="t5"), pytest.param((2, 1, 1, 100), i
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", BIASES)
+@pytest.mark.sweep
 def test_bias(bias, dtype, device, path, launches):
     _check(CROSS, dtype, device, causal=bias == (2, 1, 1, 100), bias=bias, bias_grad=True)
     _launched_once(launches)
@@ -172,6 +175,7 @@ BROADCAST_BIASES = [pytest.param((1, 4, 70, 70), id="t5"), pytest.param((2, 1, 7
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", BROADCAST_BIASES)
+@pytest.mark.sweep
 def test_bias_grad_broadcast(bias, dtype, device, launches):
     _check((2, 4, 2, 70, 70, 16), dtype, device, causal=True, bias=bias, bias_grad=True)
     _launched_once(launches)

@@ -290,6 +290,7 @@ def test_public_names():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("sched", (1, 2))
 @pytest.mark.parametrize("lq,lk,Hq,Hkv,D,options", [CASES[0], CASES[2]])
+@pytest.mark.sweep
 def test_varlen_scheduled_forward(lq, lk, Hq, Hkv, D, options, sched, dtype, device, path, launches, monkeypatch):
     seen = forced_schedule(monkeypatch, sched, vhost=True)
     _check(lq, lk, Hq, Hkv, D, dtype, device, **options)

@@ -115,6 +115,7 @@ VOCAB_CASES = [
 @pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
 @pytest.mark.parametrize("case", VOCAB_CASES, ids=[c[0] for c in VOCAB_CASES])
 @pytest.mark.parametrize("n,cols", [(N, 32), (9, 16)], ids=["37-tokens", "9-tokens"])
+@pytest.mark.sweep
 def test_vocabulary_outer_schedule(case, dtype_mode, n, cols, device, launches, monkeypatch):
     # 9 tokens in chunks of 16, 16-bit: dhidden's fp32 (9, H) accumulator takes 2 x 9 rows of dW
     # from row 64 (the multiple of 64 below 101 - 18), so the chunks [64, 80), [80, 96) and
