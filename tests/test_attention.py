@@ -121,6 +121,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,padding", CASES)
+@pytest.mark.sweep
 def test_attention_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, padding, dtype, device, launches):
     """Every case and dtype on the default path (TMA in the interpreter and on Hopper)."""
     q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)

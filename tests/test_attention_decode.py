@@ -112,6 +112,7 @@ def test_hidden_key_ranges_are_whole_blocks_of_every_shipped_config():
 
 
 @pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
+@pytest.mark.sweep
 def test_decode_with_bias_and_mask(dtype, mode, device, path, launches):
     """T5's generation (a position bias (1, Hq, Lq, Lk) with its gradient) and Hugging Face
     decoding (a 4-D bool mask, per head here) together, causal, GQA 4:2: the split kernels read

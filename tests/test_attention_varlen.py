@@ -65,6 +65,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("lq,lk,Hq,Hkv,D,options", CASES)
+@pytest.mark.sweep
 def test_varlen_matches_reference(lq, lk, Hq, Hkv, D, options, dtype, device, path, launches):
     _check(lq, lk, Hq, Hkv, D, dtype, device, **options)
     _launched_once(launches)

@@ -56,6 +56,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lk,D,causal,window", CASES)
+@pytest.mark.sweep
 def test_window_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, window, dtype, device, path, launches):
     tensors = _qkv(B, Hq, Hkv, Lq, Lk, D, dtype, device)
     check(_run(causal, window), _ref(causal, window), tensors, ("q", "k", "v"), lse_weight=True)

@@ -842,6 +842,7 @@ def _set_modes(layer, layer_train, on=None):
 
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("kind, sub", DROPOUT_SUBMODULES)
+@pytest.mark.sweep
 def test_each_dropout_follows_its_own_modules_training_flag(kind, sub, norm_first, device, launches):
     """One dropout submodule (p = 0.5, the others 0) flipped against the layer's mode, grad
     enabled (torch's slow path): layer train + submodule eval is torch's no-dropout output

@@ -360,6 +360,7 @@ def _hf_peft(arch, device, order, dropout=0.0, targets=None):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "phi3", "gemma3", "gpt_oss", "bloom"])
 @pytest.mark.parametrize("order", ["convert_then_adapt", "adapt_then_convert"])
+@pytest.mark.sweep
 def test_peft_lora_on_converted_hf_models_runs_fused(arch, order, device, launches):
     """Logits (eval) of PEFT's model through the fused layers, with the adapters on the
     attention and MLP linears: PEFT's own answer, no fallback warning, the kernels ran."""
