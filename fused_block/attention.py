@@ -653,7 +653,9 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
         if choice != _attn_sdpa.TRITON:
             out = _attn_sdpa.run_or_none(choice, q, k, v, causal, scale)
             if out is not None:
-                return _in_order_of(q, out)  # the contract's layout, whatever the backend's
+                # The contract's layout, whatever the backend's (flash and cuDNN usually give
+                # it already: then no view is recorded).
+                return out if _memory_order(out) == _memory_order(q) else _in_order_of(q, out)
     seed = _seed(dropout_p, q.device)
     args = (key_padding_mask, seed, causal, scale, dropout_p, *window, cap, sinks, alibi_slopes, bias, mask)
     if grad:
