@@ -207,10 +207,12 @@ def _recorded_products(step) -> list:
     return calls
 
 
-def _replay_us(calls, dtype, reps) -> float:
+def _replay_us(calls, dtypes, reps, rounds=9) -> tuple:
     """CPU time (us) of one replay of ``calls`` on fresh tensors of the recorded shapes and
-    strides in ``dtype``: best of a few rounds of ``reps``."""
-    def make(spec, grad=False):
+    strides, in each of ``dtypes``: best of ``rounds`` rounds of ``reps`` replays, the dtypes
+    taking turns within each round, so a spell of load on the machine slows them alike (timed
+    one dtype after the other, the difference varied 94-254 us between runs of this CPU)."""
+    def make(spec, dtype, grad=False):
         if spec[0] == "v":
             return spec[1]
         shape, stride = spec[1], spec[2]
@@ -224,17 +226,21 @@ def _replay_us(calls, dtype, reps) -> float:
                 torch.autograd.grad(out, need, torch.ones_like(out))
         return run
 
-    bound = [(with_backward(getattr(owner, name)) if name == "linear" else getattr(owner, name),
-              [make(a, name == "linear") for a in args], {k: make(v) for k, v in kw.items()})
-             for owner, name, args, kw in calls]
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.thread_time()
-        for _ in range(reps):
-            for fn, args, kw in bound:
-                fn(*args, **kw)
-        best = min(best, (time.thread_time() - t0) / reps * 1e6)
-    return best
+    def bound(dtype):
+        return [(with_backward(getattr(owner, name)) if name == "linear" else getattr(owner, name),
+                 [make(a, dtype, name == "linear") for a in args], {k: make(v, dtype) for k, v in kw.items()})
+                for owner, name, args, kw in calls]
+
+    replays = [bound(dtype) for dtype in dtypes]
+    best = [float("inf")] * len(dtypes)
+    for _ in range(rounds):
+        for i, replay in enumerate(replays):
+            t0 = time.thread_time()
+            for _ in range(reps):
+                for fn, args, kw in replay:
+                    fn(*args, **kw)
+            best[i] = min(best[i], (time.thread_time() - t0) / reps * 1e6)
+    return tuple(best)
 
 
 def product_surcharge(step, reps=20) -> tuple:
@@ -245,7 +251,8 @@ def product_surcharge(step, reps=20) -> tuple:
     calls = _recorded_products(step)
     if not calls:
         return 0, 0.0
-    return len(calls), max(0.0, _replay_us(calls, OURS_DTYPE, reps) - _replay_us(calls, TORCH_DTYPE, reps))
+    ours, theirs = _replay_us(calls, (OURS_DTYPE, TORCH_DTYPE), reps)
+    return len(calls), max(0.0, ours - theirs)
 
 
 def _measure_here(quick, arch) -> dict:
