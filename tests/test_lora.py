@@ -171,13 +171,19 @@ def _torch_forward(model, x):
     return nn.TransformerEncoderLayer.forward(model.base_model.model, x)
 
 
-@pytest.mark.parametrize("kind", ["relu", "swiglu"])
+def _tanh_gate(t):
+    """A custom activation callable: the layer runs it between the two GEMMs."""
+    return t * torch.tanh(t)
+
+
+@pytest.mark.parametrize("kind", ["relu", "swiglu", "callable"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "lora-dropout"])
 def test_peft_lora_runs_fused_in_the_layer(device, launches, kind, dropout):
     """The output and every trainable gradient (the adapters': PEFT freezes the base) match
     PEFT's computation; LoRA's dropout draws from torch's generator in PEFT's order, so the same
-    seed gives the same masks."""
-    kw = dict(activation="swiglu", norm="rms", bias=False, norm_first=True) if kind == "swiglu" else {}
+    seed gives the same masks. A custom activation callable runs between the adapted GEMMs."""
+    kw = {"swiglu": dict(activation="swiglu", norm="rms", bias=False, norm_first=True),
+          "callable": dict(activation=_tanh_gate)}.get(kind, {})
     ref, got = _peft_pair(device, dropout, **kw)
     x = randn(B, L, D, dtype=torch.float32, device=device)
     torch.manual_seed(7)
