@@ -401,6 +401,14 @@ def _other_mesh(mesh, world):
     layer(DTensor.from_local(_layer_inputs("post_ln", world)[0], other, (Replicate(),)))
 
 
+def _two_batch_first(mesh, world):  # the layer's own check: one layout is sharded
+    layer = _layer("decoder", world)
+    layer.multihead_attn.batch_first = False
+    layer = _parallelize(layer, mesh, _style(False))
+    x, mem, _ = _layer_inputs("decoder", world)
+    layer(x, mem.transpose(0, 1))
+
+
 def _parallelize(module, mesh, plan):
     from torch.distributed.tensor.parallel import parallelize_module
     return parallelize_module(module, mesh, plan)
@@ -414,7 +422,9 @@ ERRORS = {"_odd_heads": "nhead ({h}) is not divisible by the tensor-parallel deg
                            "the tensor-parallel degree ({w})",
           "_odd_sequence_dtensor": "the sequence length (dim 1, split by sequence parallelism) ({t}) is not "
                                    "divisible by the tensor-parallel degree ({w})",
-          "_other_mesh": "src: a DTensor on"}
+          "_other_mesh": "src: a DTensor on",
+          "_two_batch_first": "self_attn.batch_first and multihead_attn.batch_first differ: not supported under "
+                              "tensor parallelism"}
 
 
 def _tp_run(rank, world, layer_cases, model_cases, dropout_cases, errors, norms):
