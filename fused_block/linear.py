@@ -363,10 +363,10 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
             db1 = _k.reduce_partials(part1, dt)[0]
         elif part2 is not None:
             db2 = _k.reduce_partials(part2, dt)[0]
-    if not (need_b1 and need_b2):  # the schema's placeholder (not g.new_empty: g is None when only dB2 was
-        unused = _empty((), dt, dev, False)  # wanted past dropout)
-        db1, db2 = db1 if need_b1 else unused, db2 if need_b2 else unused
-    return dx, dw1, db1, dw2, db2
+    # Empty stand-ins, one each: outputs of an op must not alias one another (not g.new_empty:
+    # g is None when only dB2 was wanted past dropout).
+    return (dx, dw1, db1 if need_b1 else _empty((), dt, dev, False), dw2,
+            db2 if need_b2 else _empty((), dt, dev, False))
 
 
 # ---------------------------------------------------------------------------------------------
