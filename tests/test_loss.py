@@ -369,6 +369,26 @@ def test_backward_twice_and_partial_gradients(device, launches, monkeypatch):
     torch.testing.assert_close(dh, first[0] / 2)
 
 
+@pytest.mark.parametrize("schedule", ["rows", "vocab"])
+@pytest.mark.parametrize("changed", ["hidden", "weight", "bias", "target"])
+def test_inplace_change_between_forward_and_backward_raises(changed, schedule, device, launches, monkeypatch):
+    # An input changed in place between forward and backward (an optimizer.step() before the
+    # backward): torch's F.linear + F.cross_entropy raise "modified by an inplace operation".
+    # On the rows schedule the forward computes the gradients and the backward only scaled
+    # them: it raised nothing and returned the gradients of the old values (the vocabulary-outer
+    # schedule, which reads its saved inputs in the backward, raised). The version bump is the
+    # misuse (mul_(1): the target stays valid). 9 tokens: small.
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", schedule)
+    hidden, weight, bias, target = _inputs(9, V, H, torch.float32, device, ignore=2)
+    inputs = dict(hidden=hidden, weight=weight, bias=bias, target=target)
+    loss = fused_block.linear_cross_entropy(hidden, weight, target, bias)
+    assert launches["lce_logits"] > 0
+    with torch.no_grad():
+        inputs[changed].mul_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_empty_batch(reduction, device):
     hidden, weight, bias, _ = _inputs(0, V, H, torch.float32, device, ignore=0)
