@@ -215,11 +215,16 @@ def _watch_versions(loss, tensors):
     backward without reading the inputs, so autograd's saved-tensor version check never sees
     an in-place change of hidden, weight, bias or target between forward and backward (an
     ``optimizer.step()``), where torch's ``F.linear`` + ``F.cross_entropy`` raise: the
-    inputs' versions now, checked by :func:`_check_versions`. Weak references: nothing is
-    kept alive (an input freed before the backward cannot have changed through itself)."""
+    inputs' versions now, checked by :func:`_check_versions`: those torch's composition saves
+    (hidden for dW, the weight for dhidden, the target; never the bias). Weak references:
+    nothing is kept alive (an input freed before the backward cannot have changed through
+    itself)."""
     ctx = loss.grad_fn
     if ctx is not None and not ctx.deferred:
-        ctx.versions = [(weakref.ref(t), t._version) for t in tensors if t is not None]
+        need_dh, need_dw, _ = ctx.need
+        hidden, weight, target = tensors
+        read = (hidden if need_dw else None, weight if need_dh else None, target)
+        ctx.versions = [(weakref.ref(t), t._version) for t in read if t is not None]
 
 
 def _check_versions(ctx):
@@ -346,7 +351,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x2, weight, bias)):
         loss, lse = _LCEFn_apply(*args)
         if not torch.compiler.is_compiling():
-            _watch_versions(loss, (x, weight, bias, target))
+            _watch_versions(loss, (x, weight, target))
     else:
         loss, lse = _lce_fwd(*args, False, False, False)[:2]
     if reduction == "none":
