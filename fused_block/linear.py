@@ -217,7 +217,7 @@ def _gated_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor]
 def _gated_bwd_fake(g, x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_up, activation, dropout_p, need_x,
                     need_w, need_b, need_u, need_lb):
     M, F = g.shape
-    D = x.shape[1] if x is not None else w_gate.shape[1]
+    D = x.shape[1] if x is not None else w_gate.shape[1] if w_gate is not None else 0  # neither: no dx, dW
     R = lora_u.shape[1] if lora_u is not None else 0
     return (g.new_empty((M, D) if need_x else (0,)), g.new_empty((2 * F, D) if need_w else (0,)),
             g.new_empty((2 * F,) if need_b else (0,)), g.new_empty((M, R) if need_u else (0,)),
@@ -235,7 +235,7 @@ def _gated_bwd(g: Tensor, x: Optional[Tensor], w_gate: Optional[Tensor], w_up: O
     dGate @ Wg + dUp @ Wu is one GEMM continuing its reduction over both (and dU likewise)."""
     M, F = g.shape
     dt, dev = g.dtype, g.device
-    D = x.shape[1] if x is not None else w_gate.shape[1]
+    D = x.shape[1] if x is not None else w_gate.shape[1] if w_gate is not None else 0  # neither: no dx, dW
     dx = _empty((M, D), dt, dev, need_x)
     dw = _empty((2 * F, D), dt, dev, need_w)
     du = _empty(lora_u.shape if lora_u is not None else (0,), dt, dev, need_u)
@@ -298,15 +298,26 @@ def _ffn_fwd(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], b1: Optional[Tensor
 def _ffn_bwd_fake(g, x, w1, w1_up, w2, saved, seed, output_seed, activation, dropout_p, output_dropout_p,
                   save, d_in, need_x, need_w1, need_b1, need_w2, need_b2):
     D2 = g.shape[-1]
-    F = w2.shape[1]
+    F = _ffn_width(w2, saved, save, activation)
     F1 = 2 * F if activation in GATED else F
     return (g.new_empty((*g.shape[:-1], d_in) if need_x else (0,)), g.new_empty((F1, d_in) if need_w1 else (0,)),
             g.new_empty((F1,) if need_b1 else (0,)), g.new_empty((D2, F) if need_w2 else (0,)),
             g.new_empty((D2,) if need_b2 else (0,)))
 
 
+def _ffn_width(w2, saved, save, activation):
+    """The hidden width F: w2's (D', F), which the backward reads only for the hidden's
+    gradient (dx, dW1, db1), else the saved h (rows, F) or pre-activations (rows, F or 2F for
+    the gated ones); 0 with neither (only dB2 wanted: F unused)."""
+    if w2 is not None:
+        return w2.shape[1]
+    if saved is None or save == SAVE_NONE:
+        return 0
+    return saved.shape[-1] // (2 if save == SAVE_PRE and activation in GATED else 1)
+
+
 @_library.op("ffn_bwd", fake=_ffn_bwd_fake)
-def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Optional[Tensor], w2: Tensor,
+def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Optional[Tensor], w2: Optional[Tensor],
              saved: Optional[Tensor], seed: Optional[Tensor], output_seed: Optional[Tensor], activation: str,
              dropout_p: float, output_dropout_p: float, save: int, d_in: int, need_x: bool, need_w1: bool,
              need_b1: bool, need_w2: bool, need_b2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -315,7 +326,7 @@ def _ffn_bwd(g: Tensor, x: Optional[Tensor], w1: Optional[Tensor], w1_up: Option
     F1 = 2F for SwiGLU (gate rows, then up rows)."""
     D2 = g.shape[-1]
     M = common.n_rows(g)
-    F = w2.shape[1]
+    F = _ffn_width(w2, saved, save, activation)
     swiglu = activation in GATED
     F1 = 2 * F if swiglu else F
     need_hidden = need_x or need_w1 or need_b1
@@ -441,7 +452,12 @@ class _GatedFn(torch.autograd.Function):
         h, pre = _gated_fwd(x, w_gate, w_up, b_gate, b_up, lora_u, lora_b_gate, lora_b_up, activation, True, seed,
                             dropout_p)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, w_gate, w_up, pre, seed, lora_u, lora_b_gate, lora_b_up)
+        # x for the weights' gradients, the weights for x's, as torch's two linears save them:
+        # an input the backward does not read may change in place (frozen weights), and
+        # nothing unread is kept alive.
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        ctx.save_for_backward(x if need_w else None, w_gate if need_x else None, w_up if need_x else None, pre,
+                              seed, lora_u, lora_b_gate, lora_b_up)
         ctx.dropout_p, ctx.activation = dropout_p, activation
         return h
 
@@ -496,7 +512,10 @@ class _FFNFn(torch.autograd.Function):
         out, saved = _ffn_fwd(x, w1, w1_up, b1, b1_up, w2, b2, _rows(residual), activation, save,
                               seed, dropout_p, output_seed, output_dropout_p)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x if need_w1 else None, w1 if need_x else None, w1_up if need_x else None, w2,
+        # Each weight only where a gradient reads it, as torch's linears save them (w2 for the
+        # hidden's gradient): an input the backward does not read may change in place.
+        ctx.save_for_backward(x if need_w1 else None, w1 if need_x else None, w1_up if need_x else None,
+                              w2 if need_hidden else None,
                               saved if save != SAVE_NONE else None,
                               seed if need_hidden and dropout_p > 0 else None,
                               output_seed if output_dropout_p > 0 and (need_hidden or need_w2 or need_b2)
@@ -524,9 +543,10 @@ class _FFNFn(torch.autograd.Function):
                 dx = dx.view(*ctx.lead, ctx.d_in)
             grads[0], grads[5], grads[6] = dx if need_x else None, dw2, db2
             if ctx.activation in GATED and not ctx.split_w1:
-                f = w2.shape[1]
-                grads[1], grads[2] = (dw1[:f], dw1[f:]) if need_w1 else (None, None)
-                grads[3], grads[4] = (db1[:f], db1[f:]) if need_b1 else (None, None)
+                if need_w1 or need_b1:  # w2 saved: the hidden's gradient
+                    f = w2.shape[1]
+                    grads[1], grads[2] = (dw1[:f], dw1[f:]) if need_w1 else (None, None)
+                    grads[3], grads[4] = (db1[:f], db1[f:]) if need_b1 else (None, None)
             else:
                 grads[1], grads[3] = dw1, db1
         grads[7] = dout if ni[7] else None
@@ -724,7 +744,8 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
     up pre-activations rounded to x's dtype first, as eager PyTorch computes them). x (..., D),
     w_gate/w_up (F, D). ``lora`` = (U (..., R), B_gate (F, R), B_up (F, R)): LoRA updates of
     both projections inside the GEMM (one U for both: stack the adapters' columns). Returns
-    (..., F). Saved for backward: x, the weights, the pre-activations (M, 2F), U and the B's.
+    (..., F). Saved for backward: x (for the weights' gradients), the weights (for x's), the
+    pre-activations (M, 2F), U and the B's.
     ``swiglu`` / ``geglu`` fuse the whole FFN; this is its first half, for FFNs whose down
     projection must see the hidden activation (PEFT LoRA with dropout on it).
     """

@@ -48,6 +48,7 @@ follow torch's matmul precision because the products are torch's.
 Deterministic: a fixed chunk order, no atomics. The loss is fp32 whatever the input dtype.
 """
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -201,11 +202,40 @@ class _LCEFn(torch.autograd.Function):
             dh, dw, db = _lce_bwd(dloss.float().contiguous(), hidden, weight, bias, target, lse, *ctx.options,
                                   ctx.reduction, need_dh, need_dw, need_db)
         else:
+            _check_versions(ctx)
             dh, dw, db = _lce_scale(dloss.float(), *ctx.saved_tensors)
         return (dh if need_dh else None, dw if need_dw else None, db if need_db else None) + (None,) * 6
 
 
 _LCEFn_apply = _library.fast_apply(_LCEFn)
+
+
+def _watch_versions(loss, tensors):
+    """Where the forward computed the gradients (not deferred), they are scaled in the
+    backward without reading the inputs, so autograd's saved-tensor version check never sees
+    an in-place change of hidden, weight, bias or target between forward and backward (an
+    ``optimizer.step()``), where torch's ``F.linear`` + ``F.cross_entropy`` raise: the
+    inputs' versions now, checked by :func:`_check_versions`: those torch's composition saves
+    (hidden for dW, the weight for dhidden, the target; never the bias). Weak references:
+    nothing is kept alive (an input freed before the backward cannot have changed through
+    itself)."""
+    ctx = loss.grad_fn
+    if ctx is not None and not ctx.deferred:
+        need_dh, need_dw, _ = ctx.need
+        hidden, weight, target = tensors
+        read = (hidden if need_dw else None, weight if need_dh else None, target)
+        ctx.versions = [(weakref.ref(t), t._version) for t in read if t is not None]
+
+
+def _check_versions(ctx):
+    for ref, version in getattr(ctx, "versions", ()):
+        t = ref()
+        if t is not None and t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                f"{version} instead (an input of fused_block.linear_cross_entropy changed between its forward "
+                f"and backward, as torch's F.linear and F.cross_entropy report)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +350,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             float(softcap) if softcap is not None else 0.0, reduction)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x2, weight, bias)):
         loss, lse = _LCEFn_apply(*args)
+        if not torch.compiler.is_compiling():
+            _watch_versions(loss, (x, weight, target))
     else:
         loss, lse = _lce_fwd(*args, False, False, False)[:2]
     if reduction == "none":

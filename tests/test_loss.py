@@ -369,6 +369,40 @@ def test_backward_twice_and_partial_gradients(device, launches, monkeypatch):
     torch.testing.assert_close(dh, first[0] / 2)
 
 
+# (input changed in place, inputs taking a gradient, whether torch's F.linear + F.cross_entropy
+# raise: they save hidden for dW, the weight for dhidden, the target, never the bias)
+INPLACE = [("hidden", "hwb", True), ("weight", "hwb", True), ("target", "hwb", True), ("bias", "hwb", False),
+           ("weight", "w", False), ("hidden", "h", False)]
+
+
+@pytest.mark.parametrize("changed,trained,raises", INPLACE, ids=[f"{c}-{t}" for c, t, _ in INPLACE])
+def test_inplace_change_between_forward_and_backward(changed, trained, raises, device, launches, monkeypatch):
+    # An input changed in place between forward and backward (an optimizer.step() before the
+    # backward): torch raises "modified by an inplace operation" where its backward reads it.
+    # The rows schedule computes the gradients in the forward and its backward only scaled
+    # them: it raised nothing and returned the gradients of the old values. Where torch
+    # answers, so does it (the forward's gradients: the old values', as torch's). The version
+    # bump is the misuse (mul_(1): the target stays valid). 9 tokens: small.
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", "rows")
+    hidden, weight, bias, target = _inputs(9, V, H, torch.float32, device, ignore=2)
+    for t, c in ((hidden, "h"), (weight, "w"), (bias, "b")):
+        t.requires_grad_(c in trained)
+    inputs = dict(hidden=hidden, weight=weight, bias=bias, target=target)
+    loss = fused_block.linear_cross_entropy(hidden, weight, target, bias)
+    assert launches["lce_logits"] > 0
+    diff = [t for t in (hidden, weight, bias) if t.requires_grad]
+    want = torch.autograd.grad(reference.linear_cross_entropy(hidden.double(), weight.double(), target,
+                                                              bias.double()), diff)
+    with torch.no_grad():
+        inputs[changed].mul_(1)
+    if raises:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(loss, diff)
+    else:
+        for a, r in zip(torch.autograd.grad(loss, diff), want):
+            torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_empty_batch(reduction, device):
     hidden, weight, bias, _ = _inputs(0, V, H, torch.float32, device, ignore=0)
