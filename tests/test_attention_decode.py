@@ -68,6 +68,7 @@ def test_decode_matches_reference(B, Hq, Hkv, Lq, Lk, D, causal, window, padding
 
 
 @pytest.mark.parametrize("dtype,mode", DTYPE_MODES)
+@pytest.mark.sweep
 def test_decode_with_softcap_alibi_sinks(dtype, mode, device, path, launches):
     B, Hq, Hkv, Lq, Lk, D = 1, 4, 1, 2, 230, 32
     q = randn(B, Hq, Lq, D, dtype=dtype, device=device, requires_grad=True, scale=3.0)

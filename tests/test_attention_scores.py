@@ -123,6 +123,7 @@ def test_tanh_against_float64(device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.sweep
 def test_sinks(causal, dtype, device, path, launches):
     # Cross 40 x 100 with GQA: under causality every query sees keys; the sinks' gradient sums
     # over both batches and every row.
@@ -319,6 +320,7 @@ def test_a_bias_below_the_saturation_point_masks_its_key(dtype, device, launches
 
 # Everything at once: causal + a left window + softcap + sinks + ALiBi + bias + mask with GQA.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.sweep
 def test_everything_combined(dtype, device, path, launches):
     _check(SELF, dtype, device, causal=True, window=(30, -1), softcap=5.0, sinks=True, alibi="head",
            bias=(1, 4, 70, 70), bias_grad=True, mask=(70, 70))
@@ -328,6 +330,7 @@ def test_everything_combined(dtype, device, path, launches):
 # Packed sequences: softcap, sinks and per-sequence ALiBi slopes (B, Hq) together, causal with
 # a left window; an empty sequence, one of length 1 and one crossing the 64-row blocks.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.sweep
 def test_varlen_softcap_sinks_alibi(dtype, device, path, launches):
     from fused_block.attention import attention_varlen
     lens = [5, 0, 70, 1]

@@ -73,6 +73,7 @@ CASES = [(act, s) for act in BOTH for s in SHAPES if act == "swiglu" or s != "1x
 @pytest.mark.parametrize("dtype_mode", DTYPE_MODES)
 @pytest.mark.parametrize("bias_res", [(True, True), (False, False)], ids=["bias_res", "plain"])
 @pytest.mark.parametrize("act,shape", CASES, ids=[f"{a}-{s}" for a, s in CASES])
+@pytest.mark.sweep
 def test_gated(act, shape, bias_res, dtype_mode, device, launches):
     dtype, mode = dtype_mode
     check(act, _ours(act), _ref(act), _inputs(act, *SHAPES[shape], *bias_res, dtype, device), dtype, device, mode)

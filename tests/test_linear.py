@@ -235,6 +235,7 @@ BIAS_MODES = [pytest.param(((has, has), dm.values[0]), id=f"{'bias_res' if has e
 @pytest.mark.parametrize("bias_mode", BIAS_MODES)
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("shape", SMALL, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.sweep
 def test_linear(shape, activation, bias_mode, device, launches):
     bias_res, (dtype, mode) = bias_mode
     x, w, b, r = _linear_inputs(*shape, *bias_res, dtype, device)
@@ -575,6 +576,7 @@ def _run_mlp(shape, activation, bias_res, dtype, device, mode="ieee"):
 @pytest.mark.parametrize("bias_mode", BIAS_MODES)
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("shape", MLP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.sweep
 def test_mlp(shape, activation, bias_mode, device, launches):
     bias_res, (dtype, mode) = bias_mode
     _run_mlp(shape, activation, bias_res, dtype, device, mode)

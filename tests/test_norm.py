@@ -89,6 +89,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("lead,n,has_res,has_w,has_b,why", CASES, ids=[c[-1].split(":")[0] for c in CASES])
+@pytest.mark.sweep
 def test_matches_reference(device, launches, dtype, norm, lead, n, has_res, has_w, has_b, why):
     inputs = _inputs((*lead, n), dtype, device, has_res, has_w, has_b and norm == "layer")
     out, rout = _check_fwd_bwd(norm, inputs, dtype, device)
