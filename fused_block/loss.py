@@ -150,15 +150,17 @@ def _lce_bwd(dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tenso
 
 
 def _scale_fake(g, dh, dw, db):
-    return torch.empty_like(dh), torch.empty_like(dw), torch.empty_like(db)
+    return dh.new_empty(dh.shape), dw.new_empty(dw.shape), db.new_empty(db.shape)  # contiguous, as the kernel's
 
 
 @_library.op("lce_scale", fake=_scale_fake)
 def _lce_scale(g: Tensor, dh: Tensor, dw: Tensor, db: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(g * dh, g * dw, g * db) for the forward's gradients and the incoming 0-d gradient g:
-    one launch, new tensors in the inputs' dtypes (empty ones stay empty)."""
+    one launch, new contiguous tensors in the inputs' dtypes (empty ones stay empty). The
+    kernel reads its inputs as contiguous: the forward's gradients are (a strided one, from a
+    direct call of the op, is copied first)."""
     with _backend.device_guard(g):
-        return tuple(_k.scale(g.reshape(1), dh, dw, db))
+        return tuple(_k.scale(g.reshape(1), dh.contiguous(), dw.contiguous(), db.contiguous()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from fused_block.kernels import loss as kloss
 
 from gemm_testing import DTYPE_MODES, baseline_mode, fp32_mode
 from memory_testing import Allocations
-from numerics import assert_close, randn
+from numerics import DTYPES, assert_close, randn
 
 N, V, H = 37, 101, 32
 
@@ -460,6 +460,23 @@ def test_torch_compile_fullgraph_and_opcheck(device, launches):
     torch.library.opcheck(lce._lce_bwd.default, (torch.tensor(0.5, device=device), h, w, b, target, lse, -100, 0.0,
                                                  0.0, 3.0, "mean", True, True, True))
     torch.library.opcheck(lce._lce_scale.default, (torch.tensor(0.5, device=device), h, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_op_takes_strided_gradients(dtype, device, launches):
+    """The scaling op (the backward of the gradients-in-the-forward schedule) called directly on
+    a transposed and a strided tensor: g times each, contiguous outputs as its fake's (it read
+    them as contiguous: wrong values, and a fake whose strides differed)."""
+    g = torch.rand((), device=device) + 0.5
+    dh = randn(H, N, dtype=dtype, device=device).t()
+    dw = randn(V, 2 * H, dtype=dtype, device=device)[:, ::2]
+    db = randn(V, dtype=dtype, device=device)
+    out = lce._lce_scale(g, dh, dw, db)
+    assert launches["lce_scale"] == 1
+    for got, t in zip(out, (dh, dw, db)):
+        assert got.is_contiguous() and got.dtype == dtype
+        torch.testing.assert_close(got, (g.double() * t.double()).to(dtype))  # one rounding: dtype's tolerance
+    torch.library.opcheck(lce._lce_scale.default, (g, dh, dw, db))
 
 
 # ---------------------------------------------------------------------------------------------
