@@ -649,9 +649,20 @@ def _check_input(name, t, d_model, mha):
         raise ShapeError(f"{name} must be 3-D (batched) or 2-D (unbatched), got shape {tuple(t.shape)}")
     if t.shape[-1] != d_model:
         raise ShapeError(f"{name}: was expecting embedding dimension of {d_model}, but got {t.shape[-1]}")
-    (w,) = _params(mha._modules["out_proj"], "weight")
+    w = _dtype_device_source(mha._modules["out_proj"])
     if t.dtype is not w.dtype or t.device != w.device:
         _check_like(name, t, w)
+
+
+def _dtype_device_source(linear):
+    """``linear.weight`` for its dtype and device, without evaluating a parametrization on it:
+    its original (each evaluation of spectral_norm's runs a power iteration in training, which
+    updates its state; torch's attention evaluates out_proj's weight once per call)."""
+    w = linear._parameters.get("weight")
+    if w is None and parametrize.is_parametrized(linear, "weight"):
+        originals = linear.parametrizations["weight"]._parameters
+        w = originals.get("original", originals.get("original0"))
+    return linear.weight if w is None else w
 
 
 def _check_like(name, t, w):

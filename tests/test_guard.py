@@ -553,3 +553,25 @@ def test_num_heads_set_after_construction_gqa_raises(device):
     x = torch.randn(B, L, D, device=device)
     with pytest.raises(ValueError, match="num_heads/head_dim"):
         mha(x, x, x, need_weights=False)
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_spectral_norm_out_proj_evaluated_once_per_call_as_torch(decoder, device, launches):
+    """spectral_norm on the attention's out_proj in training: each evaluation of the weight runs
+    a power iteration that updates its state (``_u``, ``_v``); torch's attention evaluates it once
+    per call, so must the fused path (the input checks and the guard read the original's dtype,
+    device and class instead). Used to be two or three evaluations per call: ``_u`` and the
+    outputs drifted from torch's."""
+    ref, fused = _pair(device, decoder=decoder)
+    for layer in (ref, fused):
+        torch.manual_seed(0)  # the same random start vector u in both
+        nn.utils.parametrizations.spectral_norm(layer.self_attn.out_proj)
+    x = torch.randn(B, L, D, device=device)
+    mem = torch.randn(B, L + 1, D, device=device) if decoder else None
+    state = lambda m: m.self_attn.out_proj.parametrizations.weight[0]  # noqa: E731
+    for _ in range(2):
+        with _no_fallback():
+            got = _run(fused, x, mem)
+        torch.testing.assert_close(got, _run(ref, x, mem), **TOL)
+        torch.testing.assert_close(state(fused)._u, state(ref)._u, **TOL)
+    assert launches["matmul"] > 0
