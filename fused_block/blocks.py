@@ -1350,6 +1350,8 @@ def _convert_mha(mha):
         if key in mha.__dict__:
             new.__dict__[key] = type(mha.__dict__[key])(mha.__dict__[key])
     new.num_kv_heads = mha.num_heads
-    new._built_heads = (mha.num_heads, mha.head_dim)
+    # torch's head dim (its head_dim attribute is stale where num_heads was set since: the
+    # guard's check then sends the calls to torch's forward)
+    new._built_heads = (mha.num_heads, mha.embed_dim // mha.num_heads)
     new.rope, new.rope_interleaved = False, False
     return new

@@ -575,3 +575,15 @@ def test_spectral_norm_out_proj_evaluated_once_per_call_as_torch(decoder, device
         torch.testing.assert_close(got, _run(ref, x, mem), **TOL)
         torch.testing.assert_close(state(fused)._u, state(ref)._u, **TOL)
     assert launches["matmul"] > 0
+
+
+def test_num_heads_set_before_convert(device):
+    """``num_heads`` set on torch's attention before ``convert`` (its ``head_dim`` attribute then
+    stale; torch's forward ignores it): torch's answer. Used to crash splitting the projections."""
+    ref = nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device)
+    ref.self_attn.num_heads = 1
+    fused = fused_block.convert(copy.deepcopy(ref))
+    x = torch.randn(B, L, D, device=device)
+    with pytest.warns(UserWarning, match="num_heads"):
+        got = fused(x)
+    torch.testing.assert_close(got, ref(x), **TOL)
