@@ -138,6 +138,14 @@ def tensors_reason(path, owner, names, accept=None):
     ``accept(path, name, t)``: True for a tensor subclass the fused path reads all the same
     (a tensor-parallel layer's DTensor parameters, placed as its plan placed them)."""
     for name in names:
+        if parametrize.is_parametrized(owner, name):
+            # its originals, not an evaluation (which may update state: spectral_norm's power
+            # iteration in training; the fused path evaluates it once per call, as torch does)
+            for pname, p in owner.parametrizations[name]._parameters.items():
+                if not _plain_tensor(p) and not (accept is not None and accept(path, f"{name}.{pname}", p)):
+                    where = f"{path}.{name}" if path else name
+                    return f"{where} is parametrized over a {type(p).__name__}, which the kernels do not read"
+            continue
         t = getattr(owner, name, None)
         if not _plain_tensor(t) and not (accept is not None and accept(path, name, t)):
             where = f"{path}.{name}" if path else name

@@ -383,6 +383,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                          add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self._built_heads = (self.num_heads, self.head_dim)  # see _heads_reason
         if self.num_kv_heads != num_heads:
             rows = (num_heads + 2 * self.num_kv_heads) * self.head_dim
             factory = {"device": device, "dtype": dtype}
@@ -422,8 +423,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         return f"num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
 
     def _extended(self):
-        """GQA or RoPE: what torch's MultiheadAttention cannot compute."""
-        return self.num_kv_heads != self.num_heads or self.rope
+        """GQA or RoPE: what torch's MultiheadAttention cannot compute (as built: ``num_heads``
+        set since does not make a module GQA, see :func:`_heads_reason`)."""
+        return self.num_kv_heads != self.__dict__.get("_built_heads", (self.num_heads,))[0] or self.rope
 
     # -- the fused path ------------------------------------------------------------------------
     def _project(self, x, key, value, ops):
@@ -574,7 +576,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         ops = None
-        reason = _guard.reason(self, _describe_mha)
+        reason = _guard.reason(self, _describe_mha) or _heads_reason(self)
         if reason is not None:
             if not self._extended():
                 _warn_once(("MultiheadAttention", reason), f"fused_block: MultiheadAttention runs torch's "
@@ -647,9 +649,20 @@ def _check_input(name, t, d_model, mha):
         raise ShapeError(f"{name} must be 3-D (batched) or 2-D (unbatched), got shape {tuple(t.shape)}")
     if t.shape[-1] != d_model:
         raise ShapeError(f"{name}: was expecting embedding dimension of {d_model}, but got {t.shape[-1]}")
-    (w,) = _params(mha._modules["out_proj"], "weight")
+    w = _dtype_device_source(mha._modules["out_proj"])
     if t.dtype is not w.dtype or t.device != w.device:
         _check_like(name, t, w)
+
+
+def _dtype_device_source(linear):
+    """``linear.weight`` for its dtype and device, without evaluating a parametrization on it:
+    its original (each evaluation of spectral_norm's runs a power iteration in training, which
+    updates its state; torch's attention evaluates out_proj's weight once per call)."""
+    w = linear._parameters.get("weight")
+    if w is None and parametrize.is_parametrized(linear, "weight"):
+        originals = linear.parametrizations["weight"]._parameters
+        w = originals.get("original", originals.get("original0"))
+    return linear.weight if w is None else w
 
 
 def _check_like(name, t, w):
@@ -956,7 +969,7 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
         nested = isinstance(src, Tensor) and src.is_nested
-        reason = _guard.reason(self, _describe_layer)
+        reason = _guard.reason(self, _describe_layer) or _layer_heads_reason(self)
         if reason is not None:
             if is_causal and src_mask is None and isinstance(src, Tensor) and not nested:  # torch's MHA wants it
                 src_mask = _causal_mask(src.shape[1 if src.dim() == 3 and self.self_attn.batch_first else 0], src)
@@ -1123,7 +1136,7 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
-        reason = _guard.reason(self, _describe_layer)
+        reason = _guard.reason(self, _describe_layer) or _layer_heads_reason(self)
         if reason is not None:
             if tgt_is_causal and tgt_mask is None and isinstance(tgt, Tensor):  # torch's MHA wants the mask
                 tgt_mask = _causal_mask(tgt.shape[1 if tgt.dim() == 3 and self.self_attn.batch_first else 0], tgt)
@@ -1225,6 +1238,32 @@ def _describe_mha(mha):
     return why, (), None
 
 
+def _heads_reason(mha, path=""):
+    """Why ``mha``'s heads are not those the fused path reads, or None. torch's attention takes
+    them from ``num_heads`` on every call (``head_dim = embed_dim // num_heads``); the fused path
+    reads ``num_heads``, ``head_dim`` and ``num_kv_heads`` as built. ``num_heads`` (or
+    ``head_dim``) set since: torch's forward runs (raises for GQA/RoPE, which it cannot compute).
+    Checked per call (a plain attribute: no registration announces it). A tensor-parallel call
+    sets this rank's head counts for its duration (``_TP_RUN``)."""
+    built = mha.__dict__.get("_built_heads")
+    if built is None or (built[0] == mha.num_heads and built[1] == mha.head_dim) or _TP_RUN in mha.__dict__:
+        return None
+    if mha.num_kv_heads != built[0] or mha.rope:
+        raise ValueError(f"{path or 'MultiheadAttention'}: num_heads/head_dim set to ({mha.num_heads}, "
+                         f"{mha.head_dim}) after construction with ({built[0]}, {built[1]}): not supported with "
+                         "num_kv_heads != num_heads or rope=True")
+    return (f"{path + '.' if path else ''}num_heads/head_dim set to ({mha.num_heads}, {mha.head_dim}) after "
+            f"construction with ({built[0]}, {built[1]})")
+
+
+def _layer_heads_reason(layer):
+    for name in layer._ATTENTIONS:
+        why = _heads_reason(layer._modules[name], name)
+        if why is not None:
+            return why
+    return None
+
+
 def _describe_layer(layer):
     """Every submodule torch's forward calls and the fused one reads instead: linear1/2, the
     norms, the dropouts, the attention modules (whose out_proj torch's attention reads as well)
@@ -1311,5 +1350,8 @@ def _convert_mha(mha):
         if key in mha.__dict__:
             new.__dict__[key] = type(mha.__dict__[key])(mha.__dict__[key])
     new.num_kv_heads = mha.num_heads
+    # torch's head dim (its head_dim attribute is stale where num_heads was set since: the
+    # guard's check then sends the calls to torch's forward)
+    new._built_heads = (mha.num_heads, mha.embed_dim // mha.num_heads)
     new.rope, new.rope_interleaved = False, False
     return new

@@ -502,3 +502,88 @@ def test_converted_hf_llama_compiles_once_and_decodes_with_a_static_cache(device
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert decode.count == 1
     assert len(calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder", "attention"])
+def test_num_heads_set_after_construction(kind, device, launches):
+    """torch's attention takes its heads from ``num_heads`` on every call (head_dim = embed_dim //
+    num_heads); the fused path reads the head counts as built. ``num_heads`` set on a converted
+    layer's attention (or a converted MultiheadAttention) after a fused call: torch's answer and
+    gradients (torch's forward, with the warning), the kernels again once it is set back. Used
+    to fail: the fused path split the projections by the stale num_kv_heads."""
+    if kind == "attention":
+        ref = nn.MultiheadAttention(D, H, batch_first=True, device=device)
+        fused = blocks._convert_mha(copy.deepcopy(ref))
+        attn = (ref, fused)
+
+        def run(m, x):
+            return m(x, x, x, need_weights=False)[0]
+    else:
+        ref, fused = _pair(device, decoder=kind == "decoder")
+        mem = torch.randn(B, L + 1, D, device=device)
+        attn = (ref.self_attn, fused.self_attn)
+
+        def run(m, x):
+            return _run(m, x, mem if kind == "decoder" else None)
+    x = torch.randn(B, L, D, device=device, requires_grad=True)
+    with _no_fallback():
+        run(fused, x)
+    for m in attn:
+        m.num_heads = 1  # torch: one head of dim D (the fused path had two of D / 2)
+    with pytest.warns(UserWarning, match="num_heads"):
+        got = run(fused, x)
+    want = run(ref, x)
+    torch.testing.assert_close(got, want, **TOL)
+    grads = [torch.autograd.grad(y.square().sum(), [x, *m.parameters()]) for y, m in ((got, fused), (want, ref))]
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w, **TOL)
+    for m in attn:
+        m.num_heads = H
+    before = launches["matmul"]
+    with _no_fallback():
+        torch.testing.assert_close(run(fused, x), run(ref, x), **TOL)
+    assert launches["matmul"] > before
+
+
+def test_num_heads_set_after_construction_gqa_raises(device):
+    """A grouped-query attention's heads set after construction: a ValueError naming them
+    (torch's attention cannot compute GQA, so there is no torch forward to run)."""
+    mha = fused_block.MultiheadAttention(D, 4, num_kv_heads=2, batch_first=True, device=device)
+    mha.num_heads = 2
+    x = torch.randn(B, L, D, device=device)
+    with pytest.raises(ValueError, match="num_heads/head_dim"):
+        mha(x, x, x, need_weights=False)
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_spectral_norm_out_proj_evaluated_once_per_call_as_torch(decoder, device, launches):
+    """spectral_norm on the attention's out_proj in training: each evaluation of the weight runs
+    a power iteration that updates its state (``_u``, ``_v``); torch's attention evaluates it once
+    per call, so must the fused path (the input checks and the guard read the original's dtype,
+    device and class instead). Used to be two or three evaluations per call: ``_u`` and the
+    outputs drifted from torch's."""
+    ref, fused = _pair(device, decoder=decoder)
+    for layer in (ref, fused):
+        torch.manual_seed(0)  # the same random start vector u in both
+        nn.utils.parametrizations.spectral_norm(layer.self_attn.out_proj)
+    x = torch.randn(B, L, D, device=device)
+    mem = torch.randn(B, L + 1, D, device=device) if decoder else None
+    state = lambda m: m.self_attn.out_proj.parametrizations.weight[0]  # noqa: E731
+    for _ in range(2):
+        with _no_fallback():
+            got = _run(fused, x, mem)
+        torch.testing.assert_close(got, _run(ref, x, mem), **TOL)
+        torch.testing.assert_close(state(fused)._u, state(ref)._u, **TOL)
+    assert launches["matmul"] > 0
+
+
+def test_num_heads_set_before_convert(device):
+    """``num_heads`` set on torch's attention before ``convert`` (its ``head_dim`` attribute then
+    stale; torch's forward ignores it): torch's answer. Used to crash splitting the projections."""
+    ref = nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device)
+    ref.self_attn.num_heads = 1
+    fused = fused_block.convert(copy.deepcopy(ref))
+    x = torch.randn(B, L, D, device=device)
+    with pytest.warns(UserWarning, match="num_heads"):
+        got = fused(x)
+    torch.testing.assert_close(got, ref(x), **TOL)
