@@ -57,7 +57,7 @@ from torch import Tensor
 from fused_block import _backend, _library, _validate, reference
 from fused_block.kernels import common
 from fused_block.kernels import loss as _k
-from fused_block.linear import _autocast
+from fused_block.linear import _autocast, _torch_dtype
 
 REDUCTIONS = tuple(_k.REDUCTIONS)
 
@@ -394,9 +394,11 @@ class LinearCrossEntropy(torch.nn.Linear):
                                      self.reduction)[3]
             logits = torch.nn.functional.linear(input, self.weight, self.bias)
             return logits if softcap is None else softcap * torch.tanh(logits / softcap)
-        return linear_cross_entropy(input, self.weight, target, self.bias, ignore_index=self.ignore_index,
-                                    label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                                    reduction=self.reduction, return_lse=return_lse)
+        # float64 (a head after .double()) runs the plain PyTorch reference, as the other modules do
+        fn = reference.linear_cross_entropy if _torch_dtype(input) else linear_cross_entropy
+        return fn(input, self.weight, target, self.bias, ignore_index=self.ignore_index,
+                  label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                  reduction=self.reduction, return_lse=return_lse)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "

@@ -447,12 +447,15 @@ def _flatten_normalized(module, x, residual):
 
 def _torch_forward(module, base, x, residual):
     """What the kernels do not take, torch's own module computes: dtypes other than
-    fp32/fp16/bf16 (float64 runs torch's math; other dtypes get torch's error) and rows wider
-    than ``MAX_HIDDEN`` (after a one-time warning). None when the kernels take ``x``."""
+    fp32/fp16/bf16, of x or of the parameters (float64 runs torch's math; other dtypes and
+    mixes torch refuses get torch's error) and rows wider than ``MAX_HIDDEN`` (after a
+    one-time warning). None when the kernels take ``x``."""
     if not isinstance(x, Tensor) or (residual is not None and not isinstance(residual, Tensor)):
         return None  # the op's own TypeError
     n = math.prod(module.normalized_shape)
-    if x.dtype in _validate.FLOAT_DTYPES and n <= MAX_HIDDEN:
+    w, b = module.weight, getattr(module, "bias", None)
+    if (x.dtype in _validate.FLOAT_DTYPES and n <= MAX_HIDDEN and (w is None or w.dtype in _validate.FLOAT_DTYPES)
+            and (b is None or b.dtype in _validate.FLOAT_DTYPES)):
         return None
     if n > MAX_HIDDEN:
         _backend.warn_once(("norm width", n), f"fused_block: {type(module).__name__} over {n} elements per row "
@@ -467,8 +470,8 @@ class LayerNorm(torch.nn.LayerNorm):
 
     ``forward(x)`` returns the normalized tensor; ``forward(x, residual)`` returns
     ``(out, residual_out)`` with ``residual_out = x + residual``. float64 (and any dtype but
-    fp32/fp16/bf16) runs torch's ``LayerNorm``, as do rows over ``MAX_HIDDEN`` (2^24 - 1)
-    elements, after a one-time warning.
+    fp32/fp16/bf16), of the input or of the parameters, runs torch's ``LayerNorm``, as do rows
+    over ``MAX_HIDDEN`` (2^24 - 1) elements, after a one-time warning.
     """
 
     __prepare_scriptable__ = _backend.not_scriptable

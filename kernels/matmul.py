@@ -742,8 +742,8 @@ def _epilogue_kernel(
 
 
 @triton.jit
-def _reduce_cols(P, O, R, N, blk, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """O[cols] = sum over the R rows of P (R, N) fp32, in a fixed order, cast to O's dtype."""
+def _reduce_cols(P, O, R, N, blk, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """O[cols] = sum over the R rows of P (R, N) fp32, in a fixed order, rounded to O's dtype."""
     cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
@@ -751,19 +751,20 @@ def _reduce_cols(P, O, R, N, blk, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         rows = r + rr
         acc += tl.load(P + rows.to(tl.int64)[:, None] * N + cols[None, :],
                        mask=(rows < R)[:, None] & (cols < N)[None, :], other=0.0)
-    tl.store(O + cols, tl.sum(acc, axis=0).to(O.dtype.element_ty), mask=cols < N)
+    tl.store(O + cols, common.cast(tl.sum(acc, axis=0), O.dtype.element_ty, INTERPRET), mask=cols < N)
 
 
 @triton.jit
-def _reduce_kernel(P1, O1, R1, N1, P2, O2, R2, N2, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _reduce_kernel(P1, O1, R1, N1, P2, O2, R2, N2, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     """Bias gradients from fp32 partials: O1 = colsum(P1) and O2 = colsum(P2) (when N2 > 0),
     one launch for both of an FFN's biases."""
     pid = tl.program_id(0)
     nb1 = tl.cdiv(N1, BLOCK_N)
     if pid < nb1:
-        _reduce_cols(P1, O1, R1, N1, pid, BLOCK_R, BLOCK_N)
+        _reduce_cols(P1, O1, R1, N1, pid, BLOCK_R, BLOCK_N, INTERPRET)
     else:
-        _reduce_cols(P2, O2, R2, N2, pid - nb1, BLOCK_R, BLOCK_N)
+        _reduce_cols(P2, O2, R2, N2, pid - nb1, BLOCK_R, BLOCK_N, INTERPRET)
 
 
 @triton.jit
@@ -1276,7 +1277,7 @@ def _act_grad_constexprs(activation, store_dpre, dbias, dropout, store_h, interp
 _ELEMENTWISE = common.Config.of(num_warps=4)
 
 
-_REDUCE_CONSTEXPRS = dict(BLOCK_R=REDUCE_BLOCK[0], BLOCK_N=REDUCE_BLOCK[1])
+_REDUCE_CONSTEXPRS = dict(BLOCK_R=REDUCE_BLOCK[0], BLOCK_N=REDUCE_BLOCK[1], INTERPRET=common.interpreting())
 
 
 def epilogue(pre, c, activation, *, pre2=None, residual=None, seed=None, dropout_p=0.0):
@@ -1574,8 +1575,10 @@ def aot_specs():
     specs.append(aot.KernelSpec(
         name="bias_grad_reduce", fn=_reduce_kernel,
         signature={"P1": "*fp32", "O1": "*bf16", "R1": "i32", "N1": "i32", "P2": "*fp32", "O2": "*bf16",
-                   "R2": "i32", "N2": "i32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"},
-        constexprs=dict(BLOCK_R=REDUCE_BLOCK[0], BLOCK_N=REDUCE_BLOCK[1]), num_warps=4, aligned=("N1", "N2")))
+                   "R2": "i32", "N2": "i32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr",
+                   "INTERPRET": "constexpr"},
+        constexprs=dict(BLOCK_R=REDUCE_BLOCK[0], BLOCK_N=REDUCE_BLOCK[1], INTERPRET=False), num_warps=4,
+        aligned=("N1", "N2")))
     specs.append(aot.KernelSpec(
         name="dropout_mask", fn=_dropout_mask_kernel,
         signature={"SEED": "*i64", "OUT": "*i8", "M": "i32", "N": "i32", "drop_thresh": "i32",

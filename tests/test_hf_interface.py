@@ -102,6 +102,32 @@ def test_bf16_logits(name, device, launches):
     assert launches["attention_fwd"] == EXPECT[name][0]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_autocast_training_runs_the_kernel(name, device, launches):
+    """An fp32 model trained under autocast (bf16): RoPE's fp32 cos/sin make the queries and keys
+    fp32 beside bf16 values; the kernel takes them in autocast's dtype as SDPA (and the eager
+    attention's products) do, forward and backward, without falling back. Loss and every
+    parameter's gradient against the float64 model, the original under autocast as baseline."""
+    model = interface_model(name, device, _original(name)).train()
+    ref, ours = copy.deepcopy(model).double(), _ours(model)
+    ids, mask = interface_inputs(name, device)
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for key, m in (("ref", ref), ("base", model), ("ours", ours)):
+        with no_fallback(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=key != "ref"):
+            out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outs[key] = (out.loss, dict(m.named_parameters()))
+    assert launches["attention_fwd"] == launches["attention_bwd"] == 2
+    assert_close("loss", outs["ours"][0], outs["ref"][0], outs["base"][0], torch.bfloat16, device)
+    for pname, p in outs["ref"][1].items():
+        if p.grad is None:
+            continue
+        got = outs["ours"][1][pname].grad
+        assert got is not None and got.dtype == torch.float32, pname
+        assert_close(f"{pname}.grad", got, p.grad, outs["base"][1][pname].grad, torch.bfloat16, device)
+
+
 @pytest.mark.parametrize("name", CAUSAL)
 def test_greedy_generation_matches(name, device, launches):
     """16 greedy tokens for a batch with a left-padded row, with the KV cache: the prefill and

@@ -1034,6 +1034,26 @@ def test_bias_gradient_of_empty_products(device, launches):
     assert x.grad.eq(0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bias_gradient_is_rounded_to_nearest(dtype, device, launches):
+    """The bias gradient (fp32 column sums of dY from per-64-row partials, reduced by
+    ``bias_grad_reduce``) is rounded to nearest in the bias's dtype, as torch's is: no farther
+    from the exact sum than its correctly rounded value (but the fp32 sums' own error), also in
+    the interpreter, whose bf16 conversion truncates (up to a whole ulp). 200 rows: several
+    partials; 96 columns."""
+    x = randn(200, 16, dtype=dtype, device=device, requires_grad=True)
+    w = randn(96, 16, dtype=dtype, device=device, requires_grad=True)
+    b = randn(96, dtype=dtype, device=device, requires_grad=True)
+    g = randn(200, 96, dtype=dtype, device=device) * 4
+    linear(x, w, b).backward(g)
+    assert launches["bias_grad_reduce"] == 1
+    exact = g.double().sum(0)
+    nearest = (exact.to(dtype).double() - exact).abs()
+    assert b.grad.dtype == dtype
+    fp32_sums = 200 * 2.0**-24 * g.double().abs().sum(0)  # the fp32 accumulation's bound
+    assert ((b.grad.double() - exact).abs() <= nearest + fp32_sums).all()
+
+
 def test_output_dropout_with_only_the_second_bias_training(device, launches):
     """mlp with output dropout where only b2 takes a gradient (everything else frozen): dB2 is the
     kept gradient's column sums (the backward used the dropout pass's dY, which it did not store)."""

@@ -437,6 +437,27 @@ def test_module_and_autocast(device):
     assert abs(loss.item() - want.item()) < 2e-2
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_module_in_float64_runs_torchs_math(reduction, device, launches):
+    """A head after ``.double()`` given float64 hidden states: torch's F.linear + F.cross_entropy
+    in float64 (the loss and every gradient), as the other modules run float64; no launch (the
+    kernels take no float64: the function raised its TypeError)."""
+    hidden, _, _, target = _inputs(N, V, H, torch.float32, device)
+    hidden = hidden.detach().double().requires_grad_()
+    head = fused_block.LinearCrossEntropy(H, V, device=device, label_smoothing=0.1, reduction=reduction).double()
+    plain = copy.deepcopy(head)
+    got = head(hidden, target)
+    want = F.cross_entropy(torch.nn.functional.linear(hidden, plain.weight, plain.bias), target,
+                           label_smoothing=0.1, reduction=reduction)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (hidden, head.weight, head.bias), g),
+                    torch.autograd.grad(want, (hidden, plain.weight, plain.bias), g)):
+        torch.testing.assert_close(a, b)
+    assert launches["lce_ce"] == launches["lce_logits"] == 0
+
+
 def test_torch_compile_fullgraph_and_opcheck(device, launches):
     hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device)
     eager = fused_block.linear_cross_entropy(hidden, weight, target, bias, z_loss=0.01)

@@ -546,6 +546,35 @@ def test_modules_take_what_torch_takes(device, launches, monkeypatch, cls, torch
         ours(torch.ones(3, 96, dtype=torch.int64, device=device))
 
 
+@pytest.mark.parametrize("cls,torch_cls", [(fused_block.LayerNorm, torch.nn.LayerNorm),
+                                           (fused_block.RMSNorm, torch.nn.RMSNorm)], ids=["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's rms_norm, unfused
+def test_float64_parameters_run_torchs_module(device, launches, cls, torch_cls, dtype):
+    """A module in float64 (``.double()``) given fp32/fp16/bf16 input: torch's module decides,
+    as for a float64 input (the kernels take no float64 weight): torch's RMSNorm answers (the
+    same output and gradients), its LayerNorm raises its own error; no launch."""
+    ours, theirs = cls(96).to(device).double(), torch_cls(96).to(device).double()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p))
+    ours.load_state_dict(theirs.state_dict())
+    x = randn(3, 96, dtype=dtype, device=device, requires_grad=True)
+    try:
+        want = theirs(x)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            ours(x)
+    else:
+        got = ours(x)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        g = torch.randn_like(got)
+        for a, b in zip(torch.autograd.grad(got, (x, ours.weight), g), torch.autograd.grad(want, (x, theirs.weight), g)):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert launches["add_norm_fwd"] == 0
+
+
 def test_reference_fallback_without_interpreter(monkeypatch, launches):
     """CPU tensors without TRITON_INTERPRET run the plain-PyTorch reference."""
     monkeypatch.setattr(_backend, "INTERPRET", False)

@@ -47,7 +47,7 @@ from transformers.masking_utils import (AttentionMaskInterface, and_masks, bidir
                                         prepare_padding_mask, remap_positions_for_packed_sequence, sdpa_mask,
                                         sliding_window_bidirectional_overlay, sliding_window_overlay)
 
-from fused_block.attention import attention_varlen
+from fused_block.attention import _autocast, attention_varlen
 from fused_block.hf._attention import (PACKED_ATTR, UNPADDED_ATTR, WINDOW_ATTR, attend, general_plan,
                                        kernel_head_dim, light_dense, light_plan, packed_lengths, restarting,
                                        unpadded, window_of)
@@ -225,6 +225,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
+    # Under autocast, q, k and v in its dtype, as SDPA takes them: RoPE's fp32 cos/sin turn the
+    # low-precision projections of an fp32 model into fp32 queries and keys beside bf16 values.
+    query, key, value = _autocast(query, key, value)
     reason = kernel_reason(query, key, value, kwargs)
     if reason is None:
         packed = packed_lengths(attention_mask, kwargs, B, Lq, Lk)
@@ -250,7 +253,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 def kernel_reason(query, key, value, kwargs):
     """Why the kernel cannot run this call (None if it can)."""
     D = query.shape[-1]
-    if query.dtype not in KERNEL_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"query, key and value in {query.dtype}, {key.dtype} and {value.dtype} (the kernel takes one dtype)"
+    if query.dtype not in KERNEL_DTYPES:
         return f"dtype {query.dtype} (the kernel takes fp32, fp16 and bf16)"
     if key.shape[-1] != D or value.shape[-1] != D:
         return "keys or values with another head dim than the queries"
