@@ -973,6 +973,35 @@ def _(k_cache, v_cache, k, v, cache_seqlens):
     return None
 
 
+def _share_memory(a, b) -> bool:
+    """Whether ``a`` and ``b`` may share elements of one storage: their memory spans (first to
+    last element) intersect, as torch's overlap check for copies reads them, except for views of
+    one shape and strides whose offset apart is no element's offset in them (interleaved
+    buffers: a (B, H, L, 2, D) packed KV cache's k and v halves). False while ``torch.compile``
+    traces (pointers are not traceable)."""
+    if torch.compiler.is_compiling() or not a.numel() or not b.numel():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        return start, start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or a.element_size() != b.element_size() \
+            or abs(a0 - b0) % a.element_size():
+        return True
+    # The offset apart as an element's offset, largest stride first (exact for views whose
+    # strides nest: each larger than the span of the dims below it, as slices of a dense buffer).
+    d = abs(a0 - b0) // a.element_size()
+    for n, st in sorted(((n, st) for n, st in zip(a.shape, a.stride()) if n > 1), key=lambda e: -e[1]):
+        d -= min(d // st, n - 1) * st
+    return d == 0
+
+
 def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
     """Write new keys and values into preallocated caches, in place (one launch for both).
 
@@ -1002,9 +1031,12 @@ def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):
         if 0 in t.stride() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             raise ValueError(f"{name} is written in place and must not be an expanded view (stride 0 along a dim "
                              f"of size > 1: several of its elements share memory), got strides {t.stride()}")
-    if k_cache is v_cache or (not torch.compiler.is_compiling() and k_cache.numel()
-                              and k_cache.data_ptr() == v_cache.data_ptr()):  # (pointers: not traceable)
+    if k_cache is v_cache or _share_memory(k_cache, v_cache):
         raise ValueError("v_cache must not share k_cache's memory (both are written in place)")
+    for name, t in (("k", k), ("v", v)):
+        if t is k_cache or t is v_cache or _share_memory(t, k_cache) or _share_memory(t, v_cache):
+            raise ValueError(f"{name} must not share memory with k_cache or v_cache (read while they are written in "
+                             f"place, as torch's copy into an overlapping slice refuses): clone() it first")
     if torch.is_grad_enabled():
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if t.requires_grad:

@@ -56,7 +56,8 @@ def _merged(m):
                 continue
             entry = holder[a]
             for t in (entry.parameters() if isinstance(entry, nn.Module) else (entry,)):
-                params.append((id(t), t.data_ptr(), t._version))
+                # an inference tensor has no version counter: a key that never matches
+                params.append((id(t), t.data_ptr(), object() if t.is_inference() else t._version))
         state.append((a, m.scaling.get(a), tuple(params)))
     return tuple(state)
 

@@ -247,6 +247,22 @@ def test_kv_cache_append_drops_rows_before_the_cache(device, launches):
     assert kc[0, :, 0].eq(3.0).all() and kc[0, :, 1:].eq(0).all() and vc[0, :, 0].eq(3.0).all()
 
 
+def test_kv_cache_append_into_an_interleaved_packed_cache(device, launches):
+    """k and v caches as the two halves of one (B, Hkv, L, 2, D) buffer (their memory spans
+    interleave, no element shared): accepted, each written as torch's slice assignment writes it."""
+    import fused_block
+    kv = torch.randn(2, 2, 8, 2, 16, device=device)
+    want = kv.clone()
+    kn, vn = torch.randn(2, 2, 3, 16, device=device), torch.randn(2, 2, 3, 16, device=device)
+    fill = torch.tensor([1, 4], dtype=torch.int32, device=device)
+    fused_block.kv_cache_append(kv[..., 0, :], kv[..., 1, :], kn, vn, fill)
+    for b, start in enumerate(fill.tolist()):
+        want[b, :, start:start + 3, 0] = kn[b]
+        want[b, :, start:start + 3, 1] = vn[b]
+    torch.testing.assert_close(kv, want, atol=0, rtol=0)
+    assert launches["attention_kv_append"] == 1
+
+
 def test_kv_cache_append_bad_input(device, launches):
     import fused_block
     kc = torch.zeros(2, 2, 10, 16, device=device)

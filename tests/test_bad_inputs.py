@@ -85,6 +85,19 @@ def _kv_one_cache():
     return _kv(k_cache=cache, v_cache=cache)
 
 
+def _kv_overlapping_caches():
+    """Two views of one buffer, one element apart: the caches' writes would overwrite each other."""
+    buf = torch.zeros(2, 2, 8, 17, dtype=BF16, device=DEV)
+    return _kv(k_cache=buf[..., :16], v_cache=buf[..., 1:])
+
+
+def _kv_new_rows_from_the_cache():
+    """New rows read from the cache rows being written (torch's ``k_cache[:, :, 2:5] =
+    k_cache[:, :, 0:3]`` refuses): the kernel's reads would race with its writes."""
+    k_cache = torch.randn(2, 2, 8, 16, dtype=BF16, device=DEV)
+    return _kv(k_cache=k_cache, k=k_cache[:, :, 0:3], cache_seqlens=torch.full((2,), 2, dtype=torch.int32, device=DEV))
+
+
 def _lce_head_logits_after_option_change():
     head = fused_block.LinearCrossEntropy(16, 10).to(DEV)
     head.softcap = 0.0
@@ -169,6 +182,8 @@ CATALOGUE = [
     ("kv-cache-expanded", lambda: _kv(k_cache=torch.zeros(1, 2, 8, 16, dtype=BF16, device=DEV).expand(2, 2, 8, 16)),
      ValueError, "k_cache"),
     ("kv-caches-share-memory", _kv_one_cache, ValueError, "v_cache"),
+    ("kv-caches-overlap", _kv_overlapping_caches, ValueError, "v_cache"),
+    ("kv-new-rows-share-the-cache", _kv_new_rows_from_the_cache, ValueError, "k must not share memory"),
     ("kv-new-keys-require-grad", lambda: _kv(k=r(2, 2, 3, 16, dtype=BF16).requires_grad_()), ValueError, "k"),
     # linear / mlp
     ("linear-inner-dims", lambda: _linear(weight=r(8, 12)), ValueError, "weight"),

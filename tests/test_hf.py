@@ -637,6 +637,26 @@ def test_cast_model_rotary_frequencies_are_converted_once(device, launches):
     assert launches["rope_qkvpacked"] == 2
 
 
+def test_model_built_under_inference_mode(device, launches):
+    """A model built under torch.inference_mode (its weights and buffers inference tensors,
+    which have no version counter): the packed QKV weights and rotary frequencies are made on
+    every call instead of cached per version (reading the counter crashed), so a weight changed
+    in place there shows in the next call; the original's logits."""
+    with torch.inference_mode():
+        model = _model("llama", device, layers=1).eval()
+        ref = copy.deepcopy(model).double()
+        fused = _converted(model)
+        ids, mask = _inputs("llama", device)
+        for step in range(2):
+            if step:  # in place: no version bump to see
+                for m in (model, ref, fused):
+                    m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+            logits = [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+                      for m in (ref, model, fused)]
+            _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["attention_fwd"] == 2
+
+
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
     unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,

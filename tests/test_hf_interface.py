@@ -301,6 +301,24 @@ def test_packed_batch_matches_the_sequences_one_by_one(name, converted, flash_kw
     assert launches["attention_fwd"] == launches["attention_bwd"] == 2  # one varlen launch per layer
 
 
+@pytest.mark.parametrize("positions", [None, [0, 1, 2, 3, 4, 0, 1, 2, 3]], ids=["model-made", "restarting"])
+def test_one_row_under_inference_mode(positions, device, launches):
+    """A one-row call under torch.inference_mode (a pipeline's batch of one): the position_ids
+    the model makes there, or the caller's restarting ones (a packed row), are inference tensors,
+    which have no version counter: read on every call (not cached per version as other
+    tensors), the original's logits (they crashed reading the counter)."""
+    model = interface_model("llama", device, "sdpa").eval()
+    ref, ours = copy.deepcopy(model).double(), _ours(model)
+    ids, _ = interface_inputs("llama", device)
+    with torch.inference_mode():
+        kw = dict(use_cache=False)
+        if positions is not None:
+            kw["position_ids"] = torch.tensor([positions], device=device)
+        logits = [m(ids[:1], **kw).logits for m in (ref, model, ours)]
+    assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["attention_fwd"] == 2
+
+
 def test_torch_compile_fullgraph(device, launches):
     """torch.compile(fullgraph=True) of a model on the interface (aot_eager: dynamo, the ops'
     fake implementations and AOT autograd): a training step with a padding mask runs the

@@ -441,6 +441,19 @@ def test_merging_again_after_the_adapters_changed_gives_peft_s_answer(change, de
     assert launches["matmul"] > 0
 
 
+def test_merged_adapters_of_a_model_built_under_inference_mode(device, launches):
+    """PEFT's model built and merged under torch.inference_mode (the adapters' parameters are
+    inference tensors, without a version counter): the merge's cache key no longer reads the
+    counter (it crashed), and the logits are PEFT's."""
+    with torch.inference_mode():
+        ref, got, (ids, mask) = _hf_peft("llama", device, "adapt_then_convert", targets=["q_proj", "v_proj"])
+        ref.eval(), got.eval()
+        for model in (ref, got):
+            model.merge_adapter()
+        _same_logits(got, ref, ids, mask)
+    assert launches["matmul"] > 0
+
+
 def test_merge_and_unload_of_adapters_added_after_a_forward_gives_peft_s_answer(device, launches):
     """A converted model's no-grad forward (the packed q/k/v weight cached), then adapters added
     (get_peft_model) and merged away (merge_and_unload) with no forward between: the linears are

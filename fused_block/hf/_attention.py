@@ -331,13 +331,15 @@ def _lengths_of(ids):
     """cu_seqlens (int32) and the longest length of a (1, L) sequence-index tensor; read once
     per tensor (every layer of a forward gets the same one): one sync per forward."""
     ref, last = _LAST_IDS
-    if ref is not None and ref() is ids and last[0] == ids._version:
+    inference = ids.is_inference()  # no version counter to tell an in-place change: read every time
+    if not inference and ref is not None and ref() is ids and last[0] == ids._version:
         return last[1]
     lengths = torch.bincount(ids[0].to(torch.int64))
     cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     longest = int(lengths.max())
     found = (cu, cu, longest, longest)
-    _LAST_IDS[:] = [weakref.ref(ids), (ids._version, found)]
+    if not inference:
+        _LAST_IDS[:] = [weakref.ref(ids), (ids._version, found)]
     return found
 
 
@@ -357,6 +359,8 @@ def restarting(position_ids, Lq, Lk):
     if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, Lq) or Lq != Lk or Lq < 2 \
             or torch.compiler.is_compiling() or _capturing(position_ids):
         return False
+    if position_ids.is_inference():  # no version counter (made under torch.inference_mode): read every time
+        return bool((position_ids.diff(dim=-1) != 1).any())
     ref, last = _LAST_POSITIONS
     if ref is not None and ref() is position_ids and last[0] == position_ids._version:
         return last[1]

@@ -330,8 +330,10 @@ def cached(state, name, tensors, make, stamp=()):
     module or parameter registered or assigned under a guarded layer since (the guard's epoch,
     :mod:`fused_block._guard`: PEFT wrapping or unwrapping the linears, as ``get_peft_model`` and
     ``merge_and_unload`` do around merges that are written through ``.data``). A write through
-    ``.data`` bumps no version counter, so it is not seen otherwise."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    ``.data`` bumps no version counter, so it is not seen otherwise. Inference tensors (a model
+    built under ``torch.inference_mode``) have no version counter: recomputed every call."""
+    if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            or any(t.is_inference() for t in tensors)):
         return make(tensors)
     key = (_guard._EPOCH, stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
