@@ -994,12 +994,30 @@ def _share_memory(a, b) -> bool:
     if a.shape != b.shape or a.stride() != b.stride() or a.element_size() != b.element_size() \
             or abs(a0 - b0) % a.element_size():
         return True
-    # The offset apart as an element's offset, largest stride first (exact for views whose
-    # strides nest: each larger than the span of the dims below it, as slices of a dense buffer).
-    d = abs(a0 - b0) // a.element_size()
-    for n, st in sorted(((n, st) for n, st in zip(a.shape, a.stride()) if n > 1), key=lambda e: -e[1]):
-        d -= min(d // st, n - 1) * st
-    return d == 0
+    # Elements a[i] and b[j] coincide where the offset apart is sum((i_k - j_k) * stride_k), each
+    # i_k - j_k within +-(n_k - 1): searched largest stride first, each digit narrowed to those
+    # the smaller strides can still make up (one or two for nested strides, as slices of a dense
+    # buffer have); a search past its budget counts as sharing.
+    dims = sorted(((n, st) for n, st in zip(a.shape, a.stride()) if n > 1), key=lambda e: -e[1])
+    reach = [0] * (len(dims) + 1)
+    for k in range(len(dims) - 1, -1, -1):
+        reach[k] = reach[k + 1] + (dims[k][0] - 1) * dims[k][1]
+    budget = [4096]
+
+    def makes(d, k):
+        if k == len(dims):
+            return d == 0
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        n, st = dims[k]
+        if st == 0:
+            return makes(d, k + 1)
+        rest = reach[k + 1]
+        lo, hi = max(-(n - 1), -((rest - d) // st)), min(n - 1, (d + rest) // st)
+        return any(makes(d - q * st, k + 1) for q in range(lo, hi + 1))
+
+    return makes(abs(a0 - b0) // a.element_size(), 0)
 
 
 def kv_cache_append(k_cache, v_cache, k, v, cache_seqlens):

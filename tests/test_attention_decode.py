@@ -263,6 +263,32 @@ def test_kv_cache_append_into_an_interleaved_packed_cache(device, launches):
     assert launches["attention_kv_append"] == 1
 
 
+def test_caches_sharing_an_element_are_found_exactly(device):
+    """kv_cache_append's overlap check on two views of one shape and strides (``attention.
+    _share_memory``) against the sets of element offsets they cover, for random shapes, strides
+    (nested as a dense buffer's slices, or not) and offsets: never "no" where an element is
+    shared (the kernel would race), never "yes" for interleaved views that share none."""
+    import itertools
+
+    from fused_block.attention import _share_memory
+    buf = torch.zeros(512, device=device)
+
+    def offsets(t):
+        return {t.storage_offset() + sum(i * s for i, s in zip(idx, t.stride()))
+                for idx in itertools.product(*map(range, t.shape))}
+
+    for _ in range(400):
+        nd = int(torch.randint(1, 5, ()))
+        shape = torch.randint(1, 5, (nd,)).tolist()
+        stride = torch.randint(1, 13, (nd,)).tolist()
+        o1, o2 = torch.randint(0, 80, (2,)).tolist()
+        a, b = buf.as_strided(shape, stride, o1), buf.as_strided(shape, stride, o2)
+        assert _share_memory(a, b) == bool(offsets(a) & offsets(b)), (shape, stride, o1, o2)
+    kv = buf[:2 * 2 * 8 * 2 * 4].view(2, 2, 8, 2, 4)  # a packed cache's interleaved k and v halves
+    assert not _share_memory(kv[..., 0, :], kv[..., 1, :])
+    assert _share_memory(kv[..., 0, :], kv.flatten()[8:].as_strided((2, 2, 8, 4), kv[..., 0, :].stride()))
+
+
 def test_kv_cache_append_bad_input(device, launches):
     import fused_block
     kc = torch.zeros(2, 2, 10, 16, device=device)
