@@ -606,6 +606,44 @@ def test_model_level_norm_runs_the_original_where_its_answer_differs(device, lau
     assert "_fused_block" not in bert.tower[0][0].__dict__
 
 
+@pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
+@pytest.mark.parametrize("params", ["fp32", "input"], ids=["fp32-params", "params-in-input-dtype"])
+def test_model_level_layer_norm_follows_cuda_autocast(dtype, params, device, launches, cuda_autocast_norms):
+    """GPT-2's final ln_f (a torch.nn.LayerNorm: its output is last_hidden_state) under autocast
+    whose policy runs layer_norm in fp32 (CUDA's; emulated on the CPU): a 16-bit input is
+    normalized in fp32 with fp32 weight and bias on the fused norm, and the output is fp32, as
+    torch's module gives (with fp32 parameters too, where the original forward ran before);
+    gradients in the input's and parameters' dtypes. Against float64, torch's module computed
+    the CUDA way (and on CUDA under torch.autocast('cuda')) the baseline."""
+    fused = _converted(_model("gpt2", device))
+    norm = fused.transformer.ln_f
+    if params == "input":
+        norm.to(dtype)
+    x = numerics.randn(B, L, 64, dtype=dtype, device=device, requires_grad=True)
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    with _no_fallback(), torch.autocast(device.type, dtype=lowp):
+        got = norm(x)
+    assert got.dtype == torch.float32 and launches["add_norm_fwd"] == 1
+    leaves = [x, norm.weight, norm.bias]
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    ref64 = torch.nn.functional.layer_norm(as64[0], (64,), as64[1], as64[2], norm.eps)
+    baselines = {"as CUDA's autocast computes": torch.nn.functional.layer_norm(
+        x.float(), (64,), norm.weight.float(), norm.bias.float(), norm.eps)}
+    if device.type == "cuda":
+        with torch.autocast("cuda", dtype=lowp):
+            baselines["torch's module under torch.autocast('cuda')"] = torch.nn.LayerNorm.forward(norm, x)
+    g = numerics.randn(*got.shape, dtype=torch.float64, device=device)
+    grads = torch.autograd.grad((got.double() * g).sum(), leaves)
+    grads64 = torch.autograd.grad((ref64 * g).sum(), as64)
+    for label, base in baselines.items():
+        assert base.dtype == got.dtype, label
+        _assert_close(f"out vs {label}", got, ref64, base, torch.float32, device)
+        for name, a, w, b, t in zip(("dx", "dweight", "dbias"), grads, grads64,
+                                    torch.autograd.grad((base.double() * g).sum(), leaves), leaves):
+            assert a.dtype == b.dtype == t.dtype, (label, name)
+            _assert_close(f"{name} vs {label}", a, w, b, t.dtype, device)
+
+
 def test_mlp_without_silu_runs_hugging_faces_module(device, launches):
     """hidden_act other than SiLU (the fused op is SiLU-gated): one warning at conversion, the
     MLP runs Hugging Face's module, everything else stays fused, the answer is the original's."""
