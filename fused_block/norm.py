@@ -355,6 +355,15 @@ def as_autocast(fn, x, residual, params, eps, dropout_p=0.0, residual_in_fp32=Fa
     return out, rout
 
 
+def add_layer_norm_as_torch(x, residual, weight, bias, eps, dropout_p=0.0):
+    """:func:`add_layer_norm` where its output is torch's ``LayerNorm``'s, observed as such (a
+    Post-LN residual stream, a layer's output): under an autocast that runs ``layer_norm`` in
+    fp32, :func:`as_autocast`; the op itself otherwise (one check outside autocast)."""
+    if _any_autocast() and autocast_upcasts(x, False):
+        return as_autocast(add_layer_norm, x, residual, (weight, bias), eps, dropout_p)
+    return add_layer_norm(x, residual, weight, bias, eps, dropout_p)
+
+
 def _torch_add_norm(x, residual, weight, bias, eps, is_rms, out_is_residual):
     """The op on torch's path: ``h = x + residual``; ``F.layer_norm`` / ``F.rms_norm`` of h
     (PyTorch's own rounding: its RMSNorm rounds the normalized row before the weight)."""
