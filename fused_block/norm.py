@@ -314,6 +314,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _AUTOCAST_FP32 = {}  # (device type, RMSNorm) -> whether that device type's autocast runs the norm in fp32
 
 
+@torch.compiler.assume_constant_result  # torch.compile: a constant of the trace, not a graph break
 def autocast_norm_fp32(device_type: str, is_rms: bool) -> bool:
     """Whether ``device_type``'s autocast runs torch's ``layer_norm`` (``rms_norm`` with
     ``is_rms``) in fp32: whether torch registers a kernel of that op for the dispatch key

@@ -684,6 +684,24 @@ def test_modules_follow_cuda_autocast(device, launches, cuda_autocast_norms, dty
             assert_close(f"{name} vs {label}", got_g, want_g, base_g)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", NORMS)
+def test_modules_follow_cuda_autocast_under_torch_compile(device, launches, cuda_autocast_norms, dtype, norm):
+    """torch.compile (fullgraph, aot_eager) traces the autocast policy without a graph break (the
+    device type's answer is a constant of the trace) and gives eager's output, fp32 under
+    (emulated) CUDA autocast, and eager's input gradient."""
+    m = (fused_block.LayerNorm if norm == "layer" else fused_block.RMSNorm)(64).to(device)
+    x = randn(4, 64, dtype=dtype, device=device, requires_grad=True)
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    with torch.autocast(device.type, dtype=lowp):
+        got, want = compiled(x), m(x)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
+
+
 def test_backward_launcher_takes_one_extra_gradient(device):
     """A second gradient of out and the gradient of residual_out never go to one launch (the
     compile check covers each alone; the autograd Function passes at most one)."""
