@@ -64,12 +64,16 @@ from fused_block.linear import gated_linear as _gated_linear
 from fused_block.linear import linear as _linear
 from fused_block.linear import lora_ffn as _lora_ffn
 from fused_block.linear import mlp as _mlp
+from fused_block import norm as _norm
 from fused_block.norm import LayerNorm, RMSNorm, add_layer_norm, add_rms_norm
 from fused_block.rope import rope_qkvpacked as _rope_qkvpacked
 
 NORMS = ("layer", "rms")
 # Head dims the attention kernel takes: multiples of 8 in [16, 256] (fp32: up to 128).
 _KERNEL_HEAD_DIMS = range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, 8)
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 class ShapeError(ValueError, AssertionError):
@@ -753,17 +757,26 @@ class _LayerMixin:
         The outputs take x's and residual's dtypes. Under autocast x (a matmul's output) is
         low precision while the residual stream stays fp32, as in torch's layers; where the
         norm's output is the residual stream itself (Post-LN) it must stay fp32 too.
+
+        Post-LN follows torch's autocast policy for the norms (``norm.autocast_upcasts``): where
+        the device type's autocast runs the norm in fp32 (CUDA), a 16-bit x (a 16-bit input
+        stream) is normalized in fp32 and the output, the next residual stream and the layer's
+        output, is fp32, as torch's layer gives. Pre-LN's norm outputs only feed the sublayers'
+        GEMMs, which autocast rounds to its dtype: the kernel's 16-bit output (rounded to
+        nearest from fp32) is that same value, so Pre-LN keeps the cheaper 16-bit path.
         """
         ops = _ops(x)
+        rms = self.norm != "layer"
+        params = _params(module, "weight") if rms else _params(module, "weight", "bias")
+        upcast = _any_autocast() and not self.norm_first and _norm.autocast_upcasts(x, rms)
         run = self.__dict__.get(_TP_RUN)
         # Tensor parallel: the residual stream is replicated (one mask on every rank), or split
         # along the sequence (each rank's tokens draw their own).
         with _NO_SEED_BLOCK if run is None or dropout_p == 0 else run.seeds([run.rank if run.sequence_parallel else 0]):
-            if self.norm == "layer":
-                return ops.add_layer_norm(x, residual, *_params(module, "weight", "bias"), module.eps, dropout_p,
-                                          False, out_is_residual)
-            return ops.add_rms_norm(x, residual, *_params(module, "weight"), module.eps, dropout_p, False,
-                                    out_is_residual)
+            fn = ops.add_rms_norm if rms else ops.add_layer_norm
+            if upcast:
+                return _norm.as_autocast(fn, x, residual, params, module.eps, dropout_p, False, out_is_residual)
+            return fn(x, residual, *params, module.eps, dropout_p, False, out_is_residual)
 
     def _ffn(self, x, p_in, p_out, residual=None):
         """``residual + dropout2(linear2(dropout(act(linear1(x)))))``: one ``mlp`` with both

@@ -305,6 +305,66 @@ def _torch_expresses(x, residual_dtype, residual, weight, bias) -> bool:
             and not _autocasting(x.device.type))
 
 
+# ---------------------------------------------------------------------------------------------
+# torch's autocast policy for the norms (the modules and the converted layers follow it)
+# ---------------------------------------------------------------------------------------------
+
+_any_autocast = torch._C._is_any_autocast_enabled
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_AUTOCAST_FP32 = {}  # (device type, RMSNorm) -> whether that device type's autocast runs the norm in fp32
+
+
+@torch.compiler.assume_constant_result  # torch.compile: a constant of the trace, not a graph break
+def autocast_norm_fp32(device_type: str, is_rms: bool) -> bool:
+    """Whether ``device_type``'s autocast runs torch's ``layer_norm`` (``rms_norm`` with
+    ``is_rms``) in fp32: whether torch registers a kernel of that op for the dispatch key
+    ``"Autocast" + device_type.upper()`` (CUDA, XPU: yes; CPU: no). Asked of torch once per
+    device type."""
+    key = (device_type, is_rms)
+    hit = _AUTOCAST_FP32.get(key)
+    if hit is None:
+        try:
+            hit = torch._C._dispatch_has_kernel_for_dispatch_key(
+                "aten::rms_norm" if is_rms else "aten::layer_norm", "Autocast" + device_type.upper())
+        except RuntimeError:  # no such dispatch key: that device type has no autocast of its own
+            hit = False
+        _AUTOCAST_FP32[key] = hit
+    return hit
+
+
+def autocast_upcasts(x, is_rms: bool) -> bool:
+    """Whether torch's module (``nn.LayerNorm`` / ``nn.RMSNorm``) would compute in fp32 where
+    ``x`` is fp16/bf16: autocast is on for x's device type and that type's autocast runs the norm
+    in fp32 (:func:`autocast_norm_fp32`). Callers on the hot path ask ``_any_autocast()`` first."""
+    return (x.dtype in _LOW_PRECISION and torch.is_autocast_enabled(x.device.type)
+            and autocast_norm_fp32(x.device.type, is_rms))
+
+
+def as_autocast(fn, x, residual, params, eps, dropout_p=0.0, residual_in_fp32=False, out_is_residual=False, **kw):
+    """``fn`` (:func:`add_layer_norm` / :func:`add_rms_norm`; ``params``: its weight (and bias))
+    as torch's autocast computes the norm (see :func:`autocast_upcasts`): x, weight and bias cast
+    to fp32, ``out`` fp32; ``residual_out`` as ``fn`` gives it (residual's dtype, x's without one,
+    normalized as stored: torch's ``x + residual`` rounded to its dtype before the fp32 norm).
+    Gradients reach x and the parameters through the casts, in their dtypes."""
+    x32 = x.float()
+    params = tuple(None if p is None else p.float() for p in params)
+    if residual is None and dropout_p:  # dropout(x) rounded to the stream's dtype, then normalized
+        residual = torch.zeros_like(x, dtype=torch.float32 if residual_in_fp32 else x.dtype)
+    out, rout = fn(x32, residual, *params, eps, dropout_p, residual_in_fp32, out_is_residual, **kw)
+    if residual is None and not out_is_residual and not residual_in_fp32:
+        rout = x  # residual_out is x itself, as without autocast
+    return out, rout
+
+
+def add_layer_norm_as_torch(x, residual, weight, bias, eps, dropout_p=0.0):
+    """:func:`add_layer_norm` where its output is torch's ``LayerNorm``'s, observed as such (a
+    Post-LN residual stream, a layer's output): under an autocast that runs ``layer_norm`` in
+    fp32, :func:`as_autocast`; the op itself otherwise (one check outside autocast)."""
+    if _any_autocast() and autocast_upcasts(x, False):
+        return as_autocast(add_layer_norm, x, residual, (weight, bias), eps, dropout_p)
+    return add_layer_norm(x, residual, weight, bias, eps, dropout_p)
+
+
 def _torch_add_norm(x, residual, weight, bias, eps, is_rms, out_is_residual):
     """The op on torch's path: ``h = x + residual``; ``F.layer_norm`` / ``F.rms_norm`` of h
     (PyTorch's own rounding: its RMSNorm rounds the normalized row before the weight)."""
@@ -471,7 +531,10 @@ class LayerNorm(torch.nn.LayerNorm):
     ``forward(x)`` returns the normalized tensor; ``forward(x, residual)`` returns
     ``(out, residual_out)`` with ``residual_out = x + residual``. float64 (and any dtype but
     fp32/fp16/bf16), of the input or of the parameters, runs torch's ``LayerNorm``, as do rows
-    over ``MAX_HIDDEN`` (2^24 - 1) elements, after a one-time warning.
+    over ``MAX_HIDDEN`` (2^24 - 1) elements, after a one-time warning. Under autocast it follows
+    torch's policy: where the device type's autocast runs ``layer_norm`` in fp32 (CUDA, not
+    CPU), an fp16/bf16 input is normalized in fp32 with fp32 weight and bias and the output is
+    fp32, as torch's module gives (:func:`as_autocast`).
     """
 
     __prepare_scriptable__ = _backend.not_scriptable
@@ -481,7 +544,10 @@ class LayerNorm(torch.nn.LayerNorm):
         if res is not None:
             return res
         xf, rf, w, b = _flatten_normalized(self, x, residual)
-        out, rout = add_layer_norm(xf, rf, w, b, self.eps)
+        if _any_autocast() and autocast_upcasts(xf, False):  # torch's LayerNorm computes in fp32 there
+            out, rout = as_autocast(add_layer_norm, xf, rf, (w, b), self.eps)
+        else:
+            out, rout = add_layer_norm(xf, rf, w, b, self.eps)
         if residual is None:
             return out.view(x.shape)
         return out.view(x.shape), rout.view(x.shape)
@@ -492,7 +558,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     ``forward(x)`` returns the normalized tensor; ``forward(x, residual)`` returns
     ``(out, residual_out)`` with ``residual_out = x + residual``. Other dtypes and widths as
-    :class:`LayerNorm` (torch's ``RMSNorm``).
+    :class:`LayerNorm` (torch's ``RMSNorm``), and so does autocast (``rms_norm`` in fp32 on CUDA).
     """
 
     __prepare_scriptable__ = _backend.not_scriptable
@@ -502,7 +568,10 @@ class RMSNorm(torch.nn.RMSNorm):
         if res is not None:
             return res
         xf, rf, w, _ = _flatten_normalized(self, x, residual)
-        out, rout = add_rms_norm(xf, rf, w, self.eps)
+        if _any_autocast() and autocast_upcasts(xf, True):  # torch's RMSNorm computes in fp32 there
+            out, rout = as_autocast(add_rms_norm, xf, rf, (w,), self.eps)
+        else:
+            out, rout = add_rms_norm(xf, rf, w, self.eps)
         if residual is None:
             return out.view(x.shape)
         return out.view(x.shape), rout.view(x.shape)

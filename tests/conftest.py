@@ -123,6 +123,20 @@ def run_once(tmp_path_factory, worker_id):
 
 
 @pytest.fixture
+def cuda_autocast_norms(monkeypatch):
+    """CUDA's autocast policy for the norms on the test's device: CPU autocast runs
+    ``layer_norm``/``rms_norm`` in the input's dtype where CUDA's runs them in fp32, so on the
+    CPU ``fused_block.norm.autocast_norm_fp32`` says for "cpu" what torch registers for "cuda"
+    (on CUDA torch's own answer stands). Compare with torch computing the CUDA way (explicit
+    fp32 casts), and on CUDA with torch under ``torch.autocast("cuda")`` itself."""
+    from fused_block import norm
+
+    real = norm.autocast_norm_fp32
+    monkeypatch.setattr(norm, "autocast_norm_fp32",
+                        lambda device_type, is_rms: real("cuda" if device_type == "cpu" else device_type, is_rms))
+
+
+@pytest.fixture
 def fma_chains(monkeypatch):
     """The interpreter computes IEEE fp32 products as the GPU's FMA units do: one FMA per k
     into the accumulator, in k order (``interpreter_hardware.FMA_CHAINS``); nothing on a GPU."""

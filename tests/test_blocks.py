@@ -591,6 +591,53 @@ def test_float64_runs_the_reference(device):
     torch.testing.assert_close(f(x, src_key_padding_mask=kpm), t(x, src_key_padding_mask=kpm), atol=1e-12, rtol=0)
 
 
+def _norms_as_cuda_autocast(layer):
+    """torch's layer as CUDA's autocast runs it on any device: each LayerNorm in fp32 (input,
+    weight and bias cast: the CPU's autocast leaves layer_norm in the input's dtype)."""
+    for m in layer.modules():
+        if isinstance(m, nn.LayerNorm):
+            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape, m.weight.float(),
+                                                                      m.bias.float(), m.eps)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-ln", "pre-ln"])
+def test_converted_layer_follows_cuda_autocast_norms(norm_first, dtype, device, launches, cuda_autocast_norms):
+    """A converted nn.TransformerEncoderLayer under autocast whose policy runs the norms in fp32
+    (CUDA's; emulated on the CPU) against the unconverted layer computed the CUDA way, and on
+    CUDA against torch's layer under torch.autocast('cuda') itself: Post-LN with a 16-bit input
+    (src) makes the residual stream fp32 after norm1 and returns fp32, as torch's does (the
+    norm's output is the stream); Pre-LN's norm outputs only feed GEMMs, which autocast rounds
+    to its dtype, so it is unchanged (16-bit output for a 16-bit src). Output and every gradient
+    against the float64 layer, the torch layer the baseline; gradients in its dtypes."""
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    t, _ = _layers("encoder", norm_first=norm_first, batch_first=True, activation="gelu")
+    t = t.to(device)
+    f = fused_block.convert(copy.deepcopy(t))
+    assert isinstance(f, blocks.TransformerEncoderLayer)
+    ref = copy.deepcopy(t).double()
+    baselines = {"as CUDA's autocast computes": _norms_as_cuda_autocast(copy.deepcopy(t))}
+    if device.type == "cuda":
+        baselines["torch's layer under torch.autocast('cuda')"] = copy.deepcopy(t)
+    src = _x(True, L, device).to(dtype)
+    grad_out = numerics.randn(*src.shape, dtype=torch.float64, device=device)
+    out64, g64 = _run(ref, [src.double()], {}, grad_out)
+    with torch.autocast(device.type, dtype=lowp):
+        out_f, g_f = _run(f, [src], {}, grad_out)
+    assert out_f.dtype == (dtype if norm_first else torch.float32)
+    assert launches["add_norm_fwd"] == 2
+    for label, layer in baselines.items():
+        with torch.autocast(device.type, dtype=lowp):
+            out_b, g_b = _run(layer, [src], {}, grad_out)
+        assert out_b.dtype == out_f.dtype, label
+        _assert_close(f"output vs {label}", out_f, out64, out_b, lowp, device)
+        assert g_f.keys() == g64.keys()
+        for name in g64:
+            assert g_f[name].dtype == g_b[name].dtype, (label, name)
+            _assert_close(f"{name} vs {label}", g_f[name], g64[name], g_b[name], lowp, device)
+
+
 # ---------------------------------------------------------------------------------------------
 # scalar arguments as torch's layers take them: numpy scalars, layer_norm_eps = 0
 # ---------------------------------------------------------------------------------------------

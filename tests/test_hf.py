@@ -606,6 +606,121 @@ def test_model_level_norm_runs_the_original_where_its_answer_differs(device, lau
     assert "_fused_block" not in bert.tower[0][0].__dict__
 
 
+@pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
+@pytest.mark.parametrize("params", ["fp32", "input", "bf16"],
+                         ids=["fp32-params", "params-in-input-dtype", "bf16-params"])
+def test_model_level_layer_norm_follows_cuda_autocast(dtype, params, device, launches, cuda_autocast_norms):
+    """GPT-2's final ln_f (a torch.nn.LayerNorm: its output is last_hidden_state) under autocast
+    whose policy runs layer_norm in fp32 (CUDA's; emulated on the CPU): a 16-bit input is
+    normalized in fp32 with fp32 weight and bias on the fused norm, and the output is fp32, as
+    torch's module gives (with fp32 parameters too, where the original forward ran before);
+    gradients in the input's and parameters' dtypes. bf16 parameters with an fp32 input: torch
+    casts them to fp32 too (the original forward ran there before, with a warning). Against
+    float64, torch's module computed the CUDA way (and on CUDA under torch.autocast('cuda')) the
+    baseline."""
+    fused = _converted(_model("gpt2", device))
+    norm = fused.transformer.ln_f
+    if params != "fp32":
+        norm.to(dtype if params == "input" else torch.bfloat16)
+    x = numerics.randn(B, L, 64, dtype=dtype, device=device, requires_grad=True)
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    with _no_fallback(), torch.autocast(device.type, dtype=lowp):
+        got = norm(x)
+    assert got.dtype == torch.float32 and launches["add_norm_fwd"] == 1
+    leaves = [x, norm.weight, norm.bias]
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    ref64 = torch.nn.functional.layer_norm(as64[0], (64,), as64[1], as64[2], norm.eps)
+    baselines = {"as CUDA's autocast computes": torch.nn.functional.layer_norm(
+        x.float(), (64,), norm.weight.float(), norm.bias.float(), norm.eps)}
+    if device.type == "cuda":
+        with torch.autocast("cuda", dtype=lowp):
+            baselines["torch's module under torch.autocast('cuda')"] = torch.nn.LayerNorm.forward(norm, x)
+    g = numerics.randn(*got.shape, dtype=torch.float64, device=device)
+    grads = torch.autograd.grad((got.double() * g).sum(), leaves)
+    grads64 = torch.autograd.grad((ref64 * g).sum(), as64)
+    for label, base in baselines.items():
+        assert base.dtype == got.dtype, label
+        _assert_close(f"out vs {label}", got, ref64, base, torch.float32, device)
+        for name, a, w, b, t in zip(("dx", "dweight", "dbias"), grads, grads64,
+                                    torch.autograd.grad((base.double() * g).sum(), leaves), leaves):
+            assert a.dtype == b.dtype == t.dtype, (label, name)
+            _assert_close(f"{name} vs {label}", a, w, b, t.dtype, device)
+
+
+@pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
+def test_post_ln_layer_follows_cuda_autocast(dtype, device, launches, cuda_autocast_norms):
+    """A converted BertLayer (Post-LN) given 16-bit hidden states under autocast whose policy
+    runs layer_norm in fp32 (CUDA's; emulated on the CPU): its norms' outputs, the stream and the
+    layer's output, are fp32 as the original layer's (fp32 input: fp32 already). Output and the
+    input's gradient against the float64 layer, the original computed the CUDA way (and on CUDA
+    under torch.autocast('cuda')) the baseline."""
+    model = _model("bert", device).train()
+    fused = _converted(model)
+    layer = fused.bert.encoder.layer[0]
+    assert "_fused_block" in layer.__dict__
+    originals = {"as CUDA's autocast computes": copy.deepcopy(model.bert.encoder.layer[0])}
+    for m in originals["as CUDA's autocast computes"].modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape,
+                                                                      m.weight.float(), m.bias.float(), m.eps)
+    if device.type == "cuda":
+        originals["torch's layer under torch.autocast('cuda')"] = model.bert.encoder.layer[0]
+    ref = copy.deepcopy(model.bert.encoder.layer[0]).double()
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    x = numerics.randn(B, L, 64, dtype=dtype, device=device)
+    g = numerics.randn(B, L, 64, dtype=torch.float64, device=device)
+
+    def run(lay, inp, autocast=True):
+        inp = inp.detach().requires_grad_()
+        with torch.autocast(device.type, dtype=lowp, enabled=autocast):
+            out = lay(inp)
+        out = out[0] if isinstance(out, tuple) else out
+        return out, torch.autograd.grad((out.double() * g).sum(), inp)[0]
+
+    with _no_fallback():
+        got, dx = run(layer, x)
+    assert got.dtype == torch.float32 and launches["add_norm_fwd"] == 2
+    out64, dx64 = run(ref, x.double(), autocast=False)
+    for label, orig in originals.items():
+        base, dbase = run(orig, x)
+        assert base.dtype == got.dtype and dbase.dtype == dx.dtype == dtype, label
+        _assert_close(f"output vs {label}", got, out64, base, lowp, device)
+        _assert_close(f"dx vs {label}", dx, dx64, dbase, lowp, device)
+
+
+@pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
+def test_bloom_post_layernorm_follows_cuda_autocast(dtype, device, launches, cuda_autocast_norms):
+    """BLOOM with ``apply_residual_connection_post_layernorm`` (the residuals are the norms'
+    outputs) given a 16-bit stream (its embedding norm taken out: that norm alone already makes
+    the stream fp32) under autocast whose policy runs layer_norm in fp32 (CUDA's; emulated on
+    the CPU): the residuals are fp32, so is the layer's output, as the original's. Logits
+    against the float64 model, the original computed the CUDA way (on CUDA also under
+    torch.autocast('cuda')) the baseline."""
+    model = _model("bloom", device, apply_residual_connection_post_layernorm=True).eval().to(dtype)
+    model.transformer.word_embeddings_layernorm = torch.nn.Identity()
+    fused = _converted(model)
+    originals = {"as CUDA's autocast computes": copy.deepcopy(model)}
+    for m in originals["as CUDA's autocast computes"].modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape,
+                                                                      m.weight.float(), m.bias.float(), m.eps)
+    if device.type == "cuda":
+        originals["torch's model under torch.autocast('cuda')"] = model
+    ids, mask = _inputs("bloom", device)
+    mask = torch.ones_like(mask)  # no padding: the float64 model's fully masked rows would be NaN
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    with torch.no_grad():
+        ref = copy.deepcopy(model).double()(ids, attention_mask=mask).logits
+        with _no_fallback(), torch.autocast(device.type, dtype=lowp):
+            got = fused(ids, attention_mask=mask, output_hidden_states=True)
+        assert launches["add_norm_fwd"] == 5  # 2 a layer, ln_f
+        for label, orig in originals.items():
+            with torch.autocast(device.type, dtype=lowp):
+                want = orig(ids, attention_mask=mask, output_hidden_states=True)
+            assert got.hidden_states[1].dtype == want.hidden_states[1].dtype == torch.float32, label  # layer 0's
+            _assert_close(f"logits vs {label}", got.logits.float(), ref, want.logits.float(), lowp, device)
+
+
 def test_mlp_without_silu_runs_hugging_faces_module(device, launches):
     """hidden_act other than SiLU (the fused op is SiLU-gated): one warning at conversion, the
     MLP runs Hugging Face's module, everything else stays fused, the answer is the original's."""

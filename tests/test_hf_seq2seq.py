@@ -424,3 +424,44 @@ def test_t5_head_dim_outside_the_kernel_runs_sdpa_with_the_bias(device, launches
         torch.testing.assert_close(fused.get_parameter(path).grad, model.get_parameter(path).grad, atol=1e-5,
                                    rtol=1e-4)
     assert launches["attention_fwd"] == 0 and launches["add_norm_fwd"] == NORMS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_bart_post_ln_layer_follows_cuda_autocast(dtype, device, launches, cuda_autocast_norms):
+    """A converted BartEncoderLayer (Post-LN) given 16-bit hidden states under autocast whose
+    policy runs layer_norm in fp32 (CUDA's; emulated on the CPU): its norms' outputs, the stream
+    and the layer's output, are fp32 as the original layer's (fp32 input: fp32 already). Output
+    and the input's gradient against the float64 layer, the original computed the CUDA way (and
+    on CUDA under torch.autocast('cuda')) the baseline."""
+    model = seq2seq_model("bart", device, "sdpa").eval()
+    fused = _converted(model)
+    layer, original = fused.model.encoder.layers[0], model.model.encoder.layers[0]
+    originals = {"as CUDA's autocast computes": copy.deepcopy(original)}
+    for m in originals["as CUDA's autocast computes"].modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape,
+                                                                      m.weight.float(), m.bias.float(), m.eps)
+    if device.type == "cuda":
+        originals["torch's layer under torch.autocast('cuda')"] = original
+    ref = copy.deepcopy(original).double()
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 64, generator=gen).to(device=device, dtype=dtype)
+    g = torch.randn(2, 9, 64, generator=gen, dtype=torch.float64).to(device)
+
+    def run(lay, inp, autocast=True):
+        inp = inp.detach().requires_grad_()
+        with torch.autocast(device.type, dtype=lowp, enabled=autocast):
+            out = lay(inp, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        return out, torch.autograd.grad((out.double() * g).sum(), inp)[0]
+
+    with no_fallback():
+        got, dx = run(layer, x)
+    assert got.dtype == torch.float32 and launches["add_norm_fwd"] == 2
+    out64, dx64 = run(ref, x.double(), autocast=False)
+    for label, orig in originals.items():
+        base, dbase = run(orig, x)
+        assert base.dtype == got.dtype and dbase.dtype == dx.dtype == dtype, label
+        assert_close(f"output vs {label}", got, out64, base, lowp, device)
+        assert_close(f"dx vs {label}", dx, dx64, dbase, lowp, device)

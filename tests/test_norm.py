@@ -585,14 +585,121 @@ def test_reference_fallback_without_interpreter(monkeypatch, launches):
 
 
 def test_autocast(device, launches):
-    """Under autocast the fp32 parameters stay fp32 and the kernel reads them as they are."""
+    """Under autocast the fp32 parameters stay fp32 and the kernel reads them as they are; the
+    output's dtype is torch's module's under the same autocast (bf16 on the CPU, whose autocast
+    leaves layer_norm alone; fp32 on CUDA)."""
     ln = fused_block.LayerNorm(64).to(device)
     x = randn(8, 64, dtype=torch.bfloat16, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = ln(x)
-    assert out.dtype == torch.bfloat16
+        want = torch.nn.LayerNorm(64).to(device)(x)
+    assert out.dtype == want.dtype == (torch.float32 if device.type == "cuda" else torch.bfloat16)
     torch.testing.assert_close(out.float(), torch.nn.functional.layer_norm(x.float(), (64,)), atol=2e-2, rtol=1e-2)
     assert launches["add_norm_fwd"] == 1
+
+
+def test_autocast_norm_predicate_is_torchs():
+    """Whether a device type's autocast runs the norms in fp32 is torch's registration: a
+    kernel of aten::layer_norm / aten::rms_norm for "Autocast" + the device type (CUDA's: yes;
+    the CPU's: no; a device type without an autocast key of its own: no)."""
+    from fused_block import norm as fnorm
+
+    for is_rms, op in ((False, "aten::layer_norm"), (True, "aten::rms_norm")):
+        assert fnorm.autocast_norm_fp32("cpu", is_rms) is False
+        assert fnorm.autocast_norm_fp32("cuda", is_rms) is torch._C._dispatch_has_kernel_for_dispatch_key(
+            op, "AutocastCUDA")
+        assert fnorm.autocast_norm_fp32("no_such_device", is_rms) is False
+
+
+def _as_cuda_autocast(norm, x, weight, bias, eps, residual=None):
+    """torch's module on ``x (+ residual)`` as CUDA's autocast computes it: the sum in its own
+    dtype, then input, weight and bias cast to fp32 (an fp32 output)."""
+    h = x if residual is None else x + residual
+    cast = lambda t: None if t is None else t.float()  # noqa: E731
+    if norm == "layer":
+        return torch.nn.functional.layer_norm(h.float(), h.shape[-1:], cast(weight), cast(bias), eps)
+    return torch.nn.functional.rms_norm(h.float(), h.shape[-1:], cast(weight), eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("params", ["fp32", "input"], ids=["fp32-params", "params-in-input-dtype"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["x", "x+residual"])
+def test_modules_follow_cuda_autocast(device, launches, cuda_autocast_norms, dtype, norm, params, with_residual):
+    """Under autocast whose policy runs the norms in fp32 (CUDA's; emulated on the CPU), the
+    modules give torch's module's answer: a 16-bit input normalized in fp32 with fp32 weight and
+    bias, an fp32 output, gradients in the input's and the parameters' dtypes (fp32 parameters:
+    an fp32 model; 16-bit: a cast one). ``forward(x, residual)``: residual_out = x + residual in
+    their dtype, normalized as rounded. fp32 input: unchanged (fp32 already)."""
+    cls, torch_cls = (fused_block.LayerNorm, torch.nn.LayerNorm) if norm == "layer" else (
+        fused_block.RMSNorm, torch.nn.RMSNorm)
+    ours = cls(96).to(device)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p))
+    if params == "input":
+        ours.to(dtype)
+    x = randn(5, 96, dtype=dtype, device=device, requires_grad=True)
+    residual = randn(5, 96, dtype=dtype, device=device, requires_grad=True) if with_residual else None
+    leaves = [t for t in (x, residual, *ours.parameters()) if t is not None]
+    names = ["dx"] + (["dresidual"] if with_residual else []) + [f"d{n}" for n, _ in ours.named_parameters()]
+    with torch.autocast(device.type, dtype=torch.bfloat16 if dtype == torch.float32 else dtype):
+        got = ours(x) if residual is None else ours(x, residual)
+    out, rout = (got, None) if residual is None else got
+    assert out.dtype == torch.float32
+    assert launches["add_norm_fwd"] == 1
+    w, b = ours.weight, getattr(ours, "bias", None)
+    eps = torch.finfo(torch.float32).eps if ours.eps is None else ours.eps  # RMSNorm's default: fp32's
+    base = _as_cuda_autocast(norm, x, w, b, eps, residual)
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, r64 = as64[0], as64[1] if with_residual else None
+    w64, b64 = as64[1 + with_residual], as64[2 + with_residual] if norm == "layer" else None
+    # The float64 oracle normalizes the sum rounded to its dtype, as torch and the kernel do.
+    h64 = x64 if r64 is None else x64 + r64 + ((x + residual).double() - (x.double() + residual.double())).detach()
+    if norm == "layer":
+        ref = torch.nn.functional.layer_norm(h64, (96,), w64, b64, eps)
+    else:
+        ref = torch.nn.functional.rms_norm(h64, (96,), w64, eps)
+    baselines = [("as CUDA's autocast computes", base)]
+    if device.type == "cuda":  # torch's own module under CUDA's autocast
+        theirs = torch_cls(96).to(device=device, dtype=w.dtype)
+        theirs.load_state_dict(ours.state_dict())
+        with torch.autocast("cuda", dtype=torch.bfloat16 if dtype == torch.float32 else dtype):
+            want = theirs(x if residual is None else x + residual)
+        assert want.dtype == out.dtype
+        baselines.append(("torch's module under torch.autocast('cuda')", want))
+        leaves_theirs = [x] + ([residual] if with_residual else []) + list(theirs.parameters())
+    if with_residual:
+        assert rout.dtype == dtype
+        torch.testing.assert_close(rout, x + residual, atol=0, rtol=0)
+    g = torch.randn(out.shape, dtype=torch.float64, device=device)
+    grads = torch.autograd.grad((out.double() * g).sum(), leaves)
+    grads64 = torch.autograd.grad((ref * g).sum(), as64)
+    for label, baseline in baselines:
+        assert_close(f"out vs {label}", out, ref, baseline)
+        base_leaves = leaves if baseline is base else leaves_theirs
+        base_grads = torch.autograd.grad((baseline.double() * g).sum(), base_leaves)
+        for name, got_g, want_g, base_g, t in zip(names, grads, grads64, base_grads, leaves):
+            assert got_g.dtype == base_g.dtype == t.dtype, name
+            assert_close(f"{name} vs {label}", got_g, want_g, base_g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", NORMS)
+def test_modules_follow_cuda_autocast_under_torch_compile(device, launches, cuda_autocast_norms, dtype, norm):
+    """torch.compile (fullgraph, aot_eager) traces the autocast policy without a graph break (the
+    device type's answer is a constant of the trace) and gives eager's output, fp32 under
+    (emulated) CUDA autocast, and eager's input gradient."""
+    m = (fused_block.LayerNorm if norm == "layer" else fused_block.RMSNorm)(64).to(device)
+    x = randn(4, 64, dtype=dtype, device=device, requires_grad=True)
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    with torch.autocast(device.type, dtype=lowp):
+        got, want = compiled(x), m(x)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
 
 
 def test_backward_launcher_takes_one_extra_gradient(device):

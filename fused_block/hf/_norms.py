@@ -20,7 +20,10 @@ give the original's answer: an input that is not a plain fp32/fp16/bf16 tensor o
 width and device (a DTensor, float64), or an original output dtype (which some classes take
 from the weight: LLaMA's ``weight * x.to(dtype)``, T5's half weights) other than the input's,
 unless the input is fp32 (the fused norm's fp32 result is then cast: one rounding);
-``nn.LayerNorm`` with a weight or bias in another dtype than the input's. The fused norm rounds
+``nn.LayerNorm`` with a weight or bias in another dtype than the input's, except under autocast
+where the device type's autocast runs ``layer_norm`` in fp32 (CUDA's): there input, weight and
+bias are cast to fp32 and the output is fp32, as torch's module gives. The
+Hugging Face RMSNorm classes are Python code autocast does not cast. The fused norm rounds
 once where LLaMA's rounds the normalized value and then its product with the weight: the
 converted layers' norms compute the same way.
 """
@@ -31,7 +34,8 @@ import torch
 from fused_block.hf._core import KERNEL_DTYPES, warn_once
 from fused_block.hf.gemma import NORMS as _UNIT_OFFSET
 from fused_block.hf.llama import rms_eps
-from fused_block.norm import _TENSOR_TYPES, MAX_HIDDEN, add_layer_norm, add_rms_norm
+from fused_block import norm as _norm
+from fused_block.norm import _TENSOR_TYPES, MAX_HIDDEN, _any_autocast, add_layer_norm, add_rms_norm, as_autocast
 
 
 def _rms(norm, x):
@@ -43,7 +47,15 @@ def _rms_unit_offset(norm, x):
 
 
 def _layer(norm, x):
+    if _any_autocast() and _autocast_fp32(x):  # torch.nn.LayerNorm computes in fp32 there
+        return as_autocast(add_layer_norm, x, None, (norm.weight, norm.bias), norm.eps)[0]
     return add_layer_norm(x, None, norm.weight, norm.bias, norm.eps)[0]
+
+
+def _autocast_fp32(x):
+    """Whether autocast is on for x's device type and runs ``layer_norm`` in fp32 there (CUDA's):
+    torch.nn.LayerNorm then casts input, weight and bias to fp32, whatever their dtypes."""
+    return torch.is_autocast_enabled(x.device.type) and _norm.autocast_norm_fp32(x.device.type, False)
 
 
 # The original's output dtype for an input x (None: a mix of dtypes the fused norm does not take).
@@ -59,7 +71,9 @@ def _input(norm, x):  # cast back to the input's dtype
     return x.dtype
 
 
-def _same(norm, x):  # torch.nn.LayerNorm: its weight and bias in the input's dtype
+def _same(norm, x):  # torch.nn.LayerNorm: its weight and bias in the input's dtype; fp32 under autocast (CUDA's)
+    if _any_autocast() and _autocast_fp32(x):
+        return torch.float32
     return x.dtype if all(t is None or t.dtype == x.dtype for t in (norm.weight, norm.bias)) else None
 
 
@@ -155,7 +169,8 @@ def _plan(norm, x, out_dtype):
     if x.shape[-1] > MAX_HIDDEN:
         return f"rows of {x.shape[-1]} elements (the kernels take up to {MAX_HIDDEN})", None
     dtype = out_dtype(norm, x)
-    if dtype != x.dtype and (dtype is None or x.dtype != torch.float32):
+    if dtype != x.dtype and (dtype is None or x.dtype != torch.float32) and not (
+            out_dtype is _same and dtype is torch.float32):  # torch.nn.LayerNorm under (CUDA's) autocast
         params = ", ".join(f"a {t.dtype} {name}" for name in ("weight", "bias")
                            if (t := getattr(norm, name, None)) is not None)
         return (f"{params} with a {x.dtype} input (the original's output: "

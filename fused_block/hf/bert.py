@@ -10,7 +10,7 @@ from fused_block.blocks import _like
 from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed_bias, packed_linear
 from fused_block.linear import linear, mlp
-from fused_block.norm import add_layer_norm
+from fused_block.norm import add_layer_norm_as_torch
 
 _LINEAR, _DROPOUT, _LAYER_NORM = (nn.Linear,), (nn.Dropout,), (nn.LayerNorm,)
 
@@ -54,7 +54,8 @@ def run(layer, call, x):
                        packing=call)
     a = linear(o, so.dense.weight, so.dense.bias, lora=lora.terms(so.dense, o))
     p1 = so.dropout.p if so.dropout.training else 0.0
-    h, _ = add_layer_norm(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)
+    # Post-LN: the norms' outputs are the stream, fp32 under CUDA's autocast as torch's LayerNorm gives
+    h, _ = add_layer_norm_as_torch(_like(a, x), x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, p1)
     act = ACTIVATIONS[s.config.hidden_act]
     if lora.is_lora(inter.dense) or lora.is_lora(out.dense):  # two GEMMs, the hidden activation between
         hid = linear(h, inter.dense.weight, inter.dense.bias, act, lora=lora.terms(inter.dense, h))
@@ -62,7 +63,7 @@ def run(layer, call, x):
     else:
         f = mlp(h, inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias, act)
     p2 = out.dropout.p if out.dropout.training else 0.0
-    y, _ = add_layer_norm(_like(f, h), h, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps, p2)
+    y, _ = add_layer_norm_as_torch(_like(f, h), h, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps, p2)
     return y
 
 

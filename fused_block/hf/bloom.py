@@ -22,7 +22,7 @@ from fused_block.blocks import _like
 from fused_block.hf._attention import attend, kernel_head_dim, mask_reason, plan
 from fused_block.hf._core import SAME, Family, kv_cache
 from fused_block.linear import linear, mlp
-from fused_block.norm import add_layer_norm
+from fused_block.norm import add_layer_norm, add_layer_norm_as_torch
 
 CAUSAL_LMS = ("BloomForCausalLM",)
 _LINEAR, _NORM, _DROPOUT = (nn.Linear,), (nn.LayerNorm,), (nn.Dropout,)
@@ -78,7 +78,9 @@ def run(block, call, x):
     post = block.apply_residual_connection_post_layernorm
     B, L, _ = x.shape
     H, D = attn.num_heads, attn.head_dim
-    n1, _ = add_layer_norm(x, None, ln1.weight, ln1.bias, ln1.eps)
+    # With post, the norms' outputs are the residuals: torch's LayerNorm's (fp32 under CUDA's autocast).
+    norm = add_layer_norm_as_torch if post else add_layer_norm
+    n1, _ = norm(x, None, ln1.weight, ln1.bias, ln1.eps)
     qkv = linear(n1, attn.query_key_value.weight, attn.query_key_value.bias,
                  lora=lora.terms(attn.query_key_value, n1))  # (B, L, H * 3 * D): each head's q, k, v
     heads = qkv.view(B, L, H, 3, D)
@@ -98,7 +100,7 @@ def run(block, call, x):
     o = linear(o, attn.dense.weight, attn.dense.bias, lora=lora.terms(attn.dense, o))
     p_attn = attn.hidden_dropout if attn.training else 0.0
     # h = residual + dropout(o), normalized in the same launch
-    n2, h = add_layer_norm(_like(o, x), n1 if post else x, ln2.weight, ln2.bias, ln2.eps, p_attn)
+    n2, h = norm(_like(o, x), n1 if post else x, ln2.weight, ln2.bias, ln2.eps, p_attn)
     residual = n2 if post else h
     p_mlp = m.hidden_dropout if m.training else 0.0
     up, down = m.dense_h_to_4h, m.dense_4h_to_h

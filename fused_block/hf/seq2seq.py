@@ -22,7 +22,7 @@ from fused_block.hf._attention import (attend, cross_keys, implementation_reason
                                        mask_reason, plan, self_attention)
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed_bias, packed_linear
 from fused_block.linear import linear, mlp
-from fused_block.norm import add_layer_norm
+from fused_block.norm import add_layer_norm, add_layer_norm_as_torch
 
 _LINEAR, _LAYER_NORM = (nn.Linear,), (nn.LayerNorm,)
 _PROJ = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -120,11 +120,13 @@ def run(layer, call, x):
             clamp = torch.finfo(y.dtype).max - 1000
             y = torch.clamp(y, min=-clamp, max=clamp)
         return y
-    h, _ = add_layer_norm(_like(_self_attention(layer, call, x, decoder), x), x, *_norm(ln1), p)
+    # Post-LN: the norms' outputs are the stream, fp32 under CUDA's autocast as torch's LayerNorm gives
+    h, _ = add_layer_norm_as_torch(_like(_self_attention(layer, call, x, decoder), x), x, *_norm(ln1), p)
     if decoder and cross:
-        h, _ = add_layer_norm(_like(_cross_attention(layer, call, h), h), h, *_norm(layer.encoder_attn_layer_norm), p)
+        h, _ = add_layer_norm_as_torch(_like(_cross_attention(layer, call, h), h), h,
+                                       *_norm(layer.encoder_attn_layer_norm), p)
     f = mlp(h, layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias, act, None, p_act)
-    y, _ = add_layer_norm(_like(f, h), h, *_norm(ln_f), p)
+    y, _ = add_layer_norm_as_torch(_like(f, h), h, *_norm(ln_f), p)
     if y.dtype == torch.float16 and not decoder and not torch.isfinite(y).all():  # as BartEncoderLayer
         clamp = torch.finfo(y.dtype).max - 1000
         y = torch.clamp(y, min=-clamp, max=clamp)
