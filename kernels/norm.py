@@ -861,7 +861,10 @@ def aot_specs():
                 ("bf16", "bf16", "bf16", False, False, False, True, "drout", False),
                 ("bf16", "bf16", "bf16", True, False, False, True, "drout", False),
                 ("bf16", "bf16", "bf16", True, False, False, True, "drout", True),
-                ("bf16", "bf16", "bf16", False, True, False, False, "dout2", False))
+                ("bf16", "bf16", "bf16", False, True, False, False, "dout2", False),
+                # a Post-LN layer's norm under CUDA's autocast (norm.as_autocast): x cast to fp32,
+                # the 16-bit stream as residual, fp32 parameters, the output also the next stream
+                ("fp32", "bf16", "fp32", False, True, False, True, "dout2", False))
     specs, families = [], {}
 
     def member(arch, kernel, cfg_key, variant):
