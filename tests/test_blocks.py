@@ -601,6 +601,7 @@ def _norms_as_cuda_autocast(layer):
     return layer
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-ln", "pre-ln"])
 def test_converted_layer_follows_cuda_autocast_norms(norm_first, dtype, device, launches, cuda_autocast_norms):

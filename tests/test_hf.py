@@ -609,6 +609,7 @@ def test_model_level_norm_runs_the_original_where_its_answer_differs(device, lau
 @pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
 @pytest.mark.parametrize("params", ["fp32", "input", "bf16"],
                          ids=["fp32-params", "params-in-input-dtype", "bf16-params"])
+@pytest.mark.sweep
 def test_model_level_layer_norm_follows_cuda_autocast(dtype, params, device, launches, cuda_autocast_norms):
     """GPT-2's final ln_f (a torch.nn.LayerNorm: its output is last_hidden_state) under autocast
     whose policy runs layer_norm in fp32 (CUDA's; emulated on the CPU): a 16-bit input is

@@ -621,6 +621,7 @@ def _as_cuda_autocast(norm, x, weight, bias, eps, residual=None):
     return torch.nn.functional.rms_norm(h.float(), h.shape[-1:], cast(weight), eps)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("params", ["fp32", "input"], ids=["fp32-params", "params-in-input-dtype"])
@@ -684,6 +685,7 @@ def test_modules_follow_cuda_autocast(device, launches, cuda_autocast_norms, dty
             assert_close(f"{name} vs {label}", got_g, want_g, base_g)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 def test_modules_follow_cuda_autocast_under_torch_compile(device, launches, cuda_autocast_norms, dtype, norm):
