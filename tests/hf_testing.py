@@ -6,6 +6,7 @@ multiple of any block size). The LLaMA family uses 2 KV heads (GQA). Weights are
 std 0.2 (HF's 0.02 makes tiny models' logits nearly flat, so greedy tokens would tie).
 """
 import contextlib
+import copy
 import re
 import warnings
 
@@ -69,6 +70,49 @@ def no_fallback():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fused_block:")
         yield
+
+
+def as_cuda_autocast_computes(module, device):
+    """{label: module}: a copy of ``module`` whose ``torch.nn.LayerNorm``s compute as CUDA's
+    autocast runs them (input, weight and bias cast to fp32, an fp32 output), the baseline on
+    every device; on CUDA also ``module`` itself, for the caller's ``torch.autocast('cuda')``."""
+    emulated = copy.deepcopy(module)
+    for m in emulated.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape,
+                                                                      m.weight.float(), m.bias.float(), m.eps)
+    originals = {"as CUDA's autocast computes": emulated}
+    if device.type == "cuda":
+        originals["torch's module under torch.autocast('cuda')"] = module
+    return originals
+
+
+def check_post_ln_layer_under_cuda_autocast(layer, original, x, g, device, launches, call=lambda lay, inp: lay(inp)):
+    """A converted Post-LN layer ``layer`` given ``x`` (16-bit, or fp32) under autocast whose
+    policy runs layer_norm in fp32 (CUDA's, emulated on the CPU by the caller's fixture): its
+    output is fp32, as ``original``'s, with both norms fused; the output and x's gradient (``g``
+    the output's) against the float64 layer, :func:`as_cuda_autocast_computes`' the baselines."""
+    originals = as_cuda_autocast_computes(original, device)
+    ref = copy.deepcopy(original).double()
+    dtype = x.dtype
+    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
+
+    def run(lay, inp, autocast=True):
+        inp = inp.detach().requires_grad_()
+        with torch.autocast(device.type, dtype=lowp, enabled=autocast):
+            out = call(lay, inp)
+        out = out[0] if isinstance(out, tuple) else out
+        return out, torch.autograd.grad((out.double() * g).sum(), inp)[0]
+
+    with no_fallback():
+        got, dx = run(layer, x)
+    assert got.dtype == torch.float32 and launches["add_norm_fwd"] == 2
+    out64, dx64 = run(ref, x.double(), autocast=False)
+    for label, orig in originals.items():
+        base, dbase = run(orig, x)
+        assert base.dtype == got.dtype and dbase.dtype == dx.dtype == dtype, label
+        assert_close(f"output vs {label}", got, out64, base, lowp, device)
+        assert_close(f"dx vs {label}", dx, dx64, dbase, lowp, device)
 
 
 def config(arch, layers=2, **overrides):

@@ -27,6 +27,7 @@ import op_counting  # noqa: E402
 from fused_block import hf  # noqa: E402
 
 from hf_testing import B, L, V  # noqa: E402
+from hf_testing import as_cuda_autocast_computes, check_post_ln_layer_under_cuda_autocast  # noqa: E402
 from hf_testing import check_dropout_flags, dropout_modes  # noqa: E402
 from hf_testing import assert_close as _assert_close  # noqa: E402
 from hf_testing import inputs as _inputs  # noqa: E402
@@ -659,34 +660,9 @@ def test_post_ln_layer_follows_cuda_autocast(dtype, device, launches, cuda_autoc
     fused = _converted(model)
     layer = fused.bert.encoder.layer[0]
     assert "_fused_block" in layer.__dict__
-    originals = {"as CUDA's autocast computes": copy.deepcopy(model.bert.encoder.layer[0])}
-    for m in originals["as CUDA's autocast computes"].modules():
-        if isinstance(m, torch.nn.LayerNorm):
-            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape,
-                                                                      m.weight.float(), m.bias.float(), m.eps)
-    if device.type == "cuda":
-        originals["torch's layer under torch.autocast('cuda')"] = model.bert.encoder.layer[0]
-    ref = copy.deepcopy(model.bert.encoder.layer[0]).double()
-    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
     x = numerics.randn(B, L, 64, dtype=dtype, device=device)
     g = numerics.randn(B, L, 64, dtype=torch.float64, device=device)
-
-    def run(lay, inp, autocast=True):
-        inp = inp.detach().requires_grad_()
-        with torch.autocast(device.type, dtype=lowp, enabled=autocast):
-            out = lay(inp)
-        out = out[0] if isinstance(out, tuple) else out
-        return out, torch.autograd.grad((out.double() * g).sum(), inp)[0]
-
-    with _no_fallback():
-        got, dx = run(layer, x)
-    assert got.dtype == torch.float32 and launches["add_norm_fwd"] == 2
-    out64, dx64 = run(ref, x.double(), autocast=False)
-    for label, orig in originals.items():
-        base, dbase = run(orig, x)
-        assert base.dtype == got.dtype and dbase.dtype == dx.dtype == dtype, label
-        _assert_close(f"output vs {label}", got, out64, base, lowp, device)
-        _assert_close(f"dx vs {label}", dx, dx64, dbase, lowp, device)
+    check_post_ln_layer_under_cuda_autocast(layer, model.bert.encoder.layer[0], x, g, device, launches)
 
 
 @pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
@@ -700,13 +676,7 @@ def test_bloom_post_layernorm_follows_cuda_autocast(dtype, device, launches, cud
     model = _model("bloom", device, apply_residual_connection_post_layernorm=True).eval().to(dtype)
     model.transformer.word_embeddings_layernorm = torch.nn.Identity()
     fused = _converted(model)
-    originals = {"as CUDA's autocast computes": copy.deepcopy(model)}
-    for m in originals["as CUDA's autocast computes"].modules():
-        if isinstance(m, torch.nn.LayerNorm):
-            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape,
-                                                                      m.weight.float(), m.bias.float(), m.eps)
-    if device.type == "cuda":
-        originals["torch's model under torch.autocast('cuda')"] = model
+    originals = as_cuda_autocast_computes(model, device)
     ids, mask = _inputs("bloom", device)
     mask = torch.ones_like(mask)  # no padding: the float64 model's fully masked rows would be NaN
     lowp = torch.bfloat16 if dtype == torch.float32 else dtype

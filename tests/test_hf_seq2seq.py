@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 import fused_block  # noqa: E402
 import fused_block.hf  # noqa: E402
 from hf_testing import assert_close, check_dropout_flags, no_fallback, seq2seq_inputs, seq2seq_model  # noqa: E402
+from hf_testing import check_post_ln_layer_under_cuda_autocast  # noqa: E402
 
 NAMES = ["bart", "whisper", "t5", "t5-v1.0"]
 # Per forward of 2 + 2 layers: the encoder's QKV, out, fc1, fc2 GEMMs; the decoder's QKV, out,
@@ -436,32 +437,7 @@ def test_bart_post_ln_layer_follows_cuda_autocast(dtype, device, launches, cuda_
     model = seq2seq_model("bart", device, "sdpa").eval()
     fused = _converted(model)
     layer, original = fused.model.encoder.layers[0], model.model.encoder.layers[0]
-    originals = {"as CUDA's autocast computes": copy.deepcopy(original)}
-    for m in originals["as CUDA's autocast computes"].modules():
-        if isinstance(m, torch.nn.LayerNorm):
-            m.forward = lambda x, m=m: torch.nn.functional.layer_norm(x.float(), m.normalized_shape,
-                                                                      m.weight.float(), m.bias.float(), m.eps)
-    if device.type == "cuda":
-        originals["torch's layer under torch.autocast('cuda')"] = original
-    ref = copy.deepcopy(original).double()
-    lowp = torch.bfloat16 if dtype == torch.float32 else dtype
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 9, 64, generator=gen).to(device=device, dtype=dtype)
-    g = torch.randn(2, 9, 64, generator=gen, dtype=torch.float64).to(device)
-
-    def run(lay, inp, autocast=True):
-        inp = inp.detach().requires_grad_()
-        with torch.autocast(device.type, dtype=lowp, enabled=autocast):
-            out = lay(inp, attention_mask=None)
-        out = out[0] if isinstance(out, tuple) else out
-        return out, torch.autograd.grad((out.double() * g).sum(), inp)[0]
-
-    with no_fallback():
-        got, dx = run(layer, x)
-    assert got.dtype == torch.float32 and launches["add_norm_fwd"] == 2
-    out64, dx64 = run(ref, x.double(), autocast=False)
-    for label, orig in originals.items():
-        base, dbase = run(orig, x)
-        assert base.dtype == got.dtype and dbase.dtype == dx.dtype == dtype, label
-        assert_close(f"output vs {label}", got, out64, base, lowp, device)
-        assert_close(f"dx vs {label}", dx, dx64, dbase, lowp, device)
+    x = torch.randn(2, 9, 64).to(device=device, dtype=dtype)
+    g = torch.randn(2, 9, 64, dtype=torch.float64).to(device)
+    check_post_ln_layer_under_cuda_autocast(layer, original, x, g, device, launches,
+                                            call=lambda lay, inp: lay(inp, attention_mask=None))
