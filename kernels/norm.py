@@ -201,7 +201,10 @@ def _add_norm_fwd_kernel(
             dm = _div_n(sd, N, inv_n, INTERPRET)
             mean += dm
             xc = d - dm[:, None]
-            var = tl.maximum(_div_n(sdd, N, inv_n, INTERPRET) - dm * dm, 0.0)
+            # An overflowed E[d^2] is the variance (inf, rstd 0): a mean correction dm whose
+            # square overflows too (|h| near fp32's max) would make it inf - inf = NaN.
+            edd = _div_n(sdd, N, inv_n, INTERPRET)
+            var = tl.where(edd == float("inf"), edd, tl.maximum(edd - dm * dm, 0.0))
         rstd = _rstd(var, eps, INTERPRET)
         y = xc * rstd[:, None]
         if ROWS * BLOCK_N > 8192:

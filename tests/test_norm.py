@@ -131,6 +131,37 @@ def test_chunked_paths(device, launches, small_chunks, norm, dtype, out_is_resid
     assert launches["add_norm_bwd_reduce"] == 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_norm_of_a_value_near_the_dtype_max(device, launches, dtype):
+    """A row holding one element near the dtype's max (0.9 finfo.max: its square overflows fp32
+    for fp32 and bf16) has an infinite fp32 variance: torch's layer_norm gives that row rstd = 0,
+    so out = bias there, and finite dweight/dbias. The kernels subtracted the mean's correction
+    squared, itself overflowing there (|dm| ~ ulp(3e38) = 2e31), from the infinite E[d^2]: inf -
+    inf = NaN rstd, a NaN row and NaN dweight/dbias over the whole batch. 4 rows of 40: the
+    register path, several rows per program. (The chunked path, rows wider than 8192 in fp32,
+    still gives NaN there: its sum of the rows' shifted values overflows too.)"""
+    n = 40
+    x, residual, weight, bias = _inputs((4, n), dtype, device)
+    with torch.no_grad():
+        x[1, 7] = 0.9 * torch.finfo(dtype).max
+        residual[1, 7] = 0.0
+    out, rout = fused_block.add_layer_norm(x, residual, weight, bias)
+    g = randn(4, n, dtype=dtype, device=device)
+    dx, dw, db = torch.autograd.grad((out * g).sum(), (x, weight, bias))
+    tx, tw, tb = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    t_out = torch.nn.functional.layer_norm(tx + residual.detach(), (n,), tw, tb, 1e-5)
+    t_dx, t_dw, t_db = torch.autograd.grad((t_out * g).sum(), (tx, tw, tb))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name, ours, theirs in (("out", out, t_out), ("dweight", dw, t_dw), ("dbias", db, t_db)):
+        assert torch.isfinite(theirs).all(), name  # torch's answer is finite here ...
+        torch.testing.assert_close(ours, theirs, **tol, msg=name)  # ... and so is ours
+    # dx of the other rows; the huge row's is NaN in torch's backward (rstd 0 times an
+    # infinite term) where the float64 answer is ~1e-38: ours is 0 there.
+    rows = [0, 2, 3]
+    torch.testing.assert_close(dx[rows], t_dx[rows], **tol)
+    assert launches["add_norm_fwd"] == 1 and launches["add_norm_bwd"] == 1
+
+
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 def test_fp32_weight_and_residual_stream(device, launches, dtype, norm):
