@@ -164,6 +164,17 @@ def _act_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _chain(g, d, x, ACTIVATION: tl.constexpr):
+    """``g * d act(x) / dx`` for ``(d, _) = _act_grad(x)``. ReLU selects, as torch's
+    threshold_backward (``where(x <= 0, 0, g)``): an infinite or NaN incoming gradient at an
+    inactive unit gives 0 there, not inf * 0 = NaN."""
+    if ACTIVATION == 3:
+        return tl.where(x <= 0.0, 0.0, g)
+    else:
+        return g * d
+
+
+@triton.jit
 def _gate_grad(g, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """``(d act(g) / dg, act(g))`` of a gated FFN's gate on an fp32 tile: SiLU for SwiGLU (4),
     the tanh GELU for GeGLU (5)."""
@@ -322,7 +333,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
             if ACTIVATION != 0:
                 pre = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
                 d, h = _act_grad(pre, ACTIVATION, FAST)
-                acc = acc * d
+                acc = _chain(acc, d, pre, ACTIVATION)
                 if STORE_H:
                     if HAS_DROPOUT:
                         h = tl.where(keep, h * drop_scale, 0.0)
@@ -685,7 +696,7 @@ def _act_grad_kernel(
         elif ACTIVATION != 0:
             pre = tl.load(PRE + offs, mask=mask, other=0.0)
             dact, h = _act_grad(pre.to(tl.float32), ACTIVATION, FAST)
-            d = d * dact
+            d = _chain(d, dact, pre.to(tl.float32), ACTIVATION)
         if STORE_H:
             if HAS_DROPOUT:
                 h = tl.where(keep, h * drop_scale, 0.0)

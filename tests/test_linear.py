@@ -375,6 +375,45 @@ def test_linear_one_dim_input_and_no_grad(device, launches):
     assert launches["matmul"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["linear", "mlp"])
+def test_relu_blocks_a_non_finite_gradient_at_inactive_units(op, dtype, device, launches):
+    """ReLU's backward is torch's threshold_backward, where(x <= 0, 0, grad): an infinite or NaN
+    gradient reaching a unit whose pre-activation is negative gives 0 there, and the gradients
+    behind it stay finite where they are in torch's composition. The kernels multiplied by the
+    derivative 0 (inf * 0 = NaN). linear: the gradient of its output (the act_grad kernel); mlp:
+    dO @ W2 (the GEMM's epilogue), whose row is infinite where dO's is. Column 2's bias of -100
+    keeps that unit inactive on every row. Small shapes: 8 x 16 -> 24 (-> 16)."""
+    M, K, N = 8, 16, 24
+    x = randn(M, K, dtype=dtype, device=device, requires_grad=True)
+    w1 = randn(N, K, dtype=dtype, device=device, scale=K ** -0.5, requires_grad=True)
+    b1 = randn(N, dtype=dtype, device=device, requires_grad=True)
+    w2 = randn(K, N, dtype=dtype, device=device, scale=N ** -0.5, requires_grad=True)
+    b2 = randn(K, dtype=dtype, device=device, requires_grad=True)
+    with torch.no_grad():
+        b1[2] = -100.0
+    params = (x, w1, b1) if op == "linear" else (x, w1, b1, w2, b2)
+    if op == "linear":
+        out = linear(x, w1, b1, "relu")
+        want = F.relu(F.linear(x, w1, b1))
+    else:
+        out = mlp(x, w1, b1, w2, b2, activation="relu")
+        want = F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+    dout = randn(*out.shape, dtype=dtype, device=device)
+    dout[1, 2] = float("inf")
+    dout[3, 2] = float("nan")
+    got = torch.autograd.grad(out, params, dout)
+    wanted = torch.autograd.grad(want, params, dout)
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
+    for name, g, w in zip(("dx", "dw1", "db1", "dw2", "db2"), got, wanted):
+        finite = torch.isfinite(w)
+        assert torch.equal(torch.isfinite(g), finite), name
+        torch.testing.assert_close(g[finite].float(), w[finite].float(), atol=tol, rtol=tol, msg=name)
+    if op == "linear":
+        assert torch.isfinite(got[0]).all()  # column 2 is the only one the non-finite values reach
+    assert launches["matmul"] >= 1
+
+
 @pytest.mark.parametrize("dtype_mode", [DTYPE_MODES[0], DTYPE_MODES[2], DTYPE_MODES[3]])
 @pytest.mark.parametrize("shape", [(4, 0, 8), (0, 5, 8), (3, 5, 0)], ids=["no_in_features", "no_rows", "no_out"])
 def test_linear_zero_sizes(shape, dtype_mode, device):
