@@ -312,7 +312,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
     mask = mask_m[:, None] & mask_n[None, :]
     if ACT_GRAD:
         if HAS_DROPOUT:
-            acc = tl.where(keep, acc * drop_scale, 0.0)
+            acc = acc * tl.where(keep, drop_scale, 0.0)
         if ACTIVATION >= 4:
             g = _io_load(AUX, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
             u = _io_load(AUX2, row0, rm, rn, mask, stride_xm, 1, EVEN_MN)
@@ -327,7 +327,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
             if STORE_H:
                 h = silu * u
                 if HAS_DROPOUT:
-                    h = tl.where(keep, h * drop_scale, 0.0)
+                    h = h * tl.where(keep, drop_scale, 0.0)
                 _io_store(HOUT, h, row0, col, rm, rn, mask, N, TMA_EPI, EVEN_MN, INTERPRET)
         else:
             if ACTIVATION != 0:
@@ -336,7 +336,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
                 acc = _chain(acc, d, pre, ACTIVATION)
                 if STORE_H:
                     if HAS_DROPOUT:
-                        h = tl.where(keep, h * drop_scale, 0.0)
+                        h = h * tl.where(keep, drop_scale, 0.0)
                     _io_store(HOUT, h, row0, col, rm, rn, mask, N, TMA_EPI, EVEN_MN, INTERPRET)
             _io_store(C, acc, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
             if HAS_DBIAS:
@@ -363,7 +363,7 @@ def _leaf(acc, acc2, keep, row0, col, M, N, pid_m,
         else:
             y = _act(acc, ACTIVATION, FAST)
         if HAS_DROPOUT:
-            y = tl.where(keep, y * drop_scale, 0.0)
+            y = y * tl.where(keep, drop_scale, 0.0)
         if HAS_RESIDUAL:
             y += _io_load(RES, row0, rm, rn, mask, stride_rm, stride_rn, EVEN_MN)
         _io_store(C, y, row0, col, rm, rn, mask, stride_cm, TMA_EPI, EVEN_MN, INTERPRET)
@@ -680,7 +680,7 @@ def _act_grad_kernel(
         d = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
             keep = _keep(words[j], drop_thresh)
-            d = tl.where(keep, d * drop_scale, 0.0)
+            d = d * tl.where(keep, drop_scale, 0.0)
         offs = rm[:, None] * stride_pm + rn[None, :] * stride_pn
         if ACTIVATION >= 4:
             g = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
@@ -699,7 +699,7 @@ def _act_grad_kernel(
             d = _chain(d, dact, pre.to(tl.float32), ACTIVATION)
         if STORE_H:
             if HAS_DROPOUT:
-                h = tl.where(keep, h * drop_scale, 0.0)
+                h = h * tl.where(keep, drop_scale, 0.0)
             tl.store(HOUT + rm[:, None] * N + rn[None, :], common.cast(h, HOUT.dtype.element_ty, INTERPRET),
                      mask=mask)
         if STORE_DPRE:

@@ -377,6 +377,36 @@ def test_linear_one_dim_input_and_no_grad(device, launches):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", ["linear", "mlp"])
+def test_dropout_of_a_non_finite_value_is_not_finite(op, dtype, device, launches):
+    """torch's dropout multiplies by its mask: a dropped inf or NaN is NaN (inf * 0), forward and
+    backward, so non-finite values stay non-finite whatever the mask. The epilogues selected 0
+    for dropped elements. An infinite bias (column 2 of the product, of the hidden layer for
+    mlp): that column non-finite on every row (mlp: every output, through the second GEMM);
+    an infinite incoming gradient on column 2: dx non-finite on every row. Half the elements
+    dropped: among 8 rows some are, whatever the draw. Small shapes: 8 x 16 -> 24 (-> 16)."""
+    M, K, N = 8, 16, 24
+    x = randn(M, K, dtype=dtype, device=device, requires_grad=True)
+    w1 = randn(N, K, dtype=dtype, device=device, scale=K ** -0.5, requires_grad=True)
+    b1 = randn(N, dtype=dtype, device=device)
+    w2 = randn(K, N, dtype=dtype, device=device, scale=N ** -0.5)
+    b1_inf = b1.clone()
+    b1_inf[2] = float("inf")
+    if op == "linear":
+        out = linear(x, w1, b1_inf, "gelu", dropout_p=0.5)
+        assert not torch.isfinite(out[:, 2]).any() and torch.isfinite(out[:, 3:]).all()
+        out = linear(x, w1, b1, "gelu", dropout_p=0.5)
+    else:
+        out = mlp(x, w1, b1_inf, w2, None, activation="gelu", dropout_p=0.5)
+        assert not torch.isfinite(out).any()
+        out = mlp(x, w1, b1, w2, None, activation="gelu", output_dropout_p=0.5)
+    g = torch.zeros_like(out)
+    g[:, 2] = float("inf")
+    dx, = torch.autograd.grad(out, x, g)
+    assert not torch.isfinite(dx).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["linear", "mlp"])
 def test_relu_blocks_a_non_finite_gradient_at_inactive_units(op, dtype, device, launches):
     """ReLU's backward is torch's threshold_backward, where(x <= 0, 0, grad): an infinite or NaN
     gradient reaching a unit whose pre-activation is negative gives 0 there, and the gradients
