@@ -137,7 +137,7 @@ def _sum_in(X, R, ROUT, x_offs, r_offs, mask, rand_offs, seed, keep_scale, dropo
     h = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         keep = tl.rand(seed, rand_offs) >= dropout_p
-        h = h * (keep.to(tl.float32) * keep_scale)  # a dropped inf or NaN is NaN, as torch's
+        h = tl.where(keep, h * keep_scale, 0.0)
     if HAS_RES:
         h += tl.load(R + r_offs, mask=mask, other=0.0).to(tl.float32)
     if STORE_ROUT:
@@ -316,7 +316,7 @@ def _store_grads(DX, DRES, offs, mask, seed, keep_scale, dropout_p, dh,
         tl.store(DRES + offs, common.cast(dh, DRES.dtype.element_ty, INTERPRET), mask=mask)
     if HAS_DROPOUT:
         keep = tl.rand(seed, offs) >= dropout_p
-        dh = dh * tl.where(keep, keep_scale, 0.0)
+        dh = tl.where(keep, dh * keep_scale, 0.0)
     tl.store(DX + offs, common.cast(dh, DX.dtype.element_ty, INTERPRET), mask=mask)
 
 
