@@ -73,9 +73,6 @@ NORMS = ("layer", "rms")
 _KERNEL_HEAD_DIMS = range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, 8)
 
 
-_any_autocast = torch._C._is_any_autocast_enabled
-
-
 class ShapeError(ValueError, AssertionError):
     """Bad shapes: a ``ValueError`` (this library's convention) that is also the
     ``AssertionError`` torch's layers raise in the same situation."""
@@ -768,7 +765,7 @@ class _LayerMixin:
         ops = _ops(x)
         rms = self.norm != "layer"
         params = _params(module, "weight") if rms else _params(module, "weight", "bias")
-        upcast = _any_autocast() and not self.norm_first and _norm.autocast_upcasts(x, rms)
+        upcast = not self.norm_first and _norm.autocast_upcasts(x, rms)
         run = self.__dict__.get(_TP_RUN)
         # Tensor parallel: the residual stream is replicated (one mask on every rank), or split
         # along the sequence (each rank's tokens draw their own).

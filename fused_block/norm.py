@@ -332,12 +332,18 @@ def autocast_norm_fp32(device_type: str, is_rms: bool) -> bool:
     return hit
 
 
+def autocast_runs_fp32(x, is_rms: bool) -> bool:
+    """Whether autocast is on for x's device type and that type's autocast runs the norm in fp32
+    (:func:`autocast_norm_fp32`): then torch's module casts input, weight and bias to fp32,
+    whatever their dtypes. One C call outside autocast."""
+    return (_any_autocast() and torch.is_autocast_enabled(x.device.type)
+            and autocast_norm_fp32(x.device.type, is_rms))
+
+
 def autocast_upcasts(x, is_rms: bool) -> bool:
     """Whether torch's module (``nn.LayerNorm`` / ``nn.RMSNorm``) would compute in fp32 where
-    ``x`` is fp16/bf16: autocast is on for x's device type and that type's autocast runs the norm
-    in fp32 (:func:`autocast_norm_fp32`). Callers on the hot path ask ``_any_autocast()`` first."""
-    return (x.dtype in _LOW_PRECISION and torch.is_autocast_enabled(x.device.type)
-            and autocast_norm_fp32(x.device.type, is_rms))
+    ``x`` is fp16/bf16 (:func:`autocast_runs_fp32`): where our op on x would not."""
+    return x.dtype in _LOW_PRECISION and autocast_runs_fp32(x, is_rms)
 
 
 def as_autocast(fn, x, residual, params, eps, dropout_p=0.0, residual_in_fp32=False, out_is_residual=False, **kw):
@@ -360,7 +366,7 @@ def add_layer_norm_as_torch(x, residual, weight, bias, eps, dropout_p=0.0):
     """:func:`add_layer_norm` where its output is torch's ``LayerNorm``'s, observed as such (a
     Post-LN residual stream, a layer's output): under an autocast that runs ``layer_norm`` in
     fp32, :func:`as_autocast`; the op itself otherwise (one check outside autocast)."""
-    if _any_autocast() and autocast_upcasts(x, False):
+    if autocast_upcasts(x, False):
         return as_autocast(add_layer_norm, x, residual, (weight, bias), eps, dropout_p)
     return add_layer_norm(x, residual, weight, bias, eps, dropout_p)
 
@@ -544,7 +550,7 @@ class LayerNorm(torch.nn.LayerNorm):
         if res is not None:
             return res
         xf, rf, w, b = _flatten_normalized(self, x, residual)
-        if _any_autocast() and autocast_upcasts(xf, False):  # torch's LayerNorm computes in fp32 there
+        if autocast_upcasts(xf, False):  # torch's LayerNorm computes in fp32 there
             out, rout = as_autocast(add_layer_norm, xf, rf, (w, b), self.eps)
         else:
             out, rout = add_layer_norm(xf, rf, w, b, self.eps)
@@ -568,7 +574,7 @@ class RMSNorm(torch.nn.RMSNorm):
         if res is not None:
             return res
         xf, rf, w, _ = _flatten_normalized(self, x, residual)
-        if _any_autocast() and autocast_upcasts(xf, True):  # torch's RMSNorm computes in fp32 there
+        if autocast_upcasts(xf, True):  # torch's RMSNorm computes in fp32 there
             out, rout = as_autocast(add_rms_norm, xf, rf, (w,), self.eps)
         else:
             out, rout = add_rms_norm(xf, rf, w, self.eps)

@@ -35,7 +35,7 @@ from fused_block.hf._core import KERNEL_DTYPES, warn_once
 from fused_block.hf.gemma import NORMS as _UNIT_OFFSET
 from fused_block.hf.llama import rms_eps
 from fused_block import norm as _norm
-from fused_block.norm import _TENSOR_TYPES, MAX_HIDDEN, _any_autocast, add_layer_norm, add_rms_norm, as_autocast
+from fused_block.norm import _TENSOR_TYPES, MAX_HIDDEN, add_layer_norm, add_rms_norm, as_autocast
 
 
 def _rms(norm, x):
@@ -47,15 +47,9 @@ def _rms_unit_offset(norm, x):
 
 
 def _layer(norm, x):
-    if _any_autocast() and _autocast_fp32(x):  # torch.nn.LayerNorm computes in fp32 there
+    if _norm.autocast_runs_fp32(x, False):  # torch.nn.LayerNorm computes in fp32 there
         return as_autocast(add_layer_norm, x, None, (norm.weight, norm.bias), norm.eps)[0]
     return add_layer_norm(x, None, norm.weight, norm.bias, norm.eps)[0]
-
-
-def _autocast_fp32(x):
-    """Whether autocast is on for x's device type and runs ``layer_norm`` in fp32 there (CUDA's):
-    torch.nn.LayerNorm then casts input, weight and bias to fp32, whatever their dtypes."""
-    return torch.is_autocast_enabled(x.device.type) and _norm.autocast_norm_fp32(x.device.type, False)
 
 
 # The original's output dtype for an input x (None: a mix of dtypes the fused norm does not take).
@@ -72,7 +66,7 @@ def _input(norm, x):  # cast back to the input's dtype
 
 
 def _same(norm, x):  # torch.nn.LayerNorm: its weight and bias in the input's dtype; fp32 under autocast (CUDA's)
-    if _any_autocast() and _autocast_fp32(x):
+    if _norm.autocast_runs_fp32(x, False):
         return torch.float32
     return x.dtype if all(t is None or t.dtype == x.dtype for t in (norm.weight, norm.bias)) else None
 
