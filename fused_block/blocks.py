@@ -350,7 +350,7 @@ def _merge_heads(o, batch_first):
     """(B, H, L, D) -> (B, L, H*D) or (L, B, H*D); a view when o's memory is (B, L, H, D)- or
     (L, B, H, D)-ordered (the attention kernel's output for q from ``_split_heads``)."""
     o = o.transpose(1, 2) if batch_first else o.permute(2, 0, 1, 3)
-    return o.reshape(*o.shape[:2], -1)
+    return o.reshape(*o.shape[:2], o.shape[2] * o.shape[3])  # not -1: ambiguous for an empty batch or query
 
 
 class MultiheadAttention(nn.MultiheadAttention):

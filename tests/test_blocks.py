@@ -1023,6 +1023,31 @@ def test_multihead_attention_torch_options(device, launches, bias_kv, zero_attn,
             torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("empty", ["batch", "query"])
+def test_empty_batch_or_query_in_cross_attention(empty, batch_first, device):
+    """An empty batch (B = 0) or query (L = 0) with keys that are not the query (the separate
+    projections, and every decoder layer's cross-attention) gives torch's empty output and
+    gradients: the heads' merge reshaped to (.., -1), ambiguous for 0 elements, and raised."""
+    b, n = (0, L) if empty == "batch" else (B, 0)
+    t = nn.MultiheadAttention(D, H, batch_first=batch_first).to(device)
+    f = blocks.MultiheadAttention(D, H, batch_first=batch_first).to(device)
+    f.load_state_dict(t.state_dict())
+    x = _x(batch_first, n, device, batch=b).requires_grad_()
+    mem = _x(batch_first, S, device, batch=b)
+    for k, v in ((mem, mem), (mem, torch.randn_like(mem))):
+        got = f(x, k, v, need_weights=False)[0]
+        want = t(x, k, v, need_weights=False)[0]
+        assert got.shape == want.shape
+        got.sum().backward()
+        assert x.grad.shape == x.shape
+    tl, fl = _layers("decoder", batch_first=batch_first)
+    fl = fl.to(device)
+    fl.load_state_dict(tl.state_dict())
+    tgt = _x(batch_first, n, device, batch=b)
+    assert fl(tgt, mem).shape == tl.to(device)(tgt, mem).shape
+
+
 def test_multihead_attention_options_need_standard_heads():
     with pytest.raises(ValueError, match="add_bias_kv"):
         blocks.MultiheadAttention(D, H, add_bias_kv=True, num_kv_heads=1)
