@@ -528,6 +528,33 @@ def test_rows_that_see_no_key_through_finfo_min_match_torch(kind, device, launch
     assert launches["attention_fwd"] >= 2
 
 
+@pytest.mark.parametrize("kind", ["src_mask", "padding"])
+def test_float64_rows_that_see_no_key_through_its_finfo_min_match_torch(kind, device):
+    """A float64 layer (the reference path) with float64's ``finfo.min`` (~-1.8e308) hiding
+    every key of some rows: torch's rows are the mean of V there, as in fp32. The rows were 0:
+    their bias, cast to fp32 to find them, was -inf (below fp32's range). The rows' output
+    gradient zero: every gradient is torch's; only theirs: V's and the out-projection's."""
+    t, f = _layers("encoder", batch_first=True)
+    t, f = t.to(device).double(), f.to(device).double()
+    f.load_state_dict(t.state_dict())
+    kw, rows = _saturating_masks(kind, device)
+    kw = {k: m.double().masked_fill(m == torch.finfo(torch.float32).min, torch.finfo(torch.float64).min)
+          for k, m in kw.items()}
+    x = _x(True, L, device).double()
+    g = numerics.randn(B, L, D, dtype=torch.float64, device=device)
+    for grad_out, every in ((g.masked_fill(rows[..., None], 0), True), (g.masked_fill(~rows[..., None], 0), False)):
+        with sdpa_kernel(SDPBackend.MATH):
+            want, g_t = _run(t, [x], kw, grad_out)
+        got, g_f = _run(f, [x], kw, grad_out)
+        assert float((want - want.masked_fill(rows[..., None], 0)).abs().max()) > 0.1  # torch's rows are not 0
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        for name in g_t:
+            if every or name.startswith("self_attn.out_proj"):
+                torch.testing.assert_close(g_f[name], g_t[name], rtol=1e-9, atol=1e-9, msg=name)
+            elif name.startswith("self_attn.in_proj"):  # V's rows
+                torch.testing.assert_close(g_f[name][2 * D:], g_t[name][2 * D:], rtol=1e-9, atol=1e-9, msg=name)
+
+
 def test_float_padding_mask_of_zeros_and_neg_inf_uses_kernel(device, launches):
     """nn.TransformerEncoder hands its layers float (0 / -inf) padding masks."""
     t, f = _layers("encoder", norm_first=False, batch_first=True)
