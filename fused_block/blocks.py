@@ -308,12 +308,14 @@ def _saturated_rows(o, bias, v):
     such a bias as -inf, gives 0. The gradient is that mean's (dV); torch's autograd also passes those rows'
     gradients to q and k through the absorbed scores, terms of a function that does not depend
     on them. No attention dropout on these rows (the same expectation as torch's)."""
-    b = bias.float()
+    # fp32, or float64 where the layer runs in it (its finfo.min, ~-1.8e308, is -inf in fp32)
+    b = bias.to(torch.promote_types(bias.dtype, torch.float32))
     top = b.amax(-1, keepdim=True)
     dead = (top < reference.SATURATED_BIAS) & (top > float("-inf"))  # (B|1, H|1, L, 1)
-    w = ((b == top) & dead).float()
     H, Hkv = o.shape[1], v.shape[1]
-    vf = v.float() if H == Hkv else v.float().repeat_interleave(H // Hkv, dim=1)
+    vf = v.to(torch.promote_types(v.dtype, torch.float32))
+    vf = vf if H == Hkv else vf.repeat_interleave(H // Hkv, dim=1)
+    w = ((b == top) & dead).to(vf.dtype)
     mean = (w @ vf) / w.sum(-1, keepdim=True).clamp_min(1.0)
     return torch.where(dead, mean.to(o.dtype), o)
 
@@ -347,7 +349,7 @@ def _merge_heads(o, batch_first):
     """(B, H, L, D) -> (B, L, H*D) or (L, B, H*D); a view when o's memory is (B, L, H, D)- or
     (L, B, H, D)-ordered (the attention kernel's output for q from ``_split_heads``)."""
     o = o.transpose(1, 2) if batch_first else o.permute(2, 0, 1, 3)
-    return o.reshape(*o.shape[:2], -1)
+    return o.reshape(*o.shape[:2], o.shape[2] * o.shape[3])  # not -1: ambiguous for an empty batch or query
 
 
 class MultiheadAttention(nn.MultiheadAttention):

@@ -528,6 +528,33 @@ def test_rows_that_see_no_key_through_finfo_min_match_torch(kind, device, launch
     assert launches["attention_fwd"] >= 2
 
 
+@pytest.mark.parametrize("kind", ["src_mask", "padding"])
+def test_float64_rows_that_see_no_key_through_its_finfo_min_match_torch(kind, device):
+    """A float64 layer (the reference path) with float64's ``finfo.min`` (~-1.8e308) hiding
+    every key of some rows: torch's rows are the mean of V there, as in fp32. The rows were 0:
+    their bias, cast to fp32 to find them, was -inf (below fp32's range). The rows' output
+    gradient zero: every gradient is torch's; only theirs: V's and the out-projection's."""
+    t, f = _layers("encoder", batch_first=True)
+    t, f = t.to(device).double(), f.to(device).double()
+    f.load_state_dict(t.state_dict())
+    kw, rows = _saturating_masks(kind, device)
+    kw = {k: m.double().masked_fill(m == torch.finfo(torch.float32).min, torch.finfo(torch.float64).min)
+          for k, m in kw.items()}
+    x = _x(True, L, device).double()
+    g = numerics.randn(B, L, D, dtype=torch.float64, device=device)
+    for grad_out, every in ((g.masked_fill(rows[..., None], 0), True), (g.masked_fill(~rows[..., None], 0), False)):
+        with sdpa_kernel(SDPBackend.MATH):
+            want, g_t = _run(t, [x], kw, grad_out)
+        got, g_f = _run(f, [x], kw, grad_out)
+        assert float((want - want.masked_fill(rows[..., None], 0)).abs().max()) > 0.1  # torch's rows are not 0
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        for name in g_t:
+            if every or name.startswith("self_attn.out_proj"):
+                torch.testing.assert_close(g_f[name], g_t[name], rtol=1e-9, atol=1e-9, msg=name)
+            elif name.startswith("self_attn.in_proj"):  # V's rows
+                torch.testing.assert_close(g_f[name][2 * D:], g_t[name][2 * D:], rtol=1e-9, atol=1e-9, msg=name)
+
+
 def test_float_padding_mask_of_zeros_and_neg_inf_uses_kernel(device, launches):
     """nn.TransformerEncoder hands its layers float (0 / -inf) padding masks."""
     t, f = _layers("encoder", norm_first=False, batch_first=True)
@@ -1021,6 +1048,31 @@ def test_multihead_attention_torch_options(device, launches, bias_kv, zero_attn,
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("empty", ["batch", "query"])
+def test_empty_batch_or_query_in_cross_attention(empty, batch_first, device):
+    """An empty batch (B = 0) or query (L = 0) with keys that are not the query (the separate
+    projections, and every decoder layer's cross-attention) gives torch's empty output and
+    gradients: the heads' merge reshaped to (.., -1), ambiguous for 0 elements, and raised."""
+    b, n = (0, L) if empty == "batch" else (B, 0)
+    t = nn.MultiheadAttention(D, H, batch_first=batch_first).to(device)
+    f = blocks.MultiheadAttention(D, H, batch_first=batch_first).to(device)
+    f.load_state_dict(t.state_dict())
+    x = _x(batch_first, n, device, batch=b).requires_grad_()
+    mem = _x(batch_first, S, device, batch=b)
+    for k, v in ((mem, mem), (mem, torch.randn_like(mem))):
+        got = f(x, k, v, need_weights=False)[0]
+        want = t(x, k, v, need_weights=False)[0]
+        assert got.shape == want.shape
+        got.sum().backward()
+        assert x.grad.shape == x.shape
+    tl, fl = _layers("decoder", batch_first=batch_first)
+    fl = fl.to(device)
+    fl.load_state_dict(tl.state_dict())
+    tgt = _x(batch_first, n, device, batch=b)
+    assert fl(tgt, mem).shape == tl.to(device)(tgt, mem).shape
 
 
 def test_multihead_attention_options_need_standard_heads():
