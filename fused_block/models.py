@@ -19,8 +19,9 @@ layers, as :func:`fused_block.linear_cross_entropy` gives; NaN on torch's, as
 ``F.cross_entropy`` gives). On fused layers the head and the loss
 are :func:`fused_block.linear_cross_entropy` (the (N, V) logits are never built) and
 ``logits`` is None unless ``return_logits=True`` asks for them (then the head also runs as a
-plain ``nn.Linear``; a head with hooks or of another class is called instead); on torch's layers it is ``F.linear`` + ``F.cross_entropy`` (logits
-likewise returned only when asked for).
+plain ``nn.Linear``); on torch's layers it is ``F.linear`` + ``F.cross_entropy`` (logits
+likewise returned only when asked for), and so it is for a head the fused loss would bypass
+(hooked, or of another class than ``nn.Linear``).
 
 :func:`param_count` splits the parameters per block into attention (about
 ``4 d^2``) and FFN (about ``8 d^2``), and checks them against the estimate ``12 N d^2`` plus
