@@ -20,7 +20,8 @@ layers, as :func:`fused_block.linear_cross_entropy` gives; NaN on torch's, as
 are :func:`fused_block.linear_cross_entropy` (the (N, V) logits are never built) and
 ``logits`` is None unless ``return_logits=True`` asks for them (then the head also runs as a
 plain ``nn.Linear``); on torch's layers it is ``F.linear`` + ``F.cross_entropy`` (logits
-likewise returned only when asked for).
+likewise returned only when asked for), and so it is for a head the fused loss would bypass
+(hooked, or of another class than ``nn.Linear``).
 
 :func:`param_count` splits the parameters per block into attention (about
 ``4 d^2``) and FFN (about ``8 d^2``), and checks them against the estimate ``12 N d^2`` plus
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fused_block import blocks
+from fused_block import _backend, _guard, blocks
 
 
 def _layer_classes(fused):
@@ -90,13 +91,29 @@ def _uses_hint_only(layer):
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _head_fusable(head):
+    """Whether the fused loss, which reads ``head.weight`` and ``head.bias`` instead of calling
+    the head, gives the head's answer: a plain ``nn.Linear`` (parametrizations read through)
+    without hooks or an instance-level ``forward`` (:func:`fused_block._guard.module_reason`),
+    and no global module hook. Otherwise (a hook that rescales or replaces the logits, a PEFT
+    LoRA wrapper, a quantized linear) the head is called and the loss is ``F.cross_entropy``
+    on its logits, after a one-time warning."""
+    why = _guard._global_hook_reason() or _guard.module_reason("head", head, (nn.Linear,))
+    if why is None:
+        return True
+    _backend.warn_once(("models head", why), "fused_block: the LM head's loss runs F.linear and F.cross_entropy "
+                       f"(the logits are built), calling the head: {why}", stacklevel=3)
+    return False
+
+
 def _head_and_loss(layers, head, x, targets, return_logits):
     """``(logits or None, loss)`` of the LM head ``head`` on x (B, T, d) for targets (B, T).
 
     Fused layers: the fused linear + cross-entropy (no logits unless ``return_logits``);
-    torch's layers, and a model in a dtype the kernels do not take (float64, which the fused
-    layers run as PyTorch's math): ``F.linear`` and ``F.cross_entropy`` on fp32 (or wider) logits."""
-    if x.dtype in _KERNEL_DTYPES and all(_uses_hint_only(layer) for layer in layers):
+    torch's layers, a model in a dtype the kernels do not take (float64, which the fused
+    layers run as PyTorch's math), and a head the fused loss would bypass (hooked, wrapped:
+    :func:`_head_fusable`): the head called, ``F.cross_entropy`` on fp32 (or wider) logits."""
+    if x.dtype in _KERNEL_DTYPES and all(_uses_hint_only(layer) for layer in layers) and _head_fusable(head):
         import fused_block
 
         loss = fused_block.linear_cross_entropy(x, head.weight, targets, head.bias, ignore_index=-100)

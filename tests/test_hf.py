@@ -743,6 +743,32 @@ def test_model_built_under_inference_mode(device, launches):
     assert launches["attention_fwd"] == 2
 
 
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_frozen_model_trains_after_an_inference_mode_call(arch, device, launches):
+    """A frozen body (only the token embeddings train, as with adapters or prompt tuning)
+    evaluated under torch.inference_mode first, then trained: the packed QKV weights (and
+    LLaMA's rotary frequencies) cached by the inference call were inference tensors, which the
+    training call's GEMM saved for the input's gradient ("Inference tensors cannot be saved for
+    backward", where the original trains); they are made again outside inference mode, and the
+    gradients are the original's."""
+    model = _model(arch, device, layers=1).eval()
+    ref = copy.deepcopy(model).double()
+    fused = _converted(model)
+    ids, mask = _inputs(arch, device)
+    grads = []
+    for m in (ref, model, fused):
+        emb = m.get_input_embeddings().weight
+        for p in m.parameters():
+            p.requires_grad_(p is emb)
+        with torch.inference_mode():
+            m(ids, attention_mask=mask)
+        keep = (mask[..., None] == 1).to(emb.dtype)
+        (m(ids, attention_mask=mask).logits * keep).square().mean().backward()
+        grads.append(emb.grad)
+    _assert_close("embedding grad", grads[2], grads[0], grads[1], torch.float32, device)
+    assert launches["attention_bwd"] == 1 and launches["matmul"] > 0
+
+
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
     unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,

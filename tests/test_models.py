@@ -170,6 +170,39 @@ def test_float64_model_loss_is_the_torch_twins(device, launches):
     assert launches["lce_ce"] == 0
 
 
+@pytest.mark.parametrize("wrap", ["forward_hook", "pre_hook", "subclass"])
+def test_a_head_the_fused_loss_would_bypass_is_called(wrap, device, launches):
+    """The fused loss reads the LM head's weight instead of calling it: a hook on the head (a
+    logit temperature, a pre-hook that rescales its input) or a subclass with its own forward
+    (a LoRA-style wrapper) changed torch's twin's loss and gradients but not the converted
+    model's (silently another loss). Such a head is called and its logits go to F.cross_entropy,
+    as on torch's layers; the layers stay fused, and a plain head keeps the fused loss."""
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 8.0
+
+    torch.manual_seed(0)
+    t = models.DecoderOnly(TINY_GPT, fused=False).to(device)
+    f = fused_block.convert(copy.deepcopy(t))
+    idx, tgt = _tokens(2, 12, device=device), _tokens(2, 12, seed=1, device=device)
+    for m in (t, f):
+        if wrap == "forward_hook":
+            m.lm_head.register_forward_hook(lambda mod, args, out: out * 8.0)  # a temperature of 1/8
+        elif wrap == "pre_hook":
+            m.lm_head.register_forward_pre_hook(lambda mod, args: (args[0] * 8.0,))
+        else:
+            m.lm_head.__class__ = Scaled
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _assert_models_match(t, f, lambda m: m(idx, targets=tgt)[1])
+    assert any("the LM head's loss runs F.linear" in str(w.message) for w in caught)
+    assert launches["attention_fwd"] > 0 and launches["add_norm_bwd"] > 0  # the layers ran the kernels
+    assert launches["lce_ce"] == 0
+    plain = fused_block.convert(models.DecoderOnly(TINY_GPT, fused=False).to(device))
+    plain(idx, targets=tgt)[1].backward()
+    assert launches["lce_ce"] == 1  # without a hook or subclass: the fused head
+
+
 def test_training_step_never_allocates_the_logits(device, launches, monkeypatch):
     """LlamaLike's training step (forward, loss, backward) in chunks of 4 tokens (what the
     chunk rule does from 512 tokens up, forced on 18): no tensor of the logits' width (V, or

@@ -331,13 +331,16 @@ def cached(state, name, tensors, make, stamp=()):
     :mod:`fused_block._guard`: PEFT wrapping or unwrapping the linears, as ``get_peft_model`` and
     ``merge_and_unload`` do around merges that are written through ``.data``). A write through
     ``.data`` bumps no version counter, so it is not seen otherwise. Inference tensors (a model
-    built under ``torch.inference_mode``) have no version counter: recomputed every call."""
+    built under ``torch.inference_mode``) have no version counter: recomputed every call.
+    A copy made under ``torch.inference_mode`` is an inference tensor, which autograd refuses
+    to save: outside that mode it is made again (a frozen model evaluated under inference mode
+    and then trained, its adapters, embeddings or input taking gradients, saves the copy)."""
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             or any(t.is_inference() for t in tensors)):
         return make(tensors)
     key = (_guard._EPOCH, stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
-    if hit is None or hit[0] != key:
+    if hit is None or hit[0] != key or (hit[1].is_inference() and not torch.is_inference_mode_enabled()):
         hit = state.packed[name] = (key, make(tensors))
     return hit[1]
 
