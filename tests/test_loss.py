@@ -332,6 +332,25 @@ def test_leading_dims_return_lse_and_no_grad(device, launches):
     assert launches["lce_dw"] == launches["lce_dh"] == 0
 
 
+
+
+@pytest.mark.parametrize("schedule", ["rows", "vocab"])
+def test_return_lse_over_several_chunks(schedule, device, launches, monkeypatch):
+    # The LSE beside a training call's loss where it is assembled from several chunks: 5 row
+    # chunks of 8 (rows), or 4 vocabulary chunks of 32 whose online state pass 1 merges
+    # (vocab); ignored tokens keep their LSE, softcap and z_loss on.
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 8)
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 32)
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", schedule)
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device)
+    loss, lse = fused_block.linear_cross_entropy(hidden, weight, target, bias, softcap=2.5, z_loss=0.01,
+                                                 return_lse=True)
+    assert lse.shape == (N,) and not lse.requires_grad and loss.requires_grad
+    want_loss, want_lse = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double(),
+                                                         softcap=2.5, z_loss=0.01, return_lse=True)
+    torch.testing.assert_close(loss.double(), want_loss, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=0)
+    assert launches["lce_lse" if schedule == "vocab" else "lce_ce"] == (4 if schedule == "vocab" else 5)
 def test_strided_inputs(device, monkeypatch):
     # hidden with a non-unit column stride (a transposed view), a strided bias and target: read
     # (or copied) as such; the weight a slice with a longer row stride (the GEMMs take strides).
