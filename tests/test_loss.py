@@ -345,7 +345,8 @@ def test_narrow_target_dtypes_are_checked_in_int64(tdtype, ignore_index, stray, 
     want = F.cross_entropy(F.linear(hidden.double(), weight.double(), bias.double()), target.long(),
                            ignore_index=255)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
-    assert launches["lce_ce"] == (1 if path == "kernels" else 0)
+    assert launches["lce_ce"] == (1 if _backend.use_triton(hidden) else 0)  # CUDA tensors: the kernels on both paths
+    assert path == "reference" or launches["lce_ce"] == 1
 
 
 def test_leading_dims_return_lse_and_no_grad(device, launches):
