@@ -302,9 +302,12 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
         raise TypeError(f"return_lse must be a bool, got {_validate.type_name(return_lse)}")
     # Values are checked only where that costs no synchronization: CPU tensors, outside a trace.
     if target.device.type == "cpu" and not torch.compiler.is_compiling() and target.numel():
-        bad = (target != ignore_index) & ((target < 0) | (target >= weight.shape[0]))
+        # in int64, as the kernels read the target: compared in a narrower dtype, ignore_index
+        # would wrap (uint8's 255 is -1, int32's -100 is 2^32 - 100) and pass the class it names
+        t = target if target.dtype == torch.int64 else target.long()
+        bad = (t != ignore_index) & ((t < 0) | (t >= weight.shape[0]))
         if bad.any():
-            value = target[bad].flatten()[0].item()
+            value = t[bad].flatten()[0].item()
             raise ValueError(f"target holds class index {value} outside [0, {weight.shape[0]}) "
                              f"(and not ignore_index={ignore_index})")
     return ignore_index, label_smoothing, z_loss, softcap

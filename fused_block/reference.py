@@ -442,7 +442,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     t = target.reshape(-1).long()  # any integer dtype, as the kernels take it (F.cross_entropy: int64)
     valid = t != ignore_index
     lse = torch.logsumexp(flat, dim=-1)
-    rows = F.cross_entropy(flat, torch.where(valid, t, 0), reduction="none", label_smoothing=label_smoothing)
+    # ignore_index passed on: a valid row never holds it, and a target of -100 under another
+    # ignore_index is out of range (IndexError, as torch's), not ignored by the default
+    rows = F.cross_entropy(flat, torch.where(valid, t, 0), reduction="none", label_smoothing=label_smoothing,
+                           ignore_index=ignore_index)
     rows = torch.where(valid, rows + z_loss * lse * lse, 0.0).to(out_dtype)
     if reduction == "none":
         loss = rows.reshape(target.shape)

@@ -316,6 +316,39 @@ def test_target_out_of_range(device, launches):
     assert torch.isnan(dw).any()
 
 
+# (target dtype, ignore_index, a stray value that is neither a class nor ignore_index): compared
+# in the target's own dtype, ignore_index wraps onto the stray value (uint8: -1 is 255; int32:
+# 2^32 - 100 is -100; int8: 156 is -100), which passed the check and gave NaN.
+NARROW_TARGETS = [(torch.uint8, -1, 255), (torch.int32, 2 ** 32 - 100, -100), (torch.int8, 156, -100)]
+
+
+@pytest.mark.parametrize("tdtype,ignore_index,stray", NARROW_TARGETS, ids=["uint8", "int32", "int8"])
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+def test_narrow_target_dtypes_are_checked_in_int64(tdtype, ignore_index, stray, path, device, launches,
+                                                   monkeypatch):
+    # The check (CPU tensors: on a GPU machine too) reads the target in int64, as the kernels
+    # and the reference do: the stray value raises before any launch on both paths.
+    if path == "reference":
+        monkeypatch.setattr(_backend, "INTERPRET", False)
+    cpu = torch.device("cpu")
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, cpu, ignore=0)
+    target = target.to(tdtype)
+    target[4] = stray
+    with pytest.raises(ValueError, match=f"target holds class index {stray} outside"):
+        fused_block.linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index)
+    assert launches["lce_ce"] == launches["lce_logits"] == 0
+    # A target equal to ignore_index in int64 is ignored (uint8's 255 with ignore_index 255).
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device, ignore=0)
+    target = target.to(torch.uint8)
+    target[4] = 255
+    got = fused_block.linear_cross_entropy(hidden, weight, target, bias, ignore_index=255)
+    want = F.cross_entropy(F.linear(hidden.double(), weight.double(), bias.double()), target.long(),
+                           ignore_index=255)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    assert launches["lce_ce"] == (1 if _backend.use_triton(hidden) else 0)  # CUDA tensors: the kernels on both paths
+    assert path == "reference" or launches["lce_ce"] == 1
+
+
 def test_leading_dims_return_lse_and_no_grad(device, launches):
     hidden, weight, bias, target = _inputs(5, V, H, torch.float32, device, lead=(2,))
     loss, lse = fused_block.linear_cross_entropy(hidden, weight, target, bias, reduction="none", softcap=2.5,
@@ -332,6 +365,25 @@ def test_leading_dims_return_lse_and_no_grad(device, launches):
     assert launches["lce_dw"] == launches["lce_dh"] == 0
 
 
+
+
+@pytest.mark.parametrize("schedule", ["rows", "vocab"])
+def test_return_lse_over_several_chunks(schedule, device, launches, monkeypatch):
+    # The LSE beside a training call's loss where it is assembled from several chunks: 5 row
+    # chunks of 8 (rows), or 4 vocabulary chunks of 32 whose online state pass 1 merges
+    # (vocab); ignored tokens keep their LSE, softcap and z_loss on.
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_ROWS", 8)
+    monkeypatch.setattr(kloss, "FORCE_CHUNK_COLS", 32)
+    monkeypatch.setattr(kloss, "FORCE_SCHEDULE", schedule)
+    hidden, weight, bias, target = _inputs(N, V, H, torch.float32, device)
+    loss, lse = fused_block.linear_cross_entropy(hidden, weight, target, bias, softcap=2.5, z_loss=0.01,
+                                                 return_lse=True)
+    assert lse.shape == (N,) and not lse.requires_grad and loss.requires_grad
+    want_loss, want_lse = reference.linear_cross_entropy(hidden.double(), weight.double(), target, bias.double(),
+                                                         softcap=2.5, z_loss=0.01, return_lse=True)
+    torch.testing.assert_close(loss.double(), want_loss, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=0)
+    assert launches["lce_lse" if schedule == "vocab" else "lce_ce"] == (4 if schedule == "vocab" else 5)
 def test_strided_inputs(device, monkeypatch):
     # hidden with a non-unit column stride (a transposed view), a strided bias and target: read
     # (or copied) as such; the weight a slice with a longer row stride (the GEMMs take strides).
@@ -456,6 +508,22 @@ def test_module_in_float64_runs_torchs_math(reduction, device, launches):
                     torch.autograd.grad(want, (hidden, plain.weight, plain.bias), g)):
         torch.testing.assert_close(a, b)
     assert launches["lce_ce"] == launches["lce_logits"] == 0
+
+
+def test_module_in_float64_target_out_of_range_raises_as_torch():
+    """The float64 head (torch's math) with a target of -100 under another ignore_index: an
+    IndexError as F.cross_entropy gives, where the reference's inner F.cross_entropy ignored it
+    by its default ignore_index (a silently lower mean, the token counted). CPU tensors (on
+    CUDA both would hit a device-side assert)."""
+    device = torch.device("cpu")
+    hidden, _, _, target = _inputs(N, V, H, torch.float32, device, ignore=0)
+    hidden = hidden.detach().double()
+    target[3] = -100
+    head = fused_block.LinearCrossEntropy(H, V, device=device, ignore_index=0).double()
+    with pytest.raises(IndexError):
+        F.cross_entropy(F.linear(hidden, head.weight, head.bias), target, ignore_index=0)
+    with pytest.raises(IndexError):
+        head(hidden, target)
 
 
 def test_torch_compile_fullgraph_and_opcheck(device, launches):
