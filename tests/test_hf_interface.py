@@ -234,6 +234,28 @@ def test_a_copied_light_mask_keeps_the_layer_s_window(name, device, launches):
     assert launches["attention_fwd"] == 2
 
 
+# Phi-3 reads its window from the config (Phi3Attention passes config.sliding_window to the
+# attention function: Phi-3-mini-4k's 2047); Mistral, the LLaMA family's reading, beside it.
+@pytest.mark.parametrize("name", ["phi3", "mistral"])
+def test_converted_layers_given_a_copied_light_mask_keep_the_window(name, device, launches):
+    """convert() on a model running attn_implementation="fused_block" whose layers get copies
+    of the interface's light mask (accelerate's device hooks): the converted layer applies the
+    model's sliding window itself (4 of 9 tokens: it cuts keys), as the original's attention
+    does; the logits of a padded batch are the original's (float64 rule). Phi-3's converted
+    layer dropped its window (every earlier key attended)."""
+    model = interface_model(name, device, "sdpa", num_hidden_layers=1, sliding_window=4).eval()
+    with no_fallback():
+        ours = fused_block.convert(_ours(model))
+    _layers_get_copied_masks(ours)
+    ids, mask = interface_inputs(name, device)
+    with torch.no_grad():
+        want, base = (_masked(m(ids, attention_mask=mask).logits, mask) for m in (copy.deepcopy(model).double(), model))
+        with no_fallback():
+            got = _masked(ours(ids, attention_mask=mask).logits, mask)
+    assert_close("logits", got, want, base, torch.float32, device)
+    assert launches["rope_qkvpacked"] == 1 and launches["attention_fwd"] == 1
+
+
 def test_models_outside_the_interface_run_their_eager_attention(device, launches):
     """BLOOM's attention (ALiBi) does not go through AttentionInterface: built with
     attn_implementation="fused_block", its masks are eager's (one warning) and so is its

@@ -5,7 +5,9 @@ The LLaMA family's layer with the projections already fused: ``qkv_proj`` holds 
 ``mlp(..., activation="swiglu")`` reads in place. The residual dropouts (``resid_pdrop``) are
 fused: the attention's into the second norm's add, the MLP's into the down projection's
 epilogue. RoPE (partial rotary, LongRoPE's frequencies as the rotary module holds them for
-this call) as in :mod:`fused_block.hf.llama`. An MLP that does not gate with SiLU runs
+this call) as in :mod:`fused_block.hf.llama`. The config's ``sliding_window`` (Phi3Attention
+passes it to the attention function) is the kernel's window where the mask does not carry it
+(flash-attention's 2-D masks, a copied light mask). An MLP that does not gate with SiLU runs
 Hugging Face's module.
 """
 from torch import nn
@@ -72,7 +74,7 @@ def run(layer, call, x):
     qkv = llama.rope(layer, qkv, H, Hkv, call)
     o = self_attention(qkv, H, Hkv, kv_cache(call), attn.layer_idx, call.get("attention_mask"), True,
                        mask_convention(attn.config), attn.scaling, attn.attention_dropout if attn.training else 0.0,
-                       type(layer).__name__, packing=call)
+                       type(layer).__name__, sliding_window=llama.sliding_window(attn), packing=call)
     o = linear(o, attn.o_proj.weight, attn.o_proj.bias, lora=lora.terms(attn.o_proj, o))
     d = layer.resid_attn_dropout  # on by its own flag, as the original calls it
     p_attn = d.p if d.training else 0.0
