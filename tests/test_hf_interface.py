@@ -256,6 +256,30 @@ def test_converted_layers_given_a_copied_light_mask_keep_the_window(name, device
     assert launches["rope_qkvpacked"] == 1 and launches["attention_fwd"] == 1
 
 
+# LLaMA passes output_attentions to the attention function; GPT-2's model pops it (its
+# attentions are recorded from the attention modules' outputs only); BERT: an encoder.
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_output_attentions_gives_eager_s_weights(name, device, launches):
+    """output_attentions=True under attn_implementation="fused_block": the attention runs the
+    model's eager attention (one warning), so the attentions and logits are eager's; they were
+    silently left out (the kernel forms no weights). A call without it runs the kernel again."""
+    model = interface_model(name, device, "eager").eval()
+    ours = _ours(model)
+    ids, mask = interface_inputs(name, device)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, output_attentions=True)
+        with pytest.warns(UserWarning, match="output_attentions"):
+            got = ours(ids, attention_mask=mask, output_attentions=True)
+        assert launches["attention_fwd"] == 0
+        assert len(got.attentions) == len(want.attentions) == 2
+        for a, b in zip(got.attentions, want.attentions):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+        with no_fallback():
+            ours(ids, attention_mask=mask)
+    assert launches["attention_fwd"] == 2
+
+
 def test_models_outside_the_interface_run_their_eager_attention(device, launches):
     """BLOOM's attention (ALiBi) does not go through AttentionInterface: built with
     attn_implementation="fused_block", its masks are eager's (one warning) and so is its

@@ -26,7 +26,8 @@
   returns the (B, Lq, H, D) output as ``sdpa_attention_forward`` does. What the kernel does
   not take (a position bias in a packed batch, head dims or dtypes outside its range) runs
   transformers' ``sdpa_attention_forward`` with the equivalent mask, after a one-time warning
-  naming the reason (:func:`kernel_reason`).
+  naming the reason (:func:`kernel_reason`); a call that asks for the attention weights
+  (``output_attentions``) runs the model's ``eager_attention_forward``, which forms them.
 
 Nothing reads a mask value. What synchronizes: the packed lengths (the longest sequence, once
 per forward: ``max_length_q/k`` when the collator passes them avoid it) and the restarting
@@ -228,6 +229,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     # Under autocast, q, k and v in its dtype, as SDPA takes them: RoPE's fp32 cos/sin turn the
     # low-precision projections of an fp32 model into fp32 queries and keys beside bf16 values.
     query, key, value = _autocast(query, key, value)
+    if _weights_asked(kwargs):  # the weights the caller asked for: eager's, which forms them
+        return _fallback(module, query, key, value, attention_mask, "output_attentions=True (the kernel never "
+                         "forms the attention weights)", dropout, scaling, causal, softcap, s_aux, kwargs, eager=True)
     reason = kernel_reason(query, key, value, kwargs)
     if reason is None:
         packed = packed_lengths(attention_mask, kwargs, B, Lq, Lk)
@@ -248,6 +252,17 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     out = attend(query, key, value, plan, scaling, float(dropout), type(module).__name__, softcap=softcap,
                  sinks=s_aux, position_bias=kwargs.get("position_bias"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _weights_asked(kwargs):
+    """Whether the caller asked for the attention weights: ``output_attentions`` among the
+    kwargs, or transformers' active output collector recording attentions (GPT-2's model pops
+    the flag before its layers; the collector records each attention module's weights)."""
+    if kwargs.get("output_attentions"):
+        return True
+    collector = getattr(sys.modules.get("transformers.utils.output_capturing"), "_active_collector", None)
+    keys = collector.get() if collector is not None else None
+    return any(isinstance(k, str) and k.endswith("attentions") for k in keys or ())
 
 
 def kernel_reason(query, key, value, kwargs):
@@ -280,10 +295,11 @@ def _varlen(query, key, value, attention_mask, packed, causal, dropout, scaling,
 
 
 def _fallback(module, query, key, value, attention_mask, reason, dropout, scaling, causal, softcap, s_aux,
-              kwargs):
+              kwargs, eager=False):
     """transformers' ``sdpa_attention_forward``, or the model's ``eager_attention_forward``
-    where SDPA cannot express the call (soft-capping, sinks), with the mask's meaning as 4-D."""
-    eager = softcap is not None or s_aux is not None
+    where SDPA cannot express the call (soft-capping, sinks) or ``eager`` (the attention weights
+    asked for: ``output_attentions``), with the mask's meaning as 4-D."""
+    eager = eager or softcap is not None or s_aux is not None
     path = "the model's eager_attention_forward" if eager else "transformers' sdpa_attention_forward"
     warn_once(("attention", type(module).__name__, reason),
               f"{type(module).__name__}: {reason}; attention runs {path} (slower, the same result)")
