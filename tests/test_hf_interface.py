@@ -216,12 +216,13 @@ def _layers_get_copied_masks(model):
         layer.register_forward_pre_hook(copy_mask, with_kwargs=True)
 
 
-@pytest.mark.parametrize("name", ["gemma3-window", "gemma2"])
+# modernbert-window: a bidirectional window (ModernBERT's local layers), which was dropped.
+@pytest.mark.parametrize("name", ["gemma3-window", "gemma2", "modernbert-window"])
 def test_a_copied_light_mask_keeps_the_layer_s_window(name, device, launches):
     """A light mask that lost its window attribute on its way to the layer (a device move)
     runs the layer's own sliding window (flash-attention's reading of ``sliding_window``):
     the logits of a padded batch longer than the window are still the original's (float64
-    rule); without it the sliding layers attended to every earlier key."""
+    rule); without it the sliding layers attended to every earlier (or later) key."""
     model = interface_model(name, device, _original(name)).eval()
     ref, ours = copy.deepcopy(model).double(), _ours(model)
     _layers_get_copied_masks(ours)

@@ -165,11 +165,12 @@ def light_plan(mask, B, Lq, Lk, causal, window=(-1, -1)):
     the sliding window the interface found in the model's mask function
     (:func:`fused_block.hf.interface.window_of_mask`).
 
-    ``window``: the layer's own causal window (:func:`window_of` of its ``sliding_window``,
-    flash-attention's reading), taken by a (B, Lk) mask that carries none: the interface
-    attaches the window whenever it cuts a key, and a mask copied on its way to the layer
-    (moved to another device by accelerate's hooks, made contiguous) has lost its attributes.
-    Where the window cuts no key, taking it changes nothing."""
+    ``window``: the layer's own window (:func:`window_of` of its ``sliding_window``,
+    flash-attention's reading), taken by a (B, Lk) mask that carries none, or by a (B or 1, 1,
+    1, Lk) one of a bidirectional layer's self-attention (ModernBERT's local layers): the
+    interface attaches the window whenever it cuts a key, and a mask copied on its way to the
+    layer (moved to another device by accelerate's hooks, made contiguous) has lost its
+    attributes. Where the window cuts no key, taking it changes nothing."""
     if mask is None:
         return plan(None, B, Lq, Lk, causal, "sdpa")
     if mask.dtype != torch.bool:
@@ -177,7 +178,7 @@ def light_plan(mask, B, Lq, Lk, causal, window=(-1, -1)):
     layer_window = window
     window = getattr(mask, WINDOW_ATTR, None)
     if window is None:
-        window = layer_window if mask.dim() == 2 else (-1, -1)
+        window = layer_window if mask.dim() == 2 or (not causal and Lq == Lk) else (-1, -1)
     packed = getattr(mask, PACKED_ATTR, None) is not None
     unpadded = getattr(mask, UNPADDED_ATTR, False)  # ones, made to carry the window: no padding to read
     if mask.dim() == 2 and tuple(mask.shape) == (B, Lk):

@@ -207,8 +207,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
     - The mask's window (a light mask from :func:`mask` carries the sliding window it found in
       the model's mask function when the window cuts keys; else transformers' 4-D mask holds
-      it), so ``sliding_window`` is not applied again; except to a causal light mask that
-      carries no window, which may be a copy that lost it on its way (a device move under
+      it), so ``sliding_window`` is not applied again; except to a light mask that carries no
+      window (causal, or a bidirectional self-attention's: ModernBERT's local layers), which
+      may be a copy that lost it on its way (a device move under
       accelerate's hooks): the layer's window then applies, cutting nothing where the
       interface attached none.
     - Packed batches (one row): ``cu_seq_lens_q/k`` with ``max_length_q/k`` (what
@@ -240,8 +241,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         elif packed is not None:
             return _varlen(query, key, value, attention_mask, packed, causal, dropout, scaling, softcap, s_aux)
         else:
-            plan = light_plan(attention_mask, B, Lq, Lk, causal,
-                              window_of(sliding_window, True) if causal else (-1, -1))
+            plan = light_plan(attention_mask, B, Lq, Lk, causal, window_of(sliding_window, causal))
             if plan is None:
                 plan = general_plan(attention_mask, B, Lq, Lk)
             if not plan.kernel:
