@@ -45,7 +45,6 @@ Only head dims outside the kernel's range run attention through
 a wrong answer. A query whose keys are all masked gives 0 here (torch's layers give NaN).
 """
 import contextlib
-import math
 import threading
 import weakref
 
@@ -399,7 +398,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.rope, self.rope_interleaved = bool(rope), bool(rope_interleaved)
         if self.rope:
             self.rope_base = float(rope_base)
-            if not (math.isfinite(self.rope_base) and self.rope_base > 0):
+            if not (_validate.finite(self.rope_base) and self.rope_base > 0):
                 raise ValueError(f"rope_base must be finite and > 0, got {rope_base}")
             self.register_buffer("inv_freq", _inv_freq(self.head_dim, self.rope_base, device), persistent=False)
 
