@@ -140,3 +140,20 @@ def test_jit_trace_reads_no_mask_values(device, launches, traced_with):
         want = ref(x, mask)  # grad mode on: torch's eager math, not its inference fast path
         torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
     assert launches["attention_fwd"] > 0
+
+
+def test_backward_through_a_jit_trace_raises(device, launches):
+    """A trace holds the fused ops, not their autograd Functions: backward through its output
+    ran (a warning at most) and left every parameter's and the input's .grad None, where torch's
+    traced layer trains. It raises now, naming the op; the trace still runs inference."""
+    module = fused_block.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device)
+    x = torch.randn(2, 5, D, device=device, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(module, (x,), check_trace=False)
+    out = traced(x)
+    with pytest.raises(RuntimeError, match=r"fused_block::\w+ has no gradient.*inference graph"):
+        out.sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), module(x), atol=1e-5, rtol=1e-5)
+    assert launches["attention_fwd"] > 0
