@@ -32,6 +32,11 @@ def op(name: str, fake):
         _LIB.define(name + schema)
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         torch.library.register_fake(f"fused_block::{name}", fake, lib=_LIB)
+        # The ops are differentiated by the autograd Functions around them, never through the
+        # dispatcher; a graph that holds the ops themselves (a torch.jit.trace) has no
+        # gradients: backward through it raises instead of leaving every .grad None.
+        torch.library.register_autograd(f"fused_block::{name}", _no_backward(name), setup_context=_no_context,
+                                        lib=_LIB)
         overload = getattr(torch.ops.fused_block, name).default
         is_compiling = torch.compiler.is_compiling
         tracing = torch._C._get_tracing_state
@@ -48,6 +53,19 @@ def op(name: str, fake):
         return call
 
     return register
+
+
+def _no_context(ctx, inputs, output):
+    pass
+
+
+def _no_backward(name):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"fused_block::{name} has no gradient through the dispatcher: a torch.jit.trace of fused_block's "
+            "layers is an inference graph. Train the module itself (or torch.compile it) and trace it for "
+            "inference.")
+    return backward
 
 
 def _distinct(args):

@@ -2,6 +2,7 @@
 
 Everything here runs before any kernel launch, so bad input never reaches Triton.
 """
+import math
 import sys
 
 import torch
@@ -110,6 +111,13 @@ def probability(name, p):
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")
     return p
+
+
+def finite(value):
+    """``math.isfinite(value)`` for a Python number, written as comparisons: Dynamo under
+    ``torch.compile(dynamic=True)`` cannot trace ``math.isfinite`` even of a constant (a graph
+    break; an error with ``fullgraph=True``), and folds these."""
+    return -math.inf < value < math.inf
 
 
 def positive(name, value):

@@ -459,7 +459,7 @@ def _check_options(causal, scale, key_padding_mask, dropout_p, B, Lk, ref_name, 
         raise TypeError(f"causal must be a bool, got {_validate.type_name(causal)}")
     if scale is not None:
         scale = _validate.positive("scale", scale)
-        if not math.isfinite(scale):
+        if not _validate.finite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
     if key_padding_mask is not None:
         _validate.tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,), ndim=2)
@@ -511,7 +511,7 @@ def _check_softcap(softcap):
     if softcap is None:
         return 0.0
     softcap = _validate.positive("softcap", softcap)
-    if not math.isfinite(softcap):
+    if not _validate.finite(softcap):
         raise ValueError(f"softcap must be finite, got {softcap}")
     return float(softcap)
 

@@ -45,7 +45,6 @@ Only head dims outside the kernel's range run attention through
 a wrong answer. A query whose keys are all masked gives 0 here (torch's layers give NaN).
 """
 import contextlib
-import math
 import threading
 import weakref
 
@@ -159,9 +158,11 @@ _MAX_VERDICTS = 64
 
 def _verdict(check, mask, *args):
     """``check(mask, *args)``, cached per mask tensor and version; None when the values cannot
-    be read here: under ``torch.compile`` (no data-dependent branches) or during CUDA graph
-    capture (no syncs) without an earlier verdict on the same tensor."""
-    if torch.compiler.is_compiling():
+    be read here: under ``torch.compile`` (no data-dependent branches), while ``torch.jit.trace``
+    records (a verdict would be baked into the trace, which then gives wrong answers for every
+    other mask passed to it) or during CUDA graph capture (no syncs) without an earlier verdict
+    on the same tensor."""
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
         return None
     if mask.is_inference():  # no version counter: read every time
         return None if _capturing(mask) else check(mask, *args)
@@ -232,7 +233,7 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
     """Turn torch's mask arguments into a kernel mask, or a merged additive mask with the reason.
 
     Values decide only where they can be read (see :func:`_verdict`): under ``torch.compile``,
-    or in a CUDA graph capture without a verdict from the warm-up, an unhinted causal mask or
+    ``torch.jit.trace`` or in a CUDA graph capture without a verdict from the warm-up, an unhinted causal mask or
     a float padding mask is general, which is slower, never wrong. A float mask that requires
     a gradient (a learned bias) is never read as a pattern: it stays the kernel's additive
     bias, whatever its values (zeros, causal), and gets its gradient.
@@ -241,7 +242,7 @@ def _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, na
         return _Masks(causal=bool(is_causal))
     mask_name, kpm_name = names
     causal = bool(is_causal)
-    unread = " whose values cannot be read under torch.compile or CUDA graph capture"
+    unread = " whose values cannot be read under torch.compile, torch.jit.trace or CUDA graph capture"
     mask_reason = f"a general (non-causal) {mask_name}"
     if attn_mask is not None and not causal and not attn_mask.requires_grad:
         if attn_mask.dim() == 2 and L == S:
@@ -397,7 +398,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.rope, self.rope_interleaved = bool(rope), bool(rope_interleaved)
         if self.rope:
             self.rope_base = float(rope_base)
-            if not (math.isfinite(self.rope_base) and self.rope_base > 0):
+            if not (_validate.finite(self.rope_base) and self.rope_base > 0):
                 raise ValueError(f"rope_base must be finite and > 0, got {rope_base}")
             self.register_buffer("inv_freq", _inv_freq(self.head_dim, self.rope_base, device), persistent=False)
 

@@ -47,7 +47,6 @@ dW/db sums accumulate in fp32 (cuBLAS's own; across chunks an fp32 accumulator);
 follow torch's matmul precision because the products are torch's.
 Deterministic: a fixed chunk order, no atomics. The loss is fp32 whatever the input dtype.
 """
-import math
 import weakref
 from typing import Optional
 
@@ -246,7 +245,7 @@ def _check_versions(ctx):
 
 def _number(name, value, *, low, high=None):
     value = _validate.number(name, value, "a float")
-    if not value >= low or not (value <= high if high is not None else math.isfinite(value)):
+    if not value >= low or not (value <= high if high is not None else _validate.finite(value)):
         bounds = f"in [{low}, {high}]" if high is not None else f"finite and >= {low}"
         raise ValueError(f"{name} must be {bounds}, got {value}")
     return value
@@ -263,7 +262,7 @@ def _check_options(ignore_index, label_smoothing, z_loss, softcap, reduction):
     z_loss = _number("z_loss", z_loss, low=0.0)
     if softcap is not None:
         softcap = _validate.positive("softcap", softcap)
-        if not math.isfinite(softcap):
+        if not _validate.finite(softcap):
             raise ValueError(f"softcap must be finite (None for no softcapping), got {softcap}")
     if not isinstance(reduction, str):
         raise TypeError(f"reduction must be a str, got {type(reduction).__name__}")

@@ -13,7 +13,6 @@
 The backward is the same kernel with the inverse rotation; nothing is saved but the angle
 inputs. See :mod:`fused_block.kernels.rope` for the layouts and the fp32 angle computation.
 """
-import math
 from typing import Optional
 
 import torch
@@ -93,7 +92,7 @@ def _check_angles(ref_name, ref, B, L, D, positions, inv_freq, cos, sin, scale, 
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {_validate.type_name(interleaved)}")
     scale = _validate.positive("scale", scale)
-    if not math.isfinite(scale):
+    if not _validate.finite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     from_positions = positions is not None or inv_freq is not None
     from_table = cos is not None or sin is not None
@@ -280,7 +279,7 @@ def _check_qk_norm(qkv, D, q_weight, k_weight, eps):
         _validate.shape(name, w, (D,))
     _validate.same_device("qkv", qkv, q_norm_weight=q_weight, k_norm_weight=k_weight)
     eps = _validate.positive("norm_eps", eps)
-    if not math.isfinite(eps):
+    if not _validate.finite(eps):
         raise ValueError(f"norm_eps must be finite, got {eps}")
     return True, eps
 

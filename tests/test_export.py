@@ -6,6 +6,7 @@ Python arithmetic on traced sizes). ``torch.jit.script`` cannot compile Python t
 Triton kernels and says what to use instead. Shapes: d_model 32, 2 heads (head dim 16, the
 kernel's smallest), tiny for the interpreter; traces are replayed at a second shape.
 """
+import copy
 import warnings
 
 import pytest
@@ -98,3 +99,61 @@ def test_jit_script_raises_a_clear_error(device, name):
     module, _ = _modules(device)[name]
     with pytest.raises(TypeError, match=r"torch\.jit\.trace.*torch\.export\.export"):
         torch.jit.script(module)
+
+
+class _WithPadding(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, kpm):
+        return self.layer(x, src_key_padding_mask=kpm)
+
+
+@pytest.mark.parametrize("traced_with", ["causal", "zero", "additive-bool", "padding"])
+def test_jit_trace_reads_no_mask_values(device, launches, traced_with):
+    """A trace traced with a float mask of a special form (an unhinted causal mask, an all-zero
+    mask, a 0/-inf mask, a 0/-inf padding mask) then given another mask: torch's layer reads
+    the new mask; the trace once held the eager verdict on the first one (causal, dropped,
+    converted to bool) and silently ignored or misread every later mask."""
+    L = 6
+    torch.manual_seed(0)
+    t = nn.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, device=device).eval()
+    f = fused_block.convert(copy.deepcopy(t))
+    hidden = torch.rand(L, L, device=device) < 0.3
+    first = {"causal": nn.Transformer.generate_square_subsequent_mask(L, device=device),
+             "zero": torch.zeros(L, L, device=device),
+             "additive-bool": torch.zeros(L, L, device=device).masked_fill(hidden.fill_diagonal_(False),
+                                                                           float("-inf")),
+             "padding": torch.zeros(2, L, device=device).index_fill_(1, torch.tensor([4, 5], device=device),
+                                                                      float("-inf"))}[traced_with]
+    other = torch.randn(first.shape, device=device)  # a general float mask: nothing to read as a pattern
+    module, ref = (_WithPadding(f), _WithPadding(t)) if traced_with == "padding" else (f, t)
+    x = torch.randn(2, L, D, device=device)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(module, (x, first))
+    for mask in (first, other):
+        x = torch.randn(2, L, D, device=device)
+        with torch.no_grad():
+            got = traced(x, mask)
+        want = ref(x, mask)  # grad mode on: torch's eager math, not its inference fast path
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
+    assert launches["attention_fwd"] > 0
+
+
+def test_backward_through_a_jit_trace_raises(device, launches):
+    """A trace holds the fused ops, not their autograd Functions: backward through its output
+    ran (a warning at most) and left every parameter's and the input's .grad None, where torch's
+    traced layer trains. It raises now, naming the op; the trace still runs inference."""
+    module = fused_block.TransformerEncoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device)
+    x = torch.randn(2, 5, D, device=device, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(module, (x,), check_trace=False)
+    out = traced(x)
+    with pytest.raises(RuntimeError, match=r"fused_block::\w+ has no gradient.*inference graph"):
+        out.sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), module(x), atol=1e-5, rtol=1e-5)
+    assert launches["attention_fwd"] > 0

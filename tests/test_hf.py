@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -1312,3 +1313,29 @@ def test_bloom_post_layernorm_residuals_and_fallbacks(device, launches):
         fused = fused_block.convert(copy.deepcopy(sliced))
     with torch.no_grad():
         torch.testing.assert_close(fused(ids, attention_mask=mask).logits, sliced(ids, attention_mask=mask).logits)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=False)[0]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama"])
+def test_jit_trace_of_a_converted_model_reads_no_mask_values(arch, device, launches):
+    """torch.jit.trace of a converted model traced without padding (an all-ones mask), then run
+    with a padded mask: the trace once held the eager reading of the first mask (no padding)
+    and silently ignored the padding (GPT-2, BERT); the LLaMA layers' head counts came from
+    traced sizes (tensors) and rope refused them. Compared with the original model's logits."""
+    model = _model(arch, device).eval()
+    fused = fused_block.convert(copy.deepcopy(model)).eval()
+    ids, mask = _inputs(arch, device)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # TracerWarnings: shape checks read sizes
+        traced = torch.jit.trace(_Logits(fused), (ids, torch.ones_like(mask)), check_trace=False)
+        for m in (torch.ones_like(mask), mask):
+            torch.testing.assert_close(traced(ids, m), _Logits(model)(ids, m), atol=1e-4, rtol=1e-4)
+    assert launches["attention_fwd"] > 0

@@ -153,6 +153,30 @@ def test_torch_compile_fullgraph(device, launches):
     assert launches["rope"] >= 4
 
 
+@pytest.mark.parametrize("op", ["rope", "rope_qkvpacked"])
+def test_torch_compile_dynamic_fullgraph(device, launches, op):
+    """torch.compile(dynamic=True, fullgraph=True) over two batch and sequence sizes, equal to
+    eager. The scale checks used math.isfinite, which Dynamo cannot trace under dynamic=True
+    even for the constant default scale: an Unsupported error with fullgraph=True (a graph
+    break without it). Head dim 16 (qkvpacked: 4 query and 2 KV heads), the smallest."""
+    inv = _inv_freq(16).to(device)
+
+    def step(x, pos):
+        if op == "rope":
+            qo, ko = fused_block.rope(x[:, :, :4], x[:, :, 4:6], pos, inv)
+            return qo.square().sum() + ko.sum()
+        return fused_block.rope_qkvpacked(x.flatten(2), 4, 2, pos, inv).square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, dynamic=True, fullgraph=True, backend="aot_eager")
+    for b, n in ((2, 5), (3, 7)):
+        x = torch.randn(b, n, 8, 16, device=device, requires_grad=True)
+        pos = torch.arange(n, device=device).expand(b, n).contiguous()
+        got = torch.autograd.grad(compiled(x, pos), x)[0]
+        torch.testing.assert_close(got, torch.autograd.grad(step(x, pos), x)[0])
+    assert launches[op] >= 4  # forward and backward, compiled and eager, at each size
+
+
 def test_bad_inputs_name_the_argument(device, launches):
     q, k = _qkv(32, torch.float32, device)
     pos, inv = torch.arange(L, device=device)[None], _inv_freq(32).to(device)

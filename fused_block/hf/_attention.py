@@ -127,9 +127,9 @@ def plan(mask, B, Lq, Lk, causal, convention, window=(-1, -1)):
         key_padding = ~mask[:, -Lk:].bool()
         # Under CUDA graph capture no value is read (a sync would invalidate the capture): the
         # kernels take the padding mask as it is, all-False or not.
-        return Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not _capturing(mask)),
+        return Plan(True, causal=causal, key_padding=_padding(key_padding, B, read=not _unreadable(mask)),
                     window=window)
-    if torch.compiler.is_compiling() or _capturing(mask):
+    if torch.compiler.is_compiling() or _unreadable(mask):
         return general_plan(mask, B, Lq, Lk)  # no value read: the kernel reads the mask itself
     if mask.is_inference():  # no version counter to tell an in-place change: read every time
         return _read_mask(mask, B, Lq, Lk, causal, window)
@@ -141,6 +141,13 @@ def plan(mask, B, Lq, Lk, causal, convention, window=(-1, -1)):
     _READ_MASKS[:] = [e for e in _READ_MASKS[1 - _READ_MASKS_KEPT:] if e[0]() is not None]
     _READ_MASKS.append((weakref.ref(mask), key, read))
     return read
+
+
+def _unreadable(t):
+    """Whether ``t``'s values must not decide here: during CUDA graph capture (a sync would
+    invalidate it) or while ``torch.jit.trace`` records (the decision would be baked into the
+    trace, wrong for every other mask passed to it)."""
+    return _capturing(t) or torch._C._get_tracing_state() is not None
 
 
 def general_plan(mask, B, Lq, Lk, dead=None, read=False):
@@ -358,7 +365,7 @@ def restarting(position_ids, Lq, Lk):
     flash-attention's packed check. Not read while torch.compile traces or a CUDA graph
     captures (then only cu_seq_lens_q/k or a packed mask from transformers say so)."""
     if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, Lq) or Lq != Lk or Lq < 2 \
-            or torch.compiler.is_compiling() or _capturing(position_ids):
+            or torch.compiler.is_compiling() or _unreadable(position_ids):
         return False
     if position_ids.is_inference():  # no version counter (made under torch.inference_mode): read every time
         return bool((position_ids.diff(dim=-1) != 1).any())

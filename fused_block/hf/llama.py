@@ -151,8 +151,9 @@ def attention_sublayer(layer, call, n1, tp=None, sinks=None, half_tables=False):
     returns o_proj's output (this rank's partial sums when tensor parallel: ``tp``)."""
     attn, state = layer.self_attn, layer._fused_block
     D = attn.head_dim
-    H = attn.q_proj.weight.shape[0] // D  # this rank's heads when tensor parallel
-    Hkv = attn.k_proj.weight.shape[0] // D
+    # int(): torch.jit.trace records sizes as tensors; these are the weights' (fixed) shapes.
+    H = int(attn.q_proj.weight.shape[0]) // D  # this rank's heads when tensor parallel
+    Hkv = int(attn.k_proj.weight.shape[0]) // D
     b = packed_bias(state, "qkv_bias", (attn.q_proj, attn.k_proj, attn.v_proj))
     # PEFT LoRA wrappers (their .weight/.bias are the base layer's): the adapters' updates go
     # into the same GEMMs (fused_block.lora), q/k/v's stacked into the QKV GEMM's.
