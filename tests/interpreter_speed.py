@@ -19,9 +19,19 @@ And ``tuple_type`` (the type of every tensor's shape tuple, built for each inter
 writes its name string when first read rather than when built: its equality compares types
 and fields, not the name.
 
+And ``tl.reduce`` with a combine function (the LayerNorm forward's ``(sum d, sum d^2)``
+pair): the interpreter calls the combine function once per element, on scalars (about half of
+the time of an interpreted LayerNorm model); this calls it once per level of a pairwise tree,
+on whole arrays: adjacent elements combined, left operand first, so each partial stays a
+contiguous run in order and only the associativity that ``tl.reduce`` requires of a combine
+function is used (the GPU's reduction is a tree too; the interpreter's is a left fold, so float
+sums may differ from its answer in the last bits).
+
 ``tests/test_test_helpers.py`` checks that a helper-heavy kernel gives the same answer with
-and without these.
+and without these, and that the tree reduction gives the fold's answer for an exact,
+non-commutative combine function.
 """
+import numpy as np
 import inspect
 
 import triton.language as tl
@@ -31,6 +41,7 @@ _original_patch_lang = interpreter._patch_lang
 _original_grid_call = interpreter.GridExecutor.__call__
 _original_np_dtype = interpreter._get_np_dtype
 _original_tuple_type_init = tl.core.tuple_type.__init__
+_original_generic_reduce = interpreter.ReduceOps.generic_reduce
 _patched = None  # ids of the language modules the running kernel patched; None outside a kernel
 _langs = {}  # function -> ids of the language modules its globals see
 _np_dtypes = {}  # Triton type -> numpy type
@@ -80,6 +91,41 @@ def _tuple_type_name(self, attr):
     return self.name
 
 
+def _generic_reduce(self, input):
+    """``ReduceOps.generic_reduce`` as a pairwise tree over the reduced axis (see the module)."""
+    original_axis = self.axis
+    input, axis = self.unravel(input, self.axis)
+    dtypes = [arg.dtype for arg in input]
+    data = [arg.handle.data for arg in input]
+    n = data[0].shape[axis]  # a power of two here (Triton's block shapes); the odd case is kept
+    index = [slice(None)] * data[0].ndim
+
+    def part(start, stop, step=1):
+        index[axis] = slice(start, stop, step)
+        return tuple(index)
+
+    while n > 1:
+        even = n - n % 2
+        left = [self.to_tensor(d[part(0, even, 2)], t) for d, t in zip(data, dtypes)]
+        right = [self.to_tensor(d[part(1, even, 2)], t) for d, t in zip(data, dtypes)]
+        out = self.combine_fn.fn(*left, *right)
+        out = out if isinstance(out, tuple) else (out,)
+        shape = left[0].handle.data.shape
+        # each result in its input's storage type, as the fold's assignment into its output stores it
+        merged = [np.broadcast_to(o.handle.data if isinstance(o, tl.core.tensor) else tl.core._unwrap_if_constexpr(o),
+                                  shape).astype(d.dtype) for o, d in zip(out, data)]
+        if n % 2:
+            merged = [np.concatenate([m, d[part(n - 1, n)]], axis=axis) for m, d in zip(merged, data)]
+        data, n = merged, merged[0].shape[axis]
+    ret = []
+    for d, t in zip(data, dtypes):
+        d = d[part(0, 1)]  # the reduced axis kept, as keep_dims keeps it (axis None: the flattened one)
+        if not self.keep_dims:
+            d = d.item() if original_axis is None else np.squeeze(d, axis)
+        ret.append(self.to_tensor(d, t))
+    return ret
+
+
 def _grid_call(self, *args, **kwargs):
     global _patched
     outer, _patched = _patched, set()
@@ -95,6 +141,7 @@ def install() -> None:
     interpreter._get_np_dtype = _get_np_dtype
     tl.core.tuple_type.__init__ = _tuple_type_init
     tl.core.tuple_type.__getattr__ = _tuple_type_name
+    interpreter.ReduceOps.generic_reduce = _generic_reduce
 
 
 def uninstall() -> None:
@@ -102,5 +149,6 @@ def uninstall() -> None:
     interpreter.GridExecutor.__call__ = _original_grid_call
     interpreter._get_np_dtype = _original_np_dtype
     tl.core.tuple_type.__init__ = _original_tuple_type_init
+    interpreter.ReduceOps.generic_reduce = _original_generic_reduce
     if "__getattr__" in vars(tl.core.tuple_type):
         del tl.core.tuple_type.__getattr__

@@ -102,6 +102,55 @@ def test_interpreter_speedups_give_the_interpreters_answers():
     assert shape == tl.core.tuple_type([tl.float32, tl.core.constexpr_type(4)], ["a", "b"])
 
 
+@triton.jit
+def _compose(a0, b0, a1, b1):  # x -> a0 x + b0 after x -> a1 x + b1's left neighbour: associative, not commutative
+    return a0 * a1, a0 * b1 + b0
+
+
+@triton.jit
+def _reduce_kernel(A, B, OUT_A, OUT_B, R: tl.constexpr, C: tl.constexpr, N: tl.constexpr, AXIS: tl.constexpr,
+                   KEEP: tl.constexpr):
+    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    a, b = tl.reduce((tl.load(A + offs), tl.load(B + offs)), AXIS, _compose, keep_dims=KEEP)
+    tl.store(OUT_A + tl.arange(0, N), tl.reshape(a, [N]))
+    tl.store(OUT_B + tl.arange(0, N), tl.reshape(b, [N]))
+
+
+@pytest.mark.skipif(not common.interpreting(), reason="the speed-ups are the interpreter's")
+@pytest.mark.parametrize("axis, keep", [(0, False), (0, True), (1, False), (1, True)])
+def test_tree_reduction_gives_the_folds_answer(axis, keep):
+    """The tree ``tl.reduce`` against the interpreter's own left fold, on a combine function
+    whose answer is exact and depends on the order (composition of integer affine maps):
+    equal; and both are the composition computed here."""
+    from triton.runtime import interpreter
+
+    R, C = 8, 16
+    a = torch.randint(0, 2, (R, C), dtype=torch.int32) * 2 - 1  # +-1: no overflow
+    b = torch.randint(-3, 4, (R, C), dtype=torch.int32)
+    n = C if axis == 0 else R
+    outs = []
+    try:
+        for install in (False, True):
+            (interpreter_speed.install if install else interpreter_speed.uninstall)()
+            out = [torch.full((n,), -99, dtype=torch.int32) for _ in range(2)]
+            _reduce_kernel[(1,)](a, b, *out, R=R, C=C, N=n, AXIS=axis, KEEP=keep)
+            outs.append(out)
+    finally:
+        interpreter_speed.install()
+    assert interpreter.ReduceOps.generic_reduce is interpreter_speed._generic_reduce  # installed (the suite's state)
+
+    def fold(pa, pb):
+        ca, cb = pa[0], pb[0]
+        for x, y in zip(pa[1:], pb[1:]):
+            ca, cb = ca * x, ca * y + cb
+        return ca, cb
+
+    seqs = [(a[:, j], b[:, j]) for j in range(C)] if axis == 0 else [(a[i], b[i]) for i in range(R)]
+    expected = [torch.stack([torch.as_tensor(fold(pa.tolist(), pb.tolist())[k]) for pa, pb in seqs]).int() for k in (0, 1)]
+    for out in outs:
+        assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+
+
 _NUMPY_SCALARS = """
 import sys, warnings
 import torch, triton, triton.language as tl
