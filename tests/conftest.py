@@ -20,6 +20,14 @@ if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set")
     os.environ["TRITON_INTERPRET"] = "1"
+    # One CPU thread per test process (and its child processes), unless OMP_NUM_THREADS says
+    # otherwise: the suite runs a worker per core (pytest-xdist), and torch's default of a
+    # thread per core oversubscribes them, where its OpenMP threads wait for each other:
+    # a float64 linear of this suite's sizes took 2-3 ms instead of 30-70 us beside another
+    # busy process, and test_hf_interface's logits tests ran 2.5x slower.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

@@ -27,6 +27,12 @@ contiguous run in order and only the associativity that ``tl.reduce`` requires o
 function is used (the GPU's reduction is a tree too; the interpreter's is a left fold, so float
 sums may differ from its answer in the last bits).
 
+And the interpreter's check of signed and unsigned integer arithmetic for overflow, which
+builds the operation again in int64 and compares it with the type's range (a fifth of the time
+of an interpreted model's backward), then hands the result to ``device_assert``, which drops
+it unless the builder's ``debug`` option is set (the interpreter's never is): skipped where it
+would be dropped. Compiling for a GPU runs the check as before.
+
 ``tests/test_test_helpers.py`` checks that a helper-heavy kernel gives the same answer with
 and without these, and that the tree reduction gives the fold's answer for an exact,
 non-commutative combine function.
@@ -35,6 +41,7 @@ import numpy as np
 import inspect
 
 import triton.language as tl
+from triton.language import semantic
 from triton.runtime import interpreter
 
 _original_patch_lang = interpreter._patch_lang
@@ -42,6 +49,7 @@ _original_grid_call = interpreter.GridExecutor.__call__
 _original_np_dtype = interpreter._get_np_dtype
 _original_tuple_type_init = tl.core.tuple_type.__init__
 _original_generic_reduce = interpreter.ReduceOps.generic_reduce
+_original_sanitize_overflow = semantic.TritonSemantic.binary_op_sanitize_overflow_impl
 _patched = None  # ids of the language modules the running kernel patched; None outside a kernel
 _langs = {}  # function -> ids of the language modules its globals see
 _np_dtypes = {}  # Triton type -> numpy type
@@ -126,6 +134,14 @@ def _generic_reduce(self, input):
     return ret
 
 
+def _sanitize_overflow(self, lhs, rhs, binary_op):
+    """The overflow check, skipped where ``device_assert`` would drop its condition: the
+    interpreter's builder without ``debug`` (see the module)."""
+    if isinstance(self.builder, interpreter.InterpreterBuilder) and not self.builder.options.debug:
+        return
+    _original_sanitize_overflow(self, lhs, rhs, binary_op)
+
+
 def _grid_call(self, *args, **kwargs):
     global _patched
     outer, _patched = _patched, set()
@@ -142,6 +158,7 @@ def install() -> None:
     tl.core.tuple_type.__init__ = _tuple_type_init
     tl.core.tuple_type.__getattr__ = _tuple_type_name
     interpreter.ReduceOps.generic_reduce = _generic_reduce
+    semantic.TritonSemantic.binary_op_sanitize_overflow_impl = _sanitize_overflow
 
 
 def uninstall() -> None:
@@ -150,5 +167,6 @@ def uninstall() -> None:
     interpreter._get_np_dtype = _original_np_dtype
     tl.core.tuple_type.__init__ = _original_tuple_type_init
     interpreter.ReduceOps.generic_reduce = _original_generic_reduce
+    semantic.TritonSemantic.binary_op_sanitize_overflow_impl = _original_sanitize_overflow
     if "__getattr__" in vars(tl.core.tuple_type):
         del tl.core.tuple_type.__getattr__

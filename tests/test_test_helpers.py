@@ -97,6 +97,8 @@ def test_interpreter_speedups_give_the_interpreters_answers():
              tl.block_type(tl.bfloat16, [4, 8]), tl.block_type(tl.pointer_type(tl.int32), [8])]
     assert [interpreter._get_np_dtype(t) for t in types] == [interpreter_speed._original_np_dtype(t) for t in types]
     assert interpreter._get_np_dtype is interpreter_speed._get_np_dtype  # installed (the suite's state)
+    assert (tl.semantic.TritonSemantic.binary_op_sanitize_overflow_impl  # the kernel's uint32 sums: checked, then not
+            is interpreter_speed._sanitize_overflow)
     shape = tl.core.tuple_type([tl.float32, tl.core.constexpr_type(4)], ["a", "b"])
     assert shape.name == str(shape) == "[a:fp32,b:constexpr_type[4]]"
     assert shape == tl.core.tuple_type([tl.float32, tl.core.constexpr_type(4)], ["a", "b"])
