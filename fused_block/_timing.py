@@ -53,10 +53,21 @@ def _outputs(out):
     return outs
 
 
+def _random_like(o):
+    """Standard normal values in ``o``'s shape, dtype and device from a generator of their own:
+    the timing happens inside the caller's forward (its first call of a bucket), and drawing
+    from torch's generator there would move every dropout seed drawn after it (a reentrant
+    checkpoint's recomputation, which times what its no-grad forward did not, would then drop
+    other elements than the forward did; a rerun with the choices already made, others again)."""
+    generator = torch.Generator(device=o.device).manual_seed(0)
+    return torch.randn(o.shape, dtype=o.dtype, device=o.device, generator=generator)
+
+
 def time_candidates(grad, leaves, fns, ours):
     """Milliseconds per candidate (``{name: fn(*leaves) -> tensor or tuple}``) that runs this
     case: the forward, and with ``grad`` the backward of every output that requires a gradient
-    (random gradients, drawn once per candidate) into every leaf that requires one. A candidate
+    (random gradients, drawn once per candidate from a generator of their own: torch's is left
+    as it was) into every leaf that requires one. A candidate
     that raises is left out (a backend refusing the case), except ``ours``. The launches the
     timing makes are not counted as the caller's (``common.LAUNCHES``)."""
     from triton.testing import do_bench
@@ -70,7 +81,7 @@ def time_candidates(grad, leaves, fns, ours):
             if grad and inputs:
                 outs = _outputs(out)
                 if name not in douts:
-                    douts[name] = [torch.randn_like(o) for o in outs]
+                    douts[name] = [_random_like(o) for o in outs]
                 torch.autograd.grad(outs, inputs, douts[name], allow_unused=True)
         return go
 

@@ -558,6 +558,20 @@ def _check_fp32_width(name, t, D):
                         "use bf16 or fp16")
 
 
+# The kernels take dropout_p in fp32, where a p above 1 - 2**-25 is 1.0: their keep threshold
+# (p * 2**32 as uint32) would overflow and their 1 / (1 - p) scale be infinite, an output of
+# huge values or NaN instead of dropout's near-certain zeros. Such a p runs as fp32's largest
+# probability below 1 (the kernels' keep rate is 1 - fp32(p) with the matching scale, unbiased):
+# the rate moves by less than fp32's spacing there, as every p's does when rounded to fp32.
+_MAX_KERNEL_P = 1.0 - 2.0 ** -24
+
+
+def _dropout_p(dropout_p):
+    """A validated ``dropout_p`` as the float the kernels can take (see ``_MAX_KERNEL_P``)."""
+    p = float(dropout_p)
+    return _MAX_KERNEL_P if p > _MAX_KERNEL_P else p
+
+
 def _seed(dropout_p, device):
     # No seed tensor (and no random number drawn) without dropout.
     return _backend.dropout_seed(dropout_p, device) if dropout_p > 0.0 else None
@@ -630,7 +644,7 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     B, Hq, Lq = q.shape[:3]
     sinks, alibi_slopes = _check_scores(q, B, Hq, Lq, k.shape[2], sinks, alibi_slopes, bias, mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    dropout_p = _dropout_p(dropout_p)
     _check_fp32_width("q", q, q.shape[-1])  # on every path: a call valid here is valid on a GPU
     if not _backend.use_triton(q):
         out, lse = reference.attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window,
@@ -714,7 +728,7 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     _check_return_lse(return_lse)
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    dropout_p = _dropout_p(dropout_p)
     if softcap is not None or sinks is not None or alibi_slopes is not None:
         q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
         out, lse = attention(q, k, v, causal, scale, key_padding_mask, dropout_p, window=window, softcap=softcap,
@@ -889,7 +903,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sinks, alibi_slopes = _check_scores(q, cu_seqlens_q.numel() - 1, q.shape[1], 0, 0, sinks, alibi_slopes,
                                         dense=False)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    dropout_p = _dropout_p(dropout_p)
     _check_fp32_width("q", q, q.shape[-1])
     if not _backend.use_triton(q):
         return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p,
@@ -934,7 +948,7 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
     _check_cu_seqlens("cu_seqlens", cu_seqlens, qkv.shape[0], "max_seqlen", max_seqlen, "qkv", qkv)
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    dropout_p = _dropout_p(dropout_p)
     if softcap is not None or sinks is not None or alibi_slopes is not None:
         q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)
         out, lse = attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,

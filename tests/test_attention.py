@@ -629,6 +629,31 @@ def test_dropout_is_unbiased(device, launches):
     assert (mean - plain).abs().mean().item() < 0.05
 
 
+@pytest.mark.parametrize("api", ["attention", "qkvpacked", "varlen"])
+def test_dropout_p_that_rounds_to_one_in_fp32_drops_everything(api, device, launches):
+    """A dropout_p below 1 that fp32 rounds to 1.0 (here 1 - 1e-8; the kernels take p in fp32)
+    keeps an element with probability below 1e-7: the output is zeros (no keep in these 2,048
+    draws for this seed) and so are the gradients, as torch's dropout gives almost surely. It
+    was every element kept, scaled by 1 / (1 - p) = 1e8 (NaN where the scale is fp32's inf)."""
+    p, B, H, L, D = 1 - 1e-8, 1, 2, 32, 16
+    q, k, v = _qkv(B, H, H, L, L, D, torch.float32, device)
+    torch.manual_seed(5)
+    if api == "attention":
+        out = attention(q, k, v, True, None, None, p)
+    elif api == "qkvpacked":
+        qkv = torch.cat([t.detach().transpose(1, 2).flatten(2) for t in (q, k, v)], -1).requires_grad_()
+        q = k = v = qkv
+        out = attention_qkvpacked(qkv, H, causal=True, dropout_p=p)
+    else:
+        q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+        cu = torch.tensor([0, 12, L], dtype=torch.int32, device=device)
+        out = fused_block.attention_varlen(q, k, v, cu, cu, 20, 20, causal=True, dropout_p=p)
+    assert torch.equal(out, torch.zeros_like(out))
+    for g in torch.autograd.grad(out.sum(), tuple({id(t): t for t in (q, k, v)}.values())):
+        assert torch.equal(g, torch.zeros_like(g))
+    assert launches["attention_fwd"] == 1 and launches["attention_bwd"] == 1
+
+
 def test_no_dropout_draws_no_seed(device, launches):
     """dropout_p = 0 consumes no random number (and allocates no seed tensor)."""
     q, k, v = _qkv(1, 1, 1, 8, 8, 16, torch.float16, device)

@@ -903,6 +903,32 @@ def test_norm_candidates_timing_runs_each_backward(device, monkeypatch):
     assert common.LAUNCHES == before
 
 
+def test_candidates_timing_leaves_torchs_generator_alone(device, monkeypatch):
+    """The timing runs inside the caller's forward (the first call of a bucket, with a gradient:
+    random output gradients for the backward); it must not draw from torch's generator, or every
+    dropout seed drawn after it moves: a reentrant checkpoint's recomputation (which times what
+    its no-grad forward did not) would drop other elements than its forward did, silently wrong
+    gradients. The seed drawn after a timing is the one drawn without it."""
+    import triton.testing
+
+    from fused_block import _backend, _timing
+    from fused_block import norm as fnorm
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.5)[1])
+    x = randn(6, 32, dtype=torch.float32, device=device, requires_grad=True)
+    w = randn(32, dtype=torch.float32, device=device, requires_grad=True)
+    fns = {fnorm.TRITON: lambda *t: fnorm._kernels(*t, 1e-6, 0.0, torch.float32, False, True, False, True),
+           fnorm.TORCH: lambda *t: fnorm._torch_add_norm(*t, 1e-6, True, False)}
+    seeds = []
+    for timed in (False, True):
+        torch.manual_seed(5)
+        if timed:
+            leaves = _timing.leaves_of(x, None, w, None, grad=[True, False, True, False])
+            _timing.time_candidates(True, leaves, fns, ours=fnorm.TRITON)
+        seeds.append(_backend.dropout_seed(0.1, device).item())
+    assert seeds[0] == seeds[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_rms_norm_default_eps_is_torchs(device, launches, dtype):
     """``eps=None`` as torch's rms_norm takes it (``torch.nn.RMSNorm``'s default): the machine
