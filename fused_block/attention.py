@@ -465,7 +465,7 @@ def _check_options(causal, scale, key_padding_mask, dropout_p, B, Lk, ref_name, 
         _validate.tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,), ndim=2)
         _validate.shape("key_padding_mask", key_padding_mask, (B, Lk))
         _validate.same_device(ref_name, ref, key_padding_mask=key_padding_mask)
-    _validate.probability("dropout_p", dropout_p)
+    _validate.probability("dropout_p", dropout_p, one=True)  # 1.0: see _all_dropped
 
 
 def _check(q, k, v, causal, scale, key_padding_mask, dropout_p):
@@ -566,6 +566,17 @@ def _check_fp32_width(name, t, D):
 _MAX_KERNEL_P = 1.0 - 2.0 ** -24
 
 
+def _all_dropped(result, return_lse):
+    """What ``dropout_p == 1.0`` gives, as SDPA (and dropout with p = 1) gives it: every
+    probability dropped, so ``out`` is zero, with zero gradients for q, k, v (and the
+    differentiable options). ``result``: the ``(out, lse)`` of the same call with
+    ``dropout_p=0.0``; the LSE does not depend on dropout. The output is ``out * 0`` (torch's
+    dropout with p = 1 is that product): its layout, and NaN where out is NaN, as SDPA's."""
+    out, lse = result
+    out = out * 0.0
+    return (out, lse) if return_lse else out
+
+
 def _dropout_p(dropout_p):
     """A validated ``dropout_p`` as the float the kernels can take (see ``_MAX_KERNEL_P``)."""
     p = float(dropout_p)
@@ -618,7 +629,9 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     - Scalars as SDPA takes them: ``scale``, ``softcap`` and ``dropout_p`` Python or numpy
       numbers, the window's sides Python or numpy integers (converted to Python's here);
       ``causal`` and ``return_lse`` Python bools (numpy's bool raises TypeError).
-    - ``dropout_p``: dropout on the attention probabilities (applied whenever > 0, as in SDPA).
+    - ``dropout_p``: dropout on the attention probabilities (applied whenever > 0, as in SDPA),
+      in [0, 1]: 1.0 (SDPA's answer) drops every probability, a zero output with zero
+      gradients (the LSE is unchanged).
       The mask is drawn from a seed taken from torch's generator (``torch.manual_seed`` fixes
       it) and regenerated in backward, never stored.
     - ``return_lse=True`` also returns the fp32 natural-log log-sum-exp of the scaled, masked
@@ -644,6 +657,10 @@ def attention(q, k, v, causal=False, scale=None, key_padding_mask=None, dropout_
     B, Hq, Lq = q.shape[:3]
     sinks, alibi_slopes = _check_scores(q, B, Hq, Lq, k.shape[2], sinks, alibi_slopes, bias, mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if float(dropout_p) == 1.0:
+        return _all_dropped(attention(q, k, v, causal, scale, key_padding_mask, 0.0, window=window, softcap=softcap,
+                                      sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                                      return_lse=True), return_lse)
     dropout_p = _dropout_p(dropout_p)
     _check_fp32_width("q", q, q.shape[-1])  # on every path: a call valid here is valid on a GPU
     if not _backend.use_triton(q):
@@ -728,6 +745,11 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     _check_return_lse(return_lse)
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if float(dropout_p) == 1.0:
+        return _all_dropped(attention_qkvpacked(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask, 0.0,
+                                                window=window, softcap=softcap, sinks=sinks,
+                                                alibi_slopes=alibi_slopes, batch_first=batch_first,
+                                                return_lse=True), return_lse)
     dropout_p = _dropout_p(dropout_p)
     if softcap is not None or sinks is not None or alibi_slopes is not None:
         q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
@@ -903,6 +925,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sinks, alibi_slopes = _check_scores(q, cu_seqlens_q.numel() - 1, q.shape[1], 0, 0, sinks, alibi_slopes,
                                         dense=False)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if float(dropout_p) == 1.0:
+        return _all_dropped(attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                                             alibi_slopes=alibi_slopes, return_lse=True), return_lse)
     dropout_p = _dropout_p(dropout_p)
     _check_fp32_width("q", q, q.shape[-1])
     if not _backend.use_triton(q):
@@ -948,6 +974,11 @@ def attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_he
     _check_cu_seqlens("cu_seqlens", cu_seqlens, qkv.shape[0], "max_seqlen", max_seqlen, "qkv", qkv)
     window = _check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if float(dropout_p) == 1.0:
+        return _all_dropped(attention_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, num_heads, num_kv_heads,
+                                                       causal=causal, scale=scale, window=window, softcap=softcap,
+                                                       sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True),
+                            return_lse)
     dropout_p = _dropout_p(dropout_p)
     if softcap is not None or sinks is not None or alibi_slopes is not None:
         q, k, v = _split_tokens(qkv, num_heads, num_kv_heads)

@@ -682,8 +682,8 @@ def _hidden_dropout(hid, p):
     callable runs). Where the kernels run: the keep-mask the GEMM epilogues draw, from a seed of
     ``_backend.dropout_seed`` (``torch.manual_seed`` fixes it; a tensor-parallel rank's is
     shifted by its rank, so each rank's FFN columns get a mask of their own); elsewhere torch's."""
-    if not _backend.use_triton(hid) or hid.numel() == 0:
-        return F.dropout(hid, p, training=True)
+    if p >= 1.0 or not _backend.use_triton(hid) or hid.numel() == 0:
+        return F.dropout(hid, p, training=True)  # (p = 1: every unit dropped, torch's product with 0)
     n = hid.shape[-1]
     keep = _kmatmul.dropout_mask(_backend.dropout_seed(p, hid.device), hid.numel() // n, n, p, hid.device)
     return hid * keep.view(hid.shape) * (1.0 / (1.0 - p))
@@ -765,6 +765,8 @@ class _LayerMixin:
         GEMMs, which autocast rounds to its dtype: the kernel's 16-bit output (rounded to
         nearest from fp32) is that same value, so Pre-LN keeps the cheaper 16-bit path.
         """
+        if dropout_p >= 1.0:  # torch's dropout with p = 1 (x times 0: zero gradients upstream), no kernel dropout
+            x, dropout_p = F.dropout(x, 1.0, training=True), 0.0
         ops = _ops(x)
         rms = self.norm != "layer"
         params = _params(module, "weight") if rms else _params(module, "weight", "bias")
@@ -799,8 +801,14 @@ class _LayerMixin:
         return y if residual is None else y + residual
 
     def _ffn_local(self, x, residual, p_in, p_out):
+        # A dropout with p = 1 (torch's layers take dropout=1.0; the fused ops' dropouts stop
+        # below 1) runs as torch's dropout: its input times 0, so the gradients upstream are
+        # zeros, as torch's layer gives. On the hidden activation it runs between the GEMMs.
+        if p_out >= 1.0:
+            y = F.dropout(self._ffn_local(x, None, p_in, 0.0), 1.0, training=True)
+            return y if residual is None else y + residual
         mods = self._modules
-        name = self._activation()
+        name = None if p_in >= 1.0 else self._activation()
         l1, l2 = mods["linear1"], mods["linear2"]
         ops = _ops(x)
         if lora.is_lora(l1) or lora.is_lora(l2):
@@ -809,7 +817,7 @@ class _LayerMixin:
             return ops.mlp(x, *_params(l1, "weight", "bias"), *_params(l2, "weight", "bias"), name, residual, p_in,
                            p_out)
         # A custom activation callable runs between the GEMMs, so its dropout does too.
-        hid = self.activation(ops.linear(x, l1.weight, l1.bias))
+        hid = self._activate(ops.linear(x, *_params(l1, "weight", "bias")))
         hid = _hidden_dropout(hid, p_in) if p_in > 0 else hid
         return ops.linear(hid, l2.weight, l2.bias, None, residual, p_out)
 
@@ -818,11 +826,18 @@ class _LayerMixin:
         :class:`fused_block.MLP` runs it; a custom activation callable (``name`` None) and its
         dropout run between the GEMMs."""
         def hidden(pre):
-            hid = self.activation(pre)
+            hid = self._activate(pre)
             return _hidden_dropout(hid, p_in) if p_in > 0 else hid
 
         return _lora_ffn(x, self.linear1, self.linear2, name, residual, p_in, p_out, ops.linear, ops.gated,
                          hidden if name is None else None)
+
+    def _activate(self, pre):
+        """The activation on linear1's output between the GEMMs; SwiGLU gates its halves."""
+        if isinstance(self.activation, str):  # "swiglu"
+            gate, up = pre.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return self.activation(pre)
 
     def _activation(self):
         """The fused epilogue's name for ``self.activation``, looked up once per activation
@@ -840,7 +855,7 @@ class _LayerMixin:
         off) drawn in one kernel, see ``_backend.seed_block``."""
         n = 0
         for p in ps:
-            n += p > 0
+            n += 0 < p < 1  # (p = 1 runs torch's dropout, which draws nothing)
         if n < 2 or _ops(x) is not _FUSED or not _backend.use_triton(x):
             return _NO_SEED_BLOCK  # the reference's dropouts draw from torch's generator themselves
         return _backend.seed_block(n, x.device)

@@ -654,6 +654,51 @@ def test_dropout_p_that_rounds_to_one_in_fp32_drops_everything(api, device, laun
     assert launches["attention_fwd"] == 1 and launches["attention_bwd"] == 1
 
 
+@pytest.mark.parametrize("api", ["attention", "qkvpacked", "varlen", "varlen_qkvpacked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dropout_p_one_gives_zeros_with_zero_gradients(api, dtype, device, launches):
+    """dropout_p = 1.0 is what SDPA takes and gives (every probability dropped: out zeros, q, k
+    and v zero gradients), and what torch's layers with dropout=1.0 reach; it raised
+    "dropout_p must be in [0, 1)". The LSE (return_lse) is the dropout-free one, with its
+    gradient. (B, H, L, D) small: one block per head.)"""
+    B, H, L, D = 1, 2, 24, 16
+    q, k, v = _qkv(B, H, H, L, L, D, dtype, device)
+    if api in ("attention", "qkvpacked"):
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=1.0)
+        assert torch.equal(sdpa, torch.zeros_like(sdpa))  # torch's answer
+    cu = torch.tensor([0, 10, L], dtype=torch.int32, device=device)
+    if api == "attention":
+        inputs = (q, k, v)
+        run = lambda p, lse: attention(q, k, v, True, None, None, p, return_lse=lse)  # noqa: E731
+    elif api == "qkvpacked":
+        qkv = torch.cat([t.detach().transpose(1, 2).flatten(2) for t in (q, k, v)], -1).requires_grad_()
+        inputs = (qkv,)
+        run = lambda p, lse: attention_qkvpacked(qkv, H, causal=True, dropout_p=p, return_lse=lse)  # noqa: E731
+    elif api == "varlen":
+        inputs = tuple(t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+        run = lambda p, lse: fused_block.attention_varlen(*inputs, cu, cu, 14, 14, causal=True,  # noqa: E731
+                                                          dropout_p=p, return_lse=lse)
+    else:
+        qkv = torch.cat([t.detach()[0].transpose(0, 1).flatten(1) for t in (q, k, v)], -1).requires_grad_()
+        inputs = (qkv,)
+        run = lambda p, lse: fused_block.attention_varlen_qkvpacked(qkv, cu, 14, H, causal=True,  # noqa: E731
+                                                                    dropout_p=p, return_lse=lse)
+    out = run(1.0, False)
+    assert out.dtype == dtype and torch.equal(out, torch.zeros_like(out))
+    for g in torch.autograd.grad(out.float().sum(), inputs):
+        assert torch.equal(g, torch.zeros_like(g))
+    # The LSE and its gradient are dropout's-free ones.
+    (out1, lse1), (_, lse0) = run(1.0, True), run(0.0, True)
+    assert torch.equal(out1, torch.zeros_like(out1)) and torch.equal(lse1, lse0)
+    g1 = torch.autograd.grad(lse1.sum(), inputs)
+    g0 = torch.autograd.grad(lse0.sum(), inputs)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert launches["attention_fwd"] >= 1 and launches["attention_bwd"] >= 1
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\], got 1.5"):
+        run(1.5, False)
+
+
 def test_no_dropout_draws_no_seed(device, launches):
     """dropout_p = 0 consumes no random number (and allocates no seed tensor)."""
     q, k, v = _qkv(1, 1, 1, 8, 8, 16, torch.float16, device)
@@ -826,7 +871,7 @@ def _bad_cases(device):
          "key_padding_mask must have shape"),
         (attention, (q, k, v), {"key_padding_mask": t(16, dtype=torch.bool)}, ValueError,
          "key_padding_mask must be 2-D"),
-        (attention, (q, k, v), {"dropout_p": 1.0}, ValueError, "dropout_p"),
+        (attention, (q, k, v), {"dropout_p": 1.5}, ValueError, "dropout_p"),
         (attention, (q, k, v), {"dropout_p": -0.1}, ValueError, "dropout_p"),
         (attention, (q, k, v), {"scale": 0.0}, ValueError, "scale"),
         (attention, (q, k, v), {"causal": 1}, TypeError, "causal"),

@@ -161,7 +161,7 @@ CATALOGUE = [
     ("attn-v-shape", lambda: _attn(v=r(2, 2, 9, 16, dtype=BF16)), ValueError, "v"),
     ("attn-mask-shape", lambda: _attn(key_padding_mask=torch.zeros(2, 7, dtype=torch.bool, device=DEV)), ValueError, "key_padding_mask"),
     ("attn-mask-dtype", lambda: _attn(key_padding_mask=torch.zeros(2, 8, device=DEV)), TypeError, "key_padding_mask"),
-    ("attn-dropout", lambda: _attn(dropout_p=1.0), ValueError, "dropout_p"),
+    ("attn-dropout", lambda: _attn(dropout_p=1.5), ValueError, "dropout_p"),
     ("attn-causal-type", lambda: _attn(causal="yes"), TypeError, "causal"),
     ("attn-causal-numpy-bool", lambda: _attn(causal=np.bool_(True)), TypeError, "causal must be a bool, got numpy.bool"),
     ("attn-window-float", lambda: _attn(window=(np.float64(2.0), -1)), TypeError,

@@ -960,6 +960,70 @@ def test_each_dropout_follows_its_own_modules_training_flag(kind, sub, norm_firs
     assert launches["add_norm_fwd"] == 3 * (2 + (kind == "decoder"))  # one per norm
 
 
+@pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_dropout_one_drops_as_torchs_layer(kind, norm_first, dtype, device, launches):
+    """dropout=1.0, which torch's layers take (every dropout drops everything: the sublayers
+    add zeros, the upstream parameters get zero gradients), in training mode: torch's output
+    and the gradient of every input and parameter. It raised "dropout_p must be in [0, 1)"
+    (the attention's and the fused ops' dropouts stop below 1); now the attention takes
+    p = 1 (SDPA's zeros) and the FFN's and norms' dropouts at p = 1 run as torch's."""
+    t, f = _layers(kind, batch_first=True, norm_first=norm_first, dropout=1.0)
+    inputs = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
+    _three_ways(t, f, inputs, {}, dtype, device)
+    assert launches["attention_fwd"] == 1 + (kind == "decoder")  # the attention kernel ran
+    assert launches["add_norm_fwd"] == 2 + (kind == "decoder")
+
+
+@pytest.mark.parametrize("activation", ["relu", "callable"])
+@pytest.mark.parametrize("kind, sub", DROPOUT_SUBMODULES)
+@pytest.mark.sweep
+def test_one_dropout_at_one_drops_as_torchs_layer(kind, sub, activation, device, launches):
+    """One dropout submodule (or attention) at p = 1, the others at 0, training mode, Post-LN
+    (where drop2/drop3 ride in the norm kernel): torch's output and gradients. A callable
+    activation runs the hidden dropout between the GEMMs."""
+    act = torch.nn.functional.silu if activation == "callable" else "relu"
+    t, f = _layers(kind, batch_first=True, activation=act)
+    for m in (t, f):
+        mod = getattr(m, sub)
+        if isinstance(mod, nn.MultiheadAttention):
+            mod.dropout = 1.0
+        else:
+            mod.p = 1.0
+    inputs = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
+    _three_ways(t, f, inputs, {}, torch.float32, device)
+    assert launches["attention_fwd"] == 1 + (kind == "decoder")
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_dropout_one_as_torchs(need_weights, device, launches):
+    """MultiheadAttention(dropout=1.0) in training: torch's output (out_proj's bias: the
+    attention is all dropped) and gradients (zero for the projections), fused path
+    (need_weights=False) and torch's (True); eval mode attends."""
+    t = nn.MultiheadAttention(D, H, dropout=1.0, batch_first=True).to(device)
+    _randomize(t)
+    f = fused_block.MultiheadAttention(D, H, dropout=1.0, batch_first=True).to(device)
+    f.load_state_dict(t.state_dict())
+    x, mem = _x(True, L, device), _x(True, S, device)
+    for mode in (True, False):
+        outs = []
+        for m in (t, f):
+            m.train(mode)
+            m.zero_grad(set_to_none=True)
+            out = m(x, mem, mem, need_weights=need_weights)[0]
+            out.square().sum().backward()
+            outs.append((out, {n: p.grad for n, p in m.named_parameters()}))
+        (want, g_want), (got, g_got) = outs
+        torch.testing.assert_close(got, want, atol=_atol(torch.float32, device), rtol=1e-4)
+        assert g_got.keys() == g_want.keys()
+        for n in g_want:
+            torch.testing.assert_close(g_got[n], g_want[n], atol=_atol(torch.float32, device), rtol=1e-4, msg=n)
+        if mode:
+            assert torch.equal(g_got["in_proj_weight"], torch.zeros_like(g_got["in_proj_weight"]))
+    assert launches["attention_fwd"] == (0 if need_weights else 2)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_eval_layer_with_training_dropouts_without_grad_follows_torchs_fast_path(batch_first, device, launches):
     """An eval encoder layer whose dropouts are in train mode, without grad: torch's layer takes
