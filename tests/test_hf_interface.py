@@ -348,6 +348,50 @@ def test_packed_batch_matches_the_sequences_one_by_one(name, converted, flash_kw
     assert launches["attention_fwd"] == launches["attention_bwd"] == 2  # one varlen launch per layer
 
 
+def test_packed_position_ids_are_read_once_per_forward(device, launches):
+    """A packed row told apart by its restarting position_ids only, through four layers: one
+    bincount and two host reads per forward (whether the positions restart, and the longest
+    sequence), none on a second forward with the same tensor, one again after an in-place change
+    (another split), each forward's logits those of its sequences run one by one. Every layer
+    built a new sequence-index tensor from the position_ids, so the lengths' cache (on that
+    tensor) never hit: a bincount and a host read (a GPU sync) per layer. Under inference mode
+    (no version counter) the tensor is read every time, with the same answer. (Four layers: a
+    per-layer read shows as 4; lengths 4, 7, 3 then 7, 4, 3, the batch of the packed tests.)"""
+    from fused_block import profiling
+    model = interface_model("llama", device, "sdpa", num_hidden_layers=4).eval()
+    ours = _ours(model)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (1, 14), generator=g).to(device)
+
+    def positions(lens):
+        return torch.cat([torch.arange(n, device=device) for n in lens])[None]
+
+    def one_by_one(lens):
+        parts, start = [], 0
+        for n in lens:
+            parts.append(model(ids[:, start:start + n]).logits)
+            start += n
+        return torch.cat(parts, 1)
+
+    pos = positions((4, 7, 3))
+    got = []
+    with torch.no_grad(), no_fallback():
+        first = profiling.count_kernels(lambda: got.append(ours(ids, position_ids=pos).logits))
+        again = profiling.count_kernels(lambda: got.append(ours(ids, position_ids=pos).logits))
+        pos.copy_(positions((7, 4, 3)))  # in place: another split
+        changed = profiling.count_kernels(lambda: got.append(ours(ids, position_ids=pos).logits))
+        for logits, lens in zip(got, ((4, 7, 3), (4, 7, 3), (7, 4, 3))):
+            torch.testing.assert_close(logits, one_by_one(lens), atol=1e-5, rtol=1e-5)
+    for counts, reads in ((first, 2), (again, 0), (changed, 2)):
+        assert counts.torch.get("bincount", 0) == reads // 2, counts.torch
+        assert counts.syncs == ({"_local_scalar_dense": reads} if reads else {}), counts.syncs
+    with torch.inference_mode():
+        frozen = positions((3, 4, 7))
+        torch.testing.assert_close(ours(ids, position_ids=frozen).logits, one_by_one((3, 4, 7)), atol=1e-5,
+                                   rtol=1e-5)
+    assert launches["attention_fwd"] == 4 * 4
+
+
 @pytest.mark.parametrize("positions", [None, [0, 1, 2, 3, 4, 0, 1, 2, 3]], ids=["model-made", "restarting"])
 def test_one_row_under_inference_mode(positions, device, launches):
     """A one-row call under torch.inference_mode (a pipeline's batch of one): the position_ids

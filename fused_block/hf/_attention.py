@@ -324,31 +324,44 @@ def packed_lengths(attention_mask, kwargs, B, Lq, Lk):
         return None
     ids = getattr(attention_mask, PACKED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
     if ids is None and unpadded(attention_mask) and restarting(kwargs.get("position_ids"), Lq, Lk):
-        positions = kwargs["position_ids"]
-        step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
-        ids = (step != 1).cumsum(-1)  # transformers' find_packed_sequence_indices
+        return _cached(_LAST_POSITION_LENGTHS, kwargs["position_ids"], _position_lengths)
     if ids is None:
         return None
-    return _lengths_of(ids)
+    return _cached(_LAST_IDS, ids, _read_lengths)
 
 
-_LAST_IDS = [None, None]  # (weakref to the last sequence-index tensor read, its lengths)
+# (weakref to the last tensor read, (its version, its lengths)): a packed mask's sequence-index
+# tensor, and restarting position_ids (whose sequence indices are a new tensor in every layer:
+# the cache is on the position_ids, which every layer of a forward gets).
+_LAST_IDS = [None, None]
+_LAST_POSITION_LENGTHS = [None, None]
 
 
-def _lengths_of(ids):
-    """cu_seqlens (int32) and the longest length of a (1, L) sequence-index tensor; read once
-    per tensor (every layer of a forward gets the same one): one sync per forward."""
-    ref, last = _LAST_IDS
-    inference = ids.is_inference()  # no version counter to tell an in-place change: read every time
-    if not inference and ref is not None and ref() is ids and last[0] == ids._version:
+def _cached(cache, t, read):
+    """``read(t)``, once per tensor and version (every layer of a forward gets the same one: one
+    sync per forward); tensors made under inference mode, which have no version counter to tell
+    an in-place change, are read every time."""
+    ref, last = cache
+    inference = t.is_inference()
+    if not inference and ref is not None and ref() is t and last[0] == t._version:
         return last[1]
+    found = read(t)
+    if not inference:
+        cache[:] = [weakref.ref(t), (t._version, found)]
+    return found
+
+
+def _position_lengths(positions):
+    step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
+    return _read_lengths((step != 1).cumsum(-1))  # transformers' find_packed_sequence_indices
+
+
+def _read_lengths(ids):
+    """cu_seqlens (int32) and the longest length of a (1, L) sequence-index tensor (a host read)."""
     lengths = torch.bincount(ids[0].to(torch.int64))
     cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     longest = int(lengths.max())
-    found = (cu, cu, longest, longest)
-    if not inference:
-        _LAST_IDS[:] = [weakref.ref(ids), (ids._version, found)]
-    return found
+    return cu, cu, longest, longest
 
 
 def _max_length(cu):
