@@ -348,6 +348,28 @@ def test_packed_batch_matches_the_sequences_one_by_one(name, converted, flash_kw
     assert launches["attention_fwd"] == launches["attention_bwd"] == 2  # one varlen launch per layer
 
 
+@pytest.mark.parametrize("converted", [False, True], ids=["interface", "converted"])
+def test_attention_dropout_one_as_sdpa(converted, device, launches):
+    """attention_dropout=1.0 in training (SDPA takes dropout_p=1.0: zeros, zero gradients): the
+    sdpa model's logits and every parameter's gradient, on the interface and with the layers
+    ``convert`` fuses. It raised "dropout_p must be in [0, 1)" from the attention functions."""
+    model = interface_model("llama", device, "sdpa", attention_dropout=1.0).train()
+    ours = _ours(model)
+    if converted:
+        with no_fallback():
+            fused_block.convert(ours)
+    ids, _ = interface_inputs("llama", device)
+    out = []
+    for m in (model, ours):
+        logits = m(ids).logits
+        logits.square().mean().backward()
+        out.append(logits)
+    torch.testing.assert_close(out[1], out[0], atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert launches["attention_fwd"] == 2
+
+
 def test_packed_position_ids_are_read_once_per_forward(device, launches):
     """A packed row told apart by its restarting position_ids only, through four layers: one
     bincount and two host reads per forward (whether the positions restart, and the longest
