@@ -38,8 +38,9 @@ def convert(model: nn.Module) -> nn.Module:
     are left alone.
     Returns ``model`` (or, when ``model`` itself is such a layer, its fused replacement).
 
-    Hugging Face ``transformers`` models (GPT-2, BERT, LLaMA, Mistral, Qwen2, Qwen3, Phi-3
-    layers: ``fused_block.hf.FAMILIES``) are converted in place as described in
+    Hugging Face ``transformers`` models (GPT-2, BERT, LLaMA, Mistral, Qwen2, Qwen3, Phi-3,
+    Gemma, Gemma 2, Gemma 3, gpt-oss, BLOOM, BART, Whisper, T5 and mT5 layers:
+    ``fused_block.hf.FAMILIES``, README's table) are converted in place as described in
     :mod:`fused_block.hf`: same classes, modules, parameters and state dict, a fused
     ``forward`` per layer. ``transformers`` is not imported unless it already was (a model
     built from it has imported it); for attention only in any model, see
