@@ -770,6 +770,35 @@ def test_frozen_model_trains_after_an_inference_mode_call(arch, device, launches
     assert launches["attention_bwd"] == 1 and launches["matmul"] > 0
 
 
+def _eval_logits(models, ids, mask):
+    """No-grad logits of ``models`` (the packed QKV weights cached), padding positions zeroed."""
+    with torch.no_grad():
+        return [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in models]
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_evaluation_after_a_fused_optimizer_step(arch, device, launches):
+    """Training with an evaluation between the steps (as Trainer's evaluation loop) under a
+    fused optimizer (``fused=True``: Trainer's default adamw_torch_fused), which writes the
+    weights in place without bumping their version counters: the packed q/k/v weight (and
+    bias) the no-grad evaluation cached was reused after the step (LLaMA's logits off by 3.2);
+    the original's logits with the trained weights."""
+    model = _model(arch, device, layers=1).eval()  # eval: no dropout in the training step
+    fused = _converted(model)
+    opt = torch.optim.AdamW(fused.parameters(), lr=1e-2, fused=True)
+    ids, mask = _inputs(arch, device)
+    for step in range(2):
+        if step:
+            _eval_logits([fused], ids, mask)  # the evaluation before the step: caches the packed weights
+            logits = fused(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+            logits.square().mean().backward()
+            opt.step()
+        model.load_state_dict(fused.state_dict())  # the trained weights
+        logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+        _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["attention_bwd"] == 1
+
+
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
     unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,

@@ -12,6 +12,7 @@ import sys
 import types
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fused_block import _backend, _guard, lora
 from fused_block.blocks import _TP
@@ -322,12 +323,29 @@ def kv_cache(call):
 # weight packing
 # ---------------------------------------------------------------------------------------------
 
+_STEPS = [0]  # optimizer steps taken, by any torch.optim optimizer (_stepped)
+
+
+def _stepped(_optimizer, _args, _kwargs):
+    # Not while torch.compile traces a step: a count it read would be a guard, recompiling
+    # each step (a compiled fused step is not seen).
+    if not torch.compiler.is_compiling():
+        _STEPS[0] += 1
+
+
+# torch's global hook after every torch.optim optimizer's step: the fused ones (fused=True,
+# Trainer's default adamw_torch_fused) write the parameters in place without bumping their
+# version counters, as may optimizers with kernels of their own.
+register_optimizer_step_post_hook(_stepped)
+
+
 def cached(state, name, tensors, make, stamp=()):
     """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
     flows through them (generation; buffers), recomputed otherwise (training, compile).
     "Unchanged": the same storage and version counter, the same ``stamp`` (what else the
-    caller knows changes them: PEFT's merges, :func:`fused_block.lora.merged_state`), and no
-    module or parameter registered or assigned under a guarded layer since (the guard's epoch,
+    caller knows changes them: PEFT's merges, :func:`fused_block.lora.merged_state`), no
+    optimizer step since (fused optimizers write without a version bump) and no module or
+    parameter registered or assigned under a guarded layer since (the guard's epoch,
     :mod:`fused_block._guard`: PEFT wrapping or unwrapping the linears, as ``get_peft_model`` and
     ``merge_and_unload`` do around merges that are written through ``.data``). A write through
     ``.data`` bumps no version counter, so it is not seen otherwise. Inference tensors (a model
@@ -338,7 +356,7 @@ def cached(state, name, tensors, make, stamp=()):
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             or any(t.is_inference() for t in tensors)):
         return make(tensors)
-    key = (_guard._EPOCH, stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+    key = (_guard._EPOCH, _STEPS[0], stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
     if hit is None or hit[0] != key or (hit[1].is_inference() and not torch.is_inference_mode_enabled()):
         hit = state.packed[name] = (key, make(tensors))
