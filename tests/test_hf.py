@@ -799,6 +799,51 @@ def test_evaluation_after_a_fused_optimizer_step(arch, device, launches):
     assert launches["attention_bwd"] == 1
 
 
+def test_packed_weights_follow_new_tensors_at_reused_addresses(device, launches):
+    """A weight given a new tensor at the address of a freed one (the allocator reuses it: a
+    parametrized weight, recomputed per call, lands where the last call's was; ``param.data =
+    ...`` after the old tensor was freed; ``.half().float()``): the packed q/k/v weight was
+    keyed by address and version counter, both the same, and reused (the old weight's
+    logits). Here the reuse is made certain: numpy's memory, freed by torch and written before
+    torch's new tensor takes it. Then weight_norm on k_proj updated in place between
+    evaluations, where the allocator decides, and a copy of the converted model: the original's
+    logits each time."""
+    numpy = pytest.importorskip("numpy")
+    if device.type != "cpu":
+        pytest.skip("numpy's memory is the CPU's")
+    model = _model("llama", device, layers=1).eval()
+    fused = _converted(model)
+    ids, mask = _inputs("llama", device)
+    memory = numpy.empty((64, 64), dtype=numpy.float32)
+    q = fused.model.layers[0].self_attn.q_proj
+    memory[...] = q.weight.detach().numpy()
+    q.weight.data = torch.from_numpy(memory)
+    logits = _eval_logits([model, fused], ids, mask)  # cached: q_proj's weight at memory's address
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
+    q.weight.data = torch.empty(0)  # the tensor on memory is freed
+    memory *= 1.5  # ... and the memory given a new tensor with other values
+    q.weight.data = torch.from_numpy(memory)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+    logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+    _assert_close("logits after a new tensor at the old address", logits[2], logits[0], logits[1], torch.float32,
+                  device)
+    for m in (model, fused):
+        torch.nn.utils.parametrizations.weight_norm(m.model.layers[0].self_attn.k_proj)
+    for step in range(4):
+        for m in (model, fused):
+            with torch.no_grad():
+                m.model.layers[0].self_attn.k_proj.parametrizations.weight.original0.mul_(1.25)
+        logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+        _assert_close(f"logits, weight_norm step {step}", logits[2], logits[0], logits[1], torch.float32, device)
+    clone = copy.deepcopy(fused)  # a copy starts without the cache (weak references are not copied)
+    assert not clone.model.layers[0]._fused_block.packed
+    del fused
+    logits = _eval_logits([model, clone], ids, mask)
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
+    assert launches["attention_fwd"] == 7
+
+
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
     unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,

@@ -12,6 +12,7 @@ import sys
 import types
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fused_block import _backend, _guard, lora
@@ -205,7 +206,7 @@ class _State:
         self.family, self.original, self.positional = family, original, positional
         self.returns_tensor = returns_tensor
         self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
-        self.packed = {}  # name -> (key, value) cache of cached()
+        self.packed = _Packed()  # name -> (key, value, weak references) cache of cached()
         self.fused_mlp = False  # LLaMA family: the MLP runs as swiglu
         self.spec = {}  # the call-time guard's spec (_spec), set once the family prepared the layer
 
@@ -339,27 +340,44 @@ def _stepped(_optimizer, _args, _kwargs):
 register_optimizer_step_post_hook(_stepped)
 
 
+class _Packed(dict):
+    """:func:`cached`'s entries; a copy of the module (``copy.deepcopy``) starts without them
+    (its tensors are others: the entries could never hit, and their weak storage references
+    must not be freed twice)."""
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def __reduce__(self):
+        return type(self), ()
+
+
 def cached(state, name, tensors, make, stamp=()):
     """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
     flows through them (generation; buffers), recomputed otherwise (training, compile).
-    "Unchanged": the same storage and version counter, the same ``stamp`` (what else the
-    caller knows changes them: PEFT's merges, :func:`fused_block.lora.merged_state`), no
-    optimizer step since (fused optimizers write without a version bump) and no module or
-    parameter registered or assigned under a guarded layer since (the guard's epoch,
-    :mod:`fused_block._guard`: PEFT wrapping or unwrapping the linears, as ``get_peft_model`` and
-    ``merge_and_unload`` do around merges that are written through ``.data``). A write through
-    ``.data`` bumps no version counter, so it is not seen otherwise. Inference tensors (a model
-    built under ``torch.inference_mode``) have no version counter: recomputed every call.
+    "Unchanged": the same storage (the storage object itself, held weakly, not its address: a
+    tensor freed and a new one made at its address, as a parametrized weight recomputed per
+    call, ``param.data = ...`` or ``.half().float()``, is another storage) and version counter,
+    the same ``stamp`` (what else the caller knows changes them: PEFT's merges,
+    :func:`fused_block.lora.merged_state`), no optimizer step since (fused optimizers write
+    without a version bump) and no module or parameter registered or assigned under a guarded
+    layer since (the guard's epoch, :mod:`fused_block._guard`: PEFT wrapping or unwrapping the
+    linears, as ``get_peft_model`` and ``merge_and_unload`` do around merges that are written
+    through ``.data``). Any other write through ``.data`` bumps no version counter, so it is not
+    seen otherwise. Inference tensors (a model built under ``torch.inference_mode``) have no
+    version counter: recomputed every call.
     A copy made under ``torch.inference_mode`` is an inference tensor, which autograd refuses
     to save: outside that mode it is made again (a frozen model evaluated under inference mode
     and then trained, its adapters, embeddings or input taking gradients, saves the copy)."""
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             or any(t.is_inference() for t in tensors)):
         return make(tensors)
-    key = (_guard._EPOCH, _STEPS[0], stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+    # A storage's address (_cdata) is not reused while the entry holds a weak reference to it.
+    key = (_guard._EPOCH, _STEPS[0], stamp,
+           *((t.untyped_storage()._cdata, t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
     if hit is None or hit[0] != key or (hit[1].is_inference() and not torch.is_inference_mode_enabled()):
-        hit = state.packed[name] = (key, make(tensors))
+        hit = state.packed[name] = (key, make(tensors), tuple(StorageWeakRef(t.untyped_storage()) for t in tensors))
     return hit[1]
 
 
