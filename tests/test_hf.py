@@ -844,6 +844,32 @@ def test_packed_weights_follow_new_tensors_at_reused_addresses(device, launches)
     assert launches["attention_fwd"] == 7
 
 
+@pytest.mark.parametrize("change", ["replaced", "hooked"])
+def test_a_replaced_or_hooked_rotary_module_gives_its_tables(change, device, launches):
+    """The model's rotary module replaced after conversion (another ``rope_parameters``, as for
+    a context extension) or given a forward hook that changes its tables: the fused layers
+    kept reading the frequencies of the module found at conversion (logits off by 3.8 and 4.0);
+    now, where it is no longer at its place, of its class, unhooked and without an instance
+    forward (checked per call), they read the tables the model passes them. A copy of the
+    converted model reads its own module's frequencies."""
+    model = _model("llama", device, layers=1).eval()
+    fused = _converted(model)
+    clone = copy.deepcopy(fused)
+    assert clone.model.layers[0]._fused_block.rotary.current() is clone.model.rotary_emb
+    ids, mask = _inputs("llama", device)
+    _eval_logits([fused], ids, mask)  # the frequencies read (and cached)
+    for m in (model, fused):
+        if change == "replaced":
+            config = copy.deepcopy(m.config)
+            config.rope_parameters = dict(config.rope_parameters, rope_theta=100.0)
+            m.model.rotary_emb = type(m.model.rotary_emb)(config=config).to(device)
+        else:
+            m.model.rotary_emb.register_forward_hook(lambda mod, args, out: (out[0] * 0.5, out[1] * 0.5))
+    logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["rope_qkvpacked"] == 2
+
+
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
     unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,

@@ -7,9 +7,11 @@ with the others lives here (patching, the guard, argument handling, cached weigh
 in :mod:`fused_block.hf._attention` (mask plans, the KV cache, the attention dispatch).
 """
 import contextlib
+import copy
 import inspect
 import sys
 import types
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -70,9 +72,9 @@ def convert_modules(model, families, causal_lms, patch_lm, lm_check):
     causal LMs (``causal_lms``) through ``lm_check``/``patch_lm``; returns the converted modules."""
     rotary = {}
     for family in set(families.values()):
-        found = [m for m in model.modules() if type(m).__name__ in family.rotaries
+        found = [(path, m) for path, m in model.named_modules() if type(m).__name__ in family.rotaries
                  and hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
-        rotary[family] = found[0] if len(found) == 1 else None
+        rotary[family] = _Rotary(model, *found[0]) if len(found) == 1 and found[0][0] else None
     converted = []
     for m in model.modules():
         family = families.get(type(m).__name__)
@@ -199,13 +201,44 @@ def _describe(layer):
     return why, watched, lambda: checks[0]() or checks[1]()
 
 
+class _Rotary:
+    """The model-level rotary module whose ``inv_freq`` a family's RoPE reads (LLaMA's
+    ``model.rotary_emb``) and where it sits: its owner (held weakly: no cycle through the
+    model, and a copy of a layer alone does not copy the model) and its name there."""
+
+    def __init__(self, model, path, module):
+        parent, _, self.name = path.rpartition(".")
+        self.module, self.cls = module, type(module)
+        self.owner = weakref.ref(model.get_submodule(parent))
+
+    def current(self):
+        """The module while it is what the model calls for the layers' ``position_embeddings``:
+        still at its place (not replaced: another ``rope_parameters``), of its class, without
+        an instance ``forward`` or forward hooks (which change the tables); else None (the
+        layers then read the ``position_embeddings`` they are given)."""
+        m, owner = self.module, self.owner()
+        if (owner is None or owner._modules.get(self.name) is not m or type(m) is not self.cls or "forward" in m.__dict__
+                or m._forward_hooks or m._forward_pre_hooks):
+            return None
+        return m
+
+    def __deepcopy__(self, memo):
+        """In a copy of the model: the copy's module at the copy's owner (copied before its layers)."""
+        new = copy.copy(self)
+        new.module = copy.deepcopy(self.module, memo)
+        owner = self.owner()
+        if owner is not None and id(owner) in memo:
+            new.owner = weakref.ref(memo[id(owner)])
+        return new
+
+
 class _State:
     """What a converted layer keeps beside its modules: how its forward was called and returns."""
 
     def __init__(self, family, original, positional, returns_tensor, rotary):
         self.family, self.original, self.positional = family, original, positional
         self.returns_tensor = returns_tensor
-        self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
+        self.rotary = rotary  # the model's rotary module (LLaMA family; a _Rotary), not a submodule
         self.packed = _Packed()  # name -> (key, value, weak references) cache of cached()
         self.fused_mlp = False  # LLaMA family: the MLP runs as swiglu
         self.spec = {}  # the call-time guard's spec (_spec), set once the family prepared the layer
