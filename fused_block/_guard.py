@@ -23,7 +23,9 @@ Cost: the verdict is cached per layer and recomputed only after something that c
   gives those submodules hook dicts that bump it on change (:class:`_HookDict`); a dict that
   already holds tolerated hooks (and so may have handles) is kept and its length checked;
 - what torch announces nowhere, a submodule's class or instance-level ``forward`` changing,
-  is checked on every call (two lookups per submodule), as are torch's global module hooks.
+  or another module put in its place without torch's registration (``parent._modules[name] =
+  ...``: ``torch.ao.quantization``'s swaps, transformers' AWQ and HIGGS replacements), is
+  checked on every call (three lookups per submodule), as are torch's global module hooks.
 
 About 0.5 us per layer call on the fast path (``tests/test_guard.py`` bounds it); a negative
 verdict is never cached (the original path is the slow one anyway, and a hook removed through
@@ -241,8 +243,8 @@ def reason(layer, describe):
                 "Functions do not take")
     v = _VERDICTS.get(id(layer))
     if v is not None and v.epoch == _EPOCH and v.layer() is layer:
-        for m, cls in v.watch:
-            if type(m) is not cls or "forward" in m.__dict__:
+        for m, cls, parent, name in v.watch:
+            if type(m) is not cls or "forward" in m.__dict__ or parent._modules.get(name) is not m:
                 break
         else:
             for hooks, n in v.counted:
@@ -270,7 +272,12 @@ def reason(layer, describe):
         if verdicts.get(key) is verdict:
             del verdicts[key]
 
-    verdict = _Verdict(weakref.ref(layer, forget), _EPOCH, tuple((m, type(m)) for m in watched),
+    # where each watched submodule sits: its parent's _modules, which code may write directly
+    places = {}
+    for parent in layer.modules():
+        for name, child in parent._modules.items():
+            places.setdefault(id(child), (parent, name))
+    verdict = _Verdict(weakref.ref(layer, forget), _EPOCH, tuple((m, type(m), *places[id(m)]) for m in watched),
                        tuple(counted), live)
     for m in layer.modules():  # registrations here may change the verdict from now on
         m.__dict__[_MARK] = True

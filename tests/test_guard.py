@@ -448,6 +448,49 @@ def test_registrations_elsewhere_keep_the_verdict(device, monkeypatch):
         assert len(calls) == 2
 
 
+def test_a_submodule_swapped_without_registration_is_seen(device, launches):
+    """A submodule replaced through its parent's ``_modules`` dict (no registration hook fires:
+    ``torch.ao.quantization``'s swaps, transformers' AWQ and HIGGS replacements) after the layer
+    ran fused: the cached verdict held, so the fused path read the new module's weight and
+    skipped its forward (here a rounding linear: output off by 0.55); now torch's forward runs."""
+    ref, fused = _pair(device)
+    x = torch.randn(B, L, D, device=device)
+    with _no_fallback():
+        fused(x)
+    for layer in (ref, fused):
+        old = layer.linear2
+        new = _Rounding(old.in_features, old.out_features, device=device)
+        new.load_state_dict(old.state_dict())
+        layer._modules["linear2"] = new
+    with pytest.warns(UserWarning, match="linear2 is a .*_Rounding"):
+        got = fused(x)
+    torch.testing.assert_close(got, ref(x), **TOL)
+
+
+def test_hf_llama_quantized_in_place_after_a_call_runs_the_original(device, launches):
+    """``torch.ao.quantization.quantize_dynamic(..., inplace=True)`` of a converted LLaMA that
+    already ran: its linears swapped through ``_modules`` (no registration), the cached verdict
+    held and the fused path read the quantized linears' ``weight`` (a method: AttributeError);
+    now the layer runs its original forward on the quantized linears, the quantized original's
+    logits."""
+    hf_testing = pytest.importorskip("hf_testing")
+    quantize = getattr(torch.ao.quantization, "quantize_dynamic", None)
+    if quantize is None or device.type != "cpu":
+        pytest.skip("torch's dynamic quantization (CPU only) is not here")
+    model = hf_testing.model("llama", device, layers=1).eval()
+    fused = fused_block.convert(copy.deepcopy(model))
+    ids, mask = hf_testing.inputs("llama", device)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # eager-mode quantization's notice
+        fused(ids, attention_mask=mask)
+        for m in (model, fused):
+            quantize(m.model.layers[0], {nn.Linear}, dtype=torch.qint8, inplace=True)
+        with pytest.warns(UserWarning, match="q_proj is a .*quantized.*Linear"):
+            got = fused(ids, attention_mask=mask).logits
+        want = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def test_hf_llama_compiles_once_beside_the_import(device, monkeypatch):
     """The issue's case: importing fused_block made torch.compile(fullgraph=True) of a plain
     HF LLaMA recompile on every call (its forward slices ``self.layers``, which registered

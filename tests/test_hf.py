@@ -770,6 +770,106 @@ def test_frozen_model_trains_after_an_inference_mode_call(arch, device, launches
     assert launches["attention_bwd"] == 1 and launches["matmul"] > 0
 
 
+def _eval_logits(models, ids, mask):
+    """No-grad logits of ``models`` (the packed QKV weights cached), padding positions zeroed."""
+    with torch.no_grad():
+        return [m(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0) for m in models]
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_evaluation_after_a_fused_optimizer_step(arch, device, launches):
+    """Training with an evaluation between the steps (as Trainer's evaluation loop) under a
+    fused optimizer (``fused=True``: Trainer's default adamw_torch_fused), which writes the
+    weights in place without bumping their version counters: the packed q/k/v weight (and
+    bias) the no-grad evaluation cached was reused after the step (LLaMA's logits off by 3.2);
+    the original's logits with the trained weights."""
+    model = _model(arch, device, layers=1).eval()  # eval: no dropout in the training step
+    fused = _converted(model)
+    opt = torch.optim.AdamW(fused.parameters(), lr=1e-2, fused=True)
+    ids, mask = _inputs(arch, device)
+    for step in range(2):
+        if step:
+            _eval_logits([fused], ids, mask)  # the evaluation before the step: caches the packed weights
+            logits = fused(ids, attention_mask=mask).logits.masked_fill(mask[..., None] == 0, 0.0)
+            logits.square().mean().backward()
+            opt.step()
+        model.load_state_dict(fused.state_dict())  # the trained weights
+        logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+        _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["attention_bwd"] == 1
+
+
+def test_packed_weights_follow_new_tensors_at_reused_addresses(device, launches):
+    """A weight given a new tensor at the address of a freed one (the allocator reuses it: a
+    parametrized weight, recomputed per call, lands where the last call's was; ``param.data =
+    ...`` after the old tensor was freed; ``.half().float()``): the packed q/k/v weight was
+    keyed by address and version counter, both the same, and reused (the old weight's
+    logits). Here the reuse is made certain: numpy's memory, freed by torch and written before
+    torch's new tensor takes it. Then weight_norm on k_proj updated in place between
+    evaluations, where the allocator decides, and a copy of the converted model: the original's
+    logits each time."""
+    numpy = pytest.importorskip("numpy")
+    if device.type != "cpu":
+        pytest.skip("numpy's memory is the CPU's")
+    model = _model("llama", device, layers=1).eval()
+    fused = _converted(model)
+    ids, mask = _inputs("llama", device)
+    memory = numpy.empty((64, 64), dtype=numpy.float32)
+    q = fused.model.layers[0].self_attn.q_proj
+    memory[...] = q.weight.detach().numpy()
+    q.weight.data = torch.from_numpy(memory)
+    logits = _eval_logits([model, fused], ids, mask)  # cached: q_proj's weight at memory's address
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
+    q.weight.data = torch.empty(0)  # the tensor on memory is freed
+    memory *= 1.5  # ... and the memory given a new tensor with other values
+    q.weight.data = torch.from_numpy(memory)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+    logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+    _assert_close("logits after a new tensor at the old address", logits[2], logits[0], logits[1], torch.float32,
+                  device)
+    for m in (model, fused):
+        torch.nn.utils.parametrizations.weight_norm(m.model.layers[0].self_attn.k_proj)
+    for step in range(4):
+        for m in (model, fused):
+            with torch.no_grad():
+                m.model.layers[0].self_attn.k_proj.parametrizations.weight.original0.mul_(1.25)
+        logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+        _assert_close(f"logits, weight_norm step {step}", logits[2], logits[0], logits[1], torch.float32, device)
+    clone = copy.deepcopy(fused)  # a copy starts without the cache (weak references are not copied)
+    assert not clone.model.layers[0]._fused_block.packed
+    del fused
+    logits = _eval_logits([model, clone], ids, mask)
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
+    assert launches["attention_fwd"] == 7
+
+
+@pytest.mark.parametrize("change", ["replaced", "hooked"])
+def test_a_replaced_or_hooked_rotary_module_gives_its_tables(change, device, launches):
+    """The model's rotary module replaced after conversion (another ``rope_parameters``, as for
+    a context extension) or given a forward hook that changes its tables: the fused layers
+    kept reading the frequencies of the module found at conversion (logits off by 3.8 and 4.0);
+    now, where it is no longer at its place, of its class, unhooked and without an instance
+    forward (checked per call), they read the tables the model passes them. A copy of the
+    converted model reads its own module's frequencies."""
+    model = _model("llama", device, layers=1).eval()
+    fused = _converted(model)
+    clone = copy.deepcopy(fused)
+    assert clone.model.layers[0]._fused_block.rotary.current() is clone.model.rotary_emb
+    ids, mask = _inputs("llama", device)
+    _eval_logits([fused], ids, mask)  # the frequencies read (and cached)
+    for m in (model, fused):
+        if change == "replaced":
+            config = copy.deepcopy(m.config)
+            config.rope_parameters = dict(config.rope_parameters, rope_theta=100.0)
+            m.model.rotary_emb = type(m.model.rotary_emb)(config=config).to(device)
+        else:
+            m.model.rotary_emb.register_forward_hook(lambda mod, args, out: (out[0] * 0.5, out[1] * 0.5))
+    logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+    _assert_close("logits", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["rope_qkvpacked"] == 2
+
+
 def test_masks_are_not_read_during_cuda_graph_capture(monkeypatch):
     """During capture a sync would invalidate the graph: a 2-D padding mask goes to the kernels
     unread (all-False included), a 4-D mask not seen before goes to the kernel as its bias,

@@ -7,11 +7,15 @@ with the others lives here (patching, the guard, argument handling, cached weigh
 in :mod:`fused_block.hf._attention` (mask plans, the KV cache, the attention dispatch).
 """
 import contextlib
+import copy
 import inspect
 import sys
 import types
+import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fused_block import _backend, _guard, lora
 from fused_block.blocks import _TP
@@ -68,9 +72,9 @@ def convert_modules(model, families, causal_lms, patch_lm, lm_check):
     causal LMs (``causal_lms``) through ``lm_check``/``patch_lm``; returns the converted modules."""
     rotary = {}
     for family in set(families.values()):
-        found = [m for m in model.modules() if type(m).__name__ in family.rotaries
+        found = [(path, m) for path, m in model.named_modules() if type(m).__name__ in family.rotaries
                  and hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
-        rotary[family] = found[0] if len(found) == 1 else None
+        rotary[family] = _Rotary(model, *found[0]) if len(found) == 1 and found[0][0] else None
     converted = []
     for m in model.modules():
         family = families.get(type(m).__name__)
@@ -197,14 +201,45 @@ def _describe(layer):
     return why, watched, lambda: checks[0]() or checks[1]()
 
 
+class _Rotary:
+    """The model-level rotary module whose ``inv_freq`` a family's RoPE reads (LLaMA's
+    ``model.rotary_emb``) and where it sits: its owner (held weakly: no cycle through the
+    model, and a copy of a layer alone does not copy the model) and its name there."""
+
+    def __init__(self, model, path, module):
+        parent, _, self.name = path.rpartition(".")
+        self.module, self.cls = module, type(module)
+        self.owner = weakref.ref(model.get_submodule(parent))
+
+    def current(self):
+        """The module while it is what the model calls for the layers' ``position_embeddings``:
+        still at its place (not replaced: another ``rope_parameters``), of its class, without
+        an instance ``forward`` or forward hooks (which change the tables); else None (the
+        layers then read the ``position_embeddings`` they are given)."""
+        m, owner = self.module, self.owner()
+        if (owner is None or owner._modules.get(self.name) is not m or type(m) is not self.cls or "forward" in m.__dict__
+                or m._forward_hooks or m._forward_pre_hooks):
+            return None
+        return m
+
+    def __deepcopy__(self, memo):
+        """In a copy of the model: the copy's module at the copy's owner (copied before its layers)."""
+        new = copy.copy(self)
+        new.module = copy.deepcopy(self.module, memo)
+        owner = self.owner()
+        if owner is not None and id(owner) in memo:
+            new.owner = weakref.ref(memo[id(owner)])
+        return new
+
+
 class _State:
     """What a converted layer keeps beside its modules: how its forward was called and returns."""
 
     def __init__(self, family, original, positional, returns_tensor, rotary):
         self.family, self.original, self.positional = family, original, positional
         self.returns_tensor = returns_tensor
-        self.rotary = rotary  # the model's rotary module (LLaMA family), not a submodule
-        self.packed = {}  # name -> (key, value) cache of cached()
+        self.rotary = rotary  # the model's rotary module (LLaMA family; a _Rotary), not a submodule
+        self.packed = _Packed()  # name -> (key, value, weak references) cache of cached()
         self.fused_mlp = False  # LLaMA family: the MLP runs as swiglu
         self.spec = {}  # the call-time guard's spec (_spec), set once the family prepared the layer
 
@@ -322,26 +357,60 @@ def kv_cache(call):
 # weight packing
 # ---------------------------------------------------------------------------------------------
 
+_STEPS = [0]  # optimizer steps taken, by any torch.optim optimizer (_stepped)
+
+
+def _stepped(_optimizer, _args, _kwargs):
+    # Not while torch.compile traces a step: a count it read would be a guard, recompiling
+    # each step (a compiled fused step is not seen).
+    if not torch.compiler.is_compiling():
+        _STEPS[0] += 1
+
+
+# torch's global hook after every torch.optim optimizer's step: the fused ones (fused=True,
+# Trainer's default adamw_torch_fused) write the parameters in place without bumping their
+# version counters, as may optimizers with kernels of their own.
+register_optimizer_step_post_hook(_stepped)
+
+
+class _Packed(dict):
+    """:func:`cached`'s entries; a copy of the module (``copy.deepcopy``) starts without them
+    (its tensors are others: the entries could never hit, and their weak storage references
+    must not be freed twice)."""
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def __reduce__(self):
+        return type(self), ()
+
+
 def cached(state, name, tensors, make, stamp=()):
     """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
     flows through them (generation; buffers), recomputed otherwise (training, compile).
-    "Unchanged": the same storage and version counter, the same ``stamp`` (what else the
-    caller knows changes them: PEFT's merges, :func:`fused_block.lora.merged_state`), and no
-    module or parameter registered or assigned under a guarded layer since (the guard's epoch,
-    :mod:`fused_block._guard`: PEFT wrapping or unwrapping the linears, as ``get_peft_model`` and
-    ``merge_and_unload`` do around merges that are written through ``.data``). A write through
-    ``.data`` bumps no version counter, so it is not seen otherwise. Inference tensors (a model
-    built under ``torch.inference_mode``) have no version counter: recomputed every call.
+    "Unchanged": the same storage (the storage object itself, held weakly, not its address: a
+    tensor freed and a new one made at its address, as a parametrized weight recomputed per
+    call, ``param.data = ...`` or ``.half().float()``, is another storage) and version counter,
+    the same ``stamp`` (what else the caller knows changes them: PEFT's merges,
+    :func:`fused_block.lora.merged_state`), no optimizer step since (fused optimizers write
+    without a version bump) and no module or parameter registered or assigned under a guarded
+    layer since (the guard's epoch, :mod:`fused_block._guard`: PEFT wrapping or unwrapping the
+    linears, as ``get_peft_model`` and ``merge_and_unload`` do around merges that are written
+    through ``.data``). Any other write through ``.data`` bumps no version counter, so it is not
+    seen otherwise. Inference tensors (a model built under ``torch.inference_mode``) have no
+    version counter: recomputed every call.
     A copy made under ``torch.inference_mode`` is an inference tensor, which autograd refuses
     to save: outside that mode it is made again (a frozen model evaluated under inference mode
     and then trained, its adapters, embeddings or input taking gradients, saves the copy)."""
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             or any(t.is_inference() for t in tensors)):
         return make(tensors)
-    key = (_guard._EPOCH, stamp, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+    # A storage's address (_cdata) is not reused while the entry holds a weak reference to it.
+    key = (_guard._EPOCH, _STEPS[0], stamp,
+           *((t.untyped_storage()._cdata, t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
     if hit is None or hit[0] != key or (hit[1].is_inference() and not torch.is_inference_mode_enabled()):
-        hit = state.packed[name] = (key, make(tensors))
+        hit = state.packed[name] = (key, make(tensors), tuple(StorageWeakRef(t.untyped_storage()) for t in tensors))
     return hit[1]
 
 

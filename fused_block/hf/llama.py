@@ -88,8 +88,9 @@ def check_call(layer, call):
 def rotary_positions(layer, call, B, L):
     """position_ids (B or 1, L) when the model has one standard rotary module, else None."""
     positions = call.get("position_ids")
-    if layer._fused_block.rotary is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
-            and positions.shape[0] in (1, B) and positions.shape[1] == L:
+    rotary = layer._fused_block.rotary
+    if rotary is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
+            and positions.shape[0] in (1, B) and positions.shape[1] == L and rotary.current() is not None:
         return positions
     return None
 
@@ -109,11 +110,12 @@ def rope(layer, qkv, H, Hkv, call, unit_offset=False, half_tables=False):
     positions = rotary_positions(layer, call, B, L)
     if positions is not None:
         state = layer._fused_block
+        rotary = state.rotary.current()
         # The model's frequencies as its rotary module uses them (rounded if the model was cast),
         # in fp32 on qkv's device: a conversion kernel once, not per call.
-        inv_freq = cached(state, ("inv_freq", qkv.device), (state.rotary.inv_freq,),
+        inv_freq = cached(state, ("inv_freq", qkv.device), (rotary.inv_freq,),
                           lambda t: t[0].to(device=qkv.device, dtype=torch.float32))
-        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(state.rotary.attention_scaling), **norms)
+        return rope_qkvpacked(qkv, H, Hkv, positions, inv_freq, scale=float(rotary.attention_scaling), **norms)
     cos, sin = call["position_embeddings"]
     if half_tables:
         cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
