@@ -55,9 +55,11 @@ def spawn(fn, world_size, *args, reference=None, timeout=600):
 
 def _entry(rank, fn, world_size, tmp, args, reference):
     import interpreter_numpy
+    import interpreter_speed
 
     interpreter_numpy.install()  # the interpreter's loop bounds on numpy >= 2.4 (the GPU machine's 2.5)
     interpreter_numpy.strict()  # and fail on an older numpy where numpy >= 2.4 would fail
+    interpreter_speed.install()  # the pure overheads the conftest removes in the test processes
     if rank == world_size:  # the single-process run
         torch.save(reference[0](*reference[1]), os.path.join(tmp, "reference.pt"))
         os._exit(0)

@@ -700,6 +700,11 @@ def test_activation_checkpointing_with_dropout(device):
 
 def _ddp_worker(rank, world, init_file, device_type):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fused_block.kernels import common
+    if common.interpreting():  # a spawned process: the conftest's speed-ups are not installed here
+        import interpreter_speed
+        interpreter_speed.install()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # identical initial replicas
