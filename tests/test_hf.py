@@ -27,6 +27,7 @@ import numerics  # noqa: E402
 import op_counting  # noqa: E402
 from fused_block import hf  # noqa: E402
 
+import hf_testing  # noqa: E402
 from hf_testing import B, L, V  # noqa: E402
 from hf_testing import as_cuda_autocast_computes, check_post_ln_layer_under_cuda_autocast  # noqa: E402
 from hf_testing import check_dropout_flags, dropout_modes  # noqa: E402
@@ -152,6 +153,62 @@ def test_each_dropout_follows_the_flag_the_original_reads(arch, device, launches
         torch.testing.assert_close(logits(model), plain, atol=1e-5, rtol=1e-5)  # the original does not drop
         torch.testing.assert_close(logits(fused), fused_plain, atol=0, rtol=0)
     assert launches["attention_fwd"] == 2 + len(groups) + (ignored is not None)
+
+
+# A dropout field of each family's fused forwards at 1.0 (torch's dropout takes p = 1: its input
+# times 0, zero gradients upstream; the fused ops' dropouts stop below 1): the residual, hidden
+# and output dropouts of the fused linear / MLP / add-norm ops in each family that has them
+# (BART Post-LN, Whisper Pre-LN, T5 gated and ReLU). The attention dropout: under eager's masks,
+# whose rows that see no key (the left-padded ones) give V's mean, dropped too at p = 1 (LLaMA's
+# and BLOOM's; the kernel's p = 1 is tests/test_hf_interface.py's). The model's default
+# implementation (sdpa) or, for some, attn_implementation="fused_block". (The embedding
+# dropouts, gpt2's embd_pdrop and phi3's, run torch's module unconverted: checked once by hand.)
+DROPOUT_ONE = [("gpt2", "resid_pdrop", "fused_block"), ("bert", "hidden_dropout_prob", None),
+               ("phi3", "resid_pdrop", "fused_block"), ("llama", "attention_dropout", "eager"),
+               ("bloom", "hidden_dropout", None), ("bloom", "attention_dropout", None),
+               ("bart", "dropout", "fused_block"), ("whisper", "dropout", None),
+               ("whisper", "activation_dropout", None), ("t5", "dropout_rate", None),
+               ("t5-v1.0", "dropout_rate", "fused_block")]
+
+
+@pytest.mark.parametrize("arch, field, implementation", DROPOUT_ONE)
+def test_dropout_one_drops_as_the_original(arch, field, implementation, device, launches):
+    """One layer (per stack) in training mode with ``field`` = 1.0, converted: the loss and every
+    parameter's gradient the original's (float64 rule), the fused kernels ran, nothing fell
+    back. Before: ``ValueError: dropout_p must be in [0, 1)`` from the fused linear / MLP /
+    add-norm ops, and under eager's masks the rows that see no key kept V's mean at an
+    attention dropout of 1 (loss 5.94 for the original's 5.75 in LLaMA)."""
+    seq2seq = arch in ("bart", "whisper", "t5", "t5-v1.0")
+    eager = "eager" if implementation == "eager" else "sdpa"  # the float64 reference's (the interface takes no float64)
+    if seq2seq:
+        model = hf_testing.seq2seq_model(arch, device, eager, layers=1, **{field: 1.0})
+        enc, targets = hf_testing.seq2seq_inputs(arch, device)
+        inputs = dict(**enc, labels=targets)
+    else:
+        model = _model(arch, device, eager, layers=1, **{field: 1.0})
+        ids, mask = _inputs("llama" if eager == "eager" else arch, device)  # eager: left padding, rows of no key
+        inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    model.train()
+    ref = copy.deepcopy(model).double()
+    if implementation == "fused_block":
+        model.set_attn_implementation(implementation)
+    fused = _converted(model)
+    outs = {}
+    for name, m in (("ref", ref), ("base", model), ("fused", fused)):
+        dtype = torch.float64 if name == "ref" else torch.float32
+        with _no_fallback():
+            out = m(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
+        out.loss.backward()
+        outs[name] = (out.loss, {k: p.grad for k, p in m.named_parameters()})
+    if not torch.isfinite(outs["ref"][0]):  # eager's rows of no key in float64: finfo(float64).min, -inf in
+        outs["ref"] = outs["base"]  # its fp32 softmax, NaN; the original's fp32 values the reference
+    _assert_close("loss", outs["fused"][0], outs["ref"][0].double(), outs["base"][0], torch.float32, device)
+    for pname, g64 in outs["ref"][1].items():
+        g = outs["fused"][1][pname]
+        assert (g is None) == (g64 is None), pname  # (None: the padding token's embedding row)
+        if g is not None:
+            _assert_close(f"{pname}.grad", g, g64.double(), outs["base"][1][pname], torch.float32, device)
+    assert launches["matmul"] > 0 and launches["add_norm_fwd"] > 0 and launches["add_norm_bwd"] > 0
 
 
 @pytest.mark.parametrize("arch", _bounded(ARCHS, ("llama", "qwen3", "phi3", "gpt2", "bert")))

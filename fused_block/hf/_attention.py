@@ -272,15 +272,18 @@ def dead_rows(mask):
     return (mask == torch.finfo(mask.dtype).min).all(-1)
 
 
-def average_dead(out, v, dead, packed=False):
+def average_dead(out, v, dead, dropout_p, packed=False):
     """``out`` (B, H, Lq, D), or (B, Lq, H * D) when ``packed``, with the rows ``dead`` (a plan's
     :func:`dead_rows`) set to the mean of ``v`` (B, Hkv, Lk, D) over its keys (its head group's
     under GQA): the original's output there, summed in fp32 and rounded once. The gradient is
     that mean's (dV gets each such row's dO / Lk; the kernel's rows get none). Not eager's own
     autograd, which differentiates ``score + finfo.min`` as if the score were not absorbed and
     so also passes those rows' gradients to q and k (to the bias and softcap with them): terms
-    of a function whose value does not depend on them. No attention dropout on these rows (the
-    original drops some of the uniform weights; the same expectation)."""
+    of a function whose value does not depend on them. No attention dropout on these rows at
+    ``dropout_p`` < 1 (the original drops some of the uniform weights; the same expectation);
+    at ``dropout_p`` = 1 the original drops them all: ``out`` (the attention's zeros) as it is."""
+    if dropout_p >= 1.0:
+        return out
     B, Hkv, Lk, D = v.shape
     mean = (v.sum(2, dtype=torch.float32) / Lk).to(v.dtype)  # (B, Hkv, D)
     if packed:
@@ -438,7 +441,7 @@ def self_attention(qkv, H, Hkv, cache, layer_idx, mask, causal, convention, scal
         out = attention_qkvpacked(qkv, H, Hkv, p.causal, scale, p.key_padding, dropout_p, window=p.window,
                                   sinks=sinks)
         rows = p.rows_of_mean(merged)
-        return out if rows is None or sinks is not None else average_dead(out, v, rows, packed=True)
+        return out if rows is None or sinks is not None else average_dead(out, v, rows, dropout_p, packed=True)
     out = attend(q, k, v, p, scale, dropout_p, name, softcap, sinks, position_bias, merged)
     return out.transpose(1, 2).reshape(B, L, H * D)
 
@@ -487,7 +490,7 @@ def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, positio
                          sinks=sinks, mask=p.mask, bias=bias)
         # Sinks: the original's softmax gives such a row's weight to the sink, an output of 0, as the kernel.
         rows = p.rows_of_mean(merged or position_bias is not None)
-        return out if rows is None or sinks is not None else average_dead(out, v, rows)
+        return out if rows is None or sinks is not None else average_dead(out, v, rows, dropout_p)
     if softcap is not None or sinks is not None:
         raise NotImplementedError(f"{name}: {p.reason}, with a softcap or sinks, which SDPA does not compute")
     warn_once((name, p.reason), f"{name}: {p.reason}; attention runs through "
@@ -508,7 +511,7 @@ def attend(q, k, v, p, scale, dropout_p, name, softcap=None, sinks=None, positio
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                                          scale=scale)
     # A float mask's dead rows SDPA averages itself; those of a kernel plan made a bool mask, not.
-    return out if p.dead is None or mask.dtype != torch.bool else average_dead(out, v, p.dead)
+    return out if p.dead is None or mask.dtype != torch.bool else average_dead(out, v, p.dead, dropout_p)
 
 
 def _dense(p, Lq, Lk, device):
