@@ -29,7 +29,7 @@ Cost: the verdict is cached per layer and recomputed only after something that c
 
 About 2 us per layer call on the fast path (a fused ``TransformerEncoderLayer``, 8 watched
 submodules, on this project's 2-core CI machine, 2026-12-06; 1.4 us before the place check
-was added that day), a few hundredths of a training step's host time; a negative
+was added that day), well under 1% of a training step's host time; a negative
 verdict is never cached (the original path is the slow one anyway, and a hook removed through
 a handle made before the dicts were replaced must be seen). Under ``torch.compile`` the full
 check runs while tracing (dynamo guards on what it reads) and nothing is cached.
