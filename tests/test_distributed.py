@@ -11,8 +11,8 @@ generator with (step, data-parallel rank) before each forward; the single-proces
 the same rows as micro-batches under the same seeds and averages their gradients, so the
 dropout masks are the ranks' own (and, with checkpointing, the recomputed forward's).
 
-CI runs 2 processes (one FSDP2 case with two models, one TP/SP case); 4 processes, the other
-models and layer kinds, FSDP2 x TP, torch.compile and the torchrun example are ``heavy``.
+CI runs 2 processes (one FSDP2 case with two models, one FSDP2 evaluation of a converted HF
+model, one TP/SP case); 4 processes, the other models and layer kinds, FSDP2 x TP, torch.compile and the torchrun example are ``heavy``.
 
 Sizes: d_model 32 with 2 heads (head dim 16, the attention kernel's smallest; 2 heads split
 over 2 ranks), FFN 64 (48 for SwiGLU's 2 x 48 rows); tests/hf_testing.py's LLaMA (hidden 64,
@@ -296,6 +296,52 @@ def test_fsdp2_four_processes(tmp_path):
 def test_fsdp2_llama_like_and_converted_hf_llama(tmp_path):
     pytest.importorskip("transformers")
     _run_fsdp(["llama_like", "hf_llama"], 2, tmp_path)
+
+
+def _fsdp_eval_after_a_weight_change(rank, world):
+    """A converted HF LLaMA sharded per layer and on the root, evaluated under no_grad, its
+    sharded parameters then halved in place (as load_state_dict, an EMA swap or a write under
+    no_grad change them: no optimizer step) and evaluated again. FSDP2's storage freeing is made
+    a no-op, so each unsharded parameter comes back at its address, as a GPU's caching
+    allocator often hands it back; FSDP2 refills it without a version bump."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    import hf_testing
+
+    _fsdp_param.free_storage = lambda t: None
+    torch.manual_seed(0)
+    model = fused_block.convert(hf_testing.model("llama", "cpu")).eval()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+        model.reshard()
+        for p in model.parameters():
+            p.mul_(0.5)
+        after = model(input_ids=ids, use_cache=False).logits
+    model.reshard()
+    return dict(ids=ids, before=before, after=after, weights={n: p.full_tensor() for n, p in model.named_parameters()})
+
+
+def test_fsdp2_evaluation_after_the_sharded_weights_change():
+    """The converted layers' packed q/k/v weights are not reused across FSDP2's in-place
+    refills of its unsharded parameters (before: the first evaluation's packed weights, logits
+    off by 0.74 from a model holding the new weights)."""
+    pytest.importorskip("transformers")
+    import hf_testing
+
+    ranks = dist_testing.spawn(_fsdp_eval_after_a_weight_change, 2)
+    torch.manual_seed(0)
+    model = hf_testing.model("llama", "cpu").eval()  # unconverted: the reference
+    model.load_state_dict(ranks[0]["weights"])
+    with torch.no_grad():
+        want = model(input_ids=ranks[0]["ids"], use_cache=False).logits
+    for r in ranks:
+        assert not torch.allclose(r["before"], r["after"])
+        torch.testing.assert_close(r["after"], want, **FP32)
 
 
 # ---------------------------------------------------------------------------------------------

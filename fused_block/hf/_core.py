@@ -385,6 +385,25 @@ class _Packed(dict):
         return type(self), ()
 
 
+try:  # where torch's composable distributed APIs (FSDP2's fully_shard among them) keep their states
+    from torch.distributed._composable_state import _module_state_mapping as _COMPOSABLE
+except ImportError:  # a torch built without torch.distributed
+    _COMPOSABLE = {}
+_FSDP2 = [0, False]  # (len(_COMPOSABLE) when last looked, whether an FSDP2 state was among them)
+
+
+def _fsdp2_in_use():
+    """Whether ``fully_shard`` (FSDP2) manages a module in this process: it refills each
+    unsharded parameter in place at every forward (the same tensor and storage, its version
+    counter preserved, and on a GPU often the same address from the caching allocator), so a
+    change made to the sharded parameters between forwards (``load_state_dict``, an EMA swap, a
+    write under no_grad) shows in no key. Looked up again when the count of states changes."""
+    n = len(_COMPOSABLE)
+    if n != _FSDP2[0]:
+        _FSDP2[:] = [n, any(type(ref()).__name__ == "FSDPState" for ref in list(_COMPOSABLE.values()))]
+    return _FSDP2[1]
+
+
 def cached(state, name, tensors, make, stamp=()):
     """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
     flows through them (generation; buffers), recomputed otherwise (training, compile).
@@ -398,12 +417,14 @@ def cached(state, name, tensors, make, stamp=()):
     linears, as ``get_peft_model`` and ``merge_and_unload`` do around merges that are written
     through ``.data``). Any other write through ``.data`` bumps no version counter, so it is not
     seen otherwise. Inference tensors (a model built under ``torch.inference_mode``) have no
-    version counter: recomputed every call.
+    version counter: recomputed every call; so are parameters while FSDP2 manages a module in
+    the process (:func:`_fsdp2_in_use`: its unsharded parameters change in place unseen).
     A copy made under ``torch.inference_mode`` is an inference tensor, which autograd refuses
     to save: outside that mode it is made again (a frozen model evaluated under inference mode
     and then trained, its adapters, embeddings or input taking gradients, saves the copy)."""
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            or any(t.is_inference() for t in tensors)):
+            or any(t.is_inference() for t in tensors)
+            or (_fsdp2_in_use() and any(isinstance(t, torch.nn.Parameter) for t in tensors))):
         return make(tensors)
     # A storage's address (_cdata) is not reused while the entry holds a weak reference to it.
     key = (_guard._EPOCH, _STEPS[0], stamp,
