@@ -915,6 +915,15 @@ def _set_modes(layer, layer_train, on=None):
             m.train(name == on)
 
 
+def _set_dropout(layer, sub, p):
+    """The probability of ``layer``'s dropout submodule ``sub`` (an attention's is its ``dropout``)."""
+    mod = getattr(layer, sub)
+    if isinstance(mod, nn.MultiheadAttention):
+        mod.dropout = p
+    else:
+        mod.p = p
+
+
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("kind, sub", DROPOUT_SUBMODULES)
 @pytest.mark.sweep
@@ -928,11 +937,7 @@ def test_each_dropout_follows_its_own_modules_training_flag(kind, sub, norm_firs
     t, f = t.to(device), f.to(device)
     f.load_state_dict(t.state_dict())
     for m in (t, f):
-        mod = getattr(m, sub)
-        if isinstance(mod, nn.MultiheadAttention):
-            mod.dropout = 0.5
-        else:
-            mod.p = 0.5
+        _set_dropout(m, sub, 0.5)
     ref = copy.deepcopy(t).double()
     inputs = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
 
@@ -986,11 +991,7 @@ def test_one_dropout_at_one_drops_as_torchs_layer(kind, sub, activation, device,
     act = torch.nn.functional.silu if activation == "callable" else "relu"
     t, f = _layers(kind, batch_first=True, activation=act)
     for m in (t, f):
-        mod = getattr(m, sub)
-        if isinstance(mod, nn.MultiheadAttention):
-            mod.dropout = 1.0
-        else:
-            mod.p = 1.0
+        _set_dropout(m, sub, 1.0)
     inputs = [_x(True, L, device)] + ([_x(True, S, device)] if kind == "decoder" else [])
     _three_ways(t, f, inputs, {}, torch.float32, device)
     assert launches["attention_fwd"] == 1 + (kind == "decoder")
