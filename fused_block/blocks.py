@@ -867,11 +867,7 @@ class _LayerMixin:
 
     def _ff_block(self, x):
         """torch's FFN block, calling the submodules (the unfused path); SwiGLU gates linear1's halves."""
-        if isinstance(self.activation, str):  # "swiglu"
-            gate, up = self.linear1(x).chunk(2, dim=-1)
-            hid = F.silu(gate) * up
-        else:
-            hid = self.activation(self.linear1(x))
+        hid = self._activate(self.linear1(x))
         return self._ffn_dropout()(self.linear2(self.dropout(hid)))
 
     def _unfused(self, reason, forward, *args):

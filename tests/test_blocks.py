@@ -780,6 +780,25 @@ def _against_reference(layer, inputs, kwargs, dtype, device, monkeypatch):
         _assert_close(name, g_f[name], g64[name], g_b[name], dtype, device)
 
 
+def test_llama_layer_dropout_one_keeps_only_the_residual_stream(device, launches):
+    """A Pre-LN SwiGLU layer with dropout=1.0 in training (the hidden dropout then runs
+    between the GEMMs, after the gated activation): both sublayers add exact zeros, so the
+    output is the input, its gradient the incoming one, and every parameter's gradient zero."""
+    torch.manual_seed(0)
+    layer = fused_block.TransformerEncoderLayer(D, H, FF, dropout=1.0, activation="swiglu", batch_first=True,
+                                                norm_first=True, bias=False, norm="rms", num_kv_heads=1,
+                                                rope=True).to(device)
+    _randomize(layer)
+    x = _x(True, L, device).requires_grad_()
+    y = layer(x)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *layer.parameters()], dy)
+    assert torch.equal(y, x) and torch.equal(grads[0], dy)
+    for (name, _), g in zip(layer.named_parameters(), grads[1:]):
+        assert torch.equal(g, torch.zeros_like(g)), name
+    assert launches["attention_fwd"] == 1 and launches["add_norm_fwd"] == 2
+
+
 # Each kind in both layouts; fp32 and bf16 each meet both kinds and both RoPE layouts.
 LLAMA_CASES = [("encoder", True, torch.float32, False), ("encoder", False, torch.bfloat16, True),
                ("decoder", False, torch.float32, True), ("decoder", True, torch.bfloat16, False)]
