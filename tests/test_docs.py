@@ -261,3 +261,24 @@ def test_readme_speedup_table_is_what_the_committed_results_render(capsys):
     from bench import report
 
     assert report.main(["--check"]) == 0, capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# inspectable state the pages spell out
+# ---------------------------------------------------------------------------------------------
+
+def test_dispatch_table_fields_are_the_documented_ones(device):
+    """docs/dispatch.md's "Which candidate ran" lists a row's fields: exactly the keys
+    ``fused_block.dispatch_table()`` gives (a user reads them by name)."""
+    code = blocks(ROOT / "docs" / "dispatch.md", "python")
+    comment = next(c for _, c in code if "dispatch_table()" in c).split("dispatch_table()", 1)[1]
+    documented = re.search(r"#\s*\[\{([^}]*)\}", comment).group(1)
+    fields = [f.strip() for f in documented.split(",")]
+    fused_block.dispatch.clear()
+    try:
+        x = torch.randn(3, 16, device=device)  # one tiny product: a row to read the fields of
+        fused_block.linear(x, torch.randn(8, 16, device=device))
+        rows = fused_block.dispatch_table()
+    finally:
+        fused_block.dispatch.clear()
+    assert rows and all(list(r) == fields for r in rows), (fields, rows)
