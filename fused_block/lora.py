@@ -35,18 +35,24 @@ def is_lora(m) -> bool:
 
 def merged_state(linears):
     """What PEFT changes about the weights of ``linears`` without a version bump (a merge adds
-    its update through ``weight.data``, an unmerge subtracts it): a key for caches of those
-    weights (``fused_block.hf._core.cached``); None for a plain linear, and for a LoRA wrapper,
-    per merged adapter, its name, its scale and each of its parameters' identity, storage and
-    version counter (lora_A, lora_B, DoRA's magnitude, ...: what the merged update was made of).
+    its update through ``weight.data``, an unmerge subtracts it): ``(key, held)`` for caches of
+    those weights (``fused_block.hf._core.cached``'s ``stamp`` and ``held``). ``key`` has None
+    for a plain linear, and for a LoRA wrapper, per merged adapter, its name, its scale and each
+    of its parameters' storage (the storage object's address), data pointer and version counter
+    (lora_A, lora_B, DoRA's magnitude, ...: what the merged update was made of); ``held`` lists
+    those parameters, whose storages a cache entry made with ``key`` holds weakly, so that no
+    other storage takes their addresses while the entry lives.
 
     The names alone do not change when an adapter is unmerged, updated in place (an optimizer
     step bumps its parameters' versions) or rescaled, and merged again: the packed weight a
-    forward cached before then stayed in use (stale by the update)."""
-    return tuple(_merged(m) if is_lora(m) else None for m in linears)
+    forward cached before then stayed in use (stale by the update). Neither does a parameter's
+    identity, address and version when it is given a new tensor where its freed one was
+    (``param.data = ...`` keeps the parameter and its version counter): the storage object does."""
+    held = []
+    return tuple(_merged(m, held) if is_lora(m) else None for m in linears), held
 
 
-def _merged(m):
+def _merged(m, held):
     state = []
     for a in m.merged_adapters:
         params = []
@@ -57,7 +63,9 @@ def _merged(m):
             entry = holder[a]
             for t in (entry.parameters() if isinstance(entry, nn.Module) else (entry,)):
                 # an inference tensor has no version counter: a key that never matches
-                params.append((id(t), t.data_ptr(), object() if t.is_inference() else t._version))
+                params.append((t.untyped_storage()._cdata, t.data_ptr(),
+                               object() if t.is_inference() else t._version))
+                held.append(t)
         state.append((a, m.scaling.get(a), tuple(params)))
     return tuple(state)
 

@@ -558,8 +558,8 @@ def test_packed_qkv_weight_lives_for_its_gemm_only(device, launches, monkeypatch
     model = _converted(_model("llama", device, layers=1).train())
     made, packed = [], _core.packed
 
-    def recording(state, name, tensors, stamp=()):
-        out = packed(state, name, tensors, stamp)
+    def recording(state, name, tensors, stamp=(), held=()):
+        out = packed(state, name, tensors, stamp, held)
         if name == "qkv_weight":
             made.append(weakref.ref(out))
         return out

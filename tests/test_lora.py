@@ -499,3 +499,36 @@ def test_lora_training_step_of_a_converted_llama(device, launches):
     for n, p in got.named_parameters():
         assert torch.equal(p, before[n]) != ("lora_" in n), n
     assert launches["matmul"] > 0
+
+
+def test_merging_again_after_an_adapter_got_a_new_tensor_at_a_reused_address(device, launches):
+    """merge_adapter(), a no-grad forward, unmerge_adapter(), an adapter weight given a new
+    tensor at the address of its freed one (``param.data = ...``: the same parameter object,
+    the same version counter), merge_adapter() again: the merge's cache key held the adapter
+    parameters' id, address and version, all the same, and the packed q/k/v weight of the first
+    merge was reused. Here the reuse is made certain: numpy's memory, freed by torch and written
+    before torch's new tensor takes it (as tests/test_hf.py's packed-weight test does)."""
+    numpy = pytest.importorskip("numpy")
+    if device.type != "cpu":
+        pytest.skip("numpy's memory is the CPU's")
+    ref, got, (ids, mask) = _hf_peft("llama", device, "adapt_then_convert", targets=["q_proj", "k_proj", "v_proj"])
+    ref.eval(), got.eval()
+    mine = got.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"]
+    theirs = ref.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"]
+    memory = numpy.empty(tuple(mine.weight.shape), dtype=numpy.float32)
+    memory[...] = mine.weight.detach().numpy()
+    mine.weight.data = torch.from_numpy(memory)
+    for model in (ref, got):
+        model.merge_adapter()
+    _same_logits(got, ref, ids, mask)  # cached: the merge of lora_B at memory's address
+    for model in (ref, got):
+        model.unmerge_adapter()
+    mine.weight.data = torch.empty(0)  # the tensor on memory is freed
+    memory *= 3.0  # ... and the memory given a new tensor with other values
+    mine.weight.data = torch.from_numpy(memory)
+    with torch.no_grad():
+        theirs.weight.mul_(3.0)
+    for model in (ref, got):
+        model.merge_adapter()
+    _same_logits(got, ref, ids, mask)
+    assert launches["matmul"] > 0

@@ -404,15 +404,16 @@ def _fsdp2_in_use():
     return _FSDP2[1]
 
 
-def cached(state, name, tensors, make, stamp=()):
+def cached(state, name, tensors, make, stamp=(), held=()):
     """``make(tensors)``; cached across calls while the tensors are unchanged and no gradient
     flows through them (generation; buffers), recomputed otherwise (training, compile).
     "Unchanged": the same storage (the storage object itself, held weakly, not its address: a
     tensor freed and a new one made at its address, as a parametrized weight recomputed per
     call, ``param.data = ...`` or ``.half().float()``, is another storage) and version counter,
     the same ``stamp`` (what else the caller knows changes them: PEFT's merges,
-    :func:`fused_block.lora.merged_state`), no optimizer step since (fused optimizers write
-    without a version bump) and no module or parameter registered or assigned under a guarded
+    :func:`fused_block.lora.merged_state`, whose storage addresses stay unique while the entry
+    holds the storages of the tensors ``held`` weakly), no optimizer step since (fused
+    optimizers write without a version bump) and no module or parameter registered or assigned under a guarded
     layer since (the guard's epoch, :mod:`fused_block._guard`: PEFT wrapping or unwrapping the
     linears, as ``get_peft_model`` and ``merge_and_unload`` do around merges that are written
     through ``.data``). Any other write through ``.data`` bumps no version counter, so it is not
@@ -431,13 +432,14 @@ def cached(state, name, tensors, make, stamp=()):
            *((t.untyped_storage()._cdata, t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
     hit = state.packed.get(name)
     if hit is None or hit[0] != key or (hit[1].is_inference() and not torch.is_inference_mode_enabled()):
-        hit = state.packed[name] = (key, make(tensors), tuple(StorageWeakRef(t.untyped_storage()) for t in tensors))
+        hit = state.packed[name] = (key, make(tensors),
+                                    tuple(StorageWeakRef(t.untyped_storage()) for t in (*tensors, *held)))
     return hit[1]
 
 
-def packed(state, name, tensors, stamp=()):
+def packed(state, name, tensors, stamp=(), held=()):
     """``torch.cat(tensors)`` (None for absent biases), cached as :func:`cached`."""
-    return None if tensors[0] is None else cached(state, name, tensors, torch.cat, stamp)
+    return None if tensors[0] is None else cached(state, name, tensors, torch.cat, stamp, held)
 
 
 class _Parts:
@@ -494,7 +496,7 @@ def packed_linear(state, name, x, linears, bias, **kw):
     again when PEFT merges or unmerges their adapters, which it writes through ``.data``), the
     packed weight saved for the backward as its parts (:func:`saved_as_parts`)."""
     weights = tuple(m.weight for m in linears)
-    w = packed(state, name, weights, lora.merged_state(linears))
+    w = packed(state, name, weights, *lora.merged_state(linears))
     with saved_as_parts(w, weights):
         return linear(x, w, bias, **kw)
 
@@ -507,13 +509,13 @@ def packed_bias(state, name, linears):
     present = [b for b in biases if b is not None]
     if not present:
         return None
-    stamp = lora.merged_state(linears)
+    stamp, held = lora.merged_state(linears)
     if len(present) == len(biases):
-        return packed(state, name, tuple(biases), stamp)
+        return packed(state, name, tuple(biases), stamp, held)
 
     def make(ts):
         it = iter(ts)
         return torch.cat([next(it) if b is not None else ts[0].new_zeros(m.out_features)
                           for b, m in zip(biases, linears)])
 
-    return cached(state, name, tuple(present), make, stamp)
+    return cached(state, name, tuple(present), make, stamp, held)
