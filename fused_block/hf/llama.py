@@ -86,12 +86,15 @@ def check_call(layer, call):
 
 
 def rotary_positions(layer, call, B, L):
-    """position_ids (B or 1, L) when the model has one standard rotary module, else None."""
+    """``(position_ids (B or 1, L), the rotary module)`` when the model has one standard rotary
+    module that is what the model calls (``_core._Rotary.current``), else None."""
     positions = call.get("position_ids")
     rotary = layer._fused_block.rotary
     if rotary is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
-            and positions.shape[0] in (1, B) and positions.shape[1] == L and rotary.current() is not None:
-        return positions
+            and positions.shape[0] in (1, B) and positions.shape[1] == L:
+        module = rotary.current()
+        if module is not None:
+            return positions, module
     return None
 
 
@@ -107,10 +110,10 @@ def rope(layer, qkv, H, Hkv, call, unit_offset=False, half_tables=False):
     if getattr(attn, "q_norm", None) is not None:
         norms = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, norm_eps=rms_eps(attn.q_norm),
                      norm_unit_offset=unit_offset)
-    positions = rotary_positions(layer, call, B, L)
-    if positions is not None:
+    found = rotary_positions(layer, call, B, L)
+    if found is not None:
+        positions, rotary = found
         state = layer._fused_block
-        rotary = state.rotary.current()
         # The model's frequencies as its rotary module uses them (rounded if the model was cast),
         # in fp32 on qkv's device: a conversion kernel once, not per call.
         inv_freq = cached(state, ("inv_freq", qkv.device), (rotary.inv_freq,),
