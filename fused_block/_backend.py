@@ -193,6 +193,14 @@ def _indexed(device) -> torch.device:
     return d
 
 
+def drop_all(t: torch.Tensor) -> torch.Tensor:
+    """A dropout at p = 1 on ``t``: torch's own ``F.dropout(t, 1.0)`` (``t`` times 0, so the
+    gradients of whatever made ``t`` are zeros, as torch's layers give). The ops take p in [0, 1]
+    as torch does; at 1 they drop their input or output here and run their kernels at p = 0,
+    drawing no seed."""
+    return torch.nn.functional.dropout(t, 1.0, training=True)
+
+
 def dropout_seed(p: float, device) -> torch.Tensor:
     """A fresh int64 seed (shape (1,)) drawn from torch's generator, so ``torch.manual_seed``
     fixes it; kernels read it from device memory (``tl.load``), never on the host.

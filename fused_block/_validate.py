@@ -104,12 +104,13 @@ def integer(name, value):
     return _python(name, value, True, "an int")
 
 
-def probability(name, p, one=False):
-    """``p`` (see :func:`number`) in [0, 1) (in [0, 1] with ``one``), as a Python number."""
+def probability(name, p):
+    """``p`` (see :func:`number`) in [0, 1], as a Python number (a dropout probability: 1 drops
+    everything, as torch's dropouts take it)."""
     if type(p) is not float:
         p = number(name, p, "a float")
-    if not (0.0 <= p <= 1.0 if one else 0.0 <= p < 1.0):
-        raise ValueError(f"{name} must be in {'[0, 1]' if one else '[0, 1)'}, got {p}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {p}")
     return p
 
 

@@ -465,7 +465,7 @@ def _check_options(causal, scale, key_padding_mask, dropout_p, B, Lk, ref_name, 
         _validate.tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,), ndim=2)
         _validate.shape("key_padding_mask", key_padding_mask, (B, Lk))
         _validate.same_device(ref_name, ref, key_padding_mask=key_padding_mask)
-    _validate.probability("dropout_p", dropout_p, one=True)  # 1.0: see _all_dropped
+    _validate.probability("dropout_p", dropout_p)  # 1.0: see _all_dropped
 
 
 def _check(q, k, v, causal, scale, key_padding_mask, dropout_p):

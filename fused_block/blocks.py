@@ -765,8 +765,6 @@ class _LayerMixin:
         GEMMs, which autocast rounds to its dtype: the kernel's 16-bit output (rounded to
         nearest from fp32) is that same value, so Pre-LN keeps the cheaper 16-bit path.
         """
-        if dropout_p >= 1.0:  # torch's dropout with p = 1 (x times 0: zero gradients upstream), no kernel dropout
-            x, dropout_p = F.dropout(x, 1.0, training=True), 0.0
         ops = _ops(x)
         rms = self.norm != "layer"
         params = _params(module, "weight") if rms else _params(module, "weight", "bias")
@@ -795,20 +793,14 @@ class _LayerMixin:
             return self._ffn_local(x, residual, p_in, p_out)
         # The seeds the FFN's dropouts draw (_backend.dropout_seed), in order; where the kernels
         # do not run (CPU tensors without the interpreter) the references draw none.
-        seeded = (p_in > 0 or p_out > 0) and _backend.use_triton(x)
-        with run.seeds([run.rank] * (seeded and p_in > 0) + [0] * (seeded and p_out > 0)):
+        seeded = _backend.use_triton(x)  # (p = 1 runs torch's dropout, which draws no seed)
+        with run.seeds([run.rank] * (seeded and 0 < p_in < 1) + [0] * (seeded and 0 < p_out < 1)):
             y = run.leave(self._ffn_local(run.enter(x), None, p_in, p_out))
         return y if residual is None else y + residual
 
     def _ffn_local(self, x, residual, p_in, p_out):
-        # A dropout with p = 1 (torch's layers take dropout=1.0; the fused ops' dropouts stop
-        # below 1) runs as torch's dropout: its input times 0, so the gradients upstream are
-        # zeros, as torch's layer gives. On the hidden activation it runs between the GEMMs.
-        if p_out >= 1.0:
-            y = F.dropout(self._ffn_local(x, None, p_in, 0.0), 1.0, training=True)
-            return y if residual is None else y + residual
         mods = self._modules
-        name = None if p_in >= 1.0 else self._activation()
+        name = self._activation()
         l1, l2 = mods["linear1"], mods["linear2"]
         ops = _ops(x)
         if lora.is_lora(l1) or lora.is_lora(l2):

@@ -698,7 +698,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
 
     x (..., K); weight (N, K); bias (N,) or None; activation None, "gelu" (erf), "gelu_tanh" or
     "relu"; residual (..., N) or None, added after the activation and the dropout; dropout_p in
-    [0, 1) (always applied when > 0: pass 0 in eval). Returns (..., N) in x's dtype (promoted
+    [0, 1] (always applied when > 0: pass 0 in eval; at 1 torch's ``F.dropout(y, 1.0)``, zero
+    gradients for x, weight, bias and the LoRA terms). Returns (..., N) in x's dtype (promoted
     with residual's). Under autocast x, weight and bias are cast like F.linear.
 
     ``lora`` = (U (..., R), B (N, R)): a low-rank update ``U @ B.T`` (PEFT LoRA's ``scale *
@@ -717,6 +718,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     if lora is not None:
         lora = _autocast(*_lora_form(lora, (n,)))
         u, lb = _check_lora(x, lora, (n,))
+    if dropout_p == 1.0:
+        return _plus(_backend.drop_all(linear(x, weight, bias, activation, lora=lora)), residual)
     if not _backend.use_triton(x):
         return reference.linear(x, weight, bias, activation, residual, dropout_p, lora=lora)
     if (activation is None and residual is None and u is None and dropout_p == 0
@@ -762,6 +765,8 @@ def gated_linear(x: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tenso
     if lora is not None:
         lora = _autocast(*_lora_form(lora, (f, f)))
         u, lbg, lbu = _check_lora(x, lora, (f, f))
+    if dropout_p == 1.0:
+        return _backend.drop_all(gated_linear(x, w_gate, w_up, b_gate, b_up, lora=lora, activation=activation))
     if not _backend.use_triton(x):
         return reference.gated(x, w_gate, w_up, b_gate, b_up, dropout_p=dropout_p, lora=lora, activation=activation)
     b_gate, b_up = _both_biases(b_gate, b_up)
@@ -803,8 +808,10 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     (see :func:`swiglu`, :func:`geglu`).
     dropout_p: on the hidden activation (torch's ``dropout`` in ``_ff_block``);
     output_dropout_p: on the second GEMM's output before the residual add (torch's
-    ``dropout2``); both in [0, 1), always applied when > 0 (pass 0 in eval). The hidden
-    activation is rounded to x's dtype, as in eager PyTorch. Returns (..., D').
+    ``dropout2``); both in [0, 1], always applied when > 0 (pass 0 in eval); at 1, torch's
+    ``F.dropout(t, 1.0)`` on what it drops (the GEMMs apart for the hidden activation: linear2
+    then sees zeros). The hidden activation is rounded to x's dtype, as in eager PyTorch.
+    Returns (..., D').
     """
     _validate.tensor("x", x, min_ndim=1)
     _backend.no_dtensor("mlp", x, w1, w2)
@@ -822,6 +829,16 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     _check_second_layer(x, "w2", w2, "b2", b2, hidden,
                         f"w1's out_features / 2 ({activation})" if activation in GATED else "w1's out_features")
     _check_residual(x, residual, w2.shape[0])
+    if output_dropout_p == 1.0:
+        return _plus(_backend.drop_all(mlp(x, w1, b1, w2, b2, activation, None, dropout_p)), residual)
+    if dropout_p == 1.0:  # the hidden activation dropped: the GEMMs apart, torch's dropout between
+        if activation in GATED:
+            f = hidden
+            hid = gated_linear(x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
+                               dropout_p=1.0, activation=activation)
+        else:
+            hid = linear(x, w1, b1, activation, None, 1.0)
+        return linear(hid, w2, b2, None, residual, output_dropout_p)
     if not _backend.use_triton(x):
         return reference.mlp(x, w1, b1, w2, b2, activation, residual, dropout_p, output_dropout_p)
     return _ffn(x, w1, None, b1, None, w2, b2, residual, activation, dropout_p, output_dropout_p,
@@ -857,6 +874,11 @@ def geglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, residual: Opt
     return _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, "geglu", dropout_p, output_dropout_p)
 
 
+def _plus(y, residual):
+    """``y + residual`` (the fused ops' promotion: y's dtype with residual's), or y."""
+    return y if residual is None else y + residual
+
+
 def _both_biases(b_gate, b_up):
     """One kernel adds both biases of a gated layer or neither: a missing one (with the other
     given) is a zero vector."""
@@ -878,6 +900,12 @@ def _gated_ffn(x, w_gate, w_up, w_down, residual, b_gate, b_up, b_down, activati
         raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
     _check_second_layer(x, "w_down", w_down, "b_down", b_down, w_gate.shape[0], "w_gate's out_features")
     _check_residual(x, residual, w_down.shape[0])
+    if output_dropout_p == 1.0:
+        y = _gated_ffn(x, w_gate, w_up, w_down, None, b_gate, b_up, b_down, activation, dropout_p, 0.0)
+        return _plus(_backend.drop_all(y), residual)
+    if dropout_p == 1.0:  # the hidden activation dropped: the GEMMs apart, torch's dropout between
+        hid = gated_linear(x, w_gate, w_up, b_gate, b_up, dropout_p=1.0, activation=activation)
+        return linear(hid, w_down, b_down, None, residual, output_dropout_p)
     if not _backend.use_triton(x):
         return reference.gated_ffn(x, w_gate, w_up, w_down, residual, b_gate=b_gate, b_up=b_up, b_down=b_down,
                                    activation=activation, dropout_p=dropout_p, output_dropout_p=output_dropout_p)

@@ -203,7 +203,7 @@ def _check(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_r
     every argument."""
     if (type(x) in _TENSOR_TYPES and x.dtype in _validate.FLOAT_DTYPES and x.dim() >= 1
             and 0 < x.shape[-1] <= MAX_HIDDEN and type(eps) is float and eps >= 0 and type(dropout_p) is float
-            and 0.0 <= dropout_p < 1.0 and type(residual_in_fp32) is bool and type(out_is_residual) is bool):
+            and 0.0 <= dropout_p <= 1.0 and type(residual_in_fp32) is bool and type(out_is_residual) is bool):
         device = x.device
         if ((residual is None or (type(residual) in _TENSOR_TYPES and residual.dtype in _validate.FLOAT_DTYPES
                                   and residual.shape == x.shape and residual.device == device))
@@ -435,7 +435,8 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
         residual: same shape as x, any float dtype, or None (then residual_out = dropout(x)).
         weight, bias: (N,) or None; may be fp32 while x is fp16/bf16 (autocast).
         eps: added to the variance, >= 0 as torch takes it (at 0 a row of zero variance gives
-            NaN, as torch's norms do). dropout_p: dropout on x before the add, in [0, 1).
+            NaN, as torch's norms do). dropout_p: dropout on x before the add, in [0, 1] (at 1,
+            torch's ``F.dropout(x, 1.0)``: x times 0, and zero gradients for x).
             Both may be Python or numpy numbers (converted to Python floats here); bools are
             refused.
         residual_in_fp32: with residual None, keep residual_out in fp32.
@@ -455,6 +456,8 @@ def add_layer_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | N
         from fused_block import distributed
         return distributed.add_norm(add_layer_norm, x, residual, (weight, bias), eps, dropout_p, residual_in_fp32,
                                     out_is_residual)
+    if dropout_p == 1.0:
+        x, dropout_p = _backend.drop_all(x), 0.0
     if not _backend.use_triton(x):
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual)
     return _add_norm(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, out_is_residual, is_rms=False)
@@ -483,6 +486,8 @@ def add_rms_norm(x: Tensor, residual: Tensor | None = None, weight: Tensor | Non
         from fused_block import distributed
         return distributed.add_norm(add_rms_norm, x, residual, (weight,), eps, dropout_p, residual_in_fp32,
                                     out_is_residual, unit_offset=unit_offset)
+    if dropout_p == 1.0:
+        x, dropout_p = _backend.drop_all(x), 0.0
     if not _backend.use_triton(x):
         return reference.add_rms_norm(x, residual, weight, eps, dropout_p, residual_in_fp32, out_is_residual,
                                       unit_offset=unit_offset)

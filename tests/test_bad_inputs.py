@@ -131,7 +131,7 @@ CATALOGUE = [
     ("ln-eps-bool", lambda: _norm(eps=True), TypeError, "eps must be a number, got bool"),
     ("ln-eps-numpy-bool", lambda: _norm(eps=np.bool_(True)), TypeError, "eps must be a number, got numpy.bool"),
     ("ln-eps-str", lambda: _norm(eps="1e-5"), TypeError, "eps must be a number, got str"),
-    ("ln-dropout-one", lambda: _norm(dropout_p=1.0), ValueError, "dropout_p"),
+    ("ln-dropout-above-one", lambda: _norm(dropout_p=1.0 + 2 ** -52), ValueError, "dropout_p"),
     ("ln-dropout-negative", lambda: _norm(dropout_p=-0.1), ValueError, "dropout_p"),
     ("ln-residual-in-fp32-type", lambda: _norm(residual_in_fp32=1), TypeError, "residual_in_fp32"),
     # numpy's bool is refused where a flag is required (as SDPA's is_causal refuses it), by its full name
@@ -140,7 +140,7 @@ CATALOGUE = [
     ("rms-unit-offset-numpy-bool", lambda: _rms(unit_offset=np.bool_(True)), TypeError,
      "unit_offset must be a bool, got numpy.bool"),
     ("rms-eps-zero-dim-array", lambda: _rms(eps=np.array(1e-5)), TypeError, "eps must be a number, got numpy.ndarray"),
-    ("rms-dropout-numpy", lambda: _rms(dropout_p=np.float32(1.0)), ValueError, "dropout_p must be in"),
+    ("rms-dropout-numpy", lambda: _rms(dropout_p=np.float32(1.5)), ValueError, "dropout_p must be in"),
     ("rms-int-x", lambda: _rms(x=torch.ones(4, 16, dtype=torch.int32, device=DEV)), TypeError, "x"),
     ("rms-weight-shape", lambda: _rms(weight=r(17)), ValueError, "weight"),
     ("rms-dropout", lambda: _rms(dropout_p=1.5), ValueError, "dropout_p"),

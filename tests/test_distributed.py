@@ -514,10 +514,11 @@ def _dropout_layer(kind, heads, which):
     """Dropout 0.25 in training; ``which="replicated"`` keeps only the dropouts of tensors every
     rank holds whole under TP (the residual stream's, the FFN output's): their masks are the
     single-process layer's. ``"all"``: also attention's and the FFN hidden activation's, drawn
-    per rank on its heads and columns."""
+    per rank on its heads and columns. ``"hidden_one"``: as ``"replicated"`` with the FFN hidden
+    activation's dropout at 1 (torch's dropout, which draws no seed)."""
     layer = _layer(kind, heads, dropout=0.25).train()
-    if which == "replicated":
-        layer.dropout.p = 0.0
+    if which in ("replicated", "hidden_one"):
+        layer.dropout.p = 1.0 if which == "hidden_one" else 0.0
         for name in layer._ATTENTIONS:
             getattr(layer, name).dropout = 0.0
     return layer
@@ -570,7 +571,7 @@ def _tp_reference(layer_cases, model_cases, dropout_cases, world):
     return {"layers": {case: _layer_step(_layer(case[0], world), case[0], world) for case in layer_cases},
             "models": {(name, sp): _model_step(_build(name)) for name, sp in model_cases},
             "dropout": {(kind, sp, which): _single_dropout_step(kind, world, which)
-                        for kind, sp, which in dropout_cases if which == "replicated" and not sp},
+                        for kind, sp, which in dropout_cases if which != "all" and not sp},
             "norms": {name: _norm_step(norm, x.clone().requires_grad_(True), w)
                       for name, norm in _norm_modules().items() for x, _, w in [_layer_inputs("norm", 2)]}}
 
@@ -612,11 +613,13 @@ def test_tensor_and_sequence_parallel_two_processes():
     heads and columns, RoPE on local heads) under both, a Post-LN layer with every bias under
     TP, a converted HF LLaMA (GQA, 2 layers) under SP through tp_plan; dropout masks seeded,
     recomputed by checkpointing, shared by the ranks where they drop a replicated tensor (the
-    single-process layer's masks), under TP and SP; the ValueErrors; fused_block's norm modules
+    single-process layer's masks; also beside a hidden dropout at 1, which draws none), under TP
+    and SP; the ValueErrors; fused_block's norm modules
     under torch's SequenceParallel style (DTensors in and out, the kernels on local rows)."""
     pytest.importorskip("transformers")
     _run_tp(2, [("llama", False), ("llama", True), ("post_ln", False)], [("hf_llama", True)],
-            dropout_cases=[("llama", False, "replicated"), ("post_ln", True, "all")], norms=True)
+            dropout_cases=[("llama", False, "replicated"), ("decoder", False, "hidden_one"), ("post_ln", True, "all")],
+            norms=True)
 
 
 @pytest.mark.heavy

@@ -317,7 +317,7 @@ def _bad_cases(device):
         (lambda: mlp(x, torch.randn(15, 8, device=device), None, wd, None, "geglu"), ValueError, "^w1"),
         (lambda: gated_linear(x, wg, wu, activation="gelu"), ValueError, "^activation"),
         (lambda: gated_linear(x, wg, wu, activation=5), TypeError, "^activation"),
-        (lambda: geglu(x, wg, wu, wd, dropout_p=1.0), ValueError, "^dropout_p"),
+        (lambda: geglu(x, wg, wu, wd, dropout_p=1.5), ValueError, "^dropout_p"),
         (lambda: geglu(x, wg, wu, wd, output_dropout_p=-0.1), ValueError, "^output_dropout_p"),
         (lambda: swiglu(x, wg, wu, wd, dropout_p=-0.5), ValueError, "^dropout_p"),
     ]

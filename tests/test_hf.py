@@ -1496,27 +1496,3 @@ def test_jit_trace_of_a_converted_model_reads_no_mask_values(arch, device, launc
         for m in (torch.ones_like(mask), mask):
             torch.testing.assert_close(traced(ids, m), _Logits(model)(ids, m), atol=1e-4, rtol=1e-4)
     assert launches["attention_fwd"] > 0
-
-
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_hf_ops_mlp_with_its_hidden_dropped(activation, device, launches):
-    """``fused_block.hf._ops.mlp`` with the hidden dropout at 1 (a gated activation splits w1 into
-    its gate and up rows): torch's answer, the second GEMM of zeros, ``b2 + residual``, and
-    every input's gradient (zeros before the dropout)."""
-    from fused_block.hf import _ops
-
-    f = 24
-    x = torch.randn(2, 5, 16, device=device, requires_grad=True)
-    w1 = torch.randn((2 if activation == "swiglu" else 1) * f, 16, device=device, requires_grad=True)
-    b1 = torch.randn(w1.shape[0], device=device, requires_grad=True)
-    w2 = torch.randn(16, f, device=device, requires_grad=True)
-    b2 = torch.randn(16, device=device, requires_grad=True)
-    residual = torch.randn(2, 5, 16, device=device, requires_grad=True)
-    y = _ops.mlp(x, w1, b1, w2, b2, activation, residual, 1.0, 0.0)
-    dy = torch.randn_like(y)
-    grads = torch.autograd.grad(y, (x, w1, b1, w2, b2, residual), dy)
-    torch.testing.assert_close(y, b2 + residual)
-    for name, g, want in zip(("x", "w1", "b1", "w2", "b2", "residual"), grads,
-                             (0 * x, 0 * w1, 0 * b1, 0 * w2, dy.sum((0, 1)), dy)):
-        torch.testing.assert_close(g, want, msg=name)
-    assert launches["matmul"] > 0

@@ -19,7 +19,7 @@ import fused_block
 import fused_block.kernels.matmul as kmatmul
 from fused_block import reference
 from fused_block.kernels import common
-from fused_block.linear import MLP, Linear, linear, mlp
+from fused_block.linear import MLP, Linear, gated_linear, geglu, linear, mlp, swiglu
 
 from gemm_testing import (DTYPE_MODES, MODES, baseline_mode, check, fp32_mode, kernel_masks, leaves, round_to_tf32,
                           saved_numels, seeded)
@@ -957,18 +957,81 @@ def test_mlp_bad_input(device, launches):
     assert launches["matmul"] == 0
 
 
+# Each case: the op at dropout probability p on the inputs t (by name), written once for ours
+# (``_Fused``) and the reference (same names); the inputs it takes; those whose gradients the
+# dropout zeroes. Hidden width 24.
+_P1_CASES = {
+    "linear": (lambda ops, t, p: ops.linear(t["x"], t["w1"], t["b1"], "gelu", t["r24"], p),
+               "x w1 b1 r24", "x w1 b1"),
+    "linear_lora": (lambda ops, t, p: ops.linear(t["x"], t["w1"], t["b1"], None, None, p, lora=(t["u"], t["lb"])),
+                    "x w1 b1 u lb", "x w1 b1 u lb"),
+    "gated_linear": (lambda ops, t, p: ops.gated(t["x"], t["wg"], t["wu"], t["bg"], t["bu"], dropout_p=p),
+                     "x wg wu bg bu", "x wg wu bg bu"),
+    "mlp_hidden": (lambda ops, t, p: ops.mlp(t["x"], t["w1"], t["b1"], t["w2"], t["b2"], "gelu", t["r"], p),
+                   "x w1 b1 w2 b2 r", "x w1 b1 w2"),
+    "mlp_output": (lambda ops, t, p: ops.mlp(t["x"], t["w1"], t["b1"], t["w2"], t["b2"], "relu", t["r"], 0.0, p),
+                   "x w1 b1 w2 b2 r", "x w1 b1 w2 b2"),
+    "mlp_swiglu_hidden": (lambda ops, t, p: ops.mlp(t["x"], t["w12"], t["b12"], t["w2"], t["b2"], "swiglu", t["r"], p),
+                          "x w12 b12 w2 b2 r", "x w12 b12 w2"),
+    "swiglu_hidden": (lambda ops, t, p: ops.gated_ffn(t["x"], t["wg"], t["wu"], t["w2"], t["r"], b_gate=t["bg"],
+                                                      b_down=t["b2"], activation="swiglu", dropout_p=p),
+                      "x wg wu bg w2 b2 r", "x wg wu bg w2"),
+    "geglu_output": (lambda ops, t, p: ops.gated_ffn(t["x"], t["wg"], t["wu"], t["w2"], t["r"], b_up=t["bu"],
+                                                     activation="geglu", output_dropout_p=p),
+                     "x wg wu bu w2 r", "x wg wu bu w2"),
+}
+_P1_SIZES = dict(x=(2, 5, 16), w1=(24, 16), b1=(24,), w12=(48, 16), b12=(48,), wg=(24, 16), wu=(24, 16), bg=(24,),
+                 bu=(24,), w2=(16, 24), b2=(16,), r=(2, 5, 16), r24=(2, 5, 24), u=(2, 5, 4), lb=(24, 4))
+
+
+class _Fused:
+    """The public ops under the reference's names."""
+    linear, mlp = staticmethod(linear), staticmethod(mlp)
+    gated = staticmethod(gated_linear)
+
+    @staticmethod
+    def gated_ffn(x, wg, wu, wd, residual, *, activation, **kw):
+        return {"swiglu": swiglu, "geglu": geglu}[activation](x, wg, wu, wd, residual, **kw)
+
+
+@pytest.mark.parametrize("case", sorted(_P1_CASES))
+def test_dropout_one_is_torchs_dropout(case, device, launches):
+    """Every GEMM op takes a dropout probability of 1, as torch's dropout: what it drops is
+    ``F.dropout(t, 1.0)`` (zeros; zero gradients for what made t), the rest as at p = 0, on our
+    kernels; against the float64 reference (whose dropout is torch's) under the error rule. At
+    the hidden activation the GEMMs run apart: the second sees zeros (out = b2 + residual)."""
+    fn, names, dropped = _P1_CASES[case]
+    names, dropped = names.split(), dropped.split()
+    t = {k: randn(*_P1_SIZES[k], dtype=torch.float32, device=device, scale=0.5, requires_grad=True) for k in names}
+    before = launches["matmul"]
+    out = fn(_Fused, t, 1.0)
+    assert launches["matmul"] > before
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [t[k] for k in names], dy)
+    refs = {}
+    for dtype in (torch.float64, torch.float32):
+        tt = {k: v.detach().to(dtype).requires_grad_() for k, v in t.items()}
+        ref = fn(reference, tt, 1.0)
+        refs[dtype] = (ref, torch.autograd.grad(ref, [tt[k] for k in names], dy.to(dtype)))
+    (ref64, g64), (ref32, g32) = refs[torch.float64], refs[torch.float32]
+    assert_close(f"{case} out", out, ref64, ref32)
+    for k, g, r64, r32 in zip(names, grads, g64, g32):
+        assert_close(f"{case} d{k}", g, r64, r32)
+        assert (g == 0).all() if k in dropped else g.abs().sum() > 0, f"{case}: d{k}"
+
+
 def test_dropout_bad_input(device, launches):
     x = torch.randn(4, 8, device=device)
     w1, b1 = torch.randn(16, 8, device=device), torch.randn(16, device=device)
     w2, b2 = torch.randn(8, 16, device=device), torch.randn(8, device=device)
     cases = [
-        (lambda: linear(x, w1, dropout_p=1.0), ValueError, "^dropout_p"),
+        (lambda: linear(x, w1, dropout_p=1.01), ValueError, r"^dropout_p must be in \[0, 1\]"),
         (lambda: linear(x, w1, dropout_p=-0.1), ValueError, "^dropout_p"),
         (lambda: linear(x, w1, dropout_p="0.1"), TypeError, "^dropout_p"),
         (lambda: mlp(x, w1, b1, w2, b2, dropout_p=1.5), ValueError, "^dropout_p"),
-        (lambda: mlp(x, w1, b1, w2, b2, output_dropout_p=1.0), ValueError, "output_dropout_p"),
+        (lambda: mlp(x, w1, b1, w2, b2, output_dropout_p=1.5), ValueError, "output_dropout_p"),
         (lambda: mlp(x, w1, b1, w2, b2, output_dropout_p=True), TypeError, "output_dropout_p"),
-        (lambda: MLP(8, 16, dropout=1.0), ValueError, "^dropout"),
+        (lambda: MLP(8, 16, dropout=2.0), ValueError, "^dropout"),
         (lambda: MLP(8, 16, dropout=None), TypeError, "^dropout"),
     ]
     for fn, error, name in cases:

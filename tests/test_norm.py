@@ -222,6 +222,23 @@ def _kept_mask(norm, x, p, seed):
     return rout != 0
 
 
+@pytest.mark.parametrize("has_res", [True, False], ids=["residual", "no_residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_dropout_one_is_torchs_dropout(device, launches, norm, has_res):
+    """``dropout_p=1.0`` as torch's dropout: x times 0 (zero gradient for x), then the op at p = 0
+    on our kernels: the norm of the residual (of zeros without one: LayerNorm gives the bias),
+    every output and gradient under the error rule against the float64 reference."""
+    inputs = _inputs((6, 40), torch.bfloat16, device, has_res=has_res)
+    if norm == "rms":
+        inputs[3] = None
+    before = launches["add_norm_fwd"]
+    _check_fwd_bwd(norm, inputs, torch.bfloat16, device, dropout_p=1.0)
+    assert launches["add_norm_fwd"] > before
+    out, _ = _call(_op(norm), norm, *inputs, dropout_p=1.0)
+    (dx,) = torch.autograd.grad(out.float().sum(), inputs[0])
+    assert (dx == 0).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 def test_dropout(device, launches, dtype, norm):

@@ -9,7 +9,8 @@ from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, packed_bias, packed_linear
-from fused_block.hf._ops import add_layer_norm_as_torch, linear, mlp
+from fused_block.linear import linear, mlp
+from fused_block.norm import add_layer_norm_as_torch
 
 _LINEAR, _DROPOUT, _LAYER_NORM = (nn.Linear,), (nn.Dropout,), (nn.LayerNorm,)
 

@@ -21,7 +21,8 @@ from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf._attention import attend, kernel_head_dim, mask_reason, plan
 from fused_block.hf._core import SAME, Family, kv_cache
-from fused_block.hf._ops import add_layer_norm, add_layer_norm_as_torch, linear, mlp
+from fused_block.linear import linear, mlp
+from fused_block.norm import add_layer_norm, add_layer_norm_as_torch
 
 CAUSAL_LMS = ("BloomForCausalLM",)
 _LINEAR, _NORM, _DROPOUT = (nn.Linear,), (nn.LayerNorm,), (nn.Dropout,)

@@ -11,7 +11,8 @@ from fused_block import lora
 from fused_block.blocks import _like
 from fused_block.hf._attention import implementation_reason, mask_convention, mask_reason, self_attention
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache
-from fused_block.hf._ops import add_layer_norm, linear, mlp
+from fused_block.linear import linear, mlp
+from fused_block.norm import add_layer_norm
 
 CAUSAL_LMS = ("GPT2LMHeadModel",)
 

@@ -17,7 +17,8 @@ from fused_block.blocks import _like
 from fused_block.hf import llama
 from fused_block.hf._attention import mask_convention, self_attention
 from fused_block.hf._core import SAME, Family, kv_cache, warn_once
-from fused_block.hf._ops import add_rms_norm, gated_linear, linear, mlp
+from fused_block.linear import gated_linear, linear, mlp
+from fused_block.norm import add_rms_norm
 
 CAUSAL_LMS = ("Phi3ForCausalLM",)
 ROTARIES = ("Phi3RotaryEmbedding",)

@@ -21,7 +21,8 @@ from fused_block.blocks import _like
 from fused_block.hf._attention import (attend, cross_keys, implementation_reason, kv_heads, mask_convention,
                                        mask_reason, plan, self_attention)
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed_bias, packed_linear
-from fused_block.hf._ops import add_layer_norm, add_layer_norm_as_torch, linear, mlp
+from fused_block.linear import linear, mlp
+from fused_block.norm import add_layer_norm, add_layer_norm_as_torch
 
 _LINEAR, _LAYER_NORM = (nn.Linear,), (nn.LayerNorm,)
 _PROJ = ("q_proj", "k_proj", "v_proj", "out_proj")

@@ -40,7 +40,8 @@ from torch import nn
 from fused_block.hf._attention import (attend, cross_keys, implementation_reason, kv_heads, mask_convention,
                                        mask_reason, plan, self_attention)
 from fused_block.hf._core import ACTIVATIONS, SAME, Family, kv_cache, packed, packed_linear
-from fused_block.hf._ops import add_rms_norm, gated_linear, geglu, linear, mlp, swiglu
+from fused_block.linear import gated_linear, geglu, linear, mlp, swiglu
+from fused_block.norm import add_rms_norm
 
 _LINEAR, _DROPOUT, _LIST = (nn.Linear,), (nn.Dropout,), (nn.ModuleList,)
 NORMS = ("T5LayerNorm", "MT5LayerNorm")
