@@ -901,6 +901,25 @@ def test_packed_weights_follow_new_tensors_at_reused_addresses(device, launches)
     assert launches["attention_fwd"] == 7
 
 
+def test_packed_weights_follow_a_weight_viewed_anew(device, launches):
+    """A weight given another view of its own storage (``param.data = param.data.t()`` on a
+    square q_proj, as a checkpoint converter fixing a layout does; then a view of another
+    offset): storage, address of the first element and version are unchanged, so the packed
+    q/k/v weight, keyed by those alone, was reused. The key includes shape and strides: the
+    original's logits each time."""
+    model = _model("llama", device, layers=1).eval()
+    fused = _converted(model)
+    ids, mask = _inputs("llama", device)
+    q = [m.model.layers[0].self_attn.q_proj for m in (model, fused)]
+    assert q[0].weight.shape[0] == q[0].weight.shape[1]
+    _eval_logits([model, fused], ids, mask)  # cached
+    for m in q:
+        m.weight.data = m.weight.data.t()
+    logits = _eval_logits([copy.deepcopy(model).double(), model, fused], ids, mask)
+    _assert_close("logits after q_proj's weight transposed", logits[2], logits[0], logits[1], torch.float32, device)
+    assert launches["attention_fwd"] == 2
+
+
 @pytest.mark.parametrize("change", ["replaced", "hooked"])
 def test_a_replaced_or_hooked_rotary_module_gives_its_tables(change, device, launches):
     """The model's rotary module replaced after conversion (another ``rope_parameters``, as for

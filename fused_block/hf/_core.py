@@ -409,7 +409,8 @@ def cached(state, name, tensors, make, stamp=(), held=()):
     flows through them (generation; buffers), recomputed otherwise (training, compile).
     "Unchanged": the same storage (the storage object itself, held weakly, not its address: a
     tensor freed and a new one made at its address, as a parametrized weight recomputed per
-    call, ``param.data = ...`` or ``.half().float()``, is another storage) and version counter,
+    call, ``param.data = ...`` or ``.half().float()``, is another storage), the same view of it
+    (first element, shape and strides: ``param.data = param.data.t()``) and version counter,
     the same ``stamp`` (what else the caller knows changes them: PEFT's merges,
     :func:`fused_block.lora.merged_state`, whose storage addresses stay unique while the entry
     holds the storages of the tensors ``held`` weakly), no optimizer step since (fused
@@ -429,7 +430,8 @@ def cached(state, name, tensors, make, stamp=(), held=()):
         return make(tensors)
     # A storage's address (_cdata) is not reused while the entry holds a weak reference to it.
     key = (_guard._EPOCH, _STEPS[0], stamp,
-           *((t.untyped_storage()._cdata, t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+           *((t.untyped_storage()._cdata, t.data_ptr(), t.shape, t.stride(), t._version, t.dtype, t.device)
+             for t in tensors))
     hit = state.packed.get(name)
     if hit is None or hit[0] != key or (hit[1].is_inference() and not torch.is_inference_mode_enabled()):
         hit = state.packed[name] = (key, make(tensors),
