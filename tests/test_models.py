@@ -288,9 +288,9 @@ def test_convert_a_shared_layer_in_every_place(device, launches):
 
 
 def test_convert_keeps_an_attention_module_shared_between_layers(device, launches):
-    """An ``nn.MultiheadAttention`` shared by two layers (ALBERT's shared-attention variant) or
-    by both attention slots of a decoder layer (tied self- and cross-attention) becomes one
-    fused module in every slot: ``named_modules`` stays the original's, putting the shared
+    """An ``nn.MultiheadAttention`` shared by two layers (ALBERT's shared-attention variant), by
+    both attention slots of a decoder layer (tied self- and cross-attention) or by a layer and
+    a slot outside the layers becomes one fused module in every slot: ``named_modules`` stays the original's, putting the shared
     module in eval mode turns its attention dropout off in every layer that uses it (each
     layer's attention dropout follows its module's flag), and ``load_state_dict(assign=True)``
     keeps the layers tied. (Converted once per slot, the copies shared the parameters but not
@@ -303,10 +303,11 @@ def test_convert_keeps_an_attention_module_shared_between_layers(device, launche
     enc.layers[1].self_attn = enc.layers[0].self_attn
     dec = nn.TransformerDecoderLayer(32, 2, 48, dropout=0.5, batch_first=True).to(device)
     dec.multihead_attn = dec.self_attn
-    ref = nn.ModuleDict({"enc": enc, "dec": dec})
+    # "pool": the encoder's attention also held outside the layers
+    ref = nn.ModuleDict({"enc": enc, "dec": dec, "pool": enc.layers[0].self_attn})
     model = fused_block.convert(copy.deepcopy(ref))
     assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
-    assert model.enc.layers[0].self_attn is model.enc.layers[1].self_attn
+    assert model.enc.layers[0].self_attn is model.enc.layers[1].self_attn is model["pool"]
     assert model.dec.self_attn is model.dec.multihead_attn
     assert isinstance(model.dec.self_attn, fused_block.MultiheadAttention)
 
