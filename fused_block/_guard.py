@@ -199,7 +199,9 @@ def scan(layer, spec, skip=(), tolerate_hook=None, accept=None):
     """
     watched = []
     prune = tuple(p + "." for p in skip)
-    for path, m in layer.named_modules():
+    # Every path: a module in two slots (a decoder's tied self- and cross-attention) is in both.
+    modules = dict(layer.named_modules(remove_duplicate=False))
+    for path, m in modules.items():
         if not path or path in skip or path.startswith(prune):
             continue
         if path.endswith(".parametrizations") or ".parametrizations." in path:
@@ -212,7 +214,7 @@ def scan(layer, spec, skip=(), tolerate_hook=None, accept=None):
         if reason is not None:
             return reason, ()
         watched.append(m)
-    missing = [p for p in spec if p not in dict(layer.named_modules())]
+    missing = [p for p in spec if p not in modules]
     if missing:
         return f"{missing[0]} is missing", ()
     return None, watched

@@ -1097,10 +1097,12 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
                 and not (tokens.dtype == torch.float32 and attn.head_dim > MAX_FP32_HEAD_DIM))
 
     @classmethod
-    def from_torch(cls, layer):
-        """A fused layer sharing ``layer``'s parameter tensors, modules and train/eval mode."""
+    def from_torch(cls, layer, attentions=None):
+        """A fused layer sharing ``layer``'s parameter tensors, modules and train/eval mode.
+        ``attentions``: the attention modules converted so far (``convert`` passes one dict for
+        the whole model), so that one shared by several layers becomes one fused module."""
         return _from_torch(cls, layer, ("self_attn", "linear1", "dropout", "linear2", "norm1", "norm2",
-                                        "dropout1", "dropout2"))
+                                        "dropout1", "dropout2"), attentions)
 
 
 class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
@@ -1231,10 +1233,11 @@ class TransformerDecoderLayer(_LayerMixin, nn.TransformerDecoderLayer):
         return _unbatch(y, batched, bf)
 
     @classmethod
-    def from_torch(cls, layer):
-        """A fused layer sharing ``layer``'s parameter tensors, modules and train/eval mode."""
+    def from_torch(cls, layer, attentions=None):
+        """A fused layer sharing ``layer``'s parameter tensors, modules and train/eval mode
+        (``attentions``: as :meth:`TransformerEncoderLayer.from_torch`)."""
         return _from_torch(cls, layer, ("self_attn", "multihead_attn", "linear1", "dropout", "linear2",
-                                        "norm1", "norm2", "norm3", "dropout1", "dropout2", "dropout3"))
+                                        "norm1", "norm2", "norm3", "dropout1", "dropout2", "dropout3"), attentions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1316,7 +1319,7 @@ def _causal_mask(L, like):
     return nn.Transformer.generate_square_subsequent_mask(L, device=like.device, dtype=like.dtype)
 
 
-def _from_torch(cls, layer, children):
+def _from_torch(cls, layer, children, attentions=None):
     """Build ``cls`` around ``layer``'s own submodules: the same Parameter objects (so an
     optimizer created before conversion keeps working), device, dtype and mode.
 
@@ -1328,7 +1331,11 @@ def _from_torch(cls, layer, children):
     their order are torch's layer's). The containers of parameters, buffers and submodules are
     the fused layer's own (same entries, the attention modules converted): torch's layer is not
     changed. An instance-level ``forward`` (bound to torch's layer) does not carry over:
-    ``convert`` leaves such a layer unconverted."""
+    ``convert`` leaves such a layer unconverted. An ``nn.MultiheadAttention`` in several slots
+    (a decoder's tied self- and cross-attention; with ``attentions``, a dict kept across the
+    calls, one shared by several layers) becomes one fused module in all of them, as torch's
+    module is one: one mode, one set of attributes, one parameter when one is assigned."""
+    attentions = {} if attentions is None else attentions  # id(torch's module) -> (it, the fused one)
     new = cls.__new__(cls)
     state = dict(layer.__dict__)
     state.pop("forward", None)
@@ -1339,7 +1346,9 @@ def _from_torch(cls, layer, children):
     for name in children:
         child = getattr(layer, name)
         if isinstance(child, nn.MultiheadAttention) and not isinstance(child, MultiheadAttention):
-            new._modules[name] = _convert_mha(child)  # its slot: the state dict's order stays torch's
+            if id(child) not in attentions:
+                attentions[id(child)] = (child, _convert_mha(child))
+            new._modules[name] = attentions[id(child)][1]  # its slot: the state dict's order stays torch's
     new.norm_first = layer.norm_first
     new.norm = "rms" if isinstance(layer.norm1, nn.RMSNorm) else "layer"
     new.activation = getattr(layer, "activation", F.relu)

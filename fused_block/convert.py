@@ -52,13 +52,20 @@ def convert(model: nn.Module) -> nn.Module:
         return _CONVERSIONS[type(model)].from_torch(model)
     # Every slot, shared layers included (ALBERT-style nn.ModuleList([layer] * n), one layer under
     # two names: named_children() yields a shared child once): one fused layer per torch layer.
-    fused = {}
+    # Likewise one fused attention module per torch module shared by several layers.
+    fused, attentions = {}, {}
     for parent in list(model.modules()):
         for name, child in list(parent._modules.items()):
             if _convertible(child):
                 if id(child) not in fused:
-                    fused[id(child)] = _CONVERSIONS[type(child)].from_torch(child)
+                    fused[id(child)] = _CONVERSIONS[type(child)].from_torch(child, attentions)
                 setattr(parent, name, fused[id(child)])
+    # A converted attention module held elsewhere too (beside the layer: model.pool = layer.self_attn)
+    # is the fused one there as well: one module, as torch's was.
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if id(child) in attentions and attentions[id(child)][0] is child:
+                setattr(parent, name, attentions[id(child)][1])
     # A stack's final norm (nn.Transformer always has two) runs the fused LayerNorm where the
     # stack's layers are fused: the same module, its class swapped for fused_block.LayerNorm
     # (a subclass without state of its own: parameters, hooks, mode and state dict unchanged).

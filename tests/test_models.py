@@ -287,6 +287,59 @@ def test_convert_a_shared_layer_in_every_place(device, launches):
     assert launches["attention_fwd"] == 3
 
 
+def test_convert_keeps_an_attention_module_shared_between_layers(device, launches):
+    """An ``nn.MultiheadAttention`` shared by two layers (ALBERT's shared-attention variant), by
+    both attention slots of a decoder layer (tied self- and cross-attention) or by a layer and
+    a slot outside the layers becomes one fused module in every slot: ``named_modules`` stays the original's, putting the shared
+    module in eval mode turns its attention dropout off in every layer that uses it (each
+    layer's attention dropout follows its module's flag), and ``load_state_dict(assign=True)``
+    keeps the layers tied. (Converted once per slot, the copies shared the parameters but not
+    the module: its mode, its attributes and an assigned parameter split apart.) The decoder
+    with one module in both slots runs fused, not torch's forward."""
+    torch.manual_seed(0)
+    # d_model 32 in 2 heads: head dim 16, the attention kernel's smallest; 2 + 1 layers
+    layer = nn.TransformerEncoderLayer(32, 2, 48, dropout=0.5, batch_first=True).to(device)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    enc.layers[1].self_attn = enc.layers[0].self_attn
+    dec = nn.TransformerDecoderLayer(32, 2, 48, dropout=0.5, batch_first=True).to(device)
+    dec.multihead_attn = dec.self_attn
+    # "pool": the encoder's attention also held outside the layers
+    ref = nn.ModuleDict({"enc": enc, "dec": dec, "pool": enc.layers[0].self_attn})
+    model = fused_block.convert(copy.deepcopy(ref))
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
+    assert model.enc.layers[0].self_attn is model.enc.layers[1].self_attn is model["pool"]
+    assert model.dec.self_attn is model.dec.multihead_attn
+    assert isinstance(model.dec.self_attn, fused_block.MultiheadAttention)
+
+    x, mem = torch.randn(2, 8, 32, device=device), torch.randn(2, 6, 32, device=device)
+
+    def run(m):
+        return torch.cat([m["enc"](x), m["dec"](x, mem)], dim=1)
+
+    with torch.no_grad(), warnings.catch_warnings():  # every layer fused: the guard finds the module in both slots
+        warnings.filterwarnings("error", message="fused_block:")
+        ref.eval()
+        model.eval()
+        want, plain = run(ref), run(model)
+        for m in (ref, model):  # training mode with every dropout off but through the shared modules
+            m.train()
+            for sub in m.modules():
+                if isinstance(sub, nn.Dropout):
+                    sub.eval()
+            m["enc"].layers[1].self_attn.eval()
+            m["dec"].multihead_attn.eval()
+        before = launches["attention_fwd"]
+        got = run(model)
+        assert launches["attention_fwd"] == before + 4  # 2 encoder layers, 2 decoder attentions
+        torch.testing.assert_close(got, plain, atol=0, rtol=0)  # no attention dropout anywhere
+        torch.testing.assert_close(got, run(ref), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    model.load_state_dict(copy.deepcopy(ref.state_dict()), assign=True)
+    assert model.enc.layers[0].self_attn.in_proj_weight is model.enc.layers[1].self_attn.in_proj_weight
+    assert model.dec.self_attn.in_proj_weight is model.dec.multihead_attn.in_proj_weight
+
+
 def test_convert_user_module_keeps_optimizer_dtype_and_subclasses(device):
     class Custom(nn.TransformerEncoderLayer):  # a user subclass: its forward is the user's, keep it
         pass
