@@ -257,6 +257,24 @@ def test_converted_layers_given_a_copied_light_mask_keep_the_window(name, device
     assert launches["rope_qkvpacked"] == 1 and launches["attention_fwd"] == 1
 
 
+def test_converted_llama_ignores_a_window_its_config_carries(device, launches):
+    """A LLaMA config with a ``sliding_window`` (a llamafied Mistral's or Qwen's config.json
+    keeps it; LlamaConfig stores unknown fields): LlamaAttention never reads it, so neither
+    does the converted layer under attn_implementation="fused_block", whose light mask
+    carries no window. The logits of a padded batch longer than the window (4 of 9 tokens)
+    are the original's (float64 rule); the converted layer cut keys (logits off by ~6)."""
+    model = interface_model("llama", device, "sdpa", num_hidden_layers=1, sliding_window=4).eval()
+    with no_fallback():
+        ours = fused_block.convert(_ours(model))
+    ids, mask = interface_inputs("llama", device)
+    with torch.no_grad():
+        want, base = (_masked(m(ids, attention_mask=mask).logits, mask) for m in (copy.deepcopy(model).double(), model))
+        with no_fallback():
+            got = _masked(ours(ids, attention_mask=mask).logits, mask)
+    assert_close("logits", got, want, base, torch.float32, device)
+    assert launches["rope_qkvpacked"] == 1 and launches["attention_fwd"] == 1
+
+
 # LLaMA passes output_attentions to the attention function; GPT-2's model pops it (its
 # attentions are recorded from the attention modules' outputs only); BERT: an encoder.
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])

@@ -66,10 +66,17 @@ def check(layer):
     return None
 
 
+# Attention classes whose forward passes ``config.sliding_window`` to the attention function.
+CONFIG_WINDOWS = ("MistralAttention", "Phi3Attention")
+
+
 def sliding_window(attn):
-    """The layer's window: Qwen2/Qwen3's per-layer ``sliding_window`` (None on full layers),
-    else Mistral's ``config.sliding_window`` (LLaMA: None)."""
-    return getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    """The window the original attention applies: Qwen2/Qwen3's per-layer ``sliding_window``
+    (None on full layers), Mistral's and Phi-3's ``config.sliding_window``; LLaMA's none (its
+    attention never reads a ``sliding_window`` its config may carry, e.g. a llamafied Qwen's)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None) if type(attn).__name__ in CONFIG_WINDOWS else None
 
 
 def check_call(layer, call):
