@@ -350,6 +350,34 @@ def test_batched_generation_with_left_padding(implementation, device, launches):
     assert launches["attention_fwd"] == 3
 
 
+def test_continuous_batching_runs_the_original_layers(device, launches):
+    """generate_batch (transformers' continuous batching, sdpa): its PagedAttentionCache's update
+    takes the attention's kwargs (read / write indices; it leaves cu_seq_lens_k there), which
+    the fused layers' update(k, v, layer_idx) does not pass: it raised inside the manager and
+    every request came back failed and empty. Such a cache runs the layers' original forward
+    (one warning); the tokens are the original's, the final norm still fused. No flash
+    switch, no CUDA graphs: the same path on every device."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    model = _model("llama", device, layers=1, tie_word_embeddings=False, initializer_range=0.5).eval()
+    fused = _converted(model)
+    ids, _ = _inputs("llama", device)
+    prompts = [ids[0].tolist(), ids[1, 3:].tolist()]  # two lengths in one ragged batch
+    gen = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=V - 1)
+    cb = dict(generation_config=gen, warmup=False)
+
+    def tokens(m):
+        out = m.generate_batch(inputs=prompts, continuous_batching_config=ContinuousBatchingConfig(
+            auto_switch_to_flash=False, use_cuda_graph=False, page_size=16, num_blocks=4, max_batch_tokens=32,
+            max_blocks_per_request=0), **cb)  # a small cache: no allocation sized by the free memory
+        return [out[k].generated_tokens for k in sorted(out)]
+
+    want = tokens(model)
+    assert [len(t) for t in want] == [3, 3]
+    with pytest.warns(UserWarning, match="PagedAttentionCache"):
+        assert tokens(fused) == want
+    assert launches["attention_fwd"] == 0 and launches["add_norm_fwd"] > 0
+
+
 # Query rows that see no key: the left-padded positions of a causal model and every position of
 # an all-zero attention_mask row. Eager's additive masks (and BLOOM's, always eager) give them
 # the mean of V (score + finfo.min rounds to finfo.min for every key: equal logits); with

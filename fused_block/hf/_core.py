@@ -339,10 +339,32 @@ def _common_reason(call, hidden, cross_attention):
         cache = call.get(name)
         if cache is not None and not hasattr(cache, "update"):
             return f"a legacy (tuple) {name}"
+        if cache is not None and _update_needs_call(cache):
+            return f"a {type(cache).__name__} (its update reads the attention's keyword arguments)"
     return None
 
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
+_NEEDS_CALL = {}  # cache class -> whether its update takes a required argument past (k, v, layer_idx)
+
+
+def _update_needs_call(cache):
+    """Whether ``cache.update`` requires more than ``(key_states, value_states, layer_idx)``:
+    continuous batching's ``PagedAttentionCache`` (``generate_batch``, ``init_continuous_batching``)
+    takes the attention's kwargs, from which it reads the batch's read and write indices and
+    where it leaves ``cu_seq_lens_k`` for the attention. The fused layers call ``update(k, v,
+    layer_idx)``: such a call raised (every request of a ``generate_batch`` failed, empty)."""
+    cls = type(cache)
+    found = _NEEDS_CALL.get(cls)
+    if found is None:
+        try:
+            params = list(inspect.signature(cache.update).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        found = _NEEDS_CALL[cls] = sum(p.default is p.empty and p.kind in positional for p in params) > 3 or any(
+            p.default is p.empty and p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+    return found
 
 
 def kv_cache(call):
