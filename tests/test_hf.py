@@ -1065,6 +1065,41 @@ def test_converted_llama_training_step_never_allocates_the_logits(device, launch
     assert launches["lce_ce"] == 5 and launches["lce_dw"] == 5 and launches["attention_bwd"] == 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_data_parallel_replicas_run_their_own_weights(arch, device, launches, monkeypatch):
+    """torch.nn.DataParallel (the Trainer's wrapper on a machine with several GPUs and one
+    process) runs replicas made by torch.nn.parallel.replicate: a shallow copy of each module's
+    __dict__, the parameters set to broadcast copies. The converted forwards (layers, final
+    norm, loss head) are instance attributes: each replica's runs the replica, on its copies
+    (the original's were another GPU's weights, and gradients bypassed the copies). The
+    broadcast is emulated on one device, replica 1's parameters 1.5x the original's: its loss
+    is the scaled model's, its gradients reach the original's parameters through the copies."""
+    import importlib
+
+    rep = importlib.import_module("torch.nn.parallel.replicate")
+
+    def broadcast(tensors, devices, detach):  # parameters (detach False in training) scaled on replica 1
+        return [[t.detach() if detach else t * (1.5 if i else 1.0) for t in tensors] for i in range(len(devices))]
+
+    monkeypatch.setattr(rep, "_broadcast_coalesced_reshape", broadcast)
+    model = _converted(_model(arch, device, layers=1).train())
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in scaled.parameters():
+            p.mul_(1.5)
+    ids, mask = _inputs(arch, device)
+    replica = rep.replicate(model, [0, 1])[1]
+    with _no_fallback():
+        loss = replica(input_ids=ids, attention_mask=mask, labels=ids).loss
+        expected = scaled(input_ids=ids, attention_mask=mask, labels=ids).loss
+    assert launches["lce_ce"] == 2 and launches["add_norm_fwd"] == 2 * 3  # two norms per layer, the final one
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), scaled.parameters()):
+        torch.testing.assert_close(p.grad, 1.5 * q.grad, msg=name)
+
+
 def test_causal_lm_falls_back_with_a_warning(device, launches):
     """A hook on lm_head, logits_to_keep, or a custom loss_function: one warning each, the
     original's loss (from the logits); nothing wrong is returned."""
