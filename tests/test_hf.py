@@ -1093,6 +1093,111 @@ def test_converted_llama_training_step_never_allocates_the_logits(device, launch
     assert launches["lce_ce"] == 5 and launches["lce_dw"] == 5 and launches["attention_bwd"] == 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_data_parallel_replicas_run_their_own_weights(arch, device, launches, monkeypatch):
+    """torch.nn.DataParallel (the Trainer's wrapper on a machine with several GPUs and one
+    process) runs replicas made by torch.nn.parallel.replicate: a shallow copy of each module's
+    __dict__, the parameters set to broadcast copies. The converted forwards (layers, final
+    norm, loss head) are instance attributes: each replica's runs the replica, on its copies
+    (the original's were another GPU's weights, and gradients bypassed the copies). The
+    broadcast is emulated on one device, replica 1's parameters 1.5x the original's: its loss
+    is the scaled model's, its gradients reach the original's parameters through the copies."""
+    import importlib
+
+    rep = importlib.import_module("torch.nn.parallel.replicate")
+
+    def broadcast(tensors, devices, detach):  # parameters (detach False in training) scaled on replica 1
+        return [[t.detach() if detach else t * (1.5 if i else 1.0) for t in tensors] for i in range(len(devices))]
+
+    monkeypatch.setattr(rep, "_broadcast_coalesced_reshape", broadcast)
+    model = _converted(_model(arch, device, layers=1).train())
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in scaled.parameters():
+            p.mul_(1.5)
+    ids, mask = _inputs(arch, device)
+    replica = rep.replicate(model, [0, 1])[1]
+    with _no_fallback():
+        loss = replica(input_ids=ids, attention_mask=mask, labels=ids).loss
+        expected = scaled(input_ids=ids, attention_mask=mask, labels=ids).loss
+    assert launches["lce_ce"] == 2 and launches["add_norm_fwd"] == 2 * 3  # two norms per layer, the final one
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), scaled.parameters()):
+        torch.testing.assert_close(p.grad, 1.5 * q.grad, msg=name)
+
+
+class _TrainerData(torch.utils.data.Dataset):
+    """8 sequences of 9, 8 and 7 tokens (a batch of 2 right-padded by the collator below: the
+    micro-batches hold different token counts, so the gradient accumulation's normalization
+    by num_items_in_batch shows)."""
+
+    def __init__(self, n):
+        ids = torch.randint(0, V, (n, L), generator=torch.Generator().manual_seed(3))
+        self.rows = [ids[i, :L - i % 3].tolist() for i in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+    @staticmethod
+    def collate(rows):
+        n = max(len(r["input_ids"]) for r in rows)
+        pad = [n - len(r["input_ids"]) for r in rows]
+        return {"input_ids": torch.tensor([r["input_ids"] + [0] * p for r, p in zip(rows, pad)]),
+                "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * p for r, p in zip(rows, pad)]),
+                "labels": torch.tensor([r["input_ids"] + [-100] * p for r, p in zip(rows, pad)])}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_trainer_with_gradient_accumulation_matches_the_original(arch, device, launches, tmp_path):
+    """transformers.Trainer, 2 optimizer steps of 2 accumulated micro-batches (SGD: the weights
+    follow the gradients without Adam's amplification of near-zero ones), then an evaluation
+    with logits (compute_metrics): the converted model's forward is seen as taking the loss
+    kwargs (num_items_in_batch) as the original's, its fused loss normalizes by them, the logged
+    losses, eval loss and metric and the final weights are the original's under the rule
+    against the float64 original trained the same way."""
+    pytest.importorskip("accelerate")
+    model = _model(arch, device, layers=1)
+
+    def train(m):
+        logs = []
+
+        class Record(transformers.TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                record.append(logs)
+
+        record = logs
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), use_cpu=device.type == "cpu", report_to=[], per_device_train_batch_size=2,
+            per_device_eval_batch_size=2, gradient_accumulation_steps=2, max_steps=2, logging_steps=1, optim="sgd",
+            learning_rate=0.5, lr_scheduler_type="constant", seed=0, save_strategy="no", disable_tqdm=True,
+            prediction_loss_only=False)
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=_TrainerData(8), eval_dataset=_TrainerData(4),
+                                       data_collator=_TrainerData.collate, callbacks=[Record()],
+                                       compute_metrics=lambda p: {"m": float(abs(p.predictions).mean())})
+        assert trainer.model_accepts_loss_kwargs
+        trainer.train()
+        trainer.evaluate()  # logs its metrics
+        losses = [(k, torch.tensor(float(v), dtype=torch.float64)) for log in logs for k, v in log.items()
+                  if k in ("loss", "grad_norm", "eval_loss", "eval_m")]
+        return losses, m
+
+    ref_logs, ref = train(copy.deepcopy(model).double())
+    base_logs, base = train(copy.deepcopy(model))
+    with _no_fallback():
+        logs, fused = train(_converted(model))
+    assert launches["lce_ce"] == 4  # the 4 training micro-batches; the evaluation wants the logits
+    assert [k for k, _ in logs] == [k for k, _ in ref_logs] == ["loss", "grad_norm"] * 2 + ["eval_loss", "eval_m"]
+    for (k, got), (_, want), (_, orig) in zip(logs, ref_logs, base_logs):
+        _assert_close(k, got, want, orig, torch.float32, device)
+    for (name, p), q, r in zip(fused.named_parameters(), base.parameters(), ref.parameters()):
+        _assert_close(name, p.detach(), r.detach(), q.detach(), torch.float32, device)
+
+
 def test_causal_lm_falls_back_with_a_warning(device, launches):
     """A hook on lm_head, logits_to_keep, or a custom loss_function: one warning each, the
     original's loss (from the logits); nothing wrong is returned."""

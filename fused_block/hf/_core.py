@@ -250,11 +250,30 @@ def _patch(module, family, rotary):
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     state = _State(family, forward, positional, _returns_tensor(forward, family), rotary)
     module.__dict__["_fused_block"] = state  # a plain attribute: no submodule, no state-dict entry
-    module.forward = types.MethodType(_fused_forward, module)
+    bind_forward(module, _fused_forward)
 
 
 def _unpatch(module):
-    del module.__dict__["_fused_block"], module.__dict__["forward"]
+    del module.__dict__["_fused_block"], module.__dict__["forward"], module.__dict__["_replicate_for_data_parallel"]
+
+
+def bind_forward(module, forward):
+    """``module.forward = forward`` bound to ``module``, an instance attribute; also in the
+    replicas ``torch.nn.parallel.replicate`` makes (``nn.DataParallel``: the Trainer's wrapper
+    with several GPUs in one process), whose ``__dict__`` is a shallow copy of the module's and
+    whose forward would otherwise stay bound to the original module (its weights on the first
+    GPU, gradients bypassing the replica's copies): there it is bound to the replica."""
+    module.forward = types.MethodType(forward, module)
+    module._replicate_for_data_parallel = types.MethodType(_replicate_for_data_parallel, module)
+
+
+def _replicate_for_data_parallel(self):
+    replica = type(self)._replicate_for_data_parallel(self)
+    for name in ("forward", "_replicate_for_data_parallel"):  # forward: or a wrapper set over ours since (accelerate's autocast)
+        bound = replica.__dict__.get(name)
+        if isinstance(bound, types.MethodType) and bound.__self__ is self:
+            replica.__dict__[name] = types.MethodType(bound.__func__, replica)
+    return replica
 
 
 def _returns_tensor(forward, family):

@@ -9,7 +9,6 @@ Hugging Face's forward; anything the path does not reproduce warns once and does
 import functools
 import inspect
 import sys
-import types
 import typing
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_block import _guard
-from fused_block.hf._core import KERNEL_DTYPES, warn_once
+from fused_block.hf._core import KERNEL_DTYPES, bind_forward, warn_once
 from fused_block.loss import linear_cross_entropy
 
 _LOSS_MODULE = "transformers.loss.loss_utils"
@@ -96,7 +95,7 @@ def patch(model):
     def forward(self, *args, **kwargs):
         return _forward(self, *args, **kwargs)
 
-    model.forward = types.MethodType(forward, model)
+    bind_forward(model, forward)
 
 
 def _describe(model):

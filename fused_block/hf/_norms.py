@@ -27,11 +27,10 @@ Hugging Face RMSNorm classes are Python code autocast does not cast. The fused n
 once where LLaMA's rounds the normalized value and then its product with the weight: the
 converted layers' norms compute the same way.
 """
-import types
 
 import torch
 
-from fused_block.hf._core import KERNEL_DTYPES, warn_once
+from fused_block.hf._core import KERNEL_DTYPES, bind_forward, warn_once
 from fused_block.hf.gemma import NORMS as _UNIT_OFFSET
 from fused_block.hf.llama import rms_eps
 from fused_block import norm as _norm
@@ -131,7 +130,7 @@ def convert(model, families, layers) -> list:
             warn_once(("convert", type(m).__name__, reason), f"{type(m).__name__} is left unconverted: {reason}")
             continue
         m.__dict__["_fused_block"] = _State(type(m).forward, *_kind(m))
-        m.forward = types.MethodType(_forward, m)
+        bind_forward(m, _forward)
         patched.append(m)
     return patched
 
