@@ -55,6 +55,19 @@ def _bounded(values, default):
     return [v if v in default else pytest.param(v, marks=pytest.mark.heavy) for v in values]
 
 
+def _training_steps(models, ids, mask):
+    """One training step's forward (labels: the tokens, padding ignored) and backward of each
+    model of ``models`` (name -> model): name -> (its output, its parameters by name)."""
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = {}
+    for name, m in models.items():
+        with _no_fallback():
+            out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outs[name] = (out, dict(m.named_parameters()))
+    return outs
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_and_gradients_match_the_original(arch, device, launches):
     """fp32 logits, the loss and the gradient of every parameter (one training step's loss,
@@ -66,13 +79,7 @@ def test_logits_and_gradients_match_the_original(arch, device, launches):
     assert fused.training and all(m.training for m in fused.modules())
     ref = copy.deepcopy(model).double()
     ids, mask = _inputs(arch, device)
-    labels = ids.masked_fill(mask == 0, -100)
-    outs = {}
-    for name, m in (("ref", ref), ("base", model), ("fused", fused)):
-        with _no_fallback():
-            out = m(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        outs[name] = (out, dict(m.named_parameters()))
+    outs = _training_steps(dict(ref=ref, base=model, fused=fused), ids, mask)
     _assert_close("loss", outs["fused"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
     for pname, p in outs["ref"][1].items():
         g = outs["fused"][1][pname].grad
@@ -235,20 +242,14 @@ def test_bf16_loss_and_gradients(arch, device, launches):
     base = copy.deepcopy(model).to(torch.bfloat16)
     fused = _converted(base)
     ids, mask = _inputs(arch, device)
-    labels = ids.masked_fill(mask == 0, -100)
-    outs = {}
-    for name, m in (("ref", ref), ("base", base), ("fused", fused)):
-        with _no_fallback():
-            out = m(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        outs[name] = (out.loss, {k: p.grad for k, p in m.named_parameters()})
-    _assert_close("loss", outs["fused"][0], outs["ref"][0], outs["base"][0], torch.bfloat16, device)
-    for pname, g64 in outs["ref"][1].items():
-        g = outs["fused"][1][pname]
-        assert (g is None) == (g64 is None), pname
+    outs = _training_steps(dict(ref=ref, base=base, fused=fused), ids, mask)
+    _assert_close("loss", outs["fused"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.bfloat16, device)
+    for pname, p in outs["ref"][1].items():
+        g = outs["fused"][1][pname].grad
+        assert (g is None) == (p.grad is None), pname
         if g is not None:
             assert g.dtype == torch.bfloat16, pname
-            _assert_close(f"{pname}.grad", g, g64, outs["base"][1][pname], torch.bfloat16, device)
+            _assert_close(f"{pname}.grad", g, p.grad, outs["base"][1][pname].grad, torch.bfloat16, device)
     assert launches["attention_bwd"] == 2 and launches["add_norm_bwd"] >= 4 and launches["lce_ce"] == 1
 
 
@@ -1242,13 +1243,7 @@ def test_gemma_logits_and_gradients_match_the_original(arch, device, launches):
     fused = _converted(model)
     ref = copy.deepcopy(model).double()
     ids, mask = _inputs(arch, device)
-    labels = ids.masked_fill(mask == 0, -100)
-    outs = {}
-    for name, m in (("ref", ref), ("base", model), ("fused", fused)):
-        with _no_fallback():
-            out = m(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        outs[name] = (out, dict(m.named_parameters()))
+    outs = _training_steps(dict(ref=ref, base=model, fused=fused), ids, mask)
     _assert_close("loss", outs["fused"][0].loss, outs["ref"][0].loss, outs["base"][0].loss, torch.float32, device)
     for pname, p in outs["ref"][1].items():
         g = outs["fused"][1][pname].grad

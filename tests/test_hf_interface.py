@@ -248,13 +248,18 @@ def test_converted_layers_given_a_copied_light_mask_keep_the_window(name, device
     with no_fallback():
         ours = fused_block.convert(_ours(model))
     _layers_get_copied_masks(ours)
+    _assert_padded_logits_as_the_original(name, model, ours, device)
+    assert launches["rope_qkvpacked"] == 1 and launches["attention_fwd"] == 1
+
+
+def _assert_padded_logits_as_the_original(name, model, ours, device):
+    """``ours``' logits of a padded batch are ``model``'s, under the float64 rule."""
     ids, mask = interface_inputs(name, device)
     with torch.no_grad():
         want, base = (_masked(m(ids, attention_mask=mask).logits, mask) for m in (copy.deepcopy(model).double(), model))
         with no_fallback():
             got = _masked(ours(ids, attention_mask=mask).logits, mask)
     assert_close("logits", got, want, base, torch.float32, device)
-    assert launches["rope_qkvpacked"] == 1 and launches["attention_fwd"] == 1
 
 
 def test_converted_llama_ignores_a_window_its_config_carries(device, launches):
@@ -266,12 +271,7 @@ def test_converted_llama_ignores_a_window_its_config_carries(device, launches):
     model = interface_model("llama", device, "sdpa", num_hidden_layers=1, sliding_window=4).eval()
     with no_fallback():
         ours = fused_block.convert(_ours(model))
-    ids, mask = interface_inputs("llama", device)
-    with torch.no_grad():
-        want, base = (_masked(m(ids, attention_mask=mask).logits, mask) for m in (copy.deepcopy(model).double(), model))
-        with no_fallback():
-            got = _masked(ours(ids, attention_mask=mask).logits, mask)
-    assert_close("logits", got, want, base, torch.float32, device)
+    _assert_padded_logits_as_the_original("llama", model, ours, device)
     assert launches["rope_qkvpacked"] == 1 and launches["attention_fwd"] == 1
 
 
