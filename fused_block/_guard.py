@@ -260,6 +260,7 @@ def reason(layer, describe):
     if why is not None:
         _VERDICTS.pop(id(layer), None)
         return why
+    watched = list({id(m): m for m in watched}.values())  # a module in several slots: once
     counted = []
     for m in watched:  # hooks added later announce themselves
         for attr in _HOOK_DICTS:
@@ -276,13 +277,14 @@ def reason(layer, describe):
         if verdicts.get(key) is verdict:
             del verdicts[key]
 
-    # where each watched submodule sits: its parent's _modules, which code may write directly
+    # where each watched submodule sits: its parents' _modules, which code may write directly;
+    # every slot of a module held in several (a decoder's tied self- and cross-attention)
     places = {}
     for parent in layer.modules():
         for name, child in parent._modules.items():
-            places.setdefault(id(child), (parent, name))
-    verdict = _Verdict(weakref.ref(layer, forget), _EPOCH, tuple((m, type(m), *places[id(m)]) for m in watched),
-                       tuple(counted), live)
+            places.setdefault(id(child), []).append((parent, name))
+    verdict = _Verdict(weakref.ref(layer, forget), _EPOCH,
+                       tuple((m, type(m), *place) for m in watched for place in places[id(m)]), tuple(counted), live)
     for m in layer.modules():  # registrations here may change the verdict from now on
         m.__dict__[_MARK] = True
     _VERDICTS[key] = verdict

@@ -467,6 +467,31 @@ def test_a_submodule_swapped_without_registration_is_seen(device, launches):
     torch.testing.assert_close(got, ref(x), **TOL)
 
 
+
+def test_a_tied_attention_swapped_in_its_second_slot_is_seen(device, launches):
+    """A decoder layer whose self- and cross-attention are one module (both slots fused, one
+    module) after a fused call, its cross-attention slot alone replaced through ``_modules`` by
+    another torch ``MultiheadAttention``: the cached verdict watched the module's first slot
+    only, so the fused path ran on and called the torch module's ``_attend`` (AttributeError);
+    now torch's forward runs, calling the new module (its hook fires), as torch's layer does."""
+    ref = nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, batch_first=True, device=device).train()
+    ref.multihead_attn = ref.self_attn
+    fused = fused_block.convert(copy.deepcopy(ref))
+    x, mem = torch.randn(B, L, D, device=device), torch.randn(B, L + 3, D, device=device)
+    with _no_fallback():
+        before = launches["attention_fwd"]
+        torch.testing.assert_close(fused(x, mem), ref(x, mem), **TOL)
+        assert launches["attention_fwd"] == before + 2
+    new = nn.MultiheadAttention(D, H, batch_first=True, device=device)
+    calls = []
+    new.register_forward_hook(lambda *_: calls.append(1))
+    for layer in (ref, fused):
+        layer._modules["multihead_attn"] = new
+    with pytest.warns(UserWarning, match="multihead_attn is a torch.*MultiheadAttention"):
+        got = fused(x, mem)
+    torch.testing.assert_close(got, ref(x, mem), **TOL)
+    assert len(calls) == 2
+
 def test_hf_llama_quantized_in_place_after_a_call_runs_the_original(device, launches):
     """``torch.ao.quantization.quantize_dynamic(..., inplace=True)`` of a converted LLaMA that
     already ran: its linears swapped through ``_modules`` (no registration), the cached verdict
