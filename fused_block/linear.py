@@ -833,9 +833,7 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
         return _plus(_backend.drop_all(mlp(x, w1, b1, w2, b2, activation, None, dropout_p)), residual)
     if dropout_p == 1.0:  # the hidden activation dropped: the GEMMs apart, torch's dropout between
         if activation in GATED:
-            f = hidden
-            hid = gated_linear(x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
-                               dropout_p=1.0, activation=activation)
+            hid = gated_linear(x, *_gate_up_views(w1, b1), dropout_p=1.0, activation=activation)
         else:
             hid = linear(x, w1, b1, activation, None, 1.0)
         return linear(hid, w2, b2, None, residual, output_dropout_p)
@@ -964,9 +962,8 @@ def lora_ffn(x, linear1, linear2, activation, residual, p_in, p_out, lin, gated,
     if hidden is not None:
         hid = hidden(lin(x, w1, b1, lora=t1))
     elif activation in GATED:
-        f = w1.shape[0] // 2
-        hid = gated(x, w1[:f], w1[f:], None if b1 is None else b1[:f], None if b1 is None else b1[f:],
-                    dropout_p=p_in, lora=lora.split_rows(t1, f), activation=activation)
+        hid = gated(x, *_gate_up_views(w1, b1), dropout_p=p_in, lora=lora.split_rows(t1, w1.shape[0] // 2),
+                    activation=activation)
     else:
         hid = lin(x, w1, b1, activation, None, p_in, lora=t1)
     return lin(hid, base2.weight, base2.bias, None, residual, p_out, lora=lora.terms(linear2, hid))
@@ -1028,8 +1025,7 @@ class MLP(torch.nn.Module):
         else:
             h = reference.activation(h, self.activation)
         y = self.linear2(F.dropout(h, p, training=True) if p > 0 else h)
-        y = F.dropout(y, p, training=True) if p > 0 else y
-        return y if residual is None else y + residual
+        return _plus(F.dropout(y, p, training=True) if p > 0 else y, residual)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, dropout={self.dropout}"
