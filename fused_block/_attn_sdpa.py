@@ -70,8 +70,12 @@ def expresses(q, k, v, causal, key_padding_mask, dropout_p, window, softcap, sin
 
 def _bucket(q, k, causal, grad):
     B, Hq, Lq, D = q.shape
-    return (common.arch(q.device), q.dtype, bool(causal), bool(grad), D, Hq // k.shape[1],
-            common.next_pow2(B * Hq), common.next_pow2(Lq), common.next_pow2(k.shape[2]))
+    return _bucket_of(q.device, q.dtype, causal, grad, B, Hq, k.shape[1], Lq, k.shape[2], D)
+
+
+def _bucket_of(device, dtype, causal, grad, B, Hq, Hkv, Lq, Lk, D):
+    return (common.arch(device), dtype, bool(causal), bool(grad), D, Hq // Hkv, common.next_pow2(B * Hq),
+            common.next_pow2(Lq), common.next_pow2(Lk))
 
 
 def backend_of(candidate):
@@ -113,21 +117,32 @@ def run_or_none(candidate, q, k, v, causal, scale):
         return None
 
 
-def choose(q, k, causal, grad, timed):
-    """The candidate for a call with queries ``q`` and keys ``k`` (SDPA's layout): forced,
-    remembered for its bucket, or timed now. ``timed()`` returns ``(leaves, {candidate:
-    fn(*leaves) -> out})``: the call's tensors as fresh leaves and each candidate's forward."""
+def known(device, dtype, causal, grad, B, Hq, Hkv, Lq, Lk, D):
+    """What :func:`choose` returns for a call of these sizes without timing anything: the
+    forced candidate, the static rule, or the bucket's verdict; None where it would time the
+    candidates (the call's own path then times them)."""
     if _FORCED is not None:
         return _FORCED
     if common.interpreting() or torch.are_deterministic_algorithms_enabled():
         return TRITON
-    key = _bucket(q, k, causal, grad)
-    hit = _CHOSEN.get(key)
+    hit = _CHOSEN.get(_bucket_of(device, dtype, causal, grad, B, Hq, Hkv, Lq, Lk, D))
     if hit is not None:
         return hit[0]
-    if (not common.TUNE or torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
-            or untimeable()):
+    if (not common.TUNE or torch.compiler.is_compiling()
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or untimeable()):
         return TRITON
+    return None
+
+
+def choose(q, k, causal, grad, timed):
+    """The candidate for a call with queries ``q`` and keys ``k`` (SDPA's layout): forced,
+    remembered for its bucket, or timed now. ``timed()`` returns ``(leaves, {candidate:
+    fn(*leaves) -> out})``: the call's tensors as fresh leaves and each candidate's forward."""
+    B, Hq, Lq, D = q.shape
+    hit = known(q.device, q.dtype, causal, grad, B, Hq, k.shape[1], Lq, k.shape[2], D)
+    if hit is not None:
+        return hit
+    key = _bucket(q, k, causal, grad)
     times = time_candidates(grad, *timed(), ours=TRITON)
     best = min(times, key=times.get)
     _CHOSEN[key] = (best, times)

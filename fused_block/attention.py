@@ -779,6 +779,21 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     return (out, lse) if return_lse else out
 
 
+def packed_kernel_chosen(device, dtype, B, L, num_heads, num_kv_heads, head_dim, causal, key_padding_mask,
+                         dropout_p, grad) -> bool:
+    """Whether :func:`attention_qkvpacked` on a (B, L) batch of ``dtype`` packed projections on
+    ``device`` (no window, softcap, sinks or ALiBi, no LSE asked) runs our packed kernels
+    without timing anything: :func:`_packed_choice`'s decision by the static rule or a verdict
+    made earlier. False where SDPA won the bucket, or where that call would time the candidates
+    first (the call itself then does)."""
+    if not (device.type == "cuda" or _attn_sdpa.forced_sdpa()) or key_padding_mask is not None or dropout_p:
+        return True
+    if dtype not in (torch.float16, torch.bfloat16) or (num_kv_heads != num_heads and not _attn_sdpa._SDPA_GQA):
+        return True  # not a call SDPA computes (_attn_sdpa.expresses)
+    return _attn_sdpa.known(device, dtype, causal, grad, B, num_heads, num_kv_heads, L, L,
+                            head_dim) == _attn_sdpa.TRITON
+
+
 def _packed_sdpa(choice, qkv, num_heads, num_kv_heads, causal, scale, batch_first, or_none=False):
     """:func:`attention_qkvpacked` through SDPA's backend ``choice`` (views of qkv; autograd
     assembles their gradients); with ``or_none``, None where the backend refuses the tensors

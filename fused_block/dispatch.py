@@ -165,6 +165,14 @@ def linear_on_torch(x, weight, bias) -> bool:
     ``linear``'s op), or on a GPU before a product's choice is timed (the call runs ``linear``'s
     own path, which times it). Listed in :func:`table` as the forward key with candidate
     ``"torch"``."""
+    grad = torch.is_grad_enabled()
+    return projection_on_torch(x, weight, bias, grad and x.requires_grad, grad and weight.requires_grad)
+
+
+def projection_on_torch(x, weight, bias, need_x: bool, need_w: bool) -> bool:
+    """:func:`linear_on_torch` for a projection of tensors with ``x``'s shape, dtype and device,
+    whose backward computes dX where ``need_x`` and dW where ``need_w`` (a layer's step asks
+    it of a projection whose input it has not computed yet, ``fused_block._step``)."""
     if _compiling() or _FORCE is not None or _deterministic() or _tracing() is not None:
         return False  # compiled graphs and traces keep linear's op
     dtype = x.dtype
@@ -176,9 +184,8 @@ def linear_on_torch(x, weight, bias) -> bool:
         if len(_PLAIN_KEYS) > 4096:
             _PLAIN_KEYS.clear()
         keys = _PLAIN_KEYS[sig] = _plain_keys(x, weight, bias)
-    grad = torch.is_grad_enabled()
     chosen = _CACHE.chosen
-    for key, needed in zip(keys, (True, grad and x.requires_grad, grad and weight.requires_grad)):
+    for key, needed in zip(keys, (True, need_x, need_w)):
         if needed and (chosen.get(key) or _untimed(key)) != CUBLAS:
             return False
     _RAN[keys[0]] = TORCH

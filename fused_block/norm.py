@@ -380,19 +380,15 @@ def _torch_add_norm(x, residual, weight, bias, eps, is_rms, out_is_residual):
     return out, out if out_is_residual else h
 
 
-def _choose(x, residual, weight, bias, eps, is_rms, out_is_residual, grad):
-    """The candidate for this call: forced, remembered for its bucket, or timed now (CUDA, with
-    ``FUSED_BLOCK_TUNE`` on, outside CUDA graph capture and saved-tensor hooks: forward, and
-    backward when a gradient is needed, on the call's own tensors). Else, and under deterministic algorithms and
-    ``torch.compile``, the static rule: our kernels (faster than eager's in every case
-    the H200 measured: add+LayerNorm fwd+bwd 4,083 against 2,285 GB/s, add+RMSNorm 2,595
-    against 2,469 at 16384 x 4096)."""
+def _known(x, residual, weight, bias, is_rms, out_is_residual, grad):
+    """``(candidate, bucket)``: :func:`_choose`'s answer where it times nothing (forced, the
+    static rule, or the bucket's verdict), else ``(None, bucket)``."""
     if _FORCED is not None:
-        return _FORCED
+        return _FORCED, None
     if _compiling() or _deterministic() or _tracing() is not None:
         # A compiled graph or a torch.jit.trace keeps our ops (no verdict read: no guard on the
         # table; a trace's sizes are traced values, not the ints of a bucket key).
-        return TRITON
+        return TRITON, None
     sig = (x.shape, x.dtype, x.device, is_rms, residual is None, weight is None, bias is None, grad, out_is_residual)
     key = _KEYS.get(sig)
     if key is None:
@@ -404,10 +400,36 @@ def _choose(x, residual, weight, bias, eps, is_rms, out_is_residual, grad):
         _KEYS[sig] = key
     hit = _CHOSEN.get(key)
     if hit is not None:
-        return hit[0]
+        return hit[0], key
     if key[0] == 0 or not key[7] or not common.TUNE or common.STUB_LAUNCHES or (
             x.is_cuda and torch.cuda.is_current_stream_capturing()) or _timing.untimeable():
-        return TRITON  # not timed: the interpreter, no rows, FUSED_BLOCK_TUNE=0, stubs, capture, saved-tensor hooks
+        # not timed: the interpreter, no rows, FUSED_BLOCK_TUNE=0, stubs, capture, saved-tensor hooks
+        return TRITON, key
+    return None, key
+
+
+def kernel_chosen(x, residual, weight, bias, dropout_p, is_rms, out_is_residual, grad) -> bool:
+    """Whether :func:`add_layer_norm` (``is_rms``: :func:`add_rms_norm`) of tensors with the
+    shapes, dtypes and device of ``x`` and ``residual`` (or None), ``weight`` and ``bias``
+    (each of x's dtype), with autograd recording where ``grad``, runs our kernels without
+    timing anything: with dropout, or where the static rule or an earlier verdict says so.
+    False where torch's path won the bucket, or where that call would time the candidates
+    first (the call itself then does)."""
+    if dropout_p or not _torch_expresses(x, x.dtype, residual, weight, bias):
+        return True
+    return _known(x, residual, weight, bias, is_rms, out_is_residual, grad)[0] == TRITON
+
+
+def _choose(x, residual, weight, bias, eps, is_rms, out_is_residual, grad):
+    """The candidate for this call: forced, remembered for its bucket, or timed now (CUDA, with
+    ``FUSED_BLOCK_TUNE`` on, outside CUDA graph capture and saved-tensor hooks: forward, and
+    backward when a gradient is needed, on the call's own tensors). Else, and under deterministic algorithms and
+    ``torch.compile``, the static rule: our kernels (faster than eager's in every case
+    the H200 measured: add+LayerNorm fwd+bwd 4,083 against 2,285 GB/s, add+RMSNorm 2,595
+    against 2,469 at 16384 x 4096)."""
+    hit, key = _known(x, residual, weight, bias, is_rms, out_is_residual, grad)
+    if hit is not None:
+        return hit
     needs = [grad and t is not None and t.requires_grad for t in (x, residual, weight, bias)]
     leaves = _timing.leaves_of(x, residual, weight, bias, grad=needs)
     residual_dtype = x.dtype
