@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from fused_block import _backend, _guard, _validate, lora, reference
+from fused_block import _backend, _guard, _step, _validate, lora, reference
 from fused_block.attention import MAX_FP32_HEAD_DIM, MAX_HEAD_DIM, MIN_HEAD_DIM
 from fused_block.attention import attention as _attention
 from fused_block.attention import attention_qkvpacked as _attention_qkvpacked
@@ -1024,6 +1024,14 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
             return attn._attend(inp, None, None, src_mask, kpm, is_causal, p_attn, names)
 
         with self._seed_block(x, p1, p2, p_ff, p_attn):
+            if _step.ENABLED and not _VARLEN and _TP_RUN not in self.__dict__:
+                # The training step as one autograd Function where it applies (fused_block._step).
+                masks = _resolve_masks(src_mask, kpm, is_causal, B, attn.num_heads, L, L, x.dtype, names)
+                if masks.general is None and masks.hidden is None:
+                    planned = _step.plan(self, attn, x, masks.key_padding, masks.causal, p_attn, p1, p_ff, p2)
+                    if planned is not None:
+                        return _unbatch(_step.run(x, planned[0], masks.key_padding, planned[1]), batched,
+                                        attn.batch_first)
             if self.norm_first:
                 n1, x = self._add_norm(mods["norm1"], x)              # x's two gradients summed in norm1's kernel
                 n2, h = self._add_norm(mods["norm2"], sa(n1), x, p1)  # h = x + drop1(attn)

@@ -443,10 +443,14 @@ def test_host_benchmark_replays_products_with_their_backward():
 
     def step():
         torch.autograd.grad(torch.nn.functional.linear(torch.mm(x, w.t()) @ w, w).sum(), (x, w))
+        with torch.no_grad():  # as inside an autograd Function's forward (the layer step's projections)
+            torch.nn.functional.linear(x, w)
 
     calls = host._recorded_products(step)
-    assert [name for _, name, _, _ in calls] == ["mm", "linear"]
+    assert [name for _, name, _, _ in calls] == ["mm", "linear", "linear"]
     assert calls[1][2][0] == ("t", (4, 8), (8, 1), True)  # shape, strides, requires_grad
+    assert [a[3] for a in calls[2][2]] == [False, False]  # recorded without autograd: no backward replayed
+    calls = calls[:2]
     backward = []
     grad = torch.autograd.grad
     try:

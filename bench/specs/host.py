@@ -178,13 +178,20 @@ def _rounds(ours, theirs, rounds, per_round):
 # gradients' torch.sum beside them, and F.linear (a plain projection on cuBLAS runs as torch's
 # own, dispatch.linear_on_torch), whose backward (mm, mm, sum) torch's autograd runs in C++, out
 # of a Python recorder's sight: a recorded F.linear is replayed with its backward (the
-# gradients its arguments required).
+# gradients its arguments required while autograd recorded it; inside the layer step's Function,
+# fused_block._step, it records nothing, and the step's backward products are torch.mm and
+# torch.sum calls of its own, recorded as they run).
 _PRODUCT_FNS = ((torch, "mm"), (torch, "addmm"), (torch, "_addmm_activation"), (torch.Tensor, "addmm_"),
                 (torch, "sum"), (torch.nn.functional, "linear"))
 
 
-def _spec(t):
-    return ("t", tuple(t.shape), t.stride(), t.requires_grad) if isinstance(t, torch.Tensor) else ("v", t)
+def _spec(t, grad):
+    """A recorded argument: a tensor's shape, strides and whether autograd records the call
+    for it (a projection inside an autograd Function's forward records nothing: its backward
+    products are the Function's own calls, recorded as they run), or the value itself."""
+    if isinstance(t, torch.Tensor):
+        return ("t", tuple(t.shape), t.stride(), grad and t.requires_grad)
+    return ("v", t)
 
 
 def _recorded_products(step) -> list:
@@ -193,7 +200,8 @@ def _recorded_products(step) -> list:
 
     def recorder(owner, name, fn):
         def record(*args, **kwargs):
-            calls.append((owner, name, [_spec(a) for a in args], {k: _spec(v) for k, v in kwargs.items()}))
+            grad = torch.is_grad_enabled()
+            calls.append((owner, name, [_spec(a, grad) for a in args], {k: _spec(v, grad) for k, v in kwargs.items()}))
             return fn(*args, **kwargs)
         return record
 
