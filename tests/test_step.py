@@ -15,10 +15,21 @@ import torch
 from torch import nn
 
 import fused_block
-from fused_block import _step, dispatch
+from fused_block import _attn_sdpa, _step, dispatch, norm
 from fused_block.kernels import common
 
 E, H, FF, B, L = 32, 2, 64, 2, 9
+ON_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def our_kernels(monkeypatch):
+    """The step runs where the ops' choices are our norm and packed attention kernels: on a GPU
+    a bucket's timing might pick torch's norm or SDPA at these tiny sizes, so they are forced,
+    and the step is taken on every device (the choices themselves: tests/test_norm.py,
+    tests/test_attention_sdpa.py; a choice of torch's path: the last test here)."""
+    monkeypatch.setattr(_attn_sdpa, "_FORCED", _attn_sdpa.TRITON)
+    monkeypatch.setattr(norm, "_FORCED", norm.TRITON)
 
 
 def _layer(norm_first, dropout, dtype, device, **kw):
@@ -149,9 +160,17 @@ def test_step_with_projections_on_torch(norm_first, dropout, device, monkeypatch
 
 
 @pytest.mark.parametrize("case", ["general_mask", "rope", "callable_activation", "dropout_one", "no_grad",
-                                  "float64", "autocast"])
+                                  "float64", "autocast", "norm_on_torch", "attention_on_sdpa"])
 def test_calls_the_step_does_not_take_run_the_ops(case, device, monkeypatch):
-    """Outside the step's configuration the ops run one by one (the same answer either way)."""
+    """Outside the step's configuration, and where an op's choice is torch's path (a norm's
+    verdict for eager's add + LayerNorm, the attention's for an SDPA backend), the ops run one
+    by one (the same answer either way)."""
+    if case == "norm_on_torch":
+        monkeypatch.setattr(norm, "_FORCED", norm.TORCH)
+    if case == "attention_on_sdpa":
+        monkeypatch.setattr(_attn_sdpa, "_FORCED", _attn_sdpa.CUDNN)
+        if not ON_CUDA:  # SDPA's math backend stands in for cuDNN on the CPU
+            monkeypatch.setattr(_attn_sdpa, "backend_of", lambda c: nn.attention.SDPBackend.MATH)
     kw = {"rope": {"rope": True}, "callable_activation": {"activation": lambda t: t * torch.sigmoid(t)}}.get(case, {})
     dropout = 1.0 if case == "dropout_one" else 0.0
     dtype = torch.float64 if case == "float64" else torch.bfloat16
