@@ -186,7 +186,7 @@ def _project_bwd(g, x, weight, on_torch, need_x, need_w, need_b):
         return dx, dw, db
     g2 = _linear_rows(g)
     dx, dw, db = _linear_bwd(g2, _linear_rows(x) if need_w else None, weight if need_x else None, None, None,
-                                  "none", 0.0, need_x, need_w, need_b)
+                             "none", 0.0, need_x, need_w, need_b)
     if need_x and dx.dim() != g.dim():
         dx = dx.view(*g.shape[:-1], weight.shape[1])
     return dx if need_x else None, dw if need_w else None, db if need_b else None
@@ -217,7 +217,7 @@ class _LayerStep(torch.autograd.Function):
             n1, _, outs1 = _norm._forward(x, None, (n1w, n1b, None, p.eps1, 0.0, p.is_rms, dtype, False, False))
             qkv = _project(n1, inw, inb, p.torch_in)
             o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
-                                                p.scale, p.p_attn, -1, -1)
+                                          p.scale, p.p_attn, -1, -1)
             a = _project(o, ow, ob, p.torch_out)
             n2, h, outs2 = _norm._forward(a, x, (n2w, n2b, s1, p.eps2, p.p1, p.is_rms, dtype, True, False))
             ffn_in, ffn_res, ffn_need_x, need_in = n2, h, need_n2, need_n1
@@ -229,7 +229,7 @@ class _LayerStep(torch.autograd.Function):
             n1 = None
             qkv = _project(x, inw, inb, p.torch_in)
             o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
-                                                p.scale, p.p_attn, -1, -1)
+                                          p.scale, p.p_attn, -1, -1)
             a = _project(o, ow, ob, p.torch_out)
             h, _, outs1 = _norm._forward(a, x, (n1w, n1b, s1, p.eps1, p.p1, p.is_rms, dtype, True, False))
             ffn_in, ffn_res, ffn_need_x, need_in = h, None, need_h, ni[0]
@@ -238,7 +238,7 @@ class _LayerStep(torch.autograd.Function):
         need_hidden = ffn_need_x or need_w1 or need_b1
         save = SAVE_PRE if need_hidden else (SAVE_H if need_w2 else SAVE_NONE)
         f, saved = _ffn_fwd(ffn_in, w1g, w1u, b1g, b1u, w2, b2, ffn_res, p.activation, save, s_ff, p.p_ff,
-                                 s2 if p.norm_first else None, p.p2 if p.norm_first else 0.0)
+                            s2 if p.norm_first else None, p.p2 if p.norm_first else 0.0)
         if p.norm_first:
             y = f
         else:
@@ -289,8 +289,8 @@ class _LayerStep(torch.autograd.Function):
             outs = _norm._add_norm_bwd(_norm._rows(dn2.view(dy.shape)), None, _norm._rows(dy), norm2_h, n2w, mean2,
                                        rstd2, s1, p.p1, p.is_rms, dtype, dtype if separate else None,
                                        dtype if ni[7] else None, dtype if ni[8] else None)
-            da, dres, i = outs[0], outs[1] if separate else outs[0], 2 if separate else 1
-            i = _norm_param_grads(grads, outs, i, ni[7], ni[8], 7)
+            da, dres = outs[0], outs[1] if separate else outs[0]
+            _norm_param_grads(grads, outs, 2 if separate else 1, ni[7], ni[8], 7)
             if not need_a:  # (x's gradient needs the attention's: need_a holds when x needs one)
                 return tuple(grads)
             dn1 = _attention_grads(grads, da, proj_in, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv, need_n1, ni)
@@ -342,7 +342,6 @@ def _norm_param_grads(grads, outs, i, need_w, need_b, slot):
         grads[slot], i = outs[i], i + 1
     if need_b:
         grads[slot + 1] = outs[i]
-    return i
 
 
 def _ffn_grads(g, x, w1, w1_up, w2, saved, seed, output_seed, p, output_p, save, d_in, need_x, need_w1, need_b1,
@@ -351,8 +350,8 @@ def _ffn_grads(g, x, w1, w1_up, w2, saved, seed, output_seed, p, output_p, save,
     computes them (the gated layer's w1 as [gate; up], its gradients stacked likewise)."""
     if not (need_x or need_w1 or need_b1 or need_w2 or need_b2):
         return None, None, None, None, None
-    dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1, w1_up, w2, saved, seed, output_seed, p.activation, p.p_ff,
-                                           output_p, save, d_in, need_x, need_w1, need_b1, need_w2, need_b2)
+    dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1, w1_up, w2, saved, seed, output_seed, p.activation, p.p_ff, output_p,
+                                      save, d_in, need_x, need_w1, need_b1, need_w2, need_b2)
     return (dx if need_x else None, dw1 if need_w1 else None, db1 if need_b1 else None, dw2 if need_w2 else None,
             db2 if need_b2 else None)
 
