@@ -13,7 +13,9 @@ warm-up (the first steps time configs and the dispatch's choices):
   benchmark cannot count);
 - ``wall_us``: wall time per step of the same rounds, synchronized at each round's end;
 - ``graph_us``: wall time per replay of the converted layer's step captured whole
-  (``fused_block.graphs.capture``), the host-bound case's answer.
+  (``fused_block.graphs.capture``), the host-bound case's answer;
+- ``ops_*``: the converted layer with its ops one by one (``fused_block._step`` off, as
+  ``FUSED_BLOCK_LAYER_STEP=0``), in the same rounds: what the layer step saves on this host.
 
 Each figure is the best round's mean (the machine's least disturbed run). Prints a table and
 writes ``--json``. Run on a GPU: ``python scripts/host_gpu_probe.py --json host-gpu.json``
@@ -32,12 +34,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench, run as a script
 import fused_block  # noqa: E402
 from bench.specs import host  # noqa: E402
+from fused_block import _step as layer_step  # noqa: E402
 from fused_block import graphs  # noqa: E402
 
 
 def _step(layer, x, dy):
     inputs = (x, *layer.parameters())
     return lambda: torch.autograd.grad(layer(x), inputs, dy)
+
+
+def _ops_one_by_one(fn):
+    """``fn`` with the layer step off (the converted layer's ops one by one)."""
+    def run():
+        enabled, layer_step.ENABLED = layer_step.ENABLED, False
+        try:
+            return fn()
+        finally:
+            layer_step.ENABLED = enabled
+    return run
 
 
 def _rounds(fns, device, rounds, per_round):
@@ -69,7 +83,7 @@ def measure(device, rounds=20, per_round=20):
         ours = fused_block.convert(copy.deepcopy(ref))
         x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
-        fns = {"torch": _step(ref, x, dy), "ours": _step(ours, x, dy)}
+        fns = {"torch": _step(ref, x, dy), "ours": _step(ours, x, dy), "ops": _ops_one_by_one(_step(ours, x, dy))}
         for fn in fns.values():
             for _ in range(5):  # configs, the dispatch's timed choices, the guard's verdict
                 fn()
@@ -77,6 +91,7 @@ def measure(device, rounds=20, per_round=20):
         row = dict(config=host._name(norm_first, p), **{f"{k}_cpu_us": v[0] for k, v in best.items()},
                    **{f"{k}_wall_us": v[1] for k, v in best.items()})
         row["cpu_ratio"] = row["ours_cpu_us"] / row["torch_cpu_us"]
+        row["ops_cpu_ratio"] = row["ops_cpu_us"] / row["torch_cpu_us"]
         if device.type == "cuda":
             try:
                 step = graphs.capture(lambda t: torch.autograd.grad(ours(t), (t, *ours.parameters()), dy), x)
@@ -97,14 +112,15 @@ def measure(device, rounds=20, per_round=20):
 
 def format_rows(rows) -> str:
     head = (f"{'config':<22} {'ours cpu':>9} {'torch cpu':>10} {'ratio':>6} {'target':>7} {'ours wall':>10} "
-            f"{'torch wall':>11} {'graph wall':>11}")
+            f"{'torch wall':>11} {'graph wall':>11} {'ops cpu':>8} {'ratio':>6}")
     lines = ["host us per training step on this machine (bf16, the host benchmark's tiny layer): CPU time of the "
-             "enqueuing thread, wall time per step, and a CUDA-graph replay's wall time", head, "-" * len(head)]
+             "enqueuing thread, wall time per step, a CUDA-graph replay's wall time, and the converted layer with "
+             "its ops one by one (the layer step off)", head, "-" * len(head)]
     for r in rows:
         graph = f"{r['graph_wall_us']:>11.0f}" if "graph_wall_us" in r else f"{'-':>11}"
         lines.append(f"{r['config']:<22} {r['ours_cpu_us']:>9.0f} {r['torch_cpu_us']:>10.0f} {r['cpu_ratio']:>6.2f} "
                      f"{'<= ' + format(host.TARGET_RATIO, 'g'):>7} {r['ours_wall_us']:>10.0f} "
-                     f"{r['torch_wall_us']:>11.0f} {graph}")
+                     f"{r['torch_wall_us']:>11.0f} {graph} {r['ops_cpu_us']:>8.0f} {r['ops_cpu_ratio']:>6.2f}")
     return "\n".join(lines)
 
 

@@ -477,6 +477,7 @@ def test_host_gpu_probe_measures_every_configuration():
 
     assert [r["config"] for r in rows] == [host._name(*c) for c in host.CONFIGS]
     assert all(r["ours_cpu_us"] > 0 and r["torch_cpu_us"] > 0 and r["cpu_ratio"] > 0 for r in rows)
+    assert all(r["ops_cpu_us"] > 0 and r["ops_cpu_ratio"] > 0 for r in rows)  # the layer step off, same rounds
     table = probe.format_rows(rows)
     assert all(r["config"] in table for r in rows)
 
