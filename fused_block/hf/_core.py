@@ -245,8 +245,8 @@ class _Rotary:
 
     def __deepcopy__(self, memo):
         """In a copy of the model: the copy's module at the copy's owner (copied before its layers)."""
-        new = copy.copy(self)
-        new.module = copy.deepcopy(self.module, memo)
+        new = copy.copy(self)  # (through __getstate__: without the owner)
+        new.module, new.owner = copy.deepcopy(self.module, memo), self.owner
         owner = self.owner()
         if owner is not None and id(owner) in memo:
             new.owner = weakref.ref(memo[id(owner)])
