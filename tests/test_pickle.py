@@ -60,6 +60,13 @@ def _round_trip(model, tmp_path):
     return torch.load(path, weights_only=False)
 
 
+def _same(actual, expected, device, msg=None):
+    """The same bits in the interpreter (the same kernels on the same weights); on a GPU within
+    fp32 rounding (another process may time and pick another config of a kernel)."""
+    tol = dict(atol=0, rtol=0) if device.type == "cpu" else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(actual, expected, msg=msg, **tol)
+
+
 def _converted_layers(model):
     return [m for m in model.modules() if type(m).__name__ in hf.FAMILIES and "_fused_block" in m.__dict__]
 
@@ -107,12 +114,12 @@ def test_hugging_face_model_round_trips_through_torch_save(name, device, launche
         outs[label] = loss, {k: p.grad for k, p in m.named_parameters()}
         ran[label] = {k: launches[k] - n for k, n in before.items()}
     assert ran["loaded"] == ran["fused"] and min(ran["loaded"].values()) >= len(layers), ran
-    torch.testing.assert_close(outs["loaded"][0], outs["fused"][0], atol=0, rtol=0)
+    _same(outs["loaded"][0], outs["fused"][0], device)
     assert sum(g is not None for g in outs["loaded"][1].values()) >= len(outs["loaded"][1]) - 1  # but a padding row
     for k, g in outs["fused"][1].items():
         assert (g is None) == (outs["loaded"][1][k] is None), k
         if g is not None:
-            torch.testing.assert_close(outs["loaded"][1][k], g, atol=0, rtol=0, msg=k)
+            _same(outs["loaded"][1][k], g, device, msg=k)
 
     # evaluation: the converted model's logits, and the unconverted model's within the rule
     ref = copy.deepcopy(model).double().eval()
@@ -122,7 +129,7 @@ def test_hugging_face_model_round_trips_through_torch_save(name, device, launche
         call = {k: v.double() if label == "ref" and v.is_floating_point() else v for k, v in kwargs.items()}
         with torch.no_grad(), no_fallback():
             logits[label] = m(**call, labels=labels).logits
-    torch.testing.assert_close(logits["loaded"], logits["fused"], atol=0, rtol=0)
+    _same(logits["loaded"], logits["fused"], device)
     mask = kwargs.get("attention_mask")
     if name not in SEQ2SEQ:  # padded positions (the decoder's targets are never padded)
         logits = {k: v.masked_fill(mask[..., None] == 0, 0.0) for k, v in logits.items()}
@@ -140,7 +147,8 @@ def test_hugging_face_model_round_trips_through_torch_save(name, device, launche
 
 
 def _nn_model(kind):
-    # d_model 32 with 4 heads: head dim 8... the kernels' smallest is 16: 64 with 4 heads
+    # d_model 64 with 4 heads: head dim 16, the attention kernel's smallest; 2 encoder layers and
+    # the final norm (the residual stream crosses a layer); a Pre-LN decoder layer
     if kind == "encoder":
         layer = nn.TransformerEncoderLayer(64, 4, 96, dropout=0.0, batch_first=True)
         return nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(64), enable_nested_tensor=False)
@@ -169,17 +177,17 @@ def test_torch_layers_round_trip_through_torch_save(kind, device, launches, tmp_
         outs.append((y, [p.grad for p in m.parameters()]))
     assert launches["attention_fwd"] - before == 2 * (2 if kind == "encoder" else 2)
     assert launches["attention_bwd"] > 0
-    torch.testing.assert_close(outs[1][0], outs[0][0], atol=0, rtol=0)
+    _same(outs[1][0], outs[0][0], device)
     for g1, g0 in zip(outs[1][1], outs[0][1]):
-        torch.testing.assert_close(g1, g0, atol=0, rtol=0)
+        _same(g1, g0, device)
     with torch.no_grad():
         ref = copy.deepcopy(model).double()(*(a.double() for a in args))
         base = model(*args)
-    torch.testing.assert_close(outs[1][0], ref.float(), atol=10 * (base - ref).abs().max().item() + 1e-4, rtol=0)
+    hf_testing.assert_close("output", outs[1][0], ref, base, torch.float32, device)
     with torch.no_grad():
         for p in loaded.parameters():
             p.add_(1.0)
-    torch.testing.assert_close(fused(*args), outs[0][0], atol=0, rtol=0)
+    _same(fused(*args), outs[0][0], device)
 
 
 _FRESH = r"""
@@ -223,7 +231,7 @@ def test_a_fresh_process_loads_a_converted_model(device, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found == dict(attention=1, layers=1, families=True, forwards=True, rotary=True)
-    torch.testing.assert_close(torch.load(tmp_path / "io.pt", weights_only=False), want, atol=0, rtol=0)
+    _same(torch.load(tmp_path / "io.pt", weights_only=False), want, device)
 
 
 def test_a_layer_pickled_alone_leaves_the_model_behind(device, launches, tmp_path):
@@ -246,7 +254,7 @@ def test_a_layer_pickled_alone_leaves_the_model_behind(device, launches, tmp_pat
         want = layer(x, position_embeddings=pe)
     assert launches["attention_fwd"] - before == 2
     got, want = (t[0] if isinstance(t, tuple) else t for t in (got, want))
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    _same(got, want, device)
 
 
 def test_a_family_outside_the_table_says_why_it_does_not_pickle():
