@@ -59,6 +59,8 @@ state dicts read wrongly); a layer sharded otherwise raises a ``ValueError`` at 
 and on ``state_dict()``.
 """
 import contextlib
+import copy
+import pickle
 
 import torch
 from torch import nn
@@ -342,6 +344,22 @@ class _Plan:
         self.expected = {(path, name): PLACEMENTS[role](k) for path, name, role, k in params}
         self.packed = {(layer.get_submodule(path), name) for path, name, role, k in params if role == PACKED}
         self.fsdp_checked = False
+
+    def __reduce_ex__(self, protocol):
+        raise pickle.PicklingError(
+            "fused_block: a tensor-parallel layer (fused_block.distributed.LayerParallel) cannot be pickled: its "
+            "plan holds the device mesh (process groups) and its parameters are DTensors; save a distributed state "
+            "dict (torch.distributed.checkpoint) instead")
+
+    def __copy__(self):  # copies as before (copy's default goes through __reduce_ex__)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        new = memo[id(self)] = object.__new__(type(self))
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     # -- the call-time guard ------------------------------------------------------------------
     def accepts(self, path, name, t):

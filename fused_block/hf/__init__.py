@@ -41,8 +41,9 @@ Attention only, for any model whose attention goes through transformers' ``Atten
 importing this package registers ``attn_implementation="fused_block"``
 (:mod:`fused_block.hf.interface`; :func:`register` does it again). ``import fused_block`` never
 imports ``transformers``; this package does (``fused_block.convert`` imports it only for models
-built with ``transformers``). A converted model object cannot be pickled whole
-(``torch.save(model)``); save its state dict or use ``save_pretrained``.
+built with ``transformers``). A converted model pickles whole (``torch.save(model)``; its
+caches of packed weights are not pickled) but for tensor-parallel layers
+(:mod:`fused_block.distributed`).
 """
 try:
     import transformers  # noqa: F401

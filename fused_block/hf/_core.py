@@ -8,7 +8,9 @@ in :mod:`fused_block.hf._attention` (mask plans, the KV cache, the attention dis
 """
 import contextlib
 import copy
+import functools
 import inspect
+import pickle
 import sys
 import types
 import weakref
@@ -61,6 +63,25 @@ class Family:
         self.check, self.check_call, self.run, self.called = check, check_call, run, called
         self.tree, self.prepare, self.rotaries, self.cross_attention = tree, prepare, rotaries, cross_attention
         self.lora_paths, self.returns_tensor, self.own_output = lora_paths, returns_tensor, own_output
+
+    def __reduce__(self):
+        """Pickled by reference (its functions are lambdas; a loaded model must share the table's
+        object): the name of a layer class it converts in :data:`fused_block.hf.FAMILIES`."""
+        from fused_block.hf import FAMILIES
+
+        for name, family in FAMILIES.items():
+            if family is self:
+                return family_of, (name,)
+        raise pickle.PicklingError("fused_block: a converted layer's Family that is not in fused_block.hf.FAMILIES "
+                                   "cannot be pickled (it is pickled by its name there)")
+
+
+def family_of(layer_class_name):
+    """The family of a layer class name (:data:`fused_block.hf.FAMILIES`): an unpickled
+    :class:`Family`."""
+    from fused_block.hf import FAMILIES
+
+    return FAMILIES[layer_class_name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,12 +245,62 @@ class _Rotary:
 
     def __deepcopy__(self, memo):
         """In a copy of the model: the copy's module at the copy's owner (copied before its layers)."""
-        new = copy.copy(self)
-        new.module = copy.deepcopy(self.module, memo)
+        new = copy.copy(self)  # (through __getstate__: without the owner)
+        new.module, new.owner = copy.deepcopy(self.module, memo), self.owner
         owner = self.owner()
         if owner is not None and id(owner) in memo:
             new.owner = weakref.ref(memo[id(owner)])
         return new
+
+    def __getstate__(self):
+        """Pickled without its owner (a weak reference; a layer pickled alone would otherwise
+        carry the whole model): the owner's :class:`_Rotaries` points it at the unpickled owner
+        when the owner is in the same pickle, else it has none (:meth:`current`: None)."""
+        return {k: v for k, v in self.__dict__.items() if k != "owner"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.owner = _no_owner
+
+
+def _no_owner():
+    return None
+
+
+class _Rotaries:
+    """In the ``__dict__`` of a :class:`_Rotary`'s owner (``_ROTARIES``): the records that read its
+    rotary module. Their weak references to the owner do not survive pickling; this does, with
+    the owner, and gives them the unpickled owner (``_relink``)."""
+
+    def __init__(self, owner):
+        self.owner, self.rotaries = weakref.ref(owner), []
+
+    def __reduce__(self):
+        return _relink, (self.owner(), self.rotaries)
+
+
+def _relink(owner, rotaries):
+    """An unpickled (or copied) :class:`_Rotaries` of ``owner``."""
+    if owner is None:  # pickled from a shallow copy's dict after its owner was freed
+        return None
+    link = _Rotaries(owner)
+    for r in rotaries:
+        r.owner = link.owner
+        link.rotaries.append(r)
+    return link
+
+
+_ROTARIES = "_fused_block_rotaries"
+
+
+def _register_rotary(rotary):
+    """Record ``rotary`` in its owner's :class:`_Rotaries` (a layer now reads it)."""
+    owner = rotary.owner()
+    link = owner.__dict__.get(_ROTARIES)
+    if type(link) is not _Rotaries or link.owner() is not owner:
+        link = owner.__dict__[_ROTARIES] = _Rotaries(owner)  # a plain attribute: no state-dict entry
+    if not any(r is rotary for r in link.rotaries):
+        link.rotaries.append(rotary)
 
 
 class _State:
@@ -250,6 +321,8 @@ def _patch(module, family, rotary):
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     state = _State(family, forward, positional, _returns_tensor(forward, family), rotary)
     module.__dict__["_fused_block"] = state  # a plain attribute: no submodule, no state-dict entry
+    if rotary is not None:
+        _register_rotary(rotary)
     bind_forward(module, _fused_forward)
 
 
@@ -262,17 +335,34 @@ def bind_forward(module, forward):
     replicas ``torch.nn.parallel.replicate`` makes (``nn.DataParallel``: the Trainer's wrapper
     with several GPUs in one process), whose ``__dict__`` is a shallow copy of the module's and
     whose forward would otherwise stay bound to the original module (its weights on the first
-    GPU, gradients bypassing the replica's copies): there it is bound to the replica."""
-    module.forward = types.MethodType(forward, module)
-    module._replicate_for_data_parallel = types.MethodType(_replicate_for_data_parallel, module)
+    GPU, gradients bypassing the replica's copies): there it is bound to the replica.
+
+    Bound as :func:`bound` binds (a ``functools.partial``, not a ``types.MethodType``: a
+    converted model pickles, ``torch.save(model)``)."""
+    module.forward = bound(forward, module)
+    module._replicate_for_data_parallel = bound(_replicate_for_data_parallel, module)
+
+
+def bound(function, module):
+    """``function`` bound to ``module``: ``functools.partial(function, module)``, called in C as
+    a bound method is (no Python frame more), which pickles and copies (with the module: the
+    function by its qualified name) where a ``types.MethodType`` in a module's ``__dict__``
+    pickles as ``getattr(module, function.__name__)`` and fails. ``__func__`` and ``__self__``
+    as a bound method's, for code that rebinds a module's forward through them (accelerate's
+    mixed precision wrapper)."""
+    method = functools.partial(function, module)
+    method.__func__, method.__self__ = function, module
+    return method
 
 
 def _replicate_for_data_parallel(self):
     replica = type(self)._replicate_for_data_parallel(self)
     for name in ("forward", "_replicate_for_data_parallel"):  # forward: or a wrapper set over ours since (accelerate's autocast)
-        bound = replica.__dict__.get(name)
-        if isinstance(bound, types.MethodType) and bound.__self__ is self:
-            replica.__dict__[name] = types.MethodType(bound.__func__, replica)
+        method = replica.__dict__.get(name)
+        if isinstance(method, types.MethodType) and method.__self__ is self:
+            replica.__dict__[name] = types.MethodType(method.__func__, replica)
+        elif isinstance(method, functools.partial) and method.__dict__.get("__self__") is self:
+            replica.__dict__[name] = bound(method.func, replica)
     return replica
 
 

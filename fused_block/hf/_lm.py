@@ -6,7 +6,6 @@ cross-entropy on the last hidden state and ``lm_head``'s weight: no (tokens, voc
 logits. Calls that ask for the logits (no labels, eval mode, ``return_logits=True``) run
 Hugging Face's forward; anything the path does not reproduce warns once and does the same.
 """
-import functools
 import inspect
 import sys
 import typing
@@ -91,11 +90,19 @@ def patch(model):
     model.__dict__["_fused_block"] = _State(original, positional, model.base_model_prefix,
                                             _output_class(inspect.signature(original).return_annotation))
 
-    @functools.wraps(original)  # the original's signature: generate() and Trainer inspect it
-    def forward(self, *args, **kwargs):
-        return _forward(self, *args, **kwargs)
+    bind_forward(model, _Forward(original))
 
-    bind_forward(model, forward)
+
+class _Forward:
+    """A converted causal LM's forward (unbound: :func:`fused_block.hf._core.bind_forward` binds
+    it) with the original's signature (``__wrapped__``: generate() and Trainer inspect it); an
+    object, not a closure, so that the model pickles (the original by its qualified name)."""
+
+    def __init__(self, original):
+        self.__wrapped__ = original
+
+    def __call__(self, model, *args, **kwargs):
+        return _forward(model, *args, **kwargs)
 
 
 def _describe(model):
