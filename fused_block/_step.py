@@ -57,7 +57,7 @@ class _Plan:
     """What a step needs besides its tensors (built by :func:`plan`, read by the Function)."""
 
     __slots__ = ("norm_first", "is_rms", "eps1", "eps2", "heads", "kv_heads", "batch_first", "causal", "scale",
-                 "p_attn", "p1", "p_ff", "p2", "activation", "gated", "torch_in", "torch_out")
+                 "p_attn", "p1", "p_ff", "p2", "activation", "gated", "torch_in", "torch_out", "grad")
 
 
 def _param(module, name):
@@ -74,8 +74,7 @@ def plan(layer, attn, x, key_padding_mask, causal, p_attn, p1, p_ff, p2):
     ``TransformerEncoderLayer``, with ``attn`` its ``self_attn``) on the batched input ``x`` with
     these resolved masks (``causal``; ``key_padding_mask`` bool (B, L) or None) and dropout
     probabilities (0 where off), else None (the ops run one by one)."""
-    if not torch.is_grad_enabled() or _compiling() or _tracing() is not None or _transforms_active() \
-            or _any_autocast():
+    if _compiling() or _tracing() is not None or _transforms_active() or _any_autocast():
         return None
     dtype, device = x.dtype, x.device
     if dtype not in _KERNEL_DTYPES or not _backend.use_triton(x) or not x.is_contiguous() or x.dim() != 3:
@@ -114,9 +113,9 @@ def plan(layer, attn, x, key_padding_mask, causal, p_attn, p1, p_ff, p2):
         params.append(t)
     if gated and F1 % 2:
         return None
-    rg = [x.requires_grad] + [t is not None and t.requires_grad for t in params]
-    if not any(rg):
-        return None
+    grad = torch.is_grad_enabled()
+    rg = [grad and x.requires_grad] + [grad and t is not None and t.requires_grad for t in params]
+    grad = any(rg)  # else the ops run without their Functions, as here the step's forward alone
     B, L = (x.shape[0], x.shape[1]) if attn.batch_first else (x.shape[1], x.shape[0])
     if key_padding_mask is not None and not (key_padding_mask.dtype is torch.bool and key_padding_mask.dim() == 2
                                              and key_padding_mask.device == device):
@@ -150,7 +149,7 @@ def plan(layer, attn, x, key_padding_mask, causal, p_attn, p1, p_ff, p2):
     p.heads, p.kv_heads, p.batch_first, p.causal = H, Hkv, attn.batch_first, bool(causal)
     p.scale = 1.0 / math.sqrt(D)  # as attention_qkvpacked's default
     p.p_attn, p.p1, p.p_ff, p.p2 = _dropout_p(p_attn), float(p1), float(p_ff), float(p2)
-    p.activation, p.gated = name, gated
+    p.activation, p.gated, p.grad = name, gated, grad
     return params, p
 
 
@@ -161,7 +160,12 @@ def run(x, params, key_padding_mask, p):
     Post-LN: norm2's)."""
     device = x.device
     seeds = [_backend.dropout_seed(q, device) if q > 0 else None for q in (p.p_attn, p.p1, p.p_ff, p.p2)]
-    return _LayerStep_apply(x, *params, key_padding_mask, *seeds, p)
+    if p.grad:
+        return _LayerStep_apply(x, *params, key_padding_mask, *seeds, p)
+    return _forward(None, _NO_GRADS, x, *params, key_padding_mask, *seeds, p)  # nothing to differentiate
+
+
+_NO_GRADS = (False,) * 19
 
 
 def _project(x, weight, bias, on_torch):
@@ -202,63 +206,9 @@ class _LayerStep(torch.autograd.Function):
     :class:`_Plan`. Returns the layer's output in x's shape."""
 
     @staticmethod
-    def forward(ctx, x, n1w, n1b, inw, inb, ow, ob, n2w, n2b, w1, b1, w2, b2, kpm, s_attn, s1, s_ff, s2, p):
-        ni = ctx.needs_input_grad
-        dtype = x.dtype
-        unit = common.unit
-        n1w, n1b, n2w, n2b = unit(n1w), unit(n1b), unit(n2w), unit(n2b)
-        gated = p.gated
-        w1g, w1u, b1g, b1u = _gate_up_views(w1, b1) if gated else (w1, None, b1, None)
-        if p.norm_first:
-            need_n1 = ni[0] or ni[1] or ni[2]
-            need_qkv = need_n1 or ni[3] or ni[4]
-            need_a = need_qkv or ni[5] or ni[6]
-            need_n2 = need_a or ni[0] or ni[7] or ni[8]  # FFN's input (the gradient reaching norm2)
-            n1, _, outs1 = _norm._forward(x, None, (n1w, n1b, None, p.eps1, 0.0, p.is_rms, dtype, False, False))
-            qkv = _project(n1, inw, inb, p.torch_in)
-            o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
-                                          p.scale, p.p_attn, -1, -1)
-            a = _project(o, ow, ob, p.torch_out)
-            n2, h, outs2 = _norm._forward(a, x, (n2w, n2b, s1, p.eps2, p.p1, p.is_rms, dtype, True, False))
-            ffn_in, ffn_res, ffn_need_x, need_in = n2, h, need_n2, need_n1
-            norm1_h, norm2_h = x, outs2[1]
-        else:
-            need_qkv = ni[0] or ni[3] or ni[4]
-            need_a = need_qkv or ni[5] or ni[6]
-            need_h = need_a or ni[0] or ni[1] or ni[2]  # FFN's input (norm1's output)
-            n1 = None
-            qkv = _project(x, inw, inb, p.torch_in)
-            o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
-                                          p.scale, p.p_attn, -1, -1)
-            a = _project(o, ow, ob, p.torch_out)
-            h, _, outs1 = _norm._forward(a, x, (n1w, n1b, s1, p.eps1, p.p1, p.is_rms, dtype, True, False))
-            ffn_in, ffn_res, ffn_need_x, need_in = h, None, need_h, ni[0]
-            norm1_h = outs1[1]
-        need_w1, need_b1, need_w2, need_b2 = ni[9], ni[10], ni[11], ni[12]
-        need_hidden = ffn_need_x or need_w1 or need_b1
-        save = SAVE_PRE if need_hidden else (SAVE_H if need_w2 else SAVE_NONE)
-        f, saved = _ffn_fwd(ffn_in, w1g, w1u, b1g, b1u, w2, b2, ffn_res, p.activation, save, s_ff, p.p_ff,
-                            s2 if p.norm_first else None, p.p2 if p.norm_first else 0.0)
-        if p.norm_first:
-            y = f
-        else:
-            y, _, outs2 = _norm._forward(f, h, (n2w, n2b, s2, p.eps2, p.p2, p.is_rms, dtype, True, False))
-            norm2_h = outs2[1]
-        ctx.set_materialize_grads(False)
-        mean1, rstd1 = _mean_rstd(outs1, p.is_rms)
-        mean2, rstd2 = _mean_rstd(outs2, p.is_rms)
-        # What each op's backward reads (each weight only where a gradient reads it, as the ops save them).
-        proj_in = n1 if p.norm_first else x
-        ctx.save_for_backward(
-            norm1_h, n1w, mean1, rstd1, s1,
-            proj_in if ni[3] else None, inw if need_in else None,
-            qkv if need_qkv else None, o if need_qkv or ni[5] else None, lse if need_qkv else None,
-            kpm if need_qkv else None, s_attn if need_qkv else None, ow if need_qkv else None,
-            norm2_h, n2w, mean2, rstd2, s2,
-            ffn_in if need_w1 else None, w1 if ffn_need_x else None, w2 if need_hidden else None,
-            saved if save != SAVE_NONE else None, s_ff if need_hidden else None)
-        ctx.p, ctx.save, ctx.shape = p, save, x.shape
-        return y
+    def forward(ctx, *args):
+        return _forward(ctx, ctx.needs_input_grad, *args)
+
 
     @staticmethod
     @_backend.once_differentiable
@@ -330,6 +280,69 @@ class _LayerStep(torch.autograd.Function):
         elif ni[0]:
             grads[0] = dres
         return tuple(grads)
+
+
+def _forward(ctx, ni, x, n1w, n1b, inw, inb, ow, ob, n2w, n2b, w1, b1, w2, b2, kpm, s_attn, s1, s_ff, s2, p):
+    """The step's forward (``ni``: which inputs need a gradient); with ``ctx`` it keeps what the
+    backward reads, without (nothing to differentiate: autograd off, or no input that requires
+    a gradient) it is the ops' forwards alone, as the ops run without their Functions."""
+    dtype = x.dtype
+    unit = common.unit
+    n1w, n1b, n2w, n2b = unit(n1w), unit(n1b), unit(n2w), unit(n2b)
+    gated = p.gated
+    w1g, w1u, b1g, b1u = _gate_up_views(w1, b1) if gated else (w1, None, b1, None)
+    if p.norm_first:
+        need_n1 = ni[0] or ni[1] or ni[2]
+        need_qkv = need_n1 or ni[3] or ni[4]
+        need_a = need_qkv or ni[5] or ni[6]
+        need_n2 = need_a or ni[0] or ni[7] or ni[8]  # FFN's input (the gradient reaching norm2)
+        n1, _, outs1 = _norm._forward(x, None, (n1w, n1b, None, p.eps1, 0.0, p.is_rms, dtype, False, False))
+        qkv = _project(n1, inw, inb, p.torch_in)
+        o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
+                                      p.scale, p.p_attn, -1, -1)
+        a = _project(o, ow, ob, p.torch_out)
+        n2, h, outs2 = _norm._forward(a, x, (n2w, n2b, s1, p.eps2, p.p1, p.is_rms, dtype, True, False))
+        ffn_in, ffn_res, ffn_need_x, need_in = n2, h, need_n2, need_n1
+        norm1_h, norm2_h = x, outs2[1]
+    else:
+        need_qkv = ni[0] or ni[3] or ni[4]
+        need_a = need_qkv or ni[5] or ni[6]
+        need_h = need_a or ni[0] or ni[1] or ni[2]  # FFN's input (norm1's output)
+        n1 = None
+        qkv = _project(x, inw, inb, p.torch_in)
+        o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
+                                      p.scale, p.p_attn, -1, -1)
+        a = _project(o, ow, ob, p.torch_out)
+        h, _, outs1 = _norm._forward(a, x, (n1w, n1b, s1, p.eps1, p.p1, p.is_rms, dtype, True, False))
+        ffn_in, ffn_res, ffn_need_x, need_in = h, None, need_h, ni[0]
+        norm1_h = outs1[1]
+    need_w1, need_b1, need_w2, need_b2 = ni[9], ni[10], ni[11], ni[12]
+    need_hidden = ffn_need_x or need_w1 or need_b1
+    save = SAVE_PRE if need_hidden else (SAVE_H if need_w2 else SAVE_NONE)
+    f, saved = _ffn_fwd(ffn_in, w1g, w1u, b1g, b1u, w2, b2, ffn_res, p.activation, save, s_ff, p.p_ff,
+                        s2 if p.norm_first else None, p.p2 if p.norm_first else 0.0)
+    if p.norm_first:
+        y = f
+    else:
+        y, _, outs2 = _norm._forward(f, h, (n2w, n2b, s2, p.eps2, p.p2, p.is_rms, dtype, True, False))
+        norm2_h = outs2[1]
+    if ctx is None:
+        return y
+    ctx.set_materialize_grads(False)
+    mean1, rstd1 = _mean_rstd(outs1, p.is_rms)
+    mean2, rstd2 = _mean_rstd(outs2, p.is_rms)
+    # What each op's backward reads (each weight only where a gradient reads it, as the ops save them).
+    proj_in = n1 if p.norm_first else x
+    ctx.save_for_backward(
+        norm1_h, n1w, mean1, rstd1, s1,
+        proj_in if ni[3] else None, inw if need_in else None,
+        qkv if need_qkv else None, o if need_qkv or ni[5] else None, lse if need_qkv else None,
+        kpm if need_qkv else None, s_attn if need_qkv else None, ow if need_qkv else None,
+        norm2_h, n2w, mean2, rstd2, s2,
+        ffn_in if need_w1 else None, w1 if ffn_need_x else None, w2 if need_hidden else None,
+        saved if save != SAVE_NONE else None, s_ff if need_hidden else None)
+    ctx.p, ctx.save, ctx.shape = p, save, x.shape
+    return y
 
 
 _LayerStep_apply = _library.fast_apply(_LayerStep)

@@ -159,8 +159,32 @@ def test_step_with_projections_on_torch(norm_first, dropout, device, monkeypatch
     _assert_same(layer, _x(torch.bfloat16, device), {}, monkeypatch)
 
 
-@pytest.mark.parametrize("case", ["general_mask", "rope", "callable_activation", "dropout_one", "no_grad",
-                                  "float64", "autocast", "norm_on_torch", "attention_on_sdpa"])
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_step_without_gradients_is_the_ops_forwards(norm_first, mode, device, monkeypatch):
+    """With nothing to differentiate the step is its forward alone, as the ops then run
+    without their Functions: the same output and kernels, and nothing kept for a backward."""
+    layer = _layer(norm_first, 0.1, torch.bfloat16, device)
+    x = _x(torch.bfloat16, device, grad=False)
+    if mode == "nothing_requires_grad":
+        layer.requires_grad_(False)
+    calls = _steps(monkeypatch)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, contextlib.nullcontext)
+    outs, launched = [], []
+    for enabled in (False, True):
+        monkeypatch.setattr(_step, "ENABLED", enabled)
+        before = common.LAUNCHES.copy()
+        torch.manual_seed(7)
+        with ctx():
+            outs.append(layer(x))
+        launched.append(common.LAUNCHES - before)
+    assert calls["step"] == 1
+    assert sum(launched[1].values()) > 0 and launched[0] == launched[1]
+    assert torch.equal(outs[0], outs[1]) and not outs[1].requires_grad and outs[1].grad_fn is None
+
+
+@pytest.mark.parametrize("case", ["general_mask", "rope", "callable_activation", "dropout_one", "float64",
+                                  "autocast", "norm_on_torch", "attention_on_sdpa"])
 def test_calls_the_step_does_not_take_run_the_ops(case, device, monkeypatch):
     """Outside the step's configuration, and where an op's choice is torch's path (a norm's
     verdict for eager's add + LayerNorm, the attention's for an SDPA backend), the ops run one
@@ -180,8 +204,7 @@ def test_calls_the_step_does_not_take_run_the_ops(case, device, monkeypatch):
     if case == "general_mask":
         kwargs = {"src_mask": torch.randn(L, L, device=device)}
     calls = _steps(monkeypatch)
-    ctx = {"no_grad": torch.no_grad(), "autocast": torch.autocast(device.type, dtype=torch.bfloat16)}.get(
-        case, contextlib.nullcontext())
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
     with ctx:
         out = layer(x, **kwargs)
     if out.requires_grad:
