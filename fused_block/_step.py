@@ -1,4 +1,4 @@
-"""A converted ``TransformerEncoderLayer``'s training step as one autograd Function.
+"""A converted ``TransformerEncoderLayer``'s training step as two autograd Functions.
 
 The layer's fused forward (``blocks.TransformerEncoderLayer._fused_forward``) calls five ops:
 two add+norms, the QKV and output projections around the attention, and the FFN. Each op is
@@ -7,17 +7,29 @@ its own validation, dispatch and bookkeeping in the forward, and its own node fo
 autograd engine to call in the backward. For the layers of small and medium models that
 Python is the step's cost on the host (``python -m bench --only host``).
 
-:class:`_LayerStep` runs the same ops, in the same order, with the same arguments, as one
-Function: its forward calls the ops' forward implementations (``norm._forward``,
+:func:`run` runs the same ops, in the same order, with the same arguments, as two Functions:
+each one's forward calls the ops' forward implementations (``norm._forward``,
 ``attention_packed_fwd``, ``linear._ffn_fwd``, the projections' ``F.linear`` or
 ``linear._linear_fwd``) and keeps what their backwards read; its backward calls their backward
 implementations in reverse order and hands the gradients on between them, as the engine did.
-The device runs the same kernels, launched with the same arguments, so the values are the
-same to the bit (``tests/test_step.py`` compares the two paths).
+The device runs the same kernels, launched with the same arguments, so the values are the same
+to the bit (``tests/test_step.py`` compares the two paths).
+
+Two Functions, not one, for memory: a Function's saved tensors live until its whole backward
+has run, the ops' until their own has. The split puts the step's peak (the FFN's backward) where
+the ops' is, holding what the ops hold then: Pre-LN, the attention block (the first norm, the
+projections, the attention) and the FFN block (the second norm, the FFN); Post-LN, everything up
+to the FFN's output, and the second norm, whose saved sum is freed before the FFN's backward.
+The peak is then the ops' (``tests/test_step.py`` records every allocation of both). Where a
+tensor feeds both Functions (Pre-LN's x: the first norm and, as the residual, the second;
+Post-LN's h: the FFN and the second norm's residual) the first returns it again as a second
+output, so its two gradients arrive apart and the first norm's backward kernel sums them, as
+the ops' first norm does.
 
 :func:`plan` decides per call whether the step applies: where it does not, the layer runs its
-ops one by one as before. It applies to the common training configuration (autograd
-recording; the kernels' path on a kernel dtype; no autocast, ``torch.compile``, tracing,
+ops one by one as before. It applies to the common configurations, training or not (with
+nothing to differentiate, the Functions' forwards alone run, as the ops then run without
+theirs): the kernels' path on a kernel dtype; no autocast, ``torch.compile``, tracing,
 tensor parallelism, RoPE, LoRA, torch's extra keys, custom activation callables, dropout of 1,
 or masks other than causal and key padding), and only where every op's choice of candidate
 is known and names the path the step runs (our norm kernels, our packed attention kernels;
@@ -154,18 +166,31 @@ def plan(layer, attn, x, key_padding_mask, causal, p_attn, p1, p_ff, p2):
 
 
 def run(x, params, key_padding_mask, p):
-    """The layer's output for ``x`` (its step's Function), the seeds of its dropouts drawn in the
-    op-by-op path's order (inside the layer's seed block): the attention's, drop1's (Pre-LN:
-    norm2's; Post-LN: norm1's), the FFN hidden activation's, drop2's (Pre-LN: the FFN output's;
-    Post-LN: norm2's)."""
+    """The layer's output for ``x``: the seeds of its dropouts drawn in the op-by-op path's order
+    (inside the layer's seed block: the attention's, drop1's (Pre-LN: norm2's; Post-LN:
+    norm1's), the FFN hidden activation's, drop2's (Pre-LN: the FFN output's; Post-LN:
+    norm2's)), then the two blocks; with nothing to differentiate their forwards alone (the
+    ops then run without their Functions too)."""
     device = x.device
-    seeds = [_backend.dropout_seed(q, device) if q > 0 else None for q in (p.p_attn, p.p1, p.p_ff, p.p2)]
-    if p.grad:
-        return _LayerStep_apply(x, *params, key_padding_mask, *seeds, p)
-    return _forward(None, _NO_GRADS, x, *params, key_padding_mask, *seeds, p)  # nothing to differentiate
+    s_attn, s1, s_ff, s2 = [_backend.dropout_seed(q, device) if q > 0 else None
+                            for q in (p.p_attn, p.p1, p.p_ff, p.p2)]
+    n1w, n1b, inw, inb, ow, ob, n2w, n2b, w1, b1, w2, b2 = params
+    if p.norm_first:
+        if not p.grad:
+            a = _pre_attention(None, _NO_GRADS, x, n1w, n1b, inw, inb, ow, ob, key_padding_mask, s_attn, p)
+            return _pre_ffn(None, _NO_GRADS, a, x, n2w, n2b, w1, b1, w2, b2, s1, s_ff, s2, p)
+        out = _PreAttention_apply(x, n1w, n1b, inw, inb, ow, ob, key_padding_mask, s_attn, p)
+        a, x_res = out if x.requires_grad else (out, x)  # x, where it needs a gradient, as a second output
+        return _PreFFN_apply(a, x_res, n2w, n2b, w1, b1, w2, b2, s1, s_ff, s2, p)
+    main = (x, inw, inb, ow, ob, n1w, n1b, w1, b1, w2, b2, key_padding_mask, s_attn, s1, s_ff, p)
+    if not p.grad:
+        f, h = _post_main(None, _NO_GRADS, *main)
+        return _post_norm2(None, _NO_GRADS, f, h, n2w, n2b, s2, p)
+    f, h_res = _PostMain_apply(*main)
+    return _PostNorm2_apply(f, h_res, n2w, n2b, s2, p)
 
 
-_NO_GRADS = (False,) * 19
+_NO_GRADS = (False,) * 16
 
 
 def _project(x, weight, bias, on_torch):
@@ -200,152 +225,31 @@ def _mean_rstd(outs, is_rms):
     return (None if is_rms else outs[-2]), outs[-1]
 
 
-class _LayerStep(torch.autograd.Function):
-    """Inputs: x, the 12 parameters of :data:`PARAMS` (None where absent), the key padding
-    mask, the dropouts' seeds (attention, drop1, FFN hidden, drop2; None where off) and the
-    :class:`_Plan`. Returns the layer's output in x's shape."""
-
-    @staticmethod
-    def forward(ctx, *args):
-        return _forward(ctx, ctx.needs_input_grad, *args)
+def _attention(x_in, inw, inb, ow, ob, kpm, s_attn, p):
+    """The attention sublayer's forward: ``(qkv, o, lse, a)`` (a: the output projection's)."""
+    qkv = _project(x_in, inw, inb, p.torch_in)
+    o, lse = attention_packed_fwd(common.unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
+                                  p.scale, p.p_attn, -1, -1)
+    return qkv, o, lse, _project(o, ow, ob, p.torch_out)
 
 
-    @staticmethod
-    @_backend.once_differentiable
-    def backward(ctx, dy):
-        grads = [None] * 19
-        if dy is None:
-            return tuple(grads)
-        (norm1_h, n1w, mean1, rstd1, s1, proj_in, inw, qkv, o, lse, kpm, s_attn, ow, norm2_h, n2w, mean2, rstd2, s2,
-         ffn_in, w1, w2, saved, s_ff) = ctx.saved_tensors
-        p, ni = ctx.p, ctx.needs_input_grad
-        dtype = norm1_h.dtype
-        E = ctx.shape[-1]
-        w1g, w1u = (w1[:w1.shape[0] // 2], w1[w1.shape[0] // 2:]) if p.gated and w1 is not None else (w1, None)
-        need_w1, need_b1, need_w2, need_b2 = ni[9], ni[10], ni[11], ni[12]
-        if p.norm_first:
-            need_n1 = ni[0] or ni[1] or ni[2]
-            need_qkv = need_n1 or ni[3] or ni[4]
-            need_a = need_qkv or ni[5] or ni[6]
-            ffn_need_x = need_a or ni[0] or ni[7] or ni[8]
-            g = _linear_rows(dy)
-            dn2, grads[9], grads[10], grads[11], grads[12] = _ffn_grads(
-                g, ffn_in, w1g, w1u, w2, saved, s_ff, s2, p, p.p2, ctx.save, E, ffn_need_x, need_w1, need_b1, need_w2,
-                need_b2)
-            if not ffn_need_x:
-                return tuple(grads)
-            # norm2: out's gradient from the FFN, residual_out's (h, the FFN's residual) dy itself
-            separate = ni[0] and p.p1 > 0  # x's gradient through drop1 differs from a's
-            outs = _norm._add_norm_bwd(_norm._rows(dn2.view(dy.shape)), None, _norm._rows(dy), norm2_h, n2w, mean2,
-                                       rstd2, s1, p.p1, p.is_rms, dtype, dtype if separate else None,
-                                       dtype if ni[7] else None, dtype if ni[8] else None)
-            da, dres = outs[0], outs[1] if separate else outs[0]
-            _norm_param_grads(grads, outs, 2 if separate else 1, ni[7], ni[8], 7)
-            if not need_a:  # (x's gradient needs the attention's: need_a holds when x needs one)
-                return tuple(grads)
-            dn1 = _attention_grads(grads, da, proj_in, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv, need_n1, ni)
-            if need_n1:
-                outs = _norm._add_norm_bwd(_norm._rows(dn1), None, _norm._rows(dres) if ni[0] else None, norm1_h,
-                                           n1w, mean1, rstd1, None, 0.0, p.is_rms, dtype, None,
-                                           dtype if ni[1] else None, dtype if ni[2] else None)
-                _norm_param_grads(grads, outs, 1, ni[1], ni[2], 1)
-                grads[0] = outs[0].view(ctx.shape) if ni[0] else None
-            return tuple(grads)
-        # Post-LN: y = LN2(h + drop2(f)), f = FFN(h), h = LN1(x + drop1(a))
-        need_qkv = ni[0] or ni[3] or ni[4]
-        need_a = need_qkv or ni[5] or ni[6]
-        need_h = need_a or ni[0] or ni[1] or ni[2]
-        separate2 = need_h and p.p2 > 0
-        outs = _norm._add_norm_bwd(_norm._rows(dy), None, None, norm2_h, n2w, mean2, rstd2, s2, p.p2, p.is_rms,
-                                   dtype, dtype if separate2 else None, dtype if ni[7] else None,
-                                   dtype if ni[8] else None)
-        df, dr = outs[0], outs[1] if separate2 else outs[0]
-        _norm_param_grads(grads, outs, 2 if separate2 else 1, ni[7], ni[8], 7)
-        dh, grads[9], grads[10], grads[11], grads[12] = _ffn_grads(
-            _linear_rows(df), ffn_in, w1g, w1u, w2, saved, s_ff, None, p, 0.0, ctx.save, E, need_h, need_w1, need_b1,
-            need_w2, need_b2)
-        if not need_h:
-            return tuple(grads)
-        # norm1: out's gradient from the FFN, and from its alias, the residual of norm2
-        separate1 = ni[0] and p.p1 > 0
-        outs = _norm._add_norm_bwd(_norm._rows(dh.view(dy.shape)), _norm._rows(dr), None, norm1_h, n1w, mean1, rstd1,
-                                   s1, p.p1, p.is_rms, dtype, dtype if separate1 else None, dtype if ni[1] else None,
-                                   dtype if ni[2] else None)
-        da, dres = outs[0], outs[1] if separate1 else outs[0]
-        _norm_param_grads(grads, outs, 2 if separate1 else 1, ni[1], ni[2], 1)
-        if need_a:
-            dx = _attention_grads(grads, da, proj_in, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv, ni[0], ni)
-            if ni[0]:
-                grads[0] = dx + dres
-        elif ni[0]:
-            grads[0] = dres
-        return tuple(grads)
-
-
-def _forward(ctx, ni, x, n1w, n1b, inw, inb, ow, ob, n2w, n2b, w1, b1, w2, b2, kpm, s_attn, s1, s_ff, s2, p):
-    """The step's forward (``ni``: which inputs need a gradient); with ``ctx`` it keeps what the
-    backward reads, without (nothing to differentiate: autograd off, or no input that requires
-    a gradient) it is the ops' forwards alone, as the ops run without their Functions."""
-    dtype = x.dtype
-    unit = common.unit
-    n1w, n1b, n2w, n2b = unit(n1w), unit(n1b), unit(n2w), unit(n2b)
-    gated = p.gated
-    w1g, w1u, b1g, b1u = _gate_up_views(w1, b1) if gated else (w1, None, b1, None)
-    if p.norm_first:
-        need_n1 = ni[0] or ni[1] or ni[2]
-        need_qkv = need_n1 or ni[3] or ni[4]
-        need_a = need_qkv or ni[5] or ni[6]
-        need_n2 = need_a or ni[0] or ni[7] or ni[8]  # FFN's input (the gradient reaching norm2)
-        n1, _, outs1 = _norm._forward(x, None, (n1w, n1b, None, p.eps1, 0.0, p.is_rms, dtype, False, False))
-        qkv = _project(n1, inw, inb, p.torch_in)
-        o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
-                                      p.scale, p.p_attn, -1, -1)
-        a = _project(o, ow, ob, p.torch_out)
-        n2, h, outs2 = _norm._forward(a, x, (n2w, n2b, s1, p.eps2, p.p1, p.is_rms, dtype, True, False))
-        ffn_in, ffn_res, ffn_need_x, need_in = n2, h, need_n2, need_n1
-        norm1_h, norm2_h = x, outs2[1]
-    else:
-        need_qkv = ni[0] or ni[3] or ni[4]
-        need_a = need_qkv or ni[5] or ni[6]
-        need_h = need_a or ni[0] or ni[1] or ni[2]  # FFN's input (norm1's output)
-        n1 = None
-        qkv = _project(x, inw, inb, p.torch_in)
-        o, lse = attention_packed_fwd(unit(qkv), p.heads, p.kv_heads, p.batch_first, kpm, s_attn, p.causal,
-                                      p.scale, p.p_attn, -1, -1)
-        a = _project(o, ow, ob, p.torch_out)
-        h, _, outs1 = _norm._forward(a, x, (n1w, n1b, s1, p.eps1, p.p1, p.is_rms, dtype, True, False))
-        ffn_in, ffn_res, ffn_need_x, need_in = h, None, need_h, ni[0]
-        norm1_h = outs1[1]
-    need_w1, need_b1, need_w2, need_b2 = ni[9], ni[10], ni[11], ni[12]
-    need_hidden = ffn_need_x or need_w1 or need_b1
-    save = SAVE_PRE if need_hidden else (SAVE_H if need_w2 else SAVE_NONE)
-    f, saved = _ffn_fwd(ffn_in, w1g, w1u, b1g, b1u, w2, b2, ffn_res, p.activation, save, s_ff, p.p_ff,
-                        s2 if p.norm_first else None, p.p2 if p.norm_first else 0.0)
-    if p.norm_first:
-        y = f
-    else:
-        y, _, outs2 = _norm._forward(f, h, (n2w, n2b, s2, p.eps2, p.p2, p.is_rms, dtype, True, False))
-        norm2_h = outs2[1]
-    if ctx is None:
-        return y
-    ctx.set_materialize_grads(False)
-    mean1, rstd1 = _mean_rstd(outs1, p.is_rms)
-    mean2, rstd2 = _mean_rstd(outs2, p.is_rms)
-    # What each op's backward reads (each weight only where a gradient reads it, as the ops save them).
-    proj_in = n1 if p.norm_first else x
-    ctx.save_for_backward(
-        norm1_h, n1w, mean1, rstd1, s1,
-        proj_in if ni[3] else None, inw if need_in else None,
-        qkv if need_qkv else None, o if need_qkv or ni[5] else None, lse if need_qkv else None,
-        kpm if need_qkv else None, s_attn if need_qkv else None, ow if need_qkv else None,
-        norm2_h, n2w, mean2, rstd2, s2,
-        ffn_in if need_w1 else None, w1 if ffn_need_x else None, w2 if need_hidden else None,
-        saved if save != SAVE_NONE else None, s_ff if need_hidden else None)
-    ctx.p, ctx.save, ctx.shape = p, save, x.shape
-    return y
-
-
-_LayerStep_apply = _library.fast_apply(_LayerStep)
+def _attention_bwd(grads, slots, held, proj_in, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv, need_in,
+                   needs):
+    """Through the output projection, the attention and the QKV projection, from ``held[0]``
+    (the sublayer's output gradient, taken from the list: freed once read, unless the caller
+    keeps it), as their ops compute it; the projections' parameter gradients into ``grads`` at
+    ``slots`` (in_w, in_b, out_w, out_b), as ``needs`` (theirs, same order) asks. Returns the
+    QKV projection's input gradient where ``need_in``, else None."""
+    do, grads[slots[2]], grads[slots[3]] = _project_bwd(held.pop(), o, ow, p.torch_out, need_qkv, needs[2],
+                                                        needs[3])
+    if not need_qkv:
+        return None
+    dqkv = attention_packed_bwd(common.unit(do), qkv, o, lse, None, p.heads, p.kv_heads, p.batch_first, kpm,
+                                s_attn, p.causal, p.scale, p.p_attn, -1, -1)
+    del do  # each gradient freed once read, as the autograd engine frees them between the ops
+    din, grads[slots[0]], grads[slots[1]] = _project_bwd(dqkv, proj_in, inw, p.torch_in, need_in, needs[0],
+                                                         needs[1])
+    return din
 
 
 def _norm_param_grads(grads, outs, i, need_w, need_b, slot):
@@ -357,27 +261,245 @@ def _norm_param_grads(grads, outs, i, need_w, need_b, slot):
         grads[slot + 1] = outs[i]
 
 
-def _ffn_grads(g, x, w1, w1_up, w2, saved, seed, output_seed, p, output_p, save, d_in, need_x, need_w1, need_b1,
-               need_w2, need_b2):
+def _ffn(x, w1, b1, w2, b2, residual, s_ff, s2, p2, p, need_x, need_w1, need_b1, need_w2):
+    """The FFN's forward as ``mlp``'s Function runs it: ``(out, saved, save)``."""
+    need_hidden = need_x or need_w1 or need_b1
+    save = SAVE_PRE if need_hidden else (SAVE_H if need_w2 else SAVE_NONE)
+    w1g, w1u, b1g, b1u = _gate_up_views(w1, b1) if p.gated else (w1, None, b1, None)
+    out, saved = _ffn_fwd(x, w1g, w1u, b1g, b1u, w2, b2, residual, p.activation, save, s_ff, p.p_ff, s2, p2)
+    return out, saved, save
+
+
+def _ffn_grads(g, x, w1, w2, saved, seed, output_seed, p, output_p, save, d_in, need_x, need_w1, need_b1, need_w2,
+               need_b2):
     """``(dx, dw1, db1, dw2, db2)`` of the FFN (None where not needed), as ``mlp``'s Function
     computes them (the gated layer's w1 as [gate; up], its gradients stacked likewise)."""
     if not (need_x or need_w1 or need_b1 or need_w2 or need_b2):
         return None, None, None, None, None
-    dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1, w1_up, w2, saved, seed, output_seed, p.activation, p.p_ff, output_p,
+    w1g, w1u = (w1[:w1.shape[0] // 2], w1[w1.shape[0] // 2:]) if p.gated and w1 is not None else (w1, None)
+    dx, dw1, db1, dw2, db2 = _ffn_bwd(g, x, w1g, w1u, w2, saved, seed, output_seed, p.activation, p.p_ff, output_p,
                                       save, d_in, need_x, need_w1, need_b1, need_w2, need_b2)
     return (dx if need_x else None, dw1 if need_w1 else None, db1 if need_b1 else None, dw2 if need_w2 else None,
             db2 if need_b2 else None)
 
 
-def _attention_grads(grads, da, proj_in, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv, need_in, ni):
-    """Through the output projection, the attention and the QKV projection, from ``da`` (the
-    attention block's output gradient), as their ops compute it; the projections' parameter
-    gradients into ``grads[3:7]``. Returns the QKV projection's input gradient where
-    ``need_in``, else None."""
-    do, grads[5], grads[6] = _project_bwd(da, o, ow, p.torch_out, need_qkv, ni[5], ni[6])
-    if not need_qkv:
-        return None
-    dqkv = attention_packed_bwd(common.unit(do), qkv, o, lse, None, p.heads, p.kv_heads, p.batch_first, kpm,
-                                      s_attn, p.causal, p.scale, p.p_attn, -1, -1)
-    din, grads[3], grads[4] = _project_bwd(dqkv, proj_in, inw, p.torch_in, need_in, ni[3], ni[4])
-    return din
+# ---------------------------------------------------------------------------------------------
+# Pre-LN: a = out_proj(attn(in_proj(LN1(x)))); y = h + FFN(LN2(h)), h = x + drop1(a)
+# ---------------------------------------------------------------------------------------------
+
+def _pre_attention(ctx, ni, x, n1w, n1b, inw, inb, ow, ob, kpm, s_attn, p):
+    """``a``, and with ``ctx`` (the Function's forward) x again where it needs a gradient (its
+    second use, the FFN block's residual, then sends its gradient to the first norm's kernel)."""
+    n1w, n1b = common.unit(n1w), common.unit(n1b)
+    n1, _, outs1 = _norm._forward(x, None, (n1w, n1b, None, p.eps1, 0.0, p.is_rms, x.dtype, False, False))
+    qkv, o, lse, a = _attention(n1, inw, inb, ow, ob, kpm, s_attn, p)
+    if ctx is None:
+        return a
+    need_n1 = ni[0] or ni[1] or ni[2]
+    need_qkv = need_n1 or ni[3] or ni[4]
+    ctx.set_materialize_grads(False)
+    mean1, rstd1 = _mean_rstd(outs1, p.is_rms)
+    # What each op's backward reads (each weight only where a gradient reads it, as the ops save them).
+    ctx.save_for_backward(x, n1w, mean1, rstd1, n1 if ni[3] else None, inw if need_n1 else None,
+                          qkv if need_qkv else None, o if need_qkv or ni[5] else None, lse if need_qkv else None,
+                          kpm if need_qkv else None, s_attn if need_qkv else None, ow if need_qkv else None)
+    ctx.p = p
+    return (a, x) if ni[0] else a
+
+
+class _PreAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *args):
+        return _pre_attention(ctx, ctx.needs_input_grad, *args)
+
+    @staticmethod
+    @_backend.once_differentiable
+    def backward(ctx, da, dx2=None):
+        grads = [None] * 10
+        ni, p = ctx.needs_input_grad, ctx.p
+        x, n1w, mean1, rstd1, n1, inw, qkv, o, lse, kpm, s_attn, ow = ctx.saved_tensors
+        need_n1 = ni[0] or ni[1] or ni[2]
+        need_qkv = need_n1 or ni[3] or ni[4]
+        dn1 = None
+        if da is not None:
+            held, da = [da], None
+            dn1 = _attention_bwd(grads, (3, 4, 5, 6), held, n1, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv,
+                                 need_n1, ni[3:7])
+        drout = dx2 if ni[0] else None  # x's gradient as the FFN block's residual
+        if need_n1 and (dn1 is not None or drout is not None):
+            with_dout = dn1 is not None
+            dtype = x.dtype
+            outs = _norm._add_norm_bwd(_norm._rows(dn1), None, _norm._rows(drout), x, n1w, mean1, rstd1, None, 0.0,
+                                       p.is_rms, dtype, None, dtype if ni[1] and with_dout else None,
+                                       dtype if ni[2] and with_dout else None)
+            _norm_param_grads(grads, outs, 1, ni[1] and with_dout, ni[2] and with_dout, 1)
+            grads[0] = outs[0] if ni[0] else None
+        return tuple(grads)
+
+
+def _pre_ffn(ctx, ni, a, x_res, n2w, n2b, w1, b1, w2, b2, s1, s_ff, s2, p):
+    """``y = h + drop2(FFN(LN2(h)))``, ``h = x + drop1(a)`` stored by the norm for its backward."""
+    n2w, n2b = common.unit(n2w), common.unit(n2b)
+    n2, h, outs2 = _norm._forward(a, x_res, (n2w, n2b, s1, p.eps2, p.p1, p.is_rms, a.dtype, True, False))
+    need_n2 = ni[0] or ni[1] or ni[2] or ni[3]  # the second norm's output needs a gradient
+    y, saved, save = _ffn(n2, w1, b1, w2, b2, h, s_ff, s2, p.p2, p, need_n2, ni[4], ni[5], ni[6])
+    if ctx is None:
+        return y
+    need_hidden = need_n2 or ni[4] or ni[5]
+    ctx.set_materialize_grads(False)
+    mean2, rstd2 = _mean_rstd(outs2, p.is_rms)
+    ctx.save_for_backward(outs2[1], n2w, mean2, rstd2, s1, n2 if ni[4] else None, w1 if need_n2 else None,
+                          w2 if need_hidden else None, saved if save != SAVE_NONE else None,
+                          s_ff if need_hidden else None, s2)
+    ctx.p, ctx.save, ctx.d_in = p, save, a.shape[-1]
+    return y
+
+
+class _PreFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *args):
+        return _pre_ffn(ctx, ctx.needs_input_grad, *args)
+
+    @staticmethod
+    @_backend.once_differentiable
+    def backward(ctx, dy):
+        grads = [None] * 12
+        if dy is None:
+            return tuple(grads)
+        ni, p = ctx.needs_input_grad, ctx.p
+        h, n2w, mean2, rstd2, s1, n2, w1, w2, saved, s_ff, s2 = ctx.saved_tensors
+        need_n2 = ni[0] or ni[1] or ni[2] or ni[3]
+        dn2, grads[4], grads[5], grads[6], grads[7] = _ffn_grads(
+            _linear_rows(dy), n2, w1, w2, saved, s_ff, s2, p, p.p2, ctx.save, ctx.d_in, need_n2, ni[4], ni[5], ni[6],
+            ni[7])
+        if need_n2:
+            # out's gradient from the FFN; residual_out's (h, the FFN's residual) is dy itself
+            dtype = h.dtype
+            separate = ni[1] and p.p1 > 0  # x's gradient through drop1 differs from a's
+            outs = _norm._add_norm_bwd(_norm._rows(dn2.view(dy.shape)), None, _norm._rows(dy), h, n2w, mean2, rstd2,
+                                       s1, p.p1, p.is_rms, dtype, dtype if separate else None,
+                                       dtype if ni[2] else None, dtype if ni[3] else None)
+            del dn2
+            grads[0] = outs[0] if ni[0] else None
+            grads[1] = (outs[1] if separate else outs[0]) if ni[1] else None
+            _norm_param_grads(grads, outs, 2 if separate else 1, ni[2], ni[3], 2)
+        return tuple(grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Post-LN: h = LN1(x + drop1(out_proj(attn(in_proj(x))))); y = LN2(h + drop2(FFN(h)))
+# The blocks: everything up to the FFN's output, then the second norm (whose saved tensors its
+# backward frees before the FFN's backward, the step's peak, as the ops' second norm does).
+# ---------------------------------------------------------------------------------------------
+
+def _post_main(ctx, ni, x, inw, inb, ow, ob, n1w, n1b, w1, b1, w2, b2, kpm, s_attn, s1, s_ff, p):
+    """``(f, h)``: the FFN's output and its input h = LN1(x + drop1(a)), the second norm's
+    residual (with ``ctx``: an alias of h, a second output, which needs a gradient where h's
+    own ops would give it one)."""
+    n1w, n1b = common.unit(n1w), common.unit(n1b)
+    qkv, o, lse, a = _attention(x, inw, inb, ow, ob, kpm, s_attn, p)
+    h, _, outs1 = _norm._forward(a, x, (n1w, n1b, s1, p.eps1, p.p1, p.is_rms, x.dtype, True, False))
+    del a  # (the ops' lifetimes: nothing reads it past its norm)
+    need_qkv = ni[0] or ni[1] or ni[2]
+    need_h = need_qkv or ni[0] or ni[3] or ni[4] or ni[5] or ni[6]  # the first norm's output needs a gradient
+    f, saved, save = _ffn(h, w1, b1, w2, b2, None, s_ff, None, 0.0, p, need_h, ni[7], ni[8], ni[9])
+    if ctx is None:
+        return f, h
+    need_hidden = need_h or ni[7] or ni[8]
+    ctx.set_materialize_grads(False)
+    mean1, rstd1 = _mean_rstd(outs1, p.is_rms)
+    ctx.save_for_backward(outs1[1], n1w, mean1, rstd1, s1, x if ni[1] else None, inw if ni[0] else None,
+                          qkv if need_qkv else None, o if need_qkv or ni[3] else None, lse if need_qkv else None,
+                          kpm if need_qkv else None, s_attn if need_qkv else None, ow if need_qkv else None,
+                          h if ni[7] else None, w1 if need_h else None, w2 if need_hidden else None,
+                          saved if save != SAVE_NONE else None, s_ff if need_hidden else None)
+    ctx.p, ctx.save, ctx.d_in = p, save, x.shape[-1]
+    h_res = h.view_as(h)  # a view: the same tensor twice would have autograd sum the two
+    if not need_h:
+        ctx.mark_non_differentiable(h_res)  # as the ops' first norm output, which nothing differentiates
+    return f, h_res
+
+
+class _PostMain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *args):
+        return _post_main(ctx, ctx.needs_input_grad, *args)
+
+    @staticmethod
+    @_backend.once_differentiable
+    def backward(ctx, df, dh2):
+        grads = [None] * 17
+        ni, p = ctx.needs_input_grad, ctx.p
+        (h1, n1w, mean1, rstd1, s1, x, inw, qkv, o, lse, kpm, s_attn, ow, h, w1, w2, saved,
+         s_ff) = ctx.saved_tensors
+        need_qkv = ni[0] or ni[1] or ni[2]
+        need_a = need_qkv or ni[3] or ni[4]
+        need_h = need_a or ni[0] or ni[5] or ni[6]
+        dh = None
+        if df is not None:
+            dh, grads[7], grads[8], grads[9], grads[10] = _ffn_grads(
+                _linear_rows(df), h, w1, w2, saved, s_ff, None, p, 0.0, ctx.save, ctx.d_in, need_h, ni[7], ni[8],
+                ni[9], ni[10])
+            df = None
+        if dh is None:  # the first norm: out's gradient from the FFN and from its alias, the second norm's residual
+            dh, dh2 = dh2, None
+        if not need_h or dh is None:
+            return tuple(grads)
+        dtype = h1.dtype
+        separate = ni[0] and p.p1 > 0
+        outs = _norm._add_norm_bwd(_norm._rows(dh.view(h1.shape)), _norm._rows(dh2), None, h1, n1w, mean1, rstd1,
+                                   s1, p.p1, p.is_rms, dtype, dtype if separate else None, dtype if ni[5] else None,
+                                   dtype if ni[6] else None)
+        dh = dh2 = None
+        da, dres = outs[0], (outs[1] if separate else outs[0]) if ni[0] else None
+        _norm_param_grads(grads, outs, 2 if separate else 1, ni[5], ni[6], 5)
+        outs = None
+        if need_a:
+            held, da = [da], None
+            dx = _attention_bwd(grads, (1, 2, 3, 4), held, x, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv, ni[0],
+                                ni[1:5])
+            if ni[0]:
+                grads[0] = dx + dres
+        return tuple(grads)
+
+
+def _post_norm2(ctx, ni, f, h_res, n2w, n2b, s2, p):
+    """``y = LN2(h + drop2(f))``, the sum stored by the norm for its backward."""
+    n2w, n2b = common.unit(n2w), common.unit(n2b)
+    y, _, outs2 = _norm._forward(f, h_res, (n2w, n2b, s2, p.eps2, p.p2, p.is_rms, f.dtype, True, False))
+    if ctx is None:
+        return y
+    ctx.set_materialize_grads(False)
+    mean2, rstd2 = _mean_rstd(outs2, p.is_rms)
+    ctx.save_for_backward(outs2[1], n2w, mean2, rstd2, s2)
+    ctx.p = p
+    return y
+
+
+class _PostNorm2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *args):
+        return _post_norm2(ctx, ctx.needs_input_grad, *args)
+
+    @staticmethod
+    @_backend.once_differentiable
+    def backward(ctx, dy):
+        grads = [None] * 6
+        if dy is None:
+            return tuple(grads)
+        ni, p = ctx.needs_input_grad, ctx.p
+        r2, n2w, mean2, rstd2, s2 = ctx.saved_tensors
+        dtype = r2.dtype
+        separate = ni[1] and p.p2 > 0  # the residual's gradient through drop2 differs from f's
+        outs = _norm._add_norm_bwd(_norm._rows(dy), None, None, r2, n2w, mean2, rstd2, s2, p.p2, p.is_rms, dtype,
+                                   dtype if separate else None, dtype if ni[2] else None, dtype if ni[3] else None)
+        grads[0] = outs[0] if ni[0] else None
+        grads[1] = (outs[1] if separate else outs[0]) if ni[1] else None
+        _norm_param_grads(grads, outs, 2 if separate else 1, ni[2], ni[3], 2)
+        return tuple(grads)
+
+
+_PreAttention_apply = _library.fast_apply(_PreAttention)
+_PreFFN_apply = _library.fast_apply(_PreFFN)
+_PostMain_apply = _library.fast_apply(_PostMain)
+_PostNorm2_apply = _library.fast_apply(_PostNorm2)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fused_block
-from fused_block import _attn_sdpa, _step, dispatch, norm
+from fused_block import _attn_sdpa, _backend, _step, dispatch, norm
 from fused_block.kernels import common
 
 E, H, FF, B, L = 32, 2, 64, 2, 9
@@ -217,3 +217,30 @@ def test_calls_the_step_does_not_take_run_the_ops(case, device, monkeypatch):
         ref = layer(x, **kwargs)
     if case != "dropout_one":
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_step_peak_memory_is_the_ops(norm_first, dropout, device, monkeypatch):
+    """Peak memory of a training step, the step against the ops one by one, at a training
+    step's proportions (tokens 8x the width, the FFN 4x: activations outweigh the weights;
+    kernels skipped, ``_backend.host_only``: every allocation happens, nothing computes): the
+    same. Each block's saved tensors are freed once its backward ran, the FFN's before the
+    attention's (Post-LN: the second norm's before the FFN's), as the ops' are (every
+    allocation recorded, ``tests/memory_testing.py``)."""
+    from memory_testing import Allocations
+
+    E_, H_, FF_, B_, L_ = 64, 2, 256, 4, 128
+    layer = fused_block.TransformerEncoderLayer(E_, H_, FF_, dropout=dropout, norm_first=norm_first, batch_first=True,
+                                                activation="gelu", dtype=torch.bfloat16, device=device)
+    x = torch.randn(B_, L_, E_, dtype=torch.bfloat16, device=device, requires_grad=True)
+    dy = torch.randn(x.shape, dtype=x.dtype, device=device)
+    calls = _steps(monkeypatch)
+    peaks = []
+    for enabled in (False, True):
+        monkeypatch.setattr(_step, "ENABLED", enabled)
+        with _backend.host_only(), Allocations() as rec:
+            torch.autograd.grad(layer(x), (x, *layer.parameters()), dy)
+        peaks.append(rec.peak)
+    assert calls["step"] == 1
+    assert peaks[1] == peaks[0], f"step's peak {peaks[1]} bytes, the ops' {peaks[0]}"
