@@ -252,13 +252,23 @@ def _attention_bwd(grads, slots, held, proj_in, qkv, o, lse, kpm, s_attn, inw, o
     return din
 
 
-def _norm_param_grads(grads, outs, i, need_w, need_b, slot):
-    """Place a norm's weight and bias gradients (``outs`` from ``i`` on) in ``grads[slot]`` and
-    ``grads[slot + 1]``."""
+def _norm_bwd(grads, slot, dout, dout2, drout, h, weight, mean, rstd, seed, dropout_p, is_rms, need_res, need_w,
+              need_b):
+    """An add+norm's backward as its op runs it, from the gradients of out (``dout``, a second
+    one ``dout2``) and of residual_out (``drout``): ``(dx, dresidual)``, dresidual x's own
+    gradient unless dropout lies between them, None where the residual needs none; the weight's
+    and bias's gradients into ``grads[slot]`` and ``grads[slot + 1]``."""
+    dtype = h.dtype
+    separate = need_res and dropout_p > 0
+    outs = _norm._add_norm_bwd(_norm._rows(dout), _norm._rows(dout2), _norm._rows(drout), h, weight, mean, rstd, seed,
+                               dropout_p, is_rms, dtype, dtype if separate else None, dtype if need_w else None,
+                               dtype if need_b else None)
+    i = 2 if separate else 1
     if need_w:
         grads[slot], i = outs[i], i + 1
     if need_b:
         grads[slot + 1] = outs[i]
+    return outs[0], (outs[1] if separate else outs[0]) if need_res else None
 
 
 def _ffn(x, w1, b1, w2, b2, residual, s_ff, s2, p2, p, need_x, need_w1, need_b1, need_w2):
@@ -327,13 +337,10 @@ class _PreAttention(torch.autograd.Function):
                                  need_n1, ni[3:7])
         drout = dx2 if ni[0] else None  # x's gradient as the FFN block's residual
         if need_n1 and (dn1 is not None or drout is not None):
-            with_dout = dn1 is not None
-            dtype = x.dtype
-            outs = _norm._add_norm_bwd(_norm._rows(dn1), None, _norm._rows(drout), x, n1w, mean1, rstd1, None, 0.0,
-                                       p.is_rms, dtype, None, dtype if ni[1] and with_dout else None,
-                                       dtype if ni[2] and with_dout else None)
-            _norm_param_grads(grads, outs, 1, ni[1] and with_dout, ni[2] and with_dout, 1)
-            grads[0] = outs[0] if ni[0] else None
+            with_dout = dn1 is not None  # (the weight's and bias's gradients need out's)
+            dx, _ = _norm_bwd(grads, 1, dn1, None, drout, x, n1w, mean1, rstd1, None, 0.0, p.is_rms, False,
+                              ni[1] and with_dout, ni[2] and with_dout)
+            grads[0] = dx if ni[0] else None
         return tuple(grads)
 
 
@@ -374,15 +381,9 @@ class _PreFFN(torch.autograd.Function):
             ni[7])
         if need_n2:
             # out's gradient from the FFN; residual_out's (h, the FFN's residual) is dy itself
-            dtype = h.dtype
-            separate = ni[1] and p.p1 > 0  # x's gradient through drop1 differs from a's
-            outs = _norm._add_norm_bwd(_norm._rows(dn2.view(dy.shape)), None, _norm._rows(dy), h, n2w, mean2, rstd2,
-                                       s1, p.p1, p.is_rms, dtype, dtype if separate else None,
-                                       dtype if ni[2] else None, dtype if ni[3] else None)
-            del dn2
-            grads[0] = outs[0] if ni[0] else None
-            grads[1] = (outs[1] if separate else outs[0]) if ni[1] else None
-            _norm_param_grads(grads, outs, 2 if separate else 1, ni[2], ni[3], 2)
+            da, grads[1] = _norm_bwd(grads, 2, dn2.view(dy.shape), None, dy, h, n2w, mean2, rstd2, s1, p.p1, p.is_rms,
+                                     ni[1], ni[2], ni[3])
+            grads[0] = da if ni[0] else None
         return tuple(grads)
 
 
@@ -445,15 +446,9 @@ class _PostMain(torch.autograd.Function):
             dh, dh2 = dh2, None
         if not need_h or dh is None:
             return tuple(grads)
-        dtype = h1.dtype
-        separate = ni[0] and p.p1 > 0
-        outs = _norm._add_norm_bwd(_norm._rows(dh.view(h1.shape)), _norm._rows(dh2), None, h1, n1w, mean1, rstd1,
-                                   s1, p.p1, p.is_rms, dtype, dtype if separate else None, dtype if ni[5] else None,
-                                   dtype if ni[6] else None)
+        da, dres = _norm_bwd(grads, 5, dh.view(h1.shape), dh2, None, h1, n1w, mean1, rstd1, s1, p.p1, p.is_rms,
+                             ni[0], ni[5], ni[6])
         dh = dh2 = None
-        da, dres = outs[0], (outs[1] if separate else outs[0]) if ni[0] else None
-        _norm_param_grads(grads, outs, 2 if separate else 1, ni[5], ni[6], 5)
-        outs = None
         if need_a:
             held, da = [da], None
             dx = _attention_bwd(grads, (1, 2, 3, 4), held, x, qkv, o, lse, kpm, s_attn, inw, ow, p, need_qkv, ni[0],
@@ -489,13 +484,9 @@ class _PostNorm2(torch.autograd.Function):
             return tuple(grads)
         ni, p = ctx.needs_input_grad, ctx.p
         r2, n2w, mean2, rstd2, s2 = ctx.saved_tensors
-        dtype = r2.dtype
-        separate = ni[1] and p.p2 > 0  # the residual's gradient through drop2 differs from f's
-        outs = _norm._add_norm_bwd(_norm._rows(dy), None, None, r2, n2w, mean2, rstd2, s2, p.p2, p.is_rms, dtype,
-                                   dtype if separate else None, dtype if ni[2] else None, dtype if ni[3] else None)
-        grads[0] = outs[0] if ni[0] else None
-        grads[1] = (outs[1] if separate else outs[0]) if ni[1] else None
-        _norm_param_grads(grads, outs, 2 if separate else 1, ni[2], ni[3], 2)
+        df, grads[1] = _norm_bwd(grads, 2, dy, None, None, r2, n2w, mean2, rstd2, s2, p.p2, p.is_rms, ni[1], ni[2],
+                                 ni[3])
+        grads[0] = df if ni[0] else None
         return tuple(grads)
 
 
