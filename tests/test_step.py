@@ -160,6 +160,30 @@ def test_step_with_projections_on_torch(norm_first, dropout, device, monkeypatch
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_step_under_activation_checkpointing(norm_first, reentrant, device, monkeypatch):
+    """``torch.utils.checkpoint`` of the layer: the recomputation takes the step again (the same
+    seeds, saved tensors through the saved-tensor hooks), the same gradients as the ops'."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _layer(norm_first, 0.1, torch.bfloat16, device)
+    x = _x(torch.bfloat16, device)
+    calls = _steps(monkeypatch)
+    results = []
+    for enabled in (False, True):
+        monkeypatch.setattr(_step, "ENABLED", enabled)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(5)
+        y = checkpoint(layer, x, use_reentrant=reentrant)
+        y.float().pow(2).sum().backward()
+        results.append([y, x.grad, *(p.grad for p in layer.parameters())])
+    assert calls["step"] == 2  # the forward and its recomputation
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
 def test_step_without_gradients_is_the_ops_forwards(norm_first, mode, device, monkeypatch):
     """With nothing to differentiate the step is its forward alone, as the ops then run
