@@ -69,7 +69,8 @@ class _Plan:
     """What a step needs besides its tensors (built by :func:`plan`, read by the Function)."""
 
     __slots__ = ("norm_first", "is_rms", "eps1", "eps2", "heads", "kv_heads", "batch_first", "causal", "scale",
-                 "p_attn", "p1", "p_ff", "p2", "activation", "gated", "torch_in", "torch_out", "grad")
+                 "p_attn", "p1", "p_ff", "p2", "activation", "gated", "torch_in", "torch_out", "grad", "head_dim",
+                 "qkv_grad")
 
 
 def _param(module, name):
@@ -81,11 +82,11 @@ def _plain(t, dtype, device, shape) -> bool:
     return type(t) in _TENSOR_TYPES and t.dtype is dtype and t.shape == shape and t.device == device
 
 
-def plan(layer, attn, x, key_padding_mask, causal, p_attn, p1, p_ff, p2):
-    """``(params, plan)`` where :func:`run` applies to this call of ``layer`` (a converted
+def plan(layer, attn, x, p_attn, p1, p_ff, p2):
+    """``(params, plan)`` where :func:`run` may apply to this call of ``layer`` (a converted
     ``TransformerEncoderLayer``, with ``attn`` its ``self_attn``) on the batched input ``x`` with
-    these resolved masks (``causal``; ``key_padding_mask`` bool (B, L) or None) and dropout
-    probabilities (0 where off), else None (the ops run one by one)."""
+    these dropout probabilities (0 where off), else None (the ops run one by one); then
+    :func:`takes` decides with the call's resolved masks."""
     if _compiling() or _tracing() is not None or _transforms_active() or _any_autocast():
         return None
     dtype, device = x.dtype, x.device
@@ -128,10 +129,6 @@ def plan(layer, attn, x, key_padding_mask, causal, p_attn, p1, p_ff, p2):
     grad = torch.is_grad_enabled()
     rg = [grad and x.requires_grad] + [grad and t is not None and t.requires_grad for t in params]
     grad = any(rg)  # else the ops run without their Functions, as here the step's forward alone
-    B, L = (x.shape[0], x.shape[1]) if attn.batch_first else (x.shape[1], x.shape[0])
-    if key_padding_mask is not None and not (key_padding_mask.dtype is torch.bool and key_padding_mask.dim() == 2
-                                             and key_padding_mask.device == device):
-        return None
     pre = layer.norm_first
     # Which inputs of each op require a gradient on the op-by-op path.
     if pre:
@@ -147,22 +144,38 @@ def plan(layer, attn, x, key_padding_mask, causal, p_attn, p1, p_ff, p2):
         f_grad = h_grad or any(rg[9:13])
         norm_grads = (h_grad, f_grad or h_grad or rg[7] or rg[8])
         in_x_grad = rg[0]
-    # Every op's candidate: our norm kernels, our packed attention, the projections on torch or ours.
+    # Every op's candidate: our norm kernels (the attention's: takes()), the projections on torch or ours.
     n1b, n2b = params[1], params[7]
     res1, res2 = (None, x) if pre else (x, x)
     if not (_norm.kernel_chosen(x, res1, params[0], n1b, 0.0 if pre else p1, is_rms, not pre, norm_grads[0])
-            and _norm.kernel_chosen(x, res2, params[6], n2b, p1 if pre else p2, is_rms, False, norm_grads[1])
-            and packed_kernel_chosen(device, dtype, B, L, H, Hkv, D, causal, key_padding_mask, p_attn, qkv_grad)):
+            and _norm.kernel_chosen(x, res2, params[6], n2b, p1 if pre else p2, is_rms, False, norm_grads[1])):
         return None
     p = _Plan()
+    p.qkv_grad = qkv_grad
     p.torch_in = dispatch.projection_on_torch(x, params[2], params[3], in_x_grad, rg[3])
     p.torch_out = dispatch.projection_on_torch(x, params[4], params[5], qkv_grad, rg[5])
     p.norm_first, p.is_rms, p.eps1, p.eps2 = pre, is_rms, eps1, eps2
-    p.heads, p.kv_heads, p.batch_first, p.causal = H, Hkv, attn.batch_first, bool(causal)
+    p.heads, p.kv_heads, p.batch_first, p.head_dim = H, Hkv, attn.batch_first, D
     p.scale = 1.0 / math.sqrt(D)  # as attention_qkvpacked's default
     p.p_attn, p.p1, p.p_ff, p.p2 = _dropout_p(p_attn), float(p1), float(p_ff), float(p2)
     p.activation, p.gated, p.grad = name, gated, grad
     return params, p
+
+
+def takes(p, masks, x) -> bool:
+    """Whether the step runs the call :func:`plan` made ``p`` for, with its resolved masks
+    (``blocks._Masks``): causal and key padding only (a bool (B, L) mask on x's device), and
+    our packed attention the attention's choice for them (sets ``p.causal``)."""
+    kpm = masks.key_padding
+    if masks.general is not None or masks.hidden is not None or (
+            kpm is not None and not (kpm.dtype is torch.bool and kpm.dim() == 2 and kpm.device == x.device)):
+        return False
+    B, L = (x.shape[0], x.shape[1]) if p.batch_first else (x.shape[1], x.shape[0])
+    if not packed_kernel_chosen(x.device, x.dtype, B, L, p.heads, p.kv_heads, p.head_dim, masks.causal, kpm, p.p_attn,
+                                p.qkv_grad):
+        return False
+    p.causal = bool(masks.causal)
+    return True
 
 
 def run(x, params, key_padding_mask, p):

@@ -474,7 +474,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                                      value=False if key_padding_mask.dtype == torch.bool else 0.0)
         return k, v, attn_mask, key_padding_mask, S + n
 
-    def _attend(self, x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None):
+    def _attend(self, x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None,
+                masks=None):
         """Projected attention output (before out_proj dropout) in x's layout (:meth:`_attend_local`).
 
         Inside a tensor-parallel layer's forward this module holds its rank's heads: x (and the
@@ -484,7 +485,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         """
         run = self.__dict__.get(_TP_RUN)
         if run is None:
-            return self._attend_local(x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops)
+            return self._attend_local(x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops,
+                                      masks)
         x = run.enter(x)
         if key is not None:
             memory = run.enter(key, memory=True)
@@ -493,7 +495,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             out = self._attend_local(x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops)
         return run.leave(out)
 
-    def _attend_local(self, x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None):
+    def _attend_local(self, x, key, value, attn_mask, key_padding_mask, is_causal, dropout_p, names, ops=None,
+                      masks=None):
         """Projected attention output (before out_proj dropout) in x's layout.
 
         x: (B, L, E) if batch_first else (L, B, E); key, value: the same layout with S for L
@@ -526,7 +529,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                 packed = False
             k, v, attn_mask, key_padding_mask, S = self._extra_keys(k, v, attn_mask, key_padding_mask, is_causal, L, S)
             is_causal = False  # now in attn_mask
-        masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names)
+        if masks is None or extra:  # (masks: these arguments' own, resolved by the layer's step check)
+            masks = _resolve_masks(attn_mask, key_padding_mask, is_causal, B, H, L, S, dtype, names)
         reason = None
         bias = None
         if D not in _KERNEL_HEAD_DIMS or (dtype == torch.float32 and D > MAX_FP32_HEAD_DIM):
@@ -1020,16 +1024,19 @@ class TransformerEncoderLayer(_LayerMixin, nn.TransformerEncoderLayer):
         if not self.training and (p1 or p2 or p_ff or p_attn) and self._torch_fast_path(src):
             p1 = p2 = p_ff = p_attn = 0.0  # torch's layer runs its inference fast path: no dropout at all
 
+        masks = None
+
         def sa(inp):
-            return attn._attend(inp, None, None, src_mask, kpm, is_causal, p_attn, names)
+            return attn._attend(inp, None, None, src_mask, kpm, is_causal, p_attn, names, masks=masks)
 
         with self._seed_block(x, p1, p2, p_ff, p_attn):
             if _step.ENABLED and not _VARLEN and _TP_RUN not in self.__dict__:
-                # The training step as one autograd Function where it applies (fused_block._step).
-                masks = _resolve_masks(src_mask, kpm, is_causal, B, attn.num_heads, L, L, x.dtype, names)
-                if masks.general is None and masks.hidden is None:
-                    planned = _step.plan(self, attn, x, masks.key_padding, masks.causal, p_attn, p1, p_ff, p2)
-                    if planned is not None:
+                # The step as two autograd Functions where it applies (fused_block._step); the masks
+                # resolved once, for it or for the ops one by one.
+                planned = _step.plan(self, attn, x, p_attn, p1, p_ff, p2)
+                if planned is not None:
+                    masks = _resolve_masks(src_mask, kpm, is_causal, B, attn.num_heads, L, L, x.dtype, names)
+                    if _step.takes(planned[1], masks, x):
                         return _unbatch(_step.run(x, planned[0], masks.key_padding, planned[1]), batched,
                                         attn.batch_first)
             if self.norm_first:

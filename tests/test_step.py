@@ -159,6 +159,24 @@ def test_step_with_projections_on_torch(norm_first, dropout, device, monkeypatch
     _assert_same(layer, _x(torch.bfloat16, device), {}, monkeypatch)
 
 
+@pytest.mark.parametrize("mask", ["general", "causal", "none"])
+def test_masks_are_resolved_once_a_call(mask, device, monkeypatch):
+    """The step's check resolves the masks only once its other conditions hold, and the ops one
+    by one reuse them when it does not take the call: a general mask is merged once, not twice."""
+    from fused_block import blocks
+
+    layer = _layer(True, 0.0, torch.bfloat16, device)
+    resolved = []
+    resolve = blocks._resolve_masks
+    monkeypatch.setattr(blocks, "_resolve_masks", lambda *a: resolved.append(a) or resolve(*a))
+    calls = _steps(monkeypatch)
+    kwargs = {"general": {"src_mask": torch.randn(L, L, device=device)},
+              "causal": {"src_mask": nn.Transformer.generate_square_subsequent_mask(L, device=device)},
+              "none": {}}[mask]
+    layer(_x(torch.bfloat16, device), **kwargs).sum().backward()
+    assert len(resolved) == 1 and calls["step"] == (0 if mask == "general" else 1)
+
+
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_step_under_activation_checkpointing(norm_first, reentrant, device, monkeypatch):
