@@ -779,6 +779,15 @@ def attention_qkvpacked(qkv, num_heads, num_kv_heads=None, causal=False, scale=N
     return (out, lse) if return_lse else out
 
 
+def _packed_ours_only(device, dtype, num_heads, num_kv_heads, key_padding_mask, dropout_p, window, return_lse):
+    """Whether a packed self-attention call has our kernels as its only candidate: off CUDA
+    (unless an SDPA backend is forced), or a call SDPA does not compute (``_attn_sdpa.expresses``
+    for packed self-attention: q, k and v of one dtype, their lengths equal)."""
+    return (not (device.type == "cuda" or _attn_sdpa.forced_sdpa()) or return_lse or key_padding_mask is not None
+            or bool(dropout_p) or tuple(window) != (-1, -1) or dtype not in (torch.float16, torch.bfloat16)
+            or (num_kv_heads != num_heads and not _attn_sdpa._SDPA_GQA))
+
+
 def packed_kernel_chosen(device, dtype, B, L, num_heads, num_kv_heads, head_dim, causal, key_padding_mask,
                          dropout_p, grad) -> bool:
     """Whether :func:`attention_qkvpacked` on a (B, L) batch of ``dtype`` packed projections on
@@ -786,10 +795,8 @@ def packed_kernel_chosen(device, dtype, B, L, num_heads, num_kv_heads, head_dim,
     without timing anything: :func:`_packed_choice`'s decision by the static rule or a verdict
     made earlier. False where SDPA won the bucket, or where that call would time the candidates
     first (the call itself then does)."""
-    if not (device.type == "cuda" or _attn_sdpa.forced_sdpa()) or key_padding_mask is not None or dropout_p:
+    if _packed_ours_only(device, dtype, num_heads, num_kv_heads, key_padding_mask, dropout_p, (-1, -1), False):
         return True
-    if dtype not in (torch.float16, torch.bfloat16) or (num_kv_heads != num_heads and not _attn_sdpa._SDPA_GQA):
-        return True  # not a call SDPA computes (_attn_sdpa.expresses)
     return _attn_sdpa.known(device, dtype, causal, grad, B, num_heads, num_kv_heads, L, L,
                             head_dim) == _attn_sdpa.TRITON
 
@@ -809,12 +816,10 @@ def _packed_choice(qkv, num_heads, num_kv_heads, causal, scale, key_padding_mask
                    return_lse):
     """The packed call's candidate (``_attn_sdpa``): our packed kernels unless SDPA expresses the
     case and wins (or is forced)."""
-    if not (qkv.is_cuda or _attn_sdpa.forced_sdpa()) or return_lse or key_padding_mask is not None or dropout_p:
+    if _packed_ours_only(qkv.device, qkv.dtype, num_heads, num_kv_heads, key_padding_mask, dropout_p, window,
+                         return_lse):
         return _attn_sdpa.TRITON
     q, k, v = _split_packed(qkv, num_heads, num_kv_heads, batch_first)
-    if not _attn_sdpa.expresses(q, k, v, causal, key_padding_mask, dropout_p, window, 0.0, None, None, None, None,
-                                return_lse):
-        return _attn_sdpa.TRITON
     grad = _backend.needs_autograd(qkv)
 
     def timed():
